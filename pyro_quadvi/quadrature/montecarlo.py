@@ -1,0 +1,94 @@
+"""Monte Carlo baselines: plain, mean-matched (VRMC-1) and mean-and-variance-matched (VRMC-2).
+
+rasp paper, Section 4: VRMC-1 translates the samples so that their mean is exactly ``mu``;
+VRMC-2 also scales them so that their per-coordinate variance is exactly ``sigma^2``.
+
+Each node is drawn from its own generator, seeded from one number drawn from the caller's
+generator, so node ``k`` can be regenerated alone. VRMC needs the sample mean (and spread) of all
+``K`` draws: they are accumulated once per quadrature, streaming over the nodes, in O(dim) memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import NodeSet, QuadratureRule, check_dim, equal_weights
+
+__all__ = ["MonteCarloRule"]
+
+_MODES = {"mc": 0, "vrmc1": 1, "vrmc2": 2}
+
+
+class _MonteCarloNodes(NodeSet):
+    def __init__(self, dim: int, seed: int, moments: int, weights: torch.Tensor):
+        super().__init__(dim, weights)
+        self.seed = seed
+        self.moments = moments
+        self.shift = None
+        self.scale = None
+        if moments >= 1:
+            total = torch.zeros(dim, dtype=self.dtype, device=self.device)
+            total_sq = torch.zeros_like(total)
+            for k in range(len(self)):
+                z = self._raw(k)
+                total += z
+                if moments == 2:
+                    total_sq += z * z
+            self.shift = total / len(self)
+            if moments == 2:
+                variance = (total_sq / len(self) - self.shift**2).clamp_min(0.0)
+                self.scale = variance.sqrt()
+
+    def _raw(self, k: int) -> torch.Tensor:
+        generator = torch.Generator(device=self.device).manual_seed(self.seed + k)
+        return torch.randn(self.dim, generator=generator, dtype=self.dtype, device=self.device)
+
+    def node(self, k: int) -> torch.Tensor:
+        z = self._raw(self._check_index(k))
+        if self.shift is not None:
+            z = z - self.shift
+        if self.scale is not None:
+            z = z / self.scale
+        return z
+
+    def matrix(self) -> torch.Tensor:
+        z = torch.stack([self._raw(k) for k in range(len(self))])
+        if self.moments >= 1:
+            z = z - z.mean(dim=0)
+        if self.moments == 2:
+            z = z / z.std(dim=0, correction=0)
+        return z
+
+
+class MonteCarloRule(QuadratureRule):
+    """Monte Carlo with ``K = num_points`` standard normal draws of equal weight.
+
+    Args:
+        num_points: number of draws ``K`` (``>= 1``; ``>= 2`` for ``vrmc1`` and ``vrmc2``).
+        moments: 0 for plain Monte Carlo (``mc``), 1 to match the mean (``vrmc1``: univariate
+            linear functions exact), 2 to match mean and variance (``vrmc2``: univariate quadratics
+            exact).
+    """
+
+    is_random = True
+
+    def __init__(self, num_points: int, moments: int = 0):
+        if moments not in (0, 1, 2):
+            raise ValueError(f"moments must be 0, 1 or 2, got {moments}")
+        name = {v: k for k, v in _MODES.items()}[moments]
+        least = 1 if moments == 0 else 2
+        if num_points < least:
+            raise ValueError(f"{name} needs num_points >= {least}, got {num_points}")
+        super().__init__(num_points)
+        self.moments = moments
+        self.name = name
+
+    def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
+        dim = check_dim(dim)
+        seed_device = generator.device if generator is not None else None
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=seed_device).item())
+        weights = equal_weights(self.num_points, dtype, device)
+        return _MonteCarloNodes(dim, seed, self.moments, weights)
+
+    def __repr__(self) -> str:
+        return f"MonteCarloRule(num_points={self.num_points}, moments={self.moments})"

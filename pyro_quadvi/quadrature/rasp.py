@@ -1,0 +1,176 @@
+"""Random-affinity sigma points (RASP) and stochastic blocked sigma points.
+
+* :func:`simplex_reference`, :func:`cross_reference`: the small reference quadratures of the rasp
+  paper, Algorithms 1 and 2.
+* :class:`RASPRule`: each coordinate picks one signed reference dimension at random (Algorithm 3,
+  eq. 13), stored as one small integer per coordinate.
+* :class:`BlockedSimplexRule`: simplex sigma points on blocks of consecutive coordinates, with the
+  nodes permuted independently per block (sequence paper, Section 3.1, Theorem 3.1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import NodeSet, QuadratureRule, check_dim, equal_weights
+
+__all__ = ["BlockedSimplexRule", "RASPRule", "cross_reference", "simplex_reference"]
+
+
+def simplex_reference(r: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Simplex vertices as an ``(r, r + 1)`` matrix, each column a node of weight ``1 / (r + 1)``.
+
+    rasp paper, Algorithm 1: ``R = [alpha I - beta 1 1^T, -1]`` with ``alpha = sqrt(r + 1)`` and
+    ``beta = 1 / (1 + alpha)``. The nodes have zero mean and identity second moment, so every
+    polynomial of total degree <= 2 in ``r`` variables is integrated exactly against ``N(0, I_r)``.
+    """
+    if r < 1:
+        raise ValueError(f"the simplex reference needs r >= 1 dimensions, got {r}")
+    alpha = math.sqrt(r + 1)
+    beta = 1.0 / (1.0 + alpha)
+    first = alpha * torch.eye(r, dtype=dtype) - beta * torch.ones(r, r, dtype=dtype)
+    return torch.cat([first, -torch.ones(r, 1, dtype=dtype)], dim=1)
+
+
+def cross_reference(r: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Cross-polytope vertices as an ``(r, 2r)`` matrix, each column of weight ``1 / (2r)``.
+
+    rasp paper, Algorithm 2: ``R = sqrt(r) [I, -I]``. Symmetric, so every odd moment vanishes and
+    the rule is exact to degree 3 (degree 5 in one variable when ``r = 3``).
+    """
+    if r < 1:
+        raise ValueError(f"the cross-polytope reference needs r >= 1 dimensions, got {r}")
+    eye = math.sqrt(r) * torch.eye(r, dtype=dtype)
+    return torch.cat([eye, -eye], dim=1)
+
+
+def _index_dtype(num_values: int) -> torch.dtype:
+    """The smallest signed integer dtype that holds ``0 .. num_values - 1``."""
+    for dtype in (torch.int8, torch.int16, torch.int32):
+        if num_values - 1 <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
+
+
+class _AffinityNodes(NodeSet):
+    """Nodes ``X[k, i] = table[index[i], k]``: a gather from a small table by one integer each."""
+
+    def __init__(self, table: torch.Tensor, index: torch.Tensor, dim: int, weights: torch.Tensor):
+        super().__init__(dim, weights)
+        self.table = table  # (num_rows, K), in the nodes' dtype
+        self.index = index  # (dim,) small integers
+
+    def node(self, k: int) -> torch.Tensor:
+        return self.table[:, self._check_index(k)][self.index.long()]
+
+    def matrix(self) -> torch.Tensor:
+        return self.table.T[:, self.index.long()]
+
+
+class RASPRule(QuadratureRule):
+    """Random-affinity sigma points (rasp paper, Algorithm 3 and eq. 13).
+
+    Each coordinate ``i`` draws ``j_i`` uniformly from the ``2r`` signed reference dimensions
+    ``S = [R; -R]`` and node ``k`` is ``X[k, i] = S[j_i, k]``. One integer of at most one byte per
+    coordinate (for ``r <= 63``) is all the state one quadrature needs.
+
+    Args:
+        num_points: number of nodes ``K``. ``reference="simplex"``: ``K = r + 1 >= 2``;
+            ``reference="cross"``: ``K = 2r``, even and ``>= 2``.
+        reference: ``"simplex"`` (Algorithm 1) or ``"cross"`` (Algorithm 2).
+
+    Properties (rasp paper, Theorems 3.1-3.4): every univariate polynomial of degree <= 2 (simplex),
+    <= 3 (cross; <= 5 when ``K = 6``) is exact; a pair of coordinates is integrated like the
+    reference (exactly to total degree 2, resp. 3) with probability ``1 - 1/r``, and otherwise the
+    cross moment is off by ``+-1`` with mean zero; with the symmetric cross reference every odd
+    total-degree monomial is exact.
+    """
+
+    is_random = True
+
+    def __init__(self, num_points: int, reference: str = "simplex"):
+        if reference == "simplex":
+            if num_points < 2:
+                raise ValueError(
+                    f"rasp_simplex needs num_points >= 2 (K = r + 1 nodes), got {num_points}"
+                )
+            self.r = num_points - 1
+            self._reference = simplex_reference(self.r)
+        elif reference == "cross":
+            if num_points < 2 or num_points % 2:
+                raise ValueError(
+                    f"rasp_cross needs an even num_points >= 2 (K = 2r nodes), got {num_points}"
+                )
+            self.r = num_points // 2
+            self._reference = cross_reference(self.r)
+        else:
+            raise ValueError(f"reference must be 'simplex' or 'cross', got {reference!r}")
+        super().__init__(num_points)
+        self.reference = reference
+        self.name = f"rasp_{reference}"
+        self._signed = torch.cat([self._reference, -self._reference], dim=0)  # (2r, K)
+
+    def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
+        dim = check_dim(dim)
+        num_rows = 2 * self.r
+        index = torch.randint(
+            0, num_rows, (dim,), generator=generator, dtype=_index_dtype(num_rows), device=device
+        )
+        weights = equal_weights(self.num_points, dtype, device)
+        table = self._signed.to(dtype=weights.dtype, device=weights.device)
+        return _AffinityNodes(table, index, dim, weights)
+
+    def __repr__(self) -> str:
+        return f"RASPRule(num_points={self.num_points}, reference={self.reference!r})"
+
+
+class _BlockedNodes(NodeSet):
+    """Simplex nodes on consecutive blocks, columns permuted per block."""
+
+    def __init__(self, reference, perms: torch.Tensor, dim: int, weights: torch.Tensor):
+        super().__init__(dim, weights)
+        self.reference_t = reference.T.contiguous()  # (K, r): row k is node k of one block
+        self.perms = perms  # (num_blocks, K) small integers: block b uses column perms[b, k]
+
+    def node(self, k: int) -> torch.Tensor:
+        rows = self.perms[:, self._check_index(k)].long()
+        return self.reference_t[rows].reshape(-1)[: self.dim]
+
+    def matrix(self) -> torch.Tensor:
+        blocks = self.reference_t[self.perms.T.long()]  # (K, num_blocks, r)
+        return blocks.reshape(len(self), -1)[:, : self.dim]
+
+
+class BlockedSimplexRule(QuadratureRule):
+    """Stochastic blocked mean-field quadrature (sequence paper, Section 3.1).
+
+    Coordinates are split into consecutive blocks of ``r = K - 1`` (the last block may be shorter);
+    each block carries the ``r + 1`` simplex sigma points of :func:`simplex_reference`, their order
+    permuted uniformly at random and independently per block. Every polynomial of total degree <= 2
+    within a block is exact (Section 3.1), and by Theorem 3.1 the expectation over the permutations
+    of any product of such functions across blocks equals the tensor-product cubature.
+    """
+
+    name = "blocked_simplex"
+    is_random = True
+
+    def __init__(self, num_points: int):
+        if num_points < 2:
+            raise ValueError(
+                f"blocked_simplex needs num_points >= 2 (blocks of num_points - 1 coordinates), "
+                f"got {num_points}"
+            )
+        super().__init__(num_points)
+        self.block_size = num_points - 1
+        self._reference = simplex_reference(self.block_size)
+
+    def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
+        dim = check_dim(dim)
+        num_blocks = -(-dim // self.block_size)
+        keys = torch.rand(num_blocks, self.num_points, generator=generator, device=device)
+        perms = keys.argsort(dim=1).to(_index_dtype(self.num_points))
+        weights = equal_weights(self.num_points, dtype, device)
+        reference = self._reference.to(dtype=weights.dtype, device=weights.device)
+        return _BlockedNodes(reference, perms, dim, weights)
