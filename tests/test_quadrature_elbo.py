@@ -1,0 +1,489 @@
+"""QuadratureELBO and AutoMeanFieldNormal against closed forms and independent references."""
+
+import math
+import warnings
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer import SVI, Predictive, Trace_ELBO
+from pyro.infer.autoguide import (
+    AutoDelta,
+    AutoDiagonalNormal,
+    AutoLowRankMultivariateNormal,
+    AutoMultivariateNormal,
+    AutoNormal,
+)
+from pyro.nn import PyroModule, PyroSample
+
+from pyro_quadvi import AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.quadrature import make_rule
+
+EXACT_RULES = [
+    "rasp_simplex", "rasp_cross", "hadamard", "blocked_simplex", "gauss_hermite", "vrmc2"
+]
+HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    pyro.clear_param_store()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+    pyro.clear_param_store()
+
+
+# -- a conjugate model whose log joint is a diagonal quadratic -------------------------------------
+
+PRIOR_SD = 2.0
+
+
+def diagonal_model(x):
+    with pyro.plate("groups", x.shape[1]):
+        z = pyro.sample("z", dist.Normal(0.0, PRIOR_SD))
+        with pyro.plate("obs", x.shape[0], dim=-2):
+            pyro.sample("x", dist.Normal(z, 1.0), obs=x)
+
+
+def diagonal_closed_form(x, loc, scale):
+    """-E_q[log p(x, z)] - H[q] for q = N(loc, diag(scale^2)), computed by hand."""
+    e_prior = -HALF_LOG_2PI - math.log(PRIOR_SD) - (loc**2 + scale**2) / (2 * PRIOR_SD**2)
+    e_lik = -HALF_LOG_2PI - ((x - loc) ** 2 + scale**2) / 2
+    entropy = scale.log() + HALF_LOG_2PI + 0.5
+    return -(e_prior.sum() + e_lik.sum() + entropy.sum())
+
+
+def _set_mean_field(guide, name, loc, scale, *args):
+    guide(*args)  # create the parameters
+    store = pyro.get_param_store()
+    store[f"{guide._pyro_name}.locs.{name}"] = loc
+    store[f"{guide._pyro_name}.scales.{name}"] = scale
+    return store[f"{guide._pyro_name}.locs.{name}"], store[f"{guide._pyro_name}.scales.{name}"]
+
+
+@pytest.mark.parametrize("vectorize", [True, False])
+@pytest.mark.parametrize("rule", EXACT_RULES)
+def test_diagonal_quadratic_loss_and_gradients_are_exact(rule, vectorize):
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    guide = AutoMeanFieldNormal(diagonal_model)
+    _set_mean_field(guide, "z", torch.randn(6), 0.3 + torch.rand(6), x)
+    elbo = QuadratureELBO(rule, vectorize=vectorize)
+    loss = elbo.differentiable_loss(diagonal_model, guide, x)
+    store = pyro.get_param_store()
+    params = [store.get_param(n).unconstrained() for n in ("AutoMeanFieldNormal.locs.z",
+                                                            "AutoMeanFieldNormal.scales.z")]
+    grads = torch.autograd.grad(loss, params)
+    loc, scale = store["AutoMeanFieldNormal.locs.z"], store["AutoMeanFieldNormal.scales.z"]
+    expected = diagonal_closed_form(x, loc, scale)
+    expected_grads = torch.autograd.grad(expected, params)
+    assert abs(loss.item() - expected.item()) < 1e-10
+    for got, want in zip(grads, expected_grads):
+        assert torch.allclose(got, want, atol=1e-10, rtol=0)
+
+
+def test_vrmc1_and_mc_are_not_exact_and_vrmc1_misses_only_the_variance():
+    torch.manual_seed(1)
+    x = torch.randn(4, 6)
+    guide = AutoMeanFieldNormal(diagonal_model)
+    loc, scale = _set_mean_field(guide, "z", torch.randn(6), 0.3 + torch.rand(6), x)
+    expected = diagonal_closed_form(x, loc, scale).item()
+    generator = torch.Generator().manual_seed(5)
+    elbo = QuadratureELBO("vrmc1", generator=generator)
+    got = elbo.loss(diagonal_model, guide, x)
+    # The same nodes, regenerated: the error is the quadratic coefficient times the second-moment
+    # error of each coordinate (the mean is matched, so the linear terms are exact).
+    X, w = make_rule("vrmc1").nodes(6, generator=torch.Generator().manual_seed(5))
+    second = w @ X**2
+    curvature = 1 / PRIOR_SD**2 + x.shape[0]  # -d^2 log p / dz^2 per coordinate
+    predicted_error = (0.5 * curvature * scale**2 * (second - 1)).sum().item()
+    assert abs(got - expected - predicted_error) < 1e-10
+    assert abs(got - expected) > 1e-3
+    assert abs(QuadratureELBO("mc").loss(diagonal_model, guide, x) - expected) > 1e-6
+
+
+# -- correlated latents ----------------------------------------------------------------------------
+
+CORR = torch.tensor([[1.0, 0.6, 0.2], [0.6, 1.5, -0.4], [0.2, -0.4, 0.8]], dtype=torch.float64)
+
+
+def correlated_model():
+    pyro.sample("z", dist.MultivariateNormal(torch.zeros(3), CORR))
+
+
+def correlated_closed_form(loc, scale):
+    precision = torch.linalg.inv(CORR)
+    second = torch.diag(scale**2) + torch.outer(loc, loc)
+    e_log_p = -3 * HALF_LOG_2PI - 0.5 * torch.logdet(CORR) - 0.5 * (precision * second).sum()
+    entropy = (scale.log() + HALF_LOG_2PI + 0.5).sum()
+    return -(e_log_p + entropy).item()
+
+
+def _correlated_guide():
+    guide = AutoMeanFieldNormal(correlated_model)
+    loc, scale = _set_mean_field(
+        guide, "z", torch.tensor([0.3, -0.2, 0.5]), torch.tensor([0.7, 1.1, 0.4])
+    )
+    return guide, correlated_closed_form(loc, scale)
+
+
+def test_correlated_latents_gauss_hermite_exact():
+    guide, expected = _correlated_guide()
+    assert abs(QuadratureELBO("gauss_hermite", num_points=2).loss(correlated_model, guide)
+               - expected) < 1e-10
+
+
+def test_correlated_latents_hadamard_exact_over_a_period_not_at_each_step():
+    guide, expected = _correlated_guide()
+    elbo = QuadratureELBO("hadamard", num_points=2)
+    period = elbo.rule.period(3)
+    losses = []
+    for _ in range(period):
+        losses.append(elbo.differentiable_loss(correlated_model, guide).item())
+    assert period == 4
+    assert abs(sum(losses) / period - expected) < 1e-10
+    assert max(abs(loss - expected) for loss in losses) > 1e-3
+
+
+def test_correlated_latents_rasp_unbiased_over_seeds():
+    guide, expected = _correlated_guide()
+    pyro.set_rng_seed(0)
+    elbo = QuadratureELBO("rasp_simplex")
+    losses = torch.tensor([elbo.loss(correlated_model, guide) for _ in range(400)])
+    errors = losses - expected
+    assert errors.abs().max() > 1e-3  # single draws are not exact ...
+    assert abs(errors.mean()) < 4 * errors.std() / math.sqrt(len(errors))  # ... but unbiased
+
+
+# -- constrained latents against an independent Gauss-Hermite reference ---------------------------
+
+def _gh(n):
+    nodes, weights = np.polynomial.hermite_e.hermegauss(n)
+    return nodes, weights / math.sqrt(2 * math.pi)
+
+
+def _normal_logpdf(x, mean, sd):
+    return -0.5 * np.log(2 * np.pi) - np.log(sd) - 0.5 * ((x - mean) / sd) ** 2
+
+
+def test_halfnormal_scale_latent_against_gauss_hermite_reference():
+    y = torch.tensor([0.3, -1.2, 0.8])
+
+    def model():
+        s = pyro.sample("s", dist.HalfNormal(1.5))
+        with pyro.plate("data", 3):
+            pyro.sample("y", dist.Normal(0.0, s), obs=y)
+
+    guide = AutoMeanFieldNormal(model)
+    loc, scale = _set_mean_field(guide, "s", torch.tensor(0.2), torch.tensor(0.4))
+    nodes, weights = _gh(60)
+    z = loc.item() + scale.item() * nodes
+    s = np.exp(z)
+    log_joint = (np.log(2) + _normal_logpdf(s, 0, 1.5)
+                 + _normal_logpdf(y.numpy()[:, None], 0, s).sum(0) + z)  # + log|ds/dz|
+    expected = -(weights @ log_joint) - (math.log(scale.item()) + HALF_LOG_2PI + 0.5)
+    got = QuadratureELBO("gauss_hermite", num_points=60).loss(model, guide)
+    assert abs(got - expected) < 1e-9
+
+
+def test_beta_and_dirichlet_latents_against_gauss_hermite_reference():
+    heads = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    counts = torch.tensor([3.0, 1.0, 2.0])
+
+    def model():
+        p = pyro.sample("p", dist.Beta(2.0, 3.0))
+        w = pyro.sample("w", dist.Dirichlet(torch.tensor([1.5, 2.0, 1.0])))
+        with pyro.plate("flips", 4):
+            pyro.sample("h", dist.Bernoulli(p), obs=heads)
+        pyro.sample("c", dist.Multinomial(6, w), obs=counts)
+
+    guide = AutoMeanFieldNormal(model)
+    guide()
+    store = pyro.get_param_store()
+    store["AutoMeanFieldNormal.locs.p"] = torch.tensor(0.4)
+    store["AutoMeanFieldNormal.scales.p"] = torch.tensor(0.6)
+    store["AutoMeanFieldNormal.locs.w"] = torch.tensor([0.1, -0.3])
+    store["AutoMeanFieldNormal.scales.w"] = torch.tensor([0.5, 0.3])
+    got = QuadratureELBO("gauss_hermite", num_points=24).loss(model, guide)
+
+    # Reference: tensor Gauss-Hermite over the three unconstrained coordinates, by hand with numpy.
+    from scipy import stats
+    from scipy.special import expit
+
+    nodes, weights = _gh(24)
+    za = 0.4 + 0.6 * nodes
+    p = expit(za)
+    log_p = (stats.beta.logpdf(p, 2, 3) + stats.bernoulli.logpmf(heads.numpy()[:, None], p).sum(0)
+             + np.log(p * (1 - p)))  # sigmoid Jacobian
+    e_p = weights @ log_p
+    z1 = 0.1 + 0.5 * nodes[:, None]
+    z2 = -0.3 + 0.3 * nodes[None, :]
+    # Pyro's stick-breaking: y_i = z_i - log(K - 1 - i), v_i = sigmoid(y_i) of what is left.
+    y1, y2 = z1 - math.log(2), z2 - math.log(1)
+    v1, v2 = expit(y1), expit(y2)
+    w1 = v1 + 0 * v2
+    w2 = (1 - v1) * v2
+    w3 = (1 - v1) * (1 - v2)
+    log_jac = (np.log(v1 * (1 - v1)) + np.log(v2 * (1 - v2)) + np.log(1 - v1))
+    log_w = (stats.dirichlet.logpdf(np.stack([w1.ravel(), w2.ravel(), w3.ravel()]),
+                                    [1.5, 2.0, 1.0]).reshape(w1.shape)
+             + stats.multinomial.logpmf(counts.numpy(), 6,
+                                        np.stack([w1.ravel(), w2.ravel(), w3.ravel()], -1)
+                                        ).reshape(w1.shape)
+             + log_jac)
+    e_w = weights @ log_w @ weights
+    entropy = (math.log(0.6) + math.log(0.5) + math.log(0.3)) + 3 * (HALF_LOG_2PI + 0.5)
+    expected = -(e_p + e_w) - entropy
+    assert abs(got - expected) < 1e-9
+
+
+# -- plates and subsampling ------------------------------------------------------------------------
+
+def local_model(x, subsample_size=None):
+    mu = pyro.sample("mu", dist.Normal(0.0, 3.0))
+    with pyro.plate("data", len(x), subsample_size=subsample_size) as idx:
+        z = pyro.sample("z", dist.Normal(mu, 1.0))
+        pyro.sample("x", dist.Normal(z, 0.5), obs=x[idx])
+
+
+def test_full_batch_subsample_gives_the_full_data_loss():
+    x = torch.randn(8)
+    guide = AutoMeanFieldNormal(local_model)
+    guide(x)
+    elbo = QuadratureELBO("hadamard")
+    full = elbo.loss(local_model, guide, x)
+    batched = elbo.loss(local_model, guide, x, subsample_size=8)
+    assert abs(full - batched) < 1e-12
+
+
+def test_subsampled_local_latents_are_scaled_like_pyro():
+    x = torch.randn(8)
+    pyro.set_rng_seed(3)
+    guide = AutoMeanFieldNormal(local_model)
+    guide(x, subsample_size=4)
+    store = pyro.get_param_store()
+    store["AutoMeanFieldNormal.locs.z"] = torch.randn(8)
+    store["AutoMeanFieldNormal.scales.z"] = 0.2 + torch.rand(8)
+    # The loss of one minibatch, from the guide trace's subsample indices, by hand.
+    pyro.set_rng_seed(11)
+    tr = poutine.trace(guide).get_trace(x, subsample_size=4)
+    idx = tr.nodes["data"]["value"]
+    pyro.set_rng_seed(11)
+    # mu and z are coupled (a cross term): Gauss-Hermite integrates it exactly.
+    elbo = QuadratureELBO("gauss_hermite", num_points=2)
+    got = elbo.loss(local_model, guide, x, subsample_size=4)
+    m0, s0 = store["AutoMeanFieldNormal.locs.mu"], store["AutoMeanFieldNormal.scales.mu"]
+    m, s = store["AutoMeanFieldNormal.locs.z"][idx], store["AutoMeanFieldNormal.scales.z"][idx]
+    xb = x[idx]
+    e_mu = -HALF_LOG_2PI - math.log(3.0) - (m0**2 + s0**2) / 18
+    e_z = -HALF_LOG_2PI - ((m - m0) ** 2 + s**2 + s0**2) / 2
+    e_x = -HALF_LOG_2PI - math.log(0.5) - ((xb - m) ** 2 + s**2) / (2 * 0.25)
+    h_mu = s0.log() + HALF_LOG_2PI + 0.5
+    h_z = s.log() + HALF_LOG_2PI + 0.5
+    expected = -(e_mu + h_mu + 2.0 * (e_z + e_x + h_z).sum())
+    assert abs(got - expected.item()) < 1e-10
+
+
+# -- guide types -----------------------------------------------------------------------------------
+
+def test_autonormal_and_autodiagonalnormal_match_the_closed_form():
+    x = torch.randn(4, 6)
+    for guide_cls in (AutoNormal, AutoDiagonalNormal):
+        pyro.clear_param_store()
+        guide = guide_cls(diagonal_model, init_scale=0.4)
+        guide(x)
+        if guide_cls is AutoNormal:
+            loc, scale = guide.locs.z, guide.scales.z
+        else:
+            loc, scale = guide.loc, guide.scale
+        expected = diagonal_closed_form(x, loc, scale).item()
+        assert abs(QuadratureELBO("rasp_simplex").loss(diagonal_model, guide, x) - expected) < 1e-10
+
+
+@pytest.mark.parametrize("guide_cls", [AutoMultivariateNormal, AutoLowRankMultivariateNormal])
+def test_full_and_low_rank_gaussian_guides_exact_with_gauss_hermite(guide_cls):
+    torch.manual_seed(2)
+    x = torch.randn(4, 3)
+    guide = guide_cls(diagonal_model, init_scale=0.3)
+    guide(x)
+    posterior = guide.get_posterior()
+    loc, cov = posterior.loc, posterior.covariance_matrix
+    prior_prec = 1 / PRIOR_SD**2
+    e_prior = (-HALF_LOG_2PI - math.log(PRIOR_SD)) * 3 - 0.5 * prior_prec * (
+        loc @ loc + cov.trace())
+    e_lik = (-HALF_LOG_2PI - 0.5 * ((x - loc) ** 2 + cov.diagonal())).sum()
+    expected = -(e_prior + e_lik + posterior.entropy()).item()
+    got = QuadratureELBO("gauss_hermite", num_points=2).loss(diagonal_model, guide, x)
+    assert abs(got - expected) < 1e-10
+
+
+def test_unsupported_guide_gets_a_type_error_listing_the_supported_ones():
+    x = torch.randn(4, 6)
+    with pytest.raises(TypeError, match="AutoMeanFieldNormal, AutoNormal, AutoDiagonalNormal"):
+        QuadratureELBO().loss(diagonal_model, AutoDelta(diagonal_model), x)
+
+
+# -- a PyroModule network: looped evaluation -------------------------------------------------------
+
+class TinyNet(PyroModule):
+    def __init__(self):
+        super().__init__()
+        self.fc = PyroModule[torch.nn.Linear](2, 1)
+        self.fc.weight = PyroSample(dist.Normal(0.0, 1.0).expand([1, 2]).to_event(2))
+        self.fc.bias = PyroSample(dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+
+    def forward(self, X, y=None):
+        mean = self.fc(X).squeeze(-1)
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(mean, 0.5), obs=y)
+        return mean
+
+
+def test_pyromodule_network_falls_back_to_the_loop_with_one_warning_and_exact_values():
+    torch.manual_seed(4)
+    X = torch.randn(10, 2)
+    y = X @ torch.tensor([1.0, -1.0]) + 0.3
+    net = TinyNet()
+    guide = AutoMeanFieldNormal(net)
+    guide(X, y)
+    elbo = QuadratureELBO("hadamard")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = elbo.loss(net, guide, X, y)
+        elbo.loss(net, guide, X, y)
+    assert sum("looping over nodes" in str(w.message) for w in caught) == 1
+    assert elbo.vectorize is False
+    with pytest.raises(RuntimeError):
+        QuadratureELBO("hadamard", vectorize=True).loss(net, guide, X, y)
+    # By hand, over the three unconstrained coordinates in the guide's site order.
+    sites = guide.mean_field_sites()
+    loc = torch.cat([s.loc.reshape(-1) for s in sites])
+    scale = torch.cat([s.scale.reshape(-1) for s in sites])
+    offsets, weights = make_rule("hadamard").nodes(3)
+    names = [s.name for s in sites]
+    total = 0.0
+    for k in range(4):
+        theta = dict(zip(names, (loc + scale * offsets[k]).split([s.loc.numel() for s in sites])))
+        w = theta["fc.weight"]
+        b = theta["fc.bias"]
+        log_p = dist.Normal(0.0, 1.0).log_prob(w).sum()
+        log_p = log_p + dist.Normal(0.0, 1.0).log_prob(b).sum()
+        log_p = log_p + dist.Normal(X @ w + b, 0.5).log_prob(y).sum()
+        total = total + weights[k] * log_p
+    entropy = (scale.log() + HALF_LOG_2PI + 0.5).sum()
+    assert abs(got - (-(total + entropy)).item()) < 1e-10
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+def test_discrete_latent_is_refused_with_the_site_name():
+    def model():
+        pyro.sample("k", dist.Bernoulli(0.5))
+
+    with pytest.raises(ValueError, match="'k' is discrete"):
+        QuadratureELBO().loss(model, AutoMeanFieldNormal(model))
+
+
+def test_enumerated_latent_is_refused_with_the_site_name():
+    def model():
+        pyro.sample("c", dist.Categorical(torch.ones(3)), infer={"enumerate": "parallel"})
+
+    with pytest.raises(ValueError, match="'c' is marked for enumeration"):
+        QuadratureELBO().loss(model, AutoMeanFieldNormal(model))
+
+
+def test_non_finite_log_density_names_node_and_site():
+    def model():
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        pyro.factor("wall", torch.where(z > 0, 0.0, -math.inf))
+
+    guide = AutoMeanFieldNormal(model, init_loc_fn=lambda site: torch.tensor(0.5), init_scale=1.0)
+    with pytest.raises(ValueError, match=r"site 'wall' is not finite .* node 1"):
+        QuadratureELBO("hadamard", num_points=2, vectorize=False).loss(model, guide)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown quadrature rule"):
+        QuadratureELBO("simpson")
+    with pytest.raises(ValueError, match="num_points goes with a rule name"):
+        QuadratureELBO(make_rule("hadamard"), num_points=4)
+    with pytest.raises(TypeError, match="rule must be"):
+        QuadratureELBO(3)
+
+
+# -- SVI, sequence position, reproducibility -------------------------------------------------------
+
+def test_svi_with_pyro_adam_converges_to_the_exact_posterior():
+    torch.manual_seed(0)
+    x = torch.randn(4, 6) + 1.0
+    guide = AutoMeanFieldNormal(diagonal_model)
+    svi = SVI(diagonal_model, guide, pyro.optim.Adam({"lr": 0.05}), QuadratureELBO())
+    for _ in range(600):
+        svi.step(x)
+    precision = 1 / PRIOR_SD**2 + x.shape[0]
+    assert torch.allclose(guide.locs.z, x.sum(0) / precision, atol=1e-3)
+    assert torch.allclose(guide.scales.z, torch.full((6,), precision**-0.5), atol=1e-3)
+
+
+def test_sequence_advances_per_step_only_and_resumes_from_the_param_store():
+    x = torch.randn(4, 6)
+    guide = AutoMeanFieldNormal(diagonal_model)
+    elbo = QuadratureELBO("hadamard")
+    svi = SVI(diagonal_model, guide, pyro.optim.Adam({"lr": 0.01}), elbo)
+    for _ in range(3):
+        svi.step(x)
+    svi.evaluate_loss(x)
+    Predictive(diagonal_model, guide=guide, num_samples=2)(x)
+    assert elbo.step == 3
+    state = pyro.get_param_store().get_state()
+    svi.step(x)
+    assert elbo.step == 4
+    pyro.get_param_store().set_state(state)
+    assert QuadratureELBO("hadamard").step == 3
+    pyro.clear_param_store()
+    assert elbo.step == 0
+
+
+def test_random_rules_are_reproducible_with_pyro_set_rng_seed():
+    guide, _ = _correlated_guide()
+    elbo = QuadratureELBO("rasp_simplex")
+    pyro.set_rng_seed(7)
+    first = [elbo.loss(correlated_model, guide) for _ in range(3)]
+    pyro.set_rng_seed(7)
+    again = [elbo.loss(correlated_model, guide) for _ in range(3)]
+    assert first == again
+    assert len(set(first)) == 3
+
+
+def test_mean_field_sites_interface_and_predictive():
+    x = torch.randn(8)
+    guide = AutoMeanFieldNormal(local_model)
+    with pytest.raises(RuntimeError, match="has not been run yet"):
+        guide.mean_field_sites()
+    pyro.set_rng_seed(0)
+    guide(x, subsample_size=4)
+    sites = {s.name: s for s in guide.mean_field_sites()}
+    assert sites["z"].shape == (4,) and sites["z"].scale_factor == 2.0
+    assert sites["z"].loc_param == "AutoMeanFieldNormal.locs.z"
+    rows = sites["z"].rows[-1]
+    full = pyro.get_param_store()["AutoMeanFieldNormal.locs.z"]
+    assert torch.equal(sites["z"].loc, full[rows])
+    assert sites["mu"].rows == {} and sites["mu"].scale_factor == 1.0
+    samples = Predictive(local_model, guide=guide, num_samples=5)(x, subsample_size=4)
+    assert samples["z"].shape == (5, 4) and samples["x"].shape == (5, 4)
+
+
+def test_quadrature_elbo_gradient_identity_with_trace_elbo_in_expectation():
+    """dL/dsigma = sigma h - 1/sigma: QuadratureELBO's exact value is Trace_ELBO's expectation."""
+    x = torch.randn(4, 6)
+    guide = AutoMeanFieldNormal(diagonal_model)
+    _set_mean_field(guide, "z", torch.randn(6), 0.5 + torch.rand(6), x)
+    quad = QuadratureELBO("hadamard").loss(diagonal_model, guide, x)
+    pyro.set_rng_seed(0)
+    mc = Trace_ELBO(num_particles=4000, vectorize_particles=True, max_plate_nesting=2)
+    assert abs(mc.loss(diagonal_model, guide, x) - quad) < 0.05 * abs(quad)
