@@ -233,6 +233,39 @@ def test_subsampled_plate_exports_the_full_data():
     standard_normal_check((y_rep - z) / 0.5)
 
 
+def test_nested_subsampled_plates_with_a_deterministic_site():
+    """Two subsampled plates (chunks overlap: 7 rows in 3s, 5 columns in 2s); the deterministic
+    site and the observations are assembled from the same draws of u and v in every cell."""
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 3.0))
+        with pyro.plate("col", 5, subsample_size=2, dim=-1) as cols:
+            v = pyro.sample("v", dist.Normal(0.0, 1.0))
+            with pyro.plate("row", 7, subsample_size=3, dim=-2) as rows:
+                u = pyro.sample("u", dist.Normal(mu, 1.0))
+                mean = pyro.deterministic("mean", u + v)
+                pyro.sample("obs", dist.Normal(mean, 0.5), obs=y[rows][:, cols])
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(7)
+    y = torch.randn(7, 5)
+    guide = AutoNormal(model, init_scale=0.3)
+    guide(y)
+    idata = to_inference_data(model, guide, y, num_samples=S)
+    assert idata.posterior["u"].dims == ("chain", "draw", "row", "col")
+    assert idata.posterior["u"].shape == (1, S, 7, 5)
+    assert idata.posterior["v"].dims == ("chain", "draw", "col")
+    u, v, mean = (torch.tensor(idata.posterior[k].values[0]) for k in ("u", "v", "mean"))
+    np.testing.assert_array_equal(mean, u + v[:, None])
+    expected = dist.Normal(mean, 0.5).log_prob(y)
+    np.testing.assert_allclose(idata.log_likelihood["obs"].values[0], expected.numpy(), rtol=1e-12)
+    np.testing.assert_array_equal(idata.observed_data["obs"].values, y.numpy())
+    standard_normal_check((torch.tensor(idata.posterior_predictive["obs"].values[0]) - mean) / 0.5)
+    standard_normal_check((u - pyro.param("AutoNormal.locs.u").detach()) / 0.3)
+    prior_mu = torch.tensor(idata.prior["mu"].values[0])
+    standard_normal_check(torch.tensor(idata.prior["u"].values[0]) - prior_mu[:, None, None])
+
+
 def test_plate_indexed_by_the_callers_partial_subsample_is_refused():
     def model(y, rows):
         with pyro.plate("data", 10, subsample=rows):
