@@ -1,0 +1,548 @@
+"""Draws of a fitted guide and of its model over the full data set, for export.
+
+For ``S`` draws ``theta_s ~ q`` of the guide this module computes, with the conventions of Pyro's
+``Predictive``:
+
+- the latent sites ``theta_s`` (constrained) and the model's deterministic sites,
+- the pointwise log likelihood ``log p(y_i | theta_s)`` of every observed site, without minibatch
+  scale factors (masks apply as in Pyro: a masked entry contributes 0),
+- posterior predictive draws ``y_rep ~ p(y | theta_s)``: the model with its observed sites released,
+  run on the same ``theta_s``,
+- optionally prior draws ``theta_s ~ p(theta)`` and prior predictive draws.
+
+Every pass runs on the full data. A plate that subsamples (``pyro.plate(name, N,
+subsample_size=B)``) is swept in chunks of ``B`` consecutive rows: Pyro requires ``B`` indices per
+run, so the rows ``0..N-1`` are cut into chunks of ``B`` (the last one ending at ``N``, overlapping
+its neighbour) and each chunk is set as the plate's subsample. Latents outside the chunked plates
+are drawn once per draw and held fixed over the chunks (:func:`poutine.condition`); a local latent
+is drawn once per row. The guide's local latents are thus drawn for every row.
+
+A pass is *vectorized* when the model and guide broadcast over a draw plate left of their own plates
+(one run for all ``S`` draws, as ``Predictive(parallel=True)``), and *looped* otherwise (one run per
+draw, e.g. a ``PyroModule`` network whose ``nn.Linear`` cannot take a batch of weights). The
+vectorized pass is tried first and accepted only if every site has the expected shape and two of
+its draws (the first and the last) reproduce, site by site, the log densities and deterministic
+values of an unbatched run of the model at the same values; otherwise the draws are looped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import pyro
+import torch
+from pyro import poutine
+from pyro.distributions.util import scale_and_mask
+from pyro.infer.autoguide import AutoGuide
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.subsample_messenger import _Subsample
+from pyro.poutine.trace_struct import Trace
+from pyro.poutine.util import site_is_subsample
+from tqdm.auto import tqdm
+
+from ..infer.log_joint import model_max_plate_nesting
+
+__all__ = ["Draws", "SiteSpec", "draw"]
+
+logger = logging.getLogger(__name__)
+
+_DRAW_PLATE = "_quadvi_draws"
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    """A site of the model as the export sees it, from one unbatched run.
+
+    Attributes:
+        name: the sample site.
+        kind: ``"latent"``, ``"deterministic"`` or ``"observed"``.
+        shape: the site's value in one draw and one chunk of the subsampled plates (batch + event
+            dims; for observed sites the distribution's ``batch_shape + event_shape``).
+        batch_ndim: how many leading dims of ``shape`` are batch dims (those plates can index).
+        frames: ``(plate name, dim, full size)`` of the vectorized plates the site is in; ``dim``
+            counts from the right of the batch dims, as in Pyro.
+        guided: a latent site that the guide draws (otherwise the model draws it).
+        chunked: ``plate name -> axis`` (negative, from the right of ``shape``) of the subsampled
+            plates the site is in.
+    """
+
+    name: str
+    kind: str
+    shape: torch.Size
+    batch_ndim: int
+    frames: tuple[tuple[str, int, int], ...]
+    guided: bool = False
+    chunked: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def event_ndim(self) -> int:
+        return len(self.shape) - self.batch_ndim
+
+    def full_shape(self, full_sizes: Mapping[str, int]) -> torch.Size:
+        """The site's shape over the full data (subsampled plates at their full size)."""
+        shape = list(self.shape)
+        for plate, axis in self.chunked:
+            shape[axis] = full_sizes[plate]
+        return torch.Size(shape)
+
+    def batch_axes(self) -> tuple[tuple[str, int], ...]:
+        """``chunked`` for the batch dims alone (the shape of a pointwise log likelihood)."""
+        return tuple((plate, axis + self.event_ndim) for plate, axis in self.chunked)
+
+
+@dataclass
+class Draws:
+    """Draws for export, over the full data. Each tensor has a leading draw axis of size ``S``
+    except ``observed_data``; sizes of subsampled plates are their full sizes.
+    """
+
+    sites: dict[str, SiteSpec]
+    full_sizes: dict[str, int]
+    posterior: dict[str, torch.Tensor]
+    log_likelihood: dict[str, torch.Tensor]
+    posterior_predictive: dict[str, torch.Tensor]
+    observed_data: dict[str, torch.Tensor]
+    prior: dict[str, torch.Tensor] | None
+    prior_predictive: dict[str, torch.Tensor] | None
+    vectorized: bool
+
+
+class _PlateRows(Messenger):
+    """Sets the subsample indices of the model's (or guide's) subsampling plates.
+
+    A plate ``pyro.plate(name, N, subsample_size=B)`` whose name is in ``rows`` takes
+    ``rows[name]`` (``B`` indices) instead of a random subsample. Every subsampling plate seen is
+    recorded in ``subsampled`` as ``name -> (N, B)``. A plate given its indices by the caller
+    (``subsample=...``) with fewer than ``N`` of them is refused: its rows cannot be swept here.
+    """
+
+    def __init__(self, rows: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self.rows = rows
+        self.subsampled: dict[str, tuple[int, int]] = {}
+
+    def _pyro_sample(self, msg) -> None:
+        fn = msg["fn"]
+        if not isinstance(fn, _Subsample):
+            return
+        name = msg["name"]
+        if msg["value"] is not None:
+            if len(msg["value"]) < fn.size:
+                raise ValueError(
+                    f"plate {name!r} is given {len(msg['value'])} of its {fn.size} indices by the "
+                    "model's arguments (subsample=...); the export needs every row: pass the full "
+                    f"indices (torch.arange({fn.size})) or use subsample_size=... instead"
+                )
+            return
+        if fn.subsample_size is not None and fn.subsample_size < fn.size:
+            self.subsampled[name] = (fn.size, fn.subsample_size)
+            if name in self.rows:
+                msg["value"] = self.rows[name]
+
+
+class _ReleaseObserved(Messenger):
+    """Samples the named observed sites from their distribution instead of observing the data.
+
+    Unlike :func:`pyro.poutine.uncondition`, it leaves deterministic and factor sites alone (those
+    are observed sites too in Pyro, and resampling an expanded ``Delta`` changes its shape).
+    """
+
+    def __init__(self, names: Iterable[str]):
+        super().__init__()
+        self.names = frozenset(names)
+
+    def _pyro_sample(self, msg) -> None:
+        if msg["is_observed"] and msg["name"] in self.names:
+            msg["is_observed"] = False
+            msg["infer"] = {**msg["infer"], "was_observed": True}
+            msg["value"] = None
+            msg["done"] = False
+
+
+class _NotVectorized(Exception):
+    """The batched pass does not reproduce unbatched runs; loop over the draws instead."""
+
+
+def _grid(indices: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Index tensors of an outer-product selection (``numpy.ix_``) over all dims."""
+    ndim = len(indices)
+    return tuple(
+        idx.reshape([-1 if j == k else 1 for j in range(ndim)]) for k, idx in enumerate(indices)
+    )
+
+
+class _Assembly:
+    """One quantity over the full data, written chunk by chunk of the subsampled plates.
+
+    Args:
+        axes: ``(plate, axis)`` of the subsampled plates in the quantity (negative axes).
+        full_sizes: the full size of every subsampled plate.
+    """
+
+    def __init__(self, axes: Iterable[tuple[str, int]], full_sizes: Mapping[str, int]):
+        self.axes = tuple(axes)
+        self.full_sizes = full_sizes
+        self.value: torch.Tensor | None = None
+        self.written = torch.zeros([full_sizes[plate] for plate, _ in self.axes], dtype=torch.bool)
+
+    def _index(self, rows: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        dims = {self.value.dim() + axis: rows[plate] for plate, axis in self.axes}
+        return _grid([dims.get(d, torch.arange(n)) for d, n in enumerate(self.value.shape)])
+
+    def scatter(self, rows: Mapping[str, torch.Tensor], chunk: torch.Tensor) -> None:
+        """Write the values of the rows ``rows`` (one index tensor per subsampled plate)."""
+        if not self.axes:
+            self.value = chunk
+            self.written.fill_(True)
+            return
+        if self.value is None:
+            shape = list(chunk.shape)
+            for plate, axis in self.axes:
+                shape[axis] = self.full_sizes[plate]
+            self.value = chunk.new_zeros(shape)
+        self.value[self._index(rows)] = chunk
+        self.written[_grid([rows[plate] for plate, _ in self.axes])] = True
+
+    def gather(self, rows: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The values at ``rows``, or ``None`` unless all of them were written before."""
+        if self.value is None or not self.written[_grid([rows[p] for p, _ in self.axes])].all():
+            return None
+        return self.value[self._index(rows)] if self.axes else self.value
+
+
+def _log_density(node: dict) -> torch.Tensor:
+    return node["fn"].log_prob(node["value"])
+
+
+def _is_deterministic(node: dict) -> bool:
+    return bool(node["infer"].get("_deterministic"))
+
+
+class _Runner:
+    """Runs the guide and the model for the draws of one export (see the module docstring)."""
+
+    def __init__(self, model: Callable, guide: Callable, args: tuple, kwargs: dict):
+        self.model, self.guide, self.args, self.kwargs = model, guide, args, kwargs
+        discovery = _PlateRows({})  # a first run finds the subsampled plates
+        self._probe(discovery, discovery)
+        self.full_sizes = {name: size for name, (size, _) in discovery.subsampled.items()}
+        chunks = {
+            name: _chunks(size, batch)
+            for name, (size, batch) in sorted(discovery.subsampled.items())
+        }
+        self.combos = [dict(zip(chunks, combo)) for combo in itertools.product(*chunks.values())]
+        rows = _PlateRows(self.combos[0])
+        guide_trace, model_trace = self._probe(rows, rows)
+        self.sites = self._site_specs(guide_trace, model_trace)
+        self.max_plate_nesting = max(
+            model_max_plate_nesting(guide_trace), model_max_plate_nesting(model_trace)
+        )
+        self.observed = [s.name for s in self.sites.values() if s.kind == "observed"]
+        self.latents = [s for s in self.sites.values() if s.kind == "latent"]
+
+    # -- one unbatched run: the chunked plates and the sites ---------------------------------
+
+    def _probe(self, guide_rows: _PlateRows, model_rows: _PlateRows) -> tuple[Trace, Trace]:
+        guide_trace = poutine.trace(guide_rows(self.guide)).get_trace(*self.args, **self.kwargs)
+        conditioned = poutine.condition(model_rows(self.model), data=_guide_latents(guide_trace))
+        model_trace = poutine.trace(conditioned).get_trace(*self.args, **self.kwargs)
+        return guide_trace, model_trace
+
+    def _site_specs(self, guide_trace: Trace, model_trace: Trace) -> dict[str, SiteSpec]:
+        guided = _guide_latents(guide_trace)
+        sites = {}
+        for name, node in model_trace.nodes.items():
+            if node["type"] != "sample" or site_is_subsample(node):
+                continue
+            fn, value = node["fn"], node["value"]
+            if name in guided or not node["is_observed"]:
+                kind, shape, event_ndim = "latent", value.shape, fn.event_dim
+            elif _is_deterministic(node):
+                # pyro.deterministic makes every dim an event dim by default; plates index them
+                kind, shape = "deterministic", value.shape
+                event_ndim = 0 if fn.event_dim >= value.dim() else fn.event_dim
+            elif node["infer"].get("is_auxiliary"):
+                continue  # pyro.factor
+            else:
+                kind, shape, event_ndim = "observed", fn.batch_shape + fn.event_shape, fn.event_dim
+            frames = tuple(
+                (f.name, f.dim, f.full_size or f.size)
+                for f in node["cond_indep_stack"]
+                if f.vectorized
+            )
+            batch_ndim = len(shape) - event_ndim
+            chunked = []
+            for plate, dim, _ in frames:
+                if plate in self.full_sizes:
+                    axis = dim - event_ndim
+                    if -axis > len(shape) or shape[axis] != len(self.combos[0][plate]):
+                        raise ValueError(
+                            f"site {name!r} is in the subsampled plate {plate!r} but its shape "
+                            f"{tuple(shape)} has no dim of the subsample size at dim {dim}; give "
+                            "the site's value the plate's dim (pyro.deterministic(..., "
+                            "event_dim=...) for a deterministic site)"
+                        )
+                    chunked.append((plate, axis))
+            sites[name] = SiteSpec(
+                name, kind, shape, batch_ndim, frames, name in guided, tuple(chunked)
+            )
+        return sites
+
+    # -- batched or unbatched runs ----------------------------------------------------------
+
+    def _trace(self, fn: Callable, particles: int | None) -> Trace:
+        if particles is None:
+            return poutine.trace(fn).get_trace(*self.args, **self.kwargs)
+        with pyro.plate(_DRAW_PLATE, particles, dim=-self.max_plate_nesting - 1):
+            return poutine.trace(fn).get_trace(*self.args, **self.kwargs)
+
+    def _per_draw(self, x: torch.Tensor, shape: torch.Size, particles: int | None, what: str):
+        """``x`` of a run as ``(S, *shape)`` (batched) or ``shape`` (unbatched)."""
+        if particles is None:
+            if x.shape != shape:
+                raise ValueError(
+                    f"{what} has shape {tuple(x.shape)} in one run and {tuple(shape)} in another; "
+                    "the export needs the model's sites to keep their shapes"
+                )
+            return x
+        if x.shape == shape:  # the same in every draw (a constant deterministic site)
+            return x.expand((particles, *shape))
+        lead = x.shape[: x.dim() - len(shape)]
+        if (
+            x.dim() <= len(shape)
+            or x.shape[len(lead) :] != shape
+            or lead[0] != particles
+            or any(n != 1 for n in lead[1:])
+        ):
+            raise _NotVectorized(
+                f"{what} has shape {tuple(x.shape)} in the batched run, expected "
+                f"({particles}, 1, ..., {', '.join(map(str, shape))})"
+            )
+        return x.reshape((particles, *shape))
+
+    def _pad(self, x: torch.Tensor, site: SiteSpec, particles: int | None) -> torch.Tensor:
+        """A draw (``shape``) or draws (``(S, *shape)``) as a batched run's value of the site."""
+        if particles is None:
+            return x
+        pad = self.max_plate_nesting - site.batch_ndim
+        if pad < 0:
+            raise _NotVectorized(f"site {site.name!r} has batch dims outside of any plate")
+        return x.reshape((particles,) + (1,) * pad + site.shape)
+
+    def _fixed(self, assemblies: Mapping[str, _Assembly], rows, particles) -> dict:
+        """The values already drawn at ``rows``, to hold fixed (condition on) in this run."""
+        data = {}
+        for name, assembly in assemblies.items():
+            value = assembly.gather(rows)
+            if value is not None:
+                data[name] = self._pad(value, self.sites[name], particles)
+        return data
+
+    def _new(self, sites: Iterable[SiteSpec], loglik: bool = False) -> dict[str, _Assembly]:
+        return {
+            s.name: _Assembly(s.batch_axes() if loglik else s.chunked, self.full_sizes)
+            for s in sites
+        }
+
+    def _collect(self, trace: Trace, assemblies, rows, particles, loglik=False) -> None:
+        for name, assembly in assemblies.items():
+            site, node = self.sites[name], trace.nodes[name]
+            if loglik:
+                value = scale_and_mask(_log_density(node), mask=node["mask"])
+                shape, what = site.shape[: site.batch_ndim], f"the log likelihood of {name!r}"
+            else:
+                value, shape, what = node["value"], site.shape, f"site {name!r}"
+            assembly.scatter(rows, self._per_draw(value, shape, particles, what))
+
+    # -- the draws --------------------------------------------------------------------------
+
+    def posterior(self, particles: int | None) -> dict[str, dict[str, torch.Tensor]]:
+        """Posterior, log likelihood, posterior predictive and observed data over the full data."""
+        guided = [s for s in self.latents if s.guided]
+        latents = self._new(guided)
+        for rows in self.combos:
+            guide = poutine.condition(
+                _PlateRows(rows)(self.guide), data=self._fixed(latents, rows, particles)
+            )
+            self._collect(self._trace(guide, particles), latents, rows, particles)
+        latents.update(self._new(s for s in self.latents if not s.guided))
+        deterministic = self._new(s for s in self.sites.values() if s.kind == "deterministic")
+        observed = [self.sites[name] for name in self.observed]
+        loglik, predictive, data = self._new(observed, loglik=True), self._new(observed), {}
+        for i, rows in enumerate(self.combos):
+            model = _PlateRows(rows)(self.model)
+            conditioned = poutine.condition(model, data=self._fixed(latents, rows, particles))
+            trace = self._trace(conditioned, particles)
+            if particles is not None and i == 0:
+                self._verify(model, trace, particles, [s.name for s in self.latents])
+            self._collect(trace, {**latents, **deterministic}, rows, particles)
+            self._collect(trace, loglik, rows, particles, loglik=True)
+            for name in self.observed:
+                value = trace.nodes[name]["value"].expand(self.sites[name].shape)
+                data.setdefault(name, _Assembly(self.sites[name].chunked, self.full_sizes))
+                data[name].scatter(rows, value)
+            released = _ReleaseObserved(self.observed)(model)
+            fixed = self._fixed(latents, rows, particles)
+            trace = self._trace(poutine.condition(released, data=fixed), particles)
+            if particles is not None and i == 0:
+                self._verify(released, trace, particles, list(fixed) + self.observed)
+            self._collect(trace, predictive, rows, particles)
+        return {
+            "posterior": _values({**latents, **deterministic}),
+            "log_likelihood": _values(loglik),
+            "posterior_predictive": _values(predictive),
+            "observed_data": _values(data),
+        }
+
+    def prior(self, particles: int | None) -> dict[str, dict[str, torch.Tensor]]:
+        """Prior and prior predictive draws over the full data."""
+        latents = self._new(self.latents)
+        deterministic = self._new(s for s in self.sites.values() if s.kind == "deterministic")
+        predictive = self._new(self.sites[name] for name in self.observed)
+        for i, rows in enumerate(self.combos):
+            released = _ReleaseObserved(self.observed)(_PlateRows(rows)(self.model))
+            conditioned = poutine.condition(released, data=self._fixed(latents, rows, particles))
+            trace = self._trace(conditioned, particles)
+            if particles is not None and i == 0:
+                names = [s.name for s in self.latents] + self.observed
+                self._verify(released, trace, particles, names)
+            self._collect(trace, {**latents, **deterministic}, rows, particles)
+            self._collect(trace, predictive, rows, particles)
+        return {
+            "prior": _values({**latents, **deterministic}),
+            "prior_predictive": _values(predictive),
+        }
+
+    def _verify(self, model: Callable, trace: Trace, particles: int, names: list[str]) -> None:
+        """Check draws ``0`` and ``S - 1`` of a batched run against unbatched runs of ``model``
+        conditioned on the same values of the sites ``names``: every site's log density and every
+        deterministic value must agree (to ``sqrt(eps)`` of the dtype).
+        """
+        batched = {}  # per site: (S, ...) log densities, or values of deterministic sites
+        for name, node in trace.nodes.items():
+            if node["type"] == "sample" and not site_is_subsample(node) and name != _DRAW_PLATE:
+                batched[name] = node["value"] if _is_deterministic(node) else _log_density(node)
+        for s in sorted({0, particles - 1}):
+            data = {
+                name: self._per_draw(
+                    trace.nodes[name]["value"], self.sites[name].shape, particles, f"site {name!r}"
+                )[s]
+                for name in names
+            }
+            single = self._trace(poutine.condition(model, data=data), None)
+            for name, node in single.nodes.items():
+                if node["type"] != "sample" or site_is_subsample(node):
+                    continue
+                expected = node["value"] if _is_deterministic(node) else _log_density(node)
+                got = self._per_draw(batched[name], expected.shape, particles, f"site {name!r}")[s]
+                tol = torch.finfo(expected.dtype).eps ** 0.5 if expected.is_floating_point() else 0
+                if not torch.allclose(got, expected, rtol=tol, atol=tol, equal_nan=True):
+                    raise _NotVectorized(
+                        f"draw {s} of site {name!r} differs between the batched run and an "
+                        "unbatched run"
+                    )
+
+
+def _values(assemblies: Mapping[str, _Assembly]) -> dict[str, torch.Tensor]:
+    return {name: assembly.value for name, assembly in assemblies.items()}
+
+
+def _guide_latents(guide_trace: Trace) -> dict[str, torch.Tensor]:
+    """The values the guide drew for the model's latent sites (not its auxiliary sites)."""
+    return {
+        name: node["value"]
+        for name, node in guide_trace.nodes.items()
+        if node["type"] == "sample"
+        and not node["is_observed"]
+        and not site_is_subsample(node)
+        and not node["infer"].get("is_auxiliary")
+    }
+
+
+def _chunks(size: int, batch: int) -> list[torch.Tensor]:
+    """Rows ``0..size-1`` in chunks of exactly ``batch`` consecutive indices (the last one ends at
+    ``size`` and may overlap the one before)."""
+    starts = [*range(0, size - batch, batch), size - batch]
+    return [torch.arange(start, start + batch) for start in starts]
+
+
+class _RefuseNewParams(Messenger):
+    """Raises at a ``pyro.param`` that is not in the param store yet (a guide never run)."""
+
+    def _pyro_param(self, msg) -> None:
+        if msg["name"] not in pyro.get_param_store():
+            raise RuntimeError(
+                f"the guide's parameter {msg['name']!r} does not exist yet: the guide was never "
+                "run. Fit it first (svi.step(*args, **kwargs)), or at least run it once with the "
+                "model's arguments"
+            )
+
+
+def check_guide_was_run(guide: Callable, args: tuple, kwargs: dict) -> None:
+    """Refuse a guide that was never run (an AutoGuide without prototype trace, or a guide whose
+    parameters are not in Pyro's param store).
+
+    Raises:
+        RuntimeError: naming the fix (run ``svi.step`` first).
+    """
+    if isinstance(guide, AutoGuide):
+        if guide.prototype_trace is None:
+            raise RuntimeError(
+                f"{type(guide).__name__} was never run, so it has no parameters to draw from: fit "
+                "it first (svi.step(*args, **kwargs)), or at least call guide(*args, **kwargs) once"
+            )
+        return
+    with torch.no_grad(), _RefuseNewParams():
+        poutine.trace(guide).get_trace(*args, **kwargs)
+
+
+def draw(
+    model: Callable,
+    guide: Callable,
+    args: tuple,
+    kwargs: dict,
+    num_samples: int,
+    prior: bool,
+) -> Draws:
+    """Draw the posterior, log likelihood, posterior predictive, observed data and (with
+    ``prior``) the prior and prior predictive, batched over the draws if the model allows it.
+    """
+    check_guide_was_run(guide, args, kwargs)
+    with torch.no_grad():
+        runner = _Runner(model, guide, args, kwargs)
+        groups, vectorized = _batched_or_looped(runner.posterior, num_samples, "posterior")
+        prior_groups = {"prior": None, "prior_predictive": None}
+        if prior:
+            prior_groups, _ = _batched_or_looped(runner.prior, num_samples, "prior")
+    return Draws(
+        sites=runner.sites,
+        full_sizes=runner.full_sizes,
+        vectorized=vectorized,
+        **groups,
+        **prior_groups,
+    )
+
+
+def _batched_or_looped(fn: Callable, num_samples: int, label: str):
+    try:
+        return fn(num_samples), True
+    except Exception as error:  # any failure of the batched run: loop instead
+        logger.info(
+            "the %s draws do not vectorize (%s: %s); looping over %d draws",
+            label,
+            type(error).__name__,
+            error,
+            num_samples,
+        )
+    runs = [fn(None) for _ in tqdm(range(num_samples), desc=f"{label} draws", disable=None)]
+    stacked = {
+        group: {name: torch.stack([run[group][name] for run in runs]) for name in runs[0][group]}
+        for group in runs[0]
+        if group != "observed_data"
+    }
+    if "observed_data" in runs[0]:
+        stacked["observed_data"] = runs[0]["observed_data"]  # the data: no draw axis
+    return stacked, False

@@ -1,0 +1,97 @@
+"""``to_inference_data``: a fitted guide and its model as an ArviZ ``InferenceData``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from importlib.metadata import version
+from typing import TYPE_CHECKING
+
+import torch
+
+from .arviz_v0 import to_inference_data_v0
+from .draws import draw
+from .labels import label
+
+if TYPE_CHECKING:
+    from arviz import InferenceData
+
+__all__ = ["to_inference_data"]
+
+
+def to_inference_data(
+    model: Callable,
+    guide: Callable,
+    *args,
+    num_samples: int = 1000,
+    prior: bool = True,
+    log_likelihood: bool = True,
+    coords: Mapping[str, Sequence] | None = None,
+    dims: Mapping[str, Sequence[str]] | None = None,
+    **kwargs,
+) -> InferenceData:
+    """Export a fitted variational posterior to ArviZ: summaries, LOO, predictive checks, plots.
+
+    ``model``, ``guide``, ``*args`` and ``**kwargs`` are what was passed to ``svi.step``; the
+    observed sites and their data are read from the model's trace. The groups are
+
+    - ``posterior``: ``num_samples`` draws of the guide (one chain), the model's latent sites in
+      their constrained space and its deterministic sites;
+    - ``posterior_predictive``: for each posterior draw, new values of the observed sites from the
+      model with its observations released;
+    - ``log_likelihood`` (with ``log_likelihood=True``): ``log p(y_i | theta_s)`` pointwise per
+      observation, without minibatch scale factors, as ``arviz.loo`` and ``arviz.waic`` need;
+    - ``observed_data``: the data of the observed sites;
+    - ``prior`` and ``prior_predictive`` (with ``prior=True``): draws of the model's prior.
+
+    Everything covers the full data: a plate that subsamples (``subsample_size=B``) is swept in
+    chunks of ``B`` rows, with the guide's local latents drawn for every row. Dims are named after
+    the model's plates, with coordinates ``0..n-1``; other dims are ``{site}_dim_{k}``, and the
+    singleton dims that line sites up with deeper plates are removed.
+
+    The draws are computed in one batched run of the guide and the model when they broadcast over a
+    draw dim (checked against unbatched runs), and one draw at a time otherwise (``PyroModule``
+    networks); ``idata.posterior.attrs["vectorized"]`` records which (1 or 0).
+
+    Args:
+        model: the Pyro model.
+        guide: the fitted guide, any ``AutoGuide`` (Pyro's or pyro-quadvi's) or guide function.
+        *args: the model's positional arguments, with the full data.
+        num_samples: the number of posterior (and prior) draws.
+        prior: also draw the ``prior`` and ``prior_predictive`` groups.
+        log_likelihood: include the ``log_likelihood`` group.
+        coords: coordinates that replace or add to the plates' ``0..n-1``, ``dim -> values``.
+        dims: ``variable -> dim names`` that replace a variable's dim names (after chain and draw;
+            a log likelihood takes the leading ones).
+        **kwargs: the model's keyword arguments.
+
+    Returns:
+        An ``arviz.InferenceData``.
+
+    Raises:
+        RuntimeError: if the guide was never run (fit it with ``svi.step`` first).
+        ValueError: for a bad ``num_samples`` or ``dims``, a plate given only some of its indices
+            by the model's arguments, or a log likelihood that is not finite.
+        NotImplementedError: with ArviZ 1.x.
+    """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    arviz_major = int(version("arviz").split(".")[0])
+    if arviz_major >= 1:
+        raise NotImplementedError(
+            f"to_inference_data supports ArviZ 0.x; ArviZ {version('arviz')} is installed: "
+            "install arviz<1"
+        )
+    draws = draw(model, guide, args, kwargs, num_samples, prior)
+    if log_likelihood:
+        for name, values in draws.log_likelihood.items():
+            bad = ~torch.isfinite(values)
+            if bad.any():
+                s = int(bad.nonzero()[0, 0])
+                raise ValueError(
+                    f"the log likelihood of {name!r} is not finite at posterior draw {s}: the "
+                    "guide puts mass where the model's density is zero or undefined; check the "
+                    "supports of the model's and the guide's distributions"
+                )
+    groups, all_coords = label(draws, log_likelihood, coords, dims)
+    attrs = {"vectorized": int(draws.vectorized), "guide": type(guide).__name__}
+    return to_inference_data_v0(groups, all_coords, attrs)
