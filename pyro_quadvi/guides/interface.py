@@ -19,7 +19,7 @@ from pyro.distributions.transforms import Transform
 from pyro.distributions.util import is_identically_one
 from pyro.infer.autoguide import AutoNormal
 from pyro.poutine import Trace
-from torch.distributions import biject_to
+from torch.distributions import Independent, biject_to
 
 __all__ = [
     "MeanFieldGuide",
@@ -100,8 +100,10 @@ def mean_field_sites_from_trace(guide: AutoNormal, trace: Trace) -> list[MeanFie
     sites = []
     for name, proto in guide.prototype_trace.iter_stochastic_nodes():
         aux = trace.nodes[name + "_unconstrained"]
-        normal = aux["fn"]  # Normal(loc, scale), possibly .to_event(): mean and stddev are them
-        event_dim = normal.event_dim
+        event_dim = aux["fn"].event_dim
+        normal = aux["fn"]  # Normal(loc, scale), possibly .to_event()
+        while isinstance(normal, Independent):
+            normal = normal.base_dist
         rows = {}
         for frame in aux["cond_indep_stack"]:
             if frame.vectorized and frame.full_size is not None and frame.full_size != frame.size:
@@ -110,8 +112,8 @@ def mean_field_sites_from_trace(guide: AutoNormal, trace: Trace) -> list[MeanFie
         sites.append(
             MeanFieldSite(
                 name=name,
-                loc=normal.mean,
-                scale=normal.stddev,
+                loc=normal.loc,
+                scale=normal.scale,
                 transform=biject_to(proto["fn"].support),
                 event_dim=event_dim,
                 scale_factor=1.0 if is_identically_one(scale) else float(scale),
