@@ -21,6 +21,7 @@ MAX_HADAMARD_DIM = 2**31
 """Coordinates are indexed by 32-bit integers: the sequence supports ``dim <= 2^31``."""
 
 _INDEX_MASK = MAX_HADAMARD_DIM - 1
+_LOW_BITS = 16
 
 
 def _parity(bits: torch.Tensor) -> torch.Tensor:
@@ -61,9 +62,19 @@ class _HadamardNodes(NodeSet):
         return torch.arange(self.dim, dtype=torch.int32, device=self.device)
 
     def node(self, k: int) -> torch.Tensor:
+        """Signs for iterate ``q``, as the Kronecker product of the Sylvester-Hadamard rows of the
+        high and low 16 index bits: ``parity(i & q) = parity(i_hi & q_hi) xor parity(i_lo & q_lo)``
+        so the ``dim`` signs take one pass over memory after two short bit computations."""
         k = self._check_index(k)
-        signs = hadamard_signs(self._index(), self.first_iterate + k // 2, dtype=self.dtype)
-        return signs if k % 2 == 0 else -signs
+        q = (self.first_iterate + k // 2) & _INDEX_MASK
+        low_size = min(self.dim, 1 << _LOW_BITS)
+        high_size = -(-self.dim // low_size)
+        index = torch.arange(low_size, dtype=torch.int32, device=self.device)
+        low = hadamard_signs(index, q & ((1 << _LOW_BITS) - 1), dtype=self.dtype)
+        high = hadamard_signs(index[:high_size], q >> _LOW_BITS, dtype=self.dtype)
+        if k % 2:
+            high = -high
+        return torch.outer(high, low).reshape(-1)[: self.dim]
 
     def matrix(self) -> torch.Tensor:
         num_pairs = len(self) // 2

@@ -27,17 +27,22 @@ class _MonteCarloNodes(NodeSet):
         self.shift = None
         self.scale = None
         if moments >= 1:
-            total = torch.zeros(dim, dtype=self.dtype, device=self.device)
-            total_sq = torch.zeros_like(total)
+            # Welford's streaming update: numerically stable even when the K draws of a coordinate
+            # nearly coincide (the textbook E[z^2] - E[z]^2 cancels to zero there).
+            mean = torch.zeros(dim, dtype=self.dtype, device=self.device)
+            sum_sq = torch.zeros_like(mean) if moments == 2 else None
             for k in range(len(self)):
                 z = self._raw(k)
-                total += z
+                delta = z - mean
+                mean.add_(delta, alpha=1.0 / (k + 1))
                 if moments == 2:
-                    total_sq += z * z
-            self.shift = total / len(self)
+                    sum_sq.addcmul_(delta, z.sub_(mean))
+            self.shift = mean
             if moments == 2:
-                variance = (total_sq / len(self) - self.shift**2).clamp_min(0.0)
-                self.scale = variance.sqrt()
+                scale = (sum_sq / len(self)).sqrt_()
+                # All K draws equal (possible in float32 with K = 2): the centred offsets are
+                # exactly zero there; divide by 1 rather than produce 0 / 0.
+                self.scale = scale.masked_fill_(scale == 0, 1.0)
 
     def _raw(self, k: int) -> torch.Tensor:
         generator = torch.Generator(device=self.device).manual_seed(self.seed + k)
@@ -46,17 +51,9 @@ class _MonteCarloNodes(NodeSet):
     def node(self, k: int) -> torch.Tensor:
         z = self._raw(self._check_index(k))
         if self.shift is not None:
-            z = z - self.shift
+            z.sub_(self.shift)
         if self.scale is not None:
-            z = z / self.scale
-        return z
-
-    def matrix(self) -> torch.Tensor:
-        z = torch.stack([self._raw(k) for k in range(len(self))])
-        if self.moments >= 1:
-            z = z - z.mean(dim=0)
-        if self.moments == 2:
-            z = z / z.std(dim=0, correction=0)
+            z.div_(self.scale)
         return z
 
 

@@ -46,6 +46,11 @@ def cross_reference(r: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     return torch.cat([eye, -eye], dim=1)
 
 
+_GATHER_CHUNK = 1 << 20
+"""Coordinates gathered per pass in :meth:`_AffinityNodes.node`: the small integers are widened
+to int32 (as ``index_select`` needs) one chunk at a time, never all ``dim`` at once."""
+
+
 def _index_dtype(num_values: int) -> torch.dtype:
     """The smallest signed integer dtype that holds ``0 .. num_values - 1``."""
     for dtype in (torch.int8, torch.int16, torch.int32):
@@ -63,7 +68,12 @@ class _AffinityNodes(NodeSet):
         self.index = index  # (dim,) small integers
 
     def node(self, k: int) -> torch.Tensor:
-        return self.table[:, self._check_index(k)][self.index.long()]
+        column = self.table[:, self._check_index(k)]
+        out = torch.empty(self.dim, dtype=column.dtype, device=column.device)
+        for start in range(0, self.dim, _GATHER_CHUNK):
+            stop = min(start + _GATHER_CHUNK, self.dim)
+            torch.index_select(column, 0, self.index[start:stop].int(), out=out[start:stop])
+        return out
 
     def matrix(self) -> torch.Tensor:
         return self.table.T[:, self.index.long()]
