@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from . import quadrature
+from . import evidence, quadrature
+from .evidence import OPQAResult, opqa_evidence
 from .quadrature import make_rule
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["__version__", "make_rule", "quadrature"]
+__all__ = [
+    "OPQAResult",
+    "__version__",
+    "evidence",
+    "make_rule",
+    "opqa_evidence",
+    "quadrature",
+]
