@@ -42,7 +42,7 @@ from pyro.poutine.util import site_is_subsample
 
 from ..infer.log_joint import LogJoint, latent_sites_of_model
 from ..quadrature.hermite import gauss_hermite, orthonormal_hermite
-from .posterior import OPQAPosterior
+from .posterior import OPQAPosterior, multi_indices
 from .weight import GaussianWeight, fixed_weight, guide_weight, laplace_weight
 
 __all__ = ["OPQAResult", "opqa_evidence"]
@@ -129,6 +129,9 @@ def opqa_evidence(
             a terminal).
         **kwargs: the model's keyword arguments (the names above are taken).
 
+    The grid points are float64; a model computing in float32 limits the accuracy to about
+    ``1e-7`` relative in the evidence.
+
     Returns:
         An :class:`OPQAResult`. Its ``diagnostics`` hold ``center``, ``dim``, ``num_points``,
         ``max_degree``, ``grid_size``, ``loc`` and ``scale_tril`` (the weight),
@@ -190,7 +193,8 @@ def opqa_evidence(
     scaled = pi
     for _ in range(dim):
         scaled = torch.tensordot(scaled, table, dims=([0], [0]))
-    degree = _total_degree(num_points, dim)
+    indices = multi_indices(num_points, dim)
+    degree = indices.sum(0)
     keep = degree <= (max_degree if max_degree is not None else dim * (num_points - 1))
     truncated = torch.where(keep, scaled, torch.zeros_like(scaled))
     energy = truncated.square()
@@ -201,7 +205,7 @@ def opqa_evidence(
     quadrature_log_evidence = float(torch.logsumexp(log_w + log_g, 0))
     top = dim * (num_points - 1)
     energy_by_degree = [float(energy[degree == k].sum() / total) for k in range(top + 1)]
-    edge = (_max_index(num_points, dim) == num_points - 1) & keep
+    edge = (indices.amax(0) == num_points - 1) & keep
     diagnostics = {
         "center": center,
         "dim": dim,
@@ -299,17 +303,6 @@ def _grid_digits(index: torch.Tensor, num_points: int, dim: int) -> list[torch.T
         torch.div(index, num_points ** (dim - 1 - k), rounding_mode="floor") % num_points
         for k in range(dim)
     ]
-
-
-def _total_degree(num_points: int, dim: int) -> torch.Tensor:
-    """``|tau|`` for every multi-index of the coefficient tensor, shape ``(num_points,) * dim``."""
-    ranges = torch.meshgrid(*[torch.arange(num_points)] * dim, indexing="ij")
-    return sum(ranges)
-
-
-def _max_index(num_points: int, dim: int) -> torch.Tensor:
-    ranges = torch.meshgrid(*[torch.arange(num_points)] * dim, indexing="ij")
-    return torch.stack(ranges).amax(0)
 
 
 class _GridEvaluator:

@@ -241,13 +241,21 @@ class OPQAPosterior:
         m, d = self.num_points, self.dim
         if d == 1:
             return None, True
-        degree = sum(torch.meshgrid(*[torch.arange(m)] * d, indexing="ij"))
+        degree = multi_indices(m, d).sum(0)
         significant = self.coefficients.abs() > 1e-12
         top = int(degree[significant].max()) if significant.any() else 0
         cap = max(1, math.floor(_MAX_COMPLEMENT_NODES ** (1.0 / (d - 1)) + 1e-9))
         points = min(top + 1, cap)
         y, w = GaussHermiteRule(points).nodes(d - 1, dtype=torch.float64)
         return (y, w), points == top + 1
+
+
+def multi_indices(num_points: int, dim: int) -> torch.Tensor:
+    """The multi-index ``tau`` at every entry of a coefficient tensor ``(num_points,) * dim``.
+
+    Returns a tensor of shape ``(dim,) + (num_points,) * dim``: entry ``[k, tau]`` is ``tau_k``.
+    """
+    return torch.stack(torch.meshgrid(*[torch.arange(num_points)] * dim, indexing="ij"))
 
 
 def _elementwise(transform: Transform) -> Transform | None:
