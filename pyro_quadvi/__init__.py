@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from . import quadrature
+from . import evidence, quadrature
+from .evidence import OPQAResult, opqa_evidence
 from .export import to_inference_data
 from .guides import AutoMeanFieldNormal
 from .infer import QuadratureELBO
@@ -12,9 +13,12 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AutoMeanFieldNormal",
+    "OPQAResult",
     "QuadratureELBO",
     "__version__",
+    "evidence",
     "make_rule",
+    "opqa_evidence",
     "quadrature",
     "to_inference_data",
 ]

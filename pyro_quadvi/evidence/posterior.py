@@ -1,0 +1,265 @@
+"""The OPQA posterior density ``p_T(x)^2 phi(x)`` (opqa paper, Section 2.1), on the model's latents.
+
+With normalized coefficients ``b_tau = a_tau / sqrt(sum_T a^2)`` the polynomial
+``p_T(x) = sum_{tau in T} b_tau psi_tau(x)`` has unit norm under ``N(0, I)``, so
+``q(x) = p_T(x)^2 phi(x)`` is a probability density of the standard offsets. It is carried to the
+unconstrained latents by ``z = m + L x`` (dividing by ``|det L|``) and to the model's constrained
+latents by ``theta = T(z)`` (dividing by ``|det dT/dz|``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributions.transforms import IndependentTransform, Transform
+
+from ..infer.log_joint import LatentSite
+from ..quadrature.hermite import GaussHermiteRule, orthonormal_hermite
+
+__all__ = ["Marginal", "OPQAPosterior"]
+
+_BATCH_ELEMENTS = 2**22  # points x coefficients evaluated at once in p_T
+_MAX_COMPLEMENT_NODES = 4096  # Gauss-Hermite nodes over the other coordinates, per marginal value
+
+
+@dataclass
+class Marginal:
+    """The one-dimensional marginal densities of the coordinates of a latent site, on a grid.
+
+    Attributes:
+        values: the grid of each coordinate, shape ``(num, *shape)``: constrained values, or the
+            unconstrained ones where ``constrained`` is false.
+        density: the marginal density at ``values``, same shape.
+        unconstrained_values, unconstrained_density: the same in Pyro's unconstrained space.
+        constrained: whether ``values`` are constrained; false for sites whose transform is not
+            elementwise (a simplex, say), where a constrained coordinate is not a function of one
+            unconstrained coordinate.
+        exact: whether the integral over the other coordinates was exact (always, unless the
+            expansion has a high degree in many dimensions; see :meth:`OPQAPosterior.marginals`).
+    """
+
+    values: torch.Tensor
+    density: torch.Tensor
+    unconstrained_values: torch.Tensor
+    unconstrained_density: torch.Tensor
+    constrained: bool
+    exact: bool
+
+
+class OPQAPosterior:
+    """The density ``p_T(x)^2 phi(x)`` of the OPQA expansion, in the model's latent spaces.
+
+    Args:
+        sites: the latent sites laid out in the flat unconstrained vector.
+        loc, scale_tril: the weight: ``z = loc + scale_tril @ x``.
+        coefficients: the normalized coefficients ``b_tau``, shape ``(num_points,) * dim``,
+            ``sum b^2 = 1``.
+    """
+
+    def __init__(
+        self,
+        sites: Sequence[LatentSite],
+        loc: torch.Tensor,
+        scale_tril: torch.Tensor,
+        coefficients: torch.Tensor,
+    ):
+        self.sites = list(sites)
+        self.loc = loc
+        self.scale_tril = scale_tril
+        self.coefficients = coefficients
+        self.dim = loc.shape[0]
+        self.num_points = coefficients.shape[0]
+        self._moments: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def polynomial(self, x: torch.Tensor) -> torch.Tensor:
+        """``p_T(x)`` at standard offsets ``x`` of shape ``(..., dim)``."""
+        batch = x.shape[:-1]
+        flat = x.reshape(-1, self.dim).to(torch.float64)
+        step = max(1, _BATCH_ELEMENTS // self.num_points ** max(self.dim - 1, 1))
+        return torch.cat([self._polynomial(chunk) for chunk in flat.split(step)]).reshape(batch)
+
+    def _polynomial(self, x: torch.Tensor) -> torch.Tensor:
+        psi = orthonormal_hermite(x, self.num_points - 1)  # (B, dim, m)
+        out = torch.tensordot(psi[:, 0], self.coefficients, dims=([1], [0]))  # (B, m, ...)
+        for k in range(1, self.dim):
+            out = torch.einsum("bi,bi...->b...", psi[:, k], out)
+        return out
+
+    def log_prob_unconstrained(self, z: torch.Tensor) -> torch.Tensor:
+        """Log density at flat unconstrained latents ``z`` of shape ``(..., dim)``."""
+        z = torch.as_tensor(z, dtype=torch.float64)
+        if z.shape[-1:] != (self.dim,):
+            raise ValueError(
+                f"expected unconstrained latents of shape (..., {self.dim}), got {tuple(z.shape)}"
+            )
+        centred = (z - self.loc).reshape(-1, self.dim).T
+        x = torch.linalg.solve_triangular(self.scale_tril, centred, upper=False).T
+        log_phi = -0.5 * (x**2).sum(-1) - 0.5 * self.dim * math.log(2 * math.pi)
+        log_det = self.scale_tril.diagonal().abs().log().sum()
+        log_q = 2.0 * self.polynomial(x).abs().log() + log_phi - log_det
+        return log_q.reshape(z.shape[:-1])
+
+    def log_prob(self, values: Mapping[str, torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        """Log density at the model's constrained latents.
+
+        Args:
+            values: ``{site: value}`` with every latent site, each of shape
+                ``batch + constrained site shape`` (a common ``batch``); a tensor for a model
+                with one latent site.
+
+        Returns:
+            The log density of shape ``batch``, with the log-Jacobian of ``theta -> z``.
+        """
+        if isinstance(values, torch.Tensor):
+            if len(self.sites) != 1:
+                raise ValueError(
+                    "log_prob needs a dict {site: value} for a model with several latent sites: "
+                    f"{[site.name for site in self.sites]}"
+                )
+            values = {self.sites[0].name: values}
+        flats, log_jacobian, batch = [], 0.0, None
+        for site in self.sites:
+            if site.name not in values:
+                raise ValueError(f"log_prob: no value for the latent site {site.name!r}")
+            value = torch.as_tensor(values[site.name], dtype=torch.float64)
+            shape = tuple(site.transform.forward_shape(site.shape))
+            if tuple(value.shape[value.dim() - len(shape) :]) != shape:
+                raise ValueError(
+                    f"log_prob: site {site.name!r} takes values of shape (..., {shape}), got "
+                    f"{tuple(value.shape)}"
+                )
+            site_batch = value.shape[: value.dim() - len(shape)]
+            if batch is not None and site_batch != batch:
+                raise ValueError(
+                    f"log_prob: the sites' batch shapes differ ({tuple(batch)} and "
+                    f"{tuple(site_batch)} at {site.name!r})"
+                )
+            batch = site_batch
+            z = site.transform.inv(value)
+            ladj = site.transform.log_abs_det_jacobian(z, value)
+            log_jacobian = log_jacobian + ladj.reshape((*batch, -1)).sum(-1)
+            flats.append(z.reshape((*batch, site.numel)))
+        return self.log_prob_unconstrained(torch.cat(flats, -1)) - log_jacobian
+
+    def _x_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact mean and covariance of ``x`` under ``p_T^2 phi``.
+
+        ``x_k psi_n = sqrt(n + 1) psi_{n+1} + sqrt(n) psi_{n-1}`` maps the coefficients of
+        ``p_T`` to those of ``x_k p_T``; ``E[x_k] = <p_T, x_k p_T>`` and
+        ``E[x_k x_l] = <x_k p_T, x_l p_T>`` by orthonormality.
+        """
+        if self._moments is None:
+            m, d = self.num_points, self.dim
+            padded = torch.nn.functional.pad(self.coefficients, (0, 1) * d)  # (m + 1,) * d
+            root = torch.arange(m + 1, dtype=torch.float64).sqrt()
+            times = []
+            for k in range(d):
+                moved = padded.movedim(k, -1)
+                up = torch.zeros_like(moved)
+                up[..., 1:] = root[1:] * moved[..., :-1]  # sqrt(n) b_{n-1}
+                up[..., :-1] += root[1:] * moved[..., 1:]  # sqrt(n + 1) b_{n+1}
+                times.append(up.movedim(-1, k).reshape(-1))
+            products = torch.stack(times)  # (d, (m + 1)^d)
+            mean = products @ padded.reshape(-1)
+            second = products @ products.T
+            self._moments = (mean, second - torch.outer(mean, mean))
+        return self._moments
+
+    @property
+    def mean_unconstrained(self) -> torch.Tensor:
+        """The exact mean of the flat unconstrained latents under the density, shape ``(dim,)``."""
+        return self.loc + self.scale_tril @ self._x_moments()[0]
+
+    @property
+    def covariance_unconstrained(self) -> torch.Tensor:
+        """The exact covariance of the flat unconstrained latents, shape ``(dim, dim)``."""
+        return self.scale_tril @ self._x_moments()[1] @ self.scale_tril.T
+
+    def marginals(self, num: int = 201, width: float = 6.0) -> dict[str, Marginal]:
+        """One-dimensional marginal densities of every latent coordinate, on a grid.
+
+        The grid of a coordinate spans its exact mean plus or minus ``width`` exact standard
+        deviations in the unconstrained space (``num`` equally spaced values there, mapped through
+        the site's transform). A coordinate ``z_i = m_i + s u`` depends on the standard offsets
+        through one direction ``u = e^T x``; its density is ``phi(u) E_y[p_T(u e + Q y)^2] / s``
+        with ``Q`` an orthonormal basis of the complement of ``e``, and the expectation is a
+        tensor Gauss-Hermite quadrature over ``y``, exact for the degree of ``p_T`` (capped at
+        4096 nodes: ``Marginal.exact`` is false if the cap cut it).
+        """
+        if num < 2:
+            raise ValueError(f"marginals: num must be >= 2, got {num}")
+        mean, covariance = self._x_moments()
+        complement_rule, exact = self._complement_rule()
+        densities, grids = [], []
+        for i in range(self.dim):
+            row = self.scale_tril[i]
+            scale = row.norm()
+            direction = row / scale
+            basis = torch.linalg.qr(
+                torch.cat([direction[:, None], torch.eye(self.dim, dtype=torch.float64)], 1)
+            ).Q[:, 1:]
+            centre = float(direction @ mean)
+            spread = math.sqrt(float(direction @ covariance @ direction))
+            u = torch.linspace(
+                centre - width * spread, centre + width * spread, num, dtype=torch.float64
+            )
+            if complement_rule is None:
+                squared = self.polynomial(u[:, None] * direction).square()
+            else:
+                y, w = complement_rule
+                x = u[:, None, None] * direction + y @ basis.T  # (num, K, dim)
+                squared = self.polynomial(x).square() @ w
+            log_phi = -0.5 * u**2 - 0.5 * math.log(2 * math.pi)
+            densities.append(log_phi.exp() * squared / scale)
+            grids.append(self.loc[i] + scale * u)
+        grid = torch.stack(grids, -1)
+        density = torch.stack(densities, -1)
+        result, start = {}, 0
+        for site in self.sites:
+            z = grid[:, start : start + site.numel].reshape((num, *site.shape))
+            dz = density[:, start : start + site.numel].reshape((num, *site.shape))
+            start += site.numel
+            elementwise = _elementwise(site.transform)
+            if elementwise is not None:
+                theta = elementwise(z)
+                dtheta = dz * (-elementwise.log_abs_det_jacobian(z, theta)).exp()
+            else:
+                theta, dtheta = z, dz
+            result[site.name] = Marginal(theta, dtheta, z, dz, elementwise is not None, exact)
+        return result
+
+    def _complement_rule(self) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, bool]:
+        """A Gauss-Hermite rule over ``dim - 1`` coordinates, and whether it is exact.
+
+        ``p_T(u e + Q y)^2`` has degree ``<= 2 top`` in each ``y`` coordinate (``top``: the highest
+        total degree of ``p_T``, counting coefficients above ``1e-12`` of the norm), integrated
+        exactly by ``top + 1`` points per coordinate.
+        """
+        m, d = self.num_points, self.dim
+        if d == 1:
+            return None, True
+        degree = multi_indices(m, d).sum(0)
+        significant = self.coefficients.abs() > 1e-12
+        top = int(degree[significant].max()) if significant.any() else 0
+        cap = max(1, math.floor(_MAX_COMPLEMENT_NODES ** (1.0 / (d - 1)) + 1e-9))
+        points = min(top + 1, cap)
+        y, w = GaussHermiteRule(points).nodes(d - 1, dtype=torch.float64)
+        return (y, w), points == top + 1
+
+
+def multi_indices(num_points: int, dim: int) -> torch.Tensor:
+    """The multi-index ``tau`` at every entry of a coefficient tensor ``(num_points,) * dim``.
+
+    Returns a tensor of shape ``(dim,) + (num_points,) * dim``: entry ``[k, tau]`` is ``tau_k``.
+    """
+    return torch.stack(torch.meshgrid(*[torch.arange(num_points)] * dim, indexing="ij"))
+
+
+def _elementwise(transform: Transform) -> Transform | None:
+    """The elementwise transform behind ``transform`` (unwrapping ``IndependentTransform``)."""
+    while isinstance(transform, IndependentTransform):
+        transform = transform.base_transform
+    return transform if transform.domain.event_dim == 0 else None

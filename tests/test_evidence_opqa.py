@@ -1,0 +1,354 @@
+"""OPQA evidence: exact evidences, the Parseval / Gauss-Hermite identity, truncation, errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from numpy.polynomial import hermite as physicists
+from pyro.infer.autoguide import (
+    AutoDelta,
+    AutoDiagonalNormal,
+    AutoMultivariateNormal,
+    AutoNormal,
+    init_to_value,
+)
+from scipy import integrate
+
+from pyro_quadvi import opqa_evidence
+from pyro_quadvi.guides import AutoMeanFieldNormal
+from pyro_quadvi.infer import LogJoint, latent_sites_of_model
+from pyro_quadvi.quadrature import gauss_hermite
+from tests.evidence_models import (
+    BERNOULLI_DATA,
+    F64,
+    POISSON_DATA,
+    beta_and_gamma,
+    beta_bernoulli,
+    beta_bernoulli_posterior,
+    gamma_poisson,
+    gamma_poisson_posterior,
+    linear_regression,
+    linear_regression_matmul,
+    linear_regression_misbroadcast,
+    linear_regression_posterior,
+    logistic_data,
+    logistic_regression,
+    normal_normal,
+    normal_normal_log_evidence,
+    regression_data,
+)
+
+
+@pytest.fixture(autouse=True)
+def clear_param_store():
+    pyro.clear_param_store()
+
+
+# ---------------------------------------------------------------- exact evidences
+
+
+@pytest.mark.parametrize("num_points", [1, 4, 8])
+def test_normal_normal_centred_is_exact(num_points):
+    x = torch.tensor(0.7, dtype=F64)
+    result = opqa_evidence(normal_normal, x, num_points=num_points)
+    assert abs(result.log_evidence - normal_normal_log_evidence(0.7)) < 1e-8
+
+
+def test_normal_normal_fixed_weight_struggles():
+    # The paper's weight exp(-mu^2) is ten times wider than the posterior (sigma_x = 0.1).
+    x = torch.tensor(0.7, dtype=F64)
+    result = opqa_evidence(normal_normal, x, num_points=8, center="none")
+    assert abs(result.log_evidence - normal_normal_log_evidence(0.7)) > 1e-2
+    assert result.diagnostics["edge_fraction"] > 1e-3  # and the diagnostics say so
+
+
+@pytest.mark.parametrize("num_points", [1, 3])
+def test_linear_regression_with_correlated_features_is_exact(num_points):
+    X, y = regression_data()
+    assert torch.corrcoef(X.T)[0, 1] > 0.8
+    _, _, log_evidence = linear_regression_posterior(X, y)
+    result = opqa_evidence(linear_regression, X, y, num_points=num_points)
+    assert abs(result.log_evidence - log_evidence) < 1e-8
+    assert result.diagnostics["vectorized"]
+
+
+def test_beta_latent_evidence():
+    _, _, log_evidence = beta_bernoulli_posterior(BERNOULLI_DATA)
+    result = opqa_evidence(beta_bernoulli, BERNOULLI_DATA, num_points=24)
+    assert abs(result.log_evidence - log_evidence) < 1e-8
+
+
+def test_gamma_latent_evidence():
+    _, _, log_evidence = gamma_poisson_posterior(POISSON_DATA)
+    result = opqa_evidence(gamma_poisson, POISSON_DATA, num_points=20)
+    assert abs(result.log_evidence - log_evidence) < 1e-8
+
+
+def test_two_constrained_sites_evidence_is_the_product():
+    expected = (
+        beta_bernoulli_posterior(BERNOULLI_DATA)[2] + gamma_poisson_posterior(POISSON_DATA)[2]
+    )
+    result = opqa_evidence(beta_and_gamma, BERNOULLI_DATA, POISSON_DATA, num_points=24)
+    assert result.diagnostics["dim"] == 2
+    assert abs(result.log_evidence - expected) < 1e-8
+
+
+def test_evidence_converges_with_points():
+    _, _, log_evidence = beta_bernoulli_posterior(BERNOULLI_DATA)
+    errors = [
+        abs(opqa_evidence(beta_bernoulli, BERNOULLI_DATA, num_points=m).log_evidence - log_evidence)
+        for m in (4, 8, 16)
+    ]
+    assert errors[0] > errors[1] > errors[2]
+    assert errors[0] > 1e-5  # the comparison is not vacuous
+
+
+# ---------------------------------------------------------------- guides as the weight
+
+
+def _gamma_guide(guide_class, loc: float, scale: float):
+    init = init_to_value(values={"rate": torch.tensor(math.exp(loc), dtype=F64)})
+    return guide_class(gamma_poisson, init_loc_fn=init, init_scale=scale)
+
+
+@pytest.mark.parametrize(
+    "guide_class", [AutoNormal, AutoMeanFieldNormal, AutoDiagonalNormal, AutoMultivariateNormal]
+)
+def test_guide_weight(guide_class):
+    _concentration, _rate, log_evidence = gamma_poisson_posterior(POISSON_DATA)
+    # a guide a little off the posterior of log(rate) (mean ~1.35, sd ~0.19)
+    guide = _gamma_guide(guide_class, 1.3, 0.22)
+    result = opqa_evidence(gamma_poisson, POISSON_DATA, num_points=24, center="guide", guide=guide)
+    assert torch.allclose(result.diagnostics["loc"], torch.tensor([1.3], dtype=F64))
+    assert torch.allclose(result.diagnostics["scale_tril"], torch.tensor([[0.22]], dtype=F64))
+    assert abs(result.log_evidence - log_evidence) < 1e-8
+    assert result.diagnostics["weight_evaluations"] == 0
+
+
+def test_guide_starts_the_laplace_search():
+    concentration, rate, log_evidence = gamma_poisson_posterior(POISSON_DATA)
+    guide = _gamma_guide(AutoNormal, 1.0, 0.5)
+    result = opqa_evidence(gamma_poisson, POISSON_DATA, num_points=20, guide=guide)
+    assert abs(result.log_evidence - log_evidence) < 1e-8
+    # z = log(rate) has density proportional to exp(a z - b e^z): its mode is log(a / b)
+    assert abs(float(result.diagnostics["loc"][0]) - math.log(concentration / rate)) < 1e-7
+
+
+def test_coefficients_of_a_shifted_posterior_are_analytic():
+    # Two independent normal means with the guide's scale equal to the posterior's and its loc
+    # shifted by delta: in the offsets x the posterior is N(delta / sd, I), and
+    # sqrt(g) = sqrt(Z) exp(mu.x / 2 - |mu|^2 / 4) has a_(i,j) = sqrt(Z) e^(-|mu|^2/8)
+    # (mu_1/2)^i (mu_2/2)^j / sqrt(i! j!).
+    obs = torch.tensor([[0.3, -1.2], [0.8, -0.4], [0.5, -0.9]], dtype=F64)
+
+    def model(obs):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros(2, dtype=F64), 1.0).to_event(1))
+        with pyro.plate("obs", obs.shape[0]):
+            pyro.sample("x", dist.Normal(mu, 0.5).to_event(1), obs=obs)
+
+    precision = 1.0 + obs.shape[0] / 0.25
+    post_mean = obs.sum(0) / 0.25 / precision
+    post_sd = precision**-0.5
+    delta = torch.tensor([0.25, -0.5], dtype=F64)
+    guide = AutoNormal(
+        model, init_loc_fn=init_to_value(values={"mu": post_mean - delta}), init_scale=post_sd
+    )
+    result = opqa_evidence(model, obs, num_points=16, center="guide", guide=guide)
+    mu = (delta / post_sd).tolist()
+    i, j = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
+    log_expected = (
+        0.5 * result.log_evidence
+        - (mu[0] ** 2 + mu[1] ** 2) / 8
+        + i * math.log(abs(mu[0]) / 2)
+        + j * math.log(abs(mu[1]) / 2)
+        - 0.5 * (np.vectorize(math.lgamma)(i + 1.0) + np.vectorize(math.lgamma)(j + 1.0))
+    )
+    expected = np.sign(mu[0]) ** i * np.sign(mu[1]) ** j * np.exp(log_expected)
+    low = (i + j) <= 6
+    assert np.abs(result.coefficients.numpy()[low] - expected[low]).max() < 1e-10
+    assert result.coefficients[0, 1] < 0 < result.coefficients[1, 0]  # axes not swapped
+
+
+def test_fixed_weight_coefficients_are_the_papers_eq9():
+    # a_n = int sqrt(P(theta, x)) h_n(theta) exp(-theta^2 / 2) dtheta with the normalized
+    # physicists' Hermite h_n (paper eq. 9, 18-19), by adaptive 1-D quadrature.
+    x, sigma_x = 0.5, 1.0
+    result = opqa_evidence(
+        normal_normal, torch.tensor(x, dtype=F64), 1.0, sigma_x, num_points=40, center="none"
+    )
+
+    def joint(theta):
+        return math.exp(
+            -0.5 * theta**2 - 0.5 * (x - theta) ** 2 / sigma_x**2 - math.log(2 * math.pi * sigma_x)
+        )
+
+    for n in range(6):
+        unit = np.zeros(n + 1)
+        unit[n] = 1.0 / math.sqrt(math.sqrt(math.pi) * 2**n * math.factorial(n))
+
+        def integrand(theta, unit=unit):
+            return (
+                math.sqrt(joint(theta))
+                * physicists.hermval(theta, unit)
+                * math.exp(-0.5 * theta**2)
+            )
+
+        expected, _ = integrate.quad(integrand, -np.inf, np.inf, epsabs=1e-14)
+        assert abs(float(result.coefficients[n]) - expected) < 1e-10
+
+
+# ---------------------------------------------------------------- the identity and truncation
+
+
+def _plain_gauss_hermite(model, args, loc, scale_tril, num_points) -> float:
+    """log of sum_j w_j |det L| f(m + L x_j) / phi(x_j) on the tensor grid, by brute force."""
+    nodes, weights = gauss_hermite(num_points)
+    dim = loc.shape[0]
+    x = torch.cartesian_prod(*[nodes] * dim).reshape(-1, dim)
+    w = torch.cartesian_prod(*[weights] * dim).reshape(-1, dim).prod(-1)
+    log_joint = LogJoint(model, latent_sites_of_model(model, *args))
+    log_f = log_joint(loc + x @ scale_tril.T, args, vectorize=False)
+    log_phi = -0.5 * (x**2).sum(-1) - 0.5 * dim * math.log(2 * math.pi)
+    log_det = scale_tril.diagonal().log().sum()
+    return float(torch.logsumexp(w.log() + log_det + log_f - log_phi, 0))
+
+
+def test_full_degree_equals_plain_gauss_hermite():
+    X, y = logistic_data()
+    result = opqa_evidence(logistic_regression, X, y, num_points=6)
+    loc, scale_tril = result.diagnostics["loc"], result.diagnostics["scale_tril"]
+    plain = _plain_gauss_hermite(logistic_regression, (X, y), loc, scale_tril, 6)
+    assert abs(result.log_evidence - plain) < 1e-12
+    # the expansion is not trivial: the higher coefficients carry part of the sum
+    assert 1e-4 < 1.0 - result.diagnostics["energy_by_degree"][0] < 0.1
+
+
+def test_truncation_never_exceeds_the_full_sum():
+    X, y = logistic_data()
+    full = opqa_evidence(logistic_regression, X, y, num_points=5)
+    values = [
+        opqa_evidence(logistic_regression, X, y, num_points=5, max_degree=k).log_evidence
+        for k in range(9)
+    ]
+    assert all(a <= b + 1e-14 for a, b in itertools.pairwise(values))
+    assert values[0] < values[2] < full.log_evidence
+    assert abs(values[-1] - full.log_evidence) < 1e-13
+    # degree 0 alone: a_0^2 = (sum_j w_j sqrt(g(x_j)))^2
+    assert full.coefficients[0, 0] ** 2 == pytest.approx(math.exp(values[0]), rel=1e-12)
+    truncated = opqa_evidence(logistic_regression, X, y, num_points=5, max_degree=3)
+    degree = torch.arange(5)[:, None] + torch.arange(5)[None, :]
+    assert torch.all(truncated.coefficients[degree > 3] == 0)
+    assert math.log(truncated.coefficients.square().sum()) == pytest.approx(
+        truncated.log_evidence, abs=1e-12
+    )
+
+
+def test_chunks_and_loops_give_the_same_evidence():
+    X, y = logistic_data()
+    one = opqa_evidence(logistic_regression, X, y, num_points=7)
+    chunked = opqa_evidence(logistic_regression, X, y, num_points=7, chunk_size=5)
+    looped = opqa_evidence(logistic_regression, X, y, num_points=7, vectorize=False)
+    assert abs(one.log_evidence - chunked.log_evidence) < 1e-12
+    assert abs(one.log_evidence - looped.log_evidence) < 1e-12
+    assert one.diagnostics["vectorized"] and not looped.diagnostics["vectorized"]
+
+
+@pytest.mark.parametrize("model", [linear_regression_matmul, linear_regression_misbroadcast])
+def test_models_that_do_not_vectorize_fall_back_to_a_loop(model):
+    X, y = regression_data()
+    _, _, log_evidence = linear_regression_posterior(X, y)
+    result = opqa_evidence(model, X, y, num_points=2)
+    assert not result.diagnostics["vectorized"]
+    assert result.diagnostics["vectorize_fallback"]
+    assert abs(result.log_evidence - log_evidence) < 1e-8
+
+
+def test_number_of_evaluations():
+    X, y = logistic_data()
+    result = opqa_evidence(logistic_regression, X, y, num_points=5, center="none", vectorize=False)
+    assert result.num_evaluations == 25 + 1  # the grid and the check at the centre
+    laplace = opqa_evidence(logistic_regression, X, y, num_points=5)
+    assert laplace.num_evaluations == 25 + 1 + 3 + laplace.diagnostics["weight_evaluations"]
+    assert laplace.diagnostics["weight_evaluations"] > 3  # the MAP search is counted
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_refuses_discrete_latents():
+    def model():
+        coin = pyro.sample("coin", dist.Bernoulli(torch.tensor(0.5, dtype=F64)))
+        pyro.sample("x", dist.Normal(coin, 1.0), obs=torch.tensor(0.3, dtype=F64))
+
+    with pytest.raises(ValueError, match="'coin' is discrete"):
+        opqa_evidence(model)
+
+
+def test_refuses_too_many_latents():
+    def model():
+        pyro.sample("z", dist.Normal(torch.zeros(25, dtype=F64), 1.0).to_event(1))
+
+    with pytest.raises(ValueError, match=r"8\^25 .* use num_points <= 1"):
+        opqa_evidence(model)
+    with pytest.raises(ValueError, match=r"use num_points <= 2"):
+        opqa_evidence(model, num_points=3, max_nodes=2**25)
+
+
+def _walled():
+    z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0))
+    pyro.factor("wall", torch.where(z > 0.5, 0.0, -math.inf))
+
+
+def test_refuses_a_log_joint_not_finite_at_the_centre():
+    with pytest.raises(ValueError, match="not finite at the centre of the weight"):
+        opqa_evidence(_walled, center="none")
+    with pytest.raises(ValueError, match="MAP start"):
+        opqa_evidence(_walled)
+
+
+def test_refuses_a_flat_direction():
+    def model():
+        a = pyro.sample("a", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0))
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0))
+        pyro.factor("flat", -dist.Normal(0.0, 1.0).log_prob(b))  # b is left improper
+        pyro.sample("x", dist.Normal(a, 1.0), obs=torch.tensor(0.2, dtype=F64))
+
+    with pytest.raises(ValueError, match="not positive definite"):
+        opqa_evidence(model)
+
+
+def test_refuses_subsampling():
+    def model(data):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0))
+        with pyro.plate("data", len(data), subsample_size=3) as index:
+            pyro.sample("x", dist.Normal(mu, 1.0), obs=data[index])
+
+    with pytest.raises(ValueError, match="plate 'data' is subsampled"):
+        opqa_evidence(model, torch.zeros(10, dtype=F64))
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"num_points": 0}, "num_points"),
+        ({"max_degree": -1}, "max_degree"),
+        ({"center": "mode"}, "center must be one of"),
+        ({"center": "guide"}, "needs the fitted guide"),
+        ({"chunk_size": 0}, "chunk_size"),
+    ],
+)
+def test_refuses_bad_arguments(options, match):
+    with pytest.raises(ValueError, match=match):
+        opqa_evidence(normal_normal, torch.tensor(0.7, dtype=F64), **options)
+
+
+def test_refuses_a_guide_that_is_not_gaussian():
+    guide = AutoDelta(gamma_poisson)
+    with pytest.raises(ValueError, match="needs a Gaussian AutoGuide"):
+        opqa_evidence(gamma_poisson, POISSON_DATA, center="guide", guide=guide)

@@ -1,0 +1,58 @@
+"""The evidence-comparison tutorial, end to end in its quick mode."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyro_quadvi import opqa_evidence
+
+PATH = Path(__file__).resolve().parent.parent / "tutorials" / "evidence_comparison.py"
+
+
+@pytest.fixture(scope="module")
+def tutorial():
+    spec = importlib.util.spec_from_file_location("evidence_comparison", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_closed_form_evidence(tutorial):
+    x, y = tutorial.polynomial_data()
+    X = tutorial.design(x, 0)
+    result = opqa_evidence(tutorial.normal_gamma_regression, X, y, num_points=20)
+    assert abs(result.log_evidence - tutorial.normal_gamma_log_evidence(X, y)) < 1e-8
+
+
+def test_quick_run(tutorial, tmp_path):
+    plot = tmp_path / "errors.png"
+    threads = torch.get_num_threads()
+    try:
+        out = tutorial.main(["--quick", "--no-dynesty", "--plot", str(plot)])
+    finally:
+        torch.set_num_threads(threads)  # main() runs single-threaded
+    assert out["chosen"] == 2
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = out["rows"]
+    for degree in range(4):
+        by_method = {row["method"]: row for row in rows if row["degree"] == degree}
+        assert by_method["OPQA"]["error"] < 1e-3
+        assert by_method["OPQA"]["error"] < by_method["IS (prior)"]["error"]
+        assert by_method["OPQA"]["error"] < by_method["IS (guide)"]["error"]
+    # the Bayes factor by OPQA agrees with the exact one to 1e-3 nats
+    exact = tutorial.bayes_factors(rows, "exact")
+    for degree, value in out["bayes_factors"].items():
+        assert abs(value - exact[degree]) < 1e-3
+
+
+def test_nested_sampling_problem(tutorial):
+    pytest.importorskip("dynesty")
+    x, y = tutorial.polynomial_data()
+    X = tutorial.design(x, 0)
+    estimate = tutorial.nested_estimate(X, y, nlive=100, seed=0)
+    error = abs(estimate.log_evidence - tutorial.normal_gamma_log_evidence(X, y))
+    assert error < 4 * estimate.std_error + 0.05
