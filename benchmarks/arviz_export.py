@@ -20,6 +20,8 @@ import time
 import pyro
 import pyro.distributions as dist
 import torch
+from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y
+from models import eight_schools_centred as eight_schools
 from pyro.infer import Predictive
 from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule, PyroSample
@@ -27,17 +29,7 @@ from torch import nn
 
 from pyro_quadvi import to_inference_data
 
-SIGMA = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
-Y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-
-
-def eight_schools(sigma, y=None):
-    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
-    with pyro.plate("school", 8):
-        theta = pyro.sample("theta", dist.Normal(mu, tau))
-        pyro.sample("obs", dist.Normal(theta, sigma), obs=y)
-
+SIGMA, Y = EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y
 
 class Regression(PyroModule):
     def __init__(self, features: int):

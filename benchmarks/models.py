@@ -24,6 +24,15 @@ def eight_schools(y=EIGHT_SCHOOLS_Y, sigma=EIGHT_SCHOOLS_SIGMA):
         pyro.sample("obs", dist.Normal(mu + tau * eta, sigma), obs=y)
 
 
+def eight_schools_centred(sigma=EIGHT_SCHOOLS_SIGMA, y=None):
+    """Centred eight schools; ``y=None`` leaves the observations free (for predictions)."""
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+    with pyro.plate("school", len(sigma)):
+        theta = pyro.sample("theta", dist.Normal(mu, tau))
+        pyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
 def logistic_data(num_data: int, dim: int, seed: int = 0):
     """Features with unit variance and labels from a logistic model with known weights."""
     generator = torch.Generator().manual_seed(seed)
