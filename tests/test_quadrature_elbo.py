@@ -487,3 +487,23 @@ def test_quadrature_elbo_gradient_identity_with_trace_elbo_in_expectation():
     pyro.set_rng_seed(0)
     mc = Trace_ELBO(num_particles=4000, vectorize_particles=True, max_plate_nesting=2)
     assert abs(mc.loss(diagonal_model, guide, x) - quad) < 0.05 * abs(quad)
+
+
+def test_median_quantiles_and_site_constraints_of_the_mean_field_guide():
+    y = torch.tensor([0.3, -1.2, 0.8])
+
+    def model():
+        s = pyro.sample("s", dist.HalfNormal(1.5))
+        with pyro.plate("data", 3):
+            pyro.sample("y", dist.Normal(0.0, s), obs=y)
+
+    guide = AutoMeanFieldNormal(model)
+    _set_mean_field(guide, "s", torch.tensor(0.2), torch.tensor(0.4))
+    guide()  # a run syncs the module with the param store, as svi.step does
+    assert abs(guide.median()["s"].item() - math.exp(0.2)) < 1e-12
+    q = guide.quantiles([0.1, 0.9])["s"]
+    z = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor([0.1, 0.9]))
+    assert torch.allclose(q, torch.exp(0.2 + 0.4 * z), atol=1e-12)
+    site = guide.mean_field_sites()[0]
+    assert site.constraint.check(torch.tensor([1.0, -1.0])).tolist() == [True, False]
+    assert site.shape == () and site.event_dim == 0

@@ -20,6 +20,7 @@ from pyro.distributions.util import is_identically_one
 from pyro.infer.autoguide import AutoNormal
 from pyro.poutine import Trace
 from torch.distributions import Independent, biject_to
+from torch.distributions.constraints import Constraint
 
 __all__ = [
     "MeanFieldGuide",
@@ -58,6 +59,11 @@ class MeanFieldSite:
     loc_param: str | None = None
     scale_param: str | None = None
     rows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def constraint(self) -> Constraint:
+        """The site's support: the codomain of ``transform``."""
+        return self.transform.codomain
 
     @property
     def shape(self) -> torch.Size:

@@ -179,8 +179,14 @@ class BlockedSimplexRule(QuadratureRule):
     def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
         dim = check_dim(dim)
         num_blocks = -(-dim // self.block_size)
-        keys = torch.rand(num_blocks, self.num_points, generator=generator, device=device)
-        perms = keys.argsort(dim=1).to(_index_dtype(self.num_points))
+        perms = torch.empty(
+            num_blocks, self.num_points, dtype=_index_dtype(self.num_points), device=device
+        )
+        # Random keys sorted per block, a chunk of blocks at a time: O(chunk) scratch memory.
+        for start in range(0, num_blocks, _GATHER_CHUNK):
+            stop = min(start + _GATHER_CHUNK, num_blocks)
+            keys = torch.rand(stop - start, self.num_points, generator=generator, device=device)
+            perms[start:stop] = keys.argsort(dim=1)
         weights = equal_weights(self.num_points, dtype, device)
         reference = self._reference.to(dtype=weights.dtype, device=weights.device)
         return _BlockedNodes(reference, perms, dim, weights)
