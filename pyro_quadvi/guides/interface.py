@@ -48,6 +48,7 @@ class MeanFieldSite:
             guide keeps them elsewhere).
         rows: for each subsampled plate, ``param dim -> indices`` of the rows of the full parameters
             that were used in this run; empty without subsampling.
+        constraint: the site's support, which ``transform`` maps onto.
     """
 
     name: str
@@ -59,11 +60,7 @@ class MeanFieldSite:
     loc_param: str | None = None
     scale_param: str | None = None
     rows: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def constraint(self) -> Constraint:
-        """The site's support: the codomain of ``transform``."""
-        return self.transform.codomain
+    constraint: Constraint | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -126,6 +123,7 @@ def mean_field_sites_from_trace(guide: AutoNormal, trace: Trace) -> list[MeanFie
                 loc_param=_param_name(guide, "locs", name),
                 scale_param=_param_name(guide, "scales", name),
                 rows=rows,
+                constraint=proto["fn"].support,
             )
         )
     return sites
