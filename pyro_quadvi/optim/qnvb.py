@@ -22,8 +22,9 @@ Pairs are found in three ways:
 * every live :class:`~pyro_quadvi.guides.MeanFieldGuide` (``AutoMeanFieldNormal``) reports its
   sites, parameter names, minibatch scale and rows after each run;
 * Pyro's ``AutoNormal``: parameters named ``{prefix}.locs.{site}`` and ``{prefix}.scales.{site}``;
-* Pyro's ``AutoDiagonalNormal``: ``{prefix}.loc`` and ``{prefix}.scale`` (not when a
-  ``{prefix}.cov_factor`` exists: ``AutoLowRankMultivariateNormal`` is not a mean field).
+* Pyro's ``AutoDiagonalNormal``: ``{prefix}.loc`` and ``{prefix}.scale`` when they are the only
+  parameters named ``{prefix}.*`` (``AutoMultivariateNormal`` and
+  ``AutoLowRankMultivariateNormal`` have a ``loc`` and a ``scale`` too, but are not mean fields).
 
 For the last two no minibatch scale is known: they are treated as unsubsampled, and an entry whose
 loc and scale gradients are both exactly zero (a row outside the minibatch) is left unchanged.
@@ -203,7 +204,8 @@ class QNVB(PyroOptim):
                 scale = name.replace(".locs.", ".scales.", 1)
             elif name.endswith(".loc"):
                 prefix = name[: -len(".loc")]
-                if prefix + ".cov_factor" not in store_constraints:
+                siblings = {n for n in store_constraints if n.startswith(prefix + ".")}
+                if siblings == {name, prefix + ".scale"}:  # AutoDiagonalNormal's two parameters
                     scale = prefix + ".scale"
             if scale is not None and scale in by_name and name not in pairs:
                 pairs[name] = _Pair(name, scale)
@@ -229,7 +231,10 @@ class QNVB(PyroOptim):
         """Whether the guide's last run used the current values (not a stale guide's run)."""
         index = _row_index(loc_param.shape, site.rows)
         current = loc_param.detach() if index is None else loc_param.detach()[index]
-        return current.shape == site.loc.shape and torch.equal(current, site.loc.detach())
+        used = site.loc.detach()  # expanded along vectorized particles, if any
+        if used.shape[used.dim() - current.dim() :] != current.shape:
+            return False
+        return torch.equal(current.expand_as(used), used)
 
     def _state_for(self, name: str, loc_param: torch.Tensor) -> dict[str, torch.Tensor]:
         bound = self._bound.get(name)
@@ -276,9 +281,10 @@ class QNVB(PyroOptim):
                 f"QNVB: non-finite gradient at {result.num_nonfinite} coordinates of "
                 f"{pair.loc!r}; they were left unchanged (this warning is shown once)",
             )
+        # an unchanged sigma keeps its parameter bit for bit (no round trip through the transform);
+        # sigma_min keeps the inverse finite, a coordinate it cannot represent stays unchanged
         new_u = transform.inv(new_sigma)
-        # sigma_min keeps the inverse finite; coordinates it cannot represent stay unchanged
-        new_u = torch.where(torch.isfinite(new_u), new_u, u)
+        new_u = torch.where((new_sigma == sigma) | ~torch.isfinite(new_u), u, new_u)
         for name, value in zip(QNVBState._fields, new_state):
             self._write(state[name], index, value)
         self._write(loc_param.data, index, new_mu)

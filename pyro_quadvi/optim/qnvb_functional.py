@@ -146,7 +146,8 @@ class QNVBResult(NamedTuple):
     Attributes:
         mu, sigma: the new mean and standard deviation.
         state: the new state.
-        num_nonfinite: how many coordinates had a non-finite ``g`` or ``h`` (left unchanged).
+        num_nonfinite: how many coordinates had a non-finite ``g``, ``h`` or update (they are
+            left unchanged).
     """
 
     mu: torch.Tensor
@@ -197,14 +198,14 @@ def qnvb_update(
         weight: multiplies ``L`` in the loss (likelihood weight times annealing factor).
         prior_precision: precision of a zero-mean Gaussian prior added to the loss.
 
-    Coordinates where ``g`` or ``h`` is not finite keep their mean, scale and state.
+    Coordinates where ``g`` or ``h`` is not finite, or where the update overflows, keep their
+    mean, scale and state.
 
     Returns:
         :class:`QNVBResult` with the new mean, scale and state.
     """
     beta1, beta2 = hp.betas
     finite = torch.isfinite(g) & torch.isfinite(h)
-    num_nonfinite = int(finite.numel() - finite.sum())
     g = torch.where(finite, g, 0.0)
     h = torch.where(finite, h, 0.0)
 
@@ -261,6 +262,10 @@ def qnvb_update(
         last_grad=grad,
         damping=damping,
     )
+    # overflow (e.g. of g^2) also leaves a coordinate unchanged: no NaN ever leaves this function
+    for value in (new_mu, new_sigma, *new_state):
+        finite &= torch.isfinite(value)
+    num_nonfinite = int(finite.numel() - finite.sum())
     if num_nonfinite:
         new_mu = torch.where(finite, new_mu, mu)
         new_sigma = torch.where(finite, new_sigma, sigma)
