@@ -31,6 +31,7 @@ __all__ = [
     "eight_schools",
     "linear_regression",
     "logistic_regression",
+    "small_network",
 ]
 
 EIGHT_SCHOOLS_Y = (28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0)
@@ -49,7 +50,8 @@ class MeanFieldProblem:
             with the latent sites laid end to end in the order of ``sites``.
         sites: ``(site name, size)`` of the latent sites, in order.
         neg_elbo: ``(mu, sigma) -> -ELBO`` of the mean field, exact up to a constant.
-        mu, sigma: the optimal mean field, flat, in the unconstrained space (float64).
+        mu, sigma: the optimal mean field, flat, in the unconstrained space (float64), or
+            ``None`` where it is not known.
     """
 
     name: str
@@ -57,12 +59,12 @@ class MeanFieldProblem:
     neg_log_joint: Callable[[torch.Tensor], torch.Tensor]
     sites: list[tuple[str, int]]
     neg_elbo: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    mu: torch.Tensor
-    sigma: torch.Tensor
+    mu: torch.Tensor | None
+    sigma: torch.Tensor | None
 
     @property
     def dim(self) -> int:
-        return self.mu.numel()
+        return sum(size for _, size in self.sites)
 
     def error(self, mu: torch.Tensor, sigma: torch.Tensor) -> float:
         """``max_i max(|mu_i - mu*_i| / sigma*_i, |sigma_i / sigma*_i - 1|)``."""
@@ -252,4 +254,49 @@ def eight_schools() -> MeanFieldProblem:
         neg_elbo,
         mu,
         sigma,
+    )
+
+
+def small_network(n: int = 100, hidden: int = 8, seed: int = 0, num_samples: int = 4096):
+    """A Bayesian network ``y ~ N(w2 . tanh(w1 x + b1) + b2, 0.1^2)`` with ``N(0, 1)`` weights,
+    fitted to ``sin(3x)`` on ``[-1, 1]``.
+
+    No closed form: ``neg_elbo`` is a Monte Carlo estimate with ``num_samples`` fixed standard
+    normal draws (common random numbers, so that differences between mean fields are smooth) and
+    ``mu``, ``sigma`` are ``None``; benchmarks compare ELBOs against the best one reached.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.linspace(-1, 1, n, dtype=torch.float64)
+    y = torch.sin(3 * x) + 0.1 * torch.randn(n, generator=generator, dtype=torch.float64)
+    sizes = [("w1", hidden), ("b1", hidden), ("w2", hidden), ("b2", 1)]
+    dim = sum(size for _, size in sizes)
+    draws = torch.randn(num_samples, dim, generator=generator, dtype=torch.float64)
+
+    def predict(w1, b1, w2, b2):
+        # weights (..., hidden) with batch dims ending in the data plate's slot
+        hidden_units = torch.tanh(x.unsqueeze(-1) * w1 + b1)  # (..., n, hidden)
+        return (hidden_units * w2).sum(-1) + b2
+
+    def model():
+        zero = torch.tensor(0.0, dtype=x.dtype)
+        weights = {}
+        for name, size in sizes[:3]:
+            value = pyro.sample(name, dist.Normal(zero, 1.0).expand([size]).to_event(1))
+            weights[name] = value.unsqueeze(0) if value.dim() == 1 else value
+        b2 = pyro.sample("b2", dist.Normal(zero, 1.0))
+        with pyro.plate("data", n):
+            mean = predict(weights["w1"], weights["b1"], weights["w2"], b2)
+            pyro.sample("y", dist.Normal(mean, 0.1), obs=y)
+
+    def neg_log_joint(z):
+        w1, b1, w2, b2 = torch.split(z, [size for _, size in sizes], dim=-1)
+        mean = predict(w1.unsqueeze(-2), b1.unsqueeze(-2), w2.unsqueeze(-2), b2)
+        lik = dist.Normal(mean, 0.1).log_prob(y).sum(-1)
+        return -(lik + dist.Normal(0.0, 1.0).log_prob(z).sum(-1))
+
+    def neg_elbo(mu, sigma):
+        return neg_log_joint(mu + sigma * draws).mean() - sigma.log().sum()
+
+    return MeanFieldProblem(
+        f"network {hidden} hidden", model, neg_log_joint, sizes, neg_elbo, None, None
     )

@@ -55,8 +55,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trials", type=int, default=4)
     args = parser.parse_args(argv)
     evaluations = list(range(2, 17))
-    print(f"Fraction of the {args.dim * (args.dim - 1) // 2} mixed quadratic terms x_i x_j "
-          f"integrated exactly, d = {args.dim} (random rules: mean of {args.trials} draws)\n")
+    print(
+        f"Fraction of the {args.dim * (args.dim - 1) // 2} mixed quadratic terms x_i x_j "
+        f"integrated exactly, d = {args.dim} (random rules: mean of {args.trials} draws)\n"
+    )
     print(format_table(exactness_table(args.dim, evaluations, args.trials), evaluations))
 
 

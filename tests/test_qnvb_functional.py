@@ -99,11 +99,41 @@ def test_sigma_changes_at_most_by_the_scale_factors_and_stays_in_bounds():
         mu,
         torch.full((3,), 9.0, dtype=DTYPE),
         torch.zeros(3, dtype=DTYPE),
-        torch.zeros(3, dtype=DTYPE),
+        torch.full((3,), 1e-6, dtype=DTYPE),
         init_qnvb_state(mu),
         hp,
     )
     torch.testing.assert_close(result.sigma, torch.full((3,), 10.0, dtype=DTYPE))
+
+
+def test_negative_curvature_holds_sigma_and_takes_a_natural_gradient_step():
+    mu = torch.zeros(1, dtype=DTYPE)
+    sigma = torch.full((1,), 0.5, dtype=DTYPE)
+    g = torch.full((1,), 0.4, dtype=DTYPE)
+    state, hp = init_qnvb_state(mu), QNVBHyperparameters(damping=False)
+    for h in (-1.0, -2.0):
+        result = qnvb_update(mu, sigma, g, torch.full((1,), h, dtype=DTYPE), state, hp)
+        assert torch.equal(result.sigma, sigma)
+        # the mean moves by g sigma^2 = 0.1 (below the cap lr = 1)
+        torch.testing.assert_close(result.mu, mu - 0.1, rtol=1e-14, atol=0)
+        mu, state = result.mu, result.state
+
+
+@pytest.mark.parametrize("low, held", [(-4.8, True), (-3.0, False)])
+def test_curvature_lost_in_noise_holds_sigma(low, held):
+    # h alternates 5 and `low`: mean 0.1 (noise 4.9) is never significant, mean 1 (noise 4) is
+    mu = torch.zeros(1, dtype=DTYPE)
+    sigma = torch.full((1,), 0.5, dtype=DTYPE)
+    zero = torch.zeros(1, dtype=DTYPE)
+    state, hp = init_qnvb_state(mu), QNVBHyperparameters(drift_forgetting=0.0)
+    for t in range(400):
+        h = torch.full((1,), 5.0 if t % 2 == 0 else low, dtype=DTYPE)
+        result = qnvb_update(mu, sigma, zero, h, state, hp)
+        sigma, state = result.sigma, result.state
+    if held:  # the first sample, alone, set sigma = 5^(-1/2); then it held
+        assert torch.equal(sigma, torch.full((1,), 5.0, dtype=DTYPE).rsqrt())
+    else:
+        assert float(sigma) == pytest.approx(1.0, rel=0.02)
 
 
 def test_lr_caps_the_step_of_the_mean():

@@ -15,9 +15,12 @@ additions that make it converge on ordinary Pyro models without tuning:
   one whenever the gradient changes sign between two steps and shrinks by one half otherwise. A
   steady oscillation is damped until it stops; gradient noise (Monte Carlo, random quadratures)
   makes ``k`` grow like the step count, a Robbins-Monro schedule that averages the noise out.
-* **mean curvature**: by default ``H`` is the running mean of ``h`` (unbiased), floored at a tenth
-  of its root-mean-square; the reference's root-mean-square ``sqrt(mean(h^2))`` is biased upward
-  whenever ``h`` is noisy (by ``3^(1/2)`` for one Monte Carlo draw) and remains available.
+* **mean curvature**: by default ``H`` is the running mean of ``h`` (unbiased) wherever it is
+  positive by more than one standard error; elsewhere (negative curvature, or too few samples to
+  tell it from noise) ``H`` is the current precision ``1 / sigma^2`` of ``q``: ``sigma`` holds and
+  the mean takes a natural-gradient step. The reference's root-mean-square ``sqrt(mean(h^2))`` is
+  biased upward whenever ``h`` is noisy (by ``3^(1/2)`` for one Monte Carlo draw) and remains
+  available.
 * **drift forgetting**: curvature and second-moment averages are taken at past means; their sample
   count is multiplied by ``exp(-|step| / (k sigma))`` each step, so estimates taken far from the
   current mean are forgotten while the mean travels (``k = 1``) and are averaged over long windows
@@ -41,16 +44,17 @@ import torch
 __all__ = ["QNVBHyperparameters", "QNVBResult", "QNVBState", "init_qnvb_state", "qnvb_update"]
 
 _CURVATURES = ("mean", "rms")
-RMS_FLOOR_RATIO = 0.1
-"""With ``curvature="mean"``, ``H >= RMS_FLOOR_RATIO * sqrt(mean(h^2))`` keeps ``H`` positive where
-the mean curvature is negative or lost in noise."""
+SIGNIFICANCE = 1.0
+"""With ``curvature="mean"``, the mean of ``h`` is used once it exceeds this many standard errors;
+until then (negative curvature, or curvature lost in noise) ``sigma`` holds its value."""
 DAMPING_RECOVERY = 0.5
 """How much the damping divisor ``k`` shrinks after a step without a sign change."""
 MAX_DAMPING = 1e4
 """The largest damping divisor: every coordinate takes at least ``1 / MAX_DAMPING`` of its step."""
 RECENT_FRACTION = 0.5
-"""The curvature averages span at most this fraction of a coordinate's updates, so the estimates of
-the first, transient steps fade (as ``(t0 / t)^2``) instead of lingering in an arithmetic mean."""
+"""The curvature averages span at most this fraction of a coordinate's updates (and at least two),
+so the estimates of the first, transient steps fade (as ``(t0 / t)^2``) instead of lingering in an
+arithmetic mean."""
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,8 @@ class QNVBHyperparameters:
         sigma_min, sigma_max: absolute bounds on ``sigma``; the curvature is floored at
             ``1 / sigma_max^2``.
         scale_min, scale_max: per-step bounds on the factor by which ``sigma`` may change.
-        curvature: ``"mean"`` (running mean of ``h``, floored) or ``"rms"`` (the reference's
-            ``sqrt(mean(h^2))``).
+        curvature: ``"mean"`` (running mean of ``h`` where significantly positive, else the
+            current ``1 / sigma^2``) or ``"rms"`` (the reference's ``sqrt(mean(h^2))``).
         damping: adapt a per-coordinate step divisor to oscillation and noise (module docstring);
             ``False`` takes full steps.
         drift_forgetting: rate at which curvature averages forget estimates taken at past means,
@@ -214,7 +218,7 @@ def qnvb_update(
     g_avg = _average(state.g_avg, g, count.clamp(max=1.0 / (1.0 - beta1)))
     curvature_count = torch.minimum(
         (state.curvature_count + 1).clamp(max=1.0 / (1.0 - beta2)),
-        (RECENT_FRACTION * count).clamp(min=1.0),
+        torch.maximum(RECENT_FRACTION * count, count.clamp(max=2.0)),
     )
     grad = weight * g + prior_precision * mu
     s_avg = _average(state.s_avg, grad * grad, curvature_count)
@@ -223,7 +227,14 @@ def qnvb_update(
 
     # curvature of L, then of the whole loss (step 4)
     rms = h2_avg.sqrt()
-    curv = rms if hp.curvature == "rms" else torch.maximum(h_avg, RMS_FLOOR_RATIO * rms)
+    if hp.curvature == "rms":
+        curv = rms
+        significant = torch.ones_like(finite)
+    else:
+        stderr = ((h2_avg - h_avg**2).clamp(min=0) / curvature_count).sqrt()
+        significant = h_avg > SIGNIFICANCE * stderr
+        held = ((sigma**-2 - prior_precision) / weight).clamp(min=0)  # q's current precision
+        curv = torch.where(significant, h_avg, held)
     total_curv = (weight * curv + prior_precision).clamp(min=hp.sigma_max**-2)
 
     # damping: a sign change of the gradient means the last step overshot
@@ -243,7 +254,7 @@ def qnvb_update(
     g_avg = g_avg - curv * step  # carry the averaged gradient to the new mean
 
     # scale: sigma* = (w H + prior)^(-1/2), rate-limited, then bounded (step 5)
-    target = total_curv.rsqrt()
+    target = torch.where(significant, total_curv.rsqrt(), sigma)
     new_sigma = torch.minimum(torch.maximum(target, sigma * hp.scale_min), sigma * hp.scale_max)
     new_sigma = new_sigma.clamp(hp.sigma_min, hp.sigma_max)
 
