@@ -7,11 +7,13 @@ from .evidence import OPQAResult, opqa_evidence
 from .export import to_inference_data
 from .guides import AutoMeanFieldNormal
 from .infer import QuadratureELBO
+from .optim import QNVB
 from .quadrature import make_rule
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "QNVB",
     "AutoMeanFieldNormal",
     "OPQAResult",
     "QuadratureELBO",

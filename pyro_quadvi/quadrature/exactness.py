@@ -44,9 +44,7 @@ class QuadraticExactness:
         return self.cross / pairs if pairs else 1.0
 
 
-def quadratic_exactness(
-    X: torch.Tensor, w: torch.Tensor, atol: float = 1e-9
-) -> QuadraticExactness:
+def quadratic_exactness(X: torch.Tensor, w: torch.Tensor, atol: float = 1e-9) -> QuadraticExactness:
     """Count the exact quadratic basis functions of the quadrature ``(X, w)``, ``X`` (K, d).
 
     A function is exact when the quadrature's value differs from the Gaussian integral by at most

@@ -1,0 +1,237 @@
+"""QNVB against Adam: gradient evaluations and wall time to reach the optimal mean field.
+
+Suite (issue 4): Bayesian linear regression (d = 10, 100, 1000; AR(1) designs with rho = 0, 0.5,
+0.9), logistic regression (d = 20, 100), eight schools, a small Bayesian network. Methods:
+QNVB + QuadratureELBO (rasp_simplex 3, hadamard 4), QNVB + Trace_ELBO, Adam + QuadratureELBO and
+Adam + Trace_ELBO at lr 1e-3, 1e-2, 1e-1, all with ``AutoMeanFieldNormal`` and default settings.
+
+Target: within 5% of the optimal sigma (``max_i |mu_i - mu*_i| / sigma*_i`` and
+``|sigma_i / sigma*_i - 1|``) for linear regression, where the optimum is known in closed form;
+the exact mean-field ELBO within 0.1 nats of the tightly converged reference for logistic
+regression and eight schools; and, for the network, a fixed-draw Monte Carlo ELBO within 0.1 nats
+of the best ELBO any method reached. A run *reaches* the target at the first evaluation count
+after which it stays within it until the end of the run; a run stops at ``--max-evals`` or once it
+has stayed within the target for as long again as it took to get there (at least 100 steps).
+Gradient evaluations count one per node (QuadratureELBO: 3 or 4 per step) or per particle
+(Trace_ELBO: 1 per step). Wall time counts the SVI steps only, not the error checks.
+
+QuadratureELBO methods run when ``pyro_quadvi.infer.quadrature_elbo.QuadratureELBO`` exists and are
+reported as ``n/a`` otherwise.
+
+Usage::
+
+    python benchmarks/bench_qnvb.py                      # the whole suite
+    python benchmarks/bench_qnvb.py --problems linear-d10-rho0.9 eight-schools --max-evals 5000
+    python benchmarks/bench_qnvb.py --methods "QNVB + Trace_ELBO" "Adam(1e-2) + Trace_ELBO"
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from operator import attrgetter
+from pathlib import Path
+
+import pyro
+import pyro.optim
+import torch
+from pyro.infer import SVI, Trace_ELBO
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.qnvb_problems import (
+    MeanFieldProblem,
+    eight_schools,
+    linear_regression,
+    logistic_regression,
+    small_network,
+)
+from pyro_quadvi import QNVB
+from pyro_quadvi.guides import AutoMeanFieldNormal
+
+TOLERANCE_SIGMA = 0.05
+TOLERANCE_NATS = 0.1
+
+
+def _quadrature_elbo(rule: str):
+    try:
+        from pyro_quadvi.infer.quadrature_elbo import QuadratureELBO
+    except ImportError:
+        return None
+    return QuadratureELBO(rule=rule)
+
+
+@dataclass
+class Method:
+    name: str
+    optimizer: Callable[[], object]
+    loss: Callable[[], object | None]
+    evals_per_step: int
+
+
+def methods() -> list[Method]:
+    out = [
+        Method(
+            "QNVB + QuadratureELBO(rasp_simplex 3)",
+            QNVB,
+            lambda: _quadrature_elbo("rasp_simplex"),
+            3,
+        ),
+        Method("QNVB + QuadratureELBO(hadamard 4)", QNVB, lambda: _quadrature_elbo("hadamard"), 4),
+        Method("QNVB + Trace_ELBO", QNVB, Trace_ELBO, 1),
+    ]
+    for lr in (1e-3, 1e-2, 1e-1):
+        out.append(
+            Method(
+                f"Adam({lr:.0e}) + QuadratureELBO(rasp_simplex 3)",
+                lambda lr=lr: pyro.optim.Adam({"lr": lr}),
+                lambda: _quadrature_elbo("rasp_simplex"),
+                3,
+            )
+        )
+    for lr in (1e-3, 1e-2, 1e-1):
+        out.append(
+            Method(
+                f"Adam({lr:.0e}) + Trace_ELBO",
+                lambda lr=lr: pyro.optim.Adam({"lr": lr}),
+                Trace_ELBO,
+                1,
+            )
+        )
+    return out
+
+
+def problems() -> dict[str, Callable[[], MeanFieldProblem]]:
+    out = {}
+    for d in (10, 100, 1000):
+        for rho in (0.0, 0.5, 0.9):
+            out[f"linear-d{d}-rho{rho:g}"] = lambda d=d, rho=rho: linear_regression(d, rho)[0]
+    out["logistic-d20"] = lambda: logistic_regression(20, 500)[0]
+    out["logistic-d100"] = lambda: logistic_regression(100, 1000)[0]
+    out["eight-schools"] = eight_schools
+    out["network"] = small_network
+    return out
+
+
+def mean_field(guide, problem: MeanFieldProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    locs = [attrgetter(name)(guide.locs).detach().reshape(-1) for name, _ in problem.sites]
+    scales = [attrgetter(name)(guide.scales).detach().reshape(-1) for name, _ in problem.sites]
+    return torch.cat(locs), torch.cat(scales)
+
+
+def make_metric(problem: MeanFieldProblem) -> tuple[Callable, float, str]:
+    """``metric(mu, sigma)``, its tolerance and its unit."""
+    if problem.name.startswith("linear"):
+        return problem.error, TOLERANCE_SIGMA, "sigma"
+    if problem.mu is not None:
+        best = float(problem.neg_elbo(problem.mu, problem.sigma))
+        return (lambda mu, sigma: float(problem.neg_elbo(mu, sigma)) - best), TOLERANCE_NATS, "nats"
+    return (lambda mu, sigma: float(problem.neg_elbo(mu, sigma))), TOLERANCE_NATS, "nats"
+
+
+@dataclass
+class Run:
+    evals: list[int]
+    seconds: list[float]
+    values: list[float]
+    finite: bool
+
+
+def run(problem, method: Method, loss, metric, tol, max_evals: int, check_every: int) -> Run:
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMeanFieldNormal(problem.model)
+    svi = SVI(problem.model, guide, method.optimizer(), loss)
+    evals, seconds, values = [], [], []
+    elapsed, last_violation = 0.0, 0
+    max_steps = max_evals // method.evals_per_step
+    for step in range(1, max_steps + 1):
+        start = time.perf_counter()
+        loss_value = svi.step()
+        elapsed += time.perf_counter() - start
+        if not math.isfinite(loss_value):
+            return Run(evals, seconds, values, False)
+        if step % check_every and step != max_steps:
+            continue
+        value = metric(*mean_field(guide, problem))
+        if not math.isfinite(value):
+            return Run(evals, seconds, values, False)
+        evals.append(step * method.evals_per_step)
+        seconds.append(elapsed)
+        values.append(value)
+        if value > tol:
+            last_violation = step
+        elif step >= max(2 * last_violation, last_violation + 100):
+            break
+    return Run(evals, seconds, values, True)
+
+
+def reached(run_: Run, tol: float) -> tuple[int | None, float | None]:
+    """First evaluation count (and time) after which every checked value is within ``tol``."""
+    index = None
+    for i in range(len(run_.values) - 1, -1, -1):
+        if run_.values[i] > tol:
+            break
+        index = i
+    if index is None or not run_.finite:
+        return None, None
+    return run_.evals[index], run_.seconds[index]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problems", nargs="*", default=None, help="default: all")
+    parser.add_argument("--methods", nargs="*", default=None, help="default: all")
+    parser.add_argument("--max-evals", type=int, default=20000)
+    parser.add_argument("--check-every", type=int, default=5, help="steps between error checks")
+    args = parser.parse_args(argv)
+    torch.set_default_dtype(torch.float64)
+    all_problems, all_methods = problems(), methods()
+    chosen = args.problems or list(all_problems)
+    chosen_methods = [m for m in all_methods if args.methods is None or m.name in args.methods]
+    print(
+        f"max {args.max_evals} gradient evaluations per run; torch {torch.__version__}, "
+        f"pyro {pyro.__version__}, {torch.get_num_threads()} threads\n"
+    )
+    for key in chosen:
+        problem = all_problems[key]()
+        metric, tol, unit = make_metric(problem)
+        results = {}
+        for method in chosen_methods:
+            loss = method.loss()
+            if loss is None:
+                results[method.name] = None
+                continue
+            results[method.name] = run(
+                problem, method, loss, metric, tol, args.max_evals, args.check_every
+            )
+        if problem.mu is None:  # the network: relative to the best ELBO reached
+            best = min(min(r.values) for r in results.values() if r is not None and r.values)
+            for r in results.values():
+                if r is not None:
+                    r.values = [v - best for v in r.values]
+        print(f"### {key} (target: {tol:g} {unit})\n")
+        print("| method | evaluations to target | seconds to target | final | worst |")
+        print("|---|---:|---:|---:|---:|")
+        for name, r in results.items():
+            if r is None:
+                print(f"| {name} | n/a | n/a | n/a | n/a |")
+                continue
+            evals, secs = reached(r, tol)
+            final = f"{r.values[-1]:.3g}" if r.values else "-"
+            worst = f"{max(r.values):.3g}" if r.values else "-"
+            if not r.finite:
+                final = "diverged"
+            print(
+                f"| {name} | {evals if evals is not None else 'not reached'} | "
+                f"{f'{secs:.2f}' if secs is not None else '-'} | {final} | {worst} |"
+            )
+        print(flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""QNVB as a ``torch.optim.Optimizer`` for plain PyTorch networks (the reference's use case).
+
+Every parameter ``p`` becomes a Gaussian mean field ``N(mu, sigma^2)``. :meth:`QNVBOptimizer.step`
+sets the parameters to the quadrature nodes ``mu + sigma * x_k`` itself, evaluates the closure
+(loss and backward) at each, and forms (rasp paper, eq. 11)
+
+    g = sum_k w_k grad_k,        h = sum_k w_k grad_k * x_k / sigma,
+
+then applies :func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update` to the loss
+
+    likelihood_weight * annealing(step) * closure() + prior_precision * |theta|^2 / 2,
+
+where ``closure()`` is the mean loss per training case, as in the reference. After a step the
+parameters hold the mean ``mu``; ``optimizer.state[p]["sigma"]`` holds the standard deviation.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import fields
+
+import torch
+
+from ..quadrature import make_rule
+from .qnvb_functional import QNVBHyperparameters, QNVBState, init_qnvb_state, qnvb_update
+
+__all__ = ["QNVBOptimizer"]
+
+_HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
+_STATE_NAMES = QNVBState._fields
+
+
+class QNVBOptimizer(torch.optim.Optimizer):
+    """Quasi-newton variational Bayes for ``torch.nn`` parameters (rasp paper, eq. 4-8).
+
+    Args:
+        params: parameters or parameter groups; a group may override any hyperparameter below
+            but ``likelihood_weight``, ``annealing``, ``quadrature``, ``num_eval``, ``generator``.
+        likelihood_weight: the number of training cases: the closure returns a mean per case.
+        prior_precision: precision of a zero-mean Gaussian prior on every parameter (0: flat,
+            like the reference).
+        annealing: optional schedule ``step -> factor`` multiplying the likelihood weight
+            (e.g. :func:`~pyro_quadvi.optim.annealing.geometric_annealing`).
+        quadrature: a rule name of :func:`pyro_quadvi.quadrature.make_rule`.
+        num_eval: its number of nodes (closure evaluations per step); ``None``: the rule's default.
+        init_sigma: the standard deviation of every parameter before the first step.
+        generator: random generator of random rules (torch's global generator when ``None``);
+            when given, its state is saved with :meth:`state_dict`.
+        lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, damping,
+            drift_forgetting: see :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
+
+    Example::
+
+        optimizer = QNVBOptimizer(net.parameters(), likelihood_weight=len(dataset))
+        for x, y in loader:
+            def closure():
+                loss = criterion(net(x), y)      # mean over the batch
+                loss.backward()
+                return loss
+            optimizer.step(closure)
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        likelihood_weight: float = 1.0,
+        prior_precision: float = 0.0,
+        annealing: Callable[[int], float] | None = None,
+        quadrature: str = "rasp_simplex",
+        num_eval: int | None = None,
+        init_sigma: float = 1e-3,
+        generator: torch.Generator | None = None,
+        lr: float = 1.0,
+        betas: tuple[float, float] = (0.0, 0.999),
+        eps: float = 1e-8,
+        sigma_min: float = 1e-6,
+        sigma_max: float = 1e2,
+        scale_min: float = 0.1,
+        scale_max: float = 10.0,
+        curvature: str = "mean",
+        damping: bool = True,
+        drift_forgetting: float = 1.0,
+    ):
+        if not likelihood_weight > 0:
+            raise ValueError(f"likelihood_weight must be > 0, got {likelihood_weight}")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            sigma_min=sigma_min,
+            sigma_max=sigma_max,
+            scale_min=scale_min,
+            scale_max=scale_max,
+            curvature=curvature,
+            damping=damping,
+            drift_forgetting=drift_forgetting,
+            prior_precision=prior_precision,
+            init_sigma=init_sigma,
+        )
+        self._check_group(defaults)
+        super().__init__(params, defaults)
+        self.likelihood_weight = float(likelihood_weight)
+        self.annealing = annealing
+        self.rule = make_rule(quadrature, num_eval)
+        self.generator = generator
+        self.num_steps = 0
+        self._warned_nonfinite = False
+
+    @staticmethod
+    def _check_group(group: dict) -> QNVBHyperparameters:
+        if not group["prior_precision"] >= 0:
+            raise ValueError(f"prior_precision must be >= 0, got {group['prior_precision']}")
+        if not group["init_sigma"] > 0:
+            raise ValueError(f"init_sigma must be > 0, got {group['init_sigma']}")
+        hp = {name: group[name] for name in _HP_NAMES}
+        hp["betas"] = tuple(hp["betas"])
+        return QNVBHyperparameters(**hp)
+
+    @property
+    def weight(self) -> float:
+        """The current likelihood weight: ``likelihood_weight * annealing(num_steps)``."""
+        if self.annealing is None:
+            return self.likelihood_weight
+        return self.likelihood_weight * float(self.annealing(self.num_steps))
+
+    def _params(self) -> list[tuple[torch.Tensor, dict]]:
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    state = self.state[p]
+                    if not state:
+                        state["mu"] = p.detach().clone()
+                        state["sigma"] = torch.full_like(state["mu"], group["init_sigma"])
+                        state.update(init_qnvb_state(state["mu"])._asdict())
+                    out.append((p, group))
+        return out
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        """Evaluate ``closure`` at every quadrature node and update the mean field.
+
+        Args:
+            closure: computes the mean loss per case at the current parameter values, calls
+                ``backward()`` on it and returns it (gradients are zeroed before each call).
+
+        Returns:
+            The quadrature average of the closure's loss.
+        """
+        params = self._params()
+        if not params:
+            raise ValueError("QNVBOptimizer has no parameter that requires grad")
+        first = params[0][0]
+        dim = sum(p.numel() for p, _ in params)
+        nodes = self.rule.draw(
+            dim,
+            step=self.num_steps,
+            generator=self.generator,
+            dtype=first.dtype,
+            device=first.device,
+        )
+        g_sum = [torch.zeros_like(p) for p, _ in params]
+        gx_sum = [torch.zeros_like(p) for p, _ in params]
+        seen = [False] * len(params)
+        loss_avg = torch.zeros((), dtype=first.dtype, device=first.device)
+        for k in range(len(nodes)):
+            x = nodes.node(k)
+            weight_k = nodes.weights[k]
+            offsets = self._set_to_node(params, x)
+            with torch.enable_grad():
+                loss = closure()
+            loss_avg += weight_k * loss.detach()
+            for i, (p, _) in enumerate(params):
+                if p.grad is None:
+                    continue
+                seen[i] = True
+                g_sum[i] += weight_k * p.grad
+                gx_sum[i] += weight_k * p.grad * offsets[i]
+        weight = self.weight
+        num_nonfinite = 0
+        for i, (p, group) in enumerate(params):
+            state = self.state[p]
+            if seen[i]:
+                hp = self._check_group(group)
+                qnvb_state = QNVBState(*(state[name] for name in _STATE_NAMES))
+                result = qnvb_update(
+                    state["mu"],
+                    state["sigma"],
+                    g_sum[i],
+                    gx_sum[i] / state["sigma"],
+                    qnvb_state,
+                    hp,
+                    weight=weight,
+                    prior_precision=group["prior_precision"],
+                )
+                state["mu"], state["sigma"] = result.mu, result.sigma
+                state.update(result.state._asdict())
+                num_nonfinite += result.num_nonfinite
+            p.copy_(state["mu"])
+            p.grad = None
+        self.num_steps += 1
+        if num_nonfinite and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            warnings.warn(
+                f"QNVBOptimizer: non-finite gradients at {num_nonfinite} coordinates; they were "
+                "left unchanged (this warning is shown once)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return loss_avg
+
+    def _set_to_node(self, params, x: torch.Tensor) -> list[torch.Tensor]:
+        """Set every parameter to ``mu + sigma * x`` (its slice of ``x``); zero its gradient."""
+        offsets, start = [], 0
+        for p, _ in params:
+            state = self.state[p]
+            x_p = x[start : start + p.numel()].view_as(p)
+            start += p.numel()
+            p.copy_(state["mu"] + state["sigma"] * x_p)
+            p.grad = None
+            offsets.append(x_p)
+        return offsets
+
+    def state_dict(self) -> dict:
+        """Torch's state dict plus the step count and the generator's state."""
+        state = super().state_dict()
+        state["qnvb"] = {
+            "num_steps": self.num_steps,
+            "generator": None if self.generator is None else self.generator.get_state(),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("qnvb")
+        super().load_state_dict(state_dict)
+        self.num_steps = extra["num_steps"]
+        if extra["generator"] is not None:
+            if self.generator is None:
+                raise ValueError(
+                    "the saved state holds a generator state; construct the optimizer with a "
+                    "generator to restore it"
+                )
+            self.generator.set_state(extra["generator"])

@@ -1,0 +1,226 @@
+"""The pure QNVB update (rasp paper, eq. 4-8) on problems with exact expected gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+
+from benchmarks.qnvb_problems import eight_schools
+from pyro_quadvi.optim import (
+    QNVBHyperparameters,
+    anneal_likelihood,
+    geometric_annealing,
+    init_qnvb_state,
+    qnvb_update,
+)
+
+DTYPE = torch.float64
+
+
+def _run(precision, mean, steps, hp=None, sigma0=0.1):
+    """QNVB with the exact g and h of the Gaussian loss (z - m)^T P (z - m) / 2."""
+    hp = hp or QNVBHyperparameters()
+    mu = torch.zeros_like(mean)
+    sigma = torch.full_like(mean, sigma0)
+    state = init_qnvb_state(mu)
+    errors = []
+    for _ in range(steps):
+        result = qnvb_update(mu, sigma, precision @ (mu - mean), precision.diagonal(), state, hp)
+        mu, sigma, state = result.mu, result.sigma, result.state
+        errors.append(float(((mu - mean).abs() * precision.diagonal().sqrt()).max()))
+    return mu, sigma, errors
+
+
+def test_one_step_lands_on_a_diagonal_gaussian_posterior():
+    # the first step moves the mean by at most lr = 1 (the reference's cap): a posterior within
+    # that distance is reached in one step, the scale within the factor scale_max = 10 too
+    lam = torch.tensor([1.0, 4.0, 25.0, 100.0], dtype=DTYPE)
+    m = torch.tensor([0.9, -0.5, 0.25, 0.0], dtype=DTYPE)
+    mu, sigma, _ = _run(torch.diag(lam), m, steps=1)
+    torch.testing.assert_close(mu, m, rtol=0, atol=1e-14)
+    torch.testing.assert_close(sigma, lam.rsqrt(), rtol=1e-14, atol=0)
+
+
+def test_likelihood_weight_and_prior_precision_enter_exactly():
+    # loss = w * sum(lam (z - m)^2 / 2) + p |z|^2 / 2: posterior N(w lam m / (w lam + p), ...)
+    lam = torch.tensor([2.0, 0.5], dtype=DTYPE)
+    m = torch.tensor([1.0, -1.0], dtype=DTYPE)
+    w, p = 7.0, 3.0
+    mu, sigma = torch.zeros(2, dtype=DTYPE), torch.full((2,), 0.3, dtype=DTYPE)
+    result = qnvb_update(
+        mu, sigma, lam * (mu - m), lam, init_qnvb_state(mu), QNVBHyperparameters(), w, p
+    )
+    torch.testing.assert_close(result.mu, w * lam * m / (w * lam + p), rtol=1e-14, atol=0)
+    torch.testing.assert_close(result.sigma, (w * lam + p).rsqrt(), rtol=1e-14, atol=0)
+
+
+def test_damping_makes_the_parallel_update_converge_on_a_correlated_gaussian():
+    # equicorrelated precision, rho = 0.9: the normalized spectrum is {0.1, 9.1}, so undamped
+    # parallel Newton steps (a Jacobi iteration) cannot converge
+    d, rho = 10, 0.9
+    precision = 50 * ((1 - rho) * torch.eye(d, dtype=DTYPE) + rho * torch.ones(d, d, dtype=DTYPE))
+    mean = torch.linspace(-1, 1, d, dtype=DTYPE)
+    _, sigma, damped = _run(precision, mean, 300)
+    assert max(damped) < 7.0  # never diverges: the error never exceeds its start (6.4 sigma)
+    assert damped[-1] < 1e-2  # within 1% of sigma
+    torch.testing.assert_close(sigma, precision.diagonal().rsqrt(), rtol=1e-12, atol=0)
+    _, _, undamped = _run(precision, mean, 300, QNVBHyperparameters(damping=False))
+    assert undamped[-1] > 1.0
+
+
+def test_mean_curvature_is_unbiased_and_rms_curvature_is_not():
+    # h alternates 100 +- 60 around the true curvature 100, at the optimum (g = 0)
+    mu, sigma0 = torch.zeros(1, dtype=DTYPE), torch.full((1,), 0.1, dtype=DTYPE)
+    for curvature, expected in [("mean", 100.0), ("rms", math.sqrt(100.0**2 + 60.0**2))]:
+        hp = QNVBHyperparameters(curvature=curvature)
+        sigma, state = sigma0, init_qnvb_state(mu)
+        for t in range(400):
+            h = torch.full((1,), 100.0 + (60.0 if t % 2 else -60.0), dtype=DTYPE)
+            result = qnvb_update(mu, sigma, torch.zeros(1, dtype=DTYPE), h, state, hp)
+            sigma, state = result.sigma, result.state
+        assert float(sigma) == pytest.approx(expected**-0.5, rel=1e-3)
+
+
+def test_sigma_changes_at_most_by_the_scale_factors_and_stays_in_bounds():
+    hp = QNVBHyperparameters(scale_min=0.5, scale_max=2.0, sigma_min=1e-3, sigma_max=10.0)
+    mu = torch.zeros(3, dtype=DTYPE)
+    sigma = torch.tensor([1.0, 1.0, 5e-3], dtype=DTYPE)
+    # curvature targets sigma = 0.01, 100 and 1e-4
+    h = torch.tensor([1e4, 1e-4, 1e8], dtype=DTYPE)
+    result = qnvb_update(mu, sigma, torch.zeros(3, dtype=DTYPE), h, init_qnvb_state(mu), hp)
+    torch.testing.assert_close(result.sigma, torch.tensor([0.5, 2.0, 2.5e-3], dtype=DTYPE))
+    # curvature below 1 / sigma_max^2 is floored there
+    result = qnvb_update(
+        mu,
+        torch.full((3,), 9.0, dtype=DTYPE),
+        torch.zeros(3, dtype=DTYPE),
+        torch.full((3,), 1e-6, dtype=DTYPE),
+        init_qnvb_state(mu),
+        hp,
+    )
+    torch.testing.assert_close(result.sigma, torch.full((3,), 10.0, dtype=DTYPE))
+
+
+def test_negative_curvature_holds_sigma_and_takes_a_natural_gradient_step():
+    mu = torch.zeros(1, dtype=DTYPE)
+    sigma = torch.full((1,), 0.5, dtype=DTYPE)
+    g = torch.full((1,), 0.4, dtype=DTYPE)
+    state, hp = init_qnvb_state(mu), QNVBHyperparameters(damping=False)
+    for h in (-1.0, -2.0):
+        result = qnvb_update(mu, sigma, g, torch.full((1,), h, dtype=DTYPE), state, hp)
+        assert torch.equal(result.sigma, sigma)
+        # the mean moves by g sigma^2 = 0.1 (below the cap lr = 1)
+        torch.testing.assert_close(result.mu, mu - 0.1, rtol=1e-14, atol=0)
+        mu, state = result.mu, result.state
+
+
+@pytest.mark.parametrize("low, held", [(-4.8, True), (-3.0, False)])
+def test_curvature_lost_in_noise_holds_sigma(low, held):
+    # h alternates 5 and `low`: mean 0.1 (noise 4.9) is never significant, mean 1 (noise 4) is
+    mu = torch.zeros(1, dtype=DTYPE)
+    sigma = torch.full((1,), 0.5, dtype=DTYPE)
+    zero = torch.zeros(1, dtype=DTYPE)
+    state, hp = init_qnvb_state(mu), QNVBHyperparameters(drift_forgetting=0.0)
+    for t in range(400):
+        h = torch.full((1,), 5.0 if t % 2 == 0 else low, dtype=DTYPE)
+        result = qnvb_update(mu, sigma, zero, h, state, hp)
+        sigma, state = result.sigma, result.state
+    if held:  # the first sample, alone, set sigma = 5^(-1/2); then it held
+        assert torch.equal(sigma, torch.full((1,), 5.0, dtype=DTYPE).rsqrt())
+    else:
+        assert float(sigma) == pytest.approx(1.0, rel=0.02)
+
+
+def test_lr_caps_the_step_of_the_mean():
+    # nearly flat loss: the quasi-Newton step g / H would be 1e6; the cap gives lr sign(g)
+    mu = torch.zeros(2, dtype=DTYPE)
+    g = torch.tensor([3.0, -0.2], dtype=DTYPE)
+    h = torch.full((2,), 1e-6, dtype=DTYPE)
+    hp = QNVBHyperparameters(lr=0.25, eps=0.0, sigma_max=1e4)
+    result = qnvb_update(mu, torch.ones(2, dtype=DTYPE), g, h, init_qnvb_state(mu), hp)
+    torch.testing.assert_close(result.mu, torch.tensor([-0.25, 0.25], dtype=DTYPE))
+
+
+def test_non_finite_coordinates_keep_their_mean_scale_and_state():
+    mu = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=DTYPE)
+    sigma = torch.full((4,), 0.5, dtype=DTYPE)
+    hp = QNVBHyperparameters()
+    state = qnvb_update(
+        mu,
+        sigma,
+        torch.ones(4, dtype=DTYPE),
+        torch.full((4,), 2.0, dtype=DTYPE),
+        init_qnvb_state(mu),
+        hp,
+    ).state
+    g = torch.tensor([1.0, math.nan, 1.0, 1.0], dtype=DTYPE)
+    h = torch.tensor([2.0, 2.0, math.inf, 2.0], dtype=DTYPE)
+    result = qnvb_update(mu, sigma, g, h, state, hp)
+    assert result.num_nonfinite == 2
+    bad = torch.tensor([False, True, True, False])
+    assert torch.equal(result.mu[bad], mu[bad]) and torch.equal(result.sigma[bad], sigma[bad])
+    for new, old in zip(result.state, state):
+        assert torch.equal(new[bad], old[bad]) and torch.isfinite(new).all()
+    assert not torch.equal(result.mu[~bad], mu[~bad])
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(lr=0.0), "lr"),
+        (dict(betas=(1.0, 0.9)), "betas[0]"),
+        (dict(betas=(0.0, -0.1)), "betas[1]"),
+        (dict(sigma_min=1.0, sigma_max=0.5), "sigma_min"),
+        (dict(scale_min=1.5), "scale_min"),
+        (dict(curvature="median"), "curvature"),
+        (dict(drift_forgetting=-1.0), "drift_forgetting"),
+    ],
+)
+def test_bad_hyperparameters_are_refused_by_name(kwargs, word):
+    with pytest.raises(ValueError, match=word.replace("[", r"\[").replace("]", r"\]")):
+        QNVBHyperparameters(**kwargs)
+
+
+def test_eight_schools_with_exact_expectations_reaches_the_reference():
+    # g and h from the mean-field ELBO's analytic expectations: only the optimizer is tested
+    problem = eight_schools()
+    mu = torch.zeros(10, dtype=DTYPE)
+    sigma = torch.full((10,), 0.1, dtype=DTYPE)
+    state, hp = init_qnvb_state(mu), QNVBHyperparameters()
+    for _ in range(100):
+        g, dsigma = torch.func.grad(problem.neg_elbo, argnums=(0, 1))(mu, sigma)
+        result = qnvb_update(mu, sigma, g, (dsigma + 1 / sigma) / sigma, state, hp)
+        mu, sigma, state = result.mu, result.sigma, result.state
+    assert problem.error(mu, sigma) < 2e-3
+
+
+def test_geometric_annealing_schedule():
+    schedule = geometric_annealing(0.01, num_steps=4)
+    values = [schedule(t) for t in range(6)]
+    expected = [0.01, 0.01**0.75, 0.1, 0.01**0.25, 1.0, 1.0]
+    assert values == pytest.approx(expected, rel=1e-14)
+    with pytest.raises(ValueError, match="initial"):
+        geometric_annealing(0.0, 10)
+    with pytest.raises(ValueError, match="num_steps"):
+        geometric_annealing(0.5, 0)
+
+
+def test_anneal_likelihood_scales_observed_sites_only():
+    def model():
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", 3):
+            pyro.sample("x", dist.Normal(z, 1.0), obs=torch.tensor([0.5, -1.0, 2.0]))
+
+    trace = poutine.trace(poutine.condition(model, {"z": torch.tensor(0.3)})).get_trace()
+    annealed = poutine.trace(
+        poutine.condition(anneal_likelihood(model, 0.25), {"z": torch.tensor(0.3)})
+    ).get_trace()
+    trace.compute_log_prob()
+    annealed.compute_log_prob()
+    prior, lik = trace.nodes["z"]["log_prob_sum"], trace.nodes["x"]["log_prob_sum"]
+    assert float(annealed.log_prob_sum()) == pytest.approx(float(prior + 0.25 * lik), rel=1e-6)

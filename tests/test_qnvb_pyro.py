@@ -1,0 +1,389 @@
+"""``QNVB`` as a Pyro optimizer: pairing, the gradient identity, fallback, subsampling, resume.
+
+Exactness is checked with a Gauss-Hermite tensor-product loss defined here (exact for Gaussian
+posteriors); the lead's ``QuadratureELBO`` path is tested at the end when it is available.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import warnings
+from operator import attrgetter
+
+import pyro
+import pyro.distributions as dist
+import pyro.optim
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
+from pyro.infer.autoguide.initialization import init_to_feasible
+
+from benchmarks.qnvb_problems import eight_schools, linear_regression
+from pyro_quadvi import QNVB
+from pyro_quadvi.guides import AutoMeanFieldNormal
+from pyro_quadvi.infer import LatentSite, LogJoint, latent_sites_of_model
+from pyro_quadvi.quadrature import make_rule
+
+DTYPE = torch.float64
+GUIDES = [AutoNormal, AutoDiagonalNormal, AutoMeanFieldNormal]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_param_store():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    yield
+    pyro.clear_param_store()
+
+
+def _loc_scale(guide, sites):
+    """The guide's flat loc and scale, read through Pyro (so SVI captures the parameters)."""
+    if isinstance(guide, AutoDiagonalNormal):
+        return guide.loc, guide.scale
+    locs = [attrgetter(s.name)(guide.locs).reshape(-1) for s in sites]
+    scales = [attrgetter(s.name)(guide.scales).reshape(-1) for s in sites]
+    return torch.cat(locs), torch.cat(scales)
+
+
+def gauss_hermite_loss(model, guide, *args, **kwargs):
+    """-E_q[log p(x, T(z)) + log|J|] - entropy with a 3^dim tensor Gauss-Hermite rule: exact for a
+    Gaussian posterior, so QNVB's g and h are exact."""
+    guide(*args, **kwargs)
+    sites = latent_sites_of_model(model, *args, **kwargs)
+    loc, scale = _loc_scale(guide, sites)
+    x, w = make_rule("gauss_hermite", 3).nodes(loc.numel(), dtype=loc.dtype)
+    log_joint = LogJoint(model, sites)(loc + scale * x, args, kwargs)
+    return -(w * log_joint).sum() - scale.log().sum()
+
+
+def _guide_mean_field(guide, size):
+    loc, scale = _loc_scale(guide, latent_sites_of_model(guide.model))
+    return loc.detach()[:size], scale.detach()[:size]
+
+
+# ----------------------------------------------------------------------- exact one-latent steps
+def _conjugate_normal():
+    data = torch.tensor([0.9, 0.1, 1.4, 0.6, 0.3, 1.1, 0.2, 0.8], dtype=DTYPE)
+
+    def model():
+        z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=DTYPE), 2.0))
+        with pyro.plate("data", len(data)):
+            pyro.sample("x", dist.Normal(z, 1.0), obs=data)
+
+    precision = 0.25 + len(data)
+    return model, data.sum() / precision, precision**-0.5
+
+
+def _conjugate_lognormal():
+    # tau ~ LogNormal(0, 1), x ~ LogNormal(log tau, 1): Gaussian in u = log tau (Jacobian included)
+    data = torch.tensor([1.5, 0.7, 2.2, 1.1, 0.9], dtype=DTYPE)
+
+    def model():
+        tau = pyro.sample("tau", dist.LogNormal(torch.tensor(0.0, dtype=DTYPE), 1.0))
+        with pyro.plate("data", len(data)):
+            pyro.sample("x", dist.LogNormal(tau.log(), 1.0), obs=data)
+
+    precision = 1.0 + len(data)
+    return model, data.log().sum() / precision, precision**-0.5
+
+
+@pytest.mark.parametrize("guide_class", GUIDES)
+@pytest.mark.parametrize("make_model", [_conjugate_normal, _conjugate_lognormal])
+def test_one_step_lands_on_the_exact_posterior(guide_class, make_model):
+    model, mean, sd = make_model()
+    # from 0: the first step moves the mean by at most lr = 1
+    guide = guide_class(model, init_loc_fn=init_to_feasible)
+    svi = SVI(model, guide, QNVB(), gauss_hermite_loss)
+    svi.step()
+    loc, scale = _guide_mean_field(guide, 1)
+    assert float(loc) == pytest.approx(float(mean), abs=1e-12)
+    assert float(scale) == pytest.approx(float(sd), rel=1e-12)
+
+
+def test_annealed_likelihood_one_step_lands_on_the_tempered_posterior():
+    model, _, _ = _conjugate_normal()
+    qnvb = QNVB(annealing=lambda step: 0.5)
+    guide = AutoMeanFieldNormal(model)
+    svi = SVI(qnvb.anneal(model), guide, qnvb, gauss_hermite_loss)
+    svi.step()
+    data_sum, n = 5.4, 8
+    precision = 0.25 + 0.5 * n
+    loc, scale = _guide_mean_field(guide, 1)
+    assert float(loc) == pytest.approx(0.5 * data_sum / precision, abs=1e-12)
+    assert float(scale) == pytest.approx(precision**-0.5, rel=1e-12)
+    assert qnvb.num_steps == 1 and qnvb.annealing_factor == 0.5
+
+
+# ---------------------------------------------------------------------- linear regression
+@pytest.mark.parametrize("rho, steps", [(0.0, 5), (0.9, 300)])
+def test_linear_regression_reaches_the_optimal_mean_field(rho, steps):
+    problem, _, _ = linear_regression(3, rho, seed=4)
+    guide = AutoMeanFieldNormal(problem.model)
+    svi = SVI(problem.model, guide, QNVB(), gauss_hermite_loss)
+    start = problem.error(torch.zeros(3), torch.full((3,), 0.1))
+    errors = []
+    for _ in range(steps):
+        svi.step()
+        errors.append(problem.error(*_guide_mean_field(guide, 3)))
+    assert max(errors) <= 2 * start  # no divergence
+    assert errors[-1] < 1e-2, errors[-1]
+
+
+@pytest.mark.parametrize("guide_class", GUIDES)
+@pytest.mark.parametrize("elbo_class", [Trace_ELBO, TraceMeanField_ELBO])
+def test_trace_elbo_gradients_give_the_optimal_mean_field(guide_class, elbo_class):
+    # Monte Carlo g and h are unbiased: the fixed point is the optimum, up to noise
+    problem, _, _ = linear_regression(3, 0.5, seed=5)
+    guide = guide_class(problem.model, init_loc_fn=init_to_feasible)
+    elbo = elbo_class(num_particles=32, vectorize_particles=True, max_plate_nesting=1)
+    svi = SVI(problem.model, guide, QNVB(), elbo)
+    for _ in range(300):
+        svi.step()
+    assert problem.error(*_guide_mean_field(guide, 3)) < 0.1
+
+
+def test_eight_schools_with_trace_elbo_reaches_the_reference():
+    problem = eight_schools()
+    guide = AutoMeanFieldNormal(problem.model)
+    elbo = Trace_ELBO(num_particles=64, vectorize_particles=True, max_plate_nesting=1)
+    svi = SVI(problem.model, guide, QNVB(), elbo)
+    for _ in range(400):
+        svi.step()
+    assert problem.error(*_guide_mean_field(guide, 10)) < 0.1
+
+
+# ------------------------------------------------------------------------------- fallback
+def _model_with_param():
+    data = torch.tensor([0.5, -0.2, 0.9, 0.4], dtype=DTYPE)
+
+    def model():
+        noise = pyro.param(
+            "noise", torch.tensor(1.5, dtype=DTYPE), constraint=dist.constraints.positive
+        )
+        z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=DTYPE), 1.0))
+        with pyro.plate("data", len(data)):
+            pyro.sample("x", dist.Normal(z, noise), obs=data)
+
+    return model
+
+
+@pytest.mark.parametrize("fallback", [pyro.optim.SGD({"lr": 0.1}), (torch.optim.SGD, {"lr": 0.1})])
+def test_unpaired_parameters_go_to_the_fallback_optimizer(fallback):
+    model = _model_with_param()
+    guide = AutoMeanFieldNormal(model)
+    qnvb = QNVB(fallback=fallback)
+    svi = SVI(model, guide, qnvb, gauss_hermite_loss)
+    svi.step()  # creates the parameters
+    store = pyro.get_param_store()
+    noise = store._params["noise"]
+    before = noise.detach().clone()
+    loss = gauss_hermite_loss(model, guide)
+    (grad,) = torch.autograd.grad(loss, [noise])
+    svi.step()
+    torch.testing.assert_close(store._params["noise"].detach(), before - 0.1 * grad)
+    assert set(qnvb.get_state()["fallback"]) == {"noise"}
+    assert set(qnvb.get_state()["qnvb"]["pairs"]) == {"AutoMeanFieldNormal.locs.z"}
+
+
+def test_non_mean_field_guides_go_to_the_fallback():
+    problem, _, _ = linear_regression(3, 0.5)
+    guide = AutoMultivariateNormal(problem.model)
+    qnvb = QNVB()
+    svi = SVI(problem.model, guide, qnvb, Trace_ELBO())
+    svi.step()
+    assert qnvb.get_state()["qnvb"]["pairs"] == {}
+    assert set(qnvb.get_state()["fallback"]) == {
+        "AutoMultivariateNormal.loc",
+        "AutoMultivariateNormal.scale",
+        "AutoMultivariateNormal.scale_tril",
+    }
+
+
+def test_bad_fallback_is_refused():
+    with pytest.raises(ValueError, match="fallback"):
+        QNVB(fallback="adam")
+
+
+# ---------------------------------------------------------------------- subsampled locals
+N_UNITS, BATCH = 20, 5
+
+
+def _local_model(data):
+    def model():
+        g = pyro.sample("g", dist.Normal(torch.tensor(0.0, dtype=DTYPE), 1.0))
+        with pyro.plate("units", N_UNITS, subsample_size=BATCH) as idx:
+            z = pyro.sample("z", dist.Normal(g, 1.0))
+            pyro.sample("x", dist.Normal(z, 0.5), obs=data[idx])
+
+    return model
+
+
+def test_subsampled_local_latents_update_only_their_rows_and_remove_the_scale():
+    data = torch.linspace(-2, 2, N_UNITS, dtype=DTYPE)
+    model = _local_model(data)
+    guide = AutoMeanFieldNormal(model)
+    elbo = Trace_ELBO(num_particles=256, vectorize_particles=True, max_plate_nesting=1)
+    svi = SVI(model, guide, QNVB(), elbo)
+    svi.step()
+    store = pyro.get_param_store()
+    locs, scales = (
+        store._params["AutoMeanFieldNormal.locs.z"],
+        store["AutoMeanFieldNormal.scales.z"],
+    )
+    before = (locs.detach().clone(), scales.detach().clone())
+    svi.step()
+    (rows,) = next(s for s in guide.mean_field_sites() if s.name == "z").rows.values()
+    unseen = torch.ones(N_UNITS, dtype=torch.bool)
+    unseen[rows] = False
+    assert torch.equal(locs.detach()[unseen], before[0][unseen])
+    assert torch.equal(store["AutoMeanFieldNormal.scales.z"].detach()[unseen], before[1][unseen])
+    assert not torch.equal(locs.detach()[rows], before[0][rows])
+    for _ in range(120):
+        svi.step()
+    # Gaussian model: the optimal sigma_z = (1 + 1 / 0.5^2)^(-1/2) in every row
+    sigma_z = store["AutoMeanFieldNormal.scales.z"].detach()
+    torch.testing.assert_close(sigma_z, torch.full_like(sigma_z, 5**-0.5), rtol=0.05, atol=0)
+
+
+def gauss_hermite_minibatch_loss(model, guide):
+    """The exact loss of one minibatch: log densities and local entropies carry the plate scale."""
+    guide_trace = poutine.trace(guide).get_trace()
+    mean_field = guide.mean_field_sites()
+    sites = [LatentSite(s.name, s.shape, s.event_dim, s.transform) for s in mean_field]
+    loc = torch.cat([s.loc.reshape(-1) for s in mean_field])
+    scale = torch.cat([s.scale.reshape(-1) for s in mean_field])
+    x, w = make_rule("gauss_hermite", 3).nodes(loc.numel(), dtype=loc.dtype)
+    log_joint = LogJoint(model, sites)(loc + scale * x, replay_trace=guide_trace)
+    entropy = sum(s.scale_factor * s.scale.log().sum() for s in mean_field)
+    return -(w * log_joint).sum() - entropy
+
+
+def test_subsampled_local_latents_land_on_their_exact_conditional_in_one_step():
+    # the minibatch scale N / BATCH = 4 multiplies the local gradients; removed, a row's update
+    # is the exact conditional N((mu_g + 4 x_i) / 5, 1 / 5) of the Gaussian model
+    data = torch.linspace(-0.5, 0.5, N_UNITS, dtype=DTYPE)
+    model = _local_model(data)
+    guide = AutoMeanFieldNormal(model, init_loc_fn=init_to_feasible)
+    svi = SVI(model, guide, QNVB(), gauss_hermite_minibatch_loss)
+    svi.step()
+    (rows,) = next(s for s in guide.mean_field_sites() if s.name == "z").rows.values()
+    store = pyro.get_param_store()
+    mu_z = store["AutoMeanFieldNormal.locs.z"].detach()[rows]
+    sigma_z = store["AutoMeanFieldNormal.scales.z"].detach()[rows]
+    torch.testing.assert_close(mu_z, 4 * data[rows] / 5, rtol=0, atol=1e-12)  # mu_g was 0
+    torch.testing.assert_close(sigma_z, torch.full_like(sigma_z, 5**-0.5), rtol=1e-12, atol=0)
+
+
+# ---------------------------------------------------------------------------- non-finite
+def test_non_finite_gradients_leave_parameters_unchanged_and_warn_once():
+    problem, _, _ = linear_regression(3, 0.0)
+    guide = AutoNormal(problem.model)
+    qnvb = QNVB()
+    svi = SVI(problem.model, guide, qnvb, gauss_hermite_loss)
+    svi.step()
+    store = pyro.get_param_store()
+    loc, scale = store._params["AutoNormal.locs.b"], store._params["AutoNormal.scales.b"]
+    for attempt in range(2):
+        gauss_hermite_loss(problem.model, guide).backward()
+        loc.grad[1] = math.nan
+        before = (loc.detach().clone(), scale.detach().clone())
+        if attempt == 0:
+            with pytest.warns(RuntimeWarning, match="non-finite"):
+                qnvb([loc, scale])
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                qnvb([loc, scale])
+        assert loc[1] == before[0][1] and scale[1] == before[1][1]
+        assert torch.isfinite(loc).all() and torch.isfinite(scale).all()
+        assert loc[0] != before[0][0]
+        loc.grad = scale.grad = None
+
+
+# ---------------------------------------------------------------------------------- resume
+def test_a_restored_run_continues_bit_for_bit():
+    model = _model_with_param()
+    elbo = Trace_ELBO(num_particles=4, vectorize_particles=True, max_plate_nesting=1)
+
+    def run(svi, steps):
+        return [svi.step() for _ in range(steps)]
+
+    guide = AutoMeanFieldNormal(model)
+    qnvb = QNVB()  # Adam fallback for "noise"
+    svi = SVI(model, guide, qnvb, elbo)
+    run(svi, 6)
+    saved_store = copy.deepcopy(pyro.get_param_store().get_state())
+    saved_optim = copy.deepcopy(qnvb.get_state())
+    saved_rng = pyro.util.get_rng_state()
+    losses = run(svi, 6)
+    final = {k: v.detach().clone() for k, v in pyro.get_param_store().named_parameters()}
+
+    pyro.clear_param_store()
+    pyro.get_param_store().set_state(saved_store)
+    resumed = QNVB()
+    resumed.set_state(saved_optim)
+    guide = AutoMeanFieldNormal(model)
+    guide()  # its setup runs the model, drawing random numbers: before the RNG is restored
+    pyro.util.set_rng_state(saved_rng)
+    svi = SVI(model, guide, resumed, elbo)
+    assert run(svi, 6) == losses
+    for name, value in pyro.get_param_store().named_parameters():
+        assert torch.equal(value.detach(), final[name]), name
+    assert resumed.num_steps == qnvb.num_steps == 12
+
+
+# -------------------------------------------------------------------------- QuadratureELBO
+quadrature_elbo = pytest.mark.skipif(
+    importlib.util.find_spec("pyro_quadvi.infer.quadrature_elbo") is None,
+    reason="QuadratureELBO (pyro_quadvi.infer.quadrature_elbo) is not available yet",
+)
+
+
+def _quadrature_elbo(**kwargs):
+    from pyro_quadvi.infer.quadrature_elbo import QuadratureELBO
+
+    return QuadratureELBO(**kwargs)
+
+
+@quadrature_elbo
+@pytest.mark.parametrize("make_model", [_conjugate_normal, _conjugate_lognormal])
+def test_quadrature_elbo_one_step_lands_on_the_exact_posterior(make_model):
+    model, mean, sd = make_model()
+    guide = AutoMeanFieldNormal(model)
+    svi = SVI(model, guide, QNVB(), _quadrature_elbo())
+    svi.step()
+    loc, scale = _guide_mean_field(guide, 1)
+    assert float(loc) == pytest.approx(float(mean), abs=1e-10)
+    assert float(scale) == pytest.approx(float(sd), rel=1e-10)
+
+
+@quadrature_elbo
+def test_quadrature_elbo_linear_regression_orthogonal_and_correlated():
+    for rho, steps in [(0.0, 5), (0.9, 400)]:
+        pyro.clear_param_store()
+        problem, _, _ = linear_regression(10, rho, seed=1)
+        guide = AutoMeanFieldNormal(problem.model)
+        svi = SVI(problem.model, guide, QNVB(), _quadrature_elbo(rule="hadamard"))
+        for _ in range(steps):
+            svi.step()
+        assert problem.error(*_guide_mean_field(guide, 10)) < 1e-2, rho
+
+
+@quadrature_elbo
+def test_quadrature_elbo_eight_schools_converges():
+    # rasp_simplex 3 integrates log tau's non-quadratic terms with a bias (about 25% of its
+    # sigma): the other nine coordinates are checked tightly, log tau loosely
+    problem = eight_schools()
+    guide = AutoMeanFieldNormal(problem.model)
+    svi = SVI(problem.model, guide, QNVB(), _quadrature_elbo())
+    for _ in range(300):
+        svi.step()
+    loc, scale = _guide_mean_field(guide, 10)
+    keep = torch.tensor([0, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert ((loc - problem.mu).abs() / problem.sigma)[keep].max() < 0.05
+    assert (scale / problem.sigma - 1).abs()[keep].max() < 0.05
+    assert (scale[1] / problem.sigma[1] - 1).abs() < 0.5
