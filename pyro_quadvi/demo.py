@@ -1,6 +1,6 @@
 """The main demo: ``python -m pyro_quadvi.demo``.
 
-1. Fits a Bayesian linear regression with ``SVI(model, AutoMeanFieldNormal(model), optimizer,
+1. Fits a Bayesian linear regression with ``SVI(model, AutoMeanFieldNormal(model), QNVB(),
    QuadratureELBO())`` and compares the fit with the optimal Gaussian mean field, known in closed
    form (mean: the exact posterior mean; standard deviations: ``1 / sqrt(Lambda_ii)`` for the
    posterior precision ``Lambda``).
@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from .guides import AutoMeanFieldNormal
 from .infer import QuadratureELBO
+from .optim import QNVB
 from .quadrature import RULES, make_rule, quadratic_exactness
 
 _SIGMA_POINT_RULES = [name for name in RULES if name != "gauss_hermite"]
@@ -100,9 +101,8 @@ def fit_demo(num_steps: int, seed: int = 0) -> None:
     X = torch.randn(num_data, dim) @ torch.linalg.cholesky(cov).T
     y = X @ torch.linspace(-1, 1, dim) + NOISE_SD * torch.randn(num_data)
     guide = AutoMeanFieldNormal(linear_regression)
-    elbo = QuadratureELBO("hadamard")
-    svi = pyro.infer.SVI(linear_regression, guide, pyro.optim.Adam({"lr": 0.02}), elbo)
-    for _ in tqdm(range(num_steps), desc="SVI, QuadratureELBO(hadamard, K=4)"):
+    svi = pyro.infer.SVI(linear_regression, guide, QNVB(), QuadratureELBO("hadamard"))
+    for _ in tqdm(range(num_steps), desc="SVI: QNVB + QuadratureELBO(hadamard, K=4)"):
         loss = svi.step(X, y)
     mean, sd = optimal_mean_field(X, y)
     loc, scale = guide.locs.w.detach(), guide.scales.w.detach()
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--trials", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args(argv)
     fit_demo(args.steps)
     evaluations = list(range(2, 17))
