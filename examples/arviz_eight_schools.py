@@ -14,9 +14,9 @@ import matplotlib
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.infer import SVI, Trace_ELBO
+from pyro.infer import SVI
 
-from pyro_quadvi import to_inference_data
+from pyro_quadvi import QNVB, QuadratureELBO, to_inference_data
 from pyro_quadvi.guides import AutoMeanFieldNormal
 
 matplotlib.use("Agg")
@@ -38,21 +38,14 @@ def model(sigma, y=None):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/img/arviz_ppc.png", help="the figure's path")
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args()
 
     pyro.set_rng_seed(options.seed)
     pyro.clear_param_store()
     guide = AutoMeanFieldNormal(model)
-    # the docs page fits with SVI(model, guide, QNVB(), QuadratureELBO()); until those are
-    # merged this figure comes from Adam and Trace_ELBO
-    svi = SVI(
-        model,
-        guide,
-        pyro.optim.ClippedAdam({"lr": 0.02, "lrd": 0.999}),
-        Trace_ELBO(num_particles=8, vectorize_particles=True),
-    )
+    svi = SVI(model, guide, QNVB(), QuadratureELBO())
     for _ in range(options.steps):
         svi.step(SIGMA, Y)
 
