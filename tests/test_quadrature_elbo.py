@@ -171,14 +171,18 @@ def _normal_logpdf(x, mean, sd):
     return -0.5 * np.log(2 * np.pi) - np.log(sd) - 0.5 * ((x - mean) / sd) ** 2
 
 
+HALFNORMAL_Y = torch.tensor([0.3, -1.2, 0.8], dtype=torch.float64)
+
+
+def halfnormal_model():
+    s = pyro.sample("s", dist.HalfNormal(1.5))
+    with pyro.plate("data", 3):
+        pyro.sample("y", dist.Normal(0.0, s), obs=HALFNORMAL_Y)
+
+
 def test_halfnormal_scale_latent_against_gauss_hermite_reference():
-    y = torch.tensor([0.3, -1.2, 0.8])
-
-    def model():
-        s = pyro.sample("s", dist.HalfNormal(1.5))
-        with pyro.plate("data", 3):
-            pyro.sample("y", dist.Normal(0.0, s), obs=y)
-
+    y = HALFNORMAL_Y
+    model = halfnormal_model
     guide = AutoMeanFieldNormal(model)
     loc, scale = _set_mean_field(guide, "s", torch.tensor(0.2), torch.tensor(0.4))
     nodes, weights = _gh(60)
@@ -490,14 +494,7 @@ def test_quadrature_elbo_gradient_identity_with_trace_elbo_in_expectation():
 
 
 def test_median_quantiles_and_site_constraints_of_the_mean_field_guide():
-    y = torch.tensor([0.3, -1.2, 0.8])
-
-    def model():
-        s = pyro.sample("s", dist.HalfNormal(1.5))
-        with pyro.plate("data", 3):
-            pyro.sample("y", dist.Normal(0.0, s), obs=y)
-
-    guide = AutoMeanFieldNormal(model)
+    guide = AutoMeanFieldNormal(halfnormal_model)
     _set_mean_field(guide, "s", torch.tensor(0.2), torch.tensor(0.4))
     guide()  # a run syncs the module with the param store, as svi.step does
     assert abs(guide.median()["s"].item() - math.exp(0.2)) < 1e-12
