@@ -128,7 +128,9 @@ class QuadratureELBO(ELBO):
         mpn = None if math.isinf(self.max_plate_nesting) else int(self.max_plate_nesting)
         log_joint = LogJoint(model, view.sites, max_plate_nesting=mpn)
         if self.vectorize is not None:
-            return log_joint(z, args, kwargs, guide_trace, vectorize=self.vectorize)
+            values = log_joint(z, args, kwargs, guide_trace, vectorize=self.vectorize)
+            self.max_plate_nesting = log_joint.max_plate_nesting  # found once, then kept
+            return values
         # First call: try one vectorized pass and check it against a looped pass over the first
         # and the last node (a model that broadcasts wrongly over nodes shows up there).
         probe = torch.tensor(sorted({0, z.shape[0] - 1}))
@@ -140,6 +142,7 @@ class QuadratureELBO(ELBO):
             looped = log_joint(z[probe], args, kwargs, guide_trace, vectorize=False)
             if torch.allclose(vectorized[probe], looped, rtol=1e-6, atol=1e-6):
                 self.vectorize = True
+                self.max_plate_nesting = log_joint.max_plate_nesting
                 return vectorized
             reason = "its log densities differ from a looped evaluation"
         self.vectorize = False
@@ -148,7 +151,9 @@ class QuadratureELBO(ELBO):
             f"pass ({reason}); looping over nodes. Pass vectorize=False to silence this.",
             stacklevel=4,
         )
-        return log_joint(z, args, kwargs, guide_trace, vectorize=False)
+        values = log_joint(z, args, kwargs, guide_trace, vectorize=False)
+        self.max_plate_nesting = log_joint.max_plate_nesting
+        return values
 
     def _get_trace(self, model, guide, args, kwargs):
         raise NotImplementedError("QuadratureELBO integrates with quadrature nodes, not traces")
