@@ -31,6 +31,7 @@ from pyro_quadvi import to_inference_data
 
 SIGMA, Y = EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y
 
+
 class Regression(PyroModule):
     def __init__(self, features: int):
         super().__init__()

@@ -192,8 +192,11 @@ def main():
 
     for scale in (0.2, 0.02):
         rows, extra = rmse_table(net, (Xn, yn), net_ref, args.repeats, False, scale=scale)
-        print_rows(f"Bayesian MLP 4-8-1, d = 49, scales in [{scale}, {2.5 * scale:.2g}] "
-                   f"(MC reference, relative std. error {extra[0]:.2g})", rows)
+        print_rows(
+            f"Bayesian MLP 4-8-1, d = 49, scales in [{scale}, {2.5 * scale:.2g}] "
+            f"(MC reference, relative std. error {extra[0]:.2g})",
+            rows,
+        )
         results.append((f"MLP d=49, sigma~{scale}", rows))
     if args.plot:
         plot(results, args.plot)

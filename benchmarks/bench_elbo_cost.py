@@ -40,10 +40,14 @@ def compare(name, model, args, K, rule, vectorize, mpn, repeats, steps):
     results = {}
     svis = {}
     for label, elbo in (
-        ("quadrature", QuadratureELBO(rule, num_points=K, vectorize=vectorize,
-                                      max_plate_nesting=mpn)),
-        ("trace", Trace_ELBO(num_particles=K, vectorize_particles=vectorize,
-                             max_plate_nesting=mpn)),
+        (
+            "quadrature",
+            QuadratureELBO(rule, num_points=K, vectorize=vectorize, max_plate_nesting=mpn),
+        ),
+        (
+            "trace",
+            Trace_ELBO(num_particles=K, vectorize_particles=vectorize, max_plate_nesting=mpn),
+        ),
     ):
         pyro.clear_param_store()
         guide = AutoMeanFieldNormal(model)
@@ -72,8 +76,15 @@ def main() -> None:
     cases = [
         ("eight schools", eight_schools, (), 3, "rasp_simplex", True, 1),
         ("eight schools", eight_schools, (), 4, "hadamard", True, 1),
-        ("logistic regression d=100, N=10k", logistic_regression, (X, y), 3, "rasp_simplex",
-         True, 1),
+        (
+            "logistic regression d=100, N=10k",
+            logistic_regression,
+            (X, y),
+            3,
+            "rasp_simplex",
+            True,
+            1,
+        ),
         ("logistic regression d=100, N=10k", logistic_regression, (X, y), 4, "hadamard", True, 1),
         ("PyroModule MLP (loop)", net, (Xn, yn), 3, "rasp_simplex", False, 1),
         ("PyroModule MLP (loop)", net, (Xn, yn), 4, "hadamard", False, 1),

@@ -64,12 +64,16 @@ def main(argv: list[str] | None = None) -> None:
     table = exactness_table(args.dim, evaluations, args.trials, seed=args.seed)
     elapsed = time.perf_counter() - start
     pairs = args.dim * (args.dim - 1) // 2
-    print(f"d = {args.dim}, mean over {args.trials} draws (random rules) or steps (hadamard), "
-          f"seed {args.seed}; {elapsed:.0f} s\n")
+    print(
+        f"d = {args.dim}, mean over {args.trials} draws (random rules) or steps (hadamard), "
+        f"seed {args.seed}; {elapsed:.0f} s\n"
+    )
     print(f"Fraction of the {pairs} mixed terms x_i x_j integrated exactly:\n")
     print(format_table(table, evaluations, key="cross"))
-    print(f"\nFraction of all {1 + 2 * args.dim + pairs} quadratic basis functions "
-          "integrated exactly:\n")
+    print(
+        f"\nFraction of all {1 + 2 * args.dim + pairs} quadratic basis functions "
+        "integrated exactly:\n"
+    )
     print(format_table(table, evaluations, key="total"))
     if args.plot:
         plot(table, args.dim, args.trials, Path(args.plot))

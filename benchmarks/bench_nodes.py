@@ -108,8 +108,18 @@ def worker(name: str, dim: int, repeats: int, num_points: int | None, threads: i
 
 
 def run_worker(name: str, args) -> dict:
-    command = [sys.executable, __file__, "--worker", name, "--dim", str(args.dim),
-               "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        name,
+        "--dim",
+        str(args.dim),
+        "--repeats",
+        str(args.repeats),
+        "--threads",
+        str(args.threads),
+    ]
     if args.num_points is not None:
         command += ["--num-points", str(args.num_points)]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
@@ -120,31 +130,42 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=10**7)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--num-points", type=int, default=None,
-                        help="K for every rule (default: each rule's default)")
+    parser.add_argument(
+        "--num-points",
+        type=int,
+        default=None,
+        help="K for every rule (default: each rule's default)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rules", nargs="+", default=RULES, choices=RULES)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
-        print(json.dumps(
-            worker(args.worker, args.dim, args.repeats, args.num_points, args.threads)))
+        print(
+            json.dumps(worker(args.worker, args.dim, args.repeats, args.num_points, args.threads))
+        )
         return
 
     baseline = run_worker(BASELINE, args)
     results = [run_worker(name, args) for name in args.rules]
     mb = 1e6
     randn_ms = statistics.median(r["randn"] for r in results) * 1e3
-    print(f"d = {args.dim:.0e}, float32, torch {torch.__version__}, {args.threads} thread(s), "
-          f"median of {args.repeats}; torch.randn(d): {randn_ms:.1f} ms, "
-          f"peak {baseline['peak'] / mb:.0f} MB\n")
-    print("| rule | K | draw (x randn) | per node (x randn) | state (MB) | "
-          "peak (MB) | peak (x randn) |")
+    print(
+        f"d = {args.dim:.0e}, float32, torch {torch.__version__}, {args.threads} thread(s), "
+        f"median of {args.repeats}; torch.randn(d): {randn_ms:.1f} ms, "
+        f"peak {baseline['peak'] / mb:.0f} MB\n"
+    )
+    print(
+        "| rule | K | draw (x randn) | per node (x randn) | state (MB) | "
+        "peak (MB) | peak (x randn) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['name']} | {r['K']} | {r['draw']:.2f} | "
-              f"{r['node']:.2f} | {r['state'] / mb:.0f} | {r['peak'] / mb:.0f} | "
-              f"{r['peak'] / baseline['peak']:.2f} |")
+        print(
+            f"| {r['name']} | {r['K']} | {r['draw']:.2f} | "
+            f"{r['node']:.2f} | {r['state'] / mb:.0f} | {r['peak'] / mb:.0f} | "
+            f"{r['peak'] / baseline['peak']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

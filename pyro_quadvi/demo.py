@@ -106,8 +106,10 @@ def fit_demo(num_steps: int, seed: int = 0) -> None:
         loss = svi.step(X, y)
     mean, sd = optimal_mean_field(X, y)
     loc, scale = guide.locs.w.detach(), guide.scales.w.detach()
-    print(f"\nBayesian linear regression, d = {dim}, N = {num_data}, feature correlation {rho}: "
-          f"final loss {loss:.3f}")
+    print(
+        f"\nBayesian linear regression, d = {dim}, N = {num_data}, feature correlation {rho}: "
+        f"final loss {loss:.3f}"
+    )
     print("| coordinate | fitted mean | optimal mean | fitted sd | optimal sd |")
     print("|---|---|---|---|---|")
     for i in range(dim):
@@ -123,9 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     fit_demo(args.steps)
     evaluations = list(range(2, 17))
-    print(f"Fraction of the {args.dim * (args.dim - 1) // 2} mixed quadratic terms x_i x_j "
-          f"integrated exactly, d = {args.dim} (mean over {args.trials} steps; fresh draws for "
-          "the random rules)\n")
+    print(
+        f"Fraction of the {args.dim * (args.dim - 1) // 2} mixed quadratic terms x_i x_j "
+        f"integrated exactly, d = {args.dim} (mean over {args.trials} steps; fresh draws for "
+        "the random rules)\n"
+    )
     print(format_table(exactness_table(args.dim, evaluations, args.trials), evaluations))
 
 

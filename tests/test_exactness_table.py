@@ -10,8 +10,15 @@ from pyro_quadvi.demo import exactness_table, format_table, main
 def test_exactness_table_fractions():
     dim, evaluations = 64, [2, 3, 4, 8]
     table = exactness_table(dim, evaluations, trials=3, seed=1)
-    assert set(table) == {"rasp_simplex", "rasp_cross", "hadamard", "blocked_simplex", "mc",
-                          "vrmc1", "vrmc2"}
+    assert set(table) == {
+        "rasp_simplex",
+        "rasp_cross",
+        "hadamard",
+        "blocked_simplex",
+        "mc",
+        "vrmc1",
+        "vrmc2",
+    }
     pairs = dim * (dim - 1) // 2
     basis = 1 + 2 * dim + pairs
     # the pair rules do not exist for odd K
@@ -35,7 +42,10 @@ def test_exactness_table_fractions():
 def test_format_table_and_demo(capsys):
     table = {"hadamard": {2: {"cross": 0.0, "total": 0.25}, 4: {"cross": 0.5, "total": 0.625}}}
     assert format_table(table, [2, 3, 4]).splitlines() == [
-        "| rule | K=2 | K=3 | K=4 |", "|---|---|---|---|", "| hadamard | 0.000 | - | 0.500 |"]
+        "| rule | K=2 | K=3 | K=4 |",
+        "|---|---|---|---|",
+        "| hadamard | 0.000 | - | 0.500 |",
+    ]
     assert format_table(table, [4], key="total").splitlines()[-1] == "| hadamard | 0.625 |"
     main(["--dim", "16", "--trials", "1"])
     out = capsys.readouterr().out

@@ -87,16 +87,18 @@ def test_univariate_moments_exact_to_the_claimed_degree_and_not_beyond(name, num
 def test_random_sums_of_univariate_polynomials(name, num_points, degree):
     """``f(x) = sum_i sum_p c_ip x_i^p`` with random ``c``: exact to the claimed degree only."""
     X, w = draw(name, num_points, seed=7)
-    coefficients = torch.randn(degree + 2, DIM, generator=torch.Generator().manual_seed(3),
-                               dtype=torch.float64)
+    coefficients = torch.randn(
+        degree + 2, DIM, generator=torch.Generator().manual_seed(3), dtype=torch.float64
+    )
     exact = torch.tensor([normal_moment(p) for p in range(degree + 2)], dtype=torch.float64)
     powers = X[None] ** torch.arange(degree + 2, dtype=X.dtype)[:, None, None]  # (p, K, dim)
     values = torch.einsum("pi,pki->kp", coefficients, powers)  # f_p(X[k]) per top degree p
     quadrature = w @ values.cumsum(dim=1)  # column p: the polynomial truncated at degree p
     integral = (coefficients.sum(dim=1) * exact).cumsum(dim=0)
     scale = coefficients.abs().sum().item()
-    assert torch.allclose(quadrature[: degree + 1], integral[: degree + 1], rtol=0,
-                          atol=1e-13 * scale)
+    assert torch.allclose(
+        quadrature[: degree + 1], integral[: degree + 1], rtol=0, atol=1e-13 * scale
+    )
     assert abs(quadrature[degree + 1] - integral[degree + 1]).item() > 1e-6
 
 
@@ -176,6 +178,7 @@ def test_global_seed_makes_generator_none_reproducible(name, seed_fn):
 
 # ------------------------------------------------------------------------- one node at a time
 
+
 @pytest.mark.parametrize("name", list(RULES))
 @pytest.mark.parametrize("num_points", [None, 4])
 def test_one_node_at_a_time_equals_the_matrix_and_nodes(name, num_points):
@@ -230,6 +233,7 @@ def test_rasp_state_is_one_byte_per_coordinate():
 
 # ----------------------------------------------------------------------------------- bad input
 
+
 @pytest.mark.parametrize(
     "name, num_points, message",
     [
@@ -254,8 +258,11 @@ def test_bad_num_points_raise(name, num_points, message):
 
 
 def test_unknown_rule_lists_the_choices():
-    with pytest.raises(ValueError, match=r"unknown quadrature rule 'simplex'; choose one of .*"
-                                         r"'hadamard'.*'rasp_simplex'"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown quadrature rule 'simplex'; choose one of .*"
+        r"'hadamard'.*'rasp_simplex'",
+    ):
         make_rule("simplex")
 
 

@@ -23,7 +23,12 @@ from pyro_quadvi import AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.quadrature import make_rule
 
 EXACT_RULES = [
-    "rasp_simplex", "rasp_cross", "hadamard", "blocked_simplex", "gauss_hermite", "vrmc2"
+    "rasp_simplex",
+    "rasp_cross",
+    "hadamard",
+    "blocked_simplex",
+    "gauss_hermite",
+    "vrmc2",
 ]
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -76,8 +81,10 @@ def test_diagonal_quadratic_loss_and_gradients_are_exact(rule, vectorize):
     elbo = QuadratureELBO(rule, vectorize=vectorize)
     loss = elbo.differentiable_loss(diagonal_model, guide, x)
     store = pyro.get_param_store()
-    params = [store.get_param(n).unconstrained() for n in ("AutoMeanFieldNormal.locs.z",
-                                                            "AutoMeanFieldNormal.scales.z")]
+    params = [
+        store.get_param(n).unconstrained()
+        for n in ("AutoMeanFieldNormal.locs.z", "AutoMeanFieldNormal.scales.z")
+    ]
     grads = torch.autograd.grad(loss, params)
     loc, scale = store["AutoMeanFieldNormal.locs.z"], store["AutoMeanFieldNormal.scales.z"]
     expected = diagonal_closed_form(x, loc, scale)
@@ -134,8 +141,10 @@ def _correlated_guide():
 
 def test_correlated_latents_gauss_hermite_exact():
     guide, expected = _correlated_guide()
-    assert abs(QuadratureELBO("gauss_hermite", num_points=2).loss(correlated_model, guide)
-               - expected) < 1e-10
+    assert (
+        abs(QuadratureELBO("gauss_hermite", num_points=2).loss(correlated_model, guide) - expected)
+        < 1e-10
+    )
 
 
 def test_correlated_latents_hadamard_exact_over_a_period_not_at_each_step():
@@ -161,6 +170,7 @@ def test_correlated_latents_rasp_unbiased_over_seeds():
 
 
 # -- constrained latents against an independent Gauss-Hermite reference ---------------------------
+
 
 def _gh(n):
     nodes, weights = np.polynomial.hermite_e.hermegauss(n)
@@ -188,8 +198,9 @@ def test_halfnormal_scale_latent_against_gauss_hermite_reference():
     nodes, weights = _gh(60)
     z = loc.item() + scale.item() * nodes
     s = np.exp(z)
-    log_joint = (np.log(2) + _normal_logpdf(s, 0, 1.5)
-                 + _normal_logpdf(y.numpy()[:, None], 0, s).sum(0) + z)  # + log|ds/dz|
+    log_joint = (
+        np.log(2) + _normal_logpdf(s, 0, 1.5) + _normal_logpdf(y.numpy()[:, None], 0, s).sum(0) + z
+    )  # + log|ds/dz|
     expected = -(weights @ log_joint) - (math.log(scale.item()) + HALF_LOG_2PI + 0.5)
     got = QuadratureELBO("gauss_hermite", num_points=60).loss(model, guide)
     assert abs(got - expected) < 1e-9
@@ -222,8 +233,11 @@ def test_beta_and_dirichlet_latents_against_gauss_hermite_reference():
     nodes, weights = _gh(24)
     za = 0.4 + 0.6 * nodes
     p = expit(za)
-    log_p = (stats.beta.logpdf(p, 2, 3) + stats.bernoulli.logpmf(heads.numpy()[:, None], p).sum(0)
-             + np.log(p * (1 - p)))  # sigmoid Jacobian
+    log_p = (
+        stats.beta.logpdf(p, 2, 3)
+        + stats.bernoulli.logpmf(heads.numpy()[:, None], p).sum(0)
+        + np.log(p * (1 - p))
+    )  # sigmoid Jacobian
     e_p = weights @ log_p
     z1 = 0.1 + 0.5 * nodes[:, None]
     z2 = -0.3 + 0.3 * nodes[None, :]
@@ -233,13 +247,16 @@ def test_beta_and_dirichlet_latents_against_gauss_hermite_reference():
     w1 = v1 + 0 * v2
     w2 = (1 - v1) * v2
     w3 = (1 - v1) * (1 - v2)
-    log_jac = (np.log(v1 * (1 - v1)) + np.log(v2 * (1 - v2)) + np.log(1 - v1))
-    log_w = (stats.dirichlet.logpdf(np.stack([w1.ravel(), w2.ravel(), w3.ravel()]),
-                                    [1.5, 2.0, 1.0]).reshape(w1.shape)
-             + stats.multinomial.logpmf(counts.numpy(), 6,
-                                        np.stack([w1.ravel(), w2.ravel(), w3.ravel()], -1)
-                                        ).reshape(w1.shape)
-             + log_jac)
+    log_jac = np.log(v1 * (1 - v1)) + np.log(v2 * (1 - v2)) + np.log(1 - v1)
+    log_w = (
+        stats.dirichlet.logpdf(
+            np.stack([w1.ravel(), w2.ravel(), w3.ravel()]), [1.5, 2.0, 1.0]
+        ).reshape(w1.shape)
+        + stats.multinomial.logpmf(
+            counts.numpy(), 6, np.stack([w1.ravel(), w2.ravel(), w3.ravel()], -1)
+        ).reshape(w1.shape)
+        + log_jac
+    )
     e_w = weights @ log_w @ weights
     entropy = (math.log(0.6) + math.log(0.5) + math.log(0.3)) + 3 * (HALF_LOG_2PI + 0.5)
     expected = -(e_p + e_w) - entropy
@@ -247,6 +264,7 @@ def test_beta_and_dirichlet_latents_against_gauss_hermite_reference():
 
 
 # -- plates and subsampling ------------------------------------------------------------------------
+
 
 def local_model(x, subsample_size=None):
     mu = pyro.sample("mu", dist.Normal(0.0, 3.0))
@@ -295,6 +313,7 @@ def test_subsampled_local_latents_are_scaled_like_pyro():
 
 # -- guide types -----------------------------------------------------------------------------------
 
+
 def test_autonormal_and_autodiagonalnormal_match_the_closed_form():
     x = torch.randn(4, 6)
     for guide_cls in (AutoNormal, AutoDiagonalNormal):
@@ -319,7 +338,8 @@ def test_full_and_low_rank_gaussian_guides_exact_with_gauss_hermite(guide_cls):
     loc, cov = posterior.loc, posterior.covariance_matrix
     prior_prec = 1 / PRIOR_SD**2
     e_prior = (-HALF_LOG_2PI - math.log(PRIOR_SD)) * 3 - 0.5 * prior_prec * (
-        loc @ loc + cov.trace())
+        loc @ loc + cov.trace()
+    )
     e_lik = (-HALF_LOG_2PI - 0.5 * ((x - loc) ** 2 + cov.diagonal())).sum()
     expected = -(e_prior + e_lik + posterior.entropy()).item()
     got = QuadratureELBO("gauss_hermite", num_points=2).loss(diagonal_model, guide, x)
@@ -333,6 +353,7 @@ def test_unsupported_guide_gets_a_type_error_listing_the_supported_ones():
 
 
 # -- a PyroModule network: looped evaluation -------------------------------------------------------
+
 
 class TinyNet(PyroModule):
     def __init__(self):
@@ -385,6 +406,7 @@ def test_pyromodule_network_falls_back_to_the_loop_with_one_warning_and_exact_va
 
 # -- errors ----------------------------------------------------------------------------------------
 
+
 def test_discrete_latent_is_refused_with_the_site_name():
     def model():
         pyro.sample("k", dist.Bernoulli(0.5))
@@ -421,6 +443,7 @@ def test_bad_arguments():
 
 
 # -- SVI, sequence position, reproducibility -------------------------------------------------------
+
 
 def test_svi_with_pyro_adam_converges_to_the_exact_posterior():
     torch.manual_seed(0)

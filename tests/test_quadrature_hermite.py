@@ -93,8 +93,9 @@ def test_tensor_gauss_hermite_is_exact_to_degree_2m_minus_1_per_coordinate(m, di
         [math.prod(normal_moment(int(p)) for p in e) for e in exponents], dtype=torch.float64
     )
     assert ((values - exact).abs() <= 1e-13 * scale).all()
-    coefficients = torch.randn(len(exponents), generator=torch.Generator().manual_seed(m),
-                               dtype=torch.float64)
+    coefficients = torch.randn(
+        len(exponents), generator=torch.Generator().manual_seed(m), dtype=torch.float64
+    )
     error = (coefficients @ values - coefficients @ exact).abs().item()
     assert error <= 1e-13 * (coefficients.abs() @ scale).item()
     # but x_i^(2m) is not exact in any coordinate
@@ -109,8 +110,9 @@ def test_tensor_gauss_hermite_node_order_and_weights():
     X, w = make_rule("gauss_hermite", m).nodes(dim, dtype=torch.float64)
     for k, digits in enumerate(itertools.product(range(m), repeat=dim)):
         assert torch.equal(X[k], points[list(digits)])
-        assert w[k].item() == pytest.approx(math.prod(point_weights[a].item() for a in digits),
-                                            rel=1e-14)
+        assert w[k].item() == pytest.approx(
+            math.prod(point_weights[a].item() for a in digits), rel=1e-14
+        )
 
 
 def test_quadratic_exactness_counts_a_hand_made_quadrature():

@@ -84,10 +84,12 @@ def test_rasp_cross_terms_are_unbiased_over_seeds(name, num_points, r):
     """
     dim, draws = 300, 400
     rule = make_rule(name, num_points)
-    X = torch.cat([
-        rule.nodes(dim, generator=generator(1000 + seed), dtype=torch.float64)[0]
-        for seed in range(draws)
-    ])
+    X = torch.cat(
+        [
+            rule.nodes(dim, generator=generator(1000 + seed), dtype=torch.float64)[0]
+            for seed in range(draws)
+        ]
+    )
     mean_error = upper(X.T @ X / X.shape[0])  # per pair, the mean over the draws
     variance = 1 / r
     # the grand mean over all pairs and draws, standard error sqrt(variance / (draws * pairs))
@@ -114,9 +116,10 @@ def monomial_quadrature(X, w, index, exponent):
     return torch.einsum("k,km->m", w, (X[:, index] ** exponent).prod(dim=-1))
 
 
-@pytest.mark.parametrize("name, num_points", [("rasp_cross", 4), ("rasp_cross", 6),
-                                              ("rasp_cross", 8), ("hadamard", 4),
-                                              ("hadamard", 6)])
+@pytest.mark.parametrize(
+    "name, num_points",
+    [("rasp_cross", 4), ("rasp_cross", 6), ("rasp_cross", 8), ("hadamard", 4), ("hadamard", 6)],
+)
 def test_symmetric_rules_integrate_every_odd_monomial(name, num_points):
     """rasp paper, Theorem 3.4: a symmetric reference makes every odd total-degree monomial exact
     (its integral is 0); the Hadamard antithetic pairs are symmetric too."""
@@ -124,8 +127,9 @@ def test_symmetric_rules_integrate_every_odd_monomial(name, num_points):
     index, exponent = random_odd_monomials(dim, 3000, seed=5)
     # include the named low-degree cases explicitly: x_i x_j x_k, x_i^2 x_j, x_i^3, x_i^3 x_j^2
     index[:4, :3] = torch.tensor([[0, 1, 2], [0, 1, 2], [0, 1, 2], [3, 4, 5]])
-    exponent[:4] = torch.tensor([[1, 1, 1, 0, 0], [2, 1, 0, 0, 0], [3, 0, 0, 0, 0],
-                                 [3, 2, 0, 0, 0]])
+    exponent[:4] = torch.tensor(
+        [[1, 1, 1, 0, 0], [2, 1, 0, 0, 0], [3, 0, 0, 0, 0], [3, 2, 0, 0, 0]]
+    )
     assert (exponent.sum(dim=1) % 2 == 1).all()
     rule = make_rule(name, num_points)
     for seed in range(3):
@@ -144,6 +148,7 @@ def test_simplex_rasp_does_not_integrate_odd_monomials():
 
 
 # --------------------------------------------------------------------------- blocked sigma points
+
 
 @pytest.mark.parametrize("num_points, dim", [(3, 300), (3, 301), (4, 301), (4, 302), (6, 300)])
 def test_blocked_simplex_every_quadratic_within_a_block_is_exact(num_points, dim):
@@ -227,6 +232,7 @@ def test_blocked_simplex_products_across_blocks_match_the_tensor_product_in_expe
 
 # -------------------------------------------------------------------------------------- Hadamard
 
+
 def sylvester(order: int) -> torch.Tensor:
     H = torch.ones(1, 1, dtype=torch.float64)
     base = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
@@ -249,11 +255,20 @@ def test_hadamard_signs_are_the_sylvester_hadamard_matrix():
 def test_hadamard_signs_for_large_indices_and_iterates(index_dtype):
     g = generator(9)
     top = 2**31 - 1
-    index = torch.cat([torch.arange(top - 999, top + 1),
-                       torch.randint(0, top, (1000,), generator=g)])
-    iterates = [0, 1, top, top - 1, 2**30, 12345678,
-                *torch.randint(0, top, (20,), generator=g).tolist(),
-                2**31 + 5, 2**40 + 3]  # only the low 31 bits matter for indices below 2^31
+    index = torch.cat(
+        [torch.arange(top - 999, top + 1), torch.randint(0, top, (1000,), generator=g)]
+    )
+    iterates = [
+        0,
+        1,
+        top,
+        top - 1,
+        2**30,
+        12345678,
+        *torch.randint(0, top, (20,), generator=g).tolist(),
+        2**31 + 5,
+        2**40 + 3,
+    ]  # only the low 31 bits matter for indices below 2^31
     for q in iterates:
         signs = hadamard_signs(index.to(index_dtype), q, dtype=torch.float64)
         expected = [1.0 - 2.0 * (bin(i & q).count("1") % 2) for i in index.tolist()]

@@ -111,7 +111,10 @@ class QuadratureELBO(ELBO):
         view = gaussian_view(guide, guide_trace)
         loc_dtype = view.entropy.dtype
         nodes = self.rule.draw(
-            view.dim, step=self.step, generator=self.generator, dtype=loc_dtype,
+            view.dim,
+            step=self.step,
+            generator=self.generator,
+            dtype=loc_dtype,
             device=view.entropy.device,
         )
         z = view.affine(nodes.matrix())
