@@ -15,9 +15,6 @@ has stayed within the target for as long again as it took to get there (at least
 Gradient evaluations count one per node (QuadratureELBO: 3 or 4 per step) or per particle
 (Trace_ELBO: 1 per step). Wall time counts the SVI steps only, not the error checks.
 
-QuadratureELBO methods run when ``pyro_quadvi.infer.quadrature_elbo.QuadratureELBO`` exists and are
-reported as ``n/a`` otherwise.
-
 Usage::
 
     python benchmarks/bench_qnvb.py                      # the whole suite
@@ -50,26 +47,18 @@ from benchmarks.qnvb_problems import (
     logistic_regression,
     small_network,
 )
-from pyro_quadvi import QNVB
+from pyro_quadvi import QNVB, QuadratureELBO
 from pyro_quadvi.guides import AutoMeanFieldNormal
 
 TOLERANCE_SIGMA = 0.05
 TOLERANCE_NATS = 0.1
 
 
-def _quadrature_elbo(rule: str):
-    try:
-        from pyro_quadvi.infer.quadrature_elbo import QuadratureELBO
-    except ImportError:
-        return None
-    return QuadratureELBO(rule=rule)
-
-
 @dataclass
 class Method:
     name: str
     optimizer: Callable[[], object]
-    loss: Callable[[], object | None]
+    loss: Callable[[], object]
     evals_per_step: int
 
 
@@ -78,10 +67,12 @@ def methods() -> list[Method]:
         Method(
             "QNVB + QuadratureELBO(rasp_simplex 3)",
             QNVB,
-            lambda: _quadrature_elbo("rasp_simplex"),
+            lambda: QuadratureELBO(rule="rasp_simplex"),
             3,
         ),
-        Method("QNVB + QuadratureELBO(hadamard 4)", QNVB, lambda: _quadrature_elbo("hadamard"), 4),
+        Method(
+            "QNVB + QuadratureELBO(hadamard 4)", QNVB, lambda: QuadratureELBO(rule="hadamard"), 4
+        ),
         Method("QNVB + Trace_ELBO", QNVB, Trace_ELBO, 1),
     ]
     for lr in (1e-3, 1e-2, 1e-1):
@@ -89,7 +80,7 @@ def methods() -> list[Method]:
             Method(
                 f"Adam({lr:.0e}) + QuadratureELBO(rasp_simplex 3)",
                 lambda lr=lr: pyro.optim.Adam({"lr": lr}),
-                lambda: _quadrature_elbo("rasp_simplex"),
+                lambda: QuadratureELBO(rule="rasp_simplex"),
                 3,
             )
         )
@@ -202,25 +193,17 @@ def main(argv=None) -> None:
         metric, tol, unit = make_metric(problem)
         results = {}
         for method in chosen_methods:
-            loss = method.loss()
-            if loss is None:
-                results[method.name] = None
-                continue
             results[method.name] = run(
-                problem, method, loss, metric, tol, args.max_evals, args.check_every
+                problem, method, method.loss(), metric, tol, args.max_evals, args.check_every
             )
         if problem.mu is None:  # the network: relative to the best ELBO reached
-            best = min(min(r.values) for r in results.values() if r is not None and r.values)
+            best = min(min(r.values) for r in results.values() if r.values)
             for r in results.values():
-                if r is not None:
-                    r.values = [v - best for v in r.values]
+                r.values = [v - best for v in r.values]
         print(f"### {key} (target: {tol:g} {unit})\n")
         print("| method | evaluations to target | seconds to target | final | worst |")
         print("|---|---:|---:|---:|---:|")
         for name, r in results.items():
-            if r is None:
-                print(f"| {name} | n/a | n/a | n/a | n/a |")
-                continue
             evals, secs = reached(r, tol)
             final = f"{r.values[-1]:.3g}" if r.values else "-"
             worst = f"{max(r.values):.3g}" if r.values else "-"
