@@ -87,6 +87,12 @@ def _design(n: int, d: int, rho: float, generator: torch.Generator) -> torch.Ten
     return x
 
 
+def _linear_predictor(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``x @ b`` for coefficients ``b`` of shape ``(d,)``, or ``(K, 1, d)`` under a particle plate
+    (the ``1`` is the data plate's slot): a matrix product, then the slot dropped, ``(K, n)``."""
+    return (b @ x.T).reshape(*b.shape[:-2], x.shape[0])
+
+
 def linear_regression(d: int, rho: float = 0.0, n: int | None = None, seed: int = 0):
     """``b ~ N(0, I)``, ``y ~ N(X b, 1)``: the optimal mean field in closed form.
 
@@ -104,7 +110,7 @@ def linear_regression(d: int, rho: float = 0.0, n: int | None = None, seed: int 
     def model():
         b = pyro.sample("b", dist.Normal(torch.zeros(d, dtype=x.dtype), 1.0).to_event(1))
         with pyro.plate("data", n):
-            pyro.sample("y", dist.Normal((x * b).sum(-1), 1.0), obs=y)
+            pyro.sample("y", dist.Normal(_linear_predictor(x, b), 1.0), obs=y)
 
     def neg_elbo(mu, sigma):
         fit = 0.5 * ((y - x @ mu) ** 2).sum() + 0.5 * ((x**2).sum(0) * sigma**2).sum()
@@ -192,7 +198,7 @@ def logistic_regression(d: int, n: int, seed: int = 0, prior_scale: float = 1.0)
     def model():
         b = pyro.sample("b", dist.Normal(torch.zeros(d, dtype=x.dtype), prior_scale).to_event(1))
         with pyro.plate("data", n):
-            pyro.sample("y", dist.Bernoulli(logits=(x * b).sum(-1)), obs=y)
+            pyro.sample("y", dist.Bernoulli(logits=_linear_predictor(x, b)), obs=y)
 
     def neg_log_joint(z):
         logits = z @ x.T
