@@ -19,7 +19,9 @@ Usage::
 
     python benchmarks/bench_qnvb.py                      # the whole suite
     python benchmarks/bench_qnvb.py --problems linear-d10-rho0.9 eight-schools --max-evals 5000
-    python benchmarks/bench_qnvb.py --methods "QNVB + Trace_ELBO" "Adam(1e-2) + Trace_ELBO"
+    python benchmarks/bench_qnvb.py --methods "QNVB + Trace_ELBO" "Adam(1e-02) + Trace_ELBO"
+    python benchmarks/bench_qnvb.py --problems network --max-evals 100000 --check-every 2500 \
+        --history                                    # every checked value, not only the last
 """
 
 from __future__ import annotations
@@ -179,6 +181,9 @@ def main(argv=None) -> None:
     parser.add_argument("--methods", nargs="*", default=None, help="default: all")
     parser.add_argument("--max-evals", type=int, default=20000)
     parser.add_argument("--check-every", type=int, default=5, help="steps between error checks")
+    parser.add_argument(
+        "--history", action="store_true", help="also print every checked value of each run"
+    )
     args = parser.parse_args(argv)
     torch.set_default_dtype(torch.float64)
     all_problems, all_methods = problems(), methods()
@@ -213,6 +218,10 @@ def main(argv=None) -> None:
                 f"| {name} | {evals if evals is not None else 'not reached'} | "
                 f"{f'{secs:.2f}' if secs is not None else '-'} | {final} | {worst} |"
             )
+        if args.history:
+            for name, r in results.items():
+                checks = " ".join(f"{e}:{v:.3g}" for e, v in zip(r.evals, r.values))
+                print(f"\n{name} (evaluations:{unit}): {checks}")
         print(flush=True)
 
 
