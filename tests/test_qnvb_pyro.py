@@ -64,6 +64,16 @@ def _guide_mean_field(guide, size):
     return loc.detach()[:size], scale.detach()[:size]
 
 
+def _fit_with_qnvb(problem, loss, steps, guide=None):
+    """``steps`` SVI steps of QNVB on ``problem`` (default guide: AutoMeanFieldNormal); returns the
+    guide's flat mean field."""
+    guide = guide or AutoMeanFieldNormal(problem.model)
+    svi = SVI(problem.model, guide, QNVB(), loss)
+    for _ in range(steps):
+        svi.step()
+    return _guide_mean_field(guide, problem.dim)
+
+
 # ----------------------------------------------------------------------- exact one-latent steps
 def _conjugate_normal():
     data = torch.tensor([0.9, 0.1, 1.4, 0.6, 0.3, 1.1, 0.2, 0.8], dtype=DTYPE)
@@ -139,20 +149,13 @@ def test_trace_elbo_gradients_give_the_optimal_mean_field(guide_class, elbo_clas
     problem, _, _ = linear_regression(3, 0.5, seed=5)
     guide = guide_class(problem.model, init_loc_fn=init_to_feasible)
     elbo = elbo_class(num_particles=32, vectorize_particles=True, max_plate_nesting=1)
-    svi = SVI(problem.model, guide, QNVB(), elbo)
-    for _ in range(300):
-        svi.step()
-    assert problem.error(*_guide_mean_field(guide, 3)) < 0.1
+    assert problem.error(*_fit_with_qnvb(problem, elbo, 300, guide)) < 0.1
 
 
 def test_eight_schools_with_trace_elbo_reaches_the_reference():
     problem = eight_schools()
-    guide = AutoMeanFieldNormal(problem.model)
     elbo = Trace_ELBO(num_particles=64, vectorize_particles=True, max_plate_nesting=1)
-    svi = SVI(problem.model, guide, QNVB(), elbo)
-    for _ in range(400):
-        svi.step()
-    assert problem.error(*_guide_mean_field(guide, 10)) < 0.1
+    assert problem.error(*_fit_with_qnvb(problem, elbo, 400)) < 0.1
 
 
 # ------------------------------------------------------------------------------- fallback
@@ -352,22 +355,15 @@ def test_quadrature_elbo_linear_regression_orthogonal_and_correlated():
     for rho, steps in [(0.0, 5), (0.9, 400)]:
         pyro.clear_param_store()
         problem, _, _ = linear_regression(10, rho, seed=1)
-        guide = AutoMeanFieldNormal(problem.model)
-        svi = SVI(problem.model, guide, QNVB(), QuadratureELBO(rule="hadamard"))
-        for _ in range(steps):
-            svi.step()
-        assert problem.error(*_guide_mean_field(guide, 10)) < 1e-2, rho
+        mean_field = _fit_with_qnvb(problem, QuadratureELBO(rule="hadamard"), steps)
+        assert problem.error(*mean_field) < 1e-2, rho
 
 
 def test_quadrature_elbo_eight_schools_converges():
     # rasp_simplex 3 integrates log tau's non-quadratic terms with a bias (about 25% of its
     # sigma): the other nine coordinates are checked tightly, log tau loosely
     problem = eight_schools()
-    guide = AutoMeanFieldNormal(problem.model)
-    svi = SVI(problem.model, guide, QNVB(), QuadratureELBO())
-    for _ in range(300):
-        svi.step()
-    loc, scale = _guide_mean_field(guide, 10)
+    loc, scale = _fit_with_qnvb(problem, QuadratureELBO(), 300)
     keep = torch.tensor([0, 2, 3, 4, 5, 6, 7, 8, 9])
     assert ((loc - problem.mu).abs() / problem.sigma)[keep].max() < 0.05
     assert (scale / problem.sigma - 1).abs()[keep].max() < 0.05
@@ -378,11 +374,7 @@ def test_quadrature_elbo_logistic_regression_reaches_the_reference():
     # the reference minimizes the exact mean-field ELBO (80-node Gauss-Hermite per data point)
     problem, _, _ = logistic_regression(20, 500)
     best = float(problem.neg_elbo(problem.mu, problem.sigma))
-    guide = AutoMeanFieldNormal(problem.model)
-    svi = SVI(problem.model, guide, QNVB(), QuadratureELBO(rule="hadamard"))
-    for _ in range(100):
-        svi.step()
-    loc, scale = _guide_mean_field(guide, 20)
+    loc, scale = _fit_with_qnvb(problem, QuadratureELBO(rule="hadamard"), 100)
     assert float(problem.neg_elbo(loc, scale)) - best < 0.01
     # the rule's nodes are +-1 in every coordinate, so the non-quadratic likelihood leaves a bias
     # of a few percent of sigma (6.5% here) in the fixed point
