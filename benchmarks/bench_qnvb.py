@@ -42,15 +42,15 @@ from pyro.infer import SVI, Trace_ELBO
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.qnvb_problems import (
+from pyro_quadvi import QNVB, QuadratureELBO
+from pyro_quadvi.guides import AutoMeanFieldNormal
+from pyro_quadvi.testing import (
     MeanFieldProblem,
     eight_schools,
     linear_regression,
     logistic_regression,
     small_network,
 )
-from pyro_quadvi import QNVB, QuadratureELBO
-from pyro_quadvi.guides import AutoMeanFieldNormal
 
 TOLERANCE_SIGMA = 0.05
 TOLERANCE_NATS = 0.1

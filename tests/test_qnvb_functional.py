@@ -10,7 +10,6 @@ import pytest
 import torch
 from pyro import poutine
 
-from benchmarks.qnvb_problems import eight_schools
 from pyro_quadvi.optim import (
     QNVBHyperparameters,
     anneal_likelihood,
@@ -18,6 +17,7 @@ from pyro_quadvi.optim import (
     init_qnvb_state,
     qnvb_update,
 )
+from pyro_quadvi.testing import eight_schools
 
 DTYPE = torch.float64
 

@@ -21,11 +21,11 @@ from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 
-from benchmarks.qnvb_problems import eight_schools, linear_regression, logistic_regression
 from pyro_quadvi import QNVB
 from pyro_quadvi.guides import AutoMeanFieldNormal
 from pyro_quadvi.infer import LatentSite, LogJoint, QuadratureELBO, latent_sites_of_model
 from pyro_quadvi.quadrature import make_rule
+from pyro_quadvi.testing import eight_schools, linear_regression, logistic_regression
 
 DTYPE = torch.float64
 GUIDES = [AutoNormal, AutoDiagonalNormal, AutoMeanFieldNormal]

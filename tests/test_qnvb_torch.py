@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from benchmarks.qnvb_problems import linear_regression, logistic_regression
 from pyro_quadvi.optim import QNVBOptimizer
+from pyro_quadvi.testing import linear_regression, logistic_regression
 
 DTYPE = torch.float64
 
