@@ -196,7 +196,8 @@ def test_non_mean_field_guides_go_to_the_fallback():
     guide = AutoMultivariateNormal(problem.model)
     qnvb = QNVB()
     svi = SVI(problem.model, guide, qnvb, Trace_ELBO())
-    svi.step()
+    with pytest.warns(RuntimeWarning, match="AutoMultivariateNormal.*joint Gaussian"):
+        svi.step()
     assert qnvb.get_state()["qnvb"]["pairs"] == {}
     assert set(qnvb.get_state()["fallback"]) == {
         "AutoMultivariateNormal.loc",

@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 from pyro import poutine
-from pyro.infer.autoguide import AutoContinuous, AutoNormal
 
-from ..guides.interface import mean_field_sites_from_trace
+from ..guides.interface import describe_guide
 from ..infer.log_joint import LatentSite, LogJoint
 
 __all__ = ["GaussianWeight", "fixed_weight", "guide_weight", "laplace_weight"]
@@ -140,71 +139,39 @@ def laplace_weight(
 def guide_weight(
     guide: Callable, sites: Sequence[LatentSite], args: tuple, kwargs: dict
 ) -> GaussianWeight:
-    """The weight given by a fitted Gaussian guide's unconstrained loc and scale.
+    """The weight given by a fitted Gaussian guide's unconstrained mean and covariance.
 
-    ``AutoNormal`` and ``AutoMeanFieldNormal``: the per-site loc and scale of one run of the guide
-    (a diagonal ``L``). ``AutoContinuous`` guides with a Gaussian posterior
-    (``AutoDiagonalNormal``, ``AutoMultivariateNormal``, ``AutoLowRankMultivariateNormal``): the
-    mean and the Cholesky factor of the covariance of ``guide.get_posterior()``.
+    The guide is read through :func:`~pyro_quadvi.guides.describe_guide` from one run: a mean
+    field gives a diagonal ``L``; a joint Gaussian (``AutoMultivariateNormal``,
+    ``AutoLowRankMultivariateNormal``) the Cholesky factor of its covariance.
 
     Raises:
-        ValueError: for another kind of guide, a subsampled guide, or one whose latents do not
-            match the model's.
+        ValueError: for a guide whose posterior the package cannot read, a subsampled guide, or
+            one whose latents do not match the model's.
     """
     with torch.no_grad():
-        if isinstance(guide, AutoNormal):
-            return _mean_field_guide_weight(guide, sites, args, kwargs)
-        if isinstance(guide, AutoContinuous):
-            return _continuous_guide_weight(guide, sites, args, kwargs)
-    raise ValueError(
-        f"opqa_evidence(center='guide') needs a Gaussian AutoGuide (AutoNormal, "
-        f"AutoMeanFieldNormal, AutoDiagonalNormal, AutoMultivariateNormal), got "
-        f"{type(guide).__name__}; use center='laplace' otherwise"
-    )
-
-
-def _mean_field_guide_weight(guide: AutoNormal, sites, args, kwargs) -> GaussianWeight:
-    trace = poutine.trace(guide).get_trace(*args, **kwargs)
-    by_name = {site.name: site for site in mean_field_sites_from_trace(guide, trace)}
-    locs, scales = [], []
-    for site in sites:
-        if site.name not in by_name:
-            raise ValueError(f"the guide has no loc and scale for the model's site {site.name!r}")
-        guide_site = by_name[site.name]
-        if guide_site.rows or guide_site.loc.shape != site.shape:
+        trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        try:
+            description = describe_guide(guide, trace)
+        except TypeError as error:
             raise ValueError(
-                f"the guide's site {site.name!r} has shape {tuple(guide_site.loc.shape)} (or is "
-                f"subsampled), the model's {tuple(site.shape)}: OPQA needs every latent in full"
-            )
-        locs.append(guide_site.loc.reshape(-1))
-        scales.append(guide_site.scale.reshape(-1))
-    loc = torch.cat(locs).to(torch.float64)
-    scale = torch.cat(scales).to(torch.float64)
-    return GaussianWeight(loc, torch.diag(scale), 0, {"guide": type(guide).__name__})
-
-
-def _continuous_guide_weight(guide: AutoContinuous, sites, args, kwargs) -> GaussianWeight:
-    guide(*args, **kwargs)  # sets the guide up if it has not run yet
-    # AutoContinuous lays its sites end to end in prototype-trace order, as the model's trace does.
-    layout = [(name, tuple(shape)) for name, shape in guide._unconstrained_shapes.items()]
+                f"opqa_evidence(center='guide') needs a Gaussian AutoGuide: {error}; use "
+                "center='laplace' otherwise"
+            ) from None
+    layout = [(site.name, tuple(site.shape)) for site in description.latent_sites]
     expected = [(site.name, tuple(site.shape)) for site in sites]
     if layout != expected:
         raise ValueError(
-            f"the guide's latents {layout} do not match the model's {expected}; fit the guide "
-            "on this model with these arguments"
+            f"opqa_evidence(center='guide'): the guide's latents {layout} do not match the "
+            f"model's {expected}; fit the guide on this model with these arguments"
         )
-    posterior = guide.get_posterior(*args, **kwargs)
-    loc = posterior.mean.detach().to(torch.float64).reshape(-1)
-    if hasattr(posterior, "covariance_matrix"):
-        covariance = posterior.covariance_matrix.detach().to(torch.float64)
-        scale_tril = torch.linalg.cholesky(covariance)
-    elif isinstance(posterior, torch.distributions.Independent) and isinstance(
-        posterior.base_dist, torch.distributions.Normal
-    ):
-        scale_tril = torch.diag(posterior.base_dist.scale.detach().to(torch.float64).reshape(-1))
-    else:
-        raise ValueError(
-            f"opqa_evidence(center='guide'): the posterior of {type(guide).__name__} is "
-            f"{type(posterior).__name__}, not a Gaussian; use center='laplace'"
-        )
-    return GaussianWeight(loc, scale_tril, 0, {"guide": type(guide).__name__})
+    for site in description.sites:
+        if site.rows:
+            raise ValueError(
+                f"opqa_evidence(center='guide'): the guide subsamples site {site.name!r}; OPQA "
+                "needs every latent in full: run it without subsampling"
+            )
+    loc = description.loc.detach().to(torch.float64)
+    covariance = description.covariance().detach().to(torch.float64)
+    scale_tril = torch.linalg.cholesky(covariance)
+    return GaussianWeight(loc, scale_tril, 0, {"guide": description.guide})

@@ -1,19 +1,25 @@
 """Variational guides and the interface they expose to the ELBO and the optimizers."""
 
 from .interface import (
-    MeanFieldGuide,
+    GuideDescription,
+    JointGaussian,
     MeanFieldSite,
-    live_mean_field_guides,
-    mean_field_sites_from_trace,
-    register_mean_field_guide,
+    PublishedMoments,
+    QuadratureGuide,
+    describe_guide,
+    register_adapter,
+    register_guide,
 )
 from .mean_field import AutoMeanFieldNormal
 
 __all__ = [
     "AutoMeanFieldNormal",
-    "MeanFieldGuide",
+    "GuideDescription",
+    "JointGaussian",
     "MeanFieldSite",
-    "live_mean_field_guides",
-    "mean_field_sites_from_trace",
-    "register_mean_field_guide",
+    "PublishedMoments",
+    "QuadratureGuide",
+    "describe_guide",
+    "register_adapter",
+    "register_guide",
 ]

@@ -1,129 +1,377 @@
-"""What a Gaussian mean-field guide exposes to the quadrature ELBO and to QNVB.
+"""How a guide tells the quadrature ELBO, OPQA and QNVB what it is.
 
-A guide that implements :class:`MeanFieldGuide` (``AutoMeanFieldNormal`` does) reports, after each
-run, one :class:`MeanFieldSite` per latent site: the loc and scale it used (only the rows of a
-subsampled plate that were seen), where they live in Pyro's param store, the transform to the site's
-support, and the minibatch scale of the site. :func:`mean_field_sites_from_trace` builds the same
-records from the trace of any guide laid out like Pyro's ``AutoNormal``.
+One hook: a guide describes its posterior in a :class:`GuideDescription`, either by implementing
+:class:`QuadratureGuide` (a method ``quadrature_description(trace=None)``, the way Pyro's
+``AutoContinuous`` exposes ``get_posterior``) or through an adapter registered for its class with
+:func:`register_adapter` (Pyro's own guides, in :mod:`pyro_quadvi.guides.adapters`).
+:func:`describe_guide` finds whichever applies; ``QuadratureELBO``,
+``opqa_evidence(center="guide")`` and ``QNVB`` all go through it.
+
+A description lays the model's latent sites end to end in one flat unconstrained vector ``z`` and
+says how the guide's posterior covers it:
+
+* **elementwise families** (one :class:`MeanFieldSite` per block of coordinates, in layout order):
+  ``"gaussian"`` is ``z = loc + scale * x`` with ``x ~ N(0, I)``; the block names the leaf tensors
+  holding its parameters by role (``"loc"``, ``"scale"``), so an optimizer pairs them by identity,
+  never by name;
+* a **joint Gaussian** (:class:`JointGaussian`, family ``"mvn"``): ``z = loc + A x`` for a dense or
+  low-rank ``A`` (``AutoMultivariateNormal``, ``AutoLowRankMultivariateNormal``), which quadrature
+  integrates but QNVB does not update.
+
+With a ``trace`` of one run of the guide the description is that run's: differentiable locs and
+scales of the rows a subsampled plate used, and each site's minibatch scale. Without one it
+describes the current parameters (at the rows of the guide's last run, where the guide knows them).
+
+The ELBO hands the optimizer the moments it integrated through :func:`publish_moments` (expected
+gradient ``g`` and Hessian diagonal ``h`` per block, minibatch scale removed); the optimizer takes
+them back with :func:`published_moments`.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 from pyro.distributions.transforms import Transform
-from pyro.distributions.util import is_identically_one
-from pyro.infer.autoguide import AutoNormal
 from pyro.poutine import Trace
-from torch.distributions import Independent, biject_to
 from torch.distributions.constraints import Constraint
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..infer.log_joint import LatentSite
 
 __all__ = [
-    "MeanFieldGuide",
+    "ELEMENTWISE_FAMILIES",
+    "GuideDescription",
+    "JointGaussian",
     "MeanFieldSite",
-    "live_mean_field_guides",
-    "mean_field_sites_from_trace",
-    "register_mean_field_guide",
+    "PublishedMoments",
+    "QuadratureGuide",
+    "describe_guide",
+    "live_guides",
+    "publish_moments",
+    "published_moments",
+    "register_adapter",
+    "register_guide",
+    "supported_guides",
+    "unwrap_guide",
+    "watch_guides",
 ]
+
+ELEMENTWISE_FAMILIES = ("gaussian",)
+"""Families whose nodes are ``loc + scale * x`` coordinate by coordinate."""
+
+_HALF_LOG_2PI_E = 0.5 * math.log(2 * math.pi * math.e)
 
 
 @dataclass
 class MeanFieldSite:
-    """One latent site of a Gaussian mean-field guide, as used in one run of the guide.
+    """One block of an elementwise (mean-field) family, as used in one run of the guide.
 
     Attributes:
-        name: the model's sample site.
-        loc: unconstrained means used in the run, shape ``shape`` (rows of subsampled plates only);
-            differentiable with respect to the guide's parameters.
-        scale: standard deviations, same shape, positive.
-        transform: maps the unconstrained value to the site's support (``biject_to(support)``).
+        name: the block's name: the model's sample site, or the guide's own latent site for a guide
+            that keeps all sites in one vector (``AutoDiagonalNormal``).
+        family: ``"gaussian"`` (more families to come: each has its own update in QNVB).
+        loc: where the quadrature nodes are centred, unconstrained, in the run's shape (rows of
+            subsampled plates only); differentiable with respect to the guide's parameters. For a
+            mixture family, its mean.
+        scale: the nodes' standard deviations, same shape, positive (for a mixture, its standard
+            deviation).
+        params: role -> the leaf tensor holding that parameter in full, as an optimizer receives it
+            (for ``"gaussian"``: ``"loc"`` and ``"scale"``, the latter unconstrained).
+        param_constraints: role -> the constraint that maps the leaf to the parameter's value
+            (``transform_to(constraint)(leaf)``), e.g. ``softplus_positive`` for a scale.
+        param_names: role -> a stable name (the param store's), used in messages and saved states.
+        transform: maps the block's unconstrained value to the model site's support (identity for a
+            block spanning several sites: the description's latent sites carry their own).
         event_dim: number of rightmost dims of ``loc`` that are event dims.
-        scale_factor: the site's minibatch scale in this run (``full size / batch size`` of its
+        scale_factor: the block's minibatch scale in this run (``full size / batch size`` of its
             subsampled plates; 1 without subsampling).
-        loc_param, scale_param: names of the full parameters in Pyro's param store (``None`` if the
-            guide keeps them elsewhere).
-        rows: for each subsampled plate, ``param dim -> indices`` of the rows of the full parameters
-            that were used in this run; empty without subsampling.
-        constraint: the site's support, which ``transform`` maps onto.
+        rows: for each subsampled plate, ``param dim -> indices`` of the rows of the leaves used in
+            this run; empty without subsampling; ``None`` where the guide cannot tell (an optimizer
+            then updates the entries that received a gradient).
+        constraint: the model site's support, which ``transform`` maps onto.
     """
 
     name: str
+    family: str
     loc: torch.Tensor
     scale: torch.Tensor
+    params: dict[str, torch.Tensor]
+    param_constraints: dict[str, Constraint]
+    param_names: dict[str, str]
     transform: Transform
     event_dim: int
     scale_factor: float = 1.0
-    loc_param: str | None = None
-    scale_param: str | None = None
-    rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    rows: dict[int, torch.Tensor] | None = field(default_factory=dict)
     constraint: Constraint | None = None
 
     @property
     def shape(self) -> torch.Size:
-        """The unconstrained shape of the site in this run (batch + event)."""
+        """The unconstrained shape of the block in this run (batch + event)."""
         return self.loc.shape
+
+    def entropy(self) -> torch.Tensor:
+        """The block's entropy in the unconstrained space, times its minibatch scale."""
+        per_coordinate = self.scale.log().sum() + _HALF_LOG_2PI_E * self.scale.numel()
+        return self.scale_factor * per_coordinate
+
+
+@dataclass
+class JointGaussian:
+    """A Gaussian over all latents at once: ``z = loc + A x``, ``x ~ N(0, I_dim)``, family "mvn".
+
+    Attributes:
+        dim: the number of standard normal coordinates ``x``.
+        loc: the mean, flat, differentiable.
+        affine: maps offsets ``(K, dim)`` to points ``(K, loc.numel())``, differentiably.
+        covariance: ``A A^T``, dense.
+        entropy: analytic, in the unconstrained space.
+        params: role -> leaf tensor (for messages and optimizers: QNVB leaves them to its fallback).
+    """
+
+    dim: int
+    loc: torch.Tensor
+    affine: Callable[[torch.Tensor], torch.Tensor]
+    covariance: torch.Tensor
+    entropy: torch.Tensor
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    family: str = "mvn"
+
+
+@dataclass
+class GuideDescription:
+    """What a guide's posterior is, over the model's latents laid end to end.
+
+    Attributes:
+        guide: the guide's name (``guide._pyro_name`` or its class name), for messages.
+        latent_sites: the model's latent sites in the order of the flat vector ``z``.
+        sites: the elementwise blocks, in the same order; their flattened locs concatenated are
+            ``z``'s centre. Empty for a joint Gaussian.
+        joint: the joint Gaussian, for a guide that is not elementwise (``None`` otherwise).
+    """
+
+    guide: str
+    latent_sites: list[LatentSite]
+    sites: list[MeanFieldSite] = field(default_factory=list)
+    joint: JointGaussian | None = None
+
+    def __post_init__(self):
+        if self.joint is not None and self.sites:
+            raise ValueError(
+                f"the description of {self.guide} has elementwise sites and a joint Gaussian: "
+                "give one or the other"
+            )
+
+    @property
+    def dim(self) -> int:
+        """The number of standard normal coordinates the quadrature spans."""
+        if self.joint is not None:
+            return self.joint.dim
+        return sum(site.loc.numel() for site in self.sites)
+
+    @property
+    def loc(self) -> torch.Tensor:
+        """The centre of the nodes, flat."""
+        if self.joint is not None:
+            return self.joint.loc
+        return torch.cat([site.loc.reshape(-1) for site in self.sites])
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The nodes' standard deviations, flat (elementwise families only)."""
+        if self.joint is not None:
+            raise TypeError(f"{self.guide} is a joint Gaussian: it has a covariance, not scales")
+        return torch.cat([site.scale.reshape(-1) for site in self.sites])
+
+    def affine(self, x: torch.Tensor) -> torch.Tensor:
+        """Points ``z`` of shape ``(K, latent dim)`` from standard offsets ``x`` ``(K, dim)``."""
+        if self.joint is not None:
+            return self.joint.affine(x)
+        return self.loc + self.scale * x
+
+    def entropy(self) -> torch.Tensor:
+        """The posterior's entropy in the unconstrained space (minibatch-scaled), analytic."""
+        if self.joint is not None:
+            return self.joint.entropy
+        return sum(site.entropy() for site in self.sites)
+
+    def covariance(self) -> torch.Tensor:
+        """The covariance of ``z``, dense (for OPQA's weight)."""
+        if self.joint is not None:
+            return self.joint.covariance
+        return torch.diag(self.scale**2)
 
 
 @runtime_checkable
-class MeanFieldGuide(Protocol):
-    """A guide whose posterior is a Gaussian mean field over the unconstrained latents."""
+class QuadratureGuide(Protocol):
+    """A guide that describes its own posterior (the one hook a third-party guide implements)."""
 
-    def mean_field_sites(self) -> list[MeanFieldSite]:
-        """The sites of the most recent run of the guide."""
+    def quadrature_description(self, trace: Trace | None = None) -> GuideDescription:
+        """The posterior as used in the run recorded by ``trace`` (or its current parameters)."""
         ...
 
 
+# ------------------------------------------------------------------------------ the adapters
+_ADAPTERS: dict[type, Callable[[object, Trace | None], GuideDescription]] = {}
+
+
+def register_adapter(cls: type) -> Callable:
+    """Decorator: ``fn(guide, trace)`` describes guides of class ``cls`` (and its subclasses).
+
+    The adapter of the nearest class in the guide's method resolution order applies; a guide that
+    implements :class:`QuadratureGuide` itself wins over any adapter.
+    """
+
+    def decorate(fn: Callable[[object, Trace | None], GuideDescription]) -> Callable:
+        _ADAPTERS[cls] = fn
+        _DESCRIBABLE.clear()
+        return fn
+
+    return decorate
+
+
+def supported_guides() -> list[str]:
+    """The class names with a registered adapter (for error messages)."""
+    _load_adapters()
+    return sorted(cls.__name__ for cls in _ADAPTERS)
+
+
+def _load_adapters() -> None:
+    from . import adapters  # noqa: F401  (registers Pyro's guides on import)
+
+
+def _adapter(cls: type) -> Callable | None:
+    _load_adapters()
+    for base in cls.__mro__:
+        if base in _ADAPTERS:
+            return _ADAPTERS[base]
+    return None
+
+
+def unwrap_guide(guide: Callable) -> Callable:
+    """The guide object behind ``functools.partial`` and Pyro handler wrappers (``poutine.scale``).
+
+    A trace of the wrapper still records what the wrapper changed (a ``poutine.scale`` factor is in
+    each site's scale), so a description read from that trace stays right.
+    """
+    seen = 0
+    while seen < 32:
+        seen += 1
+        if isinstance(guide, functools.partial):
+            # Pyro wraps handlers as partial(_context_wrap, messenger, fn)
+            inner = guide.func
+            if getattr(inner, "__name__", "") == "_context_wrap" and len(guide.args) >= 2:
+                guide = guide.args[1]
+            else:
+                guide = inner
+            continue
+        return guide
+    return guide
+
+
+def describe_guide(guide: Callable, trace: Trace | None = None) -> GuideDescription:
+    """The :class:`GuideDescription` of ``guide`` (through its hook or its class's adapter).
+
+    Raises:
+        TypeError: for a guide with neither; the message lists the supported guides and the hook.
+    """
+    target = unwrap_guide(guide)
+    if isinstance(target, QuadratureGuide):
+        return target.quadrature_description(trace)
+    adapter = _adapter(type(target))
+    if adapter is None:
+        raise TypeError(
+            f"pyro-quadvi cannot read the posterior of {type(target).__name__}: quadrature needs a "
+            f"Gaussian guide ({', '.join(supported_guides())}) or a guide implementing "
+            "quadrature_description(trace) (see the page 'Writing a guide for QuadratureELBO and "
+            "QNVB')"
+        )
+    return adapter(target, trace)
+
+
+def is_describable(guide: object) -> bool:
+    """Whether :func:`describe_guide` knows ``guide``'s kind (without describing it)."""
+    target = unwrap_guide(guide)
+    return isinstance(target, QuadratureGuide) or _adapter(type(target)) is not None
+
+
+# ------------------------------------------------------------- finding the guides that run
 _LIVE_GUIDES: weakref.WeakSet = weakref.WeakSet()
+_DESCRIBABLE: dict[type, bool] = {}
+_WATCH_HANDLE = None
 
 
-def register_mean_field_guide(guide: MeanFieldGuide) -> None:
-    """Make ``guide`` discoverable by optimizers that pair loc and scale (QNVB)."""
-    _LIVE_GUIDES.add(guide)
+def register_guide(guide: Callable) -> None:
+    """Make ``guide`` known to optimizers (QNVB) that update guides by their description.
+
+    Guides that are ``torch.nn.Module`` s (every AutoGuide) are found by themselves when they run;
+    a guide that is a plain callable object calls this once.
+    """
+    if not is_describable(guide):
+        describe_guide(guide)  # raises the TypeError that says what is missing
+    _LIVE_GUIDES.add(unwrap_guide(guide))
 
 
-def live_mean_field_guides() -> Iterator[MeanFieldGuide]:
-    """The registered mean-field guides that are still alive."""
+def live_guides() -> Iterator:
+    """The registered or seen guides that are still alive."""
     return iter(list(_LIVE_GUIDES))
 
 
-def _param_name(guide: AutoNormal, kind: str, site: str) -> str:
-    return f"{guide._pyro_name}.{kind}.{site}"
+def _on_module_call(module: torch.nn.Module, args) -> None:
+    cls = type(module)
+    known = _DESCRIBABLE.get(cls)
+    if known is None:
+        known = _DESCRIBABLE[cls] = is_describable(module)
+    if known:
+        _LIVE_GUIDES.add(module)
 
 
-def mean_field_sites_from_trace(guide: AutoNormal, trace: Trace) -> list[MeanFieldSite]:
-    """The :class:`MeanFieldSite` records of one run of an ``AutoNormal``-like guide.
+def watch_guides() -> None:
+    """Note every describable ``nn.Module`` guide when it runs (installed once, by QNVB).
 
-    Reads the auxiliary ``{site}_unconstrained`` Normal sites of the trace (their loc and scale are
-    the subsampled, differentiable parameters) and the ``_Subsample`` sites of its plates.
+    A global forward pre-hook of torch: one dictionary look-up per module call.
     """
-    sites = []
-    for name, proto in guide.prototype_trace.iter_stochastic_nodes():
-        aux = trace.nodes[name + "_unconstrained"]
-        event_dim = aux["fn"].event_dim
-        normal = aux["fn"]  # Normal(loc, scale), possibly .to_event()
-        while isinstance(normal, Independent):
-            normal = normal.base_dist
-        rows = {}
-        for frame in aux["cond_indep_stack"]:
-            if frame.vectorized and frame.full_size is not None and frame.full_size != frame.size:
-                rows[frame.dim - event_dim] = trace.nodes[frame.name]["value"]
-        scale = aux["scale"]
-        sites.append(
-            MeanFieldSite(
-                name=name,
-                loc=normal.loc,
-                scale=normal.scale,
-                transform=biject_to(proto["fn"].support),
-                event_dim=event_dim,
-                scale_factor=1.0 if is_identically_one(scale) else float(scale),
-                loc_param=_param_name(guide, "locs", name),
-                scale_param=_param_name(guide, "scales", name),
-                rows=rows,
-                constraint=proto["fn"].support,
-            )
-        )
-    return sites
+    global _WATCH_HANDLE
+    if _WATCH_HANDLE is None:
+        _WATCH_HANDLE = torch.nn.modules.module.register_module_forward_pre_hook(_on_module_call)
+
+
+# ----------------------------------------------------------- moments the ELBO hands over
+@dataclass
+class PublishedMoments:
+    """The expected gradient and Hessian diagonal a quadrature integrated for one block.
+
+    Attributes:
+        site: the block, as described in the run that was integrated.
+        g: ``E_q[dU/dz]`` with ``U`` the negative log joint, per coordinate of ``site.loc``,
+            minibatch scale removed (rasp paper, eq. 7 and 11).
+        h: ``E_q[d^2U/dz^2]`` by Stein's identity ``sum_k w_k dU/dz_k x_k / scale`` (eq. 8 and 11).
+        version: the loc leaf's in-place version counter when the moments were taken; moments of
+            a leaf changed since are stale.
+    """
+
+    site: MeanFieldSite
+    g: torch.Tensor
+    h: torch.Tensor
+    version: int
+
+
+_PUBLISHED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def publish_moments(moments: PublishedMoments) -> None:
+    """Hand ``moments`` to the optimizer that updates the block's parameters next."""
+    _PUBLISHED[moments.site.params["loc"]] = moments
+
+
+def published_moments(loc_leaf: torch.Tensor) -> PublishedMoments | None:
+    """Take the current moments published for the block whose loc leaf is ``loc_leaf``."""
+    moments = _PUBLISHED.pop(loc_leaf, None)
+    if moments is None or moments.version != loc_leaf._version:
+        return None
+    return moments

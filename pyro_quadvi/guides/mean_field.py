@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from pyro import poutine
 from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
+from pyro.poutine import Trace
 
-from .interface import MeanFieldSite, mean_field_sites_from_trace, register_mean_field_guide
+from .adapters import describe_auto_normal
+from .interface import GuideDescription, MeanFieldSite
 
 __all__ = ["AutoMeanFieldNormal"]
 
@@ -22,10 +25,10 @@ class AutoMeanFieldNormal(AutoNormal):
     ``median()``, ``quantiles()``, plates, subsampling (a local latent's parameters have the full
     plate size and each run uses the rows of its minibatch) and ``PyroModule`` models.
 
-    In addition it implements the :class:`~pyro_quadvi.guides.interface.MeanFieldGuide`
-    interface: :meth:`mean_field_sites` reports what its last run used, which the quadrature ELBO
-    integrates against and QNVB updates as fixed points of the mean-field problem (rasp paper,
-    eq. 4-8).
+    In addition it remembers the minibatch of its last run (the rows and scale of each subsampled
+    site; plain tensors, so the guide pickles and deep-copies like ``AutoNormal``), so that
+    :meth:`quadrature_description` tells QNVB which rows to update and which minibatch scale to
+    remove even under Pyro's own ELBOs (rasp paper, eq. 4-8).
 
     Args:
         model: a Pyro model with continuous latent sites.
@@ -45,24 +48,28 @@ class AutoMeanFieldNormal(AutoNormal):
         super().__init__(
             model, init_loc_fn=init_loc_fn, init_scale=init_scale, create_plates=create_plates
         )
-        self._last_trace = None
-        register_mean_field_guide(self)
+        self._last_run: dict[str, tuple[float, dict[int, torch.Tensor]]] | None = None
 
     def forward(self, *args, **kwargs):
         tracer = poutine.trace(super().forward)
         result = tracer(*args, **kwargs)
-        self._last_trace = tracer.trace
+        run = describe_auto_normal(self, tracer.trace)
+        self._last_run = {site.name: (site.scale_factor, site.rows) for site in run.sites}
         return result
 
-    def mean_field_sites(self) -> list[MeanFieldSite]:
-        """The :class:`MeanFieldSite` of every latent site, as used in the most recent run.
+    def quadrature_description(self, trace: Trace | None = None) -> GuideDescription:
+        """The guide's ``"gaussian"`` sites: of the run in ``trace``, else of its last run.
 
         Raises:
             RuntimeError: if the guide has not been run yet.
         """
-        if self._last_trace is None:
+        if trace is None and self._last_run is None:
             raise RuntimeError(
                 "AutoMeanFieldNormal has not been run yet: call it (or svi.step) with the "
                 "model's arguments first"
             )
-        return mean_field_sites_from_trace(self, self._last_trace)
+        return describe_auto_normal(self, trace, self._last_run)
+
+    def mean_field_sites(self) -> list[MeanFieldSite]:
+        """The sites of :meth:`quadrature_description`: current parameters, last run's rows."""
+        return self.quadrature_description().sites

@@ -15,24 +15,51 @@ and 13; sequence paper, Section 4.2). For a mean field (``A = diag(sigma)``), wi
 of the expected gradient ``g`` and, by Stein's identity, the expected Hessian diagonal ``h``: the
 quantities a QNVB step needs. The nodes span all latent coordinates of the model laid end to end,
 so a rule's exactness holds across sites, not only within one.
+
+The guide is read through :func:`~pyro_quadvi.guides.describe_guide` (its
+``quadrature_description`` hook, or the adapter of its class). During the backward pass a hook on
+the node points ``z_k`` catches ``dloss/dz_k``, from which the ELBO publishes, per elementwise
+site, the moments it integrated (:func:`~pyro_quadvi.guides.interface.publish_moments`):
+
+    g = sum_k dloss/dz_k / s,        h = sum_k dloss/dz_k * x_k / (sigma s)
+
+with ``s`` the site's minibatch scale: ``QNVB`` uses them directly, so a family whose parameter
+gradients do not carry ``g`` and ``h`` (a mixture) is updated all the same.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pyro
 import torch
 from pyro import poutine
 from pyro.infer import ELBO
 
+from ..guides.interface import (
+    ELEMENTWISE_FAMILIES,
+    GuideDescription,
+    PublishedMoments,
+    describe_guide,
+    publish_moments,
+    unwrap_guide,
+)
 from ..quadrature import QuadratureRule, make_rule
-from .gaussian_view import GaussianView, gaussian_view
 from .log_joint import LogJoint, latent_sites_of_model
 
 __all__ = ["QuadratureELBO"]
+
+
+@dataclass
+class _Fit:
+    """What the ELBO learns about one (model, guide) pair on its first call."""
+
+    max_plate_nesting: int | None
+    vectorize: bool | None
 
 
 class QuadratureELBO(ELBO):
@@ -47,16 +74,18 @@ class QuadratureELBO(ELBO):
             ``False`` loops over nodes; ``None`` tries the vectorized pass on the first call,
             checks it against a looped evaluation of two nodes, and falls back to the loop with
             one warning if the model cannot broadcast over nodes (``PyroModule[nn.Linear]``
-            networks, say).
-        max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of the model.
+            networks, say). The decision is kept per model and guide.
+        max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of each model.
         generator: the ``torch.Generator`` of random rules; ``None`` draws from torch's global
             generator, so ``pyro.set_rng_seed`` makes runs reproducible.
-        name: key of the sequence position in Pyro's param store (``"{name}.step"``).
+        name: key of the sequence position in Pyro's param store (``"{name}.step"``); ``None``
+            (default) keeps one position per guide, under ``"QuadratureELBO.{guide name}.step"``.
 
     The sequence position (which matters for the ``hadamard`` rule) advances once per
     :meth:`loss_and_grads` or :meth:`differentiable_loss` call, never on :meth:`loss` (that is,
     not on ``SVI.evaluate_loss``). It lives in Pyro's param store, so saving and restoring the
     param store resumes the sequence where it stopped; ``pyro.clear_param_store()`` restarts it.
+    Two guides fitted side by side each follow their own sequence.
     """
 
     def __init__(
@@ -66,7 +95,7 @@ class QuadratureELBO(ELBO):
         vectorize: bool | None = None,
         max_plate_nesting: float = float("inf"),
         generator: torch.Generator | None = None,
-        name: str = "QuadratureELBO",
+        name: str | None = None,
     ):
         super().__init__(num_particles=1, max_plate_nesting=max_plate_nesting)
         if isinstance(rule, str):
@@ -79,60 +108,98 @@ class QuadratureELBO(ELBO):
             raise ValueError("num_points goes with a rule name; a rule object has its own")
         if vectorize not in (None, True, False):
             raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a string or None, got {type(name).__name__}")
         self.rule = rule
         self.vectorize = vectorize
         self.generator = generator
         self.name = name
+        self._fits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # -- the sequence position, kept in Pyro's param store ------------------------------------
 
-    @property
-    def _step_key(self) -> str:
-        return f"{self.name}.step"
+    def step_key(self, guide: Callable) -> str:
+        """The param store key holding ``guide``'s position in the rule's sequence."""
+        if self.name is not None:
+            return f"{self.name}.step"
+        target = unwrap_guide(guide)
+        guide_name = getattr(target, "_pyro_name", None) or type(target).__name__
+        return f"QuadratureELBO.{guide_name}.step"
 
-    @property
-    def step(self) -> int:
-        """The current position in the rule's sequence."""
-        store = pyro.get_param_store()
-        return int(store[self._step_key].item()) if self._step_key in store else 0
+    def step(self, guide: Callable) -> int:
+        """The current position of ``guide`` in the rule's sequence."""
+        store, key = pyro.get_param_store(), self.step_key(guide)
+        return int(store[key].item()) if key in store else 0
 
-    def _advance(self) -> None:
-        pyro.get_param_store()[self._step_key] = torch.tensor(float(self.step + 1))
+    def _advance(self, guide: Callable) -> None:
+        position = torch.tensor(float(self.step(guide) + 1), dtype=torch.float64)
+        pyro.get_param_store()[self.step_key(guide)] = position
+
+    # -- what is learnt per model and guide ------------------------------------------------------
+
+    def _fit(self, model: Callable, guide: Callable) -> _Fit:
+        per_guide = self._fits.setdefault(unwrap_guide(guide), {})
+        key = id(model)
+        if key not in per_guide or per_guide[key][0]() is not model:
+            mpn = None if math.isinf(self.max_plate_nesting) else int(self.max_plate_nesting)
+            per_guide[key] = (_strong_or_weak(model), _Fit(mpn, self.vectorize))
+        return per_guide[key][1]
+
+    def vectorized(self, model: Callable, guide: Callable) -> bool | None:
+        """Whether this model and guide evaluate all nodes in one pass (``None``: not yet known)."""
+        per_guide = self._fits.get(unwrap_guide(guide), {})
+        entry = per_guide.get(id(model))
+        return None if entry is None or entry[0]() is not model else entry[1].vectorize
 
     # -- the loss ------------------------------------------------------------------------------
 
     def _quadrature_loss(self, model: Callable, guide: Callable, args, kwargs) -> torch.Tensor:
-        if getattr(guide, "prototype_trace", True) is None:
+        if getattr(unwrap_guide(guide), "prototype_trace", True) is None:
             # Before an AutoGuide's first run: refuse discrete or enumerated latents by name,
             # without disturbing the random state a seeded run depends on.
             with torch.random.fork_rng(devices=[]):
                 latent_sites_of_model(model, *args, **kwargs)
         guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
-        view = gaussian_view(guide, guide_trace)
-        loc_dtype = view.entropy.dtype
+        description = describe_guide(guide, guide_trace)
+        if description.dim == 0:
+            raise ValueError(
+                "QuadratureELBO: the model has no latent sample site, so there is nothing to "
+                "integrate; its log likelihood is the whole objective (use MAP or fit "
+                "pyro.param values with an ordinary optimizer)"
+            )
+        entropy = description.entropy()
         nodes = self.rule.draw(
-            view.dim,
-            step=self.step,
+            description.dim,
+            step=self.step(guide),
             generator=self.generator,
-            dtype=loc_dtype,
-            device=view.entropy.device,
+            dtype=entropy.dtype,
+            device=entropy.device,
         )
-        z = view.affine(nodes.matrix())
-        log_joint = self._log_joint(model, view, z, args, kwargs, guide_trace)
-        loss = -(nodes.weights @ log_joint) - view.entropy
+        x = nodes.matrix()
+        z = description.affine(x)
+        if z.requires_grad and description.joint is None:
+            z.register_hook(_publisher(description, x))
+        log_joint = self._log_joint(model, guide, description, z, args, kwargs, guide_trace)
+        # float64 data with float32 latents give a float64 log joint, as in Trace_ELBO
+        weights = nodes.weights.to(torch.promote_types(nodes.weights.dtype, log_joint.dtype))
+        loss = -(weights @ log_joint) - entropy
         if not torch.isfinite(loss):
             raise ValueError(
                 f"QuadratureELBO: the loss is not finite ({loss.item()}); the guide's entropy is "
-                f"{view.entropy.item()}: a scale collapsed to zero or overflowed"
+                f"{entropy.item()}: a scale collapsed to zero or overflowed"
             )
         return loss
 
-    def _log_joint(self, model, view: GaussianView, z, args, kwargs, guide_trace) -> torch.Tensor:
-        mpn = None if math.isinf(self.max_plate_nesting) else int(self.max_plate_nesting)
-        log_joint = LogJoint(model, view.sites, max_plate_nesting=mpn)
-        if self.vectorize is not None:
-            values = log_joint(z, args, kwargs, guide_trace, vectorize=self.vectorize)
-            self.max_plate_nesting = log_joint.max_plate_nesting  # found once, then kept
+    def _log_joint(
+        self, model, guide, description: GuideDescription, z, args, kwargs, guide_trace
+    ) -> torch.Tensor:
+        fit = self._fit(model, guide)
+        log_joint = LogJoint(
+            model, description.latent_sites, max_plate_nesting=fit.max_plate_nesting
+        )
+        if fit.vectorize is not None:
+            values = log_joint(z, args, kwargs, guide_trace, vectorize=fit.vectorize)
+            fit.max_plate_nesting = log_joint.max_plate_nesting  # found once, then kept
             return values
         # First call: try one vectorized pass and check it against a looped pass over the first
         # and the last node (a model that broadcasts wrongly over nodes shows up there).
@@ -144,18 +211,18 @@ class QuadratureELBO(ELBO):
         else:
             looped = log_joint(z[probe], args, kwargs, guide_trace, vectorize=False)
             if torch.allclose(vectorized[probe], looped, rtol=1e-6, atol=1e-6):
-                self.vectorize = True
-                self.max_plate_nesting = log_joint.max_plate_nesting
+                fit.vectorize = True
+                fit.max_plate_nesting = log_joint.max_plate_nesting
                 return vectorized
             reason = "its log densities differ from a looped evaluation"
-        self.vectorize = False
+        fit.vectorize = False
         warnings.warn(
             "QuadratureELBO: the model does not evaluate all quadrature nodes in one vectorized "
             f"pass ({reason}); looping over nodes. Pass vectorize=False to silence this.",
             stacklevel=4,
         )
         values = log_joint(z, args, kwargs, guide_trace, vectorize=False)
-        self.max_plate_nesting = log_joint.max_plate_nesting
+        fit.max_plate_nesting = log_joint.max_plate_nesting
         return values
 
     def _get_trace(self, model, guide, args, kwargs):
@@ -167,9 +234,12 @@ class QuadratureELBO(ELBO):
             return self._quadrature_loss(model, guide, args, kwargs).item()
 
     def differentiable_loss(self, model: Callable, guide: Callable, *args, **kwargs):
-        """The negative ELBO as a differentiable tensor; advances the sequence by one step."""
+        """The negative ELBO as a differentiable tensor; advances the sequence by one step.
+
+        Its backward pass publishes the moments ``g``, ``h`` of every elementwise site.
+        """
         loss = self._quadrature_loss(model, guide, args, kwargs)
-        self._advance()
+        self._advance(guide)
         return loss
 
     def loss_and_grads(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
@@ -181,3 +251,35 @@ class QuadratureELBO(ELBO):
 
     def __repr__(self) -> str:
         return f"QuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize})"
+
+
+def _strong_or_weak(obj) -> Callable[[], object]:
+    """A weak reference where ``obj`` allows one (functions, modules), else a strong one."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def _publisher(description: GuideDescription, x: torch.Tensor) -> Callable:
+    """A hook on the node points ``z`` (K, D) that publishes each site's ``g`` and ``h``."""
+    x = x.detach()
+
+    def hook(grad: torch.Tensor) -> None:
+        start = 0
+        for site in description.sites:
+            stop = start + site.loc.numel()
+            if site.family in ELEMENTWISE_FAMILIES:
+                dz = grad[:, start:stop]
+                scale = site.scale.detach().reshape(-1)
+                g = dz.sum(0) / site.scale_factor
+                h = (dz * x[:, start:stop]).sum(0) / (scale * site.scale_factor)
+                loc_leaf = site.params["loc"]
+                publish_moments(
+                    PublishedMoments(
+                        site, g.reshape(site.shape), h.reshape(site.shape), loc_leaf._version
+                    )
+                )
+            start = stop
+
+    return hook

@@ -1,67 +1,111 @@
 """``QNVB``: the quasi-Newton variational Bayes optimizer as a Pyro ``PyroOptim``.
 
-``SVI(model, guide, QNVB(), loss)`` updates each ``(loc, scale)`` pair of a Gaussian mean-field
-guide jointly, as a fixed point of the mean-field problem (rasp paper, eq. 4-8): the mean moves by
+``SVI(model, guide, QNVB(), loss)`` updates each block of a mean-field guide jointly, as a fixed
+point of the mean-field problem (rasp paper, eq. 4-8): for a ``"gaussian"`` block the mean moves by
 a quasi-Newton step ``g / h`` and the scale becomes ``h^(-1/2)``, where ``g`` and ``h`` are the
 expected gradient and Hessian diagonal of the negative log joint.
 
-Both are recovered from the gradients the loss leaves on the guide's parameters. For a loss of the
-form ``-E_q[log p(x, z)] - entropy(q)`` with ``z = mu + sigma * x`` (``QuadratureELBO`` exactly;
-``Trace_ELBO`` and ``TraceMeanField_ELBO`` in expectation)
+**Which parameters.** A guide describes itself (:func:`~pyro_quadvi.guides.describe_guide`): per
+block its family and the leaf tensors of its parameters by role. QNVB pairs the tensors ``SVI``
+hands it with those leaves by identity, never by name, so it pairs under
+``pyro.settings.set(module_local_params=True)`` as well. It knows a guide because the guide ran
+(every AutoGuide is seen when it runs once a ``QNVB`` exists), because ``QuadratureELBO``
+published its moments, or because it was registered (:func:`~pyro_quadvi.guides.register_guide`).
+Each block goes to the update of its family (:data:`FAMILY_UPDATES`); everything else (a model's
+``pyro.param``, a network's weights, a guide that is not a mean field) goes to the fallback
+optimizer, with one warning per guide that cannot be paired and one when nothing is paired.
+
+**Which moments.** ``QuadratureELBO`` publishes ``g`` and ``h`` per block, minibatch scale removed
+(:func:`~pyro_quadvi.guides.interface.published_moments`); QNVB uses them when present. Otherwise
+(Pyro's own ELBOs) it recovers them from the gradients of a Gaussian block's parameters: for a loss
+``-E_q[log p(x, z)] - entropy(q)`` with ``z = mu + sigma * x``
 
     dL/dmu = E[dU/dz] = g,      dL/dsigma = E[dU/dz * x] - 1/sigma = sigma h - 1/sigma,
 
-with ``U = -log p``, so ``h = (dL/dsigma + 1/sigma) / sigma``; ``dL/dsigma`` comes from the gradient
-of the unconstrained scale parameter through its constraint's transform (softplus or exp). For a
-local latent in a subsampled plate both gradients carry the minibatch scale ``s``: QNVB divides it
-out, ``g = dL/dmu / s`` and ``h = (dL/dsigma / s + 1/sigma) / sigma``, and updates only the rows of
-the minibatch.
+with ``U = -log p``, so ``h = (dL/dsigma + 1/sigma) / sigma`` (exact for ``QuadratureELBO``, in
+expectation for ``Trace_ELBO`` and ``TraceMeanField_ELBO``); ``dL/dsigma`` comes from the scale
+leaf's gradient through its constraint's transform. A block in a subsampled plate carries the
+minibatch scale ``s`` in both: QNVB divides it out and updates only the rows of the minibatch.
+Where a guide cannot tell its rows (Pyro's ``AutoNormal`` under Pyro's ELBOs) entries whose loc
+and scale gradients are both exactly zero are left unchanged.
 
-Pairs are found in three ways:
-
-* every live :class:`~pyro_quadvi.guides.MeanFieldGuide` (``AutoMeanFieldNormal``) reports its
-  sites, parameter names, minibatch scale and rows after each run;
-* Pyro's ``AutoNormal``: parameters named ``{prefix}.locs.{site}`` and ``{prefix}.scales.{site}``;
-* Pyro's ``AutoDiagonalNormal``: ``{prefix}.loc`` and ``{prefix}.scale`` when they are the only
-  parameters named ``{prefix}.*`` (``AutoMultivariateNormal`` and
-  ``AutoLowRankMultivariateNormal`` have a ``loc`` and a ``scale`` too, but are not mean fields).
-
-For the last two no minibatch scale is known: they are treated as unsubsampled, and an entry whose
-loc and scale gradients are both exactly zero (a row outside the minibatch) is left unchanged.
-Every other parameter (a model's ``pyro.param``, a network's weights, a non-mean-field guide) is
-passed to the fallback optimizer.
+**No NaN reaches a parameter.** Coordinates with non-finite moments keep their values (in the
+update); so do the fallback's coordinates whose gradient or new value is not finite. Each kind is
+reported once, naming the parameter.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import pyro
 import torch
 from pyro.optim import PyroOptim
-from torch.distributions import constraints, transform_to
+from torch.distributions import transform_to
 
-from ..guides import live_mean_field_guides
+from ..guides.interface import (
+    MeanFieldSite,
+    PublishedMoments,
+    describe_guide,
+    live_guides,
+    published_moments,
+    watch_guides,
+)
 from .annealing import anneal_likelihood
-from .qnvb_functional import QNVBHyperparameters, QNVBState, init_qnvb_state, qnvb_update
+from .qnvb_functional import (
+    QNVBHyperparameters,
+    QNVBResult,
+    QNVBState,
+    init_qnvb_state,
+    qnvb_update,
+)
 
-__all__ = ["QNVB"]
+__all__ = ["FAMILY_UPDATES", "QNVB"]
 
 _DEFAULT_FALLBACK = (torch.optim.Adam, {"lr": 1e-2})
+_HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
+
+
+def _gaussian_update(
+    values: dict[str, torch.Tensor],
+    g: torch.Tensor,
+    h: torch.Tensor,
+    state: QNVBState,
+    hp: QNVBHyperparameters,
+) -> tuple[dict[str, torch.Tensor], QNVBResult]:
+    """The ``"gaussian"`` family: ``(loc, scale)`` by :func:`qnvb_update` (rasp paper, eq. 4-8)."""
+    result = qnvb_update(values["loc"], values["scale"], g, h, state, hp)
+    return {"loc": result.mu, "scale": result.sigma}, result
+
+
+FAMILY_UPDATES: dict[str, Callable] = {"gaussian": _gaussian_update}
+"""family -> pure update ``(values by role, g, h, state, hyperparameters) -> (values, result)``."""
+
+
+def _gaussian_identity(site: MeanFieldSite, values, grads) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g`` and ``h`` of a Gaussian block from its parameters' gradients (module docstring)."""
+    transform = transform_to(site.param_constraints["scale"])
+    sigma = values["scale"]
+    dsigma_du = transform.log_abs_det_jacobian(values["scale_leaf"], sigma).exp()
+    s = site.scale_factor
+    g = grads["loc"] / s
+    h = (grads["scale"] / dsigma_du / s + 1.0 / sigma) / sigma
+    return g, h
+
+
+_GRADIENT_IDENTITIES: dict[str, Callable] = {"gaussian": _gaussian_identity}
 
 
 @dataclass
-class _Pair:
-    loc: str
-    scale: str
-    scale_factor: float = 1.0
-    rows: dict[int, torch.Tensor] = field(default_factory=dict)
-    from_guide: bool = False
+class _Block:
+    site: MeanFieldSite
+    moments: PublishedMoments | None
 
 
-def _row_index(shape: torch.Size, rows: dict[int, torch.Tensor]) -> tuple | None:
+def _row_index(shape: torch.Size, rows: dict[int, torch.Tensor] | None) -> tuple | None:
     """An outer-product index selecting ``rows[dim]`` along each subsampled dim (None: all)."""
     if not rows:
         return None
@@ -77,58 +121,57 @@ def _row_index(shape: torch.Size, rows: dict[int, torch.Tensor]) -> tuple | None
     return tuple(index)
 
 
-def _is_positive(constraint) -> bool:
-    return isinstance(constraint, constraints.greater_than) and constraint.lower_bound == 0
-
-
 class QNVB(PyroOptim):
     """Quasi-Newton variational Bayes for Pyro mean-field guides (rasp paper, eq. 4-8).
 
     Args:
-        lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, damping,
-            drift_forgetting: the update's hyperparameters, see
-            :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters` and the guide page
-            ``docs/qnvb.md`` for their defaults and why.
+        optim_args: the update's hyperparameters as Pyro's optimizers take them: a dict such as
+            ``{"lr": 0.5}``, or a callable ``name -> dict`` called with each block's loc
+            parameter name (e.g. ``"AutoMeanFieldNormal.locs.w"``). Keyword arguments below set
+            the same names for every block; the dict or callable overrides them.
         annealing: optional schedule ``step -> factor`` of the likelihood; it takes effect through
             the model returned by :meth:`anneal`.
-        fallback: the optimizer of every parameter that is not a mean-field ``(loc, scale)`` pair:
-            a ``pyro.optim`` optimizer such as ``pyro.optim.Adam({"lr": 1e-2})`` (its constructor
-            and arguments are used), or a pair ``(torch optimizer class, arguments dict)``.
-            Default: Adam with ``lr = 1e-2``.
+        fallback: the optimizer of every parameter QNVB does not update: a ``pyro.optim``
+            optimizer such as ``pyro.optim.Adam({"lr": 1e-2})`` (its constructor and arguments
+            are used), or a pair ``(torch optimizer class, arguments dict)``. Default: Adam with
+            ``lr = 1e-2``.
+        **hyperparameters: any field of
+            :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters` (``lr``, ``betas``,
+            ``sigma_min``, ...); see ``docs/qnvb.md`` for their defaults and why.
 
-    ``get_state()`` / ``set_state()`` (and so ``save()`` / ``load()``) hold the state of every pair,
-    the step count and the fallback's state: together with Pyro's param store (and the random
-    state, for random quadratures or Monte Carlo losses) a restored run continues exactly.
+    ``get_state()`` / ``set_state()`` (and so ``save()`` / ``load()``) hold deep copies of every
+    block's state, the step count and the fallback's state: together with Pyro's param store (and
+    the random state, for random quadratures or Monte Carlo losses) a restored run continues
+    exactly.
     """
 
     def __init__(
         self,
-        lr: float = 1.0,
-        betas: tuple[float, float] = (0.0, 0.999),
-        eps: float = 1e-8,
-        sigma_min: float = 1e-6,
-        sigma_max: float = 1e2,
-        scale_min: float = 0.1,
-        scale_max: float = 10.0,
-        curvature: str = "mean",
-        damping: bool = True,
-        drift_forgetting: float = 1.0,
+        optim_args: dict | Callable[[str], dict] | None = None,
         *,
         annealing: Callable[[int], float] | None = None,
         fallback: PyroOptim | tuple[type, dict] | None = None,
+        **hyperparameters,
     ):
-        self.hyperparameters = QNVBHyperparameters(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            sigma_min=sigma_min,
-            sigma_max=sigma_max,
-            scale_min=scale_min,
-            scale_max=scale_max,
-            curvature=curvature,
-            damping=damping,
-            drift_forgetting=drift_forgetting,
-        )
+        unknown = sorted(set(hyperparameters) - set(_HP_NAMES))
+        if unknown:
+            raise TypeError(
+                f"QNVB got unknown hyperparameters {unknown}; the update takes {list(_HP_NAMES)}"
+            )
+        if optim_args is not None and not (isinstance(optim_args, dict) or callable(optim_args)):
+            raise TypeError(
+                "QNVB's first argument is a dict of hyperparameters or a callable name -> dict, "
+                f"as for pyro.optim optimizers (e.g. QNVB({{'lr': 0.5}})); got {optim_args!r}"
+            )
+        if annealing is not None and not callable(annealing):
+            raise TypeError(
+                f"annealing must be a callable step -> factor (e.g. geometric_annealing(0.01, "
+                f"500)), got {annealing!r}"
+            )
+        self.defaults = dict(hyperparameters)
+        self.optim_args = optim_args
+        self.hyperparameters = self._hyperparameters_for(None)  # validates what applies to all
+        self._by_block: dict[str, QNVBHyperparameters] = {}
         # PyroOptim's own machinery (one torch optimizer per parameter) is the fallback
         super().__init__(*self._fallback_arguments(fallback))
         self.annealing = annealing
@@ -136,6 +179,34 @@ class QNVB(PyroOptim):
         self._bound: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._warned: set[str] = set()
+        watch_guides()
+
+    def _hyperparameters_for(self, name: str | None) -> QNVBHyperparameters:
+        args = dict(self.defaults)
+        if isinstance(self.optim_args, dict):
+            args.update(self.optim_args)
+        elif callable(self.optim_args) and name is not None:
+            extra = self.optim_args(name)
+            if not isinstance(extra, dict):
+                raise TypeError(
+                    f"QNVB's optim_args callable must return a dict for {name!r}, got {extra!r}"
+                )
+            args.update(extra)
+        unknown = sorted(set(args) - set(_HP_NAMES))
+        if unknown:
+            raise TypeError(
+                f"QNVB got unknown hyperparameters {unknown}; the update takes {list(_HP_NAMES)}"
+            )
+        if "betas" in args and isinstance(args["betas"], list):
+            args["betas"] = tuple(args["betas"])
+        return QNVBHyperparameters(**args)
+
+    def _block_hyperparameters(self, name: str) -> QNVBHyperparameters:
+        if not callable(self.optim_args) or isinstance(self.optim_args, dict):
+            return self.hyperparameters
+        if name not in self._by_block:
+            self._by_block[name] = self._hyperparameters_for(name)
+        return self._by_block[name]
 
     @staticmethod
     def _fallback_arguments(fallback) -> tuple:
@@ -162,133 +233,139 @@ class QNVB(PyroOptim):
 
     # ------------------------------------------------------------------------------- update
     def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
-        """Update the mean-field pairs among ``params``; pass the rest to the fallback."""
-        store = pyro.get_param_store()
-        by_name, unnamed = {}, []
-        for p in params:
-            name = store.param_name(p)
-            if name is None:
-                unnamed.append(p)
-            else:
-                by_name[name] = p
-        store_constraints = store.get_state()["constraints"]
-        paired = set()
-        for pair in self._find_pairs(by_name, store_constraints):
-            self._update_pair(pair, by_name, store_constraints[pair.scale])
-            paired.update((pair.loc, pair.scale))
-        rest = [by_name[name] for name in sorted(by_name) if name not in paired] + unnamed
+        """Update the blocks of described guides among ``params``; pass the rest to the fallback."""
+        params = list(params)
+        received = {id(p) for p in params}
+        blocks = self._find_blocks(params, received)
+        paired: set[int] = set()
+        for block in blocks:
+            if self._update_block(block):
+                paired.update(id(leaf) for leaf in block.site.params.values())
+        rest = [p for p in params if id(p) not in paired]
+        if params and not paired:
+            self._warn_once(
+                "nothing paired",
+                f"QNVB: none of the {len(params)} parameters it received belongs to a guide it "
+                "can update, so all of them go to the fallback optimizer "
+                f"({self.pt_optim_constructor.__name__}). Use AutoMeanFieldNormal (or Pyro's "
+                "AutoNormal / AutoDiagonalNormal), or describe a guide of your own "
+                "(quadrature_description; see 'Writing a guide for QuadratureELBO and QNVB').",
+            )
         if rest:
-            super().__call__(rest, *args, **kwargs)
+            self._guarded_fallback(rest, *args, **kwargs)
         self.num_steps += 1
 
-    def _find_pairs(self, by_name: dict, store_constraints: dict) -> list[_Pair]:
-        pairs: dict[str, _Pair] = {}
-        for guide in live_mean_field_guides():
+    @torch.no_grad()
+    def _find_blocks(self, params: list[torch.Tensor], received: set[int]) -> list[_Block]:
+        blocks: dict[int, _Block] = {}
+        for p in params:
+            moments = published_moments(p)
+            if moments is not None:
+                blocks[id(p)] = _Block(moments.site, moments)
+        for guide in live_guides():
             try:
-                sites = guide.mean_field_sites()
+                description = describe_guide(guide)
             except RuntimeError:  # not run yet
                 continue
-            for site in sites:
-                if (
-                    site.loc_param in by_name
-                    and site.scale_param in by_name
-                    and site.loc_param not in pairs
-                    and self._is_current(site, by_name[site.loc_param])
-                ):
-                    pairs[site.loc_param] = _Pair(
-                        site.loc_param, site.scale_param, site.scale_factor, site.rows, True
-                    )
-        for name in by_name:
-            scale = None
-            if ".locs." in name:
-                scale = name.replace(".locs.", ".scales.", 1)
-            elif name.endswith(".loc"):
-                prefix = name[: -len(".loc")]
-                siblings = {n for n in store_constraints if n.startswith(prefix + ".")}
-                if siblings == {name, prefix + ".scale"}:  # AutoDiagonalNormal's two parameters
-                    scale = prefix + ".scale"
-            if scale is not None and scale in by_name and name not in pairs:
-                pairs[name] = _Pair(name, scale)
-        accepted = []
-        for name in sorted(pairs):
-            pair = pairs[name]
-            loc_ok = store_constraints[pair.loc] is constraints.real
-            scale_ok = _is_positive(store_constraints[pair.scale])
-            same_shape = by_name[pair.loc].shape == by_name[pair.scale].shape
-            if loc_ok and scale_ok and same_shape:
-                accepted.append(pair)
-            else:
+            for site in description.sites:
+                key = id(site.params["loc"])
+                if key in received and key not in blocks:
+                    blocks[key] = _Block(site, None)
+            joint = description.joint
+            if joint is not None and any(id(p) in received for p in joint.params.values()):
                 self._warn_once(
-                    pair.loc,
-                    f"QNVB: {pair.loc!r} / {pair.scale!r} look like a mean-field pair but the loc "
-                    "is not real, the scale not positive, or their shapes differ; they go to the "
+                    f"joint {description.guide}",
+                    f"QNVB: {type(guide).__name__} {description.guide!r} is a joint Gaussian "
+                    f"(family {joint.family!r}), not a mean field: QNVB updates mean fields only, "
+                    "so its parameters go to the fallback optimizer. Use AutoMeanFieldNormal for "
+                    "QNVB updates, or a first-order optimizer for this guide.",
+                )
+        found = []
+        for block in blocks.values():
+            site = block.site
+            missing = [r for r, leaf in site.params.items() if id(leaf) not in received]
+            if site.family not in FAMILY_UPDATES:
+                self._warn_once(
+                    f"family {site.family}",
+                    f"QNVB: site {site.name!r} has family {site.family!r}, which QNVB has no "
+                    f"update for (it has {sorted(FAMILY_UPDATES)}); its parameters go to the "
                     "fallback optimizer",
                 )
-        return accepted
+            elif missing:
+                self._warn_once(
+                    f"missing {site.name}",
+                    f"QNVB: site {site.name!r} came without its {missing} parameters in this step "
+                    "(are they frozen or detached?); its parameters go to the fallback optimizer",
+                )
+            else:
+                found.append(block)
+        return found
 
-    @staticmethod
-    def _is_current(site, loc_param: torch.Tensor) -> bool:
-        """Whether the guide's last run used the current values (not a stale guide's run)."""
-        index = _row_index(loc_param.shape, site.rows)
-        current = loc_param.detach() if index is None else loc_param.detach()[index]
-        used = site.loc.detach()  # expanded along vectorized particles, if any
-        if used.shape[used.dim() - current.dim() :] != current.shape:
-            return False
-        return torch.equal(current.expand_as(used), used)
-
-    def _state_for(self, name: str, loc_param: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _state_for(self, name: str, loc_leaf: torch.Tensor) -> dict[str, torch.Tensor]:
         bound = self._bound.get(name)
-        if bound is not None and bound[0] is loc_param:
+        if bound is not None and bound[0] is loc_leaf:
             return bound[1]
         state = self._pending.pop(name, None)
-        if state is None or state["g_avg"].shape != loc_param.shape:
-            state = init_qnvb_state(loc_param.detach())._asdict()
-        self._bound[name] = (loc_param, state)
+        if state is None or state["g_avg"].shape != loc_leaf.shape:
+            state = init_qnvb_state(loc_leaf.detach())._asdict()
+        self._bound[name] = (loc_leaf, state)
         return state
 
     @torch.no_grad()
-    def _update_pair(self, pair: _Pair, by_name: dict, scale_constraint) -> None:
-        loc_param, scale_param = by_name[pair.loc], by_name[pair.scale]
-        if loc_param.grad is None or scale_param.grad is None:
-            return  # not used by this step's loss
-        index = _row_index(loc_param.shape, pair.rows)
+    def _update_block(self, block: _Block) -> bool:
+        """One step of the block's family; ``False`` if it cannot step (it goes to the fallback)."""
+        site = block.site
+        loc_leaf, scale_leaf = site.params["loc"], site.params["scale"]
+        if block.moments is None and (loc_leaf.grad is None or scale_leaf.grad is None):
+            return True  # not used by this step's loss: nothing to do, nothing for the fallback
+        name = site.param_names["loc"]
+        rows = site.rows
+        index = _row_index(loc_leaf.shape, rows)
 
         def select(t: torch.Tensor) -> torch.Tensor:
             return t if index is None else t[index]
 
-        transform = transform_to(scale_constraint)
-        mu = select(loc_param.detach())
-        u = select(scale_param.detach())
-        sigma = transform(u)
-        dsigma_du = transform.log_abs_det_jacobian(u, sigma).exp()
-        loc_grad, scale_grad = select(loc_param.grad), select(scale_param.grad)
-        s = pair.scale_factor
-        g = loc_grad / s
-        h = (scale_grad / dsigma_du / s + 1.0 / sigma) / sigma
+        transform = transform_to(site.param_constraints["scale"])
+        u = select(scale_leaf.detach())
+        values = {"loc": select(loc_leaf.detach()), "scale": transform(u), "scale_leaf": u}
+        if block.moments is not None:
+            g, h = block.moments.g, block.moments.h
+        elif site.family in _GRADIENT_IDENTITIES:
+            grads = {"loc": select(loc_leaf.grad), "scale": select(scale_leaf.grad)}
+            g, h = _GRADIENT_IDENTITIES[site.family](site, values, grads)
+        else:
+            self._warn_once(
+                f"no moments {site.name}",
+                f"QNVB: site {site.name!r} (family {site.family!r}) needs the moments that "
+                "QuadratureELBO publishes; fit it with QuadratureELBO. It goes to the fallback.",
+            )
+            return False
 
-        state = self._state_for(pair.loc, loc_param)
-        old = QNVBState(*(select(state[name]) for name in QNVBState._fields))
-        result = qnvb_update(mu, sigma, g, h, old, self.hyperparameters)
-        new_mu, new_sigma, new_state = result.mu, result.sigma, result.state
-        if not pair.from_guide:
-            seen = (loc_grad != 0) | (scale_grad != 0)
-            new_mu = torch.where(seen, new_mu, mu)
-            new_sigma = torch.where(seen, new_sigma, sigma)
+        state = self._state_for(name, loc_leaf)
+        old = QNVBState(*(select(state[key]) for key in QNVBState._fields))
+        hp = self._block_hyperparameters(name)
+        new_values, result = FAMILY_UPDATES[site.family](values, g, h, old, hp)
+        new_mu, new_sigma, new_state = new_values["loc"], new_values["scale"], result.state
+        if rows is None:
+            seen = (loc_leaf.grad != 0) | (scale_leaf.grad != 0)
+            new_mu = torch.where(seen, new_mu, values["loc"])
+            new_sigma = torch.where(seen, new_sigma, values["scale"])
             new_state = QNVBState(*(torch.where(seen, a, b) for a, b in zip(new_state, old)))
         if result.num_nonfinite:
             self._warn_once(
-                "nonfinite",
-                f"QNVB: non-finite gradient at {result.num_nonfinite} coordinates of "
-                f"{pair.loc!r}; they were left unchanged (this warning is shown once)",
+                f"nonfinite {name}",
+                f"QNVB: non-finite gradient at {int(result.num_nonfinite)} coordinates of "
+                f"{name!r}; they were left unchanged (this warning is shown once)",
             )
         # an unchanged sigma keeps its parameter bit for bit (no round trip through the transform);
         # sigma_min keeps the inverse finite, a coordinate it cannot represent stays unchanged
         new_u = transform.inv(new_sigma)
-        new_u = torch.where((new_sigma == sigma) | ~torch.isfinite(new_u), u, new_u)
-        for name, value in zip(QNVBState._fields, new_state):
-            self._write(state[name], index, value)
-        self._write(loc_param.data, index, new_mu)
-        self._write(scale_param.data, index, new_u)
+        new_u = torch.where((new_sigma == values["scale"]) | ~torch.isfinite(new_u), u, new_u)
+        for key, value in zip(QNVBState._fields, new_state):
+            self._write(state[key], index, value)
+        self._write(loc_leaf.data, index, new_mu)
+        self._write(scale_leaf.data, index, new_u)
+        return True
 
     @staticmethod
     def _write(target: torch.Tensor, index: tuple | None, value: torch.Tensor) -> None:
@@ -297,6 +374,28 @@ class QNVB(PyroOptim):
         else:
             target[index] = value
 
+    @torch.no_grad()
+    def _guarded_fallback(self, params: list[torch.Tensor], *args, **kwargs) -> None:
+        """The fallback's step, with coordinates whose gradient or new value is not finite kept."""
+        before = {}
+        for p in params:
+            if p.grad is not None:
+                bad = ~torch.isfinite(p.grad)
+                p.grad = torch.where(bad, 0.0, p.grad)
+                before[p] = (p.detach().clone(), bad)
+        super().__call__(params, *args, **kwargs)
+        for p, (old, bad) in before.items():
+            bad = bad | ~torch.isfinite(p)
+            if bad.any():
+                p.copy_(torch.where(bad, old, p))
+                name = pyro.get_param_store().param_name(p) or f"a tensor of shape {tuple(p.shape)}"
+                self._warn_once(
+                    f"fallback {name}",
+                    f"QNVB: the fallback optimizer met a non-finite gradient or value at "
+                    f"{int(bad.sum())} coordinates of {name!r}; they were left unchanged (this "
+                    "warning is shown once per parameter)",
+                )
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -304,23 +403,23 @@ class QNVB(PyroOptim):
 
     # -------------------------------------------------------------------------------- state
     def get_state(self) -> dict:
-        """Every pair's state, the step count and the fallback optimizers' states."""
-        pairs = {name: dict(state) for name, state in self._pending.items()}
+        """Deep copies of every block's state, the step count and the fallback's states."""
+        blocks = {name: dict(state) for name, state in self._pending.items()}
         for name, (_, state) in self._bound.items():
-            pairs[name] = state
+            blocks[name] = state
         return {
             "qnvb": {
                 "num_steps": self.num_steps,
                 "pairs": {
                     name: {key: value.clone() for key, value in state.items()}
-                    for name, state in pairs.items()
+                    for name, state in blocks.items()
                 },
             },
-            "fallback": super().get_state(),
+            "fallback": copy.deepcopy(super().get_state()),
         }
 
     def set_state(self, state_dict: dict) -> None:
-        """Restore what :meth:`get_state` returned (pair states bind at their next use)."""
+        """Restore what :meth:`get_state` returned (block states bind at their next use)."""
         qnvb = state_dict["qnvb"]
         self.num_steps = qnvb["num_steps"]
         self._bound.clear()
@@ -328,4 +427,4 @@ class QNVB(PyroOptim):
             name: {key: value.clone() for key, value in state.items()}
             for name, state in qnvb["pairs"].items()
         }
-        super().set_state(state_dict["fallback"])
+        super().set_state(copy.deepcopy(state_dict["fallback"]))

@@ -1,0 +1,209 @@
+"""Descriptions of Pyro's own Gaussian guides, registered by class (the one place they are known).
+
+* ``AutoNormal`` (and so ``AutoMeanFieldNormal``): one ``"gaussian"`` block per latent site.
+* ``AutoDiagonalNormal``: one ``"gaussian"`` block over all latents (its ``loc`` and ``scale``).
+* ``AutoMultivariateNormal``, ``AutoLowRankMultivariateNormal``: a joint Gaussian (``"mvn"``).
+
+Leaves are read from the guide module itself (``_parameters``, without the side effects of
+``PyroModule.__getattr__``); after a run they are the tensors Pyro's ``SVI`` hands its optimizer,
+with the global param store or with ``module_local_params``.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+
+import pyro.distributions as dist
+import torch
+from pyro.distributions.util import is_identically_one
+from pyro.infer.autoguide import (
+    AutoContinuous,
+    AutoDiagonalNormal,
+    AutoLowRankMultivariateNormal,
+    AutoMultivariateNormal,
+    AutoNormal,
+)
+from pyro.poutine import Trace
+from torch.distributions import Independent, biject_to, constraints, transform_to
+
+from ..infer.log_joint import LatentSite, latent_nodes
+from .interface import GuideDescription, JointGaussian, MeanFieldSite, register_adapter
+
+__all__ = ["continuous_latent_sites", "describe_auto_normal", "subsample_rows"]
+
+
+def _leaf(module, dotted: str) -> tuple[torch.Tensor, object, str]:
+    """The leaf tensor, its constraint and its full name for a (Pyro)Param ``module.dotted``."""
+    *path, attr = dotted.split(".")
+    owner = attrgetter(".".join(path))(module) if path else module
+    if attr in owner._pyro_params:
+        constraint = owner._pyro_params[attr][0]
+        leaf = owner._parameters[attr + "_unconstrained"]
+    else:
+        constraint = constraints.real
+        leaf = owner._parameters[attr]
+    return leaf, constraint, owner._pyro_get_fullname(attr)
+
+
+def subsample_rows(site: dict, trace: Trace, event_dim: int) -> dict[int, torch.Tensor]:
+    """``param dim -> indices`` of the subsampled plates a traced guide site sits in."""
+    rows = {}
+    for frame in site["cond_indep_stack"]:
+        if frame.vectorized and frame.full_size is not None and frame.full_size != frame.size:
+            rows[frame.dim - event_dim] = trace.nodes[frame.name]["value"]
+    return rows
+
+
+def _scale_factor(site: dict) -> float:
+    scale = site["scale"]
+    return 1.0 if is_identically_one(scale) else float(scale)
+
+
+def _select(t: torch.Tensor, rows: dict[int, torch.Tensor] | None) -> torch.Tensor:
+    for dim, index in (rows or {}).items():
+        t = t.index_select(dim, index)
+    return t
+
+
+def describe_auto_normal(
+    guide: AutoNormal,
+    trace: Trace | None,
+    last_run: dict[str, tuple[float, dict[int, torch.Tensor]]] | None = None,
+) -> GuideDescription:
+    """An ``AutoNormal``-like guide: a ``"gaussian"`` block per site.
+
+    Args:
+        guide: the guide (set up: it has run once).
+        trace: a trace of one run; ``None`` describes the current parameters.
+        last_run: without a trace, ``site -> (scale factor, rows)`` of the guide's last run where
+            the guide keeps it (``AutoMeanFieldNormal``); otherwise rows are unknown (``None``).
+    """
+    if guide.prototype_trace is None:
+        raise RuntimeError(
+            f"{type(guide).__name__} has not been run yet: call it (or svi.step) with the "
+            "model's arguments first"
+        )
+    sites, latent = [], []
+    for name, proto in guide.prototype_trace.iter_stochastic_nodes():
+        loc_leaf, _, loc_name = _leaf(guide.locs, name)
+        scale_leaf, scale_constraint, scale_name = _leaf(guide.scales, name)
+        event_dim = guide._event_dims[name]
+        if trace is not None:
+            aux = trace.nodes[name + "_unconstrained"]
+            normal = aux["fn"]
+            while isinstance(normal, Independent):
+                normal = normal.base_dist
+            loc, scale = normal.loc, normal.scale
+            rows = subsample_rows(aux, trace, event_dim)
+            scale_factor = _scale_factor(aux)
+        else:
+            scale_factor, rows = (last_run or {}).get(name, (1.0, None))
+            loc = _select(loc_leaf, rows)
+            scale = _select(transform_to(scale_constraint)(scale_leaf), rows)
+        transform = biject_to(proto["fn"].support)
+        sites.append(
+            MeanFieldSite(
+                name=name,
+                family="gaussian",
+                loc=loc,
+                scale=scale,
+                params={"loc": loc_leaf, "scale": scale_leaf},
+                param_constraints={"loc": constraints.real, "scale": scale_constraint},
+                param_names={"loc": loc_name, "scale": scale_name},
+                transform=transform,
+                event_dim=event_dim,
+                scale_factor=scale_factor,
+                rows=rows,
+                constraint=proto["fn"].support,
+            )
+        )
+        latent.append(LatentSite(name, loc.shape, event_dim, transform))
+    return GuideDescription(guide._pyro_name, latent, sites=sites)
+
+
+register_adapter(AutoNormal)(describe_auto_normal)
+
+
+def continuous_latent_sites(guide: AutoContinuous) -> list[LatentSite]:
+    """The model sites an ``AutoContinuous`` guide lays end to end, in its order."""
+    latent = []
+    for name, site in latent_nodes(guide.prototype_trace):
+        shape = guide._unconstrained_shapes[name]
+        event_dim = site["fn"].event_dim + len(shape) - site["value"].dim()
+        latent.append(LatentSite(name, shape, event_dim, biject_to(site["fn"].support)))
+    return latent
+
+
+def _check_set_up(guide: AutoContinuous) -> None:
+    if guide.prototype_trace is None:
+        raise RuntimeError(
+            f"{type(guide).__name__} has not been run yet: call it (or svi.step) with the "
+            "model's arguments first"
+        )
+
+
+def _posterior(guide: AutoContinuous, trace: Trace | None):
+    if trace is not None:
+        return trace.nodes[f"_{guide._pyro_name}_latent"]["fn"]
+    return guide.get_posterior()
+
+
+@register_adapter(AutoDiagonalNormal)
+def _describe_diagonal(guide: AutoDiagonalNormal, trace: Trace | None) -> GuideDescription:
+    _check_set_up(guide)
+    posterior = _posterior(guide, trace)
+    loc_leaf, _, loc_name = _leaf(guide, "loc")
+    scale_leaf, scale_constraint, scale_name = _leaf(guide, "scale")
+    block = MeanFieldSite(
+        name=f"_{guide._pyro_name}_latent",
+        family="gaussian",
+        loc=posterior.mean,
+        scale=posterior.stddev,
+        params={"loc": loc_leaf, "scale": scale_leaf},
+        param_constraints={"loc": constraints.real, "scale": scale_constraint},
+        param_names={"loc": loc_name, "scale": scale_name},
+        transform=dist.transforms.identity_transform,
+        event_dim=1,
+    )
+    return GuideDescription(guide._pyro_name, continuous_latent_sites(guide), sites=[block])
+
+
+@register_adapter(AutoMultivariateNormal)
+def _describe_full_rank(guide: AutoMultivariateNormal, trace: Trace | None) -> GuideDescription:
+    _check_set_up(guide)
+    posterior = _posterior(guide, trace)
+    loc, tril = posterior.loc, posterior.scale_tril
+    joint = JointGaussian(
+        dim=loc.numel(),
+        loc=loc,
+        affine=lambda x: loc + x @ tril.T,
+        covariance=posterior.covariance_matrix,
+        entropy=posterior.entropy(),
+        params=dict(guide.named_parameters()),
+    )
+    return GuideDescription(guide._pyro_name, continuous_latent_sites(guide), joint=joint)
+
+
+@register_adapter(AutoLowRankMultivariateNormal)
+def _describe_low_rank(
+    guide: AutoLowRankMultivariateNormal, trace: Trace | None
+) -> GuideDescription:
+    _check_set_up(guide)
+    posterior = _posterior(guide, trace)
+    # z = loc + W x_1 + sqrt(D) x_2 with (x_1, x_2) ~ N(0, I_{r + d}): covariance W W^T + D.
+    loc, factor = posterior.loc, posterior.cov_factor
+    root_diag = posterior.cov_diag.sqrt()
+    rank = factor.shape[-1]
+
+    def affine(x: torch.Tensor) -> torch.Tensor:
+        return loc + x[..., :rank] @ factor.T + root_diag * x[..., rank:]
+
+    joint = JointGaussian(
+        dim=rank + loc.numel(),
+        loc=loc,
+        affine=affine,
+        covariance=posterior.covariance_matrix,
+        entropy=posterior.entropy(),
+        params=dict(guide.named_parameters()),
+    )
+    return GuideDescription(guide._pyro_name, continuous_latent_sites(guide), joint=joint)
