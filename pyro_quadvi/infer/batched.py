@@ -70,6 +70,9 @@ _BROADCAST_MESSAGES = re.compile(
             r"The size of tensor a \(\d+\) must match the size of tensor b",
             r"[Ss]hape mismatch",  # torch indexing, Pyro's "Shape mismatch inside plate"
             r"shapes cannot be multiplied",  # "mat1 and mat2 shapes cannot be multiplied"
+            r"Expected size for first two dimensions of batch2",  # batched matmul
+            r"expects a tensor with <= \d+ dimensions",  # nn.Linear's weight.t()
+            r"Expected \d+D \(unbatched\) or \d+D \(batched\) input",  # convolutions
             r"size mismatch",
             r"is invalid for input of size",  # view / reshape
             r"The expanded size of the tensor",
