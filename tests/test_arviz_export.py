@@ -476,3 +476,18 @@ def test_vectorize_forces_or_loops_and_a_model_error_propagates():
     guide(torch.zeros(5))
     with pytest.raises(ValueError, match="one scale at a time"):
         to_inference_data(checks_one_draw, guide, torch.zeros(5), num_samples=5, prior=False)
+
+
+def test_guide_site_the_model_lacks_is_named():
+    def model():
+        pyro.sample("a", dist.Normal(0.0, 1.0))
+
+    def bigger():
+        pyro.sample("a", dist.Normal(0.0, 1.0))
+        pyro.sample("b", dist.Normal(0.0, 1.0))
+
+    pyro.clear_param_store()
+    guide = AutoNormal(bigger)
+    guide()
+    with pytest.raises(ValueError, match=r"the guide samples a latent site 'b' that the model"):
+        to_inference_data(model, guide, num_samples=5)

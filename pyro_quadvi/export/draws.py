@@ -245,6 +245,16 @@ class _Runner:
         self.combos = [dict(zip(chunks, combo)) for combo in itertools.product(*chunks.values())]
         rows = _PlateRows(self.combos[0])
         guide_trace, model_trace = self._probe(rows, rows)
+        for name in _guide_latents(guide_trace):
+            if name not in model_trace.nodes:
+                model_sites = [
+                    n for n, node in model_trace.nodes.items() if node["type"] == "sample"
+                ]
+                raise ValueError(
+                    f"the guide samples a latent site {name!r} that the model does not have (the "
+                    f"model's sample sites: {', '.join(model_sites) or 'none'}); export a guide "
+                    "built from this model"
+                )
         self.sites = self._site_specs(guide_trace, model_trace)
         self.max_plate_nesting = max(
             model_max_plate_nesting(guide_trace), model_max_plate_nesting(model_trace)
