@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import warnings
 
 import pyro
@@ -204,3 +206,12 @@ def test_cache_forgets_a_freed_model():
     assert len(cache) == 0
     for _ in range(100):  # new objects may reuse the freed id: never the old decision
         assert cache.get(Model(), guide) is None
+
+
+def test_cache_copies_start_empty():
+    cache = DecisionCache()
+    model, guide = Model(), Model()
+    cache.set(model, guide, decision=BatchDecision(True))
+    for copied in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert len(copied) == 0 and copied.get(model, guide) is None
+    assert cache.get(model, guide) == BatchDecision(True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -104,6 +105,20 @@ def test_vectorized_and_looped_passes_share_the_minibatch():
     )
     assert decision.vectorized and decision.reason is None
     assert torch.equal(values, vectorized)
+
+
+def test_quadrature_elbo_checks_its_vectorized_pass_on_one_minibatch():
+    """The check of the vectorized pass compared nodes of different minibatches and fell back."""
+    pyro.set_rng_seed(5)
+    X, y = logistic_data()
+    guide = AutoMeanFieldNormal(vectorizable_logistic, init_scale=0.5)
+    guide(X, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            assert math.isfinite(
+                QuadratureELBO("rasp_cross").loss(vectorizable_logistic, guide, X, y)
+            )
 
 
 # ---------------------------------------------------------------- LKJCholesky (no rsample)

@@ -228,7 +228,9 @@ class DecisionCache:
 
     An entry lives as long as every object of its key: it is never found for another model or
     guide, even one that reuses a freed object's ``id``. Bound methods count as their object and
-    function; objects that cannot be weakly referenced are held until the cache is dropped.
+    function; objects that cannot be weakly referenced are held until the cache is dropped. A copy
+    (``copy.deepcopy``, ``pickle``, ``torch.save``) starts empty: its decisions were about the
+    original objects, and the copy decides again.
     """
 
     def __init__(self) -> None:
@@ -258,6 +260,9 @@ class DecisionCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __reduce__(self):
+        return (DecisionCache, ())
 
 
 class _Entries(dict):
