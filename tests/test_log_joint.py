@@ -183,6 +183,12 @@ def test_opqa_evidence_of_an_lkj_model_matches_the_integral_over_the_correlation
     expected = math.log(integrate.quad(integrand, -1, 1, epsabs=0, epsrel=1e-13, limit=200)[0])
     result = opqa_evidence(lkj_2d, y, num_points=64)  # one coordinate: tanh(z) = r
     assert abs(result.log_evidence - expected) < 1e-8
+    # the posterior density on L, through the correlation r = L[1, 0], integrates to 1
+    r = torch.linspace(-0.999, 0.999, 4001)
+    L = torch.zeros(4001, 2, 2)
+    L[:, 0, 0], L[:, 1, 0], L[:, 1, 1] = 1.0, r, (1 - r**2).sqrt()
+    density = result.posterior.log_prob({"L": L}).exp()
+    assert abs(float(torch.trapezoid(density, r)) - 1.0) < 1e-4
 
 
 # ---------------------------------------------------------------- errors that name the site
