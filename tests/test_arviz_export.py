@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import arviz as az
 import numpy as np
@@ -395,3 +396,98 @@ def test_guide_never_run_is_refused_with_the_fix():
 def test_bad_num_samples(num_samples):
     with pytest.raises(ValueError, match="num_samples must be a positive int"):
         to_inference_data(eight_schools, AutoNormal(eight_schools), num_samples=num_samples)
+
+
+@pytest.fixture
+def float32():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    yield
+    torch.set_default_dtype(old)
+
+
+def test_log_likelihood_is_float64_and_loo_is_finite_for_a_float32_model(float32):
+    """Pyro's eight schools in float32, as its example runs it: az.loo needs float64."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    y, sigma = torch.tensor(Y), torch.tensor(SIGMA)
+    guide = fit(eight_schools, AutoNormal(eight_schools), sigma, y, steps=300)
+    # A wide guide for theta (as early in a fit) spreads the log likelihood over tens of nats;
+    # there ArviZ's PSIS in float32 returns nan.
+    pyro.get_param_store()["AutoNormal.scales.theta"] = torch.full((8,), 60.0)
+    idata = to_inference_data(eight_schools, guide, sigma, y, num_samples=S, prior=False)
+    assert idata.log_likelihood["obs"].dtype == np.float64
+    assert idata.posterior["theta"].dtype == np.float32  # the draws keep the model's dtype
+    loo = az.loo(idata, pointwise=True)
+    assert math.isfinite(loo.elpd_loo)
+    # by hand: the float64 log likelihood of the exported draws, through the same PSIS
+    theta = torch.tensor(idata.posterior["theta"].values[0], dtype=torch.float64)
+    by_hand = dist.Normal(theta, sigma.double()).log_prob(y.double()).numpy()
+    np.testing.assert_allclose(idata.log_likelihood["obs"].values[0], by_hand, rtol=1e-6)
+    reference = az.loo(
+        az.from_dict(
+            posterior={"theta": theta.numpy()[None]}, log_likelihood={"obs": by_hand[None]}
+        ),
+        pointwise=True,
+    )
+    assert loo.elpd_loo == pytest.approx(reference.elpd_loo, abs=1e-4)
+    ll = torch.tensor(by_hand)
+    lppd = (ll.logsumexp(0) - math.log(S)).sum().item()
+    assert loo.elpd_loo + loo.p_loo == pytest.approx(lppd, abs=1e-4)
+
+
+def test_nan_in_the_data_names_the_site():
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+    pyro.clear_param_store()
+    guide = AutoNormal(model)
+    guide(torch.zeros(3))
+    y = torch.tensor([0.1, math.nan, 0.3])
+    with pytest.raises(ValueError, match=r"observed data of site 'obs' hold NaN \(first at index"):
+        to_inference_data(model, guide, y, num_samples=5, prior=False)
+
+
+def test_vectorize_forces_or_loops_and_a_model_error_propagates():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(1)
+    x = torch.randn(30, 2)
+    y = x @ torch.tensor([1.0, -2.0]) + 0.5 * torch.randn(30)
+    net = Regression()
+    guide = AutoMeanFieldNormal(net)
+    guide(x, y)
+    with pytest.raises(RuntimeError, match=r"t\(\) expects a tensor with <= 2 dimensions"):
+        to_inference_data(net, guide, x, y, num_samples=5, vectorize=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        idata = to_inference_data(net, guide, x, y, num_samples=5, vectorize=False)
+    assert idata.posterior.attrs["vectorized"] == 0
+
+    def checks_one_draw(y):
+        scale = pyro.sample("scale", dist.LogNormal(0.0, 1.0))
+        if scale.numel() > 1:  # the model's own error, raised in the batched run only
+            raise ValueError("this model takes one scale at a time")
+        with pyro.plate("data", 5):
+            pyro.sample("obs", dist.Normal(0.0, scale), obs=y)
+
+    guide = AutoNormal(checks_one_draw)
+    guide(torch.zeros(5))
+    with pytest.raises(ValueError, match="one scale at a time"):
+        to_inference_data(checks_one_draw, guide, torch.zeros(5), num_samples=5, prior=False)
+
+
+def test_guide_site_the_model_lacks_is_named():
+    def model():
+        pyro.sample("a", dist.Normal(0.0, 1.0))
+
+    def bigger():
+        pyro.sample("a", dist.Normal(0.0, 1.0))
+        pyro.sample("b", dist.Normal(0.0, 1.0))
+
+    pyro.clear_param_store()
+    guide = AutoNormal(bigger)
+    guide()
+    with pytest.raises(ValueError, match=r"the guide samples a latent site 'b' that the model"):
+        to_inference_data(model, guide, num_samples=5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import numpy as np
 import pyro
@@ -18,7 +19,9 @@ from pyro.infer.autoguide import (
     AutoNormal,
     init_to_value,
 )
+from pyro.nn import PyroModule, PyroSample
 from scipy import integrate
+from torch import nn
 
 from pyro_quadvi import opqa_evidence
 from pyro_quadvi.guides import AutoMeanFieldNormal
@@ -112,9 +115,20 @@ def test_evidence_converges_with_points():
 # ---------------------------------------------------------------- guides as the weight
 
 
+def _set_scales(guide, *args, scale: float):
+    """Run ``guide`` once and set its scales by hand, as fitting would move them
+    (``center="guide"`` refuses a guide whose scales are all at their ``init_scale``)."""
+    guide(*args)
+    store = pyro.get_param_store()
+    for name in list(store.keys()):
+        if name.endswith(".scale") or ".scales." in name:
+            store[name] = torch.full_like(store[name], scale)
+    return guide
+
+
 def _gamma_guide(guide_class, loc: float, scale: float):
     init = init_to_value(values={"rate": torch.tensor(math.exp(loc), dtype=F64)})
-    return guide_class(gamma_poisson, init_loc_fn=init, init_scale=scale)
+    return _set_scales(guide_class(gamma_poisson, init_loc_fn=init), POISSON_DATA, scale=scale)
 
 
 @pytest.mark.parametrize(
@@ -156,9 +170,8 @@ def test_coefficients_of_a_shifted_posterior_are_analytic():
     post_mean = obs.sum(0) / 0.25 / precision
     post_sd = precision**-0.5
     delta = torch.tensor([0.25, -0.5], dtype=F64)
-    guide = AutoNormal(
-        model, init_loc_fn=init_to_value(values={"mu": post_mean - delta}), init_scale=post_sd
-    )
+    guide = AutoNormal(model, init_loc_fn=init_to_value(values={"mu": post_mean - delta}))
+    _set_scales(guide, obs, scale=post_sd)
     result = opqa_evidence(model, obs, num_points=16, center="guide", guide=guide)
     mu = (delta / post_sd).tolist()
     i, j = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
@@ -341,6 +354,7 @@ def test_refuses_subsampling():
         ({"center": "mode"}, "center must be one of"),
         ({"center": "guide"}, "needs the fitted guide"),
         ({"chunk_size": 0}, "chunk_size"),
+        ({"vectorize": "try"}, "vectorize must be None, True or False"),
     ],
 )
 def test_refuses_bad_arguments(options, match):
@@ -350,5 +364,115 @@ def test_refuses_bad_arguments(options, match):
 
 def test_refuses_a_guide_that_is_not_gaussian():
     guide = AutoDelta(gamma_poisson)
+    guide(POISSON_DATA)
     with pytest.raises(ValueError, match="needs a Gaussian AutoGuide"):
         opqa_evidence(gamma_poisson, POISSON_DATA, center="guide", guide=guide)
+
+
+# ---------------------------------------------------------------- PyroModule models, float64
+
+
+# The priors are float32 distributions, built with the module: their normalizing constants
+# (log 1.5, say) are computed in float32, a 1e-8 error per coordinate that OPQA cannot undo. A scale
+# of 1 has an exact log, so the evidence below is exact in float64.
+PRIOR = 1.0
+
+
+class BayesianLinear(PyroModule):
+    """A conjugate Bayesian linear regression written as a Pyro user would: ``nn.Linear`` with
+    ``PyroSample`` priors, built in float32 (torch's default dtype)."""
+
+    def __init__(self, p: int):
+        super().__init__()
+        self.fc = PyroModule[nn.Linear](p, 1)
+        self.fc.weight = PyroSample(dist.Normal(0.0, PRIOR).expand([1, p]).to_event(2))
+        self.fc.bias = PyroSample(dist.Normal(0.0, PRIOR).expand([1]).to_event(1))
+
+    def forward(self, X, y):
+        mean = self.fc(X).squeeze(-1)
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(mean, 0.4), obs=y)
+
+
+def bayesian_linear_log_evidence(X, y) -> float:
+    """y ~ N(0, PRIOR^2 (X X^T + 1 1^T) + 0.4^2 I), in float64."""
+    X, y = X.double(), y.double()
+    covariance = PRIOR**2 * (X @ X.T + 1.0) + 0.4**2 * torch.eye(len(y), dtype=F64)
+    return float(dist.MultivariateNormal(torch.zeros(len(y), dtype=F64), covariance).log_prob(y))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pyro_module_regression_evidence_is_exact_in_float32_and_float64(dtype):
+    assert torch.get_default_dtype() == torch.float32
+    X, y = (t.to(dtype) for t in regression_data())
+    with pytest.warns(UserWarning, match="opqa_evidence: the model does not evaluate all"):
+        result = opqa_evidence(BayesianLinear(3), X, y, num_points=2)
+    assert abs(result.log_evidence - bayesian_linear_log_evidence(X, y)) < 1e-8
+    assert result.diagnostics["dtype"] == torch.float64
+    assert not result.diagnostics["vectorized"]
+
+
+def test_model_that_cannot_run_in_float64_is_refused_with_the_fix():
+    net = nn.Linear(3, 1)  # fixed float32 weights
+
+    def model(X, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(w * net(X).squeeze(-1), 0.4), obs=y)
+
+    X, y = regression_data()
+    with pytest.raises(ValueError, match=r"does not run in float64.*set_default_dtype"):
+        opqa_evidence(model, X.float(), y.float())
+
+
+# ---------------------------------------------------------------- one meaning of vectorize
+
+
+def test_vectorize_true_forces_the_vectorized_pass():
+    X, y = regression_data()
+    with pytest.raises(RuntimeError, match="Expected size for first two dimensions"):
+        opqa_evidence(linear_regression_matmul, X, y, num_points=2, vectorize=True)
+    result = opqa_evidence(linear_regression, X, y, num_points=2, vectorize=True)
+    assert result.diagnostics["vectorized"] and result.diagnostics["probe_evaluations"] == 0
+
+
+def test_an_error_of_the_model_propagates_instead_of_a_fallback():
+    def model(y):
+        rate = pyro.sample("rate", dist.Gamma(torch.tensor(2.0, dtype=F64), 1.0))
+        if rate.numel() > 1:  # raised in the vectorized pass only, as a model's own check would
+            raise ValueError("this model checks its rate one at a time")
+        pyro.sample("y", dist.Poisson(rate), obs=y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="checks its rate one at a time"):
+            opqa_evidence(model, torch.tensor(3.0, dtype=F64), num_points=4)
+
+
+# ---------------------------------------------------------------- a guide that was not fitted
+
+
+def test_guide_never_run_is_refused_with_the_fix():
+    guide = AutoNormal(gamma_poisson)
+    with pytest.raises(ValueError, match=r"center='guide'\): AutoNormal was never run.*svi\.step"):
+        opqa_evidence(gamma_poisson, POISSON_DATA, center="guide", guide=guide)
+    assert len(pyro.get_param_store()) == 0  # the check did not set it up
+
+
+@pytest.mark.parametrize(
+    "guide_class", [AutoNormal, AutoMeanFieldNormal, AutoDiagonalNormal, AutoMultivariateNormal]
+)
+def test_guide_at_its_initial_scales_is_refused(guide_class):
+    guide = guide_class(gamma_poisson, init_scale=0.2)
+    guide(POISSON_DATA)  # run, never fitted: its weight misses the posterior
+    with pytest.raises(ValueError, match=r"still equals its init_scale=0.2.*never fitted"):
+        opqa_evidence(gamma_poisson, POISSON_DATA, center="guide", guide=guide)
+    # fitted, the same guide is accepted and the evidence is exact
+    pyro.set_rng_seed(0)
+    svi = pyro.infer.SVI(
+        gamma_poisson, guide, pyro.optim.Adam({"lr": 0.05}), pyro.infer.Trace_ELBO()
+    )
+    for _ in range(300):
+        svi.step(POISSON_DATA)
+    result = opqa_evidence(gamma_poisson, POISSON_DATA, num_points=24, center="guide", guide=guide)
+    assert abs(result.log_evidence - gamma_poisson_posterior(POISSON_DATA)[2]) < 1e-8

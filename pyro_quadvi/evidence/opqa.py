@@ -38,8 +38,12 @@ from dataclasses import dataclass, field
 import torch
 import tqdm
 from pyro import poutine
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.subsample_messenger import _Subsample
 from pyro.poutine.util import site_is_subsample
 
+from ..export.draws import check_guide_was_run
+from ..infer.batched import BatchDecision, evaluate_batch
 from ..infer.log_joint import LogJoint, latent_sites_of_model
 from ..quadrature.hermite import gauss_hermite, orthonormal_hermite
 from .posterior import OPQAPosterior, multi_indices
@@ -90,7 +94,7 @@ def opqa_evidence(
     guide: Callable | None = None,
     max_nodes: int = 2**20,
     chunk_size: int = 4096,
-    vectorize: bool = True,
+    vectorize: bool | None = None,
     progress: bool | None = None,
     **kwargs,
 ) -> OPQAResult:
@@ -119,18 +123,26 @@ def opqa_evidence(
         center: ``"laplace"`` (the weight ``N(mode, H^-1)`` from the MAP mode and the Hessian),
             ``"guide"`` (a fitted Gaussian guide's loc and scale) or ``"none"`` (the paper's fixed
             weight ``exp(-|z|^2)``, for comparison).
-        guide: the fitted Gaussian AutoGuide for ``center="guide"``; with ``center="laplace"`` its
-            loc starts the MAP search (otherwise it starts at ``z = 0``).
+        guide: the fitted Gaussian AutoGuide for ``center="guide"`` (a guide never run, or whose
+            scales all still equal its ``init_scale``, is refused: it was not fitted); with
+            ``center="laplace"`` its loc starts the MAP search (otherwise it starts at ``z = 0``).
         max_nodes: the largest grid allowed.
         chunk_size: grid nodes per evaluation of the model.
-        vectorize: evaluate a chunk in one run of the model under a particle plate (falls back to
-            a loop over nodes if the model does not vectorize); ``False`` always loops.
+        vectorize: ``None`` (default) evaluates the first chunk in one run of the model under a
+            particle plate, checks it against node-by-node runs at three nodes and, if the model
+            does not broadcast (a shape error, or values that differ), loops over the nodes with
+            one warning; ``True`` forces the vectorized runs (their errors propagate); ``False``
+            always loops. Errors of the model itself propagate in every case.
         progress: show a progress bar over the chunks (``None``: for grids of several chunks, on
             a terminal).
         **kwargs: the model's keyword arguments (the names above are taken).
 
-    The grid points are float64; a model computing in float32 limits the accuracy to about
-    ``1e-7`` relative in the evidence.
+    The model is evaluated in float64, which the accuracy of about ``1e-8`` nats needs: the
+    floating-point tensors among ``args`` and ``kwargs`` are cast to float64, the prior draws that
+    find the latent sites are float64, and the grid nodes are float64 (a ``PyroModule`` built in
+    float32 with ``PyroSample`` priors runs so). A model holding float32 tensors that do not mix
+    with float64 ones (an ``nn.Linear`` with fixed float32 weights) is refused with the fix:
+    build it in float64.
 
     Returns:
         An :class:`OPQAResult`. Its ``diagnostics`` hold ``center``, ``dim``, ``num_points``,
@@ -140,18 +152,21 @@ def opqa_evidence(
         ``sum a^2`` at each total degree: it should fall off), ``edge_fraction`` (the share of
         the coefficients with a coordinate at degree ``num_points - 1``: large means too few
         points or a weight that misses the posterior), ``vectorized`` (and
-        ``vectorize_fallback``, why not), the evaluation counts and ``time_s``.
+        ``vectorize_fallback``, why not), ``dtype`` (``torch.float64``), the evaluation counts
+        and ``time_s``.
 
     Raises:
         ValueError: for discrete or enumerated latents, a subsampled plate, a model without
-            latents, a grid above ``max_nodes`` (use fewer points), an unknown ``center``, a log
-            joint that is not finite at the centre of the weight or at a grid node, or a weight
-            that cannot be built.
+            latents, a grid above ``max_nodes`` (use fewer points), an unknown ``center``, a
+            guide that was not fitted, a log joint that is not finite at the centre of the weight
+            or at a grid node, a model that does not run in float64, or a weight that cannot be
+            built.
     """
     start_time = time.perf_counter()
-    _check_arguments(num_points, max_degree, center, guide, max_nodes, chunk_size)
-    sites = latent_sites_of_model(model, *args, **kwargs)
-    _check_not_subsampled(model, args, kwargs)
+    _check_arguments(num_points, max_degree, center, guide, max_nodes, chunk_size, vectorize)
+    args, kwargs = _to_float64(args), _to_float64(kwargs)
+    sites = _latent_sites_in_float64(model, args, kwargs)
+    _check_not_subsampled(_Float64Prior()(model), args, kwargs)
     dim = sum(site.numel for site in sites)
     if dim == 0:
         raise ValueError(
@@ -174,8 +189,9 @@ def opqa_evidence(
 
     nodes, weights = gauss_hermite(num_points)
     log_weights = weights.log()
-    evaluator = _GridEvaluator(log_joint, weight, nodes, args, kwargs, vectorize)
-    log_f = evaluator.evaluate(dim, chunk_size, progress)
+    log_f, decision = _evaluate_grid(
+        log_joint, weight, nodes, dim, args, kwargs, vectorize, chunk_size, progress
+    )
 
     # log Pi_j = log w_j + (log|det L| + log f(z_j) - log phi(x_j)) / 2   (eq. 31)
     log_w = torch.zeros(grid_size, dtype=torch.float64)
@@ -218,11 +234,12 @@ def opqa_evidence(
         "quadrature_log_evidence": quadrature_log_evidence,
         "energy_by_degree": energy_by_degree,
         "edge_fraction": float(energy[edge].sum() / total) if num_points > 1 else 1.0,
-        "vectorized": evaluator.vectorized,
-        "vectorize_fallback": evaluator.fallback_reason,
+        "vectorized": decision.vectorized,
+        "vectorize_fallback": decision.reason,
+        "dtype": torch.float64,
         "grid_evaluations": grid_size,
         "weight_evaluations": weight.evaluations,
-        "probe_evaluations": evaluator.probe_evaluations,
+        "probe_evaluations": decision.probe_evaluations,
         **weight.info,
     }
     if center == "laplace":
@@ -230,12 +247,14 @@ def opqa_evidence(
             log_joint_at_center + 0.5 * dim * math.log(2 * math.pi) + weight.log_abs_det
         )
     posterior = OPQAPosterior(sites, weight.loc, weight.scale_tril, normalized)
-    num_evaluations = grid_size + weight.evaluations + evaluator.probe_evaluations + 1
+    num_evaluations = grid_size + weight.evaluations + decision.probe_evaluations + 1
     diagnostics["time_s"] = time.perf_counter() - start_time
     return OPQAResult(log_evidence, normalized, posterior, num_evaluations, diagnostics)
 
 
-def _check_arguments(num_points, max_degree, center, guide, max_nodes, chunk_size) -> None:
+def _check_arguments(
+    num_points, max_degree, center, guide, max_nodes, chunk_size, vectorize
+) -> None:
     if isinstance(num_points, bool) or not isinstance(num_points, int) or num_points < 1:
         raise ValueError(f"opqa_evidence: num_points must be an int >= 1, got {num_points!r}")
     if max_degree is not None and (
@@ -256,6 +275,51 @@ def _check_arguments(num_points, max_degree, center, guide, max_nodes, chunk_siz
     for name, value in (("max_nodes", max_nodes), ("chunk_size", chunk_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"opqa_evidence: {name} must be an int >= 1, got {value!r}")
+    if vectorize not in (None, True, False):
+        raise ValueError(f"opqa_evidence: vectorize must be None, True or False, got {vectorize!r}")
+
+
+def _to_float64(value):
+    """``value`` with its floating-point tensors (also inside tuples, lists, dicts) in float64."""
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float64) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_to_float64(item) for item in value))
+    if isinstance(value, tuple | list):
+        return type(value)(_to_float64(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _to_float64(item) for key, item in value.items()}
+    return value
+
+
+class _Float64Prior(Messenger):
+    """Draws the latent sites from the prior in float64 (a float32 prior's draws are cast)."""
+
+    def _pyro_sample(self, msg) -> None:
+        if msg["is_observed"] or msg["value"] is not None or isinstance(msg["fn"], _Subsample):
+            return
+        value = msg["fn"](*msg["args"], **msg["kwargs"])
+        msg["value"] = value.to(torch.float64) if value.is_floating_point() else value
+        msg["done"] = True
+
+
+_DTYPE_ERRORS = ("dtype", "expected scalar type", "Double and Float", "Float and Double")
+
+
+def _latent_sites_in_float64(model: Callable, args: tuple, kwargs: dict):
+    """The model's latent sites, from a run in float64; refuses a model that cannot run so."""
+    try:
+        return latent_sites_of_model(_Float64Prior()(model), *args, **kwargs)
+    except RuntimeError as error:
+        if not any(text in str(error) for text in _DTYPE_ERRORS):
+            raise
+        first_line = str(error).strip().split("\n")[0]
+        raise ValueError(
+            f"opqa_evidence evaluates the model in float64 (its 1e-8 accuracy needs it), and the "
+            f"model does not run in float64 ({first_line}): it holds float32 tensors of its own. "
+            "Build it in float64: torch.set_default_dtype(torch.float64) before creating the "
+            "model (or module.double() for a PyroModule's fixed parameters)"
+        ) from None
 
 
 def _check_not_subsampled(model: Callable, args: tuple, kwargs: dict) -> None:
@@ -273,7 +337,10 @@ def _build_weight(center, guide, log_joint, sites, dim, args, kwargs) -> Gaussia
     if center == "none":
         return fixed_weight(dim)
     if center == "guide":
-        return guide_weight(guide, sites, args, kwargs)
+        _check_guide_was_fitted(guide, args, kwargs)
+        weight = guide_weight(guide, sites, args, kwargs)
+        _check_scales_moved(guide, weight)
+        return weight
     start = torch.zeros(dim, dtype=torch.float64)
     if guide is not None:
         start = guide_weight(guide, sites, args, kwargs).loc
@@ -305,67 +372,69 @@ def _grid_digits(index: torch.Tensor, num_points: int, dim: int) -> list[torch.T
     ]
 
 
-class _GridEvaluator:
-    """``log f(m + L x_j)`` on the tensor grid, in chunks, vectorized where the model allows.
+def _evaluate_grid(
+    log_joint, weight, nodes, dim, args, kwargs, vectorize, chunk_size, progress
+) -> tuple[torch.Tensor, BatchDecision]:
+    """``log f(m + L x_j)`` on the tensor grid, in chunks; the first chunk decides ``vectorize``
+    (:func:`~pyro_quadvi.infer.batched.evaluate_batch`) for all of them."""
+    num_points = len(nodes)
+    grid_size = num_points**dim
+    starts = range(0, grid_size, chunk_size)
+    # progress=None: a bar for grids of several chunks, on a terminal only (tqdm's None)
+    disable = (True if len(starts) < 2 else None) if progress is None else not progress
+    bar = tqdm.tqdm(starts, desc="OPQA grid", unit="chunk", disable=disable)
 
-    The first chunk is evaluated under a particle plate and checked against node-by-node runs at
-    three nodes; on an error or a mismatch every chunk is evaluated node by node.
+    def batched(z: torch.Tensor) -> torch.Tensor:
+        return log_joint(z, args, kwargs, vectorize=True)
+
+    def single(z: torch.Tensor) -> torch.Tensor:
+        return log_joint(z[None], args, kwargs, vectorize=False)[0]
+
+    values, decision = [], None
+    with torch.no_grad():
+        for start in bar:
+            digits = _grid_digits(
+                torch.arange(start, min(start + chunk_size, grid_size)), num_points, dim
+            )
+            z = weight.loc + nodes[torch.stack(digits, -1)] @ weight.scale_tril.T
+            mode = vectorize if decision is None else decision.vectorized
+            try:
+                chunk, chosen = evaluate_batch(batched, single, z, mode, what="opqa_evidence")
+            except ValueError as error:
+                raise ValueError(
+                    f"opqa_evidence: at the grid chunk starting at node {start}: {error}. "
+                    f"The outermost nodes lie {float(nodes.abs().max()):.3g} weight "
+                    "standard deviations from the centre; fewer points keep them closer"
+                ) from None
+            decision = decision or chosen
+            values.append(chunk.to(torch.float64))
+    return torch.cat(values), decision
+
+
+def _check_guide_was_fitted(guide: Callable, args: tuple, kwargs: dict) -> None:
+    """Refuse a guide that was never run (its weight would be its initial loc and scale)."""
+    try:
+        check_guide_was_run(guide, args, kwargs)
+    except RuntimeError as error:
+        raise ValueError(
+            f"opqa_evidence(center='guide'): {error}; or use center='laplace', which needs no guide"
+        ) from None
+
+
+def _check_scales_moved(guide: Callable, weight: GaussianWeight) -> None:
+    """Refuse a guide whose scales all still equal its ``init_scale`` (run, but never fitted).
+
+    Only guides that record an ``init_scale`` (Pyro's AutoGuides, AutoMeanFieldNormal) are
+    checked; a low-rank guide starts from random factors and cannot be told from a fitted one.
     """
-
-    def __init__(self, log_joint, weight, nodes, args, kwargs, vectorize: bool):
-        self.log_joint = log_joint
-        self.weight = weight
-        self.nodes = nodes
-        self.args = args
-        self.kwargs = kwargs
-        self.vectorized = vectorize
-        self.fallback_reason: str | None = None
-        self.probe_evaluations = 0
-
-    def points(self, start: int, stop: int, dim: int) -> torch.Tensor:
-        digits = _grid_digits(torch.arange(start, stop), len(self.nodes), dim)
-        x = self.nodes[torch.stack(digits, -1)]
-        return self.weight.loc + x @ self.weight.scale_tril.T
-
-    def evaluate(self, dim: int, chunk_size: int, progress: bool | None) -> torch.Tensor:
-        grid_size = len(self.nodes) ** dim
-        starts = range(0, grid_size, chunk_size)
-        # progress=None: a bar for grids of several chunks, on a terminal only (tqdm's None)
-        disable = (True if len(starts) < 2 else None) if progress is None else not progress
-        bar = tqdm.tqdm(starts, desc="OPQA grid", unit="chunk", disable=disable)
-        values = []
-        with torch.no_grad():
-            for chunk, start in enumerate(bar):
-                z = self.points(start, min(start + chunk_size, grid_size), dim)
-                try:
-                    if chunk == 0 and self.vectorized:
-                        values.append(self._probe(z))
-                    else:
-                        values.append(self._call(z, self.vectorized))
-                except ValueError as error:
-                    raise ValueError(
-                        f"opqa_evidence: at the grid chunk starting at node {start}: {error}. "
-                        f"The outermost nodes lie {float(self.nodes.abs().max()):.3g} weight "
-                        "standard deviations from the centre; fewer points keep them closer"
-                    ) from None
-        return torch.cat(values)
-
-    def _call(self, z: torch.Tensor, vectorize: bool) -> torch.Tensor:
-        return self.log_joint(z, self.args, self.kwargs, vectorize=vectorize).to(torch.float64)
-
-    def _probe(self, z: torch.Tensor) -> torch.Tensor:
-        checks = sorted({0, len(z) // 2, len(z) - 1})
-        looped = self._call(z[checks], vectorize=False)
-        self.probe_evaluations = len(checks)
-        try:
-            values = self._call(z, vectorize=True)
-        except Exception as error:  # the model does not run under a particle plate
-            self.fallback_reason = f"{type(error).__name__}: {error}"
-        else:
-            if values.shape == (len(z),) and torch.allclose(
-                values[checks], looped, rtol=1e-6, atol=1e-6
-            ):
-                return values
-            self.fallback_reason = "vectorized values differ from node-by-node values"
-        self.vectorized = False
-        return self._call(z, vectorize=False)
+    init_scale = getattr(guide, "_init_scale", None)
+    if not isinstance(init_scale, int | float):
+        return
+    at_init = init_scale * torch.eye(len(weight.loc), dtype=weight.scale_tril.dtype)
+    if torch.allclose(weight.scale_tril, at_init, rtol=1e-6, atol=0.0):
+        raise ValueError(
+            f"opqa_evidence(center='guide'): every scale of the {type(guide).__name__} still "
+            f"equals its init_scale={init_scale}: the guide was never fitted, and a weight that "
+            "misses the posterior gives a wrong evidence. Fit it first (svi.step(*args, "
+            "**kwargs) until the loss settles), or use center='laplace'"
+        )

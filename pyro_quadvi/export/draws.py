@@ -19,16 +19,21 @@ is drawn once per row. The guide's local latents are thus drawn for every row.
 
 A pass is *vectorized* when the model and guide broadcast over a draw plate left of their own plates
 (one run for all ``S`` draws, as ``Predictive(parallel=True)``), and *looped* otherwise (one run per
-draw, e.g. a ``PyroModule`` network whose ``nn.Linear`` cannot take a batch of weights). The
-vectorized pass is tried first and accepted only if every site has the expected shape and two of
-its draws (the first and the last) reproduce, site by site, the log densities and deterministic
-values of an unbatched run of the model at the same values; otherwise the draws are looped.
+draw, e.g. a ``PyroModule`` network whose ``nn.Linear`` cannot take a batch of weights).
+:func:`~pyro_quadvi.infer.batched.evaluate_batch` chooses, with the package's one meaning of
+``vectorize``: with ``None`` the vectorized pass is tried first and accepted only if every site has
+the expected shape and two of its draws (the first and the last) reproduce, site by site, the log
+densities and deterministic values of an unbatched run of the model at the same values; a
+broadcasting error or a mismatch loops over the draws (with one warning), any other error
+propagates.
+
+The pointwise log likelihood is float64 whatever the model's dtype: ArviZ computes LOO and WAIC in
+the dtype it is given, and float32 overflows there (``az.loo`` returns nan).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -43,11 +48,10 @@ from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 from tqdm.auto import tqdm
 
+from ..infer.batched import BatchMismatch, evaluate_batch
 from ..infer.log_joint import model_max_plate_nesting
 
 __all__ = ["Draws", "SiteSpec", "draw"]
-
-logger = logging.getLogger(__name__)
 
 _DRAW_PLATE = "_quadvi_draws"
 
@@ -162,10 +166,6 @@ class _ReleaseObserved(Messenger):
             msg["done"] = False
 
 
-class _NotVectorized(Exception):
-    """The batched pass does not reproduce unbatched runs; loop over the draws instead."""
-
-
 def _grid(indices: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Index tensors of an outer-product selection (``numpy.ix_``) over all dims."""
     ndim = len(indices)
@@ -214,7 +214,16 @@ class _Assembly:
 
 
 def _log_density(node: dict) -> torch.Tensor:
-    return node["fn"].log_prob(node["value"])
+    """The site's log density; refuses observed data with NaN, naming the site."""
+    value = node["value"]
+    if node["is_observed"] and value.is_floating_point() and torch.isnan(value).any():
+        index = torch.isnan(value).nonzero()[0].tolist()
+        raise ValueError(
+            f"the observed data of site {node['name']!r} hold NaN (first at index {index} of its "
+            "value in the model): its log likelihood is undefined there. Drop or impute those "
+            "rows before the export (and the fit)"
+        )
+    return node["fn"].log_prob(value)
 
 
 def _is_deterministic(node: dict) -> bool:
@@ -236,6 +245,16 @@ class _Runner:
         self.combos = [dict(zip(chunks, combo)) for combo in itertools.product(*chunks.values())]
         rows = _PlateRows(self.combos[0])
         guide_trace, model_trace = self._probe(rows, rows)
+        for name in _guide_latents(guide_trace):
+            if name not in model_trace.nodes:
+                model_sites = [
+                    n for n, node in model_trace.nodes.items() if node["type"] == "sample"
+                ]
+                raise ValueError(
+                    f"the guide samples a latent site {name!r} that the model does not have (the "
+                    f"model's sample sites: {', '.join(model_sites) or 'none'}); export a guide "
+                    "built from this model"
+                )
         self.sites = self._site_specs(guide_trace, model_trace)
         self.max_plate_nesting = max(
             model_max_plate_nesting(guide_trace), model_max_plate_nesting(model_trace)
@@ -317,7 +336,7 @@ class _Runner:
             or lead[0] != particles
             or any(n != 1 for n in lead[1:])
         ):
-            raise _NotVectorized(
+            raise BatchMismatch(
                 f"{what} has shape {tuple(x.shape)} in the batched run, expected "
                 f"({particles}, 1, ..., {', '.join(map(str, shape))})"
             )
@@ -329,7 +348,7 @@ class _Runner:
             return x
         pad = self.max_plate_nesting - site.batch_ndim
         if pad < 0:
-            raise _NotVectorized(f"site {site.name!r} has batch dims outside of any plate")
+            raise BatchMismatch(f"site {site.name!r} has batch dims outside of any plate")
         return x.reshape((particles,) + (1,) * pad + site.shape)
 
     def _fixed(self, assemblies: Mapping[str, _Assembly], rows, particles) -> dict:
@@ -351,7 +370,7 @@ class _Runner:
         for name, assembly in assemblies.items():
             site, node = self.sites[name], trace.nodes[name]
             if loglik:
-                value = scale_and_mask(_log_density(node), mask=node["mask"])
+                value = scale_and_mask(_log_density(node), mask=node["mask"]).to(torch.float64)
                 shape, what = site.shape[: site.batch_ndim], f"the log likelihood of {name!r}"
             else:
                 value, shape, what = node["value"], site.shape, f"site {name!r}"
@@ -440,7 +459,7 @@ class _Runner:
                 got = self._per_draw(batched[name], expected.shape, particles, f"site {name!r}")[s]
                 tol = torch.finfo(expected.dtype).eps ** 0.5 if expected.is_floating_point() else 0
                 if not torch.allclose(got, expected, rtol=tol, atol=tol, equal_nan=True):
-                    raise _NotVectorized(
+                    raise BatchMismatch(
                         f"draw {s} of site {name!r} differs between the batched run and an "
                         "unbatched run"
                     )
@@ -506,17 +525,19 @@ def draw(
     kwargs: dict,
     num_samples: int,
     prior: bool,
+    vectorize: bool | None = None,
 ) -> Draws:
     """Draw the posterior, log likelihood, posterior predictive, observed data and (with
-    ``prior``) the prior and prior predictive, batched over the draws if the model allows it.
+    ``prior``) the prior and prior predictive, batched over the draws if the model allows it
+    (``vectorize``: ``None`` tries, ``True`` forces, ``False`` loops).
     """
     check_guide_was_run(guide, args, kwargs)
     with torch.no_grad():
         runner = _Runner(model, guide, args, kwargs)
-        groups, vectorized = _batched_or_looped(runner.posterior, num_samples, "posterior")
+        groups, vectorized = _all_draws(runner.posterior, num_samples, vectorize, "posterior")
         prior_groups = {"prior": None, "prior_predictive": None}
         if prior:
-            prior_groups, _ = _batched_or_looped(runner.prior, num_samples, "prior")
+            prior_groups, _ = _all_draws(runner.prior, num_samples, vectorize, "prior")
     return Draws(
         sites=runner.sites,
         full_sizes=runner.full_sizes,
@@ -526,23 +547,28 @@ def draw(
     )
 
 
-def _batched_or_looped(fn: Callable, num_samples: int, label: str):
-    try:
-        return fn(num_samples), True
-    except Exception as error:  # any failure of the batched run: loop instead
-        logger.info(
-            "the %s draws do not vectorize (%s: %s); looping over %d draws",
-            label,
-            type(error).__name__,
-            error,
-            num_samples,
-        )
-    runs = [fn(None) for _ in tqdm(range(num_samples), desc=f"{label} draws", disable=None)]
-    stacked = {
-        group: {name: torch.stack([run[group][name] for run in runs]) for name in runs[0][group]}
-        for group in runs[0]
-        if group != "observed_data"
-    }
-    if "observed_data" in runs[0]:
-        stacked["observed_data"] = runs[0]["observed_data"]  # the data: no draw axis
-    return stacked, False
+def _all_draws(run: Callable, num_samples: int, vectorize: bool | None, label: str):
+    """``run(S)`` (one batched pass that checks itself) or ``run(None)`` once per draw."""
+    bar = None
+
+    def one_draw(_) -> dict:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=num_samples, desc=f"{label} draws", disable=None)
+        bar.update()
+        return run(None)
+
+    groups, decision = evaluate_batch(
+        lambda draws: run(len(draws)),
+        one_draw,
+        torch.arange(num_samples),
+        vectorize,
+        probe=(),  # random draws: the batched pass compares itself with unbatched runs
+        what=f"to_inference_data ({label} draws)",
+    )
+    if bar is not None:
+        bar.close()
+    if not decision.vectorized and "observed_data" in groups:
+        # the data are the same in every looped run: no draw axis
+        groups["observed_data"] = {name: v[0] for name, v in groups["observed_data"].items()}
+    return groups, decision.vectorized

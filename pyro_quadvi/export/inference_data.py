@@ -27,6 +27,7 @@ def to_inference_data(
     log_likelihood: bool = True,
     coords: Mapping[str, Sequence] | None = None,
     dims: Mapping[str, Sequence[str]] | None = None,
+    vectorize: bool | None = None,
     **kwargs,
 ) -> InferenceData:
     """Export a fitted variational posterior to ArviZ: summaries, LOO, predictive checks, plots.
@@ -50,7 +51,8 @@ def to_inference_data(
 
     The draws are computed in one batched run of the guide and the model when they broadcast over a
     draw dim (checked against unbatched runs), and one draw at a time otherwise (``PyroModule``
-    networks); ``idata.posterior.attrs["vectorized"]`` records which (1 or 0).
+    networks, with one warning); ``idata.posterior.attrs["vectorized"]`` records which (1 or 0).
+    The pointwise log likelihood is float64 whatever the model's dtype (LOO in float32 gives nan).
 
     Args:
         model: the Pyro model.
@@ -62,6 +64,10 @@ def to_inference_data(
         coords: coordinates that replace or add to the plates' ``0..n-1``, ``dim -> values``.
         dims: ``variable -> dim names`` that replace a variable's dim names (after chain and draw;
             a log likelihood takes the leading ones).
+        vectorize: ``None`` (default) tries the batched run and loops over the draws if the model
+            does not broadcast (a shape error, or draws that differ from unbatched runs); ``True``
+            forces the batched run (its errors propagate); ``False`` always loops. Errors of the
+            model itself propagate in every case.
         **kwargs: the model's keyword arguments.
 
     Returns:
@@ -69,8 +75,9 @@ def to_inference_data(
 
     Raises:
         RuntimeError: if the guide was never run (fit it with ``svi.step`` first).
-        ValueError: for a bad ``num_samples`` or ``dims``, a plate given only some of its indices
-            by the model's arguments, or a log likelihood that is not finite.
+        ValueError: for a bad ``num_samples``, ``dims`` or ``vectorize``, a plate given only some
+            of its indices by the model's arguments, observed data with NaN (naming the site), or
+            a log likelihood that is not finite.
         NotImplementedError: with ArviZ 1.x.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
@@ -81,7 +88,7 @@ def to_inference_data(
             f"to_inference_data supports ArviZ 0.x; ArviZ {version('arviz')} is installed: "
             "install arviz<1"
         )
-    draws = draw(model, guide, args, kwargs, num_samples, prior)
+    draws = draw(model, guide, args, kwargs, num_samples, prior, vectorize)
     if log_likelihood:
         for name, values in draws.log_likelihood.items():
             bad = ~torch.isfinite(values)

@@ -18,11 +18,14 @@ from dataclasses import dataclass
 import pyro
 import torch
 from pyro import poutine
+from pyro.distributions import Delta
 from pyro.distributions.transforms import Transform
 from pyro.distributions.util import sum_rightmost
 from pyro.poutine import Trace
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import biject_to
+
+from .batched import BatchMismatch, is_broadcast_error
 
 __all__ = ["LatentSite", "LogJoint", "latent_sites_of_model", "model_max_plate_nesting"]
 
@@ -51,7 +54,11 @@ class LatentSite:
 
 
 def check_latent_site(site: dict) -> None:
-    """Refuse what quadrature cannot integrate: discrete or enumerated latents, no rsample."""
+    """Refuse what quadrature cannot integrate: discrete or enumerated latents, point masses.
+
+    A prior without ``rsample`` (``LKJCholesky``, say) is accepted: quadrature evaluates the
+    prior's density at its own nodes and never samples it.
+    """
     name = site["name"]
     if site["infer"].get("enumerate"):
         raise ValueError(
@@ -63,16 +70,30 @@ def check_latent_site(site: dict) -> None:
             f"latent site {name!r} is discrete ({type(site['fn']).__name__}); quadrature "
             "integrates continuous latents only: marginalize it out in the model"
         )
-    if not site["fn"].has_rsample:
+    if isinstance(_innermost(site["fn"]), Delta):
         raise ValueError(
-            f"latent site {name!r} ({type(site['fn']).__name__}) has no reparameterized sampler "
-            "(rsample); quadrature needs continuous, reparameterizable latents"
+            f"latent site {name!r} is a Delta distribution, a point mass: its density is -inf "
+            "everywhere but at its value, so there is nothing to integrate. If it is a function "
+            f"of other latents, write pyro.deterministic({name!r}, value); if it is data, observe "
+            "it (obs=...)"
         )
+
+
+def _innermost(fn):
+    """The distribution inside Pyro's and torch's wrappers (Independent, masks, expansions)."""
+    while hasattr(fn, "base_dist"):
+        fn = fn.base_dist
+    return fn
 
 
 def latent_sites_of_model(model: Callable, *args, **kwargs) -> list[LatentSite]:
     """The continuous latent sites of one run of ``model``, in order, in unconstrained space."""
-    trace = poutine.trace(poutine.block(model, hide_types=["param"])).get_trace(*args, **kwargs)
+    blocked = poutine.block(model, hide_types=["param"])
+    try:
+        trace = poutine.trace(blocked).get_trace(*args, **kwargs)
+    except ValueError as error:
+        _name_the_invalid_site(blocked, args, kwargs, error, "a draw of the prior")
+        raise
     sites = []
     for name, site in latent_nodes(trace):
         check_latent_site(site)
@@ -110,6 +131,15 @@ class LogJoint:
         sites: the latent sites, in the order they are laid out in ``z``.
         max_plate_nesting: plates the model nests (the node plate goes left of them); ``None``
             finds it from a first, looped run of the model.
+
+    One minibatch per object: the first run of the model records the subsample indices of the
+    plates that the ``replay_trace`` does not supply (plates only the model has, such as
+    ``pyro.plate("data", N, subsample_size=B)`` around global latents), and every later run,
+    vectorized or node by node, replays them. So all nodes evaluated through one ``LogJoint`` see
+    the same rows of the data; make a new ``LogJoint`` for each optimization step.
+
+    Points are evaluated in their own dtype: float64 points give float64 log densities if the
+    model's arguments allow it.
     """
 
     def __init__(
@@ -122,6 +152,7 @@ class LogJoint:
         self.sites = list(sites)
         self.dim = sum(site.numel for site in self.sites)
         self.max_plate_nesting = max_plate_nesting
+        self._subsample: dict[str, dict] | None = None  # recorded by the first run
 
     def split(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
         """Cut flat points ``(..., dim)`` into per-site tensors ``(..., *site.shape)``."""
@@ -147,49 +178,62 @@ class LogJoint:
     ) -> torch.Tensor:
         """Log joint plus log-Jacobian at each of the ``K`` points ``z`` (shape ``(K, dim)``).
 
-        ``replay_trace`` supplies the subsample indices of the model's plates (the guide's trace).
-        Site scales (minibatch factors) apply to the log density and to the Jacobian alike.
+        ``vectorize=True`` runs the model once under a particle plate of size ``K``; ``False``
+        runs it once per point (:func:`~pyro_quadvi.infer.batched.evaluate_batch` chooses between
+        them). ``replay_trace`` supplies the subsample indices of the model's plates (the guide's
+        trace); the other subsampled plates keep the rows of this object's first run. Site
+        scales (minibatch factors) apply to the log density and to the Jacobian alike.
 
         Raises:
-            ValueError: naming the node and the site where the log density is not finite, or a
-                latent site the points do not cover.
+            ValueError: naming the site and the point where the log density is not finite (a
+                pyro.factor, NaN data, a point mass), a latent site the points do not cover, or a
+                site of the points that the model does not sample.
+            BatchMismatch: (vectorized) a site with batch dims outside of the model's plates.
         """
         kwargs = kwargs or {}
         unconstrained = self.split(z)
         if self.max_plate_nesting is None:
             self.max_plate_nesting = self._find_plate_nesting(
-                unconstrained, args, kwargs, replay_trace
+                unconstrained, args, kwargs, replay_trace, _where(z, 0)
             )
         if vectorize:
-            terms = self._vectorized(unconstrained, z.shape[0], args, kwargs, replay_trace)
+            terms, trace = self._vectorized(unconstrained, z.shape[0], args, kwargs, replay_trace)
         else:
             rows = []
             for k in range(z.shape[0]):
                 values = {name: value[k] for name, value in unconstrained.items()}
-                rows.append(self._single(values, args, kwargs, replay_trace))
-            terms = {name: torch.stack([row[name] for row in rows]) for name in rows[0]}
+                rows.append(self._single(values, args, kwargs, replay_trace, _where(z, k)))
+            terms = {name: torch.stack([row[0][name] for row in rows]) for name in rows[0][0]}
+            trace = rows[-1][1]
         for name, term in terms.items():
             bad = ~torch.isfinite(term)
             if bad.any():
                 k = int(bad.nonzero()[0, 0])
-                raise ValueError(
-                    f"the log density of site {name!r} is not finite ({term[k].item()}) at "
-                    f"quadrature node {k}; check the model's support and parameters, or start "
-                    "the guide from a smaller init_scale"
-                )
+                raise ValueError(_not_finite(trace.nodes[name], term[k].item(), _where(z, k)))
         return sum(terms.values())
 
-    def _find_plate_nesting(self, unconstrained, args, kwargs, replay_trace) -> int:
+    def _find_plate_nesting(self, unconstrained, args, kwargs, replay_trace, where) -> int:
         constrained, _ = self._constrain({name: value[0] for name, value in unconstrained.items()})
-        trace = self._trace(constrained, args, kwargs, replay_trace)
+        trace = self._trace(constrained, args, kwargs, replay_trace, where=where)
         return model_max_plate_nesting(trace)
 
-    def _trace(self, values, args, kwargs, replay_trace, particles: int | None = None) -> Trace:
+    def _trace(
+        self,
+        values,
+        args,
+        kwargs,
+        replay_trace,
+        particles: int | None = None,
+        where: str = "the vectorized pass",
+    ) -> Trace:
         conditioned = Trace()
         if replay_trace is not None:
             for name, node in replay_trace.nodes.items():
                 if node["type"] == "sample" and site_is_subsample(node):
                     conditioned.add_node(name, **node)
+        for name, node in (self._subsample or {}).items():
+            if name not in conditioned.nodes:
+                conditioned.add_node(name, **node)
         for name, value in values.items():
             conditioned.add_node(
                 name, type="sample", name=name, value=value, is_observed=False, infer={}
@@ -198,14 +242,35 @@ class LogJoint:
         if particles is not None:
             plate_dim = -self.max_plate_nesting - 1
             model = _in_plate(model, particles, plate_dim)
-        trace = poutine.trace(model).get_trace(*args, **kwargs)
+        try:
+            trace = poutine.trace(model).get_trace(*args, **kwargs)
+        except ValueError as error:
+            if is_broadcast_error(error):
+                raise
+            _name_the_invalid_site(model, args, kwargs, error, where)
+            raise
         for name, site in latent_nodes(trace):
+            check_latent_site(site)
             if name not in values:
-                check_latent_site(site)
                 raise ValueError(
                     f"latent site {name!r} of the model is not covered by the guide; "
                     "every continuous latent needs a (loc, scale) in the guide"
                 )
+        for name in values:
+            if name not in trace.nodes or trace.nodes[name]["type"] != "sample":
+                raise ValueError(
+                    f"the guide has a latent site {name!r} that the model does not sample (the "
+                    f"model's sample sites: {', '.join(_sample_sites(trace)) or 'none'}); build "
+                    "the guide from this model, or rename the site to match the model's"
+                )
+        if self._subsample is None:
+            self._subsample = {
+                name: node
+                for name, node in trace.nodes.items()
+                if node["type"] == "sample"
+                and site_is_subsample(node)
+                and name not in conditioned.nodes
+            }
         return trace
 
     def _constrain(self, values: dict[str, torch.Tensor]):
@@ -220,9 +285,9 @@ class LogJoint:
             log_jac[site.name] = ladj
         return constrained, log_jac
 
-    def _single(self, values, args, kwargs, replay_trace) -> dict[str, torch.Tensor]:
+    def _single(self, values, args, kwargs, replay_trace, where: str):
         constrained, log_jac = self._constrain(values)
-        trace = self._trace(constrained, args, kwargs, replay_trace)
+        trace = self._trace(constrained, args, kwargs, replay_trace, where=where)
         trace.compute_log_prob()
         terms = {}
         for name, site in trace.nodes.items():
@@ -231,9 +296,9 @@ class LogJoint:
         for name, ladj in log_jac.items():
             scale = trace.nodes[name]["scale"]
             terms[name] = terms[name] + (scale * ladj).sum()
-        return terms
+        return terms, trace
 
-    def _vectorized(self, unconstrained, K, args, kwargs, replay_trace) -> dict[str, torch.Tensor]:
+    def _vectorized(self, unconstrained, K, args, kwargs, replay_trace):
         mpn = self.max_plate_nesting
         padded = {}
         for site in self.sites:
@@ -241,7 +306,7 @@ class LogJoint:
             batch = len(site.shape) - site.event_dim
             pad = mpn - batch
             if pad < 0:
-                raise ValueError(
+                raise BatchMismatch(
                     f"site {site.name!r} has {batch} batch dims but max_plate_nesting={mpn}"
                 )
             padded[site.name] = value.reshape((K,) + (1,) * pad + site.shape)
@@ -255,7 +320,74 @@ class LogJoint:
         for name, ladj in log_jac.items():
             scale = trace.nodes[name]["scale"]
             terms[name] = terms[name] + _per_particle(scale * ladj, K, mpn + 1)
-        return terms
+        return terms, trace
+
+
+def _sample_sites(trace: Trace) -> list[str]:
+    return [
+        name
+        for name, node in trace.nodes.items()
+        if node["type"] == "sample" and not site_is_subsample(node) and name != _NODE_PLATE
+    ]
+
+
+def _where(z: torch.Tensor, k: int) -> str:
+    """Where in the points a value was found, for messages."""
+    point = z[k].detach()
+    coordinates = f"z = {[round(v, 6) for v in point.tolist()]}" if len(point) <= 8 else None
+    if len(z) == 1:
+        return f"the point {coordinates}" if coordinates else "the point evaluated"
+    return f"quadrature node {k}" + (f" ({coordinates})" if coordinates else "")
+
+
+def _not_finite(site: dict, value: float, where: str) -> str:
+    """Why the log density of ``site`` is ``value`` (not finite), and what to do."""
+    name = site["name"]
+    head = f"the log density of site {name!r} is not finite ({value}) at {where}"
+    if site["infer"].get("is_auxiliary") or type(_innermost(site["fn"])).__name__ == "Unit":
+        if math.isnan(value):
+            return (
+                f"{head}: the pyro.factor {name!r} is NaN, computed by the model from the "
+                "latents and the data; look for NaN in the data or arithmetic such as log of a "
+                "negative number or 0/0 in the factor"
+            )
+        return (
+            f"{head}: the pyro.factor {name!r} rules this point out; start the guide where the "
+            "factor is finite, with a smaller init_scale"
+        )
+    if site["is_observed"] and torch.isnan(torch.as_tensor(site["value"])).any():
+        index = torch.isnan(torch.as_tensor(site["value"])).nonzero()[0].tolist()
+        return (
+            f"{head}: the observed data of {name!r} hold NaN (first at index {index}); drop or "
+            "impute those rows, or mask them out (poutine.mask / obs_mask)"
+        )
+    return (
+        f"{head}; check the model's support and parameters, or start the guide from a smaller "
+        "init_scale"
+    )
+
+
+def _name_the_invalid_site(model, args, kwargs, error: ValueError, where: str) -> None:
+    """Raise a ValueError naming the site whose argument validation raised ``error``, if found.
+
+    Pyro validates a distribution's parameters and observed value where the model builds them
+    (``pyro.factor("f", nan)`` raises before the site exists); a run without validation reaches
+    the site, and its log density shows which one it is.
+    """
+    with pyro.validation_enabled(False), torch.no_grad():
+        try:
+            trace = poutine.trace(model).get_trace(*args, **kwargs)
+        except Exception:
+            return
+    for node in trace.nodes.values():
+        if node["type"] != "sample" or site_is_subsample(node):
+            continue
+        log_prob = node["fn"].log_prob(node["value"])
+        bad = ~torch.isfinite(log_prob)
+        if bad.any():
+            value = log_prob[bad].reshape(-1)[0].item()
+            first_line = str(error).strip().split("\n")[0]
+            raise ValueError(f"{_not_finite(node, value, where)}. ({first_line})") from None
 
 
 def _per_particle(log_prob: torch.Tensor, K: int, particle_dims: int) -> torch.Tensor:

@@ -1,0 +1,289 @@
+"""Evaluate a batch of points in one vectorized pass, one point at a time, or tried then checked.
+
+The quadrature ELBO (nodes), OPQA (grid nodes) and the ArviZ export (posterior draws) each evaluate
+a model at many points. One vectorized pass (the model under a particle plate) is fast when the
+model broadcasts over the points; a loop always works. :func:`evaluate_batch` gives ``vectorize``
+one meaning across the package:
+
+- ``True``: the vectorized pass only; its errors propagate.
+- ``False``: the loop only.
+- ``None``: try the vectorized pass, check it against single evaluations at a few probe points,
+  and fall back to the loop, with one warning saying why, if the pass fails with a *broadcasting*
+  error (:func:`is_broadcast_error`) or disagrees with the probes. Any other exception (raised by
+  the model itself, a NaN in the data, a density that is not finite) propagates with its own
+  message: it would be raised by the loop too.
+
+:class:`DecisionCache` remembers the decision per model and guide, weakly, so that an object reused
+for another model decides again instead of carrying the first model's answer over.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MethodType
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BatchDecision",
+    "BatchMismatch",
+    "DecisionCache",
+    "evaluate_batch",
+    "is_broadcast_error",
+]
+
+
+class BatchMismatch(Exception):
+    """A vectorized pass that ran but cannot be trusted: a result of the wrong shape, a site that
+    cannot be placed under the particle plate, or values that differ from single evaluations.
+
+    Raised by a ``batched`` callable that checks itself; :func:`evaluate_batch` falls back to the
+    loop on it (with ``vectorize=None``).
+    """
+
+
+@dataclass(frozen=True)
+class BatchDecision:
+    """How a batch was evaluated.
+
+    Attributes:
+        vectorized: ``True`` for one vectorized pass, ``False`` for a loop over the points.
+        reason: why a tried vectorized pass was abandoned (``None`` if it was not).
+        probe_evaluations: single evaluations spent only on checking the vectorized pass.
+    """
+
+    vectorized: bool
+    reason: str | None = None
+    probe_evaluations: int = 0
+
+
+# Messages of errors that come from shapes that do not broadcast, raised by torch, by
+# torch.distributions or by Pyro, when a model meant for one point meets a batch of points.
+_BROADCAST_MESSAGES = re.compile(
+    "|".join(
+        [
+            r"The size of tensor a \(\d+\) must match the size of tensor b",
+            r"[Ss]hape mismatch",  # torch indexing, Pyro's "Shape mismatch inside plate"
+            r"shapes cannot be multiplied",  # "mat1 and mat2 shapes cannot be multiplied"
+            r"Expected size for first two dimensions of batch2",  # batched matmul
+            r"expects a tensor with <= \d+ dimensions",  # nn.Linear's weight.t()
+            r"Expected \d+D \(unbatched\) or \d+D \(batched\) input",  # convolutions
+            r"size mismatch",
+            r"is invalid for input of size",  # view / reshape
+            r"The expanded size of the tensor",
+            r"doesn't match the broadcast shape",
+            r"not broadcastable",  # torch.distributions' validate_sample
+            r"cannot be broadcast",
+            r"Sizes of tensors must match",  # torch.cat / torch.stack
+            r"Tensors must have same number of dimensions",
+            r"number of dims don't match",  # permute
+            r"[Ii]ncompatible shapes?",
+            r"Dimension out of range",
+            r"too many indices for tensor",
+            r"out of bounds for dimension",
+            r"invalid log_prob shape",  # Pyro's trace check
+            r"inconsistent tensor size",
+        ]
+    )
+)
+
+
+def is_broadcast_error(error: BaseException) -> bool:
+    """Whether ``error`` says that shapes do not broadcast (so a loop over points may work).
+
+    ``True`` for :class:`BatchMismatch` and for the ``RuntimeError``, ``ValueError`` and
+    ``IndexError`` that torch, torch.distributions and Pyro raise on incompatible shapes (sizes
+    that must match, matrix products, reshapes, indexing, Pyro's plate shape checks). ``False``
+    for everything else: a model's own exceptions, dtype mismatches, failed argument validation
+    (a NaN parameter or observation), non-finite densities.
+    """
+    if isinstance(error, BatchMismatch):
+        return True
+    if not isinstance(error, RuntimeError | ValueError | IndexError):
+        return False
+    return _BROADCAST_MESSAGES.search(str(error)) is not None
+
+
+def evaluate_batch(
+    batched: Callable[[torch.Tensor], Any],
+    single: Callable[[torch.Tensor], Any],
+    points: torch.Tensor,
+    vectorize: bool | None,
+    *,
+    probe: Sequence[int] | None = None,
+    rtol: float = 1e-6,
+    atol: float = 1e-6,
+    what: str = "the model",
+) -> tuple[Any, BatchDecision]:
+    """Evaluate ``points`` (``K`` of them, along dim 0) vectorized, looped, or tried then checked.
+
+    Args:
+        batched: all points at once, ``(K, ...) -> (K, ...)``; may raise :class:`BatchMismatch`
+            when it checks itself.
+        single: one point, ``points[k] -> value``; the loop stacks the values along a new dim 0.
+            Values may be tensors or (nested) mappings of tensors.
+        points: the ``K`` points.
+        vectorize: ``True``: only ``batched`` (errors propagate); ``False``: only the loop;
+            ``None``: ``batched``, checked against ``single`` at the probe points, else the loop.
+        probe: the indices checked with ``vectorize=None`` (default: first, middle and last);
+            ``()`` skips the comparison (for a ``batched`` that checks itself, or random draws).
+        rtol: relative tolerance of the comparison.
+        atol: absolute tolerance of the comparison.
+        what: who evaluates, for the warning (``"QuadratureELBO"``, ``"opqa_evidence"``).
+
+    Returns:
+        The values and the :class:`BatchDecision` taken. With ``vectorize=None`` a fallback warns
+        once per call, naming the reason; pass the decision's ``vectorized`` next time (see
+        :class:`DecisionCache`) to decide once.
+
+    Raises:
+        Whatever ``batched`` or ``single`` raise, except broadcasting errors of ``batched`` with
+        ``vectorize=None``.
+    """
+    if vectorize not in (None, True, False):
+        raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
+    K = len(points)
+    if vectorize is True:
+        return batched(points), BatchDecision(True)
+    if vectorize is False:
+        return _loop(single, points, {}), BatchDecision(False)
+    try:
+        values = batched(points)
+    except Exception as error:
+        if not is_broadcast_error(error):
+            raise
+        reason = f"{type(error).__name__}: {_first_line(error)}"
+        known: dict[int, Any] = {}
+    else:
+        indices = sorted({0, K // 2, K - 1}) if probe is None else sorted(set(probe))
+        known = {k: single(points[k]) for k in indices}
+        reason = _disagreement(values, known, rtol, atol)
+        if reason is None:
+            return values, BatchDecision(True, None, len(known))
+    warnings.warn(
+        f"{what}: the model does not evaluate all {K} points in one vectorized pass ({reason}); "
+        "evaluating them one by one. Pass vectorize=False to skip the vectorized pass and this "
+        "warning.",
+        UserWarning,
+        stacklevel=2,
+    )
+    return _loop(single, points, known), BatchDecision(False, reason, 0)
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message without the trace shapes Pyro appends."""
+    return str(error).strip().split("\n")[0]
+
+
+def _loop(single: Callable, points: torch.Tensor, known: Mapping[int, Any]) -> Any:
+    """``single`` at every point (reusing the ``known`` values), stacked along a new dim 0."""
+    return _stack([known[k] if k in known else single(points[k]) for k in range(len(points))])
+
+
+def _stack(values: list) -> Any:
+    if isinstance(values[0], Mapping):
+        return {key: _stack([value[key] for value in values]) for key in values[0]}
+    return torch.stack(values)
+
+
+def _disagreement(values: Any, known: Mapping[int, Any], rtol: float, atol: float) -> str | None:
+    """Why the vectorized ``values`` differ from the single ``known`` ones (``None``: agree)."""
+    for k, expected in known.items():
+        for path, got, want in _pairs(values, expected, k):
+            where = f"{path} at point {k}" if path else f"point {k}"
+            if got is None or got.shape != want.shape:
+                return f"the vectorized pass returned no value of the shape of {where}"
+            if not torch.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True):
+                return (
+                    f"its values differ from single evaluations ({where}: "
+                    f"{_brief(got)} vectorized, {_brief(want)} alone)"
+                )
+    return None
+
+
+def _pairs(values: Any, expected: Any, k: int, path: str = ""):
+    """``(path, values[k], expected)`` for each tensor of a (nested) result."""
+    if isinstance(expected, Mapping):
+        for key, sub in expected.items():
+            inner = values.get(key) if isinstance(values, Mapping) else None
+            yield from _pairs(inner, sub, k, f"{path}[{key!r}]")
+        return
+    if not isinstance(values, torch.Tensor) or values.dim() == 0 or values.shape[0] <= k:
+        yield path, None, expected
+        return
+    yield path, values[k], expected
+
+
+def _brief(x: torch.Tensor) -> str:
+    return f"{x.item():.6g}" if x.numel() == 1 else f"a tensor of shape {tuple(x.shape)}"
+
+
+class DecisionCache:
+    """Remembers a :class:`BatchDecision` per key of objects (a model and a guide), weakly.
+
+    An entry lives as long as every object of its key: it is never found for another model or
+    guide, even one that reuses a freed object's ``id``. Bound methods count as their object and
+    function; objects that cannot be weakly referenced are held until the cache is dropped. A copy
+    (``copy.deepcopy``, ``pickle``, ``torch.save``) starts empty: its decisions were about the
+    original objects, and the copy decides again.
+    """
+
+    def __init__(self) -> None:
+        self._entries = _Entries()  # identity -> (references, decision)
+
+    def get(self, *key: Any) -> BatchDecision | None:
+        """The decision stored for these objects, or ``None``."""
+        entry = self._entries.get(_identity(key))
+        if entry is None:
+            return None
+        refs, decision = entry
+        if not all(_same(ref(), obj) for ref, obj in zip(refs, key)):
+            return None
+        return decision
+
+    def set(self, *key: Any, decision: BatchDecision) -> None:
+        """Store ``decision`` for these objects."""
+        identity = _identity(key)
+        entries = weakref.ref(self._entries)
+
+        def forget(_ref, identity=identity) -> None:
+            alive = entries()
+            if alive is not None:
+                alive.pop(identity, None)
+
+        self._entries[identity] = (tuple(_reference(obj, forget) for obj in key), decision)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __reduce__(self):
+        return (DecisionCache, ())
+
+
+class _Entries(dict):
+    """A dict that can be weakly referenced."""
+
+
+def _identity(key: tuple) -> tuple:
+    return tuple(
+        (id(obj.__self__), id(obj.__func__)) if isinstance(obj, MethodType) else id(obj)
+        for obj in key
+    )
+
+
+def _same(alive: Any, obj: Any) -> bool:
+    return alive is obj or (isinstance(obj, MethodType) and alive == obj)
+
+
+def _reference(obj: Any, callback: Callable) -> Callable[[], Any]:
+    if isinstance(obj, MethodType):
+        return weakref.WeakMethod(obj, callback)
+    try:
+        return weakref.ref(obj, callback)
+    except TypeError:  # not weakly referenceable: hold it (its id cannot be reused meanwhile)
+        return lambda: obj

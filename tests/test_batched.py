@@ -1,0 +1,217 @@
+"""evaluate_batch: one meaning of vectorize; only broadcasting failures fall back; DecisionCache."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from torch import nn
+
+from pyro_quadvi.infer.batched import (
+    BatchDecision,
+    BatchMismatch,
+    DecisionCache,
+    evaluate_batch,
+    is_broadcast_error,
+)
+
+
+def raised(fn) -> BaseException:
+    try:
+        fn()
+    except BaseException as error:  # the test inspects whatever is raised
+        return error
+    raise AssertionError("nothing was raised")
+
+
+def plate_mismatch():
+    with pyro.plate("data", 5):
+        pyro.sample("x", dist.Normal(torch.zeros(3), 1.0), obs=torch.zeros(3))
+
+
+BROADCAST = {
+    "size must match": lambda: torch.ones(3) + torch.ones(4),
+    "matmul": lambda: torch.ones(2, 3) @ torch.ones(2, 3),
+    "nn.Linear": lambda: nn.Linear(3, 1)(torch.ones(2, 4)),
+    "batched matmul": lambda: torch.ones(20, 3) @ torch.ones(8, 1, 3),
+    "batched nn.Linear weight": lambda: nn.functional.linear(torch.ones(2, 3), torch.ones(4, 1, 3)),
+    "conv": lambda: nn.Conv1d(1, 1, 2)(torch.ones(2, 3, 1, 5)),
+    "reshape": lambda: torch.ones(6).reshape(4, 2),
+    "expand": lambda: torch.ones(3).expand(4, 2),
+    "cat": lambda: torch.cat([torch.ones(2, 3), torch.ones(2, 4)]),
+    "index": lambda: torch.ones(3)[0, 1],
+    "dim out of range": lambda: torch.ones(3).sum(2),
+    "pyro plate": plate_mismatch,
+    "validate_sample": lambda: dist.Normal(torch.zeros(3), 1.0).log_prob(torch.zeros(4)),
+    "mismatch": lambda: (_ for _ in ()).throw(BatchMismatch("values differ")),
+}
+
+NOT_BROADCAST = {
+    "model's ValueError": lambda: (_ for _ in ()).throw(ValueError("negative rate")),
+    "model's RuntimeError": lambda: (_ for _ in ()).throw(RuntimeError("solver diverged")),
+    "dtype": lambda: torch.ones(2, 2) @ torch.ones(2, 2, dtype=torch.float64),
+    "NaN parameter": lambda: dist.Normal(torch.tensor(float("nan")), 1.0),
+    "NaN observation": lambda: dist.Normal(0.0, 1.0).log_prob(torch.tensor(float("nan"))),
+    "factor": lambda: pyro.factor("f", torch.tensor(float("nan"))),
+    "KeyError": lambda: {}["a"],
+}
+
+
+@pytest.mark.parametrize("case", BROADCAST)
+def test_broadcasting_errors_are_recognised(case):
+    error = raised(BROADCAST[case])
+    assert is_broadcast_error(error), f"{type(error).__name__}: {error}"
+
+
+@pytest.mark.parametrize("case", NOT_BROADCAST)
+def test_other_errors_are_not_broadcasting_errors(case):
+    with pyro.validation_enabled(True):
+        error = raised(NOT_BROADCAST[case])
+    assert not is_broadcast_error(error), f"{type(error).__name__}: {error}"
+
+
+POINTS = torch.arange(5.0)
+
+
+def single(x):
+    return x**2
+
+
+def test_true_runs_only_the_vectorized_pass_and_its_errors_propagate():
+    calls = []
+    values, decision = evaluate_batch(
+        lambda p: p**2, lambda x: calls.append(x) or single(x), POINTS, True
+    )
+    assert torch.equal(values, POINTS**2) and calls == []
+    assert decision == BatchDecision(True, None, 0)
+    with pytest.raises(RuntimeError, match="must match"):
+        evaluate_batch(lambda p: p + torch.ones(2), single, POINTS, True)
+
+
+def test_false_loops_and_never_runs_the_vectorized_pass():
+    def batched(points):
+        raise AssertionError("not called")
+
+    values, decision = evaluate_batch(batched, single, POINTS, False)
+    assert torch.equal(values, POINTS**2) and decision == BatchDecision(False)
+
+
+def test_none_checks_the_probes_and_keeps_the_vectorized_pass():
+    probed = []
+
+    def counted(x):
+        probed.append(float(x))
+        return single(x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        values, decision = evaluate_batch(lambda p: p**2, counted, POINTS, None)
+    assert torch.equal(values, POINTS**2)
+    assert probed == [0.0, 2.0, 4.0]  # first, middle, last
+    assert decision == BatchDecision(True, None, 3)
+
+
+def test_none_falls_back_on_a_broadcasting_error_with_one_warning():
+    with pytest.warns(UserWarning, match=r"opqa_evidence: .*5 points.*RuntimeError: The size") as w:
+        values, decision = evaluate_batch(
+            lambda p: p + torch.ones(2), single, POINTS, None, what="opqa_evidence"
+        )
+    assert len(w) == 1
+    assert torch.equal(values, POINTS**2)
+    assert not decision.vectorized and decision.reason.startswith("RuntimeError: The size")
+
+
+def test_none_falls_back_on_a_numeric_mismatch_and_says_where():
+    def mixes(points):  # runs, but mixes the points (as a reduction over the batch would)
+        return points**2 + points.mean()
+
+    with pytest.warns(UserWarning, match=r"values differ .*point 0: 2 vectorized, 0 alone"):
+        values, decision = evaluate_batch(mixes, single, POINTS, None)
+    assert torch.equal(values, POINTS**2)
+    assert "differ" in decision.reason
+
+
+def test_none_falls_back_when_the_vectorized_shape_is_wrong():
+    with pytest.warns(UserWarning, match="no value of the shape"):
+        _, decision = evaluate_batch(lambda p: (p**2).sum(), single, POINTS, None)
+    assert not decision.vectorized
+
+
+def test_a_model_error_propagates_instead_of_a_fallback():
+    def model_error(points):
+        raise ValueError("the rate must be positive (a bug in the model)")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="the rate must be positive"):
+            evaluate_batch(model_error, single, POINTS, None)
+
+
+def test_mappings_are_stacked_and_compared_per_entry():
+    def both(x):
+        return {"a": x, "b": {"c": 2 * x}}
+
+    looped, _ = evaluate_batch(None, both, POINTS, False)
+    assert torch.equal(looped["b"]["c"], 2 * POINTS)
+
+    def wrong(points):
+        return {"a": points, "b": {"c": 3 * points}}
+
+    with pytest.warns(UserWarning, match=r"\['b'\]\['c'\] at point 2"):
+        evaluate_batch(wrong, both, POINTS, None, probe=[2])
+
+
+def test_bad_vectorize():
+    with pytest.raises(ValueError, match="vectorize must be True, False or None"):
+        evaluate_batch(single, single, POINTS, "yes")
+
+
+# ---------------------------------------------------------------- DecisionCache
+
+
+class Model:
+    def __call__(self):
+        pass
+
+    def method(self):
+        pass
+
+
+def test_cache_is_per_model_and_guide():
+    cache = DecisionCache()
+    model, other, guide = Model(), Model(), Model()
+    cache.set(model, guide, decision=BatchDecision(False, "mat1 and mat2"))
+    assert cache.get(model, guide) == BatchDecision(False, "mat1 and mat2")
+    assert cache.get(other, guide) is None
+    assert cache.get(guide, model) is None
+    # a bound method is the same key each time it is looked up
+    cache.set(model.method, guide, decision=BatchDecision(True))
+    assert cache.get(model.method, guide) == BatchDecision(True)
+
+
+def test_cache_forgets_a_freed_model():
+    cache = DecisionCache()
+    guide = Model()
+    model = Model()
+    cache.set(model, guide, decision=BatchDecision(False))
+    cache.set(model.method, guide, decision=BatchDecision(False))
+    del model
+    gc.collect()
+    assert len(cache) == 0
+    for _ in range(100):  # new objects may reuse the freed id: never the old decision
+        assert cache.get(Model(), guide) is None
+
+
+def test_cache_copies_start_empty():
+    cache = DecisionCache()
+    model, guide = Model(), Model()
+    cache.set(model, guide, decision=BatchDecision(True))
+    for copied in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert len(copied) == 0 and copied.get(model, guide) is None
+    assert cache.get(model, guide) == BatchDecision(True)
