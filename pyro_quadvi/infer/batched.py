@@ -224,7 +224,8 @@ def _brief(x: torch.Tensor) -> str:
 
 
 class DecisionCache:
-    """Remembers a :class:`BatchDecision` per key of objects (a model and a guide), weakly.
+    """Remembers a value (a :class:`BatchDecision`, or what a caller learns with it) per key of
+    objects (a model and a guide), weakly.
 
     An entry lives as long as every object of its key: it is never found for another model or
     guide, even one that reuses a freed object's ``id``. Bound methods count as their object and
@@ -236,8 +237,8 @@ class DecisionCache:
     def __init__(self) -> None:
         self._entries = _Entries()  # identity -> (references, decision)
 
-    def get(self, *key: Any) -> BatchDecision | None:
-        """The decision stored for these objects, or ``None``."""
+    def get(self, *key: Any) -> Any:
+        """The value stored for these objects, or ``None``."""
         entry = self._entries.get(_identity(key))
         if entry is None:
             return None
@@ -246,8 +247,8 @@ class DecisionCache:
             return None
         return decision
 
-    def set(self, *key: Any, decision: BatchDecision) -> None:
-        """Store ``decision`` for these objects."""
+    def set(self, *key: Any, decision: Any) -> None:
+        """Store ``decision`` (a :class:`BatchDecision` or any value) for these objects."""
         identity = _identity(key)
         entries = weakref.ref(self._entries)
 

@@ -30,8 +30,6 @@ gradients do not carry ``g`` and ``h`` (a mixture) is updated all the same.
 from __future__ import annotations
 
 import math
-import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +47,7 @@ from ..guides.interface import (
     unwrap_guide,
 )
 from ..quadrature import QuadratureRule, make_rule
+from .batched import BatchDecision, DecisionCache, evaluate_batch
 from .log_joint import LogJoint, latent_sites_of_model
 
 __all__ = ["QuadratureELBO"]
@@ -59,7 +58,7 @@ class _Fit:
     """What the ELBO learns about one (model, guide) pair on its first call."""
 
     max_plate_nesting: int | None
-    vectorize: bool | None
+    decision: BatchDecision | None = None
 
 
 class QuadratureELBO(ELBO):
@@ -114,7 +113,7 @@ class QuadratureELBO(ELBO):
         self.vectorize = vectorize
         self.generator = generator
         self.name = name
-        self._fits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._fits = DecisionCache()
 
     # -- the sequence position, kept in Pyro's param store ------------------------------------
 
@@ -138,18 +137,19 @@ class QuadratureELBO(ELBO):
     # -- what is learnt per model and guide ------------------------------------------------------
 
     def _fit(self, model: Callable, guide: Callable) -> _Fit:
-        per_guide = self._fits.setdefault(unwrap_guide(guide), {})
-        key = id(model)
-        if key not in per_guide or per_guide[key][0]() is not model:
+        fit = self._fits.get(model, unwrap_guide(guide))
+        if fit is None:
             mpn = None if math.isinf(self.max_plate_nesting) else int(self.max_plate_nesting)
-            per_guide[key] = (_strong_or_weak(model), _Fit(mpn, self.vectorize))
-        return per_guide[key][1]
+            fit = _Fit(mpn)
+            self._fits.set(model, unwrap_guide(guide), decision=fit)
+        return fit
 
     def vectorized(self, model: Callable, guide: Callable) -> bool | None:
         """Whether this model and guide evaluate all nodes in one pass (``None``: not yet known)."""
-        per_guide = self._fits.get(unwrap_guide(guide), {})
-        entry = per_guide.get(id(model))
-        return None if entry is None or entry[0]() is not model else entry[1].vectorize
+        if self.vectorize is not None:
+            return self.vectorize
+        fit = self._fits.get(model, unwrap_guide(guide))
+        return None if fit is None or fit.decision is None else fit.decision.vectorized
 
     # -- the loss ------------------------------------------------------------------------------
 
@@ -194,35 +194,24 @@ class QuadratureELBO(ELBO):
         self, model, guide, description: GuideDescription, z, args, kwargs, guide_trace
     ) -> torch.Tensor:
         fit = self._fit(model, guide)
+        # one LogJoint per step: all nodes of the step see one minibatch
         log_joint = LogJoint(
             model, description.latent_sites, max_plate_nesting=fit.max_plate_nesting
         )
-        if fit.vectorize is not None:
-            values = log_joint(z, args, kwargs, guide_trace, vectorize=fit.vectorize)
-            fit.max_plate_nesting = log_joint.max_plate_nesting  # found once, then kept
-            return values
-        # First call: try one vectorized pass and check it against a looped pass over the first
-        # and the last node (a model that broadcasts wrongly over nodes shows up there).
-        probe = torch.tensor(sorted({0, z.shape[0] - 1}))
-        try:
-            vectorized = log_joint(z, args, kwargs, guide_trace, vectorize=True)
-        except (RuntimeError, ValueError, IndexError) as error:
-            reason = f"it failed with {type(error).__name__}: {error}"
-        else:
-            looped = log_joint(z[probe], args, kwargs, guide_trace, vectorize=False)
-            if torch.allclose(vectorized[probe], looped, rtol=1e-6, atol=1e-6):
-                fit.vectorize = True
-                fit.max_plate_nesting = log_joint.max_plate_nesting
-                return vectorized
-            reason = "its log densities differ from a looped evaluation"
-        fit.vectorize = False
-        warnings.warn(
-            "QuadratureELBO: the model does not evaluate all quadrature nodes in one vectorized "
-            f"pass ({reason}); looping over nodes. Pass vectorize=False to silence this.",
-            stacklevel=4,
+        vectorize = self.vectorize
+        if vectorize is None and fit.decision is not None:
+            vectorize = fit.decision.vectorized
+        values, decision = evaluate_batch(
+            lambda points: log_joint(points, args, kwargs, guide_trace, vectorize=True),
+            lambda point: log_joint(point[None], args, kwargs, guide_trace, vectorize=False)[0],
+            z,
+            vectorize,
+            probe=(0, z.shape[0] - 1),
+            what="QuadratureELBO",
         )
-        values = log_joint(z, args, kwargs, guide_trace, vectorize=False)
-        fit.max_plate_nesting = log_joint.max_plate_nesting
+        if fit.decision is None:
+            fit.decision = decision
+        fit.max_plate_nesting = log_joint.max_plate_nesting  # found once, then kept
         return values
 
     def _get_trace(self, model, guide, args, kwargs):
@@ -251,14 +240,6 @@ class QuadratureELBO(ELBO):
 
     def __repr__(self) -> str:
         return f"QuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize})"
-
-
-def _strong_or_weak(obj) -> Callable[[], object]:
-    """A weak reference where ``obj`` allows one (functions, modules), else a strong one."""
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return lambda: obj
 
 
 def _publisher(description: GuideDescription, x: torch.Tensor) -> Callable:
