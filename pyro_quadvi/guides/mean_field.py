@@ -50,6 +50,14 @@ class AutoMeanFieldNormal(AutoNormal):
         )
         self._last_run: dict[str, tuple[float, dict[int, torch.Tensor]]] | None = None
 
+    def __getstate__(self):
+        # Pyro's AutoGuide drops its model reference from the pickle by clearing it on the guide
+        # itself, which breaks a guide pickled before its first run; keep the original whole.
+        model, master = self._model, self.master
+        state = super().__getstate__()
+        self._model, self.master = model, master
+        return state
+
     def forward(self, *args, **kwargs):
         tracer = poutine.trace(super().forward)
         result = tracer(*args, **kwargs)

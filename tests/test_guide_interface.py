@@ -1,0 +1,229 @@
+"""The one interface from guide to ELBO to optimizer: descriptions, published moments, routing."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+from pathlib import Path
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoNormal, init_to_value
+
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, opqa_evidence
+from pyro_quadvi.guides import GuideDescription, MeanFieldSite, describe_guide
+from pyro_quadvi.guides.interface import published_moments
+from pyro_quadvi.infer import LatentSite
+
+DTYPE = torch.float64
+DATA = torch.tensor([0.9, 0.1, 1.4, 0.6, 0.3, 1.1, 0.2, 0.8], dtype=DTYPE)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_param_store():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    yield
+    pyro.clear_param_store()
+
+
+def conjugate_model():
+    z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=DTYPE), 2.0))
+    with pyro.plate("data", len(DATA)):
+        pyro.sample("x", dist.Normal(z, 1.0), obs=DATA)
+
+
+PRECISION = 0.25 + len(DATA)  # of the exact posterior of z
+POSTERIOR_MEAN = DATA.sum() / PRECISION
+
+
+def _load_example():
+    path = Path(__file__).resolve().parents[1] / "examples" / "custom_guide.py"
+    spec = importlib.util.spec_from_file_location("custom_guide_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------- a third-party guide
+def test_third_party_guide_is_fitted_by_qnvb_and_centres_opqa():
+    example = _load_example()
+    guide = example.fit(num_steps=1)
+    for name, (mean, std) in example.exact_posterior().items():
+        torch.testing.assert_close(guide.locs[name].detach(), mean, rtol=0, atol=1e-12)
+        scale = guide.log_scales[name].detach().exp()
+        torch.testing.assert_close(scale, std, rtol=1e-12, atol=0)
+    result = opqa_evidence(example.model, center="guide", guide=guide)
+    assert abs(result.log_evidence - example.exact_log_evidence()) < 1e-8
+
+
+def test_third_party_guide_loss_equals_autonormal_at_the_same_mean_field():
+    example = _load_example()
+    guide = example.ExpScaleGuide(init_log_scale=math.log(0.3))
+    loss = QuadratureELBO("gauss_hermite").loss(example.model, guide)
+    start = {"w": torch.zeros(2, dtype=DTYPE), "rate": torch.tensor(1.0, dtype=DTYPE)}
+    auto = AutoNormal(example.model, init_loc_fn=init_to_value(values=start), init_scale=0.3)
+    reference = QuadratureELBO("gauss_hermite").loss(example.model, auto)
+    assert abs(loss - reference) < 1e-12
+
+
+# --------------------------------------------------------------------- published moments
+def test_quadrature_elbo_publishes_the_exact_moments_and_they_match_the_gradient_identity():
+    guide = AutoMeanFieldNormal(conjugate_model, init_scale=0.7)
+    guide()
+    loc_leaf = guide.locs.z_unconstrained
+    with torch.no_grad():
+        loc_leaf.fill_(0.3)
+    elbo = QuadratureELBO("gauss_hermite")
+    loss = elbo.differentiable_loss(conjugate_model, guide)
+    loss.backward()
+    moments = published_moments(loc_leaf)
+    # U(z) = z^2 / 8 + sum (z - x_i)^2 / 2: E[U'] = PRECISION mu - sum x, E[U''] = PRECISION
+    assert abs(moments.g.item() - (PRECISION * 0.3 - DATA.sum().item())) < 1e-12
+    assert abs(moments.h.item() - PRECISION) < 1e-12
+    # the gradient identity of the parameters gives the same numbers
+    sigma = 0.7
+    assert abs(loc_leaf.grad.item() - moments.g.item()) < 1e-12
+    scale_leaf = guide.scales.z_unconstrained
+    dsigma_du = torch.sigmoid(scale_leaf.detach()).item()  # softplus' derivative
+    h_identity = (scale_leaf.grad.item() / dsigma_du + 1 / sigma) / sigma
+    assert abs(h_identity - moments.h.item()) < 1e-12
+    assert published_moments(loc_leaf) is None  # taken once
+
+
+def test_published_moments_of_a_minibatch_have_the_scale_removed():
+    n_units, batch = 20, 5
+    data = torch.linspace(-1, 1, n_units, dtype=DTYPE)
+
+    def model():
+        g = pyro.sample("g", dist.Normal(torch.tensor(0.0, dtype=DTYPE), 1.0))
+        with pyro.plate("units", n_units, subsample_size=batch) as idx:
+            z = pyro.sample("z", dist.Normal(g, 1.0))
+            pyro.sample("x", dist.Normal(z, 0.5), obs=data[idx])
+
+    guide = AutoMeanFieldNormal(model)
+    QuadratureELBO("gauss_hermite").differentiable_loss(model, guide).backward()
+    moments = published_moments(guide.locs.z_unconstrained)
+    # per unit: U(z) = (z - g)^2 / 2 + (z - x)^2 / (2 0.25): curvature 1 + 4, unscaled
+    assert moments.g.shape == (batch,)
+    torch.testing.assert_close(moments.h, torch.full((batch,), 5.0, dtype=DTYPE))
+    assert moments.site.scale_factor == n_units / batch
+
+
+def test_moments_of_a_changed_leaf_are_stale():
+    guide = AutoMeanFieldNormal(conjugate_model)
+    QuadratureELBO("gauss_hermite").differentiable_loss(conjugate_model, guide).backward()
+    leaf = guide.locs.z_unconstrained
+    with torch.no_grad():
+        leaf.add_(1.0)
+    assert published_moments(leaf) is None
+
+
+# ------------------------------------------------------------------------- descriptions
+def test_descriptions_of_pyros_guides_cover_the_same_latents():
+    for guide in (AutoNormal(conjugate_model), AutoDiagonalNormal(conjugate_model)):
+        guide()
+        description = describe_guide(guide)
+        assert [s.name for s in description.latent_sites] == ["z"]
+        (site,) = description.sites
+        assert site.family == "gaussian"
+        assert {id(p) for p in site.params.values()} <= {id(p) for p in guide.parameters()}
+
+
+def test_unknown_guides_get_one_message_with_the_hook():
+    with pytest.raises(TypeError, match="quadrature_description"):
+        describe_guide(AutoDelta(conjugate_model))
+
+
+def test_wrapped_guides_are_described_and_a_scale_wrapper_scales_the_entropy():
+    guide = AutoMeanFieldNormal(conjugate_model, init_scale=0.5)
+    elbo = QuadratureELBO("gauss_hermite")
+    plain = elbo.loss(conjugate_model, guide)
+    assert elbo.loss(conjugate_model, functools.partial(guide)) == plain
+    scaled = elbo.loss(conjugate_model, poutine.scale(guide, scale=2.0))
+    entropy = math.log(0.5) + 0.5 * math.log(2 * math.pi * math.e)
+    assert abs((scaled - plain) - (-entropy)) < 1e-12
+
+
+# ------------------------------------------------------------------------------ routing
+class LaplaceGuide(torch.nn.Module):
+    """A hand-written Laplace guide whose parameters look like a Gaussian pair by name."""
+
+    def forward(self):
+        loc = pyro.param("my.locs.z", torch.tensor(0.0, dtype=DTYPE))
+        scale = pyro.param(
+            "my.scales.z", torch.tensor(0.5, dtype=DTYPE), constraint=dist.constraints.positive
+        )
+        pyro.sample("z", dist.Laplace(loc, scale))
+
+
+def test_parameters_named_like_a_pair_are_not_paired_and_qnvb_says_it_pairs_nothing():
+    qnvb = QNVB(fallback=(torch.optim.SGD, {"lr": 0.01}))
+    svi = SVI(conjugate_model, LaplaceGuide(), qnvb, Trace_ELBO())
+    with pytest.warns(RuntimeWarning, match="none of the 2 parameters"):
+        svi.step()
+    assert qnvb.get_state()["qnvb"]["pairs"] == {}
+    # exactly one SGD step on each: reproduce it with plain SGD from the same seed
+    moved = {name: pyro.param(name).detach().clone() for name in ("my.locs.z", "my.scales.z")}
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    SVI(conjugate_model, LaplaceGuide(), pyro.optim.SGD({"lr": 0.01}), Trace_ELBO()).step()
+    for name, value in moved.items():
+        assert torch.equal(pyro.param(name).detach(), value)
+
+
+class FamilyGuide(torch.nn.Module):
+    """A guide that declares a family QNVB has no update for."""
+
+    def __init__(self):
+        super().__init__()
+        self.loc = torch.nn.Parameter(torch.tensor(0.0, dtype=DTYPE))
+        self.scale = torch.nn.Parameter(torch.tensor(0.0, dtype=DTYPE))
+
+    def forward(self):
+        pyro.module("family_guide", self)
+        pyro.sample("z", dist.Normal(self.loc, self.scale.exp()))
+
+    def quadrature_description(self, trace=None) -> GuideDescription:
+        site = MeanFieldSite(
+            name="z",
+            family="student_t",
+            loc=self.loc,
+            scale=self.scale.exp(),
+            params={"loc": self.loc, "scale": self.scale},
+            param_constraints={
+                "loc": dist.constraints.real,
+                "scale": dist.constraints.positive,
+            },
+            param_names={"loc": "family_guide$$$loc", "scale": "family_guide$$$scale"},
+            transform=dist.transforms.identity_transform,
+            event_dim=0,
+        )
+        latent = [LatentSite("z", torch.Size(), 0, dist.transforms.identity_transform)]
+        return GuideDescription("FamilyGuide", latent, sites=[site])
+
+
+def test_a_family_without_an_update_goes_to_the_fallback_with_a_warning():
+    qnvb = QNVB()
+    svi = SVI(conjugate_model, FamilyGuide(), qnvb, Trace_ELBO())
+    with pytest.warns(RuntimeWarning, match="family 'student_t'"):
+        svi.step()
+    assert qnvb.get_state()["qnvb"]["pairs"] == {}
+    assert set(qnvb.get_state()["fallback"]) == {"family_guide$$$loc", "family_guide$$$scale"}
+
+
+def test_module_local_params_are_paired_by_identity():
+    # issue 10, fault 12: under module_local_params nothing has a param-store name
+    with pyro.settings.context(module_local_params=True):
+        guide = AutoMeanFieldNormal(conjugate_model)
+        svi = SVI(conjugate_model, guide, QNVB(), QuadratureELBO("gauss_hermite"))
+        svi.step()
+        loc = guide.locs.z_unconstrained.detach()
+        scale = torch.nn.functional.softplus(guide.scales.z_unconstrained.detach())
+    assert abs(loc.item() - POSTERIOR_MEAN.item()) < 1e-12
+    assert abs(scale.item() - PRECISION**-0.5) < 1e-12
