@@ -46,6 +46,7 @@ SUPPORTS = {"w": constraints.real_vector, "rate": constraints.positive}
 SHAPES = {"w": (2,), "rate": ()}
 
 
+# --8<-- [start:guide]
 class ExpScaleGuide(nn.Module):
     """``q = prod_site N(loc, exp(log_scale)^2)`` in the unconstrained space of each site."""
 
@@ -89,6 +90,9 @@ class ExpScaleGuide(nn.Module):
             )
             latent.append(LatentSite(name, torch.Size(shape), len(shape), transform))
         return GuideDescription("ExpScaleGuide", latent, sites=sites)
+
+
+# --8<-- [end:guide]
 
 
 def exact_posterior() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
