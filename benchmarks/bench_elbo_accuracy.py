@@ -50,9 +50,11 @@ def setup(model, args, seed, scale=0.2):
     generator = torch.Generator().manual_seed(seed)
     store = pyro.get_param_store()
     for site in guide.mean_field_sites():
-        shape = store[site.loc_param].shape
-        store[site.loc_param] = 0.5 * torch.randn(shape, generator=generator)
-        store[site.scale_param] = scale * (1 + 1.5 * torch.rand(shape, generator=generator))
+        shape = store[site.param_names["loc"]].shape
+        store[site.param_names["loc"]] = 0.5 * torch.randn(shape, generator=generator)
+        store[site.param_names["scale"]] = scale * (
+            1 + 1.5 * torch.rand(shape, generator=generator)
+        )
     guide(*args)
     return guide
 

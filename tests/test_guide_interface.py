@@ -24,12 +24,7 @@ DTYPE = torch.float64
 DATA = torch.tensor([0.9, 0.1, 1.4, 0.6, 0.3, 1.1, 0.2, 0.8], dtype=DTYPE)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_param_store():
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    yield
-    pyro.clear_param_store()
+pytestmark = pytest.mark.usefixtures("fresh_param_store")
 
 
 def conjugate_model():

@@ -31,12 +31,7 @@ DTYPE = torch.float64
 GUIDES = [AutoNormal, AutoDiagonalNormal, AutoMeanFieldNormal]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_param_store():
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    yield
-    pyro.clear_param_store()
+pytestmark = pytest.mark.usefixtures("fresh_param_store")
 
 
 def _loc_scale(guide, sites):

@@ -17,10 +17,10 @@ from pyro.infer.autoguide import (
     AutoMultivariateNormal,
     AutoNormal,
 )
-from pyro.nn import PyroModule, PyroSample
 
 from pyro_quadvi import AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.quadrature import make_rule
+from pyro_quadvi.testing import TinyNet
 
 EXACT_RULES = [
     "rasp_simplex",
@@ -357,20 +357,6 @@ def test_unsupported_guide_gets_a_type_error_listing_the_supported_ones():
 
 
 # -- a PyroModule network: looped evaluation -------------------------------------------------------
-
-
-class TinyNet(PyroModule):
-    def __init__(self):
-        super().__init__()
-        self.fc = PyroModule[torch.nn.Linear](2, 1)
-        self.fc.weight = PyroSample(dist.Normal(0.0, 1.0).expand([1, 2]).to_event(2))
-        self.fc.bias = PyroSample(dist.Normal(0.0, 1.0).expand([1]).to_event(1))
-
-    def forward(self, X, y=None):
-        mean = self.fc(X).squeeze(-1)
-        with pyro.plate("data", X.shape[0]):
-            pyro.sample("y", dist.Normal(mean, 0.5), obs=y)
-        return mean
 
 
 def test_pyromodule_network_falls_back_to_the_loop_with_one_warning_and_exact_values():

@@ -18,10 +18,9 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
-from pyro.nn import PyroModule, PyroSample
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
-from pyro_quadvi.testing import linear_regression
+from pyro_quadvi.testing import TinyNet, linear_regression
 
 DTYPE = torch.float64
 DATA = torch.tensor([0.9, 0.1, 1.4, 0.6, 0.3, 1.1, 0.2, 0.8], dtype=DTYPE)
@@ -29,12 +28,7 @@ PRECISION = 0.25 + len(DATA)
 POSTERIOR_MEAN = (DATA.sum() / PRECISION).item()
 
 
-@pytest.fixture(autouse=True)
-def _fresh_param_store():
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    yield
-    pyro.clear_param_store()
+pytestmark = pytest.mark.usefixtures("fresh_param_store")
 
 
 def conjugate_model(data=DATA):
@@ -275,19 +269,6 @@ def test_qnvb_refuses_arguments_it_does_not_know():
 
 
 # ------------------------------------------------------ a network model stays unmodified
-class TinyNet(PyroModule):
-    def __init__(self):
-        super().__init__()
-        self.linear = PyroModule[torch.nn.Linear](2, 1)
-        self.linear.weight = PyroSample(dist.Normal(0.0, 1.0).expand([1, 2]).to_event(2))
-        self.linear.bias = PyroSample(dist.Normal(0.0, 1.0).expand([1]).to_event(1))
-
-    def forward(self, x, y=None):
-        mean = self.linear(x).squeeze(-1)
-        with pyro.plate("data", len(x)):
-            return pyro.sample("y", dist.Normal(mean, 0.5), obs=y)
-
-
 def test_a_trace_elbo_fit_of_a_network_pairs_every_weight():
     x = torch.randn(6, 2)
     y = x @ torch.tensor([1.0, -1.0]) + 0.2
@@ -296,6 +277,6 @@ def test_a_trace_elbo_fit_of_a_network_pairs_every_weight():
     svi = SVI(net, AutoMeanFieldNormal(net), qnvb, Trace_ELBO())
     svi.step(x, y)
     assert set(qnvb.get_state()["qnvb"]["pairs"]) == {
-        "AutoMeanFieldNormal.locs.linear.weight",
-        "AutoMeanFieldNormal.locs.linear.bias",
+        "AutoMeanFieldNormal.locs.fc.weight",
+        "AutoMeanFieldNormal.locs.fc.bias",
     }

@@ -21,6 +21,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
+from pyro.nn import PyroModule, PyroSample
 
 from pyro_quadvi.quadrature import gauss_hermite
 
@@ -306,3 +307,20 @@ def small_network(n: int = 100, hidden: int = 8, seed: int = 0, num_samples: int
     return MeanFieldProblem(
         f"network {hidden} hidden", model, neg_log_joint, sizes, neg_elbo, None, None
     )
+
+
+class TinyNet(PyroModule):
+    """A 2-1 Bayesian linear network written as Pyro users do (``PyroModule[nn.Linear]``): its
+    layer cannot broadcast over a node dimension, so quadrature loops over nodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = PyroModule[torch.nn.Linear](2, 1)
+        self.fc.weight = PyroSample(dist.Normal(0.0, 1.0).expand([1, 2]).to_event(2))
+        self.fc.bias = PyroSample(dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+
+    def forward(self, X: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        mean = self.fc(X).squeeze(-1)
+        with pyro.plate("data", X.shape[0]):
+            pyro.sample("y", dist.Normal(mean, 0.5), obs=y)
+        return mean
