@@ -27,19 +27,20 @@ import torch
 from models import BayesianMLP, logistic_data, logistic_regression, mlp_data
 
 from pyro_quadvi import AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.guides.interface import published_moments
 
 RULES = ["mc", "vrmc1", "vrmc2", "rasp_simplex", "rasp_cross", "hadamard", "blocked_simplex"]
 EVALUATIONS = [3, 4, 6, 8]
 
 
 def g_and_h(elbo, model, guide, args):
-    loss = elbo.differentiable_loss(model, guide, *args)
-    sites = guide.mean_field_sites()
-    grads = torch.autograd.grad(loss, [t for s in sites for t in (s.loc, s.scale)])
-    g = torch.cat([gr.reshape(-1) for gr in grads[0::2]])
-    d_sigma = torch.cat([gr.reshape(-1) for gr in grads[1::2]])
-    sigma = torch.cat([s.scale.detach().reshape(-1) for s in sites])
-    return g.detach(), ((d_sigma + 1 / sigma) / sigma).detach()
+    """The expected gradient and Hessian diagonal the ELBO integrated (what it publishes)."""
+    elbo.differentiable_loss(model, guide, *args).backward()
+    moments = [published_moments(site.params["loc"]) for site in guide.mean_field_sites()]
+    for p in guide.parameters():
+        p.grad = None
+    g = torch.cat([m.g.reshape(-1) for m in moments])
+    return g.detach(), torch.cat([m.h.reshape(-1) for m in moments]).detach()
 
 
 def setup(model, args, seed, scale=0.2):

@@ -236,13 +236,13 @@ class QNVB(PyroOptim):
         """Update the blocks of described guides among ``params``; pass the rest to the fallback."""
         params = list(params)
         received = {id(p) for p in params}
-        blocks = self._find_blocks(params, received)
+        blocks, explained = self._find_blocks(params, received)
         paired: set[int] = set()
         for block in blocks:
             if self._update_block(block):
                 paired.update(id(leaf) for leaf in block.site.params.values())
         rest = [p for p in params if id(p) not in paired]
-        if params and not paired:
+        if params and not paired and not explained:
             self._warn_once(
                 "nothing paired",
                 f"QNVB: none of the {len(params)} parameters it received belongs to a guide it "
@@ -256,8 +256,12 @@ class QNVB(PyroOptim):
         self.num_steps += 1
 
     @torch.no_grad()
-    def _find_blocks(self, params: list[torch.Tensor], received: set[int]) -> list[_Block]:
+    def _find_blocks(
+        self, params: list[torch.Tensor], received: set[int]
+    ) -> tuple[list[_Block], bool]:
+        """The blocks to update, and whether a warning explained why some guide was not paired."""
         blocks: dict[int, _Block] = {}
+        explained = False
         for p in params:
             moments = published_moments(p)
             if moments is not None:
@@ -273,6 +277,7 @@ class QNVB(PyroOptim):
                     blocks[key] = _Block(site, None)
             joint = description.joint
             if joint is not None and any(id(p) in received for p in joint.params.values()):
+                explained = True
                 self._warn_once(
                     f"joint {description.guide}",
                     f"QNVB: {type(guide).__name__} {description.guide!r} is a joint Gaussian "
@@ -285,6 +290,7 @@ class QNVB(PyroOptim):
             site = block.site
             missing = [r for r, leaf in site.params.items() if id(leaf) not in received]
             if site.family not in FAMILY_UPDATES:
+                explained = True
                 self._warn_once(
                     f"family {site.family}",
                     f"QNVB: site {site.name!r} has family {site.family!r}, which QNVB has no "
@@ -292,6 +298,7 @@ class QNVB(PyroOptim):
                     "fallback optimizer",
                 )
             elif missing:
+                explained = True
                 self._warn_once(
                     f"missing {site.name}",
                     f"QNVB: site {site.name!r} came without its {missing} parameters in this step "
@@ -299,7 +306,7 @@ class QNVB(PyroOptim):
                 )
             else:
                 found.append(block)
-        return found
+        return found, explained
 
     def _state_for(self, name: str, loc_leaf: torch.Tensor) -> dict[str, torch.Tensor]:
         bound = self._bound.get(name)
