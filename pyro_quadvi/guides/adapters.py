@@ -29,7 +29,12 @@ from torch.distributions import Independent, biject_to, constraints, transform_t
 from ..infer.log_joint import LatentSite, latent_nodes
 from .interface import GuideDescription, JointGaussian, MeanFieldSite, register_adapter
 
-__all__ = ["continuous_latent_sites", "describe_auto_normal", "subsample_rows"]
+__all__ = [
+    "continuous_latent_sites",
+    "describe_auto_normal",
+    "scale_factor",
+    "subsample_rows",
+]
 
 
 def _leaf(module, dotted: str) -> tuple[torch.Tensor, object, str]:
@@ -54,7 +59,8 @@ def subsample_rows(site: dict, trace: Trace, event_dim: int) -> dict[int, torch.
     return rows
 
 
-def _scale_factor(site: dict) -> float:
+def scale_factor(site: dict) -> float:
+    """The minibatch scale of a traced site (1 without subsampling)."""
     scale = site["scale"]
     return 1.0 if is_identically_one(scale) else float(scale)
 
@@ -95,9 +101,9 @@ def describe_auto_normal(
                 normal = normal.base_dist
             loc, scale = normal.loc, normal.scale
             rows = subsample_rows(aux, trace, event_dim)
-            scale_factor = _scale_factor(aux)
+            factor = scale_factor(aux)
         else:
-            scale_factor, rows = (last_run or {}).get(name, (1.0, None))
+            factor, rows = (last_run or {}).get(name, (1.0, None))
             loc = _select(loc_leaf, rows)
             scale = _select(transform_to(scale_constraint)(scale_leaf), rows)
         transform = biject_to(proto["fn"].support)
@@ -112,7 +118,7 @@ def describe_auto_normal(
                 param_names={"loc": loc_name, "scale": scale_name},
                 transform=transform,
                 event_dim=event_dim,
-                scale_factor=scale_factor,
+                scale_factor=factor,
                 rows=rows,
                 constraint=proto["fn"].support,
             )

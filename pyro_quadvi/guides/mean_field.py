@@ -10,7 +10,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.poutine import Trace
 
-from .adapters import describe_auto_normal
+from .adapters import describe_auto_normal, scale_factor, subsample_rows
 from .interface import GuideDescription, MeanFieldSite
 
 __all__ = ["AutoMeanFieldNormal"]
@@ -61,8 +61,12 @@ class AutoMeanFieldNormal(AutoNormal):
     def forward(self, *args, **kwargs):
         tracer = poutine.trace(super().forward)
         result = tracer(*args, **kwargs)
-        run = describe_auto_normal(self, tracer.trace)
-        self._last_run = {site.name: (site.scale_factor, site.rows) for site in run.sites}
+        trace = tracer.trace
+        self._last_run = {}
+        for name in self._event_dims:
+            aux = trace.nodes[name + "_unconstrained"]
+            rows = subsample_rows(aux, trace, self._event_dims[name])
+            self._last_run[name] = (scale_factor(aux), rows)
         return result
 
     def quadrature_description(self, trace: Trace | None = None) -> GuideDescription:

@@ -245,22 +245,19 @@ class QuadratureELBO(ELBO):
 def _publisher(description: GuideDescription, x: torch.Tensor) -> Callable:
     """A hook on the node points ``z`` (K, D) that publishes each site's ``g`` and ``h``."""
     x = x.detach()
+    scale = description.scale.detach()
 
     def hook(grad: torch.Tensor) -> None:
+        g_all = grad.sum(0)
+        h_all = (grad * x).sum(0) / scale
         start = 0
         for site in description.sites:
             stop = start + site.loc.numel()
             if site.family in ELEMENTWISE_FAMILIES:
-                dz = grad[:, start:stop]
-                scale = site.scale.detach().reshape(-1)
-                g = dz.sum(0) / site.scale_factor
-                h = (dz * x[:, start:stop]).sum(0) / (scale * site.scale_factor)
-                loc_leaf = site.params["loc"]
-                publish_moments(
-                    PublishedMoments(
-                        site, g.reshape(site.shape), h.reshape(site.shape), loc_leaf._version
-                    )
-                )
+                g = g_all[start:stop].reshape(site.shape) / site.scale_factor
+                h = h_all[start:stop].reshape(site.shape) / site.scale_factor
+                version = site.params["loc"]._version
+                publish_moments(PublishedMoments(site, g, h, version))
             start = stop
 
     return hook
