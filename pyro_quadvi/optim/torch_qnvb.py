@@ -80,22 +80,28 @@ class QNVBOptimizer(torch.optim.Optimizer):
         scale_min: float = 0.1,
         scale_max: float = 10.0,
         curvature: str = "mean",
+        significance: float = 1.0,
         damping: bool = True,
+        damping_recovery: float = 0.5,
         drift_forgetting: float = 1.0,
+        recent_fraction: float = 0.5,
     ):
         if not likelihood_weight > 0:
             raise ValueError(f"likelihood_weight must be > 0, got {likelihood_weight}")
         defaults = dict(
             lr=lr,
-            betas=tuple(betas),
+            betas=betas,
             eps=eps,
             sigma_min=sigma_min,
             sigma_max=sigma_max,
             scale_min=scale_min,
             scale_max=scale_max,
             curvature=curvature,
+            significance=significance,
             damping=damping,
+            damping_recovery=damping_recovery,
             drift_forgetting=drift_forgetting,
+            recent_fraction=recent_fraction,
             prior_precision=prior_precision,
             init_sigma=init_sigma,
         )
@@ -114,9 +120,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
             raise ValueError(f"prior_precision must be >= 0, got {group['prior_precision']}")
         if not group["init_sigma"] > 0:
             raise ValueError(f"init_sigma must be > 0, got {group['init_sigma']}")
-        hp = {name: group[name] for name in _HP_NAMES}
-        hp["betas"] = tuple(hp["betas"])
-        return QNVBHyperparameters(**hp)
+        return QNVBHyperparameters(**{name: group[name] for name in _HP_NAMES})
 
     @property
     def weight(self) -> float:
