@@ -107,6 +107,16 @@ def test_sigma_changes_at_most_by_the_scale_factors_and_stays_in_bounds():
     torch.testing.assert_close(result.sigma, torch.full((3,), 10.0, dtype=DTYPE))
 
 
+def test_the_mean_steps_with_a_curvature_of_at_least_one_over_sigma_max_squared():
+    # h = 1e-6 is significant (no noise) but flatter than any q within sigma_max = 10 allows: the
+    # step is g sigma_max^2 = 50, not g / h = 5e5 (the cap lr = 1e6 is far away)
+    mu = torch.zeros(1, dtype=DTYPE)
+    hp = QNVBHyperparameters(lr=1e6, eps=0.0, sigma_max=10.0)
+    g, h = torch.full((1,), 0.5, dtype=DTYPE), torch.full((1,), 1e-6, dtype=DTYPE)
+    result = qnvb_update(mu, torch.ones(1, dtype=DTYPE), g, h, init_qnvb_state(mu), hp)
+    torch.testing.assert_close(result.mu, torch.full((1,), -50.0, dtype=DTYPE))
+
+
 def test_negative_curvature_holds_sigma_and_takes_a_natural_gradient_step():
     mu = torch.zeros(1, dtype=DTYPE)
     sigma = torch.full((1,), 0.5, dtype=DTYPE)
@@ -135,6 +145,30 @@ def test_curvature_lost_in_noise_holds_sigma(low, held):
         assert torch.equal(sigma, torch.full((1,), 5.0, dtype=DTYPE).rsqrt())
     else:
         assert float(sigma) == pytest.approx(1.0, rel=0.02)
+
+
+def _run_exponential(hp, steps):
+    """QNVB on L(z) = exp(z) - z, with exact moments: g = e - 1, h = e, e = exp(mu + sigma^2 / 2).
+
+    The optimal mean field is sigma = 1, mu = -1/2. From mu = 5 the curvature falls from 150 to 1
+    on the way: estimates taken on the way must be forgotten. Returns the errors
+    max(|mu + 1/2|, |sigma - 1|) after each step.
+    """
+    mu, sigma = torch.full((1,), 5.0, dtype=DTYPE), torch.full((1,), 0.1, dtype=DTYPE)
+    state, errors = init_qnvb_state(mu), []
+    for _ in range(steps):
+        e = torch.exp(mu + sigma**2 / 2)
+        result = qnvb_update(mu, sigma, e - 1, e, state, hp)
+        mu, sigma, state = result.mu, result.sigma, result.state
+        errors.append(max(abs(float(mu) + 0.5), abs(float(sigma) - 1)))
+    return errors
+
+
+def test_drift_forgetting_drops_the_curvature_seen_on_the_way():
+    errors = _run_exponential(QNVBHyperparameters(), 60)
+    assert errors[11] < 0.1 and errors[-1] < 1e-2  # 0.078 and 0.0076
+    # without it the steep start lingers in the average: 2.2 after 12 steps, 0.63 after 60
+    assert _run_exponential(QNVBHyperparameters(drift_forgetting=0.0), 12)[-1] > 2.0
 
 
 def test_lr_caps_the_step_of_the_mean():
@@ -261,7 +295,11 @@ def test_damping_grows_by_one_on_a_sign_change_and_recovers_by_damping_recovery(
         ),
         (dict(betas=(1.0, 0.9)), ValueError, "betas[0] must be in [0, 1), got 1.0"),
         (dict(betas=(0.0, -0.1)), ValueError, "betas[1] must be in [0, 1), got -0.1"),
-        (dict(betas=(0.0, None)), TypeError, "betas[1] must be a real number in [0, 1), got None (NoneType)"),
+        (
+            dict(betas=(0.0, None)),
+            TypeError,
+            "betas[1] must be a real number in [0, 1), got None (NoneType)",
+        ),
         (dict(eps=math.nan), ValueError, "eps must be >= 0, got nan"),
         (
             dict(sigma_min=1.0, sigma_max=0.5),
@@ -279,7 +317,6 @@ def test_damping_grows_by_one_on_a_sign_change_and_recovers_by_damping_recovery(
         (dict(damping=1), TypeError, "damping must be True or False, got 1 (int)"),
         (dict(damping_recovery=0), ValueError, "damping_recovery must be > 0, got 0"),
         (dict(drift_forgetting=-1.0), ValueError, "drift_forgetting must be >= 0, got -1.0"),
-        (dict(recent_fraction=0.0), ValueError, "recent_fraction must be in (0, 1], got 0.0"),
     ],
 )
 def test_bad_hyperparameters_are_refused_by_name(kwargs, error, message):
@@ -293,16 +330,20 @@ def test_betas_given_as_a_list_become_a_tuple():
 
 
 def test_eight_schools_with_exact_expectations_reaches_the_reference():
-    # g and h from the mean-field ELBO's analytic expectations: only the optimizer is tested
+    # g and h from the mean-field ELBO's analytic expectations: only the optimizer is tested.
+    # Without noise, averaging h only keeps the transient's curvature, fading as 1 / t: 1.1% of
+    # sigma after 100 steps, 0.27% after 400
     problem = eight_schools()
     mu = torch.zeros(10, dtype=DTYPE)
     sigma = torch.full((10,), 0.1, dtype=DTYPE)
     state, hp = init_qnvb_state(mu), QNVBHyperparameters()
-    for _ in range(100):
+    errors = []
+    for _ in range(400):
         g, dsigma = torch.func.grad(problem.neg_elbo, argnums=(0, 1))(mu, sigma)
         result = qnvb_update(mu, sigma, g, (dsigma + 1 / sigma) / sigma, state, hp)
         mu, sigma, state = result.mu, result.sigma, result.state
-    assert problem.error(mu, sigma) < 2e-3
+        errors.append(problem.error(mu, sigma))
+    assert errors[23] < 0.05 and errors[99] < 0.012 and errors[-1] < 3e-3
 
 
 def test_geometric_annealing_schedule():

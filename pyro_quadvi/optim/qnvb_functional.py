@@ -84,8 +84,6 @@ class QNVBHyperparameters:
             change of the gradient (it grows by one after a sign change).
         drift_forgetting: rate at which curvature averages forget estimates taken at past means,
             per ``sigma`` travelled; ``0`` keeps the reference's plain warm-up.
-        recent_fraction: the curvature averages span at most this fraction of a coordinate's
-            updates (and at least two); ``1`` keeps the reference's plain warm-up.
     """
 
     lr: float = 1.0
@@ -100,7 +98,6 @@ class QNVBHyperparameters:
     damping: bool = True
     damping_recovery: float = 0.5
     drift_forgetting: float = 1.0
-    recent_fraction: float = 0.5
 
     def __post_init__(self):
         betas = self.betas
@@ -128,7 +125,6 @@ class QNVBHyperparameters:
             ("significance", self.significance, lambda v: 0 <= v < math.inf, "finite and >= 0"),
             ("damping_recovery", self.damping_recovery, lambda v: v > 0, "> 0"),
             ("drift_forgetting", self.drift_forgetting, lambda v: v >= 0, ">= 0"),
-            ("recent_fraction", self.recent_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
         ]
         for name, value, ok, expected in checks:
             _check_number(name, value, ok, expected)
@@ -246,10 +242,7 @@ def qnvb_update(
     # running averages with warm-up (design note, step 3)
     count = state.count + 1
     g_avg = _average(state.g_avg, g, count.clamp(max=1.0 / (1.0 - beta1)))
-    curvature_count = torch.minimum(
-        (state.curvature_count + 1).clamp(max=1.0 / (1.0 - beta2)),
-        torch.maximum(hp.recent_fraction * count, count.clamp(max=2.0)),
-    )
+    curvature_count = (state.curvature_count + 1).clamp(max=1.0 / (1.0 - beta2))
     grad = weight * g + prior_precision * mu
     s_avg = _average(state.s_avg, grad * grad, curvature_count)
     h_avg = _average(state.h_avg, h, curvature_count)
