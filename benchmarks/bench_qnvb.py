@@ -72,8 +72,10 @@ ABLATIONS: dict[str, dict] = {
     "scale-limit": {"scale_min": 1e-100, "scale_max": math.inf},
     "sigma-bounds": {"sigma_min": 1e-100, "sigma_max": 1e100},
     "beta1": {"betas": (0.9, 0.999)},  # switched on: the reference's gradient average
+    "recent-fraction-0.5": {"recent_fraction": 0.5},  # switched on: a window of t / 2 at most
 }
-"""Each ablation's hyperparameters: one rule of the update switched off (or, for ``beta1``, on)."""
+"""Each ablation's hyperparameters: one rule of the update switched off (or, for ``beta1`` and
+``recent-fraction-0.5``, on: they are off by default)."""
 
 
 @dataclass

@@ -84,6 +84,9 @@ class QNVBHyperparameters:
             change of the gradient (it grows by one after a sign change).
         drift_forgetting: rate at which curvature averages forget estimates taken at past means,
             per ``sigma`` travelled; ``0`` keeps the reference's plain warm-up.
+        recent_fraction: the curvature averages span at most this fraction of a coordinate's
+            updates (and at least two), so that the first, transient estimates fade as
+            ``(t0 / t)^2`` instead of ``t0 / t``; ``1`` (the default) keeps the plain warm-up.
     """
 
     lr: float = 1.0
@@ -98,6 +101,7 @@ class QNVBHyperparameters:
     damping: bool = True
     damping_recovery: float = 0.5
     drift_forgetting: float = 1.0
+    recent_fraction: float = 1.0
 
     def __post_init__(self):
         betas = self.betas
@@ -125,6 +129,7 @@ class QNVBHyperparameters:
             ("significance", self.significance, lambda v: 0 <= v < math.inf, "finite and >= 0"),
             ("damping_recovery", self.damping_recovery, lambda v: v > 0, "> 0"),
             ("drift_forgetting", self.drift_forgetting, lambda v: v >= 0, ">= 0"),
+            ("recent_fraction", self.recent_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
         ]
         for name, value, ok, expected in checks:
             _check_number(name, value, ok, expected)
@@ -235,14 +240,16 @@ def qnvb_update(
         :class:`QNVBResult` with the new mean, scale and state.
     """
     beta1, beta2 = hp.betas
-    finite_input = torch.isfinite(g) & torch.isfinite(h)
-    g = torch.where(finite_input, g, 0.0)
-    h = torch.where(finite_input, h, 0.0)
+    finite_input = torch.isfinite(g) & torch.isfinite(h)  # the rest is elementwise: a NaN in g
+    # or h spoils its own coordinate only, which the guard at the end leaves unchanged
 
     # running averages with warm-up (design note, step 3)
     count = state.count + 1
     g_avg = _average(state.g_avg, g, count.clamp(max=1.0 / (1.0 - beta1)))
     curvature_count = (state.curvature_count + 1).clamp(max=1.0 / (1.0 - beta2))
+    if hp.recent_fraction < 1:
+        window = torch.maximum(hp.recent_fraction * count, count.clamp(max=2.0))
+        curvature_count = torch.minimum(curvature_count, window)
     grad = weight * g + prior_precision * mu
     s_avg = _average(state.s_avg, grad * grad, curvature_count)
     h_avg = _average(state.h_avg, h, curvature_count)

@@ -125,6 +125,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
         damping: bool = True,
         damping_recovery: float = 0.5,
         drift_forgetting: float = 1.0,
+        recent_fraction: float = 1.0,
     ):
         _check_number("likelihood_weight", likelihood_weight, lambda v: 0 < v < math.inf, "> 0")
         defaults = dict(
@@ -140,6 +141,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
             damping=damping,
             damping_recovery=damping_recovery,
             drift_forgetting=drift_forgetting,
+            recent_fraction=recent_fraction,
             prior_precision=prior_precision,
             init_sigma=init_sigma,
         )
