@@ -1,31 +1,53 @@
 """The QNVB update as a pure function of tensors.
 
 Quasi-Newton variational Bayes (rasp paper, eq. 4-8; sequence paper, Sections 4.1-4.2) moves a
-Gaussian mean field ``N(mu, diag(sigma^2))`` to the fixed point of the projective integral update:
+Gaussian mean field ``N(mu, diag(sigma^2))`` to the fixed point of the projective integral update
+(rasp eq. 4) on the quadratic basis (eq. 5), that is of the local quadratic model of the loss
+(eq. 6):
 
     mu <- mu - g / h,        sigma <- h^(-1/2),
 
 where ``g`` and ``h`` are the expected gradient and Hessian diagonal of the loss (the negative log
-joint) under ``q`` (eq. 7 and 8). :func:`qnvb_update` performs one such step elementwise, with the
-safeguards of the public reference optimizer (``shared/design/qnvb-update-rule.md``) and three
-additions that make it converge on ordinary Pyro models without tuning:
+joint) under ``q`` (eq. 7 and 8, estimated by a quadrature as in eq. 11). :func:`qnvb_update`
+performs one such step elementwise. Every rule it applies, in order (``docs/qnvb.md``, "The
+update's rules, each measured", gives the test and the benchmark row behind each):
 
-* **damping** per coordinate: a parallel (Jacobi-like) fixed-point step oscillates when the
-  posterior is strongly correlated. Each coordinate divides its step by ``k >= 1``; ``k`` grows by
-  one whenever the gradient changes sign between two steps and shrinks by one half otherwise. A
-  steady oscillation is damped until it stops; gradient noise (Monte Carlo, random quadratures)
-  makes ``k`` grow like the step count, a Robbins-Monro schedule that averages the noise out.
-* **mean curvature**: by default ``H`` is the running mean of ``h`` (unbiased) wherever it is
-  positive by more than one standard error; elsewhere (negative curvature, or too few samples to
-  tell it from noise) ``H`` is the current precision ``1 / sigma^2`` of ``q``: ``sigma`` holds and
-  the mean takes a natural-gradient step. The reference's root-mean-square ``sqrt(mean(h^2))`` is
-  biased upward whenever ``h`` is noisy (by ``3^(1/2)`` for one Monte Carlo draw) and remains
-  available.
-* **drift forgetting**: curvature and second-moment averages are taken at past means; their sample
-  count is multiplied by ``exp(-|step| / (k sigma))`` each step, so estimates taken far from the
-  current mean are forgotten while the mean travels (``k = 1``) and are averaged over long windows
-  once it settles, or once its steps are dominated by noise (``k`` large). The window is also
-  capped at half the number of steps taken, so the first, transient estimates fade quickly.
+1. **Running averages** with warm-up instead of bias correction (reference, design note step 3):
+   ``g`` with ``beta1`` (off by default: ``beta1 = 0`` uses the newest ``g``), and ``g^2``,
+   ``h``, ``h^2`` with ``beta2`` over at most ``1 / (1 - beta2)`` samples.
+2. **Drift forgetting** (``drift_forgetting``): the curvature averages were taken at past means;
+   their sample count is multiplied by ``exp(-drift_forgetting |step| / (k sigma))`` after each
+   step, so estimates taken far from the current mean are forgotten while the mean travels
+   (damping ``k = 1``) and averaged over long windows once it settles or its steps are dominated
+   by noise (``k`` large).
+3. **Recent window** (``recent_fraction``, off by default): the curvature averages span at most
+   this fraction of the steps taken, so a transient fades as ``(t0 / t)^2`` instead of ``t0 / t``.
+4. **Mean curvature with a significance test** (``curvature="mean"``, ``significance``): ``H`` is
+   the running mean of ``h`` (unbiased) where it is positive by more than ``significance``
+   standard errors; elsewhere (negative curvature, or curvature lost in noise) ``H`` is the
+   current precision ``1 / sigma^2`` of ``q``: ``sigma`` holds and the mean takes a
+   natural-gradient step. ``curvature="rms"`` is the reference's ``sqrt(mean(h^2))`` (design note
+   step 4), biased upward by the noise of ``h``.
+5. **Curvature floor**: the curvature of the whole loss is at least ``1 / sigma_max^2``, so the
+   mean never steps as if ``q`` were wider than ``sigma_max``.
+6. **Damping** (``damping``, ``damping_recovery``): a parallel (Jacobi-like) Newton step
+   oscillates on a correlated posterior. Each coordinate divides its step by ``k >= 1``, which
+   grows by one when the gradient changes sign between two steps and shrinks by
+   ``damping_recovery`` otherwise. A steady oscillation is damped until it stops; gradient noise
+   makes ``k`` grow like the step count, a Robbins-Monro schedule that averages the noise out.
+7. **Step cap** (``lr``, ``eps``; design note step 6): the mean moves by
+   ``g / (k max(H, (sqrt(s) + eps) / lr))``, the smaller of the (damped) quasi-Newton step and an
+   Adam step of size ``lr``.
+8. **Gradient carry** (with ``beta1 > 0``; design note step 6): the averaged gradient is moved to
+   the new mean by the quadratic model, ``g_avg <- g_avg - H step`` (eq. 6).
+9. **Scale rate limit** (``scale_min``, ``scale_max``; design note step 5): ``sigma`` moves to
+   ``(w H + prior)^(-1/2)`` by a factor in ``[scale_min, scale_max]`` at most per step.
+10. **Scale bounds** (``sigma_min``, ``sigma_max``): ``sigma`` is clamped to them; the
+    coordinates pinned at a bound by this step are counted.
+11. **Guard**: a coordinate whose ``g`` or ``h`` is not finite, or whose update overflows (e.g.
+    ``g^2`` beyond the dtype's range while ``g`` is finite), keeps its mean, scale and state; the
+    two causes are counted apart. The counts stay 0-d tensors: the update never synchronizes
+    with the host.
 
 The loss is ``weight * L(theta) + prior_precision * |theta|^2 / 2``: ``g`` and ``h`` estimate the
 moments of ``L`` and ``weight`` (the likelihood weight times an annealing factor) and the Gaussian
@@ -243,7 +265,7 @@ def qnvb_update(
     finite_input = torch.isfinite(g) & torch.isfinite(h)  # the rest is elementwise: a NaN in g
     # or h spoils its own coordinate only, which the guard at the end leaves unchanged
 
-    # running averages with warm-up (design note, step 3)
+    # rules 1 and 3: running averages with warm-up, the curvature window
     count = state.count + 1
     g_avg = _average(state.g_avg, g, count.clamp(max=1.0 / (1.0 - beta1)))
     curvature_count = (state.curvature_count + 1).clamp(max=1.0 / (1.0 - beta2))
@@ -255,7 +277,7 @@ def qnvb_update(
     h_avg = _average(state.h_avg, h, curvature_count)
     h2_avg = _average(state.h2_avg, h * h, curvature_count)
 
-    # curvature of L, then of the whole loss (step 4)
+    # rules 4 and 5: curvature of L, then of the whole loss, floored
     if hp.curvature == "rms":
         curv = h2_avg.sqrt()
         significant = torch.ones_like(finite_input)
@@ -266,7 +288,7 @@ def qnvb_update(
         curv = torch.where(significant, h_avg, held)
     total_curv = (weight * curv + prior_precision).clamp(min=hp.sigma_max**-2)
 
-    # damping: a sign change of the gradient means the last step overshot
+    # rule 6, damping: a sign change of the gradient means the last step overshot
     if hp.damping:
         flipped = grad * state.last_grad < 0
         damping = torch.where(
@@ -275,19 +297,19 @@ def qnvb_update(
     else:
         damping = state.damping
 
-    # mean: quasi-Newton step, capped by an Adam-sized step (step 6)
+    # rule 7: the quasi-Newton step, capped by an Adam-sized step; rule 8: the carry
     cap = (s_avg.sqrt() + hp.eps) / hp.lr
     total_grad = weight * g_avg + prior_precision * mu
     step = total_grad / (damping * torch.maximum(total_curv, cap))
     new_mu = mu - step
     g_avg = g_avg - curv * step  # carry the averaged gradient to the new mean
 
-    # scale: sigma* = (w H + prior)^(-1/2), rate-limited, then bounded (step 5)
+    # rules 9 and 10: sigma* = (w H + prior)^(-1/2), rate-limited, then bounded
     target = torch.where(significant, total_curv.rsqrt(), sigma)
     limited = torch.minimum(torch.maximum(target, sigma * hp.scale_min), sigma * hp.scale_max)
     new_sigma = limited.clamp(hp.sigma_min, hp.sigma_max)
 
-    if hp.drift_forgetting > 0:
+    if hp.drift_forgetting > 0:  # rule 2
         # a step taken while damped (k > 1) is mostly noise or oscillation, not drift
         travelled = step.abs() / (damping * sigma)
         curvature_count = curvature_count * torch.exp(-hp.drift_forgetting * travelled)
@@ -302,8 +324,8 @@ def qnvb_update(
         last_grad=grad,
         damping=damping,
     )
-    # a non-finite input or an overflow (e.g. of g^2) leaves a coordinate unchanged: no NaN or
-    # infinity ever leaves this function. Counted as tensors: no host-device sync here.
+    # rule 11: a non-finite input or an overflow (e.g. of g^2) leaves a coordinate unchanged: no
+    # NaN or infinity ever leaves this function. Counted as tensors: no host-device sync here.
     updated = finite_input.clone()
     for value in (new_mu, new_sigma, *new_state):
         updated &= torch.isfinite(value)
