@@ -171,6 +171,22 @@ def test_drift_forgetting_drops_the_curvature_seen_on_the_way():
     assert _run_exponential(QNVBHyperparameters(drift_forgetting=0.0), 12)[-1] > 2.0
 
 
+def test_beta1_averages_the_gradient_carried_to_the_new_mean():
+    # h = 4 throughout; g = 2 moves the mean by 2 / 4 = 0.5, and the carry g_avg - h * 0.5 = 0 is
+    # the gradient the quadratic model predicts there. Then g = 1: beta1 = 0.5 averages it with
+    # the carried 0 (step 0.5 / 4), beta1 = 0 takes it alone (step 1 / 4); without the carry
+    # the average would be (2 + 1) / 2 (step 0.375)
+    mu0, sigma, h = torch.zeros(1, dtype=DTYPE), torch.full((1,), 0.5, dtype=DTYPE), 4.0
+    for beta1, expected in [(0.5, -0.625), (0.0, -0.75)]:
+        hp = QNVBHyperparameters(betas=(beta1, 0.999))
+        mu, state = mu0, init_qnvb_state(mu0)
+        for g in (2.0, 1.0):
+            full = torch.full((1,), g, dtype=DTYPE)
+            result = qnvb_update(mu, sigma, full, torch.full((1,), h, dtype=DTYPE), state, hp)
+            mu, state = result.mu, result.state
+        assert float(mu) == expected
+
+
 def test_lr_caps_the_step_of_the_mean():
     # nearly flat loss: the quasi-Newton step g / H would be 1e6; the cap gives lr sign(g)
     mu = torch.zeros(2, dtype=DTYPE)
