@@ -88,8 +88,16 @@ class QNVBOptimizer(torch.optim.Optimizer):
         init_sigma: the standard deviation of every parameter before the first step.
         generator: random generator of random rules (torch's global generator when ``None``);
             when given, its state is saved with :meth:`state_dict`.
-        lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, damping,
-            drift_forgetting: see :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
+        lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, significance,
+            damping, damping_recovery, drift_forgetting, recent_fraction: see
+            :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
+
+    Every argument is checked when the optimizer (or a parameter group) is built, and a wrong
+    type or value is refused by name. Steps warn once per kind, with the number of coordinates
+    concerned: a non-finite gradient or curvature, an update that overflowed while the gradient
+    was finite (both leave the coordinates unchanged), a ``sigma`` pinned at ``sigma_min``, a
+    ``sigma`` pinned at ``sigma_max``. Reading the counts is the step's only host-device sync, and
+    it stops once all four kinds have been warned about.
 
     Example::
 
