@@ -22,6 +22,12 @@ Usage::
     python benchmarks/bench_qnvb.py --methods "QNVB + Trace_ELBO" "Adam(1e-02) + Trace_ELBO"
     python benchmarks/bench_qnvb.py --problems network --max-evals 100000 --check-every 2500 \
         --history                                    # every checked value, not only the last
+    python benchmarks/bench_qnvb.py --ablate none damping drift-forgetting \
+        --methods "QNVB + QuadratureELBO(hadamard 4)"   # QNVB with one rule switched off per row
+
+``--ablate`` runs the QNVB methods only, once per named ablation (``none``: the defaults), each
+switching one rule of :func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update` off through its
+hyperparameters (see ``ABLATIONS``); ``--methods`` then names the QNVB methods without the suffix.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from pathlib import Path
 
@@ -55,6 +61,22 @@ from pyro_quadvi.testing import (
 TOLERANCE_SIGMA = 0.05
 TOLERANCE_NATS = 0.1
 
+ABLATIONS: dict[str, dict] = {
+    "none": {},
+    "significance": {"significance": 0.0},  # the mean of h wherever it is positive
+    "rms-curvature": {"curvature": "rms"},  # the reference's sqrt(mean(h^2)), no test
+    "damping": {"damping": False},
+    "damping-recovery-1": {"damping_recovery": 1.0},  # the symmetric rule
+    "drift-forgetting": {"drift_forgetting": 0.0},
+    "lr-cap": {"lr": math.inf},  # the full quasi-Newton step
+    "scale-limit": {"scale_min": 1e-100, "scale_max": math.inf},
+    "sigma-bounds": {"sigma_min": 1e-100, "sigma_max": 1e100},
+    "beta1": {"betas": (0.9, 0.999)},  # switched on: the reference's gradient average
+    "recent-fraction-0.5": {"recent_fraction": 0.5},  # switched on: a window of t / 2 at most
+}
+"""Each ablation's hyperparameters: one rule of the update switched off (or, for ``beta1`` and
+``recent-fraction-0.5``, on: they are off by default)."""
+
 
 @dataclass
 class Method:
@@ -64,19 +86,39 @@ class Method:
     evals_per_step: int
 
 
-def methods() -> list[Method]:
-    out = [
+def qnvb(**overrides) -> QNVB:
+    """``QNVB()`` with the hyperparameters in ``overrides`` replaced."""
+    optimizer = QNVB()
+    optimizer.hyperparameters = replace(optimizer.hyperparameters, **overrides)
+    return optimizer
+
+
+def qnvb_methods(ablation: str = "none") -> list[Method]:
+    """The QNVB methods, with the hyperparameters of ``ABLATIONS[ablation]``."""
+
+    def make() -> QNVB:
+        return qnvb(**ABLATIONS[ablation])
+
+    suffix = "" if ablation == "none" else f" [ablate {ablation}]"
+    return [
         Method(
-            "QNVB + QuadratureELBO(rasp_simplex 3)",
-            QNVB,
+            "QNVB + QuadratureELBO(rasp_simplex 3)" + suffix,
+            make,
             lambda: QuadratureELBO(rule="rasp_simplex"),
             3,
         ),
         Method(
-            "QNVB + QuadratureELBO(hadamard 4)", QNVB, lambda: QuadratureELBO(rule="hadamard"), 4
+            "QNVB + QuadratureELBO(hadamard 4)" + suffix,
+            make,
+            lambda: QuadratureELBO(rule="hadamard"),
+            4,
         ),
-        Method("QNVB + Trace_ELBO", QNVB, Trace_ELBO, 1),
+        Method("QNVB + Trace_ELBO" + suffix, make, Trace_ELBO, 1),
     ]
+
+
+def methods() -> list[Method]:
+    out = qnvb_methods()
     for lr in (1e-3, 1e-2, 1e-1):
         out.append(
             Method(
@@ -144,7 +186,11 @@ def run(problem, method: Method, loss, metric, tol, max_evals: int, check_every:
     max_steps = max_evals // method.evals_per_step
     for step in range(1, max_steps + 1):
         start = time.perf_counter()
-        loss_value = svi.step()
+        try:
+            loss_value = svi.step()
+        except ValueError as error:  # the ELBO refuses a non-finite log density: diverged
+            print(f"{method.name}: step {step}: {error}", file=sys.stderr)
+            return Run(evals, seconds, values, False)
         elapsed += time.perf_counter() - start
         if not math.isfinite(loss_value):
             return Run(evals, seconds, values, False)
@@ -184,11 +230,26 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--history", action="store_true", help="also print every checked value of each run"
     )
+    parser.add_argument(
+        "--ablate",
+        nargs="+",
+        default=None,
+        choices=sorted(ABLATIONS),
+        help="QNVB methods only, once per ablation ('none': the defaults)",
+    )
     args = parser.parse_args(argv)
     torch.set_default_dtype(torch.float64)
-    all_problems, all_methods = problems(), methods()
+    all_problems = problems()
     chosen = args.problems or list(all_problems)
-    chosen_methods = [m for m in all_methods if args.methods is None or m.name in args.methods]
+    if args.ablate is None:
+        chosen_methods = [m for m in methods() if args.methods is None or m.name in args.methods]
+    else:
+        chosen_methods = [
+            m
+            for ablation in args.ablate
+            for m, base in zip(qnvb_methods(ablation), qnvb_methods())
+            if args.methods is None or base.name in args.methods
+        ]
     print(
         f"max {args.max_evals} gradient evaluations per run; torch {torch.__version__}, "
         f"pyro {pyro.__version__}, {torch.get_num_threads()} threads\n"

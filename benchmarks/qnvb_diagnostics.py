@@ -4,7 +4,7 @@ One run on a problem of ``bench_qnvb.py``, printing the error metric and the dam
 (median and maximum over coordinates) at a few steps, and at the end the error of each coordinate
 (mean error in units of the optimal sigma, and sigma over the optimal sigma).
 
-* ``--damping-recovery`` replaces ``qnvb_functional.DAMPING_RECOVERY`` (how much ``k`` shrinks
+* ``--damping-recovery`` sets the hyperparameter ``damping_recovery`` (how much ``k`` shrinks
   after a step without a sign change; default 0.5) to test the symmetric rule (1.0).
 * ``--adam LR`` runs ClippedAdam with that learning rate (and ``--lrd``) instead of QNVB, on the
   same loss: a rule's bias shows as the same end point for both optimizers.
@@ -32,10 +32,9 @@ from pyro.infer import SVI, Trace_ELBO
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_qnvb import make_metric, mean_field, problems
-from pyro_quadvi import QNVB, QuadratureELBO
+from benchmarks.bench_qnvb import make_metric, mean_field, problems, qnvb
+from pyro_quadvi import QuadratureELBO
 from pyro_quadvi.guides import AutoMeanFieldNormal
-from pyro_quadvi.optim import qnvb_functional
 
 CHECKPOINTS = (10, 30, 100, 300, 1000, 2000, 3000, 6000, 10000, 20000)
 
@@ -50,8 +49,6 @@ def main(argv=None) -> None:
     parser.add_argument("--lrd", type=float, default=1.0, help="ClippedAdam's decay per step")
     args = parser.parse_args(argv)
     torch.set_default_dtype(torch.float64)
-    if args.damping_recovery is not None:
-        qnvb_functional.DAMPING_RECOVERY = args.damping_recovery
 
     problem = problems()[args.problem]()
     metric, _, unit = make_metric(problem)
@@ -60,7 +57,10 @@ def main(argv=None) -> None:
     guide = AutoMeanFieldNormal(problem.model)
     loss = Trace_ELBO() if args.loss == "trace" else QuadratureELBO(rule=args.loss)
     if args.adam is None:
-        optimizer = QNVB()
+        overrides = {}
+        if args.damping_recovery is not None:
+            overrides["damping_recovery"] = args.damping_recovery
+        optimizer = qnvb(**overrides)
     else:
         optimizer = pyro.optim.ClippedAdam({"lr": args.adam, "lrd": args.lrd})
     svi = SVI(problem.model, guide, optimizer, loss)

@@ -185,6 +185,68 @@ def test_non_finite_gradients_leave_coordinates_unchanged_and_warn_once():
     assert w[0] == 0.5 and torch.isfinite(w).all()
 
 
+def test_overflow_and_sigma_at_its_bound_are_told_apart_and_warned_once_each():
+    # float32: w[0]'s gradient 1e20 is finite but its square is not; w[1] sits in a well of
+    # curvature 2e14, whose sigma 7e-8 lies below sigma_min = 1e-6 (reached from 1e-5 by the rate
+    # limit in one step, pinned from the second)
+    w = torch.nn.Parameter(torch.zeros(2))
+    optimizer = QNVBOptimizer([w], init_sigma=1e-5)
+
+    def closure():
+        loss = 1e20 * w[0] + 1e14 * w[1] ** 2
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            optimizer.step(closure)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert messages == [
+        "QNVBOptimizer: the update overflowed while the gradient was finite (e.g. g^2 beyond the "
+        "dtype's range) at 1 coordinates (first: a parameter of shape (2,)); they were left "
+        "unchanged: rescale the loss or use float64 (this warning is shown once)",
+        "QNVBOptimizer: sigma pinned at sigma_min=1e-06 at 1 coordinates (first: a parameter of "
+        "shape (2,)): the curvature asks for a smaller sigma; lower sigma_min if that is wanted "
+        "(this warning is shown once)",
+    ]
+    assert w[0] == 0.0 and optimizer.state[w]["sigma"][1] == pytest.approx(1e-6)
+
+
+@pytest.mark.parametrize(
+    "returned, expected",
+    [
+        (lambda loss: None, "it returned None (NoneType)"),
+        (lambda loss: loss * torch.ones(3), "it returned a tensor of shape (3,)"),
+        (lambda loss: float(loss), "it returned 0.0 (float)"),
+    ],
+)
+def test_a_closure_must_return_the_scalar_loss(returned, expected):
+    z = torch.nn.Parameter(torch.zeros(2, dtype=DTYPE))
+    optimizer = QNVBOptimizer([z], init_sigma=0.1)
+
+    def closure():
+        loss = (z**2).sum()
+        loss.backward()
+        return returned(loss.detach() * 0)
+
+    with pytest.raises(TypeError) as info:
+        optimizer.step(closure)
+    assert str(info.value) == (
+        "QNVBOptimizer: the closure must return the scalar loss tensor (mean per case) after "
+        f"calling backward() on it; {expected}"
+    )
+    assert torch.equal(z.detach(), torch.zeros(2, dtype=DTYPE))  # back at the mean
+
+
+def test_a_closure_without_backward_is_refused():
+    z = torch.nn.Parameter(torch.ones(2, dtype=DTYPE))
+    optimizer = QNVBOptimizer([z], init_sigma=0.1)
+    with pytest.raises(RuntimeError, match="no parameter received a gradient"):
+        optimizer.step(lambda: (z**2).sum())
+    assert torch.equal(z.detach(), torch.ones(2, dtype=DTYPE)) and optimizer.num_steps == 0
+
+
 def test_bad_arguments_are_refused():
     p = [torch.nn.Parameter(torch.zeros(2))]
     with pytest.raises(ValueError, match="likelihood_weight"):
@@ -195,3 +257,42 @@ def test_bad_arguments_are_refused():
         QNVBOptimizer(p, prior_precision=-1.0)
     with pytest.raises(ValueError, match="unknown quadrature rule"):
         QNVBOptimizer(p, quadrature="simpson")
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (
+            dict(betas=0.9),
+            TypeError,
+            "betas must be a pair (beta1, beta2) of numbers in [0, 1), got 0.9 (float)",
+        ),
+        (dict(lr="1"), TypeError, "lr must be a real number > 0, got '1' (str)"),
+        (
+            dict(likelihood_weight="10"),
+            TypeError,
+            "likelihood_weight must be a real number > 0, got '10' (str)",
+        ),
+        (
+            dict(annealing=0.5),
+            TypeError,
+            "annealing must be a callable step -> factor, such as "
+            "geometric_annealing(0.01, num_steps=500), got 0.5 (float)",
+        ),
+        (
+            dict(annealing=lambda step: None),
+            TypeError,
+            "annealing(0) must return a real number > 0, got None (NoneType)",
+        ),
+    ],
+)
+def test_bad_argument_types_are_refused_at_construction_by_name(kwargs, error, message):
+    with pytest.raises(error) as info:
+        QNVBOptimizer([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+    assert str(info.value) == message
+
+
+def test_a_bad_parameter_group_is_refused_when_added():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="damping_recovery must be > 0, got -1"):
+        QNVBOptimizer([{"params": [a]}, {"params": [b], "damping_recovery": -1}])

@@ -13,12 +13,52 @@ and :class:`~pyro_quadvi.optim.torch_qnvb.QNVBOptimizer` multiplies its likeliho
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
+import torch
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
-__all__ = ["AnnealLikelihoodMessenger", "anneal_likelihood", "geometric_annealing"]
+__all__ = [
+    "AnnealLikelihoodMessenger",
+    "anneal_likelihood",
+    "check_schedule",
+    "geometric_annealing",
+]
+
+
+def check_schedule(annealing: object) -> Callable[[int], float] | None:
+    """Refuse an annealing schedule that is neither ``None`` nor a callable ``step -> factor``.
+
+    The schedule is called once, at step 0, and must return a finite real number ``> 0`` (a
+    Python number or a one-element tensor): a wrong schedule is refused when the optimizer is
+    built, not at its first step.
+
+    Returns:
+        ``annealing`` itself.
+
+    Raises:
+        TypeError: when ``annealing`` is not callable, or its factor is not a real number.
+        ValueError: when its factor at step 0 is not finite and ``> 0``.
+    """
+    if annealing is None:
+        return None
+    if not callable(annealing):
+        raise TypeError(
+            "annealing must be a callable step -> factor, such as "
+            f"geometric_annealing(0.01, num_steps=500), got {annealing!r} "
+            f"({type(annealing).__name__})"
+        )
+    factor = annealing(0)
+    is_number = isinstance(factor, numbers.Real) and not isinstance(factor, bool)
+    if not (is_number or (isinstance(factor, torch.Tensor) and factor.numel() == 1)):
+        raise TypeError(
+            f"annealing(0) must return a real number > 0, got {factor!r} ({type(factor).__name__})"
+        )
+    if not 0 < float(factor) < math.inf:
+        raise ValueError(f"annealing(0) must return a finite factor > 0, got {factor!r}")
+    return annealing
 
 
 def geometric_annealing(initial: float, num_steps: int) -> Callable[[int], float]:

@@ -1,31 +1,53 @@
 """The QNVB update as a pure function of tensors.
 
 Quasi-Newton variational Bayes (rasp paper, eq. 4-8; sequence paper, Sections 4.1-4.2) moves a
-Gaussian mean field ``N(mu, diag(sigma^2))`` to the fixed point of the projective integral update:
+Gaussian mean field ``N(mu, diag(sigma^2))`` to the fixed point of the projective integral update
+(rasp eq. 4) on the quadratic basis (eq. 5), that is of the local quadratic model of the loss
+(eq. 6):
 
     mu <- mu - g / h,        sigma <- h^(-1/2),
 
 where ``g`` and ``h`` are the expected gradient and Hessian diagonal of the loss (the negative log
-joint) under ``q`` (eq. 7 and 8). :func:`qnvb_update` performs one such step elementwise, with the
-safeguards of the public reference optimizer (``shared/design/qnvb-update-rule.md``) and three
-additions that make it converge on ordinary Pyro models without tuning:
+joint) under ``q`` (eq. 7 and 8, estimated by a quadrature as in eq. 11). :func:`qnvb_update`
+performs one such step elementwise. Every rule it applies, in order (``docs/qnvb.md``, "The
+update's rules, each measured", gives the test and the benchmark row behind each):
 
-* **damping** per coordinate: a parallel (Jacobi-like) fixed-point step oscillates when the
-  posterior is strongly correlated. Each coordinate divides its step by ``k >= 1``; ``k`` grows by
-  one whenever the gradient changes sign between two steps and shrinks by one half otherwise. A
-  steady oscillation is damped until it stops; gradient noise (Monte Carlo, random quadratures)
-  makes ``k`` grow like the step count, a Robbins-Monro schedule that averages the noise out.
-* **mean curvature**: by default ``H`` is the running mean of ``h`` (unbiased) wherever it is
-  positive by more than one standard error; elsewhere (negative curvature, or too few samples to
-  tell it from noise) ``H`` is the current precision ``1 / sigma^2`` of ``q``: ``sigma`` holds and
-  the mean takes a natural-gradient step. The reference's root-mean-square ``sqrt(mean(h^2))`` is
-  biased upward whenever ``h`` is noisy (by ``3^(1/2)`` for one Monte Carlo draw) and remains
-  available.
-* **drift forgetting**: curvature and second-moment averages are taken at past means; their sample
-  count is multiplied by ``exp(-|step| / (k sigma))`` each step, so estimates taken far from the
-  current mean are forgotten while the mean travels (``k = 1``) and are averaged over long windows
-  once it settles, or once its steps are dominated by noise (``k`` large). The window is also
-  capped at half the number of steps taken, so the first, transient estimates fade quickly.
+1. **Running averages** with warm-up instead of bias correction (reference, design note step 3):
+   ``g`` with ``beta1`` (off by default: ``beta1 = 0`` uses the newest ``g``), and ``g^2``,
+   ``h``, ``h^2`` with ``beta2`` over at most ``1 / (1 - beta2)`` samples.
+2. **Drift forgetting** (``drift_forgetting``): the curvature averages were taken at past means;
+   their sample count is multiplied by ``exp(-drift_forgetting |step| / (k sigma))`` after each
+   step, so estimates taken far from the current mean are forgotten while the mean travels
+   (damping ``k = 1``) and averaged over long windows once it settles or its steps are dominated
+   by noise (``k`` large).
+3. **Recent window** (``recent_fraction``, off by default): the curvature averages span at most
+   this fraction of the steps taken, so a transient fades as ``(t0 / t)^2`` instead of ``t0 / t``.
+4. **Mean curvature with a significance test** (``curvature="mean"``, ``significance``): ``H`` is
+   the running mean of ``h`` (unbiased) where it is positive by more than ``significance``
+   standard errors; elsewhere (negative curvature, or curvature lost in noise) ``H`` is the
+   current precision ``1 / sigma^2`` of ``q``: ``sigma`` holds and the mean takes a
+   natural-gradient step. ``curvature="rms"`` is the reference's ``sqrt(mean(h^2))`` (design note
+   step 4), biased upward by the noise of ``h``.
+5. **Curvature floor**: the curvature of the whole loss is at least ``1 / sigma_max^2``, so the
+   mean never steps as if ``q`` were wider than ``sigma_max``.
+6. **Damping** (``damping``, ``damping_recovery``): a parallel (Jacobi-like) Newton step
+   oscillates on a correlated posterior. Each coordinate divides its step by ``k >= 1``, which
+   grows by one when the gradient changes sign between two steps and shrinks by
+   ``damping_recovery`` otherwise. A steady oscillation is damped until it stops; gradient noise
+   makes ``k`` grow like the step count, a Robbins-Monro schedule that averages the noise out.
+7. **Step cap** (``lr``, ``eps``; design note step 6): the mean moves by
+   ``g / (k max(H, (sqrt(s) + eps) / lr))``, the smaller of the (damped) quasi-Newton step and an
+   Adam step of size ``lr``.
+8. **Gradient carry** (with ``beta1 > 0``; design note step 6): the averaged gradient is moved to
+   the new mean by the quadratic model, ``g_avg <- g_avg - H step`` (eq. 6).
+9. **Scale rate limit** (``scale_min``, ``scale_max``; design note step 5): ``sigma`` moves to
+   ``(w H + prior)^(-1/2)`` by a factor in ``[scale_min, scale_max]`` at most per step.
+10. **Scale bounds** (``sigma_min``, ``sigma_max``): ``sigma`` is clamped to them; the
+    coordinates pinned at a bound by this step are counted.
+11. **Guard**: a coordinate whose ``g`` or ``h`` is not finite, or whose update overflows (e.g.
+    ``g^2`` beyond the dtype's range while ``g`` is finite), keeps its mean, scale and state; the
+    two causes are counted apart. The counts stay 0-d tensors: the update never synchronizes
+    with the host.
 
 The loss is ``weight * L(theta) + prior_precision * |theta|^2 / 2``: ``g`` and ``h`` estimate the
 moments of ``L`` and ``weight`` (the likelihood weight times an annealing factor) and the Gaussian
@@ -36,6 +58,8 @@ hold the prior and the data scale: there ``weight = 1`` and ``prior_precision = 
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -44,17 +68,16 @@ import torch
 __all__ = ["QNVBHyperparameters", "QNVBResult", "QNVBState", "init_qnvb_state", "qnvb_update"]
 
 _CURVATURES = ("mean", "rms")
-SIGNIFICANCE = 1.0
-"""With ``curvature="mean"``, the mean of ``h`` is used once it exceeds this many standard errors;
-until then (negative curvature, or curvature lost in noise) ``sigma`` holds its value."""
-DAMPING_RECOVERY = 0.5
-"""How much the damping divisor ``k`` shrinks after a step without a sign change."""
-MAX_DAMPING = 1e4
-"""The largest damping divisor: every coordinate takes at least ``1 / MAX_DAMPING`` of its step."""
-RECENT_FRACTION = 0.5
-"""The curvature averages span at most this fraction of a coordinate's updates (and at least two),
-so the estimates of the first, transient steps fade (as ``(t0 / t)^2``) instead of lingering in an
-arithmetic mean."""
+
+
+def _check_number(name: str, value: object, ok: Callable[[float], bool], expected: str) -> None:
+    """Refuse ``value`` unless it is a real number (not a bool) for which ``ok`` holds."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a real number {expected}, got {value!r} ({type(value).__name__})"
+        )
+    if not ok(value):  # NaN fails every comparison
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -74,10 +97,18 @@ class QNVBHyperparameters:
         scale_min, scale_max: per-step bounds on the factor by which ``sigma`` may change.
         curvature: ``"mean"`` (running mean of ``h`` where significantly positive, else the
             current ``1 / sigma^2``) or ``"rms"`` (the reference's ``sqrt(mean(h^2))``).
+        significance: with ``curvature="mean"``, the mean of ``h`` is used once it exceeds this
+            many standard errors; until then (negative curvature, or curvature lost in noise)
+            ``sigma`` holds its value.
         damping: adapt a per-coordinate step divisor to oscillation and noise (module docstring);
             ``False`` takes full steps.
+        damping_recovery: how much the damping divisor ``k`` shrinks after a step without a sign
+            change of the gradient (it grows by one after a sign change).
         drift_forgetting: rate at which curvature averages forget estimates taken at past means,
             per ``sigma`` travelled; ``0`` keeps the reference's plain warm-up.
+        recent_fraction: the curvature averages span at most this fraction of a coordinate's
+            updates (and at least two), so that the first, transient estimates fade as
+            ``(t0 / t)^2`` instead of ``t0 / t``; ``1`` (the default) keeps the plain warm-up.
     """
 
     lr: float = 1.0
@@ -88,36 +119,49 @@ class QNVBHyperparameters:
     scale_min: float = 0.1
     scale_max: float = 10.0
     curvature: str = "mean"
+    significance: float = 1.0
     damping: bool = True
+    damping_recovery: float = 0.5
     drift_forgetting: float = 1.0
+    recent_fraction: float = 1.0
 
     def __post_init__(self):
-        beta1, beta2 = self.betas
+        betas = self.betas
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise TypeError(
+                f"betas must be a pair (beta1, beta2) of numbers in [0, 1), got {betas!r} "
+                f"({type(betas).__name__})"
+            )
+        object.__setattr__(self, "betas", tuple(betas))
+        unit = (lambda b: 0 <= b < 1, "in [0, 1)")
         checks = [
-            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
-            (0 <= beta1 < 1, f"betas[0] must be in [0, 1), got {beta1}"),
-            (0 <= beta2 < 1, f"betas[1] must be in [0, 1), got {beta2}"),
-            (self.eps >= 0, f"eps must be >= 0, got {self.eps}"),
+            ("lr", self.lr, lambda v: v > 0, "> 0"),
+            ("betas[0]", betas[0], *unit),
+            ("betas[1]", betas[1], *unit),
+            ("eps", self.eps, lambda v: v >= 0, ">= 0"),
+            ("sigma_min", self.sigma_min, lambda v: 0 < v < math.inf, "finite and > 0"),
             (
-                0 < self.sigma_min < self.sigma_max < math.inf,
-                f"need 0 < sigma_min < sigma_max < inf, got {self.sigma_min}, {self.sigma_max}",
+                "sigma_max",
+                self.sigma_max,
+                lambda v: self.sigma_min < v < math.inf,
+                f"finite and > sigma_min = {self.sigma_min!r}",
             ),
-            (
-                0 < self.scale_min <= 1 <= self.scale_max,
-                f"need 0 < scale_min <= 1 <= scale_max, got {self.scale_min}, {self.scale_max}",
-            ),
-            (
-                self.curvature in _CURVATURES,
-                f"curvature must be one of {_CURVATURES}, got {self.curvature!r}",
-            ),
-            (
-                self.drift_forgetting >= 0,
-                f"drift_forgetting must be >= 0, got {self.drift_forgetting}",
-            ),
+            ("scale_min", self.scale_min, lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("scale_max", self.scale_max, lambda v: v >= 1, ">= 1"),
+            ("significance", self.significance, lambda v: 0 <= v < math.inf, "finite and >= 0"),
+            ("damping_recovery", self.damping_recovery, lambda v: v > 0, "> 0"),
+            ("drift_forgetting", self.drift_forgetting, lambda v: v >= 0, ">= 0"),
+            ("recent_fraction", self.recent_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        for name, value, ok, expected in checks:
+            _check_number(name, value, ok, expected)
+        if self.curvature not in _CURVATURES:
+            raise ValueError(f"curvature must be one of {_CURVATURES}, got {self.curvature!r}")
+        if not isinstance(self.damping, bool):
+            raise TypeError(
+                f"damping must be True or False, got {self.damping!r} "
+                f"({type(self.damping).__name__})"
+            )
 
 
 class QNVBState(NamedTuple):
@@ -145,19 +189,28 @@ class QNVBState(NamedTuple):
 
 
 class QNVBResult(NamedTuple):
-    """What :func:`qnvb_update` returns.
+    """What :func:`qnvb_update` returns; the counts are 0-d integer tensors on ``mu``'s device.
 
     Attributes:
         mu, sigma: the new mean and standard deviation.
         state: the new state.
-        num_nonfinite: how many coordinates had a non-finite ``g``, ``h`` or update (they are
-            left unchanged).
+        num_nonfinite: coordinates whose input ``g`` or ``h`` was not finite; they keep their
+            mean, scale and state.
+        num_overflow: coordinates whose ``g`` and ``h`` were finite but whose update was not
+            (e.g. ``g^2`` overflowed the dtype); they keep their mean, scale and state too.
+        num_sigma_min: coordinates (of those updated) whose new ``sigma`` was raised to
+            ``sigma_min`` by this step: the curvature asked for a smaller one.
+        num_sigma_max: coordinates (of those updated) whose new ``sigma`` was lowered to
+            ``sigma_max`` by this step.
     """
 
     mu: torch.Tensor
     sigma: torch.Tensor
     state: QNVBState
-    num_nonfinite: int
+    num_nonfinite: torch.Tensor
+    num_overflow: torch.Tensor
+    num_sigma_min: torch.Tensor
+    num_sigma_max: torch.Tensor
 
 
 def init_qnvb_state(mu: torch.Tensor) -> QNVBState:
@@ -209,56 +262,54 @@ def qnvb_update(
         :class:`QNVBResult` with the new mean, scale and state.
     """
     beta1, beta2 = hp.betas
-    finite = torch.isfinite(g) & torch.isfinite(h)
-    g = torch.where(finite, g, 0.0)
-    h = torch.where(finite, h, 0.0)
+    finite_input = torch.isfinite(g) & torch.isfinite(h)  # the rest is elementwise: a NaN in g
+    # or h spoils its own coordinate only, which the guard at the end leaves unchanged
 
-    # running averages with warm-up (design note, step 3)
+    # rules 1 and 3: running averages with warm-up, the curvature window
     count = state.count + 1
     g_avg = _average(state.g_avg, g, count.clamp(max=1.0 / (1.0 - beta1)))
-    curvature_count = torch.minimum(
-        (state.curvature_count + 1).clamp(max=1.0 / (1.0 - beta2)),
-        torch.maximum(RECENT_FRACTION * count, count.clamp(max=2.0)),
-    )
+    curvature_count = (state.curvature_count + 1).clamp(max=1.0 / (1.0 - beta2))
+    if hp.recent_fraction < 1:
+        window = torch.maximum(hp.recent_fraction * count, count.clamp(max=2.0))
+        curvature_count = torch.minimum(curvature_count, window)
     grad = weight * g + prior_precision * mu
     s_avg = _average(state.s_avg, grad * grad, curvature_count)
     h_avg = _average(state.h_avg, h, curvature_count)
     h2_avg = _average(state.h2_avg, h * h, curvature_count)
 
-    # curvature of L, then of the whole loss (step 4)
-    rms = h2_avg.sqrt()
+    # rules 4 and 5: curvature of L, then of the whole loss, floored
     if hp.curvature == "rms":
-        curv = rms
-        significant = torch.ones_like(finite)
+        curv = h2_avg.sqrt()
+        significant = torch.ones_like(finite_input)
     else:
         stderr = ((h2_avg - h_avg**2).clamp(min=0) / curvature_count).sqrt()
-        significant = h_avg > SIGNIFICANCE * stderr
+        significant = h_avg > hp.significance * stderr
         held = ((sigma**-2 - prior_precision) / weight).clamp(min=0)  # q's current precision
         curv = torch.where(significant, h_avg, held)
     total_curv = (weight * curv + prior_precision).clamp(min=hp.sigma_max**-2)
 
-    # damping: a sign change of the gradient means the last step overshot
+    # rule 6, damping: a sign change of the gradient means the last step overshot
     if hp.damping:
         flipped = grad * state.last_grad < 0
         damping = torch.where(
-            flipped, state.damping + 1, (state.damping - DAMPING_RECOVERY).clamp(min=1.0)
-        ).clamp(max=MAX_DAMPING)
+            flipped, state.damping + 1, (state.damping - hp.damping_recovery).clamp(min=1.0)
+        )
     else:
         damping = state.damping
 
-    # mean: quasi-Newton step, capped by an Adam-sized step (step 6)
+    # rule 7: the quasi-Newton step, capped by an Adam-sized step; rule 8: the carry
     cap = (s_avg.sqrt() + hp.eps) / hp.lr
     total_grad = weight * g_avg + prior_precision * mu
     step = total_grad / (damping * torch.maximum(total_curv, cap))
     new_mu = mu - step
     g_avg = g_avg - curv * step  # carry the averaged gradient to the new mean
 
-    # scale: sigma* = (w H + prior)^(-1/2), rate-limited, then bounded (step 5)
+    # rules 9 and 10: sigma* = (w H + prior)^(-1/2), rate-limited, then bounded
     target = torch.where(significant, total_curv.rsqrt(), sigma)
-    new_sigma = torch.minimum(torch.maximum(target, sigma * hp.scale_min), sigma * hp.scale_max)
-    new_sigma = new_sigma.clamp(hp.sigma_min, hp.sigma_max)
+    limited = torch.minimum(torch.maximum(target, sigma * hp.scale_min), sigma * hp.scale_max)
+    new_sigma = limited.clamp(hp.sigma_min, hp.sigma_max)
 
-    if hp.drift_forgetting > 0:
+    if hp.drift_forgetting > 0:  # rule 2
         # a step taken while damped (k > 1) is mostly noise or oscillation, not drift
         travelled = step.abs() / (damping * sigma)
         curvature_count = curvature_count * torch.exp(-hp.drift_forgetting * travelled)
@@ -273,14 +324,20 @@ def qnvb_update(
         last_grad=grad,
         damping=damping,
     )
-    # overflow (e.g. of g^2) also leaves a coordinate unchanged: no NaN ever leaves this function
+    # rule 11: a non-finite input or an overflow (e.g. of g^2) leaves a coordinate unchanged: no
+    # NaN or infinity ever leaves this function. Counted as tensors: no host-device sync here.
+    updated = finite_input.clone()
     for value in (new_mu, new_sigma, *new_state):
-        finite &= torch.isfinite(value)
-    num_nonfinite = int(finite.numel() - finite.sum())
-    if num_nonfinite:
-        new_mu = torch.where(finite, new_mu, mu)
-        new_sigma = torch.where(finite, new_sigma, sigma)
-        new_state = QNVBState(
-            *(torch.where(finite, new, old) for new, old in zip(new_state, state))
-        )
-    return QNVBResult(new_mu, new_sigma, new_state, num_nonfinite)
+        updated &= torch.isfinite(value)
+    new_mu = torch.where(updated, new_mu, mu)
+    new_sigma = torch.where(updated, new_sigma, sigma)
+    new_state = QNVBState(*(torch.where(updated, new, old) for new, old in zip(new_state, state)))
+    return QNVBResult(
+        new_mu,
+        new_sigma,
+        new_state,
+        num_nonfinite=(~finite_input).sum(),
+        num_overflow=(finite_input & ~updated).sum(),
+        num_sigma_min=(updated & (limited < hp.sigma_min)).sum(),
+        num_sigma_max=(updated & (limited > hp.sigma_max)).sum(),
+    )

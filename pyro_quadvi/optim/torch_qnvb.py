@@ -16,6 +16,7 @@ parameters hold the mean ``mu``; ``optimizer.state[p]["sigma"]`` holds the stand
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import fields
@@ -23,12 +24,52 @@ from dataclasses import fields
 import torch
 
 from ..quadrature import make_rule
-from .qnvb_functional import QNVBHyperparameters, QNVBState, init_qnvb_state, qnvb_update
+from .annealing import check_schedule
+from .qnvb_functional import (
+    QNVBHyperparameters,
+    QNVBState,
+    _check_number,
+    init_qnvb_state,
+    qnvb_update,
+)
 
 __all__ = ["QNVBOptimizer"]
 
 _HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
 _STATE_NAMES = QNVBState._fields
+_COUNTS = ("num_nonfinite", "num_overflow", "num_sigma_min", "num_sigma_max")
+_MESSAGES: dict[str, Callable[[QNVBHyperparameters], str]] = {
+    "num_nonfinite": lambda hp: (
+        "non-finite gradient or curvature at {where}; they were left unchanged"
+    ),
+    "num_overflow": lambda hp: (
+        "the update overflowed while the gradient was finite (e.g. g^2 beyond the dtype's range) "
+        "at {where}; they were left unchanged: rescale the loss or use float64"
+    ),
+    "num_sigma_min": lambda hp: (
+        f"sigma pinned at sigma_min={hp.sigma_min:g} at {{where}}: the curvature asks for a "
+        "smaller sigma; lower sigma_min if that is wanted"
+    ),
+    "num_sigma_max": lambda hp: (
+        f"sigma pinned at sigma_max={hp.sigma_max:g} at {{where}}: raise sigma_max if a wider "
+        "posterior is wanted"
+    ),
+}
+
+
+def _checked_loss(loss: object) -> torch.Tensor:
+    """The closure's loss as a detached 0-d tensor, or a clear error for anything else."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else f"{loss!r} ({type(loss).__name__})"
+        )
+        raise TypeError(
+            "QNVBOptimizer: the closure must return the scalar loss tensor (mean per case) after "
+            f"calling backward() on it; it returned {got}"
+        )
+    return loss.detach().reshape(())
 
 
 class QNVBOptimizer(torch.optim.Optimizer):
@@ -47,8 +88,16 @@ class QNVBOptimizer(torch.optim.Optimizer):
         init_sigma: the standard deviation of every parameter before the first step.
         generator: random generator of random rules (torch's global generator when ``None``);
             when given, its state is saved with :meth:`state_dict`.
-        lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, damping,
-            drift_forgetting: see :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
+        lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, significance,
+            damping, damping_recovery, drift_forgetting, recent_fraction: see
+            :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
+
+    Every argument is checked when the optimizer (or a parameter group) is built, and a wrong
+    type or value is refused by name. Steps warn once per kind, with the number of coordinates
+    concerned: a non-finite gradient or curvature, an update that overflowed while the gradient
+    was finite (both leave the coordinates unchanged), a ``sigma`` pinned at ``sigma_min``, a
+    ``sigma`` pinned at ``sigma_max``. Reading the counts is the step's only host-device sync, and
+    it stops once all four kinds have been warned about.
 
     Example::
 
@@ -80,43 +129,50 @@ class QNVBOptimizer(torch.optim.Optimizer):
         scale_min: float = 0.1,
         scale_max: float = 10.0,
         curvature: str = "mean",
+        significance: float = 1.0,
         damping: bool = True,
+        damping_recovery: float = 0.5,
         drift_forgetting: float = 1.0,
+        recent_fraction: float = 1.0,
     ):
-        if not likelihood_weight > 0:
-            raise ValueError(f"likelihood_weight must be > 0, got {likelihood_weight}")
+        _check_number("likelihood_weight", likelihood_weight, lambda v: 0 < v < math.inf, "> 0")
         defaults = dict(
             lr=lr,
-            betas=tuple(betas),
+            betas=betas,
             eps=eps,
             sigma_min=sigma_min,
             sigma_max=sigma_max,
             scale_min=scale_min,
             scale_max=scale_max,
             curvature=curvature,
+            significance=significance,
             damping=damping,
+            damping_recovery=damping_recovery,
             drift_forgetting=drift_forgetting,
+            recent_fraction=recent_fraction,
             prior_precision=prior_precision,
             init_sigma=init_sigma,
         )
-        self._check_group(defaults)
-        super().__init__(params, defaults)
+        self.annealing = check_schedule(annealing)
+        super().__init__(params, defaults)  # checks every group (add_param_group)
         self.likelihood_weight = float(likelihood_weight)
-        self.annealing = annealing
         self.rule = make_rule(quadrature, num_eval)
         self.generator = generator
         self.num_steps = 0
-        self._warned_nonfinite = False
+        self._warned: set[str] = set()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (torch's rule), refusing a bad hyperparameter at once, by name."""
+        super().add_param_group(param_group)
+        self._check_group(self.param_groups[-1])
 
     @staticmethod
     def _check_group(group: dict) -> QNVBHyperparameters:
-        if not group["prior_precision"] >= 0:
-            raise ValueError(f"prior_precision must be >= 0, got {group['prior_precision']}")
-        if not group["init_sigma"] > 0:
-            raise ValueError(f"init_sigma must be > 0, got {group['init_sigma']}")
-        hp = {name: group[name] for name in _HP_NAMES}
-        hp["betas"] = tuple(hp["betas"])
-        return QNVBHyperparameters(**hp)
+        _check_number(
+            "prior_precision", group["prior_precision"], lambda v: 0 <= v < math.inf, ">= 0"
+        )
+        _check_number("init_sigma", group["init_sigma"], lambda v: 0 < v < math.inf, "> 0")
+        return QNVBHyperparameters(**{name: group[name] for name in _HP_NAMES})
 
     @property
     def weight(self) -> float:
@@ -165,21 +221,32 @@ class QNVBOptimizer(torch.optim.Optimizer):
         gx_sum = [torch.zeros_like(p) for p, _ in params]
         seen = [False] * len(params)
         loss_avg = torch.zeros((), dtype=first.dtype, device=first.device)
-        for k in range(len(nodes)):
-            x = nodes.node(k)
-            weight_k = nodes.weights[k]
-            offsets = self._set_to_node(params, x)
-            with torch.enable_grad():
-                loss = closure()
-            loss_avg += weight_k * loss.detach()
-            for i, (p, _) in enumerate(params):
-                if p.grad is None:
-                    continue
-                seen[i] = True
-                g_sum[i] += weight_k * p.grad
-                gx_sum[i] += weight_k * p.grad * offsets[i]
+        try:
+            for k in range(len(nodes)):
+                x = nodes.node(k)
+                weight_k = nodes.weights[k]
+                offsets = self._set_to_node(params, x)
+                with torch.enable_grad():
+                    loss = _checked_loss(closure())
+                loss_avg += weight_k * loss
+                for i, (p, _) in enumerate(params):
+                    if p.grad is None:
+                        continue
+                    seen[i] = True
+                    g_sum[i] += weight_k * p.grad
+                    gx_sum[i] += weight_k * p.grad * offsets[i]
+            if not any(seen):
+                raise RuntimeError(
+                    "QNVBOptimizer: no parameter received a gradient; the closure must call "
+                    "backward() on the loss before returning it"
+                )
+        except BaseException:  # the parameters go back to their means, unchanged
+            for p, _ in params:
+                p.copy_(self.state[p]["mu"])
+                p.grad = None
+            raise
         weight = self.weight
-        num_nonfinite = 0
+        counts = []
         for i, (p, group) in enumerate(params):
             state = self.state[p]
             if seen[i]:
@@ -197,19 +264,36 @@ class QNVBOptimizer(torch.optim.Optimizer):
                 )
                 state["mu"], state["sigma"] = result.mu, result.sigma
                 state.update(result.state._asdict())
-                num_nonfinite += result.num_nonfinite
+                counts.append((p, hp, torch.stack([getattr(result, k) for k in _COUNTS])))
             p.copy_(state["mu"])
             p.grad = None
         self.num_steps += 1
-        if num_nonfinite and not self._warned_nonfinite:
-            self._warned_nonfinite = True
-            warnings.warn(
-                f"QNVBOptimizer: non-finite gradients at {num_nonfinite} coordinates; they were "
-                "left unchanged (this warning is shown once)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        self._warn(counts)
         return loss_avg
+
+    def _warn(self, counts: list[tuple[torch.Tensor, QNVBHyperparameters, torch.Tensor]]) -> None:
+        """Warn once per kind of :data:`_COUNTS`, naming the first parameter concerned.
+
+        The counts stay on the device until a kind is still to be warned about; then one copy to
+        the host (a single sync) reads them all.
+        """
+        if self._warned.issuperset(_COUNTS) or not counts:
+            return
+        table = torch.stack([c for _, _, c in counts]).tolist()
+        for column, kind in enumerate(_COUNTS):
+            rows = [(row[column], p, hp) for row, (p, hp, _) in zip(table, counts) if row[column]]
+            if kind in self._warned or not rows:
+                continue
+            self._warned.add(kind)
+            total = sum(n for n, _, _ in rows)
+            _, p, hp = rows[0]
+            where = f"{total} coordinates (first: a parameter of shape {tuple(p.shape)})"
+            warnings.warn(
+                f"QNVBOptimizer: {_MESSAGES[kind](hp).format(where=where)} "
+                "(this warning is shown once)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _set_to_node(self, params, x: torch.Tensor) -> list[torch.Tensor]:
         """Set every parameter to ``mu + sigma * x`` (its slice of ``x``); zero its gradient."""
