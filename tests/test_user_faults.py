@@ -280,3 +280,35 @@ def test_a_trace_elbo_fit_of_a_network_pairs_every_weight():
         "AutoMeanFieldNormal.locs.fc.weight",
         "AutoMeanFieldNormal.locs.fc.bias",
     }
+
+
+# -------------------------------- fault 9: a pinned sigma and an overflow say what happened
+def test_a_sigma_pinned_at_sigma_min_is_reported_with_its_site():
+    def model():
+        z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=DTYPE), 1.0))
+        pyro.sample("x", dist.Normal(z, 1e-9), obs=torch.tensor(0.3, dtype=DTYPE))
+
+    guide = AutoMeanFieldNormal(model)
+    svi = SVI(model, guide, QNVB(), QuadratureELBO("gauss_hermite"))
+    with pytest.warns(RuntimeWarning, match=r"sigma pinned at sigma_min=1e-06 .*site 'z'"):
+        for _ in range(8):  # sigma shrinks tenfold a step from 0.1: at 1e-6 after five
+            svi.step()
+    _, scale = _mean_field(guide)
+    assert abs(scale.item() - 1e-6) < 1e-15
+
+
+def test_an_overflow_with_a_finite_gradient_is_not_called_a_non_finite_gradient():
+    def model():  # float32: g = 1e20 is finite, g^2 = 1e40 is not
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        pyro.sample("x", dist.Normal(z, 1e-10), obs=torch.tensor(1.0))
+
+    guide = AutoMeanFieldNormal(model)
+    svi = SVI(model, guide, QNVB(), QuadratureELBO("gauss_hermite"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        svi.step()
+    messages = [str(w.message) for w in caught]
+    assert any("overflowed while the gradient was finite" in m and "'z'" in m for m in messages)
+    assert not any("non-finite gradient" in m for m in messages)
+    loc, scale = _mean_field(guide)
+    assert loc.item() == 0.0 and abs(scale.item() - 0.1) < 1e-7  # frozen, not NaN

@@ -54,13 +54,15 @@ from ..guides.interface import (
     published_moments,
     watch_guides,
 )
-from .annealing import anneal_likelihood
+from .annealing import anneal_likelihood, check_schedule
 from .qnvb_functional import (
     QNVBHyperparameters,
     QNVBResult,
     QNVBState,
+    count_messages,
     init_qnvb_state,
     qnvb_update,
+    result_counts,
 )
 
 __all__ = ["FAMILY_UPDATES", "QNVB"]
@@ -163,11 +165,7 @@ class QNVB(PyroOptim):
                 "QNVB's first argument is a dict of hyperparameters or a callable name -> dict, "
                 f"as for pyro.optim optimizers (e.g. QNVB({{'lr': 0.5}})); got {optim_args!r}"
             )
-        if annealing is not None and not callable(annealing):
-            raise TypeError(
-                f"annealing must be a callable step -> factor (e.g. geometric_annealing(0.01, "
-                f"500)), got {annealing!r}"
-            )
+        check_schedule(annealing)
         self.defaults = dict(hyperparameters)
         self.optim_args = optim_args
         self.hyperparameters = self._hyperparameters_for(None)  # validates what applies to all
@@ -238,9 +236,12 @@ class QNVB(PyroOptim):
         received = {id(p) for p in params}
         blocks, explained = self._find_blocks(params, received)
         paired: set[int] = set()
+        counts: list[tuple[str, QNVBHyperparameters, torch.Tensor]] = []
         for block in blocks:
-            if self._update_block(block):
+            if self._update_block(block, counts):
                 paired.update(id(leaf) for leaf in block.site.params.values())
+        for message in count_messages(counts, self._warned):
+            warnings.warn(f"QNVB: {message} (this warning is shown once)", RuntimeWarning, 2)
         rest = [p for p in params if id(p) not in paired]
         if params and not paired and not explained:
             self._warn_once(
@@ -319,8 +320,11 @@ class QNVB(PyroOptim):
         return state
 
     @torch.no_grad()
-    def _update_block(self, block: _Block) -> bool:
-        """One step of the block's family; ``False`` if it cannot step (it goes to the fallback)."""
+    def _update_block(self, block: _Block, counts: list) -> bool:
+        """One step of the block's family; ``False`` if it cannot step (it goes to the fallback).
+
+        Appends the step's :func:`result_counts` to ``counts``, labelled with the site.
+        """
         site = block.site
         loc_leaf, scale_leaf = site.params["loc"], site.params["scale"]
         if block.moments is None and (loc_leaf.grad is None or scale_leaf.grad is None):
@@ -358,12 +362,7 @@ class QNVB(PyroOptim):
             new_mu = torch.where(seen, new_mu, values["loc"])
             new_sigma = torch.where(seen, new_sigma, values["scale"])
             new_state = QNVBState(*(torch.where(seen, a, b) for a, b in zip(new_state, old)))
-        if result.num_nonfinite:
-            self._warn_once(
-                f"nonfinite {name}",
-                f"QNVB: non-finite gradient at {int(result.num_nonfinite)} coordinates of "
-                f"{name!r}; they were left unchanged (this warning is shown once)",
-            )
+        counts.append((f"site {site.name!r}", hp, result_counts(result)))
         # an unchanged sigma keeps its parameter bit for bit (no round trip through the transform);
         # sigma_min keeps the inverse finite, a coordinate it cannot represent stays unchanged
         new_u = transform.inv(new_sigma)

@@ -65,7 +65,16 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["QNVBHyperparameters", "QNVBResult", "QNVBState", "init_qnvb_state", "qnvb_update"]
+__all__ = [
+    "COUNT_KINDS",
+    "QNVBHyperparameters",
+    "QNVBResult",
+    "QNVBState",
+    "count_messages",
+    "init_qnvb_state",
+    "qnvb_update",
+    "result_counts",
+]
 
 _CURVATURES = ("mean", "rms")
 
@@ -211,6 +220,64 @@ class QNVBResult(NamedTuple):
     num_overflow: torch.Tensor
     num_sigma_min: torch.Tensor
     num_sigma_max: torch.Tensor
+
+
+COUNT_KINDS = ("num_nonfinite", "num_overflow", "num_sigma_min", "num_sigma_max")
+"""The counts of a :class:`QNVBResult` that an optimizer reports (once each)."""
+
+_COUNT_MESSAGES: dict[str, Callable[[QNVBHyperparameters], str]] = {
+    "num_nonfinite": lambda hp: (
+        "non-finite gradient or curvature at {where}; they were left unchanged"
+    ),
+    "num_overflow": lambda hp: (
+        "the update overflowed while the gradient was finite (e.g. g^2 beyond the dtype's range) "
+        "at {where}; they were left unchanged: rescale the loss or use float64"
+    ),
+    "num_sigma_min": lambda hp: (
+        f"sigma pinned at sigma_min={hp.sigma_min:g} at {{where}}: the curvature asks for a "
+        "smaller sigma; lower sigma_min if that is wanted"
+    ),
+    "num_sigma_max": lambda hp: (
+        f"sigma pinned at sigma_max={hp.sigma_max:g} at {{where}}: raise sigma_max if a wider "
+        "posterior is wanted"
+    ),
+}
+
+
+def result_counts(result: QNVBResult) -> torch.Tensor:
+    """The :data:`COUNT_KINDS` of ``result`` as one integer tensor (still on the device)."""
+    return torch.stack([getattr(result, kind) for kind in COUNT_KINDS])
+
+
+def count_messages(
+    counts: list[tuple[str, QNVBHyperparameters, torch.Tensor]], warned: set[str]
+) -> list[str]:
+    """One message per kind of :data:`COUNT_KINDS` not yet in ``warned`` that occurred.
+
+    Args:
+        counts: per updated tensor, a label (``"site 'w'"``), its hyperparameters and its
+            :func:`result_counts`.
+        warned: the kinds already reported; the kinds reported now are added to it.
+
+    The counts stay on the device until a kind is still to be reported; then one copy to the host
+    (a single sync) reads them all. Each message names the first tensor concerned and the total.
+    """
+    if warned.issuperset(COUNT_KINDS) or not counts:
+        return []
+    table = torch.stack([c for _, _, c in counts]).tolist()
+    messages = []
+    for column, kind in enumerate(COUNT_KINDS):
+        rows = [
+            (row[column], label, hp) for row, (label, hp, _) in zip(table, counts) if row[column]
+        ]
+        if kind in warned or not rows:
+            continue
+        warned.add(kind)
+        total = sum(n for n, _, _ in rows)
+        _, label, hp = rows[0]
+        where = f"{total} coordinates (first: {label})"
+        messages.append(_COUNT_MESSAGES[kind](hp).format(where=where))
+    return messages
 
 
 def init_qnvb_state(mu: torch.Tensor) -> QNVBState:

@@ -29,32 +29,16 @@ from .qnvb_functional import (
     QNVBHyperparameters,
     QNVBState,
     _check_number,
+    count_messages,
     init_qnvb_state,
     qnvb_update,
+    result_counts,
 )
 
 __all__ = ["QNVBOptimizer"]
 
 _HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
 _STATE_NAMES = QNVBState._fields
-_COUNTS = ("num_nonfinite", "num_overflow", "num_sigma_min", "num_sigma_max")
-_MESSAGES: dict[str, Callable[[QNVBHyperparameters], str]] = {
-    "num_nonfinite": lambda hp: (
-        "non-finite gradient or curvature at {where}; they were left unchanged"
-    ),
-    "num_overflow": lambda hp: (
-        "the update overflowed while the gradient was finite (e.g. g^2 beyond the dtype's range) "
-        "at {where}; they were left unchanged: rescale the loss or use float64"
-    ),
-    "num_sigma_min": lambda hp: (
-        f"sigma pinned at sigma_min={hp.sigma_min:g} at {{where}}: the curvature asks for a "
-        "smaller sigma; lower sigma_min if that is wanted"
-    ),
-    "num_sigma_max": lambda hp: (
-        f"sigma pinned at sigma_max={hp.sigma_max:g} at {{where}}: raise sigma_max if a wider "
-        "posterior is wanted"
-    ),
-}
 
 
 def _checked_loss(loss: object) -> torch.Tensor:
@@ -264,33 +248,18 @@ class QNVBOptimizer(torch.optim.Optimizer):
                 )
                 state["mu"], state["sigma"] = result.mu, result.sigma
                 state.update(result.state._asdict())
-                counts.append((p, hp, torch.stack([getattr(result, k) for k in _COUNTS])))
+                counts.append((f"a parameter of shape {tuple(p.shape)}", hp, result_counts(result)))
             p.copy_(state["mu"])
             p.grad = None
         self.num_steps += 1
         self._warn(counts)
         return loss_avg
 
-    def _warn(self, counts: list[tuple[torch.Tensor, QNVBHyperparameters, torch.Tensor]]) -> None:
-        """Warn once per kind of :data:`_COUNTS`, naming the first parameter concerned.
-
-        The counts stay on the device until a kind is still to be warned about; then one copy to
-        the host (a single sync) reads them all.
-        """
-        if self._warned.issuperset(_COUNTS) or not counts:
-            return
-        table = torch.stack([c for _, _, c in counts]).tolist()
-        for column, kind in enumerate(_COUNTS):
-            rows = [(row[column], p, hp) for row, (p, hp, _) in zip(table, counts) if row[column]]
-            if kind in self._warned or not rows:
-                continue
-            self._warned.add(kind)
-            total = sum(n for n, _, _ in rows)
-            _, p, hp = rows[0]
-            where = f"{total} coordinates (first: a parameter of shape {tuple(p.shape)})"
+    def _warn(self, counts: list[tuple[str, QNVBHyperparameters, torch.Tensor]]) -> None:
+        """Warn once per kind of count (:func:`count_messages`: at most one host sync)."""
+        for message in count_messages(counts, self._warned):
             warnings.warn(
-                f"QNVBOptimizer: {_MESSAGES[kind](hp).format(where=where)} "
-                "(this warning is shown once)",
+                f"QNVBOptimizer: {message} (this warning is shown once)",
                 RuntimeWarning,
                 stacklevel=3,
             )
