@@ -28,6 +28,11 @@ Usage::
 
     python benchmarks/bench_rules.py                     # everything, 3000 evaluations, 3 seeds
     python benchmarks/bench_rules.py --problems pyro-eight-schools --budget 9000
+    python benchmarks/bench_rules.py --problems pyro-eight-schools --first-steps 6 --seeds 1
+
+``--first-steps N`` prints instead the first ``N`` steps of ``QNVB + QuadratureELBO()`` (the
+package's defaults) in float32, as a user runs Pyro's examples: the loss and, per latent site, the
+largest scale and its location. The table runs in float64.
 """
 
 from __future__ import annotations
@@ -195,6 +200,30 @@ def fit(problem: Problem, method: Method, budget: int, checks: list[int], seed: 
     return scores, seconds / steps
 
 
+def first_steps(problem: Problem, steps: int, seed: int) -> None:
+    """Print the loss of each of the first ``steps`` steps of ``QNVB + QuadratureELBO()`` and,
+    per site, the largest scale of the guide the step evaluated, with its location."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    guide = AutoMeanFieldNormal(problem.model)
+    svi = SVI(problem.model, guide, QNVB(), QuadratureELBO())
+    guide(*problem.args)
+    names = [name.removesuffix("_unconstrained") for name, _ in guide.locs.named_parameters()]
+    print(f"seed {seed}: step, loss, then per site max scale (its loc)\n")
+    print("| step | loss | " + " | ".join(names) + " |")
+    print("|---:|---:|" + "---:|" * len(names))
+    for step in range(steps):
+        cells = []
+        for name in names:
+            loc = getattr(guide.locs, name).detach().reshape(-1)
+            scale = getattr(guide.scales, name).detach().reshape(-1)
+            i = int(scale.argmax())
+            cells.append(f"{scale[i]:.3g} ({loc[i]:.3g})")
+        loss = svi.step(*problem.args)
+        print(f"| {step} | {loss:.4g} | " + " | ".join(cells) + " |")
+    print()
+
+
 def cell(values: list[float]) -> str:
     if not values:
         return "diverged"
@@ -209,8 +238,10 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=int, default=3000, help="gradient evaluations per fit")
     parser.add_argument("--early", type=int, default=300, help="also score at this many")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-steps", type=int, default=0, help="print the first N steps")
     args = parser.parse_args(argv)
-    torch.set_default_dtype(torch.float64)
+    if not args.first_steps:
+        torch.set_default_dtype(torch.float64)
     logging.getLogger("pyro").setLevel(logging.WARNING)  # "Guessed max_plate_nesting" per score
     all_problems = problems()
     checks = [args.early, args.budget]
@@ -221,6 +252,10 @@ def main(argv=None) -> None:
     )
     for key in args.problems or list(all_problems):
         problem = all_problems[key]()
+        if args.first_steps:
+            for seed in range(args.seeds):
+                first_steps(problem, args.first_steps, seed)
+            continue
         rows = {}
         for method in methods():
             runs = [fit(problem, method, args.budget, checks, seed) for seed in range(args.seeds)]
