@@ -100,11 +100,13 @@ class Method:
     evals_per_step: int
 
 
-def methods() -> list[Method]:
+def methods(scale_max: float | None = None) -> list[Method]:
+    """The rows; ``scale_max`` overrides ``QNVB``'s per-step growth bound of the scales."""
+    options = {} if scale_max is None else {"scale_max": scale_max}
     out = [
         Method(
             f"QNVB + {rule} {k}",
-            QNVB,
+            lambda: QNVB(**options),
             lambda rule=rule, k=k: QuadratureELBO(rule, num_points=k),
             k,
         )
@@ -239,15 +241,19 @@ def main(argv=None) -> None:
     parser.add_argument("--early", type=int, default=300, help="also score at this many")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-steps", type=int, default=0, help="print the first N steps")
+    parser.add_argument(
+        "--scale-max", type=float, default=None, help="QNVB's scale_max (default: its own, 10)"
+    )
     args = parser.parse_args(argv)
     if not args.first_steps:
         torch.set_default_dtype(torch.float64)
     logging.getLogger("pyro").setLevel(logging.WARNING)  # "Guessed max_plate_nesting" per score
     all_problems = problems()
     checks = [args.early, args.budget]
+    scale_max = "" if args.scale_max is None else f", QNVB(scale_max={args.scale_max:g})"
     print(
         f"{args.budget} gradient evaluations per fit (also scored at {args.early}), "
-        f"{args.seeds} seeds; torch {torch.__version__}, pyro {pyro.__version__}, "
+        f"{args.seeds} seeds{scale_max}; torch {torch.__version__}, pyro {pyro.__version__}, "
         f"{torch.get_num_threads()} threads\n"
     )
     for key in args.problems or list(all_problems):
@@ -257,7 +263,7 @@ def main(argv=None) -> None:
                 first_steps(problem, args.first_steps, seed)
             continue
         rows = {}
-        for method in methods():
+        for method in methods(args.scale_max):
             runs = [fit(problem, method, args.budget, checks, seed) for seed in range(args.seeds)]
             rows[method.name] = runs
         exact = problem.exact is not None
@@ -272,7 +278,7 @@ def main(argv=None) -> None:
         header += " distance |" if exact else " ELBO |"
         print(header + " ms/step |")
         print("|---|---:|---:|---:|---:|---:|")
-        for method in methods():
+        for method in methods(args.scale_max):
             runs = rows[method.name]
             done = [r for r in runs if r[0] is not None]
             early = [r[0][args.early]["gap"] - best for r in done]
