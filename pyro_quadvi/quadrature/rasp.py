@@ -99,8 +99,8 @@ class RASPRule(QuadratureRule):
             ``reference="cross"``: ``K = 2r``, even and ``>= 2``.
         reference: ``"simplex"`` (Algorithm 1) or ``"cross"`` (Algorithm 2).
         max_bytes: the largest array the rule allocates; its tables hold ``3 r K`` float64
-            entries (the reference and its signed copy), so ``K`` is at most about 6,700 under
-            the default of 1 GiB.
+            entries (the reference and its signed copy), so ``K`` is at most about 6,700
+            (simplex) or 9,400 (cross) under the default of 1 GiB.
 
     Properties (rasp paper, Theorems 3.1-3.4): every univariate polynomial of degree <= 2 (simplex),
     <= 3 (cross; <= 5 when ``K = 6``) is exact; a pair of coordinates is integrated like the
