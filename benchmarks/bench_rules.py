@@ -31,8 +31,12 @@ Usage::
     python benchmarks/bench_rules.py --problems pyro-eight-schools --first-steps 6 --seeds 1
 
 ``--first-steps N`` prints instead the first ``N`` steps of ``QNVB + QuadratureELBO()`` (the
-package's defaults) in float32, as a user runs Pyro's examples: the loss and, per latent site, the
-largest scale and its location. The table runs in float64.
+package's defaults, or ``--rule`` and ``--num-points``) in float32, as a user runs Pyro's
+examples: the loss and, per latent site, the largest scale and its location. ``--peaks N`` prints
+one line: the largest loss of the first ``N`` steps for each seed. The table runs in float64::
+
+    python benchmarks/bench_rules.py --problems pyro-eight-schools --peaks 30 --seeds 10 \
+        --rule blocked_simplex --num-points 3
 """
 
 from __future__ import annotations
@@ -202,13 +206,13 @@ def fit(problem: Problem, method: Method, budget: int, checks: list[int], seed: 
     return scores, seconds / steps
 
 
-def first_steps(problem: Problem, steps: int, seed: int) -> None:
-    """Print the loss of each of the first ``steps`` steps of ``QNVB + QuadratureELBO()`` and,
-    per site, the largest scale of the guide the step evaluated, with its location."""
+def first_steps(problem: Problem, steps: int, seed: int, elbo: QuadratureELBO) -> None:
+    """Print the loss of each of the first ``steps`` steps of ``QNVB`` with ``elbo`` and, per
+    site, the largest scale of the guide the step evaluated, with its location."""
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     guide = AutoMeanFieldNormal(problem.model)
-    svi = SVI(problem.model, guide, QNVB(), QuadratureELBO())
+    svi = SVI(problem.model, guide, QNVB(), elbo)
     guide(*problem.args)
     names = [name.removesuffix("_unconstrained") for name, _ in guide.locs.named_parameters()]
     print(f"seed {seed}: step, loss, then per site max scale (its loc)\n")
@@ -226,6 +230,15 @@ def first_steps(problem: Problem, steps: int, seed: int) -> None:
     print()
 
 
+def peak(problem: Problem, steps: int, seed: int, elbo: QuadratureELBO) -> float:
+    """The largest loss of the first ``steps`` steps of ``QNVB`` with ``elbo``."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    guide = AutoMeanFieldNormal(problem.model)
+    svi = SVI(problem.model, guide, QNVB(), elbo)
+    return max(svi.step(*problem.args) for _ in range(steps))
+
+
 def cell(values: list[float]) -> str:
     if not values:
         return "diverged"
@@ -241,11 +254,15 @@ def main(argv=None) -> None:
     parser.add_argument("--early", type=int, default=300, help="also score at this many")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-steps", type=int, default=0, help="print the first N steps")
+    parser.add_argument("--peaks", type=int, default=0, help="largest loss of the first N steps")
+    parser.add_argument("--rule", default=None, help="for --first-steps, --peaks: the rule")
+    parser.add_argument("--num-points", type=int, default=None, help="... and its num_points")
     parser.add_argument(
         "--scale-max", type=float, default=None, help="QNVB's scale_max (default: its own, 10)"
     )
     args = parser.parse_args(argv)
-    if not args.first_steps:
+    trace = args.first_steps or args.peaks
+    if not trace:
         torch.set_default_dtype(torch.float64)
     logging.getLogger("pyro").setLevel(logging.WARNING)  # "Guessed max_plate_nesting" per score
     all_problems = problems()
@@ -258,9 +275,17 @@ def main(argv=None) -> None:
     )
     for key in args.problems or list(all_problems):
         problem = all_problems[key]()
-        if args.first_steps:
+        if trace:
             for seed in range(args.seeds):
-                first_steps(problem, args.first_steps, seed)
+                elbo = (
+                    QuadratureELBO()
+                    if args.rule is None
+                    else QuadratureELBO(args.rule, num_points=args.num_points)
+                )
+                if args.first_steps:
+                    first_steps(problem, args.first_steps, seed, elbo)
+                else:
+                    print(f"seed {seed}: {peak(problem, args.peaks, seed, elbo):.3g}")
             continue
         rows = {}
         for method in methods(args.scale_max):
