@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import NodeSet, QuadratureRule
+from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule
 from .exactness import QuadraticExactness, quadratic_exactness
 from .hadamard import HadamardRule, hadamard_signs
 from .hermite import GaussHermiteRule, gauss_hermite, orthonormal_hermite
@@ -34,6 +34,7 @@ from .montecarlo import MonteCarloRule
 from .rasp import BlockedSimplexRule, RASPRule, cross_reference, simplex_reference
 
 __all__ = [
+    "DEFAULT_MAX_BYTES",
     "RULES",
     "BlockedSimplexRule",
     "GaussHermiteRule",
@@ -73,10 +74,16 @@ def make_rule(name: str, num_points: int | None = None, **options: Any) -> Quadr
             ``blocked_simplex``, ``gauss_hermite``, ``mc``, ``vrmc1``, ``vrmc2``.
         num_points: the number of nodes ``K`` (for ``gauss_hermite``: points per dimension);
             ``None`` takes the rule's default.
-        **options: the rule's own options, e.g. ``max_nodes`` for ``gauss_hermite``.
+        **options: the rule's own options, e.g. ``max_nodes`` for ``gauss_hermite``, and
+            ``max_bytes`` for every rule (the largest array it allocates; default
+            :data:`DEFAULT_MAX_BYTES`, 1 GiB).
 
     Raises:
-        ValueError: for an unknown name or a ``num_points`` the rule does not allow.
+        ValueError: for an unknown name, a ``num_points`` the rule does not allow, or tables
+            larger than ``max_bytes``.
+
+    A rule built here integrates; whether it can also fit the scales of a mean field (at least
+    two nodes, none blind along a coordinate) is :meth:`QuadratureRule.check_sees_curvature`.
     """
     if name not in RULES:
         raise ValueError(f"unknown quadrature rule {name!r}; choose one of {sorted(RULES)}")

@@ -16,6 +16,19 @@ That is how models with 10^7 parameters use the rules::
         ...                          # evaluate at mu + sigma * x_k, weight nodes.weights[k]
 
 :meth:`QuadratureRule.nodes` returns the whole matrix for small problems.
+
+Two checks keep a rule usable:
+
+* **curvature** (:attr:`QuadratureRule.min_curvature_points`,
+  :meth:`QuadratureRule.check_sees_curvature`): a variational fit learns the scales from the
+  curvature the nodes see along each coordinate, ``sum_k w_k grad L(z_k) x_k``. With a single node,
+  or with every node at ``x = 0`` along a coordinate (Gauss-Hermite with one point), that sum is
+  blind and the scales stay where they started: such a rule integrates, but cannot fit.
+* **memory** (``max_bytes``, :data:`DEFAULT_MAX_BYTES`): a rule refuses, before allocating, any
+  array larger than ``max_bytes``: its own tables at construction (RASP keeps ``3 r K`` float64
+  entries, so ``K = 20000`` would need 9.6 GB) and the ``(K, dim)`` node matrix of
+  :meth:`NodeSet.matrix` (``K * dim * itemsize`` bytes). The node-at-a-time path
+  (:meth:`NodeSet.node`) needs ``dim * itemsize`` bytes per node and is not limited.
 """
 
 from __future__ import annotations
@@ -24,7 +37,24 @@ import abc
 
 import torch
 
-__all__ = ["NodeSet", "QuadratureRule", "check_dim"]
+__all__ = ["DEFAULT_MAX_BYTES", "NodeSet", "QuadratureRule", "check_dim"]
+
+DEFAULT_MAX_BYTES = 2**30
+"""The default ``max_bytes`` of every rule: 1 GiB for any one array a rule allocates (its tables,
+or the ``(K, dim)`` node matrix). Pass ``max_bytes`` to the rule (``make_rule(name, K,
+max_bytes=...)``) to allow more."""
+
+
+def format_bytes(num_bytes: int) -> str:
+    """``num_bytes`` exactly, and in GiB: ``"6400000000 bytes (5.96 GiB)"``."""
+    return f"{num_bytes} bytes ({num_bytes / 2**30:.3g} GiB)"
+
+
+def check_max_bytes(max_bytes: int) -> int:
+    """Validate a ``max_bytes`` argument and return it."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(f"max_bytes must be an integer >= 1, got {max_bytes!r}")
+    return max_bytes
 
 
 def check_dim(dim: int) -> int:
@@ -37,13 +67,27 @@ def check_dim(dim: int) -> int:
 class NodeSet(abc.ABC):
     """One quadrature of a rule at a fixed ``(dim, step)``: weights and nodes on demand.
 
-    Subclasses implement :meth:`node` (one node, O(dim)) and :meth:`matrix` (all nodes at once, the
-    vectorized path); both must agree exactly.
+    Subclasses implement :meth:`node` (one node, O(dim)) and may implement :meth:`_matrix` (all
+    nodes at once, the vectorized path); both must agree exactly.
+
+    Args:
+        dim: the number of coordinates.
+        weights: the ``K`` weights.
+        name: the rule's name, for error messages.
+        max_bytes: the largest node matrix :meth:`matrix` builds.
     """
 
-    def __init__(self, dim: int, weights: torch.Tensor):
+    def __init__(
+        self,
+        dim: int,
+        weights: torch.Tensor,
+        name: str = "quadrature",
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ):
         self.dim = dim
         self.weights = weights
+        self.name = name
+        self.max_bytes = max_bytes
 
     def __len__(self) -> int:
         return self.weights.shape[0]
@@ -60,8 +104,29 @@ class NodeSet(abc.ABC):
     def node(self, k: int) -> torch.Tensor:
         """The standardized offsets of node ``k``, shape ``(dim,)``."""
 
+    def matrix_bytes(self) -> int:
+        """Bytes of the ``(K, dim)`` node matrix: ``K * dim * itemsize``."""
+        return len(self) * self.dim * self.dtype.itemsize
+
     def matrix(self) -> torch.Tensor:
-        """All nodes stacked, shape ``(K, dim)``."""
+        """All nodes stacked, shape ``(K, dim)``.
+
+        Raises:
+            ValueError: before allocating, when the matrix would exceed ``max_bytes``.
+        """
+        needed = self.matrix_bytes()
+        if needed > self.max_bytes:
+            raise ValueError(
+                f"the {len(self)} x {self.dim} node matrix of {self.name} needs "
+                f"K * dim * itemsize = {len(self)} * {self.dim} * {self.dtype.itemsize} = "
+                f"{format_bytes(needed)}, more than max_bytes={format_bytes(self.max_bytes)}; "
+                "use fewer nodes, produce them one at a time with draw(...).node(k), "
+                "or pass a larger max_bytes to the rule"
+            )
+        return self._matrix()
+
+    def _matrix(self) -> torch.Tensor:
+        """All nodes stacked, without the memory check; subclasses override it when faster."""
         return torch.stack([self.node(k) for k in range(len(self))])
 
     def _check_index(self, k: int) -> int:
@@ -78,13 +143,76 @@ class QuadratureRule(abc.ABC):
         num_points: the rule's size parameter (the number of nodes ``K``; for ``gauss_hermite`` the
             number of points per dimension).
         is_random: whether :meth:`draw` consumes random numbers from the generator.
+        min_curvature_points: the fewest ``num_points`` with which every coordinate has a node off
+            the mean, so that a fit can learn the scales (:meth:`check_sees_curvature`).
+        max_bytes: the largest array the rule allocates (its tables, the node matrix).
+
+    Args:
+        num_points: the rule's size parameter.
+        max_bytes: see above; :data:`DEFAULT_MAX_BYTES` by default.
+
+    Raises:
+        ValueError: when the rule's own tables (:meth:`table_bytes`) would exceed ``max_bytes``.
     """
 
     name: str = ""
     is_random: bool = False
+    min_curvature_points: int = 2
 
-    def __init__(self, num_points: int):
+    def __init__(self, num_points: int, max_bytes: int = DEFAULT_MAX_BYTES):
         self.num_points = num_points
+        self.max_bytes = check_max_bytes(max_bytes)
+        needed = self.table_bytes()
+        if needed > self.max_bytes:
+            raise ValueError(
+                f"{self.name} with num_points={num_points} needs {self._table_description()} "
+                f"= {format_bytes(needed)} at construction, more than "
+                f"max_bytes={format_bytes(self.max_bytes)}; use fewer points, "
+                "or pass a larger max_bytes"
+            )
+
+    def table_bytes(self) -> int:
+        """Bytes of the tables the rule builds at construction (none unless overridden)."""
+        return 0
+
+    def _table_description(self) -> str:
+        """What :meth:`table_bytes` counts, for the error message."""
+        return "tables"
+
+    def check_sees_curvature(self, nodes: torch.Tensor | None = None) -> None:
+        """Refuse a rule that cannot fit the scales of a mean field.
+
+        A fit learns ``sigma`` from ``sum_k w_k grad L(z_k) x_k`` (Stein's identity): with fewer
+        than two nodes, or with ``x = 0`` at every node along a coordinate, the scales see no
+        curvature and stay at their initial value. ``QuadratureELBO`` calls this once.
+
+        Args:
+            nodes: optionally, one quadrature's ``(K, dim)`` offsets, checked coordinate by
+                coordinate (for rules whose ``num_points`` alone does not tell).
+
+        Raises:
+            ValueError: naming the minimum ``num_points`` (or the blind coordinate).
+        """
+        if self.num_points < self.min_curvature_points:
+            raise ValueError(
+                f"{self.name} with num_points={self.num_points} cannot fit the scales of a mean "
+                f"field: it needs num_points >= {self.min_curvature_points} (with fewer, every "
+                "node sits at the mean along some coordinate, or there is only one node, so the "
+                "scales see no curvature and stay at their initial value)"
+            )
+        if nodes is None:
+            return
+        if nodes.shape[0] < 2:
+            raise ValueError(
+                f"{self.name} has {nodes.shape[0]} node(s): a fit needs at least 2 to see curvature"
+            )
+        blind = (nodes == 0).all(dim=0).nonzero()
+        if blind.numel():
+            raise ValueError(
+                f"{self.name}: every node has x = 0 along coordinate {int(blind[0])} "
+                f"({blind.numel()} such coordinates), so its scale sees no curvature and would "
+                "stay at its initial value"
+            )
 
     def num_nodes(self, dim: int) -> int:
         """The number of nodes ``K`` of one quadrature in ``dim`` dimensions."""

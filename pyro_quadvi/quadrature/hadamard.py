@@ -10,10 +10,11 @@ cross moments are exact.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from .base import NodeSet, QuadratureRule, check_dim, equal_weights
+from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, check_dim, equal_weights
 
 __all__ = ["MAX_HADAMARD_DIM", "HadamardRule", "hadamard_signs"]
 
@@ -54,8 +55,8 @@ def hadamard_signs(
 class _HadamardNodes(NodeSet):
     """Nodes ``2j`` and ``2j + 1`` are ``+s`` and ``-s`` for iterate ``first_iterate + j``."""
 
-    def __init__(self, dim: int, first_iterate: int, weights: torch.Tensor):
-        super().__init__(dim, weights)
+    def __init__(self, dim: int, first_iterate: int, weights: torch.Tensor, **limits: Any):
+        super().__init__(dim, weights, **limits)
         self.first_iterate = first_iterate
 
     def _index(self) -> torch.Tensor:
@@ -76,7 +77,7 @@ class _HadamardNodes(NodeSet):
             high = -high
         return torch.outer(high, low).reshape(-1)[: self.dim]
 
-    def matrix(self) -> torch.Tensor:
+    def _matrix(self) -> torch.Tensor:
         num_pairs = len(self) // 2
         iterates = torch.arange(num_pairs, dtype=torch.int64, device=self.device)
         iterates = ((iterates + self.first_iterate) & _INDEX_MASK).to(torch.int32)
@@ -99,12 +100,12 @@ class HadamardRule(QuadratureRule):
 
     name = "hadamard"
 
-    def __init__(self, num_points: int):
+    def __init__(self, num_points: int, max_bytes: int = DEFAULT_MAX_BYTES):
         if num_points < 2 or num_points % 2:
             raise ValueError(
                 f"hadamard needs an even num_points >= 2 (K / 2 antithetic pairs), got {num_points}"
             )
-        super().__init__(num_points)
+        super().__init__(num_points, max_bytes=max_bytes)
 
     @staticmethod
     def sequence_length(dim: int) -> int:
@@ -124,4 +125,6 @@ class HadamardRule(QuadratureRule):
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         weights = equal_weights(self.num_points, dtype, device)
-        return _HadamardNodes(dim, step * (self.num_points // 2), weights)
+        return _HadamardNodes(
+            dim, step * (self.num_points // 2), weights, name=self.name, max_bytes=self.max_bytes
+        )

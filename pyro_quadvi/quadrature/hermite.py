@@ -7,10 +7,11 @@ tensor Gauss-Hermite rule and the OPQA evidence both use it.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from .base import NodeSet, QuadratureRule, check_dim
+from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, check_dim
 
 __all__ = ["GaussHermiteRule", "gauss_hermite", "orthonormal_hermite"]
 
@@ -62,7 +63,7 @@ def orthonormal_hermite(x: torch.Tensor, degree: int) -> torch.Tensor:
 class _TensorGridNodes(NodeSet):
     """Tensor-product nodes; node ``k`` has base-``m`` digits ``k = sum_i a_i m^(dim - 1 - i)``."""
 
-    def __init__(self, points: torch.Tensor, point_weights: torch.Tensor, dim: int):
+    def __init__(self, points: torch.Tensor, point_weights: torch.Tensor, dim: int, **limits: Any):
         m = points.shape[0]
         powers = m ** torch.arange(dim - 1, -1, -1, dtype=torch.int64, device=points.device)
         self._powers = powers
@@ -70,7 +71,7 @@ class _TensorGridNodes(NodeSet):
         weights = point_weights
         for _ in range(dim - 1):
             weights = torch.outer(weights, point_weights).reshape(-1)
-        super().__init__(dim, weights)
+        super().__init__(dim, weights, **limits)
 
     def _digits(self, k: torch.Tensor) -> torch.Tensor:
         return torch.div(k[..., None], self._powers, rounding_mode="floor") % self._points.shape[0]
@@ -79,7 +80,7 @@ class _TensorGridNodes(NodeSet):
         k = self._check_index(k)
         return self._points[self._digits(torch.tensor(k, device=self.device))]
 
-    def matrix(self) -> torch.Tensor:
+    def _matrix(self) -> torch.Tensor:
         grids = [self._points] * self.dim
         return torch.cartesian_prod(*grids).reshape(len(self), self.dim)
 
@@ -89,14 +90,16 @@ class GaussHermiteRule(QuadratureRule):
 
     Exact for every polynomial of degree ``<= 2m - 1`` in each coordinate (so for every product of
     such univariate polynomials). Deterministic; ``step`` is ignored. Refuses ``m^dim > max_nodes``.
+    One point per dimension (the mean alone) integrates, but cannot fit a scale
+    (:meth:`~pyro_quadvi.quadrature.QuadratureRule.check_sees_curvature`).
     """
 
     name = "gauss_hermite"
 
-    def __init__(self, num_points: int, max_nodes: int = 2**20):
+    def __init__(self, num_points: int, max_nodes: int = 2**20, max_bytes: int = DEFAULT_MAX_BYTES):
         if num_points < 1:
             raise ValueError(f"gauss_hermite needs num_points >= 1 per dimension, got {num_points}")
-        super().__init__(num_points)
+        super().__init__(num_points, max_bytes=max_bytes)
         self.max_nodes = max_nodes
 
     def num_nodes(self, dim: int) -> int:
@@ -115,7 +118,11 @@ class GaussHermiteRule(QuadratureRule):
         points, weights = gauss_hermite(self.num_points)
         dtype = dtype or torch.get_default_dtype()
         return _TensorGridNodes(
-            points.to(dtype=dtype, device=device), weights.to(dtype=dtype, device=device), dim
+            points.to(dtype=dtype, device=device),
+            weights.to(dtype=dtype, device=device),
+            dim,
+            name=self.name,
+            max_bytes=self.max_bytes,
         )
 
     def __repr__(self) -> str:

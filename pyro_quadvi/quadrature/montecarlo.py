@@ -10,9 +10,11 @@ generator, so node ``k`` can be regenerated alone. VRMC needs the sample mean (a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .base import NodeSet, QuadratureRule, check_dim, equal_weights
+from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, check_dim, equal_weights
 
 __all__ = ["MonteCarloRule"]
 
@@ -20,8 +22,8 @@ _MODES = {"mc": 0, "vrmc1": 1, "vrmc2": 2}
 
 
 class _MonteCarloNodes(NodeSet):
-    def __init__(self, dim: int, seed: int, moments: int, weights: torch.Tensor):
-        super().__init__(dim, weights)
+    def __init__(self, dim: int, seed: int, moments: int, weights: torch.Tensor, **limits: Any):
+        super().__init__(dim, weights, **limits)
         self.seed = seed
         self.moments = moments
         self.shift = None
@@ -65,27 +67,33 @@ class MonteCarloRule(QuadratureRule):
         moments: 0 for plain Monte Carlo (``mc``), 1 to match the mean (``vrmc1``: univariate
             linear functions exact), 2 to match mean and variance (``vrmc2``: univariate quadratics
             exact).
+        max_bytes: the largest node matrix (``K * dim * itemsize`` bytes) the rule builds.
+
+    One draw (``mc`` with ``num_points=1``) integrates without bias but cannot fit a scale
+    (:meth:`~pyro_quadvi.quadrature.QuadratureRule.check_sees_curvature`).
     """
 
     is_random = True
 
-    def __init__(self, num_points: int, moments: int = 0):
+    def __init__(self, num_points: int, moments: int = 0, max_bytes: int = DEFAULT_MAX_BYTES):
         if moments not in (0, 1, 2):
             raise ValueError(f"moments must be 0, 1 or 2, got {moments}")
         name = {v: k for k, v in _MODES.items()}[moments]
         least = 1 if moments == 0 else 2
         if num_points < least:
             raise ValueError(f"{name} needs num_points >= {least}, got {num_points}")
-        super().__init__(num_points)
         self.moments = moments
         self.name = name
+        super().__init__(num_points, max_bytes=max_bytes)
 
     def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
         dim = check_dim(dim)
         seed_device = generator.device if generator is not None else None
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=seed_device).item())
         weights = equal_weights(self.num_points, dtype, device)
-        return _MonteCarloNodes(dim, seed, self.moments, weights)
+        return _MonteCarloNodes(
+            dim, seed, self.moments, weights, name=self.name, max_bytes=self.max_bytes
+        )
 
     def __repr__(self) -> str:
         return f"MonteCarloRule(num_points={self.num_points}, moments={self.moments})"

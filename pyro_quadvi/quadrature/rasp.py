@@ -11,10 +11,11 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from .base import NodeSet, QuadratureRule, check_dim, equal_weights
+from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, check_dim, equal_weights
 
 __all__ = ["BlockedSimplexRule", "RASPRule", "cross_reference", "simplex_reference"]
 
@@ -62,8 +63,15 @@ def _index_dtype(num_values: int) -> torch.dtype:
 class _AffinityNodes(NodeSet):
     """Nodes ``X[k, i] = table[index[i], k]``: a gather from a small table by one integer each."""
 
-    def __init__(self, table: torch.Tensor, index: torch.Tensor, dim: int, weights: torch.Tensor):
-        super().__init__(dim, weights)
+    def __init__(
+        self,
+        table: torch.Tensor,
+        index: torch.Tensor,
+        dim: int,
+        weights: torch.Tensor,
+        **limits: Any,
+    ):
+        super().__init__(dim, weights, **limits)
         self.table = table  # (num_rows, K), in the nodes' dtype
         self.index = index  # (dim,) small integers
 
@@ -75,7 +83,7 @@ class _AffinityNodes(NodeSet):
             torch.index_select(column, 0, self.index[start:stop].int(), out=out[start:stop])
         return out
 
-    def matrix(self) -> torch.Tensor:
+    def _matrix(self) -> torch.Tensor:
         return self.table.T[:, self.index.long()]
 
 
@@ -90,6 +98,9 @@ class RASPRule(QuadratureRule):
         num_points: number of nodes ``K``. ``reference="simplex"``: ``K = r + 1 >= 2``;
             ``reference="cross"``: ``K = 2r``, even and ``>= 2``.
         reference: ``"simplex"`` (Algorithm 1) or ``"cross"`` (Algorithm 2).
+        max_bytes: the largest array the rule allocates; its tables hold ``3 r K`` float64
+            entries (the reference and its signed copy), so ``K`` is at most about 6,700
+            (simplex) or 9,400 (cross) under the default of 1 GiB.
 
     Properties (rasp paper, Theorems 3.1-3.4): every univariate polynomial of degree <= 2 (simplex),
     <= 3 (cross; <= 5 when ``K = 6``) is exact; a pair of coordinates is integrated like the
@@ -100,26 +111,28 @@ class RASPRule(QuadratureRule):
 
     is_random = True
 
-    def __init__(self, num_points: int, reference: str = "simplex"):
+    def __init__(
+        self, num_points: int, reference: str = "simplex", max_bytes: int = DEFAULT_MAX_BYTES
+    ):
         if reference == "simplex":
             if num_points < 2:
                 raise ValueError(
                     f"rasp_simplex needs num_points >= 2 (K = r + 1 nodes), got {num_points}"
                 )
             self.r = num_points - 1
-            self._reference = simplex_reference(self.r)
         elif reference == "cross":
             if num_points < 2 or num_points % 2:
                 raise ValueError(
                     f"rasp_cross needs an even num_points >= 2 (K = 2r nodes), got {num_points}"
                 )
             self.r = num_points // 2
-            self._reference = cross_reference(self.r)
         else:
             raise ValueError(f"reference must be 'simplex' or 'cross', got {reference!r}")
-        super().__init__(num_points)
         self.reference = reference
         self.name = f"rasp_{reference}"
+        super().__init__(num_points, max_bytes=max_bytes)
+        build = simplex_reference if reference == "simplex" else cross_reference
+        self._reference = build(self.r)
         self._signed = torch.cat([self._reference, -self._reference], dim=0)  # (2r, K)
 
     def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
@@ -130,7 +143,17 @@ class RASPRule(QuadratureRule):
         )
         weights = equal_weights(self.num_points, dtype, device)
         table = self._signed.to(dtype=weights.dtype, device=weights.device)
-        return _AffinityNodes(table, index, dim, weights)
+        return _AffinityNodes(table, index, dim, weights, name=self.name, max_bytes=self.max_bytes)
+
+    def table_bytes(self) -> int:
+        """The reference ``(r, K)`` and its signed copy ``(2r, K)``, in float64."""
+        return 3 * self.r * self.num_points * 8
+
+    def _table_description(self) -> str:
+        return (
+            f"reference tables of 3 r K float64 entries (r = {self.r}, K = {self.num_points}): "
+            f"3 * {self.r} * {self.num_points} * 8"
+        )
 
     def __repr__(self) -> str:
         return f"RASPRule(num_points={self.num_points}, reference={self.reference!r})"
@@ -139,8 +162,10 @@ class RASPRule(QuadratureRule):
 class _BlockedNodes(NodeSet):
     """Simplex nodes on consecutive blocks, columns permuted per block."""
 
-    def __init__(self, reference, perms: torch.Tensor, dim: int, weights: torch.Tensor):
-        super().__init__(dim, weights)
+    def __init__(
+        self, reference, perms: torch.Tensor, dim: int, weights: torch.Tensor, **limits: Any
+    ):
+        super().__init__(dim, weights, **limits)
         self.reference_t = reference.T.contiguous()  # (K, r): row k is node k of one block
         self.perms = perms  # (num_blocks, K) small integers: block b uses column perms[b, k]
 
@@ -148,7 +173,7 @@ class _BlockedNodes(NodeSet):
         rows = self.perms[:, self._check_index(k)].long()
         return self.reference_t[rows].reshape(-1)[: self.dim]
 
-    def matrix(self) -> torch.Tensor:
+    def _matrix(self) -> torch.Tensor:
         blocks = self.reference_t[self.perms.T.long()]  # (K, num_blocks, r)
         return blocks.reshape(len(self), -1)[:, : self.dim]
 
@@ -166,14 +191,14 @@ class BlockedSimplexRule(QuadratureRule):
     name = "blocked_simplex"
     is_random = True
 
-    def __init__(self, num_points: int):
+    def __init__(self, num_points: int, max_bytes: int = DEFAULT_MAX_BYTES):
         if num_points < 2:
             raise ValueError(
                 f"blocked_simplex needs num_points >= 2 (blocks of num_points - 1 coordinates), "
                 f"got {num_points}"
             )
-        super().__init__(num_points)
         self.block_size = num_points - 1
+        super().__init__(num_points, max_bytes=max_bytes)
         self._reference = simplex_reference(self.block_size)
 
     def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
@@ -189,4 +214,16 @@ class BlockedSimplexRule(QuadratureRule):
             perms[start:stop] = keys.argsort(dim=1)
         weights = equal_weights(self.num_points, dtype, device)
         reference = self._reference.to(dtype=weights.dtype, device=weights.device)
-        return _BlockedNodes(reference, perms, dim, weights)
+        return _BlockedNodes(
+            reference, perms, dim, weights, name=self.name, max_bytes=self.max_bytes
+        )
+
+    def table_bytes(self) -> int:
+        """The simplex reference ``(r, K)`` with ``r = K - 1``, in float64."""
+        return self.block_size * self.num_points * 8
+
+    def _table_description(self) -> str:
+        return (
+            f"a simplex table of r K float64 entries (r = {self.block_size}, "
+            f"K = {self.num_points}): {self.block_size} * {self.num_points} * 8"
+        )
