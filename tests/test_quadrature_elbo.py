@@ -423,6 +423,18 @@ def test_non_finite_log_density_names_node_and_site():
         QuadratureELBO("hadamard", num_points=2, vectorize=False).loss(model, guide)
 
 
+@pytest.mark.parametrize("rule", ["gauss_hermite", "mc"])
+def test_a_rule_that_cannot_fit_scales_is_refused(rule):
+    # issue 10, fault 6: one node sees no curvature, and the scales would stay where they started
+    message = (
+        f"^{rule} with num_points=1 cannot fit the scales of a mean field: it needs num_points >= 2"
+    )
+    with pytest.raises(ValueError, match=message):
+        QuadratureELBO(rule, num_points=1)
+    with pytest.raises(ValueError, match=message):
+        QuadratureELBO(make_rule(rule, 1))
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown quadrature rule"):
         QuadratureELBO("simpson")
