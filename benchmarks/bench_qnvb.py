@@ -63,7 +63,6 @@ TOLERANCE_NATS = 0.1
 
 ABLATIONS: dict[str, dict] = {
     "none": {},
-    "significance": {"significance": 0.0},  # the mean of h wherever it is positive
     "rms-curvature": {"curvature": "rms"},  # the reference's sqrt(mean(h^2)), no test
     "damping": {"damping": False},
     "damping-recovery-1": {"damping_recovery": 1.0},  # the symmetric rule

@@ -22,12 +22,10 @@ update's rules, each measured", gives the test and the benchmark row behind each
    by noise (``k`` large).
 3. **Recent window** (``recent_fraction``, off by default): the curvature averages span at most
    this fraction of the steps taken, so a transient fades as ``(t0 / t)^2`` instead of ``t0 / t``.
-4. **Mean curvature with a significance test** (``curvature="mean"``, ``significance``): ``H`` is
-   the running mean of ``h`` (unbiased) where it is positive by more than ``significance``
-   standard errors; elsewhere (negative curvature, or curvature lost in noise) ``H`` is the
-   current precision ``1 / sigma^2`` of ``q``: ``sigma`` holds and the mean takes a
-   natural-gradient step. ``curvature="rms"`` is the reference's ``sqrt(mean(h^2))`` (design note
-   step 4), biased upward by the noise of ``h``.
+4. **Mean curvature** (``curvature="mean"``): ``H`` is the running mean of ``h`` (unbiased)
+   where it is positive; elsewhere ``H`` is the current precision ``1 / sigma^2`` of ``q``:
+   ``sigma`` holds and the mean takes a natural-gradient step. ``curvature="rms"`` is the
+   reference's ``sqrt(mean(h^2))`` (design note step 4), biased upward by the noise of ``h``.
 5. **Curvature floor**: the curvature of the whole loss is at least ``1 / sigma_max^2``, so the
    mean never steps as if ``q`` were wider than ``sigma_max``.
 6. **Damping** (``damping``, ``damping_recovery``): a parallel (Jacobi-like) Newton step
@@ -95,11 +93,8 @@ class QNVBHyperparameters:
         sigma_min, sigma_max: absolute bounds on ``sigma``; the curvature is floored at
             ``1 / sigma_max^2``.
         scale_min, scale_max: per-step bounds on the factor by which ``sigma`` may change.
-        curvature: ``"mean"`` (running mean of ``h`` where significantly positive, else the
-            current ``1 / sigma^2``) or ``"rms"`` (the reference's ``sqrt(mean(h^2))``).
-        significance: with ``curvature="mean"``, the mean of ``h`` is used once it exceeds this
-            many standard errors; until then (negative curvature, or curvature lost in noise)
-            ``sigma`` holds its value.
+        curvature: ``"mean"`` (running mean of ``h`` where positive, else the current
+            ``1 / sigma^2``) or ``"rms"`` (the reference's ``sqrt(mean(h^2))``).
         damping: adapt a per-coordinate step divisor to oscillation and noise (module docstring);
             ``False`` takes full steps.
         damping_recovery: how much the damping divisor ``k`` shrinks after a step without a sign
@@ -119,7 +114,6 @@ class QNVBHyperparameters:
     scale_min: float = 0.1
     scale_max: float = 10.0
     curvature: str = "mean"
-    significance: float = 1.0
     damping: bool = True
     damping_recovery: float = 0.5
     drift_forgetting: float = 1.0
@@ -148,7 +142,6 @@ class QNVBHyperparameters:
             ),
             ("scale_min", self.scale_min, lambda v: 0 < v <= 1, "in (0, 1]"),
             ("scale_max", self.scale_max, lambda v: v >= 1, ">= 1"),
-            ("significance", self.significance, lambda v: 0 <= v < math.inf, "finite and >= 0"),
             ("damping_recovery", self.damping_recovery, lambda v: v > 0, "> 0"),
             ("drift_forgetting", self.drift_forgetting, lambda v: v >= 0, ">= 0"),
             ("recent_fraction", self.recent_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -282,8 +275,7 @@ def qnvb_update(
         curv = h2_avg.sqrt()
         significant = torch.ones_like(finite_input)
     else:
-        stderr = ((h2_avg - h_avg**2).clamp(min=0) / curvature_count).sqrt()
-        significant = h_avg > hp.significance * stderr
+        significant = h_avg > 0
         held = ((sigma**-2 - prior_precision) / weight).clamp(min=0)  # q's current precision
         curv = torch.where(significant, h_avg, held)
     total_curv = (weight * curv + prior_precision).clamp(min=hp.sigma_max**-2)
