@@ -286,6 +286,16 @@ def test_damping_grows_by_one_on_a_sign_change_and_recovers_by_damping_recovery(
         assert ks == expected
 
 
+def test_damping_has_no_ceiling():
+    # a gradient that changes sign at every step: k = 1, 2, 3, ... past the old cap of 1e4
+    mu, h = torch.zeros(1, dtype=DTYPE), torch.ones(1, dtype=DTYPE)
+    sigma, state, hp = torch.ones(1, dtype=DTYPE), init_qnvb_state(mu), QNVBHyperparameters()
+    plus, minus = torch.ones(1, dtype=DTYPE), -torch.ones(1, dtype=DTYPE)
+    for t in range(10_050):
+        state = qnvb_update(mu, sigma, plus if t % 2 else minus, h, state, hp).state
+    assert float(state.damping) == 10_050.0
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
@@ -347,6 +357,17 @@ def test_eight_schools_with_exact_expectations_reaches_the_reference():
         mu, sigma, state = result.mu, result.sigma, result.state
         errors.append(problem.error(mu, sigma))
     assert errors[23] < 0.05 and errors[99] < 0.012 and errors[-1] < 3e-3
+
+
+def test_by_default_the_curvature_average_spans_every_step():
+    # at the optimum (g = 0, so nothing drifts) h = 1, 2, ..., 10: the arithmetic mean 5.5, not
+    # the mean of a recent window
+    mu, zero = torch.zeros(1, dtype=DTYPE), torch.zeros(1, dtype=DTYPE)
+    sigma, state, hp = torch.ones(1, dtype=DTYPE), init_qnvb_state(mu), QNVBHyperparameters()
+    for h in range(1, 11):
+        result = qnvb_update(mu, sigma, zero, torch.full((1,), float(h), dtype=DTYPE), state, hp)
+        sigma, state = result.sigma, result.state
+    assert float(state.h_avg) == pytest.approx(5.5, rel=1e-14)
 
 
 def test_recent_fraction_lets_the_transient_fade_faster():
