@@ -38,23 +38,26 @@ __all__ = ["QNVBOptimizer"]
 _HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
 _STATE_NAMES = QNVBState._fields
 _COUNTS = ("num_nonfinite", "num_overflow", "num_sigma_min", "num_sigma_max")
-_MESSAGES: dict[str, Callable[[QNVBHyperparameters], str]] = {
-    "num_nonfinite": lambda hp: (
-        "non-finite gradient or curvature at {where}; they were left unchanged"
-    ),
-    "num_overflow": lambda hp: (
-        "the update overflowed while the gradient was finite (e.g. g^2 beyond the dtype's range) "
-        "at {where}; they were left unchanged: rescale the loss or use float64"
-    ),
-    "num_sigma_min": lambda hp: (
-        f"sigma pinned at sigma_min={hp.sigma_min:g} at {{where}}: the curvature asks for a "
-        "smaller sigma; lower sigma_min if that is wanted"
-    ),
-    "num_sigma_max": lambda hp: (
-        f"sigma pinned at sigma_max={hp.sigma_max:g} at {{where}}: raise sigma_max if a wider "
+
+
+def _warning(kind: str, hp: QNVBHyperparameters, where: str) -> str:
+    """The warning for one of :data:`_COUNTS`; ``where`` says how many coordinates, and where."""
+    if kind == "num_nonfinite":
+        return f"non-finite gradient or curvature at {where}; they were left unchanged"
+    if kind == "num_overflow":
+        return (
+            "the update overflowed while the gradient was finite (e.g. g^2 beyond the dtype's "
+            f"range) at {where}; they were left unchanged: rescale the loss or use float64"
+        )
+    if kind == "num_sigma_min":
+        return (
+            f"sigma pinned at sigma_min={hp.sigma_min:g} at {where}: the curvature asks for a "
+            "smaller sigma; lower sigma_min if that is wanted"
+        )
+    return (
+        f"sigma pinned at sigma_max={hp.sigma_max:g} at {where}: raise sigma_max if a wider "
         "posterior is wanted"
-    ),
-}
+    )
 
 
 def _checked_loss(loss: object) -> torch.Tensor:
@@ -272,8 +275,8 @@ class QNVBOptimizer(torch.optim.Optimizer):
     def _warn(self, counts: list[tuple[torch.Tensor, QNVBHyperparameters, torch.Tensor]]) -> None:
         """Warn once per kind of :data:`_COUNTS`, naming the first parameter concerned.
 
-        The counts stay on the device until a kind is still to be warned about; then one copy to
-        the host (a single sync) reads them all.
+        While some kind has not been warned about, one copy to the host (a single sync) reads
+        all the counts of the step; afterwards they are not read at all.
         """
         if self._warned.issuperset(_COUNTS) or not counts:
             return
@@ -287,8 +290,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
             _, p, hp = rows[0]
             where = f"{total} coordinates (first: a parameter of shape {tuple(p.shape)})"
             warnings.warn(
-                f"QNVBOptimizer: {_MESSAGES[kind](hp).format(where=where)} "
-                "(this warning is shown once)",
+                f"QNVBOptimizer: {_warning(kind, hp, where)} (this warning is shown once)",
                 RuntimeWarning,
                 stacklevel=3,
             )
