@@ -119,7 +119,7 @@ class QNVBHyperparameters:
     drift_forgetting: float = 1.0
     recent_fraction: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         betas = self.betas
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise TypeError(
