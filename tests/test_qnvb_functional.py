@@ -273,6 +273,18 @@ def test_the_update_never_syncs_with_the_host():
     assert counts.tolist() == [1, 2] and float(mu[0, 0]) == pytest.approx(-1.0, rel=1e-7)
 
 
+def test_significance_sets_when_the_mean_curvature_is_trusted():
+    # h = 3, then -1: mean 1, standard error sqrt((5 - 1) / 2) = 1.41 after two samples
+    mu, zero = torch.zeros(1, dtype=DTYPE), torch.zeros(1, dtype=DTYPE)
+    for significance, expected in [(1.0, 3.0**-0.5), (0.5, 1.0), (0.0, 1.0)]:
+        hp = QNVBHyperparameters(significance=significance)
+        sigma, state = torch.ones(1, dtype=DTYPE), init_qnvb_state(mu)
+        for h in (3.0, -1.0):
+            result = qnvb_update(mu, sigma, zero, torch.full((1,), h, dtype=DTYPE), state, hp)
+            sigma, state = result.sigma, result.state
+        assert float(sigma) == pytest.approx(expected, rel=1e-14)
+
+
 def test_damping_grows_by_one_on_a_sign_change_and_recovers_by_damping_recovery():
     # gradients +, -, +, +, +: sign changes at steps 2 and 3
     mu, h = torch.zeros(1, dtype=DTYPE), torch.ones(1, dtype=DTYPE)
@@ -326,6 +338,7 @@ def test_damping_has_no_ceiling():
             ValueError,
             "curvature must be one of ('mean', 'rms'), got 'median'",
         ),
+        (dict(significance=-1.0), ValueError, "significance must be finite and >= 0, got -1.0"),
         (dict(damping=1), TypeError, "damping must be True or False, got 1 (int)"),
         (dict(damping_recovery=0), ValueError, "damping_recovery must be > 0, got 0"),
         (dict(drift_forgetting=-1.0), ValueError, "drift_forgetting must be >= 0, got -1.0"),

@@ -22,9 +22,10 @@ update's rules, each measured", gives the test and the benchmark row behind each
    by noise (``k`` large).
 3. **Recent window** (``recent_fraction``, off by default): the curvature averages span at most
    this fraction of the steps taken, so a transient fades as ``(t0 / t)^2`` instead of ``t0 / t``.
-4. **Mean curvature** (``curvature="mean"``): ``H`` is the running mean of ``h`` (unbiased)
-   where it is positive; elsewhere ``H`` is the current precision ``1 / sigma^2`` of ``q``:
-   ``sigma`` holds and the mean takes a natural-gradient step. ``curvature="rms"`` is the
+4. **Mean curvature** (``curvature="mean"``, ``significance``): ``H`` is the running mean of
+   ``h`` (unbiased) where it is positive, by more than ``significance`` standard errors if that
+   option is set (off by default); elsewhere ``H`` is the current precision ``1 / sigma^2`` of
+   ``q``: ``sigma`` holds and the mean takes a natural-gradient step. ``curvature="rms"`` is the
    reference's ``sqrt(mean(h^2))`` (design note step 4), biased upward by the noise of ``h``.
 5. **Curvature floor**: the curvature of the whole loss is at least ``1 / sigma_max^2``, so the
    mean never steps as if ``q`` were wider than ``sigma_max``.
@@ -95,6 +96,9 @@ class QNVBHyperparameters:
         scale_min, scale_max: per-step bounds on the factor by which ``sigma`` may change.
         curvature: ``"mean"`` (running mean of ``h`` where positive, else the current
             ``1 / sigma^2``) or ``"rms"`` (the reference's ``sqrt(mean(h^2))``).
+        significance: with ``curvature="mean"``, the mean of ``h`` is used only once it exceeds
+            this many standard errors (``0``, the default: once it is positive); until then
+            ``sigma`` holds. Tames the first steps under Monte Carlo noise, at a cost in steps.
         damping: adapt a per-coordinate step divisor to oscillation and noise (module docstring);
             ``False`` takes full steps.
         damping_recovery: how much the damping divisor ``k`` shrinks after a step without a sign
@@ -114,6 +118,7 @@ class QNVBHyperparameters:
     scale_min: float = 0.1
     scale_max: float = 10.0
     curvature: str = "mean"
+    significance: float = 0.0
     damping: bool = True
     damping_recovery: float = 0.5
     drift_forgetting: float = 1.0
@@ -142,6 +147,7 @@ class QNVBHyperparameters:
             ),
             ("scale_min", self.scale_min, lambda v: 0 < v <= 1, "in (0, 1]"),
             ("scale_max", self.scale_max, lambda v: v >= 1, ">= 1"),
+            ("significance", self.significance, lambda v: 0 <= v < math.inf, "finite and >= 0"),
             ("damping_recovery", self.damping_recovery, lambda v: v > 0, "> 0"),
             ("drift_forgetting", self.drift_forgetting, lambda v: v >= 0, ">= 0"),
             ("recent_fraction", self.recent_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -275,7 +281,8 @@ def qnvb_update(
         curv = h2_avg.sqrt()
         significant = torch.ones_like(finite_input)
     else:
-        significant = h_avg > 0
+        stderr = ((h2_avg - h_avg**2).clamp(min=0) / curvature_count).sqrt()
+        significant = h_avg > hp.significance * stderr
         held = ((sigma**-2 - prior_precision) / weight).clamp(min=0)  # q's current precision
         curv = torch.where(significant, h_avg, held)
     total_curv = (weight * curv + prior_precision).clamp(min=hp.sigma_max**-2)

@@ -91,8 +91,8 @@ class QNVBOptimizer(torch.optim.Optimizer):
         init_sigma: the standard deviation of every parameter before the first step.
         generator: random generator of random rules (torch's global generator when ``None``);
             when given, its state is saved with :meth:`state_dict`.
-        lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, damping,
-            damping_recovery, drift_forgetting, recent_fraction: see
+        lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, significance,
+            damping, damping_recovery, drift_forgetting, recent_fraction: see
             :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
 
     Every argument is checked when the optimizer (or a parameter group) is built, and a wrong
@@ -132,6 +132,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
         scale_min: float = 0.1,
         scale_max: float = 10.0,
         curvature: str = "mean",
+        significance: float = 0.0,
         damping: bool = True,
         damping_recovery: float = 0.5,
         drift_forgetting: float = 1.0,
@@ -147,6 +148,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
             scale_min=scale_min,
             scale_max=scale_max,
             curvature=curvature,
+            significance=significance,
             damping=damping,
             damping_recovery=damping_recovery,
             drift_forgetting=drift_forgetting,
