@@ -63,7 +63,6 @@ TOLERANCE_NATS = 0.1
 
 ABLATIONS: dict[str, dict] = {
     "none": {},
-    "significance": {"significance": 0.0},  # the mean of h wherever it is positive
     "rms-curvature": {"curvature": "rms"},  # the reference's sqrt(mean(h^2)), no test
     "damping": {"damping": False},
     "damping-recovery-1": {"damping_recovery": 1.0},  # the symmetric rule
@@ -73,9 +72,10 @@ ABLATIONS: dict[str, dict] = {
     "sigma-bounds": {"sigma_min": 1e-100, "sigma_max": 1e100},
     "beta1": {"betas": (0.9, 0.999)},  # switched on: the reference's gradient average
     "recent-fraction-0.5": {"recent_fraction": 0.5},  # switched on: a window of t / 2 at most
+    "significance-1": {"significance": 1.0},  # switched on: one standard error
 }
-"""Each ablation's hyperparameters: one rule of the update switched off (or, for ``beta1`` and
-``recent-fraction-0.5``, on: they are off by default)."""
+"""Each ablation's hyperparameters: one rule of the update switched off (or, for ``beta1``,
+``recent-fraction-0.5`` and ``significance-1``, on: they are off by default)."""
 
 
 @dataclass

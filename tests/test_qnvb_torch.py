@@ -213,6 +213,25 @@ def test_overflow_and_sigma_at_its_bound_are_told_apart_and_warned_once_each():
     assert w[0] == 0.0 and optimizer.state[w]["sigma"][1] == pytest.approx(1e-6)
 
 
+def test_sigma_pinned_at_sigma_max_is_warned():
+    # started at sigma = 1e4, the rate limit (a factor 0.1 at most) leaves 1e3 > sigma_max = 100
+    w = torch.nn.Parameter(torch.zeros(3, dtype=DTYPE))
+    optimizer = QNVBOptimizer([w], init_sigma=1e4)
+
+    def closure():
+        loss = (w**2).sum()
+        loss.backward()
+        return loss
+
+    with pytest.warns(RuntimeWarning) as caught:
+        optimizer.step(closure)
+    assert [str(w.message) for w in caught] == [
+        "QNVBOptimizer: sigma pinned at sigma_max=100 at 3 coordinates (first: a parameter of "
+        "shape (3,)): raise sigma_max if a wider posterior is wanted (this warning is shown once)"
+    ]
+    assert torch.equal(optimizer.state[w]["sigma"], torch.full((3,), 100.0, dtype=DTYPE))
+
+
 @pytest.mark.parametrize(
     "returned, expected",
     [

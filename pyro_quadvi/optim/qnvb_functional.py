@@ -22,12 +22,11 @@ update's rules, each measured", gives the test and the benchmark row behind each
    by noise (``k`` large).
 3. **Recent window** (``recent_fraction``, off by default): the curvature averages span at most
    this fraction of the steps taken, so a transient fades as ``(t0 / t)^2`` instead of ``t0 / t``.
-4. **Mean curvature with a significance test** (``curvature="mean"``, ``significance``): ``H`` is
-   the running mean of ``h`` (unbiased) where it is positive by more than ``significance``
-   standard errors; elsewhere (negative curvature, or curvature lost in noise) ``H`` is the
-   current precision ``1 / sigma^2`` of ``q``: ``sigma`` holds and the mean takes a
-   natural-gradient step. ``curvature="rms"`` is the reference's ``sqrt(mean(h^2))`` (design note
-   step 4), biased upward by the noise of ``h``.
+4. **Mean curvature** (``curvature="mean"``, ``significance``): ``H`` is the running mean of
+   ``h`` (unbiased) where it is positive, by more than ``significance`` standard errors if that
+   option is set (off by default); elsewhere ``H`` is the current precision ``1 / sigma^2`` of
+   ``q``: ``sigma`` holds and the mean takes a natural-gradient step. ``curvature="rms"`` is the
+   reference's ``sqrt(mean(h^2))`` (design note step 4), biased upward by the noise of ``h``.
 5. **Curvature floor**: the curvature of the whole loss is at least ``1 / sigma_max^2``, so the
    mean never steps as if ``q`` were wider than ``sigma_max``.
 6. **Damping** (``damping``, ``damping_recovery``): a parallel (Jacobi-like) Newton step
@@ -104,11 +103,11 @@ class QNVBHyperparameters:
         sigma_min, sigma_max: absolute bounds on ``sigma``; the curvature is floored at
             ``1 / sigma_max^2``.
         scale_min, scale_max: per-step bounds on the factor by which ``sigma`` may change.
-        curvature: ``"mean"`` (running mean of ``h`` where significantly positive, else the
-            current ``1 / sigma^2``) or ``"rms"`` (the reference's ``sqrt(mean(h^2))``).
-        significance: with ``curvature="mean"``, the mean of ``h`` is used once it exceeds this
-            many standard errors; until then (negative curvature, or curvature lost in noise)
-            ``sigma`` holds its value.
+        curvature: ``"mean"`` (running mean of ``h`` where positive, else the current
+            ``1 / sigma^2``) or ``"rms"`` (the reference's ``sqrt(mean(h^2))``).
+        significance: with ``curvature="mean"``, the mean of ``h`` is used only once it exceeds
+            this many standard errors (``0``, the default: once it is positive); until then
+            ``sigma`` holds. Tames the first steps under Monte Carlo noise, at a cost in steps.
         damping: adapt a per-coordinate step divisor to oscillation and noise (module docstring);
             ``False`` takes full steps.
         damping_recovery: how much the damping divisor ``k`` shrinks after a step without a sign
@@ -128,13 +127,13 @@ class QNVBHyperparameters:
     scale_min: float = 0.1
     scale_max: float = 10.0
     curvature: str = "mean"
-    significance: float = 1.0
+    significance: float = 0.0
     damping: bool = True
     damping_recovery: float = 0.5
     drift_forgetting: float = 1.0
     recent_fraction: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         betas = self.betas
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise TypeError(
@@ -225,23 +224,25 @@ class QNVBResult(NamedTuple):
 COUNT_KINDS = ("num_nonfinite", "num_overflow", "num_sigma_min", "num_sigma_max")
 """The counts of a :class:`QNVBResult` that an optimizer reports (once each)."""
 
-_COUNT_MESSAGES: dict[str, Callable[[QNVBHyperparameters], str]] = {
-    "num_nonfinite": lambda hp: (
-        "non-finite gradient or curvature at {where}; they were left unchanged"
-    ),
-    "num_overflow": lambda hp: (
-        "the update overflowed while the gradient was finite (e.g. g^2 beyond the dtype's range) "
-        "at {where}; they were left unchanged: rescale the loss or use float64"
-    ),
-    "num_sigma_min": lambda hp: (
-        f"sigma pinned at sigma_min={hp.sigma_min:g} at {{where}}: the curvature asks for a "
-        "smaller sigma; lower sigma_min if that is wanted"
-    ),
-    "num_sigma_max": lambda hp: (
-        f"sigma pinned at sigma_max={hp.sigma_max:g} at {{where}}: raise sigma_max if a wider "
+
+def _count_message(kind: str, hp: QNVBHyperparameters, where: str) -> str:
+    """The message for one of :data:`COUNT_KINDS`; ``where``: how many coordinates, and where."""
+    if kind == "num_nonfinite":
+        return f"non-finite gradient or curvature at {where}; they were left unchanged"
+    if kind == "num_overflow":
+        return (
+            "the update overflowed while the gradient was finite (e.g. g^2 beyond the dtype's "
+            f"range) at {where}; they were left unchanged: rescale the loss or use float64"
+        )
+    if kind == "num_sigma_min":
+        return (
+            f"sigma pinned at sigma_min={hp.sigma_min:g} at {where}: the curvature asks for a "
+            "smaller sigma; lower sigma_min if that is wanted"
+        )
+    return (
+        f"sigma pinned at sigma_max={hp.sigma_max:g} at {where}: raise sigma_max if a wider "
         "posterior is wanted"
-    ),
-}
+    )
 
 
 def result_counts(result: QNVBResult) -> torch.Tensor:
@@ -276,7 +277,7 @@ def count_messages(
         total = sum(n for n, _, _ in rows)
         _, label, hp = rows[0]
         where = f"{total} coordinates (first: {label})"
-        messages.append(_COUNT_MESSAGES[kind](hp).format(where=where))
+        messages.append(_count_message(kind, hp, where))
     return messages
 
 

@@ -113,7 +113,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
         scale_min: float = 0.1,
         scale_max: float = 10.0,
         curvature: str = "mean",
-        significance: float = 1.0,
+        significance: float = 0.0,
         damping: bool = True,
         damping_recovery: float = 0.5,
         drift_forgetting: float = 1.0,
