@@ -37,7 +37,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
 
@@ -86,18 +86,11 @@ class Method:
     evals_per_step: int
 
 
-def qnvb(**overrides) -> QNVB:
-    """``QNVB()`` with the hyperparameters in ``overrides`` replaced."""
-    optimizer = QNVB()
-    optimizer.hyperparameters = replace(optimizer.hyperparameters, **overrides)
-    return optimizer
-
-
 def qnvb_methods(ablation: str = "none") -> list[Method]:
     """The QNVB methods, with the hyperparameters of ``ABLATIONS[ablation]``."""
 
     def make() -> QNVB:
-        return qnvb(**ABLATIONS[ablation])
+        return QNVB(**ABLATIONS[ablation])
 
     suffix = "" if ablation == "none" else f" [ablate {ablation}]"
     return [
