@@ -73,19 +73,15 @@ def main() -> None:
     X, y = logistic_data(10_000, 100)
     Xn, yn = mlp_data()
     net = BayesianMLP()
+    logistic = "logistic regression d=100, N=10k"
     cases = [
+        ("eight schools", eight_schools, (), 3, "blocked_simplex", True, 1),
         ("eight schools", eight_schools, (), 3, "rasp_simplex", True, 1),
         ("eight schools", eight_schools, (), 4, "hadamard", True, 1),
-        (
-            "logistic regression d=100, N=10k",
-            logistic_regression,
-            (X, y),
-            3,
-            "rasp_simplex",
-            True,
-            1,
-        ),
-        ("logistic regression d=100, N=10k", logistic_regression, (X, y), 4, "hadamard", True, 1),
+        (logistic, logistic_regression, (X, y), 3, "blocked_simplex", True, 1),
+        (logistic, logistic_regression, (X, y), 3, "rasp_simplex", True, 1),
+        (logistic, logistic_regression, (X, y), 4, "hadamard", True, 1),
+        ("PyroModule MLP (loop)", net, (Xn, yn), 3, "blocked_simplex", False, 1),
         ("PyroModule MLP (loop)", net, (Xn, yn), 3, "rasp_simplex", False, 1),
         ("PyroModule MLP (loop)", net, (Xn, yn), 4, "hadamard", False, 1),
     ]
