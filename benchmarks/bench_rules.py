@@ -59,6 +59,7 @@ from pyro.infer import SVI, Trace_ELBO
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_qnvb import Method
 from models import (
     GMM_DATA,
     BayesianNetwork,
@@ -92,16 +93,6 @@ RULES = [
     ("vrmc2", 3),
     ("mc", 3),
 ]
-
-
-@dataclass
-class Method:
-    """An optimizer and a loss, and the gradient evaluations one step costs."""
-
-    name: str
-    optimizer: Callable[[], object]
-    loss: Callable[[], object]
-    evals_per_step: int
 
 
 def methods(scale_max: float | None = None) -> list[Method]:

@@ -357,7 +357,8 @@ class QNVB(PyroOptim):
         hp = self._block_hyperparameters(name)
         new_values, result = FAMILY_UPDATES[site.family](values, g, h, old, hp)
         new_mu, new_sigma, new_state = new_values["loc"], new_values["scale"], result.state
-        if rows is None:
+        if rows is None and loc_leaf.grad is not None and scale_leaf.grad is not None:
+            # the guide cannot tell its minibatch: the entries without a gradient were not in it
             seen = (loc_leaf.grad != 0) | (scale_leaf.grad != 0)
             new_mu = torch.where(seen, new_mu, values["loc"])
             new_sigma = torch.where(seen, new_sigma, values["scale"])
