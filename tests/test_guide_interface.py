@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.util
 import math
+import weakref
 from pathlib import Path
 
 import pyro
@@ -242,3 +244,37 @@ def test_qnvb_steps_with_the_published_moments_when_present():
     scale = pyro.param("AutoMeanFieldNormal.scales.z").item()
     assert abs(loc - POSTERIOR_MEAN.item()) < 1e-12
     assert abs(scale - PRECISION**-0.5) < 1e-12
+
+
+def test_moments_of_two_terms_of_one_loss_add_up():
+    second = torch.tensor([0.5, 0.8, 0.6], dtype=DTYPE)  # the mean stays within lr = 1 of 0
+
+    def model(data):
+        z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=DTYPE), 2.0))
+        with pyro.plate("data", len(data)):
+            pyro.sample("x", dist.Normal(z, 1.0), obs=data)
+
+    elbo = QuadratureELBO("gauss_hermite")
+
+    def two_terms(model, guide):
+        return elbo.differentiable_loss(model, guide, DATA) + elbo.differentiable_loss(
+            model, guide, second
+        )
+
+    guide = AutoMeanFieldNormal(model)
+    guide(DATA)
+    SVI(model, guide, QNVB(), two_terms).step()
+    # U = U_1 + U_2: the prior twice, both data sets; the mean is its minimizer
+    expected = (DATA.sum() + second.sum()) / (2 * 0.25 + len(DATA) + len(second))
+    assert abs(pyro.param("AutoMeanFieldNormal.locs.z").item() - expected.item()) < 1e-12
+
+
+def test_moments_nobody_takes_do_not_keep_the_parameters_alive():
+    guide = AutoMeanFieldNormal(conjugate_model)
+    svi = SVI(conjugate_model, guide, pyro.optim.Adam({"lr": 0.01}), QuadratureELBO())
+    svi.step()
+    leaf = weakref.ref(guide.locs.z_unconstrained)
+    del svi, guide
+    pyro.clear_param_store()
+    gc.collect()
+    assert leaf() is None

@@ -33,7 +33,7 @@ import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -361,17 +361,60 @@ class PublishedMoments:
     version: int
 
 
+@dataclass
+class _Publication:
+    """What is kept until the optimizer takes it: no strong reference to a parameter, so
+    moments nobody takes (a first-order optimizer) never keep a fit's parameters alive."""
+
+    site: MeanFieldSite  # loc and scale detached, params empty
+    leaves: dict[str, weakref.ref]
+    g: torch.Tensor | None  # None: two terms of one loss disagreed on the rows (see below)
+    h: torch.Tensor | None
+    version: int
+
+
 _PUBLISHED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def publish_moments(moments: PublishedMoments) -> None:
-    """Hand ``moments`` to the optimizer that updates the block's parameters next."""
-    _PUBLISHED[moments.site.params["loc"]] = moments
+    """Hand ``moments`` to the optimizer that updates the block's parameters next.
+
+    Moments published again for the same leaf before it changed (a loss with two quadrature
+    terms, or two backward passes before one step) add up, as gradients do; if the two disagree on
+    the rows of a subsampled plate they are withdrawn, and the optimizer falls back to the
+    gradients of the parameters.
+    """
+    site = moments.site
+    leaf = site.params["loc"]
+    earlier = _PUBLISHED.get(leaf)
+    if earlier is not None and earlier.version == moments.version:
+        same_rows = earlier.g is not None and _same_rows(earlier.site.rows, site.rows)
+        earlier.g = earlier.g + moments.g if same_rows else None
+        earlier.h = earlier.h + moments.h if same_rows else None
+        return
+    kept = replace(site, loc=site.loc.detach(), scale=site.scale.detach(), params={})
+    leaves = {role: weakref.ref(tensor) for role, tensor in site.params.items()}
+    _PUBLISHED[leaf] = _Publication(kept, leaves, moments.g, moments.h, moments.version)
+
+
+def _same_rows(a: dict | None, b: dict | None) -> bool:
+    if a is None or b is None or a.keys() != b.keys():
+        return a == b
+    return all(torch.equal(a[dim], b[dim]) for dim in a)
 
 
 def published_moments(loc_leaf: torch.Tensor) -> PublishedMoments | None:
-    """Take the current moments published for the block whose loc leaf is ``loc_leaf``."""
-    moments = _PUBLISHED.pop(loc_leaf, None)
-    if moments is None or moments.version != loc_leaf._version:
+    """Take the current moments published for the block whose loc leaf is ``loc_leaf``.
+
+    ``None`` when there are none, when they are stale (the leaf changed in place since, as its
+    ``_version`` counter tells: a write through ``.data`` does not count, which is why they are
+    taken once) or when they were withdrawn.
+    """
+    publication = _PUBLISHED.pop(loc_leaf, None)
+    if publication is None or publication.version != loc_leaf._version or publication.g is None:
         return None
-    return moments
+    params = {role: ref() for role, ref in publication.leaves.items()}
+    if any(tensor is None for tensor in params.values()):
+        return None
+    site = replace(publication.site, params=params)
+    return PublishedMoments(site, publication.g, publication.h, publication.version)
