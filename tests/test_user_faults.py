@@ -92,7 +92,7 @@ def test_two_elbos_fitted_side_by_side_each_follow_their_own_sequence():
     expected = pyro.param("AutoMeanFieldNormal.scales.a").detach().clone()
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    first = pyro.infer.autoguide.AutoNormal(conjugate_model)
+    first = AutoMeanFieldNormal(conjugate_model)  # the same default name as the second
     other = SVI(conjugate_model, first, pyro.optim.Adam({"lr": 0.05}), QuadratureELBO("hadamard"))
     second = AutoMeanFieldNormal(_second_model)
     _hadamard_fit(_second_model, second, 6, other=other)

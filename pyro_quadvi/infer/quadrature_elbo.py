@@ -78,7 +78,7 @@ class QuadratureELBO(ELBO):
         generator: the ``torch.Generator`` of random rules; ``None`` draws from torch's global
             generator, so ``pyro.set_rng_seed`` makes runs reproducible.
         name: key of the sequence position in Pyro's param store (``"{name}.step"``); ``None``
-            (default) keeps one position per guide, under ``"QuadratureELBO.{guide name}.step"``.
+            (default) keeps one position per guide (:meth:`step_key`).
 
     Raises:
         ValueError: for a rule that cannot fit the scales (``gauss_hermite`` with one point).
@@ -92,7 +92,7 @@ class QuadratureELBO(ELBO):
     :meth:`loss_and_grads` or :meth:`differentiable_loss` call, never on :meth:`loss` (that is,
     not on ``SVI.evaluate_loss``). It lives in Pyro's param store, so saving and restoring the
     param store resumes the sequence where it stopped; ``pyro.clear_param_store()`` restarts it.
-    Two guides fitted side by side each follow their own sequence.
+    Guides of two models fitted side by side each follow their own sequence.
     """
 
     def __init__(
@@ -126,22 +126,31 @@ class QuadratureELBO(ELBO):
 
     # -- the sequence position, kept in Pyro's param store ------------------------------------
 
-    def step_key(self, guide: Callable) -> str:
-        """The param store key holding ``guide``'s position in the rule's sequence."""
+    def step_key(self, guide: Callable | GuideDescription) -> str:
+        """The param store key holding ``guide``'s position in the rule's sequence.
+
+        With ``name=None``: ``"QuadratureELBO.{guide name}.{first latent site}.step"``, so guides
+        of different models keep their own positions; two guides with the same name and the same
+        first site share one (as they would share their parameters in Pyro's param store).
+        """
         if self.name is not None:
             return f"{self.name}.step"
-        target = unwrap_guide(guide)
-        guide_name = getattr(target, "_pyro_name", None) or type(target).__name__
-        return f"QuadratureELBO.{guide_name}.step"
+        description = guide if isinstance(guide, GuideDescription) else describe_guide(guide)
+        first = description.latent_sites[0].name if description.latent_sites else ""
+        return f"QuadratureELBO.{description.guide}.{first}.step"
 
-    def step(self, guide: Callable) -> int:
-        """The current position of ``guide`` in the rule's sequence."""
-        store, key = pyro.get_param_store(), self.step_key(guide)
+    def step(self, guide: Callable | GuideDescription) -> int:
+        """The current position of ``guide`` in the rule's sequence (0 before its first run)."""
+        try:
+            key = self.step_key(guide)
+        except RuntimeError:  # the guide has not run yet
+            return 0
+        store = pyro.get_param_store()
         return int(store[key].item()) if key in store else 0
 
-    def _advance(self, guide: Callable) -> None:
-        position = torch.tensor(float(self.step(guide) + 1), dtype=torch.float64)
-        pyro.get_param_store()[self.step_key(guide)] = position
+    def _advance(self, description: GuideDescription) -> None:
+        position = torch.tensor(float(self.step(description) + 1), dtype=torch.float64)
+        pyro.get_param_store()[self.step_key(description)] = position
 
     # -- what is learnt per model and guide ------------------------------------------------------
 
@@ -162,7 +171,9 @@ class QuadratureELBO(ELBO):
 
     # -- the loss ------------------------------------------------------------------------------
 
-    def _quadrature_loss(self, model: Callable, guide: Callable, args, kwargs) -> torch.Tensor:
+    def _quadrature_loss(
+        self, model: Callable, guide: Callable, args, kwargs
+    ) -> tuple[torch.Tensor, GuideDescription]:
         if getattr(unwrap_guide(guide), "prototype_trace", True) is None:
             # Before an AutoGuide's first run: refuse discrete or enumerated latents by name,
             # without disturbing the random state a seeded run depends on.
@@ -179,7 +190,7 @@ class QuadratureELBO(ELBO):
         entropy = description.entropy()
         nodes = self.rule.draw(
             description.dim,
-            step=self.step(guide),
+            step=self.step(description),
             generator=self.generator,
             dtype=entropy.dtype,
             device=entropy.device,
@@ -197,7 +208,7 @@ class QuadratureELBO(ELBO):
                 f"QuadratureELBO: the loss is not finite ({loss.item()}); the guide's entropy is "
                 f"{entropy.item()}: a scale collapsed to zero or overflowed"
             )
-        return loss
+        return loss, description
 
     def _log_joint(
         self, model, guide, description: GuideDescription, z, args, kwargs, guide_trace
@@ -229,15 +240,15 @@ class QuadratureELBO(ELBO):
     def loss(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
         """The negative ELBO, without gradients; does not advance the sequence."""
         with torch.no_grad():
-            return self._quadrature_loss(model, guide, args, kwargs).item()
+            return self._quadrature_loss(model, guide, args, kwargs)[0].item()
 
     def differentiable_loss(self, model: Callable, guide: Callable, *args, **kwargs):
         """The negative ELBO as a differentiable tensor; advances the sequence by one step.
 
         Its backward pass publishes the moments ``g``, ``h`` of every elementwise site.
         """
-        loss = self._quadrature_loss(model, guide, args, kwargs)
-        self._advance(guide)
+        loss, description = self._quadrature_loss(model, guide, args, kwargs)
+        self._advance(description)
         return loss
 
     def loss_and_grads(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
