@@ -15,12 +15,14 @@ that the data plate lines up at dim -1 and the particle plate at its own dim.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable
 
 import pyro
 import torch
 from pyro.nn import PyroModule
 from torch import nn
+from torch.distributions import constraints
 from torch.func import functional_call, vmap
 
 from .likelihoods import Likelihood
@@ -119,9 +121,13 @@ class BayesianModule(PyroModule):
             param = params[name]
             fullname = f"net.{name}" if not self._pyro_name else f"{self._pyro_name}.net.{name}"
             if pyro.settings.get("module_local_params"):
+                # no param store: a param statement for the handlers (SVI collects the leaf
+                # through ``value.unconstrained()``, as for a PyroModule's own parameters)
+                value = param.view_as(param)
+                value.unconstrained = weakref.ref(param)
                 values[name] = pyro.poutine.runtime.effectful(type="param")(
-                    lambda *_, param=param, **__: param
-                )(fullname, param, name=fullname)
+                    lambda *_, value=value, **__: value
+                )(fullname, value, constraint=constraints.real, name=fullname)
             else:
                 values[name] = pyro.param(fullname, param)
         return values
