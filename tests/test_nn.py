@@ -341,3 +341,30 @@ def test_learned_noise_adds_one_latent_site_and_vectorizes():
             QuadratureELBO("hadamard", vectorize=vectorize).loss(learned, guide, X_NET, y)
         )
     assert abs(losses[0] - losses[1]) < 1e-10
+
+
+# ------------------------------------------------------------- convolutions and batch norm
+def test_a_convolutional_net_with_batch_norm_runs_in_one_pass_and_keeps_its_statistics():
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.ReLU(), nn.Flatten(), nn.Linear(8, 3)
+    ).double()
+    with torch.no_grad():
+        net[1].running_mean.fill_(0.2)
+        net[1].running_var.fill_(1.5)
+    bnn = BayesianModule(net, priors.LayerwiseNormal("kaiming"), likelihoods.Categorical(40))
+    bnn.train()
+    assert not net.training  # eval mode: running statistics as they are
+    x = torch.linspace(-1.0, 1.0, 64, dtype=DTYPE).reshape(4, 1, 4, 4)
+    y = torch.tensor([0, 1, 2, 1])
+    guide = perturbed_guide(bnn, x, y)
+    losses = [
+        QuadratureELBO("hadamard", vectorize=v, name=str(v)).loss(bnn, guide, x, y)
+        for v in (True, False)
+    ]
+    assert abs(losses[0] - losses[1]) < 1e-10
+    SVI(bnn, guide, QNVB(), QuadratureELBO()).step(x, y)
+    assert torch.all(net[1].running_mean == 0.2) and torch.all(net[1].running_var == 1.5)
+    assert int(net[1].num_batches_tracked) == 0
+    names = [site.name for site in describe_guide(guide).latent_sites]
+    assert names == [name for name, _ in net.named_parameters()]
