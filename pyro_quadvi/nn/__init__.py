@@ -1,0 +1,12 @@
+"""Bayesian neural networks from any ``torch.nn.Module``.
+
+``BayesianModule(net, prior, likelihood)`` is a Pyro model whose latent sites are the net's
+parameters; :mod:`~pyro_quadvi.nn.priors` and :mod:`~pyro_quadvi.nn.likelihoods` hold the pieces,
+:func:`~pyro_quadvi.nn.predict` the Bayesian model average.
+"""
+
+from . import likelihoods, priors
+from .module import BayesianModule
+from .predict import Prediction, predict
+
+__all__ = ["BayesianModule", "Prediction", "likelihoods", "predict", "priors"]

@@ -1,0 +1,154 @@
+"""Likelihoods of a :class:`~pyro_quadvi.nn.BayesianModule`: the observation site of the data.
+
+A likelihood receives the network's outputs of shape ``batch + (B,) + row`` (``batch``: the
+particle or quadrature-node dims of a vectorized pass, empty otherwise; ``B``: the rows of the
+minibatch; ``row``: the net's output per row) and observes ``y`` inside
+``pyro.plate("data", dataset_size, subsample=arange(B))`` at dim -1, so the log likelihood of a
+minibatch is scaled by ``dataset_size / B``: subsampling is whatever ``x`` and ``y`` the caller
+passes.
+"""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import torch
+
+__all__ = ["Bernoulli", "Categorical", "Gaussian", "Likelihood"]
+
+
+class Likelihood:
+    """Base class: a data plate of ``dataset_size`` rows and one observed site ``"obs"``.
+
+    Args:
+        dataset_size: the number of rows of the whole data set; ``None``: the rows passed (no
+            minibatch scaling).
+        name: the observed site's name.
+    """
+
+    squeeze_single_output = False  # a net output of one column is one number per row
+
+    def __init__(self, dataset_size: int | None = None, name: str = "obs"):
+        if dataset_size is not None and (
+            isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1
+        ):
+            raise ValueError(f"dataset_size must be a positive int or None, got {dataset_size!r}")
+        self.dataset_size = dataset_size
+        self.name = name
+
+    def plate(self, rows: int, device: torch.device) -> pyro.plate:
+        """The data plate: ``dataset_size`` rows of which these ``rows`` are observed."""
+        size = rows if self.dataset_size is None else self.dataset_size
+        if rows > size:
+            raise ValueError(f"a minibatch of {rows} rows is larger than dataset_size={size}")
+        return pyro.plate("data", size, subsample=torch.arange(rows, device=device), dim=-1)
+
+    def sample_latents(self, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """The likelihood's own latent sites (sampled before the data plate); none by default."""
+        return {}
+
+    def distribution(self, outputs: torch.Tensor, latents: dict[str, torch.Tensor], row_dims: int):
+        """The distribution of one row's observation given the net's ``outputs``."""
+        raise NotImplementedError
+
+    def row_shape(self, outputs: torch.Tensor, batch_dims: int) -> torch.Size:
+        """The observation's shape per row for these outputs."""
+        row = outputs.shape[batch_dims + 1 :]
+        if self.squeeze_single_output and row == (1,):
+            return torch.Size()
+        return torch.Size(row)
+
+    def __call__(
+        self, outputs: torch.Tensor, y: torch.Tensor | None, batch_dims: int
+    ) -> torch.Tensor:
+        """Sample the likelihood's latents, then observe ``y`` (or sample it) in the data plate.
+
+        Args:
+            outputs: the net's outputs, ``batch + (B,) + row``.
+            y: the observations, ``B`` rows (``None``: sampled, as for prediction).
+            batch_dims: ``len(batch)``.
+        """
+        latents = self.sample_latents(outputs.dtype, outputs.device)
+        rows = outputs.shape[batch_dims]
+        row = self.row_shape(outputs, batch_dims)
+        if self.squeeze_single_output and outputs.shape[batch_dims + 1 :] == (1,):
+            outputs = outputs.squeeze(-1)
+        if y is not None:
+            if y.shape[0] != rows:
+                raise ValueError(f"y has {y.shape[0]} rows, x gave {rows}")
+            y = y.reshape((rows, *row))
+        fn = self.distribution(outputs, latents, len(row))
+        with self.plate(rows, outputs.device):
+            return pyro.sample(self.name, fn, obs=y)
+
+
+def _expand_to_rows(value: torch.Tensor, row_dims: int) -> torch.Tensor:
+    """A latent (``batch + (1,)`` or scalar) aligned with outputs ``batch + (B,) + row``."""
+    if value.dim() == 0:
+        return value
+    return value.reshape(value.shape + (1,) * row_dims)
+
+
+class Gaussian(Likelihood):
+    """``y ~ Normal(net(x), scale)`` per entry, each row's entries one event.
+
+    Args:
+        dataset_size: rows of the whole data set (see :class:`Likelihood`).
+        scale: the noise standard deviation; ``None`` learns it: a latent site
+            ``"noise_scale"`` with prior ``noise_prior`` (default ``HalfNormal(1.0)``), sampled
+            outside the data plate.
+        noise_prior: the prior of the learned noise scale (a distribution on the positive reals).
+
+    A net with one output column models one number per row: ``y`` may be ``(B,)`` or ``(B, 1)``.
+    """
+
+    squeeze_single_output = True
+
+    def __init__(
+        self,
+        dataset_size: int | None = None,
+        scale: float | None = 1.0,
+        noise_prior: dist.Distribution | None = None,
+        name: str = "obs",
+    ):
+        super().__init__(dataset_size, name)
+        if scale is not None and not scale > 0:
+            raise ValueError(f"scale must be > 0 or None (learned), got {scale!r}")
+        if scale is not None and noise_prior is not None:
+            raise ValueError("noise_prior goes with scale=None (a learned noise scale)")
+        self.scale = None if scale is None else float(scale)
+        self.noise_prior = noise_prior
+
+    def sample_latents(self, dtype, device):
+        if self.scale is not None:
+            return {}
+        prior = self.noise_prior
+        if prior is None:
+            prior = dist.HalfNormal(torch.ones((), dtype=dtype, device=device))
+        return {"noise_scale": pyro.sample("noise_scale", prior)}
+
+    def distribution(self, outputs, latents, row_dims):
+        if self.scale is None:
+            scale = _expand_to_rows(latents["noise_scale"], row_dims)
+        else:
+            scale = torch.full((), self.scale, dtype=outputs.dtype, device=outputs.device)
+        return dist.Normal(outputs, scale).to_event(row_dims)
+
+
+class Categorical(Likelihood):
+    """``y ~ Categorical(logits=net(x))``: the net's last output dim holds the class logits."""
+
+    def row_shape(self, outputs, batch_dims):
+        return torch.Size(outputs.shape[batch_dims + 1 : -1])
+
+    def distribution(self, outputs, latents, row_dims):
+        return dist.Categorical(logits=outputs).to_event(row_dims)
+
+
+class Bernoulli(Likelihood):
+    """``y ~ Bernoulli(logits=net(x))``; a net with one output column gives one label per row."""
+
+    squeeze_single_output = True
+
+    def distribution(self, outputs, latents, row_dims):
+        return dist.Bernoulli(logits=outputs).to_event(row_dims)

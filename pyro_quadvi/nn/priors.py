@@ -1,0 +1,124 @@
+"""Priors over a network's parameters: ``(name, param) -> distribution`` of the parameter's shape.
+
+A prior is any callable taking a parameter's path in the network (``"0.weight"``) and the
+parameter itself, and returning a Pyro distribution whose ``batch_shape + event_shape`` is the
+parameter's shape, in its dtype and on its device. :class:`~pyro_quadvi.nn.BayesianModule` makes
+every dim an event dim (``.to_event``), so each parameter is one sample site.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pyro.distributions as dist
+import torch
+from torch.nn.init import _calculate_fan_in_and_fan_out
+
+__all__ = ["LayerwiseNormal", "Normal", "Prior", "fan_in_and_fan_out"]
+
+
+class Prior:
+    """Base class of the priors here: ``prior(name, param)`` is the parameter's distribution."""
+
+    def __call__(self, name: str, param: torch.Tensor) -> dist.Distribution:
+        raise NotImplementedError
+
+
+class Normal(Prior):
+    """An iid ``Normal(loc, scale)`` on every entry of every parameter.
+
+    Args:
+        scale: the standard deviation (positive).
+        loc: the mean.
+    """
+
+    def __init__(self, scale: float = 1.0, loc: float = 0.0):
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale!r}")
+        self.scale = float(scale)
+        self.loc = float(loc)
+
+    def __call__(self, name: str, param: torch.Tensor) -> dist.Distribution:
+        loc = torch.full_like(param, self.loc).detach()
+        return dist.Normal(loc, torch.full_like(loc, self.scale))
+
+    def __repr__(self) -> str:
+        return f"priors.Normal(scale={self.scale}, loc={self.loc})"
+
+
+def fan_in_and_fan_out(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """``(fan_in, fan_out)`` of a weight of this shape, as ``torch.nn.init`` computes them.
+
+    A weight of shape ``(out, in, *kernel)`` has ``fan_in = in * prod(kernel)`` and
+    ``fan_out = out * prod(kernel)``.
+    """
+    return _calculate_fan_in_and_fan_out(torch.empty(tuple(shape), device="meta"))
+
+
+class LayerwiseNormal(Prior):
+    """A zero-mean Normal per parameter with a standard deviation set by its layer's fan-in/out.
+
+    As TyXe's ``LayerwiseNormalPrior`` names them:
+
+    - ``"radford"``: ``1 / sqrt(fan_in)`` (Radford Neal's scaling),
+    - ``"kaiming"``: ``sqrt(2 / fan_in)``,
+    - ``"xavier"``: ``sqrt(2 / (fan_in + fan_out))``,
+
+    with ``fan_in`` and ``fan_out`` from the weight's shape (:func:`fan_in_and_fan_out`, i.e.
+    ``torch.nn.init._calculate_fan_in_and_fan_out``).
+
+    **Biases and other parameters of fewer than 2 dims** take the fans of their layer's weight:
+    the parameter of the same module path ending in ``weight`` (``"0.bias"`` -> ``"0.weight"``),
+    found in the network the prior is bound to by
+    :class:`~pyro_quadvi.nn.BayesianModule` (:meth:`bind`). A 1-d parameter without such a weight
+    (a layer-norm's gain, say) falls back to ``fan_in = fan_out = 1`` (a standard normal for
+    ``radford``).
+
+    Args:
+        method: ``"radford"``, ``"kaiming"`` or ``"xavier"``.
+        scale: a factor on every standard deviation.
+    """
+
+    METHODS = ("radford", "kaiming", "xavier")
+
+    def __init__(self, method: str = "radford", scale: float = 1.0):
+        if method not in self.METHODS:
+            raise ValueError(f"method must be one of {self.METHODS}, got {method!r}")
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale!r}")
+        self.method = method
+        self.scale = float(scale)
+        self._shapes: dict[str, torch.Size] = {}
+
+    def bind(self, named_parameters) -> None:
+        """Remember the shapes of a network's parameters (to find a bias's weight)."""
+        self._shapes = {name: param.shape for name, param in named_parameters}
+
+    def fans(self, name: str, param: torch.Tensor) -> tuple[int, int]:
+        """``(fan_in, fan_out)`` used for the parameter ``name``."""
+        if param.dim() >= 2:
+            return fan_in_and_fan_out(param.shape)
+        module, _, _ = name.rpartition(".")
+        weight = f"{module}.weight" if module else "weight"
+        shape = self._shapes.get(weight)
+        if shape is not None and len(shape) >= 2:
+            return fan_in_and_fan_out(shape)
+        return 1, 1
+
+    def std(self, name: str, param: torch.Tensor) -> float:
+        """The prior standard deviation of every entry of ``name``."""
+        fan_in, fan_out = self.fans(name, param)
+        if self.method == "radford":
+            std = 1.0 / math.sqrt(fan_in)
+        elif self.method == "kaiming":
+            std = math.sqrt(2.0 / fan_in)
+        else:
+            std = math.sqrt(2.0 / (fan_in + fan_out))
+        return self.scale * std
+
+    def __call__(self, name: str, param: torch.Tensor) -> dist.Distribution:
+        loc = torch.zeros_like(param).detach()
+        return dist.Normal(loc, torch.full_like(loc, self.std(name, param)))
+
+    def __repr__(self) -> str:
+        return f"priors.LayerwiseNormal(method={self.method!r}, scale={self.scale})"

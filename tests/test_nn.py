@@ -1,0 +1,370 @@
+"""Bayesian neural networks from any nn.Module (issue 11, core): BayesianModule, priors,
+likelihoods, predict."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer import SVI, Predictive, Trace_ELBO
+from torch import nn
+from torch.func import functional_call
+
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.guides import describe_guide
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+
+DTYPE = torch.float64
+pytestmark = pytest.mark.usefixtures("fresh_param_store")
+
+# ------------------------------------------------------- Bayesian linear regression, exactly
+# Design: 8 rows of a Hadamard matrix; the bias column (all ones) and the three feature columns
+# are orthogonal, so the posterior precision over (weight, bias) is diagonal and the optimal
+# Gaussian mean field is the exact posterior.
+_H2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=DTYPE)
+_H8 = torch.kron(torch.kron(_H2, _H2), _H2)
+X_LIN = _H8[:, 1:4] * torch.tensor([0.5, 0.3, 0.2], dtype=DTYPE)
+Y_LIN = torch.tensor([0.3, -0.2, 0.5, 0.1, -0.4, 0.2, 0.0, 0.6], dtype=DTYPE)
+NOISE = 0.5
+N_LIN = len(Y_LIN)
+DESIGN = torch.cat([X_LIN, torch.ones(N_LIN, 1, dtype=DTYPE)], dim=1)  # (weight, bias)
+PRECISION = torch.eye(4, dtype=DTYPE) + DESIGN.T @ DESIGN / NOISE**2
+POST_MEAN = torch.linalg.solve(PRECISION, DESIGN.T @ Y_LIN / NOISE**2)
+POST_STD = PRECISION.diagonal() ** -0.5
+
+
+def linear_bnn():
+    net = nn.Linear(3, 1).double()
+    return BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(N_LIN, scale=NOISE))
+
+
+def fitted_moments(guide):
+    """(mean, std) over (weight, bias) of a mean-field guide of a linear layer."""
+    locs, scales = [], []
+    for name in ("weight", "bias"):
+        loc, scale = guide._get_loc_and_scale(name)
+        locs.append(loc.detach().reshape(-1))
+        scales.append(scale.detach().reshape(-1))
+    return torch.cat(locs), torch.cat(scales)
+
+
+def set_guide(guide, loc: torch.Tensor, scale: torch.Tensor, bnn) -> None:
+    """Put a mean-field guide at flat (loc, scale) laid out in the net's parameter order."""
+    start = 0
+    with torch.no_grad():
+        for name, param in bnn.latent_parameters().items():
+            n = param.numel()
+            path = name.split(".")
+            locs, scales = guide.locs, guide.scales
+            for part in path[:-1]:
+                locs, scales = getattr(locs, part), getattr(scales, part)
+            getattr(locs, path[-1]).copy_(loc[start : start + n].reshape(param.shape))
+            setattr(scales, path[-1], scale[start : start + n].reshape(param.shape).clone())
+            start += n
+
+
+def closed_form_elbo(mu: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The ELBO of Bayesian linear regression at the mean field N(mu, diag(s^2))."""
+    resid = Y_LIN - DESIGN @ mu
+    expected_sq = resid**2 + (DESIGN**2) @ s**2
+    loglik = (-0.5 * math.log(2 * math.pi * NOISE**2) - expected_sq / (2 * NOISE**2)).sum()
+    logprior = (-0.5 * math.log(2 * math.pi) - (mu**2 + s**2) / 2).sum()
+    entropy = (0.5 * math.log(2 * math.pi * math.e) + s.log()).sum()
+    return loglik + logprior + entropy
+
+
+def test_linear_layer_lands_on_the_closed_form_mean_field():
+    assert torch.allclose(PRECISION, torch.diag(PRECISION.diagonal()))  # orthogonal design
+    bnn = linear_bnn()
+    guide = AutoMeanFieldNormal(bnn)
+    svi = SVI(bnn, guide, QNVB(), QuadratureELBO("gauss_hermite", num_points=2))
+    for _ in range(3):  # exact after the first step, and a fixed point after it
+        svi.step(X_LIN, Y_LIN)
+        mean, std = fitted_moments(guide)
+        assert (mean - POST_MEAN).abs().max().item() < 1e-8
+        assert (std - POST_STD).abs().max().item() < 1e-8
+
+
+def test_gauss_hermite_loss_equals_the_closed_form_elbo():
+    bnn = linear_bnn()
+    guide = AutoMeanFieldNormal(bnn)
+    guide(X_LIN, Y_LIN)
+    mu = torch.tensor([0.3, -0.7, 0.2, 0.1], dtype=DTYPE)
+    s = torch.tensor([0.4, 0.25, 0.6, 0.35], dtype=DTYPE)
+    set_guide(guide, mu, s, bnn)
+    loss = QuadratureELBO("gauss_hermite", num_points=2).loss(bnn, guide, X_LIN, Y_LIN)
+    assert abs(loss + closed_form_elbo(mu, s).item()) < 1e-10
+
+
+# --------------------------------------------------------------- one pass for all nodes
+def tanh_net(out: int = 1) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, out)).double()
+
+
+X_NET = torch.linspace(-1.0, 1.0, 10, dtype=DTYPE).reshape(5, 2)
+Y_REG = torch.tensor([0.1, -0.3, 0.4, 0.0, 0.2], dtype=DTYPE)
+Y_CLS = torch.tensor([0, 2, 1, 1, 0])
+
+
+def perturbed_guide(bnn, x, y):
+    guide = AutoMeanFieldNormal(bnn)
+    guide(x, y)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in guide.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return guide
+
+
+@pytest.mark.parametrize(
+    ("likelihood", "out", "y"),
+    [
+        (likelihoods.Gaussian(20, scale=0.3), 1, Y_REG),
+        (likelihoods.Categorical(20), 3, Y_CLS),
+    ],
+    ids=["gaussian", "categorical"],
+)
+@pytest.mark.parametrize("rule", ["hadamard", "blocked_simplex"])
+def test_vectorized_loss_and_gradients_equal_the_looped_ones(likelihood, out, y, rule):
+    bnn = BayesianModule(tanh_net(out), priors.Normal(1.0), likelihood)
+    guide = perturbed_guide(bnn, X_NET, y)
+    results = []
+    for vectorize in (True, False):
+        pyro.set_rng_seed(5)  # the same random rotation of the rule
+        guide.zero_grad()
+        elbo = QuadratureELBO(rule, vectorize=vectorize, name=f"vectorize={vectorize}")
+        loss = elbo.differentiable_loss(bnn, guide, X_NET, y)  # both at step 0 of the rule
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in guide.parameters()]))
+    (loss_v, grads_v), (loss_l, grads_l) = results
+    assert abs(loss_v - loss_l) < 1e-10
+    assert max((a - b).abs().max().item() for a, b in zip(grads_v, grads_l)) < 1e-10
+    # the default decides for the one pass, without the "one by one" warning
+    elbo = QuadratureELBO(rule)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SVI(bnn, guide, QNVB(), elbo).step(X_NET, y)
+    assert elbo.vectorized(bnn, guide) is True
+
+
+def test_predictive_and_vectorized_particles_run_in_one_pass():
+    bnn = BayesianModule(tanh_net(), priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
+    guide = perturbed_guide(bnn, X_NET, Y_REG)
+    draws = Predictive(guide, num_samples=4)(X_NET)  # (4, ...) per site
+    samples = {name: draws[name] for name in bnn.latent_parameters()}
+    outputs = {}
+    for parallel in (True, False):
+        predictive = Predictive(
+            bnn, posterior_samples=samples, parallel=parallel, return_sites=["_RETURN"]
+        )
+        outputs[parallel] = predictive(X_NET)["_RETURN"]
+    assert outputs[True].shape == (4, 5, 1)
+    assert (outputs[True] - outputs[False].reshape(4, 5, 1)).abs().max().item() < 1e-12
+    for k in range(4):
+        one = {name: value[k] for name, value in samples.items()}
+        direct = functional_call(bnn.net, one, (X_NET,))
+        assert (outputs[True][k] - direct).abs().max().item() < 1e-12
+    loss = Trace_ELBO(num_particles=4, vectorize_particles=True).loss(bnn, guide, X_NET, Y_REG)
+    assert math.isfinite(loss)
+
+
+# --------------------------------------------------------------------- sites and hiding
+def test_sites_are_the_parameters_and_hidden_ones_are_trained_by_svi():
+    bnn = BayesianModule(tanh_net(), priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
+    trace = poutine.trace(bnn).get_trace(X_NET, Y_REG)
+    latents = {
+        name: tuple(site["value"].shape)
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample" and not site["is_observed"] and name != "data"
+    }
+    expected = {name: tuple(p.shape) for name, p in bnn.net.named_parameters()}
+    assert latents == expected
+    assert list(latents) == list(expected)  # in the net's order
+    for name, p in bnn.net.named_parameters():
+        assert trace.nodes[name]["fn"].event_dim == p.dim()
+
+    hidden = BayesianModule(
+        tanh_net(), priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3), hide=("0.bias",)
+    )
+    guide = AutoMeanFieldNormal(hidden)
+    before = hidden.net[0].bias.detach().clone()
+    SVI(hidden, guide, QNVB(), QuadratureELBO()).step(X_NET, Y_REG)
+    names = [site.name for site in describe_guide(guide).latent_sites]
+    assert names == ["0.weight", "2.weight", "2.bias"]
+    assert "net.0.bias" in pyro.get_param_store()
+    assert pyro.get_param_store()["net.0.bias"] is hidden.net[0].bias
+    assert (hidden.net[0].bias.detach() - before).abs().max().item() > 1e-4
+
+
+def test_hidden_parameters_are_trained_under_module_local_params():
+    with pyro.settings.context(module_local_params=True):
+        hidden = BayesianModule(
+            tanh_net(), priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3), hide=("2.bias",)
+        )
+        guide = AutoMeanFieldNormal(hidden)
+        before = hidden.net[2].bias.detach().clone()
+        SVI(hidden, guide, QNVB(), QuadratureELBO()).step(X_NET, Y_REG)
+    assert "net.2.bias" not in pyro.get_param_store()
+    assert (hidden.net[2].bias.detach() - before).abs().max().item() > 1e-4
+
+
+# -------------------------------------------------------------------------- subsampling
+def test_a_minibatch_log_likelihood_is_scaled_to_the_dataset_size():
+    N, B, noise = 50, 5, 0.3
+    bnn = BayesianModule(tanh_net(), priors.Normal(1.0), likelihoods.Gaussian(N, scale=noise))
+    trace = poutine.trace(bnn).get_trace(X_NET, Y_REG)
+    trace.compute_log_prob()
+    obs = trace.nodes["obs"]
+    weights = {name: trace.nodes[name]["value"] for name in bnn.latent_parameters()}
+    mean = functional_call(bnn.net, weights, (X_NET,)).squeeze(-1)
+    by_hand = -0.5 * ((Y_REG - mean) / noise) ** 2 - math.log(noise) - 0.5 * math.log(2 * math.pi)
+    assert obs["scale"] == N / B
+    assert abs(obs["log_prob_sum"].item() - N / B * by_hand.sum().item()) < 1e-10
+
+
+# ---------------------------------------------------------------------------- priors
+@pytest.mark.parametrize(
+    ("method", "std"),
+    [
+        ("radford", lambda fi, fo: fi**-0.5),
+        ("kaiming", lambda fi, fo: (2 / fi) ** 0.5),
+        ("xavier", lambda fi, fo: (2 / (fi + fo)) ** 0.5),
+    ],
+)
+def test_layerwise_prior_scales_follow_the_fans(method, std):
+    net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    bnn = BayesianModule(net, priors.LayerwiseNormal(method), likelihoods.Gaussian(10))
+    fans = {"0.weight": (3, 5), "0.bias": (3, 5), "2.weight": (5, 2), "2.bias": (5, 2)}
+    for name, param in net.named_parameters():
+        prior = bnn.prior_of(name, param)
+        assert prior.event_shape == param.shape and prior.batch_shape == ()
+        scale = prior.base_dist.scale
+        assert scale.dtype == DTYPE
+        assert torch.allclose(scale, torch.full_like(scale, std(*fans[name])), rtol=1e-15)
+
+
+def test_a_callable_prior_and_a_normal_prior():
+    net = nn.Linear(2, 1).double()
+
+    def laplace(name, param):
+        return dist.Laplace(torch.zeros_like(param), 0.5 if name == "bias" else 2.0)
+
+    bnn = BayesianModule(net, laplace, likelihoods.Gaussian(10))
+    assert bnn.prior_of("bias", net.bias).base_dist.scale.item() == 0.5
+    assert bnn.prior_of("weight", net.weight).event_shape == (1, 2)
+    normal = priors.Normal(scale=0.7)("weight", net.weight)
+    assert normal.scale.dtype == DTYPE and torch.all(normal.scale == 0.7)
+
+
+# ---------------------------------------------------------------------------- predict
+def test_predict_with_tiny_scales_is_the_net_at_the_locs():
+    bnn = BayesianModule(tanh_net(), priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
+    guide = perturbed_guide(bnn, X_NET, Y_REG)
+    dim = describe_guide(guide).dim
+    loc = describe_guide(guide).loc.detach()
+    set_guide(guide, loc, torch.full((dim,), 1e-8, dtype=DTYPE), bnn)
+    at_locs = {}
+    start = 0
+    for name, param in bnn.latent_parameters().items():
+        at_locs[name] = loc[start : start + param.numel()].reshape(param.shape)
+        start += param.numel()
+    expected = functional_call(bnn.net, at_locs, (X_NET,))
+    pred = bnn.predict(guide, X_NET, num_samples=16)
+    assert pred.outputs.shape == (16, 5, 1)
+    assert abs(pred.weights.sum().item() - 1.0) < 1e-12
+    assert (pred.mean - expected).abs().max().item() < 1e-6
+
+
+def test_quadrature_predict_of_a_linear_layer_is_the_exact_predictive_mean():
+    bnn = linear_bnn()
+    guide = AutoMeanFieldNormal(bnn)
+    guide(X_LIN, Y_LIN)
+    mu = torch.tensor([0.3, -0.7, 0.2, 0.1], dtype=DTYPE)
+    s = torch.tensor([0.4, 0.25, 0.6, 0.35], dtype=DTYPE)
+    set_guide(guide, mu, s, bnn)
+    pred = bnn.predict(guide, X_LIN, quadrature="gauss_hermite", num_points=2)
+    assert pred.outputs.shape == (16, N_LIN, 1)
+    assert (pred.mean.squeeze(-1) - DESIGN @ mu).abs().max().item() < 1e-12
+    # and the spread of the nodes is the exact predictive variance of the mean
+    var = torch.tensordot(pred.weights, (pred.outputs.squeeze(-1) - DESIGN @ mu) ** 2, dims=1)
+    assert (var - (DESIGN**2) @ s**2).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("quadrature", [None, "hadamard"])
+def test_classification_predictions_are_probabilities(quadrature):
+    bnn = BayesianModule(tanh_net(3), priors.Normal(1.0), likelihoods.Categorical(20))
+    guide = perturbed_guide(bnn, X_NET, Y_CLS)
+    pred = bnn.predict(guide, X_NET, num_samples=8, quadrature=quadrature)
+    assert pred.probs.shape == (5, 3)
+    assert (pred.probs.sum(-1) - 1).abs().max().item() < 1e-12
+    assert pred.probs.min().item() >= 0.0
+    expected = torch.tensordot(pred.weights, torch.softmax(pred.outputs, -1), dims=1)
+    assert (pred.probs - expected).abs().max().item() < 1e-15
+
+    pyro.clear_param_store()  # the next guide has the same name and other shapes
+    binary = BayesianModule(tanh_net(1), priors.Normal(1.0), likelihoods.Bernoulli(20))
+    y = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0], dtype=DTYPE)
+    guide = perturbed_guide(binary, X_NET, y)
+    pred = binary.predict(guide, X_NET, num_samples=8, quadrature=quadrature)
+    assert pred.probs.shape == (5, 1)
+    assert 0.0 <= pred.probs.min().item() <= pred.probs.max().item() <= 1.0
+
+
+# ------------------------------------------------------------------------- learned noise
+def test_learned_noise_adds_one_latent_site_and_vectorizes():
+    net = tanh_net(2)
+    y = torch.stack([Y_REG, -Y_REG], dim=-1)
+    fixed = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
+    learned = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(20, scale=None))
+
+    def latents(model):
+        trace = poutine.trace(model).get_trace(X_NET, y)
+        return [
+            name
+            for name, site in trace.nodes.items()
+            if site["type"] == "sample" and not site["is_observed"] and name != "data"
+        ]
+
+    extra = [name for name in latents(learned) if name not in latents(fixed)]
+    assert extra == ["noise_scale"]
+    assert len(latents(learned)) == len(latents(fixed)) + 1
+    guide = perturbed_guide(learned, X_NET, y)
+    losses = []
+    for vectorize in (True, False):
+        losses.append(
+            QuadratureELBO("hadamard", vectorize=vectorize).loss(learned, guide, X_NET, y)
+        )
+    assert abs(losses[0] - losses[1]) < 1e-10
+
+
+# ------------------------------------------------------------- convolutions and batch norm
+def test_a_convolutional_net_with_batch_norm_runs_in_one_pass_and_keeps_its_statistics():
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.ReLU(), nn.Flatten(), nn.Linear(8, 3)
+    ).double()
+    with torch.no_grad():
+        net[1].running_mean.fill_(0.2)
+        net[1].running_var.fill_(1.5)
+    bnn = BayesianModule(net, priors.LayerwiseNormal("kaiming"), likelihoods.Categorical(40))
+    bnn.train()
+    assert not net.training  # eval mode: running statistics as they are
+    x = torch.linspace(-1.0, 1.0, 64, dtype=DTYPE).reshape(4, 1, 4, 4)
+    y = torch.tensor([0, 1, 2, 1])
+    guide = perturbed_guide(bnn, x, y)
+    losses = [
+        QuadratureELBO("hadamard", vectorize=v, name=str(v)).loss(bnn, guide, x, y)
+        for v in (True, False)
+    ]
+    assert abs(losses[0] - losses[1]) < 1e-10
+    SVI(bnn, guide, QNVB(), QuadratureELBO()).step(x, y)
+    assert torch.all(net[1].running_mean == 0.2) and torch.all(net[1].running_var == 1.5)
+    assert int(net[1].num_batches_tracked) == 0
+    names = [site.name for site in describe_guide(guide).latent_sites]
+    assert names == [name for name, _ in net.named_parameters()]
