@@ -15,7 +15,13 @@ import pytest
 import torch
 from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
-from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoNormal, init_to_value
+from pyro.infer.autoguide import (
+    AutoDelta,
+    AutoDiagonalNormal,
+    AutoMultivariateNormal,
+    AutoNormal,
+    init_to_value,
+)
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, opqa_evidence
 from pyro_quadvi.guides import GuideDescription, MeanFieldSite, describe_guide
@@ -137,8 +143,11 @@ def test_unknown_guides_get_one_message_with_the_hook():
         describe_guide(AutoDelta(conjugate_model))
 
 
-def test_wrapped_guides_are_described_and_a_scale_wrapper_scales_the_entropy():
-    guide = AutoMeanFieldNormal(conjugate_model, init_scale=0.5)
+@pytest.mark.parametrize(
+    "guide_class", [AutoMeanFieldNormal, AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal]
+)
+def test_wrapped_guides_are_described_and_a_scale_wrapper_scales_the_entropy(guide_class):
+    guide = guide_class(conjugate_model, init_scale=0.5)
     elbo = QuadratureELBO("gauss_hermite")
     plain = elbo.loss(conjugate_model, guide)
     assert elbo.loss(conjugate_model, functools.partial(guide)) == plain

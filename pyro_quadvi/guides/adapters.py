@@ -19,6 +19,7 @@ from pyro.distributions.util import is_identically_one
 from pyro.infer.autoguide import (
     AutoContinuous,
     AutoDiagonalNormal,
+    AutoGuide,
     AutoLowRankMultivariateNormal,
     AutoMultivariateNormal,
     AutoNormal,
@@ -30,6 +31,7 @@ from ..infer.log_joint import LatentSite, latent_nodes
 from .interface import GuideDescription, JointGaussian, MeanFieldSite, register_adapter
 
 __all__ = [
+    "check_set_up",
     "continuous_latent_sites",
     "describe_auto_normal",
     "scale_factor",
@@ -84,11 +86,7 @@ def describe_auto_normal(
         last_run: without a trace, ``site -> (scale factor, rows)`` of the guide's last run where
             the guide keeps it (``AutoMeanFieldNormal``); otherwise rows are unknown (``None``).
     """
-    if guide.prototype_trace is None:
-        raise RuntimeError(
-            f"{type(guide).__name__} has not been run yet: call it (or svi.step) with the "
-            "model's arguments first"
-        )
+    check_set_up(guide)
     sites, latent = [], []
     for name, proto in guide.prototype_trace.iter_stochastic_nodes():
         loc_leaf, _, loc_name = _leaf(guide.locs, name)
@@ -140,7 +138,8 @@ def continuous_latent_sites(guide: AutoContinuous) -> list[LatentSite]:
     return latent
 
 
-def _check_set_up(guide: AutoContinuous) -> None:
+def check_set_up(guide: AutoGuide) -> None:
+    """Refuse an AutoGuide that has not run yet (it has no parameters to describe)."""
     if guide.prototype_trace is None:
         raise RuntimeError(
             f"{type(guide).__name__} has not been run yet: call it (or svi.step) with the "
@@ -148,16 +147,19 @@ def _check_set_up(guide: AutoContinuous) -> None:
         )
 
 
-def _posterior(guide: AutoContinuous, trace: Trace | None):
+def _posterior(guide: AutoContinuous, trace: Trace | None) -> tuple[object, float]:
+    """The guide's posterior over its latent vector, and that site's scale (a ``poutine.scale``
+    around the guide), from ``trace`` or, without one, from its current parameters."""
     if trace is not None:
-        return trace.nodes[f"_{guide._pyro_name}_latent"]["fn"]
-    return guide.get_posterior()
+        node = trace.nodes[f"_{guide._pyro_name}_latent"]
+        return node["fn"], scale_factor(node)
+    return guide.get_posterior(), 1.0
 
 
 @register_adapter(AutoDiagonalNormal)
 def _describe_diagonal(guide: AutoDiagonalNormal, trace: Trace | None) -> GuideDescription:
-    _check_set_up(guide)
-    posterior = _posterior(guide, trace)
+    check_set_up(guide)
+    posterior, site_scale = _posterior(guide, trace)
     loc_leaf, _, loc_name = _leaf(guide, "loc")
     scale_leaf, scale_constraint, scale_name = _leaf(guide, "scale")
     block = MeanFieldSite(
@@ -170,21 +172,22 @@ def _describe_diagonal(guide: AutoDiagonalNormal, trace: Trace | None) -> GuideD
         param_names={"loc": loc_name, "scale": scale_name},
         transform=dist.transforms.identity_transform,
         event_dim=1,
+        scale_factor=site_scale,
     )
     return GuideDescription(guide._pyro_name, continuous_latent_sites(guide), sites=[block])
 
 
 @register_adapter(AutoMultivariateNormal)
 def _describe_full_rank(guide: AutoMultivariateNormal, trace: Trace | None) -> GuideDescription:
-    _check_set_up(guide)
-    posterior = _posterior(guide, trace)
+    check_set_up(guide)
+    posterior, site_scale = _posterior(guide, trace)
     loc, tril = posterior.loc, posterior.scale_tril
     joint = JointGaussian(
         dim=loc.numel(),
         loc=loc,
         affine=lambda x: loc + x @ tril.T,
         covariance=posterior.covariance_matrix,
-        entropy=posterior.entropy(),
+        entropy=site_scale * posterior.entropy(),
         params=dict(guide.named_parameters()),
     )
     return GuideDescription(guide._pyro_name, continuous_latent_sites(guide), joint=joint)
@@ -194,8 +197,8 @@ def _describe_full_rank(guide: AutoMultivariateNormal, trace: Trace | None) -> G
 def _describe_low_rank(
     guide: AutoLowRankMultivariateNormal, trace: Trace | None
 ) -> GuideDescription:
-    _check_set_up(guide)
-    posterior = _posterior(guide, trace)
+    check_set_up(guide)
+    posterior, site_scale = _posterior(guide, trace)
     # z = loc + W x_1 + sqrt(D) x_2 with (x_1, x_2) ~ N(0, I_{r + d}): covariance W W^T + D.
     loc, factor = posterior.loc, posterior.cov_factor
     root_diag = posterior.cov_diag.sqrt()
@@ -209,7 +212,7 @@ def _describe_low_rank(
         loc=loc,
         affine=affine,
         covariance=posterior.covariance_matrix,
-        entropy=posterior.entropy(),
+        entropy=site_scale * posterior.entropy(),
         params=dict(guide.named_parameters()),
     )
     return GuideDescription(guide._pyro_name, continuous_latent_sites(guide), joint=joint)

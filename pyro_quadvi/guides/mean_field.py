@@ -75,11 +75,6 @@ class AutoMeanFieldNormal(AutoNormal):
         Raises:
             RuntimeError: if the guide has not been run yet.
         """
-        if trace is None and self._last_run is None:
-            raise RuntimeError(
-                "AutoMeanFieldNormal has not been run yet: call it (or svi.step) with the "
-                "model's arguments first"
-            )
         return describe_auto_normal(self, trace, self._last_run)
 
     def mean_field_sites(self) -> list[MeanFieldSite]:
