@@ -287,3 +287,40 @@ def test_moments_nobody_takes_do_not_keep_the_parameters_alive():
     pyro.clear_param_store()
     gc.collect()
     assert leaf() is None
+
+
+class DetachedScaleGuide(torch.nn.Module):
+    """A Gaussian guide whose scale is detached in its own run: only the loc gets a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.loc = torch.nn.Parameter(torch.tensor(0.0, dtype=DTYPE))
+        self.log_scale = torch.nn.Parameter(torch.tensor(math.log(0.5), dtype=DTYPE))
+
+    def forward(self):
+        pyro.module("detached", self)
+        pyro.sample("z", dist.Normal(self.loc, self.log_scale.exp().detach()))
+
+    def quadrature_description(self, trace=None) -> GuideDescription:
+        site = MeanFieldSite(
+            name="z",
+            family="gaussian",
+            loc=self.loc,
+            scale=self.log_scale.exp(),
+            params={"loc": self.loc, "scale": self.log_scale},
+            param_constraints={"loc": dist.constraints.real, "scale": dist.constraints.positive},
+            param_names={"loc": "detached$$$loc", "scale": "detached$$$log_scale"},
+            transform=dist.transforms.identity_transform,
+            event_dim=0,
+        )
+        latent = [LatentSite("z", torch.Size(), 0, dist.transforms.identity_transform)]
+        return GuideDescription("DetachedScaleGuide", latent, sites=[site])
+
+
+def test_a_block_with_only_one_gradient_goes_to_the_fallback_with_a_warning():
+    guide = DetachedScaleGuide()
+    svi = SVI(conjugate_model, guide, QNVB(), Trace_ELBO())
+    with pytest.warns(RuntimeWarning, match="gradient on only one of its loc and scale"):
+        svi.step()
+    # the fallback (Adam, lr 0.01) moved the loc by one Adam step; QNVB would have moved it far
+    assert abs(abs(guide.loc.item()) - 0.01) < 1e-6

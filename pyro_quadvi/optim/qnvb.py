@@ -155,11 +155,6 @@ class QNVB(PyroOptim):
         fallback: PyroOptim | tuple[type, dict] | None = None,
         **hyperparameters,
     ):
-        unknown = sorted(set(hyperparameters) - set(_HP_NAMES))
-        if unknown:
-            raise TypeError(
-                f"QNVB got unknown hyperparameters {unknown}; the update takes {list(_HP_NAMES)}"
-            )
         if optim_args is not None and not (isinstance(optim_args, dict) or callable(optim_args)):
             raise TypeError(
                 "QNVB's first argument is a dict of hyperparameters or a callable name -> dict, "
@@ -195,12 +190,10 @@ class QNVB(PyroOptim):
             raise TypeError(
                 f"QNVB got unknown hyperparameters {unknown}; the update takes {list(_HP_NAMES)}"
             )
-        if "betas" in args and isinstance(args["betas"], list):
-            args["betas"] = tuple(args["betas"])
         return QNVBHyperparameters(**args)
 
     def _block_hyperparameters(self, name: str) -> QNVBHyperparameters:
-        if not callable(self.optim_args) or isinstance(self.optim_args, dict):
+        if not callable(self.optim_args):
             return self.hyperparameters
         if name not in self._by_block:
             self._by_block[name] = self._hyperparameters_for(name)
@@ -327,8 +320,15 @@ class QNVB(PyroOptim):
         """
         site = block.site
         loc_leaf, scale_leaf = site.params["loc"], site.params["scale"]
-        if block.moments is None and (loc_leaf.grad is None or scale_leaf.grad is None):
+        if block.moments is None and loc_leaf.grad is None and scale_leaf.grad is None:
             return True  # not used by this step's loss: nothing to do, nothing for the fallback
+        if block.moments is None and (loc_leaf.grad is None or scale_leaf.grad is None):
+            self._warn_once(
+                f"one gradient {site.name}",
+                f"QNVB: site {site.name!r} has a gradient on only one of its loc and scale (is "
+                "the other frozen or detached?); both go to the fallback optimizer",
+            )
+            return False
         name = site.param_names["loc"]
         rows = site.rows
         index = _row_index(loc_leaf.shape, rows)
@@ -383,23 +383,28 @@ class QNVB(PyroOptim):
 
     @torch.no_grad()
     def _guarded_fallback(self, params: list[torch.Tensor], *args, **kwargs) -> None:
-        """The fallback's step, with coordinates whose gradient or new value is not finite kept."""
-        before = {}
-        for p in params:
-            if p.grad is not None:
-                bad = ~torch.isfinite(p.grad)
-                p.grad = torch.where(bad, 0.0, p.grad)
-                before[p] = (p.detach().clone(), bad)
+        """The fallback's step, with coordinates whose gradient or new value is not finite kept.
+
+        One host sync per step tells whether anything was not finite; only then are the
+        coordinates found and named.
+        """
+        with_grad = [p for p in params if p.grad is not None]
+        bad_grads = [~torch.isfinite(p.grad) for p in with_grad]
+        old = [p.detach().clone() for p in with_grad]
+        for p, bad in zip(with_grad, bad_grads):
+            p.grad = torch.where(bad, 0.0, p.grad)
         super().__call__(params, *args, **kwargs)
-        for p, (old, bad) in before.items():
-            bad = bad | ~torch.isfinite(p)
-            if bad.any():
-                p.copy_(torch.where(bad, old, p))
+        bad = [b | ~torch.isfinite(p) for p, b in zip(with_grad, bad_grads)]
+        if not bad or not torch.stack([b.any() for b in bad]).any():
+            return
+        for p, before, mask in zip(with_grad, old, bad):
+            if mask.any():
+                p.copy_(torch.where(mask, before, p))
                 name = pyro.get_param_store().param_name(p) or f"a tensor of shape {tuple(p.shape)}"
                 self._warn_once(
                     f"fallback {name}",
                     f"QNVB: the fallback optimizer met a non-finite gradient or value at "
-                    f"{int(bad.sum())} coordinates of {name!r}; they were left unchanged (this "
+                    f"{int(mask.sum())} coordinates of {name!r}; they were left unchanged (this "
                     "warning is shown once per parameter)",
                 )
 
