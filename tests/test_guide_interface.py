@@ -24,7 +24,7 @@ from pyro.infer.autoguide import (
 )
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, opqa_evidence
-from pyro_quadvi.guides import GuideDescription, MeanFieldSite, describe_guide
+from pyro_quadvi.guides import GuideDescription, MeanFieldSite, describe_guide, register_guide
 from pyro_quadvi.guides.interface import published_moments
 from pyro_quadvi.infer import LatentSite
 
@@ -324,3 +324,43 @@ def test_a_block_with_only_one_gradient_goes_to_the_fallback_with_a_warning():
         svi.step()
     # the fallback (Adam, lr 0.01) moved the loc by one Adam step; QNVB would have moved it far
     assert abs(abs(guide.loc.item()) - 0.01) < 1e-6
+
+
+class CallableGuide:
+    """A guide that is a plain callable object (no nn.Module): QNVB knows it once registered."""
+
+    def __call__(self):
+        loc = pyro.param("cg.loc", torch.tensor(0.0, dtype=DTYPE))
+        scale = pyro.param(
+            "cg.scale", torch.tensor(0.5, dtype=DTYPE), constraint=dist.constraints.positive
+        )
+        pyro.sample("z", dist.Normal(loc, scale))
+
+    def quadrature_description(self, trace=None) -> GuideDescription:
+        loc, scale = pyro.param("cg.loc"), pyro.param("cg.scale")
+        site = MeanFieldSite(
+            name="z",
+            family="gaussian",
+            loc=loc,
+            scale=scale,
+            params={"loc": loc.unconstrained(), "scale": scale.unconstrained()},
+            param_constraints={"loc": dist.constraints.real, "scale": dist.constraints.positive},
+            param_names={"loc": "cg.loc", "scale": "cg.scale"},
+            transform=dist.transforms.identity_transform,
+            event_dim=0,
+        )
+        latent = [LatentSite("z", torch.Size(), 0, dist.transforms.identity_transform)]
+        return GuideDescription("CallableGuide", latent, sites=[site])
+
+
+def test_a_registered_callable_guide_is_paired_and_an_unregistered_one_is_not():
+    qnvb = QNVB()
+    with pytest.warns(RuntimeWarning, match="none of the 2 parameters"):
+        SVI(conjugate_model, CallableGuide(), qnvb, Trace_ELBO()).step()
+    assert qnvb.get_state()["qnvb"]["pairs"] == {}
+    pyro.clear_param_store()
+    guide = CallableGuide()
+    register_guide(guide)
+    qnvb = QNVB()
+    SVI(conjugate_model, guide, qnvb, Trace_ELBO()).step()
+    assert set(qnvb.get_state()["qnvb"]["pairs"]) == {"cg.loc"}

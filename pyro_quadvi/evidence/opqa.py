@@ -43,7 +43,7 @@ from pyro.poutine.subsample_messenger import _Subsample
 from pyro.poutine.util import site_is_subsample
 
 from ..export.draws import check_guide_was_run
-from ..infer.batched import BatchDecision, evaluate_batch
+from ..infer.batched import BatchDecision, evaluate_batch, first_line
 from ..infer.log_joint import LogJoint, latent_sites_of_model
 from ..quadrature.hermite import gauss_hermite, orthonormal_hermite
 from .posterior import OPQAPosterior, multi_indices
@@ -313,11 +313,10 @@ def _latent_sites_in_float64(model: Callable, args: tuple, kwargs: dict):
     except RuntimeError as error:
         if not any(text in str(error) for text in _DTYPE_ERRORS):
             raise
-        first_line = str(error).strip().split("\n")[0]
         raise ValueError(
             f"opqa_evidence evaluates the model in float64 (its 1e-8 accuracy needs it), and the "
-            f"model does not run in float64 ({first_line}): it holds float32 tensors of its own. "
-            "Build it in float64: torch.set_default_dtype(torch.float64) before creating the "
+            f"model does not run in float64 ({first_line(error)}): it holds float32 tensors of its "
+            "own. Build it in float64: torch.set_default_dtype(torch.float64) before creating the "
             "model (or module.double() for a PyroModule's fixed parameters)"
         ) from None
 

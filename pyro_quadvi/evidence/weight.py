@@ -172,6 +172,8 @@ def guide_weight(
                 "needs every latent in full: run it without subsampling"
             )
     loc = description.loc.detach().to(torch.float64)
-    covariance = description.covariance().detach().to(torch.float64)
-    scale_tril = torch.linalg.cholesky(covariance)
+    if description.joint is None:  # a mean field: the factor is diagonal
+        scale_tril = torch.diag(description.scale.detach().to(torch.float64))
+    else:
+        scale_tril = torch.linalg.cholesky(description.covariance().detach().to(torch.float64))
     return GaussianWeight(loc, scale_tril, 0, {"guide": description.guide})

@@ -157,7 +157,7 @@ def evaluate_batch(
     except Exception as error:
         if not is_broadcast_error(error):
             raise
-        reason = f"{type(error).__name__}: {_first_line(error)}"
+        reason = f"{type(error).__name__}: {first_line(error)}"
         known: dict[int, Any] = {}
     else:
         indices = sorted({0, K // 2, K - 1}) if probe is None else sorted(set(probe))
@@ -175,7 +175,7 @@ def evaluate_batch(
     return _loop(single, points, known), BatchDecision(False, reason, 0)
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     """An error's message without the trace shapes Pyro appends."""
     return str(error).strip().split("\n")[0]
 

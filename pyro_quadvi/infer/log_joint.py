@@ -25,7 +25,7 @@ from pyro.poutine import Trace
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import biject_to
 
-from .batched import BatchMismatch, is_broadcast_error
+from .batched import BatchMismatch, first_line, is_broadcast_error
 
 __all__ = ["LatentSite", "LogJoint", "latent_sites_of_model", "model_max_plate_nesting"]
 
@@ -386,8 +386,7 @@ def _name_the_invalid_site(model, args, kwargs, error: ValueError, where: str) -
         bad = ~torch.isfinite(log_prob)
         if bad.any():
             value = log_prob[bad].reshape(-1)[0].item()
-            first_line = str(error).strip().split("\n")[0]
-            raise ValueError(f"{_not_finite(node, value, where)}. ({first_line})") from None
+            raise ValueError(f"{_not_finite(node, value, where)}. ({first_line(error)})") from None
 
 
 def _per_particle(log_prob: torch.Tensor, K: int, particle_dims: int) -> torch.Tensor:
