@@ -2,11 +2,21 @@
 
 ``BayesianModule(net, prior, likelihood)`` is a Pyro model whose latent sites are the net's
 parameters; :mod:`~pyro_quadvi.nn.priors` and :mod:`~pyro_quadvi.nn.likelihoods` hold the pieces,
-:func:`~pyro_quadvi.nn.predict` the Bayesian model average.
+:func:`~pyro_quadvi.nn.predict` the Bayesian model average, :func:`~pyro_quadvi.nn.fit` the SVI
+loop of the tutorials.
 """
 
 from . import likelihoods, priors
 from .module import BayesianModule
 from .predict import Prediction, predict
+from .training import History, fit
 
-__all__ = ["BayesianModule", "Prediction", "likelihoods", "predict", "priors"]
+__all__ = [
+    "BayesianModule",
+    "History",
+    "Prediction",
+    "fit",
+    "likelihoods",
+    "predict",
+    "priors",
+]
