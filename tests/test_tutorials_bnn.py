@@ -1,0 +1,56 @@
+"""The BNN regression tutorial, end to end in its quick mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+PATH = Path(__file__).resolve().parent.parent / "tutorials" / "bnn_regression.py"
+
+
+@pytest.fixture(scope="module")
+def tutorial():
+    spec = importlib.util.spec_from_file_location("bnn_regression", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_toy_data(tutorial):
+    x, y = tutorial.toy_data()
+    assert x.shape == (128, 1) and y.shape == (128,)
+    x = x.squeeze(-1)
+    assert x.min() >= -1.0 and x.max() <= 2.0
+    assert not tutorial.in_gap(x).any()  # the gap is empty
+    assert (x < tutorial.GAP[0]).any() and (x > tutorial.GAP[1]).any()
+    # the noise has the paper's variance exp(-3)
+    assert tutorial.NOISE**2 == pytest.approx(math.exp(-3))
+    residual = y - tutorial.target(x)
+    assert 0.15 < float(residual.std()) < 0.3
+
+
+def test_quick_run(tutorial, tmp_path):
+    out = tmp_path / "bnn.png"
+    threads = torch.get_num_threads()
+    try:
+        result = tutorial.main(["--quick", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # main() runs single-threaded
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["K"] == 3  # QuadratureELBO's default rule: 3 nodes a step
+    results = result["results"]
+    assert len(results) == 2  # no NUTS in quick mode
+    qnvb = next(r for name, r in results.items() if name.startswith("QNVB"))
+    adam = next(r for name, r in results.items() if name.startswith("Adam"))
+    assert "450 steps" in next(name for name in results if name.startswith("Adam"))
+    for r in (qnvb, adam):
+        assert math.isfinite(r["nll"]) and math.isfinite(r["rmse"])
+        # the predictive sd includes the noise, and the network's own spread adds to it
+        assert r["sd_data"] > tutorial.NOISE
+        assert r["rmse"] < 1.0  # the fits follow the data (the targets' sd is about 1)
+    # QNVB's predictive sd is larger inside the gap than where the data are
+    assert qnvb["sd_gap"] > qnvb["sd_data"]
