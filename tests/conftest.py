@@ -1,5 +1,8 @@
 """Test-suite settings: one torch thread per process (the suite runs in 2 xdist workers)."""
 
+import importlib.util
+from pathlib import Path
+
 import pyro
 import pytest
 import torch
@@ -14,3 +17,17 @@ def fresh_param_store():
     pyro.set_rng_seed(0)
     yield
     pyro.clear_param_store()
+
+
+@pytest.fixture(scope="session")
+def load_script():
+    """A function loading a script of the repository (``"tutorials/x.py"``) as a module."""
+
+    def load(relative: str):
+        path = Path(__file__).resolve().parent.parent / relative
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

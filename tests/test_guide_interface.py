@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import functools
 import gc
-import importlib.util
 import math
 import weakref
-from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
@@ -45,17 +43,9 @@ PRECISION = 0.25 + len(DATA)  # of the exact posterior of z
 POSTERIOR_MEAN = DATA.sum() / PRECISION
 
 
-def _load_example():
-    path = Path(__file__).resolve().parents[1] / "examples" / "custom_guide.py"
-    spec = importlib.util.spec_from_file_location("custom_guide_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # ------------------------------------------------------------------- a third-party guide
-def test_third_party_guide_is_fitted_by_qnvb_and_centres_opqa():
-    example = _load_example()
+def test_third_party_guide_is_fitted_by_qnvb_and_centres_opqa(load_script):
+    example = load_script("examples/custom_guide.py")
     guide = example.fit(num_steps=1)
     for name, (mean, std) in example.exact_posterior().items():
         torch.testing.assert_close(guide.locs[name].detach(), mean, rtol=0, atol=1e-12)
@@ -65,8 +55,8 @@ def test_third_party_guide_is_fitted_by_qnvb_and_centres_opqa():
     assert abs(result.log_evidence - example.exact_log_evidence()) < 1e-8
 
 
-def test_third_party_guide_loss_equals_autonormal_at_the_same_mean_field():
-    example = _load_example()
+def test_third_party_guide_loss_equals_autonormal_at_the_same_mean_field(load_script):
+    example = load_script("examples/custom_guide.py")
     guide = example.ExpScaleGuide(init_log_scale=math.log(0.3))
     loss = QuadratureELBO("gauss_hermite").loss(example.model, guide)
     start = {"w": torch.zeros(2, dtype=DTYPE), "rate": torch.tensor(1.0, dtype=DTYPE)}

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-PATH = Path(__file__).resolve().parent.parent / "tutorials" / "bnn_regression.py"
-
 
 @pytest.fixture(scope="module")
-def tutorial():
-    spec = importlib.util.spec_from_file_location("bnn_regression", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def tutorial(load_script):
+    return load_script("tutorials/bnn_regression.py")
 
 
 def test_toy_data(tutorial):

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from pyro_quadvi import opqa_evidence
 
-PATH = Path(__file__).resolve().parent.parent / "tutorials" / "evidence_comparison.py"
-
 
 @pytest.fixture(scope="module")
-def tutorial():
-    spec = importlib.util.spec_from_file_location("evidence_comparison", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def tutorial(load_script):
+    return load_script("tutorials/evidence_comparison.py")
 
 
 def test_closed_form_evidence(tutorial):

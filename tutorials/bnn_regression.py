@@ -48,10 +48,9 @@ import torch
 from pyro.infer import MCMC, NUTS, SVI, Trace_ELBO
 from pyro.infer.autoguide.initialization import init_to_sample
 from torch import nn
-from tqdm.auto import tqdm
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
-from pyro_quadvi.nn import BayesianModule, likelihoods
+from pyro_quadvi.nn import BayesianModule, fit, likelihoods
 
 F64 = torch.float64
 NOISE = math.exp(-1.5)  # noise variance exp(-3)
@@ -141,14 +140,8 @@ def fit_svi(bnn, x, y, optimizer, elbo, steps: int, label: str, seed: int = 0):
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     guide = AutoMeanFieldNormal(bnn, init_loc_fn=init_to_sample)
-    svi = SVI(bnn, guide, optimizer, elbo)
-    progress = tqdm(range(steps), desc=label, mininterval=1.0)
-    loss = float("nan")
-    for step in progress:
-        loss = svi.step(x, y)
-        if step % 100 == 0:
-            progress.set_postfix(loss=f"{loss:.1f}")
-    return guide, loss
+    history = fit(SVI(bnn, guide, optimizer, elbo), (x, y), steps, desc=label)
+    return guide, history.loss[-1]
 
 
 def run_nuts(bnn, x, y, warmup: int, samples: int, seed: int = 0) -> dict[str, torch.Tensor]:

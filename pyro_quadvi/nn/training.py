@@ -52,6 +52,7 @@ def fit(
     metrics: dict[str, Callable[[], float]] | None = None,
     every: int = 100,
     progress: bool = True,
+    desc: str = "SVI",
 ) -> History:
     """Run ``num_steps`` of ``svi.step`` and record the loss and ``metrics``.
 
@@ -64,6 +65,7 @@ def fit(
             every ``every`` steps and after the last one.
         every: the spacing of the metric evaluations, in steps.
         progress: show a tqdm bar with the latest loss.
+        desc: the bar's label.
 
     Raises:
         ValueError: for ``num_steps < 0``, ``every < 1``, or an empty iterable.
@@ -74,7 +76,7 @@ def fit(
         raise ValueError(f"fit: every must be an integer >= 1, got {every!r}")
     history = History(metrics={name: [] for name in metrics or {}})
     batches = _batches(data)
-    bar = tqdm(range(num_steps), disable=not progress, desc="SVI")
+    bar = tqdm(range(num_steps), disable=not progress, desc=desc)
     for step in bar:
         history.loss.append(svi.step(*next(batches)))
         bar.set_postfix(loss=f"{history.loss[-1]:.4g}", refresh=False)
