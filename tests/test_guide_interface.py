@@ -173,6 +173,24 @@ def test_parameters_named_like_a_pair_are_not_paired_and_qnvb_says_it_pairs_noth
         assert torch.equal(pyro.param(name).detach(), value)
 
 
+def scalar_description(guide, family, loc, scale, leaves, names) -> GuideDescription:
+    """A guide over the one real site ``z`` of ``conjugate_model``: its scale leaf is positive
+    through exp (``constraints.positive``)."""
+    site = MeanFieldSite(
+        name="z",
+        family=family,
+        loc=loc,
+        scale=scale,
+        params=dict(zip(("loc", "scale"), leaves)),
+        param_constraints={"loc": dist.constraints.real, "scale": dist.constraints.positive},
+        param_names=dict(zip(("loc", "scale"), names)),
+        transform=dist.transforms.identity_transform,
+        event_dim=0,
+    )
+    latent = [LatentSite("z", torch.Size(), 0, dist.transforms.identity_transform)]
+    return GuideDescription(guide, latent, sites=[site])
+
+
 class FamilyGuide(torch.nn.Module):
     """A guide that declares a family QNVB has no update for."""
 
@@ -186,22 +204,14 @@ class FamilyGuide(torch.nn.Module):
         pyro.sample("z", dist.Normal(self.loc, self.scale.exp()))
 
     def quadrature_description(self, trace=None) -> GuideDescription:
-        site = MeanFieldSite(
-            name="z",
-            family="student_t",
-            loc=self.loc,
-            scale=self.scale.exp(),
-            params={"loc": self.loc, "scale": self.scale},
-            param_constraints={
-                "loc": dist.constraints.real,
-                "scale": dist.constraints.positive,
-            },
-            param_names={"loc": "family_guide$$$loc", "scale": "family_guide$$$scale"},
-            transform=dist.transforms.identity_transform,
-            event_dim=0,
+        return scalar_description(
+            "FamilyGuide",
+            "student_t",
+            self.loc,
+            self.scale.exp(),
+            (self.loc, self.scale),
+            ("family_guide$$$loc", "family_guide$$$scale"),
         )
-        latent = [LatentSite("z", torch.Size(), 0, dist.transforms.identity_transform)]
-        return GuideDescription("FamilyGuide", latent, sites=[site])
 
 
 def test_a_family_without_an_update_goes_to_the_fallback_with_a_warning():
@@ -292,19 +302,14 @@ class DetachedScaleGuide(torch.nn.Module):
         pyro.sample("z", dist.Normal(self.loc, self.log_scale.exp().detach()))
 
     def quadrature_description(self, trace=None) -> GuideDescription:
-        site = MeanFieldSite(
-            name="z",
-            family="gaussian",
-            loc=self.loc,
-            scale=self.log_scale.exp(),
-            params={"loc": self.loc, "scale": self.log_scale},
-            param_constraints={"loc": dist.constraints.real, "scale": dist.constraints.positive},
-            param_names={"loc": "detached$$$loc", "scale": "detached$$$log_scale"},
-            transform=dist.transforms.identity_transform,
-            event_dim=0,
+        return scalar_description(
+            "DetachedScaleGuide",
+            "gaussian",
+            self.loc,
+            self.log_scale.exp(),
+            (self.loc, self.log_scale),
+            ("detached$$$loc", "detached$$$log_scale"),
         )
-        latent = [LatentSite("z", torch.Size(), 0, dist.transforms.identity_transform)]
-        return GuideDescription("DetachedScaleGuide", latent, sites=[site])
 
 
 def test_a_block_with_only_one_gradient_goes_to_the_fallback_with_a_warning():
@@ -328,19 +333,10 @@ class CallableGuide:
 
     def quadrature_description(self, trace=None) -> GuideDescription:
         loc, scale = pyro.param("cg.loc"), pyro.param("cg.scale")
-        site = MeanFieldSite(
-            name="z",
-            family="gaussian",
-            loc=loc,
-            scale=scale,
-            params={"loc": loc.unconstrained(), "scale": scale.unconstrained()},
-            param_constraints={"loc": dist.constraints.real, "scale": dist.constraints.positive},
-            param_names={"loc": "cg.loc", "scale": "cg.scale"},
-            transform=dist.transforms.identity_transform,
-            event_dim=0,
+        leaves = (loc.unconstrained(), scale.unconstrained())
+        return scalar_description(
+            "CallableGuide", "gaussian", loc, scale, leaves, ("cg.loc", "cg.scale")
         )
-        latent = [LatentSite("z", torch.Size(), 0, dist.transforms.identity_transform)]
-        return GuideDescription("CallableGuide", latent, sites=[site])
 
 
 def test_a_registered_callable_guide_is_paired_and_an_unregistered_one_is_not():
