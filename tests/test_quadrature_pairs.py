@@ -385,3 +385,14 @@ def test_hadamard_nodes_beyond_the_low_16_index_bits(step):
         node = node_set.node(k)
         assert node.shape == (dim,) and node.is_contiguous()
         assert torch.equal(node, expected) and torch.equal(matrix[k], expected)
+
+
+def test_hadamard_matrix_past_the_low_16_index_bits_equals_the_bit_formula():
+    """The matrix is built from Kronecker rows of the high and low 16 index bits; check it against
+    the parity of the whole index, at iterates whose high bits are set."""
+    dim, step = 2**16 + 100, 70_000
+    X = make_rule("hadamard", 4).draw(dim, step=step, dtype=torch.float64).matrix()
+    index = torch.arange(dim, dtype=torch.int32)
+    for j in range(2):
+        signs = hadamard_signs(index, step * 2 + j, dtype=torch.float64)
+        assert torch.equal(X[2 * j], signs) and torch.equal(X[2 * j + 1], -signs)

@@ -78,10 +78,9 @@ class _HadamardNodes(NodeSet):
         return torch.outer(high, low).reshape(-1)[: self.dim]
 
     def _matrix(self) -> torch.Tensor:
-        num_pairs = len(self) // 2
-        iterates = torch.arange(num_pairs, dtype=torch.int64, device=self.device)
-        iterates = ((iterates + self.first_iterate) & _INDEX_MASK).to(torch.int32)
-        signs = hadamard_signs(self._index()[None, :], iterates[:, None], dtype=self.dtype)
+        # one Kronecker row per pair (see node): a pass over memory instead of bit operations on
+        # every (pair, coordinate) entry
+        signs = torch.stack([self.node(2 * j) for j in range(len(self) // 2)])
         return torch.stack([signs, -signs], dim=1).reshape(len(self), self.dim)
 
 
