@@ -31,3 +31,20 @@ def load_script():
         return module
 
     return load
+
+
+@pytest.fixture
+def run_quick(tmp_path):
+    """A function running a tutorial module's ``main`` in ``--quick`` mode; returns its result and
+    the figure's path. ``main`` runs single-threaded: the thread count is restored after it."""
+
+    def run(tutorial, figure: str):
+        out = tmp_path / figure
+        threads = torch.get_num_threads()
+        try:
+            result = tutorial.main(["--quick", "--out", str(out)])
+        finally:
+            torch.set_num_threads(threads)
+        return result, out
+
+    return run

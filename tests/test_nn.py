@@ -90,13 +90,19 @@ def test_linear_layer_lands_on_the_closed_form_mean_field():
         assert (std - POST_STD).abs().max().item() < 1e-8
 
 
-def test_gauss_hermite_loss_equals_the_closed_form_elbo():
+def linear_bnn_at_a_fixed_mean_field():
+    """The linear BNN and its guide at a fixed mean field ``N(mu, diag(s^2))``."""
     bnn = linear_bnn()
     guide = AutoMeanFieldNormal(bnn)
     guide(X_LIN, Y_LIN)
     mu = torch.tensor([0.3, -0.7, 0.2, 0.1], dtype=DTYPE)
     s = torch.tensor([0.4, 0.25, 0.6, 0.35], dtype=DTYPE)
     set_guide(guide, mu, s, bnn)
+    return bnn, guide, mu, s
+
+
+def test_gauss_hermite_loss_equals_the_closed_form_elbo():
+    bnn, guide, mu, s = linear_bnn_at_a_fixed_mean_field()
     loss = QuadratureELBO("gauss_hermite", num_points=2).loss(bnn, guide, X_LIN, Y_LIN)
     assert abs(loss + closed_form_elbo(mu, s).item()) < 1e-10
 
@@ -282,12 +288,7 @@ def test_predict_with_tiny_scales_is_the_net_at_the_locs():
 
 
 def test_quadrature_predict_of_a_linear_layer_is_the_exact_predictive_mean():
-    bnn = linear_bnn()
-    guide = AutoMeanFieldNormal(bnn)
-    guide(X_LIN, Y_LIN)
-    mu = torch.tensor([0.3, -0.7, 0.2, 0.1], dtype=DTYPE)
-    s = torch.tensor([0.4, 0.25, 0.6, 0.35], dtype=DTYPE)
-    set_guide(guide, mu, s, bnn)
+    bnn, guide, mu, s = linear_bnn_at_a_fixed_mean_field()
     pred = bnn.predict(guide, X_LIN, quadrature="gauss_hermite", num_points=2)
     assert pred.outputs.shape == (16, N_LIN, 1)
     assert (pred.mean.squeeze(-1) - DESIGN @ mu).abs().max().item() < 1e-12

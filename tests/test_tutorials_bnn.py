@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +25,8 @@ def test_toy_data(tutorial):
     assert 0.15 < float(residual.std()) < 0.3
 
 
-def test_quick_run(tutorial, tmp_path):
-    out = tmp_path / "bnn.png"
-    threads = torch.get_num_threads()
-    try:
-        result = tutorial.main(["--quick", "--out", str(out)])
-    finally:
-        torch.set_num_threads(threads)  # main() runs single-threaded
+def test_quick_run(tutorial, run_quick):
+    result, out = run_quick(tutorial, "bnn.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["K"] == 3  # QuadratureELBO's default rule: 3 nodes a step
     results = result["results"]

@@ -31,13 +31,8 @@ def test_split_and_rotation(tutorial):
     assert torch.allclose(rotated, torch.rot90(x_test[:5], 1, dims=(1, 2)), atol=1e-4)
 
 
-def test_quick_run(tutorial, tmp_path):
-    out = tmp_path / "c.png"
-    threads = torch.get_num_threads()
-    try:
-        result = tutorial.main(["--quick", "--out", str(out)])
-    finally:
-        torch.set_num_threads(threads)  # main() runs single-threaded
+def test_quick_run(tutorial, run_quick):
+    result, out = run_quick(tutorial, "c.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = result["results"]
     assert len(results) == 3
