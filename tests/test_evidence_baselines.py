@@ -16,7 +16,7 @@ from pyro_quadvi.evidence import (
     nested_sampling_log_evidence,
     prior_guide,
 )
-from tests.evidence_models import F64, normal_normal, normal_normal_log_evidence
+from pyro_quadvi.testing.evidence_models import F64, normal_normal, normal_normal_log_evidence
 
 X_OBS = torch.tensor(0.7, dtype=F64)
 

@@ -27,7 +27,7 @@ from pyro_quadvi import opqa_evidence
 from pyro_quadvi.guides import AutoMeanFieldNormal
 from pyro_quadvi.infer import LogJoint, latent_sites_of_model
 from pyro_quadvi.quadrature import gauss_hermite
-from tests.evidence_models import (
+from pyro_quadvi.testing.evidence_models import (
     BERNOULLI_DATA,
     F64,
     POISSON_DATA,

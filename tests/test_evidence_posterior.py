@@ -11,7 +11,7 @@ import torch
 from scipy import integrate, special
 
 from pyro_quadvi import opqa_evidence
-from tests.evidence_models import (
+from pyro_quadvi.testing.evidence_models import (
     BERNOULLI_DATA,
     F64,
     POISSON_DATA,
@@ -33,7 +33,7 @@ def clear_param_store():
 
 @pytest.fixture(scope="module")
 def regression():
-    from tests.evidence_models import regression_data
+    from pyro_quadvi.testing.evidence_models import regression_data
 
     X, y = regression_data()
     return X, y, opqa_evidence(linear_regression, X, y, num_points=3)

@@ -1,4 +1,4 @@
-"""Small models with closed-form evidences, shared by the OPQA tests (float64)."""
+"""Small models with closed-form evidences (float64), shared by the OPQA tests and benchmarks."""
 
 from __future__ import annotations
 
