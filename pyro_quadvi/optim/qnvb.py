@@ -59,6 +59,7 @@ from .qnvb_functional import (
     QNVBHyperparameters,
     QNVBResult,
     QNVBState,
+    consecutive_base,
     count_messages,
     init_qnvb_state,
     qnvb_update,
@@ -436,6 +437,22 @@ class QNVB(PyroOptim):
             )
             for item, (new_values, result) in zip(items, outcomes):
                 self._finish_block(item, new_values, result, counts)
+            self._share_storage(items)
+
+    @staticmethod
+    def _share_storage(items: list[_Prepared]) -> None:
+        """Put the states of blocks updated together into one buffer per field, each block's a
+        view of it, so that the next update reads them without a copy (states are written in
+        place). Blocks updated on a subset of rows keep their own."""
+        if len(items) < 2 or any(item.index is not None for item in items):
+            return
+        for key in QNVBState._fields:
+            tensors = [item.state[key] for item in items]
+            if consecutive_base(tensors) is not None:
+                continue
+            pieces = torch.cat([t.reshape(-1) for t in tensors]).split([t.numel() for t in tensors])
+            for item, piece, t in zip(items, pieces, tensors):
+                item.state[key] = piece.view(t.shape)
 
     def _finish_block(self, item: _Prepared, new_values, result: QNVBResult, counts) -> None:
         """Write one block's update back into its parameters and state."""

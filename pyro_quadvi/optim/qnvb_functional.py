@@ -342,7 +342,7 @@ def qnvb_update(
     new_mu, new_sigma, new_state, masks = _reference_update(
         mu, sigma, g, h, state, hp, weight, prior_precision
     )
-    return QNVBResult(new_mu, new_sigma, new_state, *masks.flatten(1).sum(1))
+    return QNVBResult(new_mu, new_sigma, new_state, *(mask.sum() for mask in masks))
 
 
 def _reference_update(
@@ -354,8 +354,9 @@ def _reference_update(
     hp: QNVBHyperparameters,
     weight: float | torch.Tensor,
     prior_precision: float | torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, QNVBState, torch.Tensor]:
-    """The body of :func:`qnvb_update`; the four masks of :data:`COUNT_KINDS` stacked."""
+) -> tuple[torch.Tensor, torch.Tensor, QNVBState, tuple[torch.Tensor, ...]]:
+    """The body of :func:`qnvb_update`, with the four masks of :data:`COUNT_KINDS` (apart: a
+    stacked boolean output makes ``torch.compile``'s code several times slower)."""
     beta1, beta2 = hp.betas
     finite_input = torch.isfinite(g) & torch.isfinite(h)  # the rest is elementwise: a NaN in g
     # or h spoils its own coordinate only, which the guard at the end leaves unchanged
@@ -427,13 +428,11 @@ def _reference_update(
     new_mu = torch.where(updated, new_mu, mu)
     new_sigma = torch.where(updated, new_sigma, sigma)
     new_state = QNVBState(*(torch.where(updated, new, old) for new, old in zip(new_state, state)))
-    masks = torch.stack(
-        [
-            ~finite_input,
-            finite_input & ~updated,
-            updated & (limited < hp.sigma_min),
-            updated & (limited > hp.sigma_max),
-        ]
+    masks = (
+        ~finite_input,
+        finite_input & ~updated,
+        updated & (limited < hp.sigma_min),
+        updated & (limited > hp.sigma_max),
     )
     return new_mu, new_sigma, new_state, masks
 
@@ -455,7 +454,7 @@ def _flat_update(
     hp: QNVBHyperparameters,
     weight: float | torch.Tensor,
     prior_precision: float | torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, QNVBState, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, QNVBState, tuple[torch.Tensor, ...]]:
     """The rules of :func:`qnvb_update` on flat tensors, with the same operations in the same order
     where they can change a value, and in place on fresh tensors (never on an argument).
 
@@ -472,8 +471,7 @@ def _flat_update(
       otherwise, so one accumulated probe ``sum(x * 0) == 0`` tests every field at once.
 
     Returns:
-        The new mean, scale, state, and the four masks of :data:`COUNT_KINDS` as one ``(4, n)``
-        boolean tensor.
+        The new mean, scale, state, and the four boolean masks of :data:`COUNT_KINDS`.
     """
     beta1, beta2 = hp.betas
     unit_weight = _is_number(weight, 1.0)
@@ -580,34 +578,29 @@ def _flat_update(
     new_mu = torch.where(updated, new_mu, mu)
     new_sigma = torch.where(updated, new_sigma, sigma)
     new_state = QNVBState(*(torch.where(updated, new, old) for new, old in zip(new_state, state)))
-    masks = torch.stack(
-        [
-            ~finite_input,
-            finite_input & ~updated,
-            updated & (limited < hp.sigma_min),
-            updated & (limited > hp.sigma_max),
-        ]
+    masks = (
+        ~finite_input,
+        finite_input & ~updated,
+        updated & (limited < hp.sigma_min),
+        updated & (limited > hp.sigma_max),
     )
     return new_mu, new_sigma, new_state, masks
 
 
-def _segment_counts(masks: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-    """The counts of the ``(4, n)`` masks in each segment of ``sizes``, ``(segments, 4)``."""
+def _segment_counts(masks: tuple[torch.Tensor, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    """The counts of the four masks in each segment of ``sizes``, ``(segments, 4)``."""
     # summing bytes into int32 skips the int64 copy a boolean sum makes (5x faster on the CPU)
-    dtype = torch.int32 if masks.shape[1] < 2**31 else torch.int64
-    pieces = masks.view(torch.uint8).split(sizes, dim=1)
+    dtype = torch.int32 if sum(sizes) < 2**31 else torch.int64
+    pieces = torch.stack(masks).view(torch.uint8).split(sizes, dim=1)
     return torch.stack([piece.sum(1, dtype=dtype) for piece in pieces]).long()
 
 
-def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors as one flat tensor: without a copy when they are consecutive contiguous pieces
-    of one storage (as the results of the previous :func:`qnvb_update_many` are), else a ``cat``."""
+def consecutive_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The flat tensor the ``tensors`` are consecutive contiguous pieces of (one storage, in
+    order, no gaps), or ``None``."""
     first = tensors[0]
-    if len(tensors) == 1:
-        return first.reshape(-1)
     storage = first.untyped_storage()
     offset = first.storage_offset()
-    consecutive = True
     for t in tensors:
         if (
             not t.is_contiguous()
@@ -615,13 +608,19 @@ def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
             or t.untyped_storage().data_ptr() != storage.data_ptr()
             or t.storage_offset() != offset
         ):
-            consecutive = False
-            break
+            return None
         offset += t.numel()
-    if not consecutive:
-        return torch.cat([t.reshape(-1) for t in tensors])
     total = offset - first.storage_offset()
     return first.new_empty(0).set_(storage, first.storage_offset(), (total,))
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors as one flat tensor: without a copy when they are consecutive pieces of one
+    storage (as the results of the previous :func:`qnvb_update_many` are), else a ``cat``."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
+    base = consecutive_base(tensors)
+    return torch.cat([t.reshape(-1) for t in tensors]) if base is None else base
 
 
 @torch.no_grad()
