@@ -32,8 +32,9 @@ allocated before it (parameters, guide and optimizer state). The bound is K time
 of one plain pass (the bytes of every leaf module's output, from forward hooks) plus the
 parameters' bytes.
 
-``--profile`` adds a cProfile of the QNVB step on 784-400-400-10 (cumulative times of the step's
-stages) and the top operators of ``torch.profiler`` by self CPU time.
+``--profile`` adds, on 784-400-400-10, a cProfile of the QNVB step and of the one-pass
+``QNVBOptimizer`` step (cumulative times of their stages; eager updates) and the top operators of
+``torch.profiler`` by self CPU time.
 
 Pyro's validation is left as it is by default (on) for both SVI steps.
 """
@@ -274,52 +275,63 @@ def measure(case, repeats: int, steps: int, compile: bool) -> tuple[str, str]:
 
 
 # (file name ending, function name) -> stage; cumulative times, so stages may nest
-STAGES = [
-    (("svi.py", "step"), "SVI.step (the whole step)"),
-    (("quadrature_elbo.py", "loss_and_grads"), "QuadratureELBO.loss_and_grads"),
-    (("trace_messenger.py", "get_trace"), "  traced runs (guide run + model trace at the nodes)"),
-    (("mean_field.py", "forward"), "    guide forward (AutoMeanFieldNormal draws a sample)"),
-    (("log_joint.py", "_vectorized"), "  model at the K nodes (LogJoint, one pass)"),
-    (("module.py", "_evaluate"), "    net under vmap (functional_call)"),
-    (("trace_struct.py", "compute_log_prob"), "    log densities (prior on K x P, likelihood)"),
-    (("base.py", "matrix"), "  hadamard node matrix (K x D signs)"),
-    (("interface.py", "affine"), "  nodes z = loc + sigma x"),
-    (("quadrature_elbo.py", "hook"), "  moment publisher hook (in backward)"),
-    (("", "<method 'run_backward' of 'torch._C._EngineBase' objects>"), "  backward"),
-    (("qnvb.py", "__call__"), "QNVB.__call__ (the update)"),
-    (("qnvb.py", "_find_blocks"), "  QNVB._find_blocks"),
-    (("qnvb.py", "_update_block"), "  QNVB._update_block"),
-    (("qnvb_functional.py", "qnvb_update"), "    qnvb_update"),
-    (("", "<built-in method torch.isfinite>"), "isfinite, all calls in the step"),
-    (("", "<built-in method torch.where>"), "where, all calls in the step"),
-    (("constraints.py", "check"), "Pyro validation: constraint checks"),
-]
+STAGES = {
+    "qnvb": [
+        (("svi.py", "step"), "SVI.step (the whole step)"),
+        (("quadrature_elbo.py", "loss_and_grads"), "QuadratureELBO.loss_and_grads"),
+        (("trace_messenger.py", "get_trace"), "  traced runs (guide run + model trace)"),
+        (("mean_field.py", "forward"), "    guide forward (AutoMeanFieldNormal draws a sample)"),
+        (("log_joint.py", "_vectorized"), "  model at the K nodes (LogJoint, one pass)"),
+        (("module.py", "_evaluate"), "    net under vmap (functional_call)"),
+        (("trace_struct.py", "compute_log_prob"), "    log densities (prior on K x P, likelihood)"),
+        (("base.py", "matrix"), "  hadamard node matrix (K x D signs)"),
+        (("interface.py", "affine"), "  nodes z = loc + sigma x"),
+        (("quadrature_elbo.py", "hook"), "  moment publisher hook (in backward)"),
+        (("", "<method 'run_backward' of 'torch._C._EngineBase' objects>"), "  backward"),
+        (("qnvb.py", "__call__"), "QNVB.__call__ (the update)"),
+        (("qnvb.py", "_find_blocks"), "  QNVB._find_blocks (pairing)"),
+        (("qnvb.py", "_prepare_block"), "  QNVB._prepare_block (scales, moments)"),
+        (("qnvb_functional.py", "qnvb_update_many"), "  qnvb_update_many (the rules)"),
+        (("qnvb.py", "_finish_block"), "  QNVB._finish_block (inverse softplus, writes)"),
+        (("constraints.py", "check"), "Pyro validation: constraint checks"),
+    ],
+    "opt pass": [
+        (("torch_qnvb.py", "step"), "QNVBOptimizer.step (the whole step)"),
+        (("torch_qnvb.py", "_one_pass_moments"), "  loss and moments at the K nodes"),
+        (("torch_qnvb.py", "batched"), "    loss_fn under vmap (forward)"),
+        (("", "<method 'run_backward' of 'torch._C._EngineBase' objects>"), "    backward"),
+        (("base.py", "matrix"), "    hadamard node matrix (K x D signs)"),
+        (("torch_qnvb.py", "_update"), "  QNVBOptimizer._update"),
+        (("qnvb_functional.py", "qnvb_update_many"), "    qnvb_update_many (the rules)"),
+    ],
+}
 
 
 def run_profile(steps: int) -> None:
     name, widths, activation, batch, kind = CASES[-1]
     _, _, _, fns = build(widths, activation, batch, kind, compile=False)
-    step = fns["qnvb"]
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        step()
-    profiler.disable()
-    stats = pstats.Stats(profiler).stats
-    cumulative = {}
-    for (file, _, func), (_, _, _, cum, _) in stats.items():
-        for (ending, wanted), label in STAGES:
-            if func == wanted and file.endswith(ending):
-                cumulative[label] = cumulative.get(label, 0.0) + cum
-    total = cumulative[STAGES[0][1]]
-    print(f"\ncProfile of {steps} QNVB steps on {name} (cumulative time per step, share):\n")
-    print("| stage | ms/step | share |")
-    print("|---|---:|---:|")
-    for _, label in STAGES:
-        if label in cumulative:
-            t = cumulative[label]
-            print(f"| {label} | {t / steps * 1e3:.2f} | {t / total:.0%} |")
-    for label in ("qnvb", "opt pass"):
+    for label, stages in STAGES.items():
+        step = fns[label]
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            step()
+        profiler.disable()
+        stats = pstats.Stats(profiler).stats
+        cumulative = {}
+        for (file, _, func), (_, _, _, cum, _) in stats.items():
+            for (ending, wanted), stage in stages:
+                if func == wanted and file.endswith(ending):
+                    cumulative[stage] = cumulative.get(stage, 0.0) + cum
+        total = cumulative[stages[0][1]]
+        print(f"\ncProfile of {steps} '{label}' steps on {name} (cumulative ms per step, share):\n")
+        print("| stage | ms/step | share |")
+        print("|---|---:|---:|")
+        for _, stage in stages:
+            if stage in cumulative:
+                t = cumulative[stage]
+                print(f"| {stage} | {t / steps * 1e3:.2f} | {t / total:.0%} |")
+    for label in STAGES:
         print(f"\nTop operators of '{label}' by self CPU time (torch.profiler, 5 steps):")
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(5):
