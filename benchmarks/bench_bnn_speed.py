@@ -1,7 +1,7 @@
 """Cost of one SVI step on a Bayesian network (issue 11, "Speed and memory").
 
     OMP_NUM_THREADS=1 python benchmarks/bench_bnn_speed.py [--repeats 7] [--steps 10] [--profile]
-        [--no-compile]
+        [--no-compile] [--update-only]
 
 For three networks (1-50-1 with a Gaussian likelihood at batch 128, 784-200-10 and 784-400-400-10
 with a categorical likelihood at batch 128 and 256), on generated float32 inputs, one step of
@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import itertools
+import math
 import pstats
 import statistics
 import time
@@ -59,6 +60,12 @@ from torch.profiler import ProfilerActivity, profile
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import QNVBOptimizer, module_loss
+from pyro_quadvi.optim.qnvb_functional import (
+    QNVBHyperparameters,
+    init_qnvb_state,
+    qnvb_update,
+    qnvb_update_many,
+)
 
 K = 4
 DATASET_SIZE = 10_000
@@ -339,6 +346,54 @@ def run_profile(steps: int) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
+def update_table(repeats: int, compile: bool) -> None:
+    """The update alone on each network's parameter shapes: the reference ``qnvb_update`` tensor
+    by tensor, ``qnvb_update_many`` (eager, flat) and with ``compile=True``; median of
+    ``repeats``, each update fed the previous one's results (as in training)."""
+    print(
+        "\nThe QNVB update alone (weight 1e4, prior precision 1; ms, median of "
+        f"{repeats}):\n\n| network | parameters | reference, per tensor | flat (default) | "
+        "compiled | reference / flat | reference / compiled |\n|---|---:|---:|---:|---:|---:|---:|"
+    )
+    hp = QNVBHyperparameters()
+    for name, widths, activation, _, _ in CASES:
+        torch.manual_seed(0)
+        params = [p.detach() for p in make_net(widths, activation).parameters()]
+        gs = [torch.randn_like(p) for p in params]
+        hs = [torch.rand_like(p) * 1e-3 for p in params]
+
+        def run(variant, repeats=repeats, params=params, gs=gs, hs=hs):
+            mus = list(params)
+            sigmas = [torch.full_like(p, 1e-2) for p in params]
+            states = [init_qnvb_state(p) for p in params]
+            times = []
+            for _ in range(repeats + 2):  # two warm-up updates (and the compile)
+                start = time.perf_counter()
+                if variant == "reference":
+                    results = [
+                        qnvb_update(*args, hp, 1e4, 1.0)
+                        for args in zip(mus, sigmas, gs, hs, states)
+                    ]
+                else:
+                    results = qnvb_update_many(
+                        mus, sigmas, gs, hs, states, hp, 1e4, 1.0, compile=variant == "compiled"
+                    )
+                times.append(time.perf_counter() - start)
+                mus = [r.mu for r in results]
+                sigmas = [r.sigma for r in results]
+                states = [r.state for r in results]
+            return statistics.median(times[2:])
+
+        ref, flat = run("reference"), run("flat")
+        comp = run("compiled") if compile else math.nan
+        count = sum(p.numel() for p in params)
+        print(
+            f"| {name} | {count:,} | {ref * 1e3:.2f} | {flat * 1e3:.2f} | {comp * 1e3:.2f} | "
+            f"{ref / flat:.2f} | {ref / comp:.2f} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -347,11 +402,17 @@ def main() -> None:
     parser.add_argument(
         "--no-compile", action="store_true", help="leave out the torch.compile variants"
     )
+    parser.add_argument(
+        "--update-only", action="store_true", help="only the table of the update alone"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     pyro.settings.set(module_local_params=True)  # each guide holds its own parameters
     torch.set_default_dtype(torch.float32)
     print(f"torch {torch.__version__}, pyro {pyro.__version__}, threads {torch.get_num_threads()}")
+    update_table(args.repeats * args.steps, not args.no_compile)
+    if args.update_only:
+        return
     speed_rows, memory_rows = [], []
     labels = []
     for case in CASES:
