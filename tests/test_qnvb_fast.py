@@ -1,12 +1,19 @@
-"""The flat (and compiled) QNVB update equals the per-tensor reference :func:`qnvb_update`."""
+"""The flat (and compiled) QNVB update equals the per-tensor reference :func:`qnvb_update`, and
+``QNVB`` updating blocks together equals updating them one by one."""
 
 from __future__ import annotations
 
 import math
 
+import pyro
+import pyro.distributions as dist
 import pytest
 import torch
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
 
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.optim import qnvb as qnvb_module
 from pyro_quadvi.optim.qnvb_functional import (
     COUNT_KINDS,
     QNVBHyperparameters,
@@ -111,3 +118,47 @@ def test_lists_of_different_lengths_are_refused():
     mu = torch.zeros(2)
     with pytest.raises(ValueError, match="as many sigmas, gs, hs and states as mus"):
         qnvb_update_many([mu], [mu], [mu, mu], [mu], [init_qnvb_state(mu)], QNVBHyperparameters())
+
+
+@pytest.mark.usefixtures("fresh_param_store")
+@pytest.mark.parametrize("guide_class", ["AutoMeanFieldNormal", "AutoNormal"])
+def test_qnvb_updating_blocks_together_equals_updating_them_one_by_one(guide_class, monkeypatch):
+    # the same SVI run twice: blocks on one flat buffer (the default), and block by block through
+    # the reference qnvb_update (no batched family update); equal value for value, state too
+    x = torch.linspace(-1, 1, 12, dtype=torch.float64)
+    y = 0.3 + 0.8 * x - 0.4 * x**2 + 0.1 * torch.sin(7 * x)
+
+    def model():
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=x.dtype), 1.0).to_event(1))
+        b = pyro.sample("b", dist.Normal(torch.zeros((), dtype=x.dtype), 2.0))
+        s = pyro.sample("s", dist.LogNormal(torch.zeros((), dtype=x.dtype), 1.0))
+        mean = b + w[..., 0] * x + w[..., 1] * x**2 + w[..., 2] * x**3
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(mean, s), obs=y)
+
+    def run(batched: bool):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        if not batched:
+            monkeypatch.setattr(qnvb_module, "_FAMILY_BATCH_UPDATES", {})
+        guide = {"AutoMeanFieldNormal": AutoMeanFieldNormal, "AutoNormal": AutoNormal}
+        guide = guide[guide_class](model)
+        loss = QuadratureELBO("hadamard", num_points=4)
+        if guide_class == "AutoNormal":
+            loss = Trace_ELBO(num_particles=4, vectorize_particles=True)
+        optim = QNVB()
+        svi = SVI(model, guide, optim, loss)
+        losses = [svi.step() for _ in range(6)]
+        monkeypatch.undo()
+        params = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+        return losses, params, optim.get_state()["qnvb"]["pairs"]
+
+    losses_a, params_a, state_a = run(batched=True)
+    losses_b, params_b, state_b = run(batched=False)
+    assert losses_a == losses_b
+    assert params_a.keys() == params_b.keys() and len(state_a) == 3
+    for name in params_a:
+        assert torch.equal(params_a[name], params_b[name]), name
+    for block in state_a:
+        for key in state_a[block]:
+            assert torch.equal(state_a[block][key], state_b[block][key]), (block, key)
