@@ -339,24 +339,6 @@ def qnvb_update(
     Returns:
         :class:`QNVBResult` with the new mean, scale and state.
     """
-    new_mu, new_sigma, new_state, masks = _reference_update(
-        mu, sigma, g, h, state, hp, weight, prior_precision
-    )
-    return QNVBResult(new_mu, new_sigma, new_state, *(mask.sum() for mask in masks))
-
-
-def _reference_update(
-    mu: torch.Tensor,
-    sigma: torch.Tensor,
-    g: torch.Tensor,
-    h: torch.Tensor,
-    state: QNVBState,
-    hp: QNVBHyperparameters,
-    weight: float | torch.Tensor,
-    prior_precision: float | torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, QNVBState, tuple[torch.Tensor, ...]]:
-    """The body of :func:`qnvb_update`, with the four masks of :data:`COUNT_KINDS` (apart: a
-    stacked boolean output makes ``torch.compile``'s code several times slower)."""
     beta1, beta2 = hp.betas
     finite_input = torch.isfinite(g) & torch.isfinite(h)  # the rest is elementwise: a NaN in g
     # or h spoils its own coordinate only, which the guard at the end leaves unchanged
@@ -428,13 +410,15 @@ def _reference_update(
     new_mu = torch.where(updated, new_mu, mu)
     new_sigma = torch.where(updated, new_sigma, sigma)
     new_state = QNVBState(*(torch.where(updated, new, old) for new, old in zip(new_state, state)))
-    masks = (
-        ~finite_input,
-        finite_input & ~updated,
-        updated & (limited < hp.sigma_min),
-        updated & (limited > hp.sigma_max),
+    return QNVBResult(
+        new_mu,
+        new_sigma,
+        new_state,
+        num_nonfinite=(~finite_input).sum(),
+        num_overflow=(finite_input & ~updated).sum(),
+        num_sigma_min=(updated & (limited < hp.sigma_min)).sum(),
+        num_sigma_max=(updated & (limited > hp.sigma_max)).sum(),
     )
-    return new_mu, new_sigma, new_state, masks
 
 
 _COMPILED: list[Callable] = []
