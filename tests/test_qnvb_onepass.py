@@ -217,3 +217,16 @@ def test_wrong_calls_are_refused_clearly():
     with pytest.raises(RuntimeError, match="does not depend on any parameter"):
         optimizer.step(loss_fn=lambda p, x, y: (y**2).mean(), batch=(x, y), vectorize=False)
     assert optimizer.num_steps == 0
+
+
+@pytest.mark.slow
+def test_the_compiled_update_follows_the_eager_one_pass_run_to_rounding():
+    net_a, x, y = _problem()
+    net_b = copy.deepcopy(net_a)
+    eager, compiled = _optimizer(net_a), _optimizer(net_b, compile=True)
+    for _ in range(5):
+        eager.step(loss_fn=module_loss(net_a, F.mse_loss), batch=(x, y))
+        compiled.step(loss_fn=module_loss(net_b, F.mse_loss), batch=(x, y))
+    a, b = _snapshot(eager), _snapshot(compiled)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-12, atol=1e-14, msg=key)
