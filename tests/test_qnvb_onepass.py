@@ -201,6 +201,8 @@ def test_wrong_calls_are_refused_clearly():
         optimizer.step(_closure(net, x, y), loss_fn=loss_fn, batch=(x, y))
     with pytest.raises(TypeError, match="exactly one of them"):
         optimizer.step()
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        optimizer.step(loss_fn=3.0, batch=(x, y))
     with pytest.raises(ValueError, match="vectorize must be True, False or None"):
         optimizer.step(loss_fn=loss_fn, batch=(x, y), vectorize="yes")
     with pytest.raises(TypeError, match="loss_fn must return the scalar loss"):

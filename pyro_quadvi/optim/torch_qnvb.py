@@ -298,6 +298,14 @@ class QNVBOptimizer(torch.optim.Optimizer):
         params = self._params()
         if not params:
             raise ValueError("QNVBOptimizer has no parameter that requires grad")
+        if loss_fn is not None:  # refused before a random rule draws its nodes
+            if vectorize not in (None, True, False):
+                raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
+            if not callable(loss_fn):
+                raise TypeError(
+                    f"loss_fn must be callable (params, *batch) -> loss, got {loss_fn!r}"
+                )
+            self._names(params)
         first = params[0][0]
         dim = sum(p.numel() for p, _ in params)
         nodes = self.rule.draw(
@@ -353,10 +361,6 @@ class QNVBOptimizer(torch.optim.Optimizer):
         """The moments of :meth:`_closure_moments` from ``loss_fn`` at all nodes at once: the
         parameters with a leading node axis, one (vectorized or looped) evaluation, one backward
         of ``sum_k w_k loss_k``."""
-        if vectorize not in (None, True, False):
-            raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable (params, *batch) -> loss, got {loss_fn!r}")
         batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
         names = self._names(params)
         K = len(nodes)
