@@ -533,16 +533,20 @@ def _flat_update(
     if hp.lr != 1:
         cap /= hp.lr
     divisor = torch.maximum(total_curv, cap)
+    del cap  # temporaries go as soon as they are used: the flat update holds every coordinate
     divisor *= damping
     step = scaled(g_avg) / divisor
+    del divisor
     new_mu = mu - step
     g_avg = g_avg - curv * step
 
     # rules 9 and 10
     target = total_curv.rsqrt()
+    del total_curv
     if significant is not None:
         target = torch.where(significant, target, sigma)
     limited = torch.minimum(torch.maximum(target, sigma * hp.scale_min), sigma * hp.scale_max)
+    del target
     new_sigma = limited.clamp(hp.sigma_min, hp.sigma_max)
 
     if hp.drift_forgetting > 0:  # rule 2
@@ -553,15 +557,21 @@ def _flat_update(
         else:
             travelled *= -hp.drift_forgetting
         curvature_count = curvature_count * travelled.exp_()
+        del travelled
 
     new_state = QNVBState(g_avg, s_avg, h_avg, h2_avg, count, curvature_count, grad, damping)
     probe = input_probe  # rule 11
     for value in (new_mu, new_sigma, *new_state):
         probe.addcmul_(value, zero)
     updated = probe == 0
-    new_mu = torch.where(updated, new_mu, mu)
-    new_sigma = torch.where(updated, new_sigma, sigma)
-    new_state = QNVBState(*(torch.where(updated, new, old) for new, old in zip(new_state, state)))
+    del probe
+    arguments = {id(t) for t in (mu, sigma, g, h, *state)}  # never written: grad may be g
+
+    def keep(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:  # in place when fresh
+        return torch.where(updated, new, old, out=None if id(new) in arguments else new)
+
+    new_mu, new_sigma = keep(new_mu, mu), keep(new_sigma, sigma)
+    new_state = QNVBState(*(keep(new, old) for new, old in zip(new_state, state)))
     masks = (
         ~finite_input,
         finite_input & ~updated,
