@@ -477,7 +477,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
             warnings.warn(
                 f"QNVBOptimizer: {message} (this warning is shown once)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,  # step -> _update -> _warn
             )
 
     def _set_to_node(self, params, x: torch.Tensor) -> list[torch.Tensor]:
