@@ -1,6 +1,7 @@
 """Cost of one SVI step on a Bayesian network (issue 11, "Speed and memory").
 
     OMP_NUM_THREADS=1 python benchmarks/bench_bnn_speed.py [--repeats 7] [--steps 10] [--profile]
+        [--no-compile] [--update-only]
 
 For three networks (1-50-1 with a Gaussian likelihood at batch 128, 784-200-10 and 784-400-400-10
 with a categorical likelihood at batch 128 and 256), on generated float32 inputs, one step of
@@ -9,13 +10,20 @@ with a categorical likelihood at batch 128 and 256), on generated float32 inputs
   MSE or a cross-entropy, no optimizer), the unit of the ratios;
 - **QNVB**: ``SVI(BayesianModule(net, priors.Normal(1.0), likelihood), AutoMeanFieldNormal,
   QNVB(), QuadratureELBO("hadamard", num_points=4))``;
+- **QNVB compiled**: the same with ``QNVB(compile=True)`` (the update through ``torch.compile``);
 - **Trace**: the same model and guide with ``pyro.optim.Adam({"lr": 1e-3})`` and
-  ``Trace_ELBO(num_particles=4, vectorize_particles=True)``.
+  ``Trace_ELBO(num_particles=4, vectorize_particles=True)``;
+- **opt loop**: the plain-torch ``QNVBOptimizer`` (Hadamard, K = 4) with a closure evaluated at
+  each node in turn;
+- **opt pass**: the same optimizer with ``step(loss_fn=module_loss(net, criterion), batch=(x,
+  y))``: all nodes in one ``vmap`` pass, one backward; **opt pass compiled** with
+  ``compile=True``.
 
-Blocks of ``--steps`` steps are timed alternately (plain, QNVB, Trace) ``--repeats`` times; the
-table shows the median time per step and the ratios of the medians. The QNVB update's share is
-the time spent in ``QNVB.__call__`` (a subclass times it) over the time of the QNVB blocks,
-median over the blocks.
+Blocks of ``--steps`` steps are timed alternately (each variant in turn) ``--repeats`` times; the
+table shows the median time per step and the ratios of the medians. An update's share is the
+time spent in the optimizer's update (``QNVB.__call__``, Adam's ``__call__``,
+``QNVBOptimizer._update``; subclasses time them) over the time of the same blocks, median over the
+blocks. Compilation happens in the warm-up steps, outside the timed blocks.
 
 Peak memory: one step (after the warm-up) under ``torch.profiler.profile(profile_memory=True)``
 on the CPU (the least of 3 profiled steps); the peak is the maximum of the running sum of the
@@ -24,8 +32,9 @@ allocated before it (parameters, guide and optimizer state). The bound is K time
 of one plain pass (the bytes of every leaf module's output, from forward hooks) plus the
 parameters' bytes.
 
-``--profile`` adds a cProfile of the QNVB step on 784-400-400-10 (cumulative times of the step's
-stages) and the top operators of ``torch.profiler`` by self CPU time.
+``--profile`` adds, on 784-400-400-10, a cProfile of the QNVB step and of the one-pass
+``QNVBOptimizer`` step (cumulative times of their stages; eager updates) and the top operators of
+``torch.profiler`` by self CPU time.
 
 Pyro's validation is left as it is by default (on) for both SVI steps.
 """
@@ -35,6 +44,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import itertools
+import math
 import pstats
 import statistics
 import time
@@ -49,6 +59,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi.optim import QNVBOptimizer, module_loss
+from pyro_quadvi.optim.qnvb_functional import (
+    QNVBHyperparameters,
+    init_qnvb_state,
+    qnvb_update,
+    qnvb_update_many,
+)
 
 K = 4
 DATASET_SIZE = 10_000
@@ -62,6 +79,18 @@ class TimedQNVB(QNVB):
     def __call__(self, params, *args, **kwargs):
         start = time.perf_counter()
         super().__call__(params, *args, **kwargs)
+        self.elapsed += time.perf_counter() - start
+
+
+class TimedQNVBOptimizer(QNVBOptimizer):
+    """QNVBOptimizer that adds the time of each update (after the loss and gradients) to
+    ``self.elapsed``."""
+
+    elapsed = 0.0
+
+    def _update(self, params, moments):
+        start = time.perf_counter()
+        super()._update(params, moments)
         self.elapsed += time.perf_counter() - start
 
 
@@ -96,16 +125,15 @@ def make_case(widths, activation, batch, kind, seed=0):
         y = torch.randn(batch)
         likelihood = likelihoods.Gaussian(DATASET_SIZE, scale=0.1)
 
-        def plain_loss(out):
-            return F.mse_loss(out.squeeze(-1), y)
+        def criterion(out, target):
+            return F.mse_loss(out.squeeze(-1), target)
     else:
         y = torch.randint(0, widths[-1], (batch,))
         likelihood = likelihoods.Categorical(DATASET_SIZE)
 
-        def plain_loss(out):
-            return F.cross_entropy(out, y)
+        criterion = F.cross_entropy
 
-    return net, x, y, likelihood, plain_loss
+    return net, x, y, likelihood, criterion
 
 
 def activation_bytes(net: nn.Module, x: torch.Tensor) -> int:
@@ -147,38 +175,62 @@ def peak_bytes(fn, tries: int = 3) -> int:
     return min(peaks)
 
 
-def build(widths, activation, batch, kind):
-    net, x, y, likelihood, plain_loss = make_case(widths, activation, batch, kind)
+def build(widths, activation, batch, kind, compile: bool = True):
+    net, x, y, likelihood, criterion = make_case(widths, activation, batch, kind)
 
     def plain_step():
         net.zero_grad(set_to_none=True)
         for _ in range(K):
-            plain_loss(net(x)).backward()
+            criterion(net(x), y).backward()
 
     bnn = BayesianModule(net, priors.Normal(1.0), likelihood)
-    guide_q = AutoMeanFieldNormal(bnn)  # two guides: module_local_params keeps them apart
-    guide_t = AutoMeanFieldNormal(bnn)
-    optim_q = TimedQNVB()
-    svi_q = SVI(bnn, guide_q, optim_q, QuadratureELBO("hadamard", num_points=K))
-    optim_t = TimedAdam({"lr": 1e-3})
-    svi_t = SVI(
-        bnn,
-        guide_t,
-        optim_t,
-        Trace_ELBO(num_particles=K, vectorize_particles=True, max_plate_nesting=1),
-    )
+    guides = {}
+    fns, optims = {"plain": plain_step}, {}
 
-    def qnvb_step():
-        svi_q.step(x, y)
+    def svi_step(label, optim, loss):
+        guides[label] = AutoMeanFieldNormal(bnn)  # module_local_params keeps the guides apart
+        svi = SVI(bnn, guides[label], optim, loss)
+        optims[label] = optim
+        fns[label] = lambda: svi.step(x, y)
 
-    def trace_step():
-        svi_t.step(x, y)
+    quadrature = QuadratureELBO("hadamard", num_points=K)
+    svi_step("qnvb", TimedQNVB(), quadrature)
+    if compile:
+        svi_step("qnvb compiled", TimedQNVB(compile=True), quadrature)
+    trace = Trace_ELBO(num_particles=K, vectorize_particles=True, max_plate_nesting=1)
+    svi_step("trace", TimedAdam({"lr": 1e-3}), trace)
 
-    for fn in (plain_step, qnvb_step, trace_step):  # set up guides, optimizer states
+    def optimizer_step(label, one_pass, compile_update=False):
+        copy = make_case(widths, activation, batch, kind)[0]
+        optimizer = TimedQNVBOptimizer(
+            copy.named_parameters(),
+            likelihood_weight=DATASET_SIZE,
+            prior_precision=1.0,
+            quadrature="hadamard",
+            num_eval=K,
+            compile=compile_update,
+        )
+        optims[label] = optimizer
+        if one_pass:
+            loss_fn = module_loss(copy, criterion)
+            fns[label] = lambda: optimizer.step(loss_fn=loss_fn, batch=(x, y), vectorize=True)
+        else:
+
+            def closure():
+                loss = criterion(copy(x), y)
+                loss.backward()
+                return loss
+
+            fns[label] = lambda: optimizer.step(closure)
+
+    optimizer_step("opt loop", one_pass=False)
+    optimizer_step("opt pass", one_pass=True)
+    if compile:
+        optimizer_step("opt pass compiled", one_pass=True, compile_update=True)
+    for fn in fns.values():  # set up guides, optimizer states, compiled updates
         fn()
         fn()
-    optims = {"qnvb": optim_q, "trace": optim_t}
-    return net, x, optims, {"plain": plain_step, "qnvb": qnvb_step, "trace": trace_step}
+    return net, x, optims, fns
 
 
 def time_block(fn, steps: int) -> float:
@@ -195,9 +247,9 @@ CASES = [
 ]
 
 
-def measure(case, repeats: int, steps: int) -> tuple[str, str]:
+def measure(case, repeats: int, steps: int, compile: bool) -> tuple[str, str]:
     name, widths, activation, batch, kind = case
-    net, x, optims, fns = build(widths, activation, batch, kind)
+    net, x, optims, fns = build(widths, activation, batch, kind, compile)
     times = {label: [] for label in fns}
     update = {label: [] for label in optims}
     for _ in range(repeats):
@@ -206,77 +258,140 @@ def measure(case, repeats: int, steps: int) -> tuple[str, str]:
             times[label].append(time_block(fn, steps))
             if label in optims:
                 update[label].append((optims[label].elapsed - before) / steps)
-    plain, quad, trace = (statistics.median(times[k]) for k in ("plain", "qnvb", "trace"))
-    u_quad, u_trace = (statistics.median(update[k]) for k in ("qnvb", "trace"))
-    speed = (
-        f"| {name} | {plain * 1e3:.2f} | {quad * 1e3:.2f} | {trace * 1e3:.2f} | "
-        f"{quad / plain:.2f} | {trace / plain:.2f} | {quad / trace:.2f} | "
-        f"{u_quad * 1e3:.2f} ({u_quad / quad:.0%}) | {u_trace * 1e3:.2f} ({u_trace / trace:.0%}) |"
-    )
+    median = {label: statistics.median(t) for label, t in times.items()}
+    plain = median["plain"]
+    cells = [f"{plain * 1e3:.2f}"]
+    for label in fns:
+        if label == "plain":
+            continue
+        t = median[label]
+        u = statistics.median(update[label])
+        cells.append(f"{t * 1e3:.2f} ({t / plain:.2f}x) [{u / t:.0%}]")
+    speed = f"| {name} | " + " | ".join(cells) + " |"
     act = activation_bytes(net, x)
     params = sum(p.numel() * p.element_size() for p in net.parameters())
     bound = K * act + params
-    peaks = {label: peak_bytes(fn) for label, fn in fns.items()}
+    peaks = {label: peak_bytes(fns[label]) for label in ("plain", "qnvb", "trace", "opt pass")}
     mib = 2.0**20
     memory = (
         f"| {name} | {act / mib:.2f} | {params / mib:.2f} | {bound / mib:.2f} | "
-        f"{peaks['plain'] / mib:.2f} | {peaks['qnvb'] / mib:.2f} | {peaks['trace'] / mib:.2f} | "
-        f"{peaks['qnvb'] / bound:.2f} |"
+        + " | ".join(f"{peaks[label] / mib:.2f}" for label in peaks)
+        + f" | {peaks['qnvb'] / bound:.2f} | {peaks['opt pass'] / bound:.2f} |"
     )
-    return speed, memory
+    return speed, memory, list(fns)
 
 
 # (file name ending, function name) -> stage; cumulative times, so stages may nest
-STAGES = [
-    (("svi.py", "step"), "SVI.step (the whole step)"),
-    (("quadrature_elbo.py", "loss_and_grads"), "QuadratureELBO.loss_and_grads"),
-    (("trace_messenger.py", "get_trace"), "  traced runs (guide run + model trace at the nodes)"),
-    (("mean_field.py", "forward"), "    guide forward (AutoMeanFieldNormal draws a sample)"),
-    (("log_joint.py", "_vectorized"), "  model at the K nodes (LogJoint, one pass)"),
-    (("module.py", "_evaluate"), "    net under vmap (functional_call)"),
-    (("trace_struct.py", "compute_log_prob"), "    log densities (prior on K x P, likelihood)"),
-    (("base.py", "matrix"), "  hadamard node matrix (K x D signs)"),
-    (("interface.py", "affine"), "  nodes z = loc + sigma x"),
-    (("quadrature_elbo.py", "hook"), "  moment publisher hook (in backward)"),
-    (("", "<method 'run_backward' of 'torch._C._EngineBase' objects>"), "  backward"),
-    (("qnvb.py", "__call__"), "QNVB.__call__ (the update)"),
-    (("qnvb.py", "_find_blocks"), "  QNVB._find_blocks"),
-    (("qnvb.py", "_update_block"), "  QNVB._update_block"),
-    (("qnvb_functional.py", "qnvb_update"), "    qnvb_update"),
-    (("", "<built-in method torch.isfinite>"), "isfinite, all calls in the step"),
-    (("", "<built-in method torch.where>"), "where, all calls in the step"),
-    (("constraints.py", "check"), "Pyro validation: constraint checks"),
-]
+STAGES = {
+    "qnvb": [
+        (("svi.py", "step"), "SVI.step (the whole step)"),
+        (("quadrature_elbo.py", "loss_and_grads"), "QuadratureELBO.loss_and_grads"),
+        (("trace_messenger.py", "get_trace"), "  traced runs (guide run + model trace)"),
+        (("mean_field.py", "forward"), "    guide forward (AutoMeanFieldNormal draws a sample)"),
+        (("log_joint.py", "_vectorized"), "  model at the K nodes (LogJoint, one pass)"),
+        (("module.py", "_evaluate"), "    net under vmap (functional_call)"),
+        (("trace_struct.py", "compute_log_prob"), "    log densities (prior on K x P, likelihood)"),
+        (("base.py", "matrix"), "  hadamard node matrix (K x D signs)"),
+        (("interface.py", "affine"), "  nodes z = loc + sigma x"),
+        (("quadrature_elbo.py", "hook"), "  moment publisher hook (in backward)"),
+        (("", "<method 'run_backward' of 'torch._C._EngineBase' objects>"), "  backward"),
+        (("qnvb.py", "__call__"), "QNVB.__call__ (the update)"),
+        (("qnvb.py", "_find_blocks"), "  QNVB._find_blocks (pairing)"),
+        (("qnvb.py", "_prepare_block"), "  QNVB._prepare_block (scales, moments)"),
+        (("qnvb_functional.py", "qnvb_update_many"), "  qnvb_update_many (the rules)"),
+        (("qnvb.py", "_finish_block"), "  QNVB._finish_block (inverse softplus, writes)"),
+        (("constraints.py", "check"), "Pyro validation: constraint checks"),
+    ],
+    "opt pass": [
+        (("torch_qnvb.py", "step"), "QNVBOptimizer.step (the whole step)"),
+        (("torch_qnvb.py", "_one_pass_moments"), "  loss and moments at the K nodes"),
+        (("torch_qnvb.py", "batched"), "    loss_fn under vmap (forward)"),
+        (("", "<method 'run_backward' of 'torch._C._EngineBase' objects>"), "    backward"),
+        (("base.py", "matrix"), "    hadamard node matrix (K x D signs)"),
+        (("torch_qnvb.py", "_update"), "  QNVBOptimizer._update"),
+        (("qnvb_functional.py", "qnvb_update_many"), "    qnvb_update_many (the rules)"),
+    ],
+}
 
 
 def run_profile(steps: int) -> None:
     name, widths, activation, batch, kind = CASES[-1]
-    _, _, _, fns = build(widths, activation, batch, kind)
-    step = fns["qnvb"]
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        step()
-    profiler.disable()
-    stats = pstats.Stats(profiler).stats
-    cumulative = {}
-    for (file, _, func), (_, _, _, cum, _) in stats.items():
-        for (ending, wanted), label in STAGES:
-            if func == wanted and file.endswith(ending):
-                cumulative[label] = cumulative.get(label, 0.0) + cum
-    total = cumulative[STAGES[0][1]]
-    print(f"\ncProfile of {steps} QNVB steps on {name} (cumulative time per step, share):\n")
-    print("| stage | ms/step | share |")
-    print("|---|---:|---:|")
-    for _, label in STAGES:
-        if label in cumulative:
-            t = cumulative[label]
-            print(f"| {label} | {t / steps * 1e3:.2f} | {t / total:.0%} |")
-    print("\nTop operators by self CPU time (torch.profiler, 5 steps):")
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(5):
+    _, _, _, fns = build(widths, activation, batch, kind, compile=False)
+    for label, stages in STAGES.items():
+        step = fns[label]
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
             step()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        profiler.disable()
+        stats = pstats.Stats(profiler).stats
+        cumulative = {}
+        for (file, _, func), (_, _, _, cum, _) in stats.items():
+            for (ending, wanted), stage in stages:
+                if func == wanted and file.endswith(ending):
+                    cumulative[stage] = cumulative.get(stage, 0.0) + cum
+        total = cumulative[stages[0][1]]
+        print(f"\ncProfile of {steps} '{label}' steps on {name} (cumulative ms per step, share):\n")
+        print("| stage | ms/step | share |")
+        print("|---|---:|---:|")
+        for _, stage in stages:
+            if stage in cumulative:
+                t = cumulative[stage]
+                print(f"| {stage} | {t / steps * 1e3:.2f} | {t / total:.0%} |")
+    for label in STAGES:
+        print(f"\nTop operators of '{label}' by self CPU time (torch.profiler, 5 steps):")
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                fns[label]()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def update_table(repeats: int, compile: bool) -> None:
+    """The update alone on each network's parameter shapes: the reference ``qnvb_update`` tensor
+    by tensor, ``qnvb_update_many`` (eager, flat) and with ``compile=True``; median of
+    ``repeats``, each update fed the previous one's results (as in training)."""
+    print(
+        "\nThe QNVB update alone (weight 1e4, prior precision 1; ms, median of "
+        f"{repeats}):\n\n| network | parameters | reference, per tensor | flat (default) | "
+        "compiled | reference / flat | reference / compiled |\n|---|---:|---:|---:|---:|---:|---:|"
+    )
+    hp = QNVBHyperparameters()
+    for name, widths, activation, _, _ in CASES:
+        torch.manual_seed(0)
+        params = [p.detach() for p in make_net(widths, activation).parameters()]
+        gs = [torch.randn_like(p) for p in params]
+        hs = [torch.rand_like(p) * 1e-3 for p in params]
+
+        def run(variant, repeats=repeats, params=params, gs=gs, hs=hs):
+            mus = list(params)
+            sigmas = [torch.full_like(p, 1e-2) for p in params]
+            states = [init_qnvb_state(p) for p in params]
+            times = []
+            for _ in range(repeats + 2):  # two warm-up updates (and the compile)
+                start = time.perf_counter()
+                if variant == "reference":
+                    results = [
+                        qnvb_update(*args, hp, 1e4, 1.0)
+                        for args in zip(mus, sigmas, gs, hs, states)
+                    ]
+                else:
+                    results = qnvb_update_many(
+                        mus, sigmas, gs, hs, states, hp, 1e4, 1.0, compile=variant == "compiled"
+                    )
+                times.append(time.perf_counter() - start)
+                mus = [r.mu for r in results]
+                sigmas = [r.sigma for r in results]
+                states = [r.state for r in results]
+            return statistics.median(times[2:])
+
+        ref, flat = run("reference"), run("flat")
+        comp = run("compiled") if compile else math.nan
+        count = sum(p.numel() for p in params)
+        print(
+            f"| {name} | {count:,} | {ref * 1e3:.2f} | {flat * 1e3:.2f} | {comp * 1e3:.2f} | "
+            f"{ref / flat:.2f} | {ref / comp:.2f} |",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -284,29 +399,41 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--no-compile", action="store_true", help="leave out the torch.compile variants"
+    )
+    parser.add_argument(
+        "--update-only", action="store_true", help="only the table of the update alone"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     pyro.settings.set(module_local_params=True)  # each guide holds its own parameters
     torch.set_default_dtype(torch.float32)
     print(f"torch {torch.__version__}, pyro {pyro.__version__}, threads {torch.get_num_threads()}")
+    update_table(args.repeats * args.steps, not args.no_compile)
+    if args.update_only:
+        return
     speed_rows, memory_rows = [], []
+    labels = []
     for case in CASES:
-        speed, memory = measure(case, args.repeats, args.steps)
+        speed, memory, labels = measure(case, args.repeats, args.steps, not args.no_compile)
         print(speed, flush=True)
         speed_rows.append(speed)
         memory_rows.append(memory)
+    others = [label for label in labels if label != "plain"]
     print(
-        f"\n| network | plain {K} passes ms | QNVB step ms | Trace step ms | QNVB / plain | "
-        "Trace / plain | QNVB / Trace | QNVB update ms (share) | Adam update ms (share) |"
+        f"\nms per step (x plain {K} passes) [update share]\n\n| network | plain {K} passes | "
+        + " | ".join(others)
+        + " |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|" + "---:|" * len(labels))
     print("\n".join(speed_rows))
     print(
         "\n| network | activations of one pass MiB | parameters MiB | bound "
         f"{K} x act + params MiB | plain {K} passes peak MiB | QNVB step peak MiB | "
-        "Trace step peak MiB | QNVB peak / bound |"
+        "Trace step peak MiB | opt pass peak MiB | QNVB peak / bound | opt pass peak / bound |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|" + "---:|" * 9)
     print("\n".join(memory_rows))
     if args.profile:
         run_profile(args.steps * 2)

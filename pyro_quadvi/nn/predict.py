@@ -1,4 +1,13 @@
-"""Bayesian model averages of a :class:`~pyro_quadvi.nn.BayesianModule` under a guide."""
+"""Bayesian model averages of a :class:`~pyro_quadvi.nn.BayesianModule` under a guide.
+
+For a Gaussian likelihood ``y = f(x; theta) + noise``, with the noise independent of the weights,
+the predictive distribution has (law of total variance)
+
+    E[y] = E_q[f],        Var[y] = Var_q[f] + E_q[noise_scale^2],
+
+each expectation the weighted average over the draws or quadrature nodes of ``q`` (rasp paper,
+eq. 11, as a quadrature of the posterior predictive).
+"""
 
 from __future__ import annotations
 
@@ -11,11 +20,12 @@ from pyro import poutine
 
 from ..guides import describe_guide
 from ..quadrature import QuadratureRule, make_rule
-from .likelihoods import Bernoulli, Categorical
+from .likelihoods import Bernoulli, Categorical, Gaussian
 
 __all__ = ["Prediction", "predict"]
 
 _PREDICT_PLATE = "_quadvi_predict"
+_NOISE_SITE = "noise_scale"  # the learned noise scale of likelihoods.Gaussian(scale=None)
 
 
 @dataclass
@@ -30,12 +40,20 @@ class Prediction:
         probs: for ``Categorical`` (softmax over the last dim) and ``Bernoulli`` (sigmoid)
             likelihoods, the weighted mean of the per-draw probabilities, ``(B, ...)``; ``None``
             otherwise.
+        variance: for a ``Gaussian`` likelihood, the predictive variance of ``y``: the weighted
+            variance of ``outputs`` about ``mean`` (the model-average part) plus
+            ``noise_variance``, ``(B, ...)`` like ``mean``; ``None`` otherwise.
+        noise_variance: for a ``Gaussian`` likelihood, the noise variance: ``scale^2`` for a
+            fixed scale, the weighted mean of ``noise_scale^2`` over the draws or nodes for a
+            learned one; ``(B, ...)`` like ``mean``; ``None`` otherwise.
     """
 
     outputs: torch.Tensor
     weights: torch.Tensor
     mean: torch.Tensor
     probs: torch.Tensor | None = None
+    variance: torch.Tensor | None = None
+    noise_variance: torch.Tensor | None = None
 
 
 def predict(
@@ -61,38 +79,56 @@ def predict(
         num_points: the rule's ``num_points`` (with a rule name).
 
     All draws or nodes go through the net in one vectorized pass, under ``torch.no_grad()``.
-    With a rule of negative weights, ``probs`` is a signed average and may leave ``[0, 1]``.
+    With a rule of negative weights, ``probs`` is a signed average and may leave ``[0, 1]``, and
+    ``variance`` may be negative.
     """
     with torch.no_grad():
         if getattr(guide, "prototype_trace", True) is None:
             guide(x)  # an AutoGuide builds itself on its first run, outside our plate
+        noise = _NOISE_SITE if _learned_noise(bnn) else None
         if quadrature is None:
             if num_samples < 1:
                 raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-            values = _guide_draws(bnn, guide, x, num_samples)
+            values, noise_scales = _guide_draws(bnn, guide, x, num_samples, noise)
             any_value = next(iter(values.values()), x)
             weights = torch.full(
                 (num_samples,), 1.0 / num_samples, dtype=any_value.dtype, device=x.device
             )
         else:
-            values, weights = _quadrature_nodes(bnn, guide, x, quadrature, num_points)
+            values, noise_scales, weights = _quadrature_nodes(
+                bnn, guide, x, quadrature, num_points, noise
+            )
         outputs = bnn.evaluate(values, x)
         weights = weights.to(outputs.dtype)
         mean = _average(outputs, weights)
-        probs = None
-        if isinstance(bnn.likelihood, Categorical):
+        probs = variance = noise_variance = None
+        likelihood = bnn.likelihood
+        if isinstance(likelihood, Categorical):
             probs = _average(torch.softmax(outputs, dim=-1), weights)
-        elif isinstance(bnn.likelihood, Bernoulli):
+        elif isinstance(likelihood, Bernoulli):
             probs = _average(torch.sigmoid(outputs), weights)
-        return Prediction(outputs, weights, mean, probs)
+        elif isinstance(likelihood, Gaussian):
+            if noise_scales is None:
+                noise_variance = torch.full_like(mean, likelihood.scale**2)
+            else:
+                expected = _average(noise_scales.to(outputs.dtype) ** 2, weights)
+                noise_variance = expected.expand_as(mean).clone()
+            variance = _average((outputs - mean) ** 2, weights) + noise_variance
+        return Prediction(outputs, weights, mean, probs, variance, noise_variance)
 
 
 def _average(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.tensordot(weights, values, dims=([0], [0]))
 
 
-def _guide_draws(bnn, guide, x, num_samples) -> dict[str, torch.Tensor]:
-    """``num_samples`` draws of each latent parameter, ``(S, 1) + shape``, in one guide run."""
+def _learned_noise(bnn) -> bool:
+    likelihood = bnn.likelihood
+    return isinstance(likelihood, Gaussian) and likelihood.scale is None
+
+
+def _guide_draws(bnn, guide, x, num_samples, noise: str | None):
+    """``num_samples`` draws of each latent parameter, ``(S, 1) + shape``, in one guide run, and
+    of the learned noise scale ``(S,)`` (``None`` without one)."""
     with pyro.plate(_PREDICT_PLATE, num_samples, dim=-2):
         trace = poutine.trace(guide).get_trace(x)
     values = {}
@@ -101,11 +137,17 @@ def _guide_draws(bnn, guide, x, num_samples) -> dict[str, torch.Tensor]:
             raise ValueError(f"the guide does not sample the latent parameter {name!r}")
         value = trace.nodes[name]["value"]
         values[name] = value.expand((num_samples, 1, *param.shape))
-    return values
+    noise_scales = None
+    if noise is not None:
+        if noise not in trace.nodes:
+            raise ValueError(f"the guide does not sample the learned noise scale {noise!r}")
+        noise_scales = trace.nodes[noise]["value"].expand((num_samples, 1)).reshape(num_samples)
+    return values, noise_scales
 
 
-def _quadrature_nodes(bnn, guide, x, quadrature, num_points):
-    """The rule's nodes on the guide's Gaussian, ``(K, 1) + shape`` per parameter, and weights."""
+def _quadrature_nodes(bnn, guide, x, quadrature, num_points, noise: str | None):
+    """The rule's nodes on the guide's Gaussian, ``(K, 1) + shape`` per parameter, the learned
+    noise scale at each node ``(K,)`` (``None`` without one), and the weights."""
     rule = make_rule(quadrature, num_points) if isinstance(quadrature, str) else quadrature
     if not isinstance(rule, QuadratureRule):
         raise TypeError(f"quadrature must be a rule name or a QuadratureRule, got {quadrature!r}")
@@ -116,14 +158,18 @@ def _quadrature_nodes(bnn, guide, x, quadrature, num_points):
     z = description.affine(nodes.matrix())
     K = z.shape[0]
     params = bnn.latent_parameters()
-    values, start = {}, 0
+    values, start, noise_scales = {}, 0, None
     for site in description.latent_sites:
         chunk = z[:, start : start + site.numel].reshape((K, *site.shape))
         start += site.numel
         if site.name in params:
             value = site.transform(chunk)
             values[site.name] = value.reshape((K, 1, *params[site.name].shape))
+        elif site.name == noise:
+            noise_scales = site.transform(chunk).reshape(K)
     missing = sorted(set(params) - set(values))
     if missing:
         raise ValueError(f"the guide's description has no latent parameter {missing}")
-    return values, nodes.weights
+    if noise is not None and noise_scales is None:
+        raise ValueError(f"the guide's description has no learned noise scale {noise!r}")
+    return values, noise_scales, nodes.weights

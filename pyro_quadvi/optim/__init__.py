@@ -2,7 +2,9 @@
 
 * :class:`QNVB`: a ``pyro.optim.PyroOptim`` for ``SVI``.
 * :class:`QNVBOptimizer`: a ``torch.optim.Optimizer`` evaluating its closure at quadrature nodes.
-* :func:`qnvb_update`: the pure, elementwise update both use.
+* :func:`qnvb_update`: the pure, elementwise update (the reference); :func:`qnvb_update_many`:
+  the same on one flat buffer for many tensors, which both optimizers run.
+* :func:`module_loss`: a ``loss_fn`` for ``QNVBOptimizer.step(loss_fn=..., batch=...)``.
 """
 
 from .annealing import AnnealLikelihoodMessenger, anneal_likelihood, geometric_annealing
@@ -13,8 +15,9 @@ from .qnvb_functional import (
     QNVBState,
     init_qnvb_state,
     qnvb_update,
+    qnvb_update_many,
 )
-from .torch_qnvb import QNVBOptimizer
+from .torch_qnvb import QNVBOptimizer, module_loss
 
 __all__ = [
     "QNVB",
@@ -26,5 +29,7 @@ __all__ = [
     "anneal_likelihood",
     "geometric_annealing",
     "init_qnvb_state",
+    "module_loss",
     "qnvb_update",
+    "qnvb_update_many",
 ]

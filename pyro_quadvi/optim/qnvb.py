@@ -59,9 +59,11 @@ from .qnvb_functional import (
     QNVBHyperparameters,
     QNVBResult,
     QNVBState,
+    consecutive_base,
     count_messages,
     init_qnvb_state,
     qnvb_update,
+    qnvb_update_many,
     result_counts,
 )
 
@@ -85,6 +87,47 @@ def _gaussian_update(
 
 FAMILY_UPDATES: dict[str, Callable] = {"gaussian": _gaussian_update}
 """family -> pure update ``(values by role, g, h, state, hyperparameters) -> (values, result)``."""
+
+
+def _gaussian_update_many(
+    values: list[dict[str, torch.Tensor]],
+    gs: list[torch.Tensor],
+    hs: list[torch.Tensor],
+    states: list[QNVBState],
+    hp: QNVBHyperparameters,
+    compile: bool,
+) -> list[tuple[dict[str, torch.Tensor], QNVBResult]]:
+    """:func:`_gaussian_update` of several blocks on one flat buffer (:func:`qnvb_update_many`)."""
+    results = qnvb_update_many(
+        [v["loc"] for v in values],
+        [v["scale"] for v in values],
+        gs,
+        hs,
+        states,
+        hp,
+        compile=compile,
+    )
+    return [({"loc": r.mu, "scale": r.sigma}, r) for r in results]
+
+
+_FAMILY_BATCH_UPDATES: dict[str, Callable] = {"gaussian": _gaussian_update_many}
+"""family -> the update of :data:`FAMILY_UPDATES` for a list of blocks sharing hyperparameters,
+``(values list, gs, hs, states, hyperparameters, compile) -> [(values, result)]``; a family
+without one is updated block by block."""
+
+
+@dataclass
+class _Prepared:
+    """A block ready for its family's update, and what writing the result back needs."""
+
+    site: MeanFieldSite
+    values: dict[str, torch.Tensor]
+    g: torch.Tensor
+    h: torch.Tensor
+    old: QNVBState
+    hp: QNVBHyperparameters
+    state: dict[str, torch.Tensor]
+    index: tuple | None
 
 
 def _gaussian_identity(site: MeanFieldSite, values, grads) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,9 +180,15 @@ class QNVB(PyroOptim):
             optimizer such as ``pyro.optim.Adam({"lr": 1e-2})`` (its constructor and arguments
             are used), or a pair ``(torch optimizer class, arguments dict)``. Default: Adam with
             ``lr = 1e-2``.
+        compile: run the update through ``torch.compile``
+            (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`): an opt-in, it needs a
+            C++ compiler on the CPU and compiles on the first step (seconds to a minute).
         **hyperparameters: any field of
             :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters` (``lr``, ``betas``,
             ``sigma_min``, ...); see ``docs/qnvb.md`` for their defaults and why.
+
+    The blocks of a family that share hyperparameters are updated together, on one flat buffer
+    (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`).
 
     ``get_state()`` / ``set_state()`` (and so ``save()`` / ``load()``) hold deep copies of every
     block's state, the step count and the fallback's state: together with Pyro's param store (and
@@ -153,6 +202,7 @@ class QNVB(PyroOptim):
         *,
         annealing: Callable[[int], float] | None = None,
         fallback: PyroOptim | tuple[type, dict] | None = None,
+        compile: bool = False,
         **hyperparameters,
     ):
         if optim_args is not None and not (isinstance(optim_args, dict) or callable(optim_args)):
@@ -161,6 +211,9 @@ class QNVB(PyroOptim):
                 f"as for pyro.optim optimizers (e.g. QNVB({{'lr': 0.5}})); got {optim_args!r}"
             )
         check_schedule(annealing)
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be True or False, got {compile!r}")
+        self.compile = compile
         self.defaults = dict(hyperparameters)
         self.optim_args = optim_args
         self.hyperparameters = self._hyperparameters_for(None)  # validates what applies to all
@@ -230,9 +283,15 @@ class QNVB(PyroOptim):
         blocks, explained = self._find_blocks(params, received)
         paired: set[int] = set()
         counts: list[tuple[str, QNVBHyperparameters, torch.Tensor]] = []
+        prepared = []
         for block in blocks:
-            if self._update_block(block, counts):
-                paired.update(id(leaf) for leaf in block.site.params.values())
+            outcome = self._prepare_block(block)
+            if outcome is False:
+                continue
+            paired.update(id(leaf) for leaf in block.site.params.values())
+            if outcome is not True:
+                prepared.append(outcome)
+        self._update_prepared(prepared, counts)
         for message in count_messages(counts, self._warned):
             warnings.warn(f"QNVB: {message} (this warning is shown once)", RuntimeWarning, 2)
         rest = [p for p in params if id(p) not in paired]
@@ -313,11 +372,9 @@ class QNVB(PyroOptim):
         return state
 
     @torch.no_grad()
-    def _update_block(self, block: _Block, counts: list) -> bool:
-        """One step of the block's family; ``False`` if it cannot step (it goes to the fallback).
-
-        Appends the step's :func:`result_counts` to ``counts``, labelled with the site.
-        """
+    def _prepare_block(self, block: _Block) -> _Prepared | bool:
+        """The block's values, moments and state for its family's update; ``True`` if it has
+        nothing to do this step, ``False`` if it cannot step (it goes to the fallback)."""
         site = block.site
         loc_leaf, scale_leaf = site.params["loc"], site.params["scale"]
         if block.moments is None and loc_leaf.grad is None and scale_leaf.grad is None:
@@ -355,7 +412,55 @@ class QNVB(PyroOptim):
         state = self._state_for(name, loc_leaf)
         old = QNVBState(*(select(state[key]) for key in QNVBState._fields))
         hp = self._block_hyperparameters(name)
-        new_values, result = FAMILY_UPDATES[site.family](values, g, h, old, hp)
+        return _Prepared(site, values, g, h, old, hp, state, index)
+
+    @torch.no_grad()
+    def _update_prepared(self, prepared: list[_Prepared], counts: list) -> None:
+        """The family updates of the prepared blocks, those sharing a family with a batched
+        update and hyperparameters together; appends each block's :func:`result_counts`."""
+        together: dict[tuple[str, QNVBHyperparameters], list[_Prepared]] = {}
+        for item in prepared:
+            if item.site.family in _FAMILY_BATCH_UPDATES:
+                together.setdefault((item.site.family, item.hp), []).append(item)
+            else:
+                update = FAMILY_UPDATES[item.site.family]
+                new_values, result = update(item.values, item.g, item.h, item.old, item.hp)
+                self._finish_block(item, new_values, result, counts)
+        for (family, hp), items in together.items():
+            outcomes = _FAMILY_BATCH_UPDATES[family](
+                [item.values for item in items],
+                [item.g for item in items],
+                [item.h for item in items],
+                [item.old for item in items],
+                hp,
+                self.compile,
+            )
+            for item, (new_values, result) in zip(items, outcomes):
+                self._finish_block(item, new_values, result, counts)
+            self._share_storage(items)
+
+    @staticmethod
+    def _share_storage(items: list[_Prepared]) -> None:
+        """Put the states of blocks updated together into one buffer per field, each block's a
+        view of it, so that the next update reads them without a copy (states are written in
+        place). Blocks updated on a subset of rows keep their own."""
+        if len(items) < 2 or any(item.index is not None for item in items):
+            return
+        for key in QNVBState._fields:
+            tensors = [item.state[key] for item in items]
+            if consecutive_base(tensors) is not None:
+                continue
+            pieces = torch.cat([t.reshape(-1) for t in tensors]).split([t.numel() for t in tensors])
+            for item, piece, t in zip(items, pieces, tensors):
+                item.state[key] = piece.view(t.shape)
+
+    def _finish_block(self, item: _Prepared, new_values, result: QNVBResult, counts) -> None:
+        """Write one block's update back into its parameters and state."""
+        site, values, old, index = item.site, item.values, item.old, item.index
+        loc_leaf, scale_leaf = site.params["loc"], site.params["scale"]
+        rows = site.rows
+        transform = transform_to(site.param_constraints["scale"])
+        u = values["scale_leaf"]
         new_mu, new_sigma, new_state = new_values["loc"], new_values["scale"], result.state
         if rows is None and loc_leaf.grad is not None and scale_leaf.grad is not None:
             # the guide cannot tell its minibatch: the entries without a gradient were not in it
@@ -363,16 +468,15 @@ class QNVB(PyroOptim):
             new_mu = torch.where(seen, new_mu, values["loc"])
             new_sigma = torch.where(seen, new_sigma, values["scale"])
             new_state = QNVBState(*(torch.where(seen, a, b) for a, b in zip(new_state, old)))
-        counts.append((f"site {site.name!r}", hp, result_counts(result)))
+        counts.append((f"site {site.name!r}", item.hp, result_counts(result)))
         # an unchanged sigma keeps its parameter bit for bit (no round trip through the transform);
         # sigma_min keeps the inverse finite, a coordinate it cannot represent stays unchanged
         new_u = transform.inv(new_sigma)
         new_u = torch.where((new_sigma == values["scale"]) | ~torch.isfinite(new_u), u, new_u)
         for key, value in zip(QNVBState._fields, new_state):
-            self._write(state[key], index, value)
+            self._write(item.state[key], index, value)
         self._write(loc_leaf.data, index, new_mu)
         self._write(scale_leaf.data, index, new_u)
-        return True
 
     @staticmethod
     def _write(target: torch.Tensor, index: tuple | None, value: torch.Tensor) -> None:

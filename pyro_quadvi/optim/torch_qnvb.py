@@ -6,12 +6,22 @@ sets the parameters to the quadrature nodes ``mu + sigma * x_k`` itself, evaluat
 
     g = sum_k w_k grad_k,        h = sum_k w_k grad_k * x_k / sigma,
 
-then applies :func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update` to the loss
+then applies the QNVB update (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`) to
+the loss
 
     likelihood_weight * annealing(step) * closure() + prior_precision * |theta|^2 / 2,
 
 where ``closure()`` is the mean loss per training case, as in the reference. After a step the
 parameters hold the mean ``mu``; ``optimizer.state[p]["sigma"]`` holds the standard deviation.
+
+**One pass for all nodes.** Instead of a closure, :meth:`QNVBOptimizer.step` takes a loss function
+of the parameters and a batch, ``loss_fn(params: dict[str, Tensor], *batch)`` (the optimizer
+built from ``net.named_parameters()``; :func:`module_loss` makes one from a module and a
+criterion). The parameters at all ``K`` nodes are stacked along a leading node axis and the loss
+is evaluated once under ``torch.func.vmap`` (through
+:func:`~pyro_quadvi.infer.batched.evaluate_batch`, so ``vectorize`` means what it means across the
+package), followed by one backward of ``sum_k w_k loss_k`` for all nodes. The parameters are never
+set to a node.
 """
 
 from __future__ import annotations
@@ -22,7 +32,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import fields
 
 import torch
+from torch import nn
+from torch.func import functional_call, vmap
 
+from ..infer.batched import BatchMismatch, DecisionCache, evaluate_batch, first_line
 from ..quadrature import make_rule
 from .annealing import check_schedule
 from .qnvb_functional import (
@@ -31,11 +44,32 @@ from .qnvb_functional import (
     _check_number,
     count_messages,
     init_qnvb_state,
-    qnvb_update,
+    qnvb_update_many,
     result_counts,
 )
 
-__all__ = ["QNVBOptimizer"]
+__all__ = ["QNVBOptimizer", "module_loss"]
+
+LossFunction = Callable[..., torch.Tensor]
+"""``loss_fn(params: dict[str, Tensor], *batch) -> Tensor``: the mean loss per case (a scalar)."""
+
+
+def module_loss(module: nn.Module, criterion: Callable) -> LossFunction:
+    """A ``loss_fn`` for :meth:`QNVBOptimizer.step`: ``criterion(module(x), y)`` at ``params``.
+
+    Args:
+        module: the network; its parameters and buffers not in ``params`` are used as they are.
+        criterion: ``(outputs, targets) -> mean loss per case``, e.g. ``F.cross_entropy``.
+
+    Returns:
+        ``loss_fn(params, x, y) = criterion(functional_call(module, params, (x,)), y)``.
+    """
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
+        return criterion(functional_call(module, params, (x,)), y)
+
+    return loss_fn
+
 
 _HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
 _STATE_NAMES = QNVBState._fields
@@ -56,6 +90,35 @@ def _checked_loss(loss: object) -> torch.Tensor:
     return loss.detach().reshape(())
 
 
+def _scalar_loss(loss: object) -> torch.Tensor:
+    """``loss_fn``'s value as a 0-d tensor (still differentiable), or a clear error."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else f"{loss!r} ({type(loss).__name__})"
+        )
+        raise TypeError(
+            f"QNVBOptimizer: loss_fn must return the scalar loss tensor (mean per case); it "
+            f"returned {got}"
+        )
+    return loss.reshape(())
+
+
+class _NodeStack:
+    """The per-parameter node stacks ``(K, *shape)`` as the points of ``evaluate_batch``: its
+    length is ``K`` and item ``k`` is the list of every parameter at node ``k``."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return self.tensors[0].shape[0]
+
+    def __getitem__(self, k: int) -> list[torch.Tensor]:
+        return [t[k] for t in self.tensors]
+
+
 class QNVBOptimizer(torch.optim.Optimizer):
     """Quasi-newton variational Bayes for ``torch.nn`` parameters (rasp paper, eq. 4-8).
 
@@ -72,6 +135,9 @@ class QNVBOptimizer(torch.optim.Optimizer):
         init_sigma: the standard deviation of every parameter before the first step.
         generator: random generator of random rules (torch's global generator when ``None``);
             when given, its state is saved with :meth:`state_dict`.
+        compile: run the update through ``torch.compile``
+            (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`): an opt-in, it needs a
+            C++ compiler on the CPU and compiles on the first step (seconds to a minute).
         lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, significance,
             damping, damping_recovery, drift_forgetting, recent_fraction: see
             :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
@@ -83,7 +149,10 @@ class QNVBOptimizer(torch.optim.Optimizer):
     ``sigma`` pinned at ``sigma_max``. Reading the counts is the step's only host-device sync, and
     it stops once all four kinds have been warned about.
 
-    Example::
+    The update of all the parameters of a group runs on one flat buffer
+    (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`).
+
+    Example, with a closure evaluated once per node::
 
         optimizer = QNVBOptimizer(net.parameters(), likelihood_weight=len(dataset))
         for x, y in loader:
@@ -92,6 +161,13 @@ class QNVBOptimizer(torch.optim.Optimizer):
                 loss.backward()
                 return loss
             optimizer.step(closure)
+
+    and with all nodes in one vectorized pass::
+
+        optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=len(dataset))
+        loss_fn = module_loss(net, criterion)
+        for x, y in loader:
+            optimizer.step(loss_fn=loss_fn, batch=(x, y))
     """
 
     def __init__(
@@ -118,7 +194,10 @@ class QNVBOptimizer(torch.optim.Optimizer):
         damping_recovery: float = 0.5,
         drift_forgetting: float = 1.0,
         recent_fraction: float = 1.0,
+        compile: bool = False,
     ):
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be True or False, got {compile!r}")
         _check_number("likelihood_weight", likelihood_weight, lambda v: 0 < v < math.inf, "> 0")
         defaults = dict(
             lr=lr,
@@ -143,7 +222,9 @@ class QNVBOptimizer(torch.optim.Optimizer):
         self.rule = make_rule(quadrature, num_eval)
         self.generator = generator
         self.num_steps = 0
+        self.compile = compile
         self._warned: set[str] = set()
+        self._decisions = DecisionCache()  # vectorize=None: decided once per loss_fn
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch's rule), refusing a bad hyperparameter at once, by name."""
@@ -179,19 +260,52 @@ class QNVBOptimizer(torch.optim.Optimizer):
         return out
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
-        """Evaluate ``closure`` at every quadrature node and update the mean field.
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], torch.Tensor] | None = None,
+        *,
+        loss_fn: LossFunction | None = None,
+        batch: tuple = (),
+        vectorize: bool | None = None,
+    ) -> torch.Tensor:
+        """Evaluate the loss at every quadrature node and update the mean field.
+
+        Give either ``closure`` (evaluated once per node) or ``loss_fn`` (all nodes in one pass).
 
         Args:
             closure: computes the mean loss per case at the current parameter values, calls
                 ``backward()`` on it and returns it (gradients are zeroed before each call).
+            loss_fn: ``loss_fn(params, *batch)``, the mean loss per case (a scalar) with the
+                parameters given by name (the names of ``named_parameters()``, which the
+                optimizer must have been built from); see :func:`module_loss`.
+            batch: the further arguments of ``loss_fn`` (e.g. ``(x, y)``).
+            vectorize: with ``loss_fn``, as for
+                :func:`~pyro_quadvi.infer.batched.evaluate_batch`: ``True`` one ``vmap`` pass
+                (an error if the loss does not run under ``vmap``), ``False`` a loop over the
+                nodes (one backward still), ``None`` (default) the pass checked against single
+                evaluations at three nodes on the first step with this ``loss_fn``, and the loop
+                with one warning if they disagree or the loss does not run under ``vmap``; the
+                decision is kept for later steps with the same ``loss_fn``.
 
         Returns:
-            The quadrature average of the closure's loss.
+            The quadrature average of the loss.
         """
+        if (closure is None) == (loss_fn is None):
+            raise TypeError(
+                "QNVBOptimizer.step takes either a closure (step(closure)) or a loss function "
+                "(step(loss_fn=..., batch=(x, y))), exactly one of them"
+            )
         params = self._params()
         if not params:
             raise ValueError("QNVBOptimizer has no parameter that requires grad")
+        if loss_fn is not None:  # refused before a random rule draws its nodes
+            if vectorize not in (None, True, False):
+                raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
+            if not callable(loss_fn):
+                raise TypeError(
+                    f"loss_fn must be callable (params, *batch) -> loss, got {loss_fn!r}"
+                )
+            self._names(params)
         first = params[0][0]
         dim = sum(p.numel() for p, _ in params)
         nodes = self.rule.draw(
@@ -201,9 +315,20 @@ class QNVBOptimizer(torch.optim.Optimizer):
             dtype=first.dtype,
             device=first.device,
         )
+        if closure is not None:
+            loss_avg, moments = self._closure_moments(params, nodes, closure)
+        else:
+            loss_avg, moments = self._one_pass_moments(params, nodes, loss_fn, batch, vectorize)
+        self._update(params, moments)
+        return loss_avg
+
+    def _closure_moments(self, params, nodes, closure):
+        """``sum_k w_k grad_k`` and ``sum_k w_k grad_k x_k`` per parameter (None: no gradient),
+        with the closure evaluated at each node in turn."""
         g_sum = [torch.zeros_like(p) for p, _ in params]
         gx_sum = [torch.zeros_like(p) for p, _ in params]
         seen = [False] * len(params)
+        first = params[0][0]
         loss_avg = torch.zeros((), dtype=first.dtype, device=first.device)
         try:
             for k in range(len(nodes)):
@@ -229,31 +354,122 @@ class QNVBOptimizer(torch.optim.Optimizer):
                 p.copy_(self.state[p]["mu"])
                 p.grad = None
             raise
+        moments = [(g, gx) if ok else None for g, gx, ok in zip(g_sum, gx_sum, seen)]
+        return loss_avg, moments
+
+    def _one_pass_moments(self, params, nodes, loss_fn, batch, vectorize):
+        """The moments of :meth:`_closure_moments` from ``loss_fn`` at all nodes at once: the
+        parameters with a leading node axis, one (vectorized or looped) evaluation, one backward
+        of ``sum_k w_k loss_k``."""
+        batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        names = self._names(params)
+        K = len(nodes)
+        matrix = nodes.matrix()
+        offsets, stacked, start = [], [], 0
+        for p, _ in params:
+            state = self.state[p]
+            x_p = matrix[:, start : start + p.numel()].reshape((K, *p.shape))
+            start += p.numel()
+            offsets.append(x_p)
+            stacked.append((state["mu"] + state["sigma"] * x_p).requires_grad_())
+
+        def as_dict(values) -> dict[str, torch.Tensor]:
+            return dict(zip(names, values))
+
+        def single(point) -> torch.Tensor:
+            return _scalar_loss(loss_fn(as_dict(point), *batch))
+
+        def batched(points) -> torch.Tensor:
+            try:
+                losses = vmap(single)(points.tensors)
+            except RuntimeError as error:
+                if "vmap" not in str(error):
+                    raise
+                raise BatchMismatch(
+                    f"QNVBOptimizer: loss_fn does not run under torch.func.vmap over the {K} "
+                    f"nodes ({first_line(error)}); pass vectorize=False to loop over the nodes, "
+                    "or vectorize=None to try the pass and fall back"
+                ) from error
+            return losses
+
+        decided = self._decisions.get(loss_fn) if vectorize is None else None
+        mode = vectorize if decided is None else decided
+        with torch.enable_grad():
+            losses, decision = evaluate_batch(
+                batched,
+                single,
+                _NodeStack(stacked),
+                mode,
+                rtol=1e-5,
+                atol=1e-6,
+                what="QNVBOptimizer",
+            )
+            weights = nodes.weights.to(losses.dtype)
+            total = (weights * losses).sum()
+            if not total.requires_grad:
+                grads = [None] * len(stacked)
+            else:
+                grads = torch.autograd.grad(total, stacked, allow_unused=True)
+        if all(grad is None for grad in grads):
+            raise RuntimeError(
+                "QNVBOptimizer: the loss does not depend on any parameter of the optimizer; "
+                "loss_fn must use the params it is given (by the names of named_parameters())"
+            )
+        if vectorize is None:
+            self._decisions.set(loss_fn, decision=decision.vectorized)
+        moments = []
+        for grad, x_p in zip(grads, offsets):
+            if grad is None:
+                moments.append(None)
+            else:  # the weights are in the gradients already: dL/dz_k = w_k grad_k
+                moments.append((grad.sum(0), (grad * x_p).sum(0)))
+        return total.detach(), moments
+
+    def _names(self, params) -> list[str]:
+        names = []
+        for group in self.param_groups:
+            group_names = group.get("param_names")
+            if group_names is None:
+                raise ValueError(
+                    "QNVBOptimizer.step(loss_fn=...) passes the parameters by name: build the "
+                    "optimizer from net.named_parameters() (or give each group 'param_names')"
+                )
+            names += [n for n, p in zip(group_names, group["params"]) if p.requires_grad]
+        return names
+
+    def _update(self, params, moments) -> None:
+        """One QNVB step per group (:func:`qnvb_update_many`), the means into the parameters."""
         weight = self.weight
         counts = []
-        for i, (p, group) in enumerate(params):
-            state = self.state[p]
-            if seen[i]:
-                hp = self._check_group(group)
-                qnvb_state = QNVBState(*(state[name] for name in _STATE_NAMES))
-                result = qnvb_update(
-                    state["mu"],
-                    state["sigma"],
-                    g_sum[i],
-                    gx_sum[i] / state["sigma"],
-                    qnvb_state,
-                    hp,
-                    weight=weight,
-                    prior_precision=group["prior_precision"],
-                )
+        by_group: dict[int, list[int]] = {}
+        for i, (_, group) in enumerate(params):
+            if moments[i] is not None:
+                by_group.setdefault(id(group), []).append(i)
+        for indices in by_group.values():
+            group = params[indices[0]][1]
+            hp = self._check_group(group)
+            states = [self.state[params[i][0]] for i in indices]
+            results = qnvb_update_many(
+                [state["mu"] for state in states],
+                [state["sigma"] for state in states],
+                [moments[i][0] for i in indices],
+                [moments[i][1] / state["sigma"] for i, state in zip(indices, states)],
+                [QNVBState(*(state[name] for name in _STATE_NAMES)) for state in states],
+                hp,
+                weight=weight,
+                prior_precision=group["prior_precision"],
+                compile=self.compile,
+            )
+            for i, state, result in zip(indices, states, results):
                 state["mu"], state["sigma"] = result.mu, result.sigma
                 state.update(result.state._asdict())
-                counts.append((f"a parameter of shape {tuple(p.shape)}", hp, result_counts(result)))
-            p.copy_(state["mu"])
+                label = f"a parameter of shape {tuple(params[i][0].shape)}"
+                counts.append((label, hp, result_counts(result)))
+        for p, _ in params:
+            p.copy_(self.state[p]["mu"])
             p.grad = None
         self.num_steps += 1
         self._warn(counts)
-        return loss_avg
 
     def _warn(self, counts: list[tuple[str, QNVBHyperparameters, torch.Tensor]]) -> None:
         """Warn once per kind of count (:func:`count_messages`: at most one host sync)."""
@@ -261,7 +477,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
             warnings.warn(
                 f"QNVBOptimizer: {message} (this warning is shown once)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,  # step -> _update -> _warn
             )
 
     def _set_to_node(self, params, x: torch.Tensor) -> list[torch.Tensor]:

@@ -1,0 +1,84 @@
+"""``predict``'s predictive variance for a Gaussian likelihood: model average plus noise."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from pyro_quadvi import AutoMeanFieldNormal
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+
+DTYPE = torch.float64
+pytestmark = pytest.mark.usefixtures("fresh_param_store")
+
+X = torch.tensor(
+    [[0.5, -1.0, 0.2], [1.5, 0.3, -0.7], [-0.4, 0.8, 1.1], [0.0, -0.6, 0.9]], dtype=DTYPE
+)
+Y = torch.tensor([0.3, -0.2, 0.5, 0.1], dtype=DTYPE)
+DESIGN = torch.cat([X, torch.ones(len(X), 1, dtype=DTYPE)], dim=1)  # (weight, bias)
+MU = torch.tensor([0.3, -0.7, 0.2, 0.1], dtype=DTYPE)
+S = torch.tensor([0.4, 0.25, 0.6, 0.35], dtype=DTYPE)
+
+
+def _set(guide, name: str, loc: torch.Tensor, scale: torch.Tensor) -> None:
+    with torch.no_grad():
+        getattr(guide.locs, name).copy_(loc.reshape(getattr(guide.locs, name).shape))
+        setattr(guide.scales, name, scale.reshape(getattr(guide.locs, name).shape).clone())
+
+
+def _linear(likelihood):
+    """A linear layer's BNN and its guide at the mean field N(MU, diag(S^2)) over (w, b)."""
+    bnn = BayesianModule(nn.Linear(3, 1).double(), priors.Normal(1.0), likelihood)
+    guide = AutoMeanFieldNormal(bnn)
+    guide(X, Y)
+    _set(guide, "weight", MU[:3], S[:3])
+    _set(guide, "bias", MU[3:], S[3:])
+    return bnn, guide
+
+
+def test_fixed_noise_predictive_variance_is_the_closed_form():
+    bnn, guide = _linear(likelihoods.Gaussian(len(X), scale=0.5))
+    pred = bnn.predict(guide, X, quadrature="gauss_hermite", num_points=2)
+    # y = x.w + b + noise: mean x.mu + mu_b, variance sum x_i^2 s_i^2 + s_b^2 + 0.5^2
+    assert pred.mean.shape == pred.variance.shape == pred.noise_variance.shape == (4, 1)
+    torch.testing.assert_close(pred.mean[:, 0], DESIGN @ MU, rtol=0, atol=1e-13)
+    torch.testing.assert_close(pred.noise_variance, torch.full((4, 1), 0.25, dtype=DTYPE))
+    expected = (DESIGN**2) @ S**2 + 0.25
+    torch.testing.assert_close(pred.variance[:, 0], expected, rtol=0, atol=1e-13)
+
+
+def test_learned_noise_variance_is_the_mean_of_the_squared_noise_scale():
+    # noise_scale = exp(z), z ~ N(m, t^2) (the guide's transform onto the positive reals), so
+    # E[noise_scale^2] = exp(2 m + 2 t^2), the mean of a log-normal
+    bnn, guide = _linear(likelihoods.Gaussian(len(X), scale=None))
+    m, t = -1.2, 0.2
+    _set(guide, "noise_scale", torch.tensor(m, dtype=DTYPE), torch.tensor(t, dtype=DTYPE))
+    pred = bnn.predict(guide, X, quadrature="gauss_hermite", num_points=6)
+    noise = math.exp(2 * m + 2 * t**2)
+    torch.testing.assert_close(pred.noise_variance, torch.full((4, 1), noise, dtype=DTYPE))
+    expected = (DESIGN**2) @ S**2 + noise
+    torch.testing.assert_close(pred.variance[:, 0], expected, rtol=1e-10, atol=0)
+    torch.testing.assert_close(pred.mean[:, 0], DESIGN @ MU, rtol=0, atol=1e-13)
+
+    # random draws: with scales of 1e-9 every draw is the loc, and the variance is the noise's
+    tiny = torch.full((4,), 1e-9, dtype=DTYPE)
+    _set(guide, "weight", MU[:3], tiny[:3])
+    _set(guide, "bias", MU[3:], tiny[3:])
+    _set(guide, "noise_scale", torch.tensor(m, dtype=DTYPE), torch.tensor(1e-9, dtype=DTYPE))
+    pred = bnn.predict(guide, X, num_samples=5)
+    torch.testing.assert_close(
+        pred.variance, torch.full((4, 1), math.exp(2 * m), dtype=DTYPE), rtol=1e-7, atol=0
+    )
+
+
+def test_classification_has_no_predictive_variance():
+    bnn = BayesianModule(
+        nn.Linear(3, 2).double(), priors.Normal(1.0), likelihoods.Categorical(len(X))
+    )
+    guide = AutoMeanFieldNormal(bnn)
+    guide(X, torch.tensor([0, 1, 1, 0]))
+    pred = bnn.predict(guide, X, num_samples=4)
+    assert pred.variance is None and pred.noise_variance is None and pred.probs.shape == (4, 2)
