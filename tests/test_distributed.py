@@ -333,3 +333,15 @@ def test_ranks_that_draw_different_nodes_all_raise(ranks):
     for rank in ranks:
         assert rank["disagree"] is not None
         assert "disagree on the quadrature nodes" in rank["disagree"]
+
+
+def test_example_script_resumes_exactly_in_one_process(load_script, tmp_path):
+    """``examples/distributed_bnn.py`` as ``python`` runs it (a world of one rank): 4 steps, a
+    checkpoint, 4 more from it give the test RMSE of 8 steps in one go, bit for bit."""
+    example = load_script("examples/distributed_bnn.py")
+    ckpt = str(tmp_path / "fit.pt")
+    straight = example.main(["--steps", "8", "--batch", "16"])
+    example.main(["--steps", "4", "--batch", "16", "--checkpoint", ckpt])
+    resumed = example.main(["--steps", "4", "--batch", "16", "--resume", ckpt])
+    assert resumed == straight
+    assert example.main(["--steps", "7", "--batch", "16"]) != straight
