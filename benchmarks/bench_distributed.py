@@ -1,0 +1,155 @@
+"""Steps per second and scaling efficiency of data- and node-parallel QNVB (issue 15).
+
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_distributed.py --data-dir DIR \
+        [--steps 10] [--repeats 3]
+
+``DIR`` holds the MNIST t10k files (or set ``PYRO_QUADVI_DATA``). For ``W = 1`` and ``W = 2``
+processes (spawned by this script: gloo on 127.0.0.1, one thread each), two cases of
+``SVI(BayesianModule(784-400-400-10 ReLU, Normal(1) prior, Categorical(8000)),
+AutoMeanFieldNormal, DistributedOptimizer(QNVB()), DistributedQuadratureELBO("hadamard", 4))``:
+
+- **data**: a minibatch of 256 MNIST rows; each rank evaluates the 4 nodes on its 256 / W rows.
+- **nodes**: a minibatch of 2048 rows, so that the network's passes dominate the step; each rank
+  evaluates 4 / W of the nodes on all 2048 rows.
+
+Per case and world size: 2 warm-up steps, then ``--repeats`` blocks of ``--steps`` steps, each
+timed on rank 0 between two barriers; the median block gives the steps per second. Scaling
+efficiency is ``rate(W=2) / (2 rate(W=1))``. The step's shares spent in the QNVB update (done in
+full on every rank) and in ``DistributedOptimizer``'s all-reduces are timed inside the step
+(subclasses that add up their time), as fractions of the timed blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pyro
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from bench_bnn_speed import TimedQNVB, make_net
+from pyro.infer import SVI
+from torch import nn
+from tqdm.auto import tqdm
+
+from pyro_quadvi import AutoMeanFieldNormal
+from pyro_quadvi.distributed import DistributedOptimizer, DistributedQuadratureELBO, shard, world
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi.testing.datasets import mnist_split
+
+WIDTHS = [784, 400, 400, 10]
+K = 4
+CASES = {"data": 256, "nodes": 2048}  # mode -> minibatch rows
+
+
+class TimedDistributed(DistributedOptimizer):
+    """DistributedOptimizer that adds the time of each call (reduce + update) to ``elapsed``."""
+
+    elapsed = 0.0
+
+    def __call__(self, params, *args, **kwargs):
+        start = time.perf_counter()
+        super().__call__(params, *args, **kwargs)
+        self.elapsed += time.perf_counter() - start
+
+
+def run_case(mode: str, rows: int, data, steps: int, repeats: int) -> dict:
+    rank, size = world()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x, y = data[0][:rows].reshape(rows, -1), data[1][:rows]
+    if mode == "data":
+        part = shard(rows)
+        x, y = x[part], y[part]
+    bnn = BayesianModule(
+        make_net(WIDTHS, nn.ReLU), priors.Normal(1.0), likelihoods.Categorical(8000)
+    )
+    guide = AutoMeanFieldNormal(bnn)
+    qnvb = TimedQNVB()
+    optim = TimedDistributed(qnvb)
+    elbo = DistributedQuadratureELBO("hadamard", K, vectorize=True, parallel=mode)
+    svi = SVI(bnn, guide, optim, elbo)
+    for _ in range(2):
+        svi.step(x, y)
+    blocks, update, total = [], 0.0, 0.0
+    qnvb.elapsed = optim.elapsed = 0.0
+    bar = tqdm(total=steps * repeats, desc=f"{mode}, W={size}", disable=rank != 0)
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            svi.step(x, y)
+            bar.update()
+        dist.barrier()
+        blocks.append(time.perf_counter() - start)
+    bar.close()
+    total = sum(blocks)
+    update = qnvb.elapsed
+    return {
+        "rate": steps / statistics.median(blocks),
+        "update": update / total,
+        "reduce": (optim.elapsed - update) / total,
+    }
+
+
+def worker(rank: int, size: int, port: int, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=600),
+    )
+    data = mnist_split(args.data_dir)
+    results = {
+        mode: run_case(mode, rows, data, args.steps, args.repeats) for mode, rows in CASES.items()
+    }
+    dist.destroy_process_group()
+    if rank == 0:
+        torch.save(results, Path(out) / f"w{size}.pt")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data-dir", default=None, help="MNIST dir (else $PYRO_QUADVI_DATA)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    out = tempfile.mkdtemp()
+    results = {}
+    for size in (1, 2):
+        mp.start_processes(
+            worker, args=(size, free_port(), args, out), nprocs=size, start_method="spawn"
+        )
+        results[size] = torch.load(Path(out) / f"w{size}.pt")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (1 min), {os.cpu_count()} CPUs")
+    print(
+        "| case | W=1 steps/s | W=2 steps/s | efficiency | QNVB update W=1 / W=2 | all-reduce W=2 |"
+    )
+    print("|---|---|---|---|---|---|")
+    for mode, rows in CASES.items():
+        one, two = results[1][mode], results[2][mode]
+        print(
+            f"| {mode} parallel, B={rows} | {one['rate']:.2f} | {two['rate']:.2f} | "
+            f"{two['rate'] / (2 * one['rate']):.2f} | {one['update']:.0%} / {two['update']:.0%} | "
+            f"{two['reduce']:.0%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
