@@ -64,6 +64,7 @@ def _bnn_fit(
     num_points=None,
     steps: int = STEPS,
     unequal_share: bool = False,
+    shard_update: bool = False,
     checkpoint: Path | None = None,
     resume: Path | None = None,
 ) -> dict:
@@ -79,7 +80,7 @@ def _bnn_fit(
     elbo = DistributedQuadratureELBO(rule, num_points, vectorize=True, parallel=parallel)
     if unequal_share:
         elbo.share = len(x) / rows
-    optim = DistributedOptimizer(QNVB(lr=0.5))
+    optim = DistributedOptimizer(QNVB(lr=0.5), shard_update=shard_update)
     svi = SVI(bnn, guide, optim, elbo)
     if resume is not None:
         guide(x, y)  # the guide's parameters exist; the checkpoint then overwrites them
@@ -179,9 +180,13 @@ def _scenarios(outdir: Path) -> dict:
         "nodes_hadamard": _bnn_fit("nodes", 12, rule="hadamard", num_points=4),
         "poison": _poison_fit(poisoned=rank == 1),
         "ddp": _ddp_fit(),
-        "uninterrupted": _bnn_fit("data", 12, checkpoint=outdir / "ckpt.pt"),
+        "data_sharded": _bnn_fit("data", 12, shard_update=True),
+        "nodes_sharded": _bnn_fit("nodes", 12, shard_update=True),
+        "uninterrupted": _bnn_fit("data", 12, checkpoint=outdir / "ckpt.pt", shard_update=True),
     }
-    out["resumed"] = _bnn_fit("data", 12, steps=STEPS - STEPS // 2, resume=outdir / "ckpt.pt")
+    out["resumed"] = _bnn_fit(
+        "data", 12, steps=STEPS - STEPS // 2, resume=outdir / "ckpt.pt", shard_update=True
+    )
     try:  # ranks that drew different nodes: every rank raises, none hangs
         pyro.clear_param_store()
         x, y = _data(12)
@@ -290,6 +295,16 @@ def test_node_parallel_equals_one_process(ranks, case):
     torch.testing.assert_close(ranks[0][case]["losses"], single["losses"], rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("mode", ["data", "nodes"])
+def test_sharded_update_is_the_same_update(ranks, mode):
+    """QNVB's blocks divided between the ranks (0.weight on rank 0, the other three on rank 1),
+    each broadcast by its rank: the same parameters and QNVB states, bit for bit."""
+    for rank in ranks:
+        _assert_identical(rank[f"{mode}_sharded"]["params"], rank[mode]["params"])
+        assert torch.equal(rank[f"{mode}_sharded"]["losses"], rank[mode]["losses"])
+    _assert_identical(ranks[0][f"{mode}_sharded"]["qnvb"], ranks[0][mode]["qnvb"])
+
+
 def test_nonfinite_on_one_rank_is_skipped_on_all(ranks):
     """A NaN gradient of w[1] on rank 1 only: both ranks keep w[1] and update the rest alike."""
     _assert_identical(ranks[0]["poison"], ranks[1]["poison"])
@@ -319,8 +334,9 @@ def test_ddp_qnvb_optimizer_equals_one_process(ranks):
 
 
 def test_checkpoint_resumes_exactly(ranks):
-    """Saved by rank 0 after 3 steps, restored in a fresh fit: 3 more steps equal bit for bit the
-    run that never stopped; restored in one process, equal to 1e-10."""
+    """Saved by rank 0 after 3 steps (QNVB's states gathered from the ranks that own them, with
+    ``shard_update``), restored in a fresh fit: 3 more steps equal bit for bit the run that never
+    stopped; restored in one process (every block updated there), equal to 1e-10."""
     for rank in ranks:
         _assert_identical(rank["resumed"]["params"], rank["uninterrupted"]["params"])
         _assert_identical(rank["resumed"]["qnvb"], rank["uninterrupted"]["qnvb"])

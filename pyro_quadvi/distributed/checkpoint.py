@@ -34,6 +34,8 @@ def save_checkpoint(
     """Write Pyro's param store (with the ELBO's sequence position), ``optim``'s state and the
     random state to ``path``, from rank 0 only; every rank returns once the file is complete.
 
+    A collective call: every rank makes it (the optimizer's state may be gathered first).
+
     Args:
         path: the file; written to ``path + ".tmp"`` first, then renamed, so a crash never leaves
             half a checkpoint.
@@ -43,12 +45,13 @@ def save_checkpoint(
         group: the process group (``None``: the default group).
     """
     rank, size = world(group)
+    optim_state = optim.get_state()  # collective for DistributedOptimizer(shard_update=True)
     if rank == 0:
         state = {
             "format": _FORMAT,
             "world_size": size,
             "param_store": pyro.get_param_store().get_state(),
-            "optim": optim.get_state(),
+            "optim": optim_state,
             "rng": get_rng_state(),
             "generator": None if generator is None else generator.get_state(),
         }

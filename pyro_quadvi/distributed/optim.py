@@ -19,6 +19,7 @@ import torch.distributed as dist
 from pyro.optim import PyroOptim
 
 from ..guides.interface import PublishedMoments, publish_moments, published_moments
+from ..optim import QNVB
 from .comm import all_reduce_mean_, check_agreement, world
 
 __all__ = ["DistributedOptimizer"]
@@ -29,6 +30,11 @@ class DistributedOptimizer(PyroOptim):
 
     Args:
         optim: a ``QNVB`` or any ``pyro.optim`` optimizer.
+        shard_update: with ``QNVB``, divide its block updates between the ranks (largest block to
+            the least loaded rank): each rank updates its blocks and broadcasts their new values
+            (one broadcast per rank), instead of every rank updating every block. The result is
+            the same bit for bit (the update is elementwise); each block's QNVB state then lives
+            on its rank only, and :meth:`get_state` gathers it.
         group: the process group (``None``: the default group).
 
     Each step makes three all-reduces: one that checks that every rank received the same
@@ -49,30 +55,72 @@ class DistributedOptimizer(PyroOptim):
             differ between ranks, which a mean cannot combine.
     """
 
-    def __init__(self, optim: PyroOptim, *, group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        optim: PyroOptim,
+        *,
+        shard_update: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ):
         if not isinstance(optim, PyroOptim):
             raise TypeError(
                 "DistributedOptimizer wraps a pyro.optim optimizer (QNVB(), pyro.optim.Adam(...)), "
                 f"got {type(optim).__name__}"
             )
+        if not isinstance(shard_update, bool):
+            raise TypeError(f"shard_update must be True or False, got {shard_update!r}")
+        if shard_update and not isinstance(optim, QNVB):
+            raise TypeError(
+                "shard_update=True divides QNVB's block updates between the ranks; it needs a QNVB "
+                f"optimizer, got {type(optim).__name__}"
+            )
         # PyroOptim.__init__ is not called: every PyroOptim attribute is optim's (__getattr__)
         self.optim = optim
+        self.shard_update = shard_update
         self.group = group
+        self._owners: dict[str, int] = {}  # loc parameter name -> the rank updating its block
 
     def __getattr__(self, name: str):
-        if name in ("optim", "group"):  # not set yet (unpickling): no recursion
+        if name in ("optim", "shard_update", "group", "_owners"):  # unpickling: no recursion
             raise AttributeError(name)
         return getattr(self.optim, name)
 
     def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
         """Average the gradients and moments of ``params`` over the ranks; step the optimizer."""
         params = list(params)
-        if world(self.group)[1] > 1 and params:
-            self._reduce(params)
-        self.optim(params, *args, **kwargs)
+        if world(self.group)[1] == 1 or not params:
+            self.optim(params, *args, **kwargs)
+            return
+        blocks = self._reduce(params)
+        if not self.shard_update:
+            self.optim(params, *args, **kwargs)
+            return
+        rank, _ = world(self.group)
+        elsewhere = {id(leaf) for owner, leaves in blocks if owner != rank for leaf in leaves}
+        self.optim([p for p in params if id(p) not in elsewhere], *args, **kwargs)
+        self._share_blocks(blocks)
 
     @torch.no_grad()
-    def _reduce(self, params: list[torch.Tensor]) -> None:
+    def _share_blocks(self, blocks: list[tuple[int, list[torch.Tensor]]]) -> None:
+        """Each block's owner broadcasts its new leaves: one broadcast per rank and dtype."""
+        _, size = world(self.group)
+        for owner in range(size):
+            leaves = [leaf for rank, block in blocks if rank == owner for leaf in block]
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for leaf in leaves:
+                by_dtype.setdefault(leaf.dtype, []).append(leaf)
+            for bucket in by_dtype.values():
+                flat = torch.cat([leaf.detach().reshape(-1) for leaf in bucket])
+                dist.broadcast(flat, src=owner, group=self.group)
+                start = 0
+                for leaf in bucket:  # through .data, as QNVB writes: no version bump
+                    stop = start + leaf.numel()
+                    leaf.data.copy_(flat[start:stop].view_as(leaf))
+                    start = stop
+
+    @torch.no_grad()
+    def _reduce(self, params: list[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
+        """Average gradients and moments; return the moment blocks as ``(owner, leaves)``."""
         store = pyro.get_param_store()
         named = sorted(((store.param_name(p) or "", p) for p in params), key=lambda n: n[0])
         device = params[0].device
@@ -116,13 +164,38 @@ class DistributedOptimizer(PyroOptim):
                 )
             tensors += [m.g, m.h]
         all_reduce_mean_(tensors, self.group)
-        for m in moments:
-            if m is not None:
+        rank, size = world(self.group)
+        named_blocks = [(name, m) for (name, _), m in zip(named, moments) if m is not None]
+        if self.shard_update:
+            self._owners = _balance([(n, m.site.loc.numel()) for n, m in named_blocks], size)
+        blocks = []
+        for name, m in named_blocks:
+            owner = self._owners[name] if self.shard_update else rank
+            if owner == rank:  # moments a rank will not use are dropped, never left stale
                 publish_moments(PublishedMoments(m.site, m.g, m.h, m.version))
+            blocks.append((owner, [m.site.params[role] for role in sorted(m.site.params)]))
+        return blocks
 
     def get_state(self) -> dict:
-        """The wrapped optimizer's state (the same on every rank)."""
-        return self.optim.get_state()
+        """The wrapped optimizer's state, the same on every rank.
+
+        With ``shard_update`` each rank holds the QNVB state of its own blocks: this is then a
+        collective call (every rank must make it) that gathers them.
+        """
+        state = self.optim.get_state()
+        _, size = world(self.group)
+        if not self.shard_update or size == 1:
+            return state
+        everyone: list = [None] * size
+        dist.all_gather_object(everyone, state["qnvb"]["pairs"], group=self.group)
+        pairs = {}
+        for rank, held in enumerate(everyone):
+            for name, block in held.items():
+                # the owner's copy; before the first step (a restore) every copy is the same
+                if name not in pairs or self._owners.get(name) == rank:
+                    pairs[name] = block
+        state["qnvb"]["pairs"] = pairs
+        return state
 
     def set_state(self, state_dict: dict) -> None:
         """Restore the wrapped optimizer's state."""
@@ -130,3 +203,14 @@ class DistributedOptimizer(PyroOptim):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optim!r})"
+
+
+def _balance(sizes: list[tuple[str, int]], size: int) -> dict[str, int]:
+    """Blocks to ranks, largest first to the least loaded rank (ties: the lower rank)."""
+    load = [0] * size
+    owners = {}
+    for name, numel in sorted(sizes, key=lambda item: (-item[1], item[0])):
+        rank = min(range(size), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += numel
+    return owners
