@@ -12,15 +12,18 @@ AutoMeanFieldNormal, DistributedOptimizer(QNVB()), DistributedQuadratureELBO("ha
 - **nodes**: a minibatch of 2048 rows, so that the network's passes dominate the step; each rank
   evaluates 4 / W of the nodes on all 2048 rows.
 
+At ``W = 2`` each case runs twice: QNVB's update done in full on every rank, and divided between
+the ranks (``DistributedOptimizer(shard_update=True)``; the same update bit for bit).
+
 Per case and world size: 2 warm-up steps, then ``--repeats`` blocks of ``--steps`` steps, each
 timed on rank 0 between two barriers; the median block gives the steps per second. Scaling
 efficiency is ``rate(W=2) / (2 rate(W=1))``. On a shared machine the wall clock counts the other
 processes' turns too, so the CPU time of each rank (``time.process_time``, median block) is
 recorded as well: the CPU efficiency ``cpu(W=1) / (2 cpu(busiest rank, W=2))`` is the efficiency
 the step would have on idle cores if waiting for a collective cost nothing. The step's shares
-spent in the QNVB update (done in full on every rank) and in ``DistributedOptimizer``'s
-all-reduces are timed inside the step (subclasses that add up their time), as fractions of the
-timed blocks.
+spent in the QNVB update and in ``DistributedOptimizer``'s collectives (all-reduces, and the
+broadcasts of ``shard_update``) are timed inside the step (subclasses that add up their time), as
+fractions of the timed blocks.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from pyro_quadvi.testing.datasets import mnist_split
 WIDTHS = [784, 400, 400, 10]
 K = 4
 CASES = {"data": 256, "nodes": 2048}  # mode -> minibatch rows
+SHARDS = (False, True)  # DistributedOptimizer's shard_update (W = 2 only: a no-op on one rank)
 
 
 class TimedDistributed(DistributedOptimizer):
@@ -64,7 +68,7 @@ class TimedDistributed(DistributedOptimizer):
         self.elapsed += time.perf_counter() - start
 
 
-def run_case(mode: str, rows: int, data, steps: int, repeats: int) -> dict:
+def run_case(mode: str, rows: int, shard_update: bool, data, steps: int, repeats: int) -> dict:
     rank, size = world()
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
@@ -77,14 +81,15 @@ def run_case(mode: str, rows: int, data, steps: int, repeats: int) -> dict:
     )
     guide = AutoMeanFieldNormal(bnn)
     qnvb = TimedQNVB()
-    optim = TimedDistributed(qnvb)
+    optim = TimedDistributed(qnvb, shard_update=shard_update)
     elbo = DistributedQuadratureELBO("hadamard", K, vectorize=True, parallel=mode)
     svi = SVI(bnn, guide, optim, elbo)
     for _ in range(2):
         svi.step(x, y)
     blocks, update, total = [], 0.0, 0.0
     qnvb.elapsed = optim.elapsed = 0.0
-    bar = tqdm(total=steps * repeats, desc=f"{mode}, W={size}", disable=rank != 0)
+    label = f"{mode}, W={size}" + (", shard_update" if shard_update else "")
+    bar = tqdm(total=steps * repeats, desc=label, disable=rank != 0)
     cpu = []
     for _ in range(repeats):
         dist.barrier()
@@ -120,7 +125,9 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, out: str) 
     )
     data = mnist_split(args.data_dir)
     results = {
-        mode: run_case(mode, rows, data, args.steps, args.repeats) for mode, rows in CASES.items()
+        (mode, shard_update): run_case(mode, rows, shard_update, data, args.steps, args.repeats)
+        for mode, rows in CASES.items()
+        for shard_update in (SHARDS if size > 1 else (False,))
     }
     dist.destroy_process_group()
     if rank == 0:
@@ -154,13 +161,16 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for mode, rows in CASES.items():
-        one, two = results[1][mode], results[2][mode]
-        print(
-            f"| {mode} parallel, B={rows} | {one['rate']:.2f} | {two['rate']:.2f} | "
-            f"{two['rate'] / (2 * one['rate']):.2f} | {1000 * one['cpu']:.0f} | "
-            f"{1000 * two['cpu']:.0f} | {one['cpu'] / (2 * two['cpu']):.2f} | "
-            f"{one['update']:.0%} / {two['update']:.0%} | {two['reduce']:.0%} |"
-        )
+        one = results[1][mode, False]
+        for shard_update in SHARDS:
+            two = results[2][mode, shard_update]
+            label = f"{mode} parallel, B={rows}" + (", shard_update" if shard_update else "")
+            print(
+                f"| {label} | {one['rate']:.2f} | {two['rate']:.2f} | "
+                f"{two['rate'] / (2 * one['rate']):.2f} | {1000 * one['cpu']:.0f} | "
+                f"{1000 * two['cpu']:.0f} | {one['cpu'] / (2 * two['cpu']):.2f} | "
+                f"{one['update']:.0%} / {two['update']:.0%} | {two['reduce']:.0%} |"
+            )
 
 
 if __name__ == "__main__":
