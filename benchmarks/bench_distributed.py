@@ -4,16 +4,18 @@
         [--steps 10] [--repeats 3]
 
 ``DIR`` holds the MNIST t10k files (or set ``PYRO_QUADVI_DATA``). For ``W = 1`` and ``W = 2``
-processes (spawned by this script: gloo on 127.0.0.1, one thread each), two cases of
+processes (spawned by this script: gloo on 127.0.0.1, one thread each), steps of
 ``SVI(BayesianModule(784-400-400-10 ReLU, Normal(1) prior, Categorical(8000)),
-AutoMeanFieldNormal, DistributedOptimizer(QNVB()), DistributedQuadratureELBO("hadamard", 4))``:
+AutoMeanFieldNormal, DistributedOptimizer(QNVB()), DistributedQuadratureELBO("hadamard", 4))`` on
+minibatches of 256 MNIST rows (the issue's case) and of 2048 rows (where the network's passes
+dominate the step). At ``W = 1`` both modes are the same computation, timed once per batch size.
+At ``W = 2``:
 
-- **data**: a minibatch of 256 MNIST rows; each rank evaluates the 4 nodes on its 256 / W rows.
-- **nodes**: a minibatch of 2048 rows, so that the network's passes dominate the step; each rank
-  evaluates 4 / W of the nodes on all 2048 rows.
+- **data**: each rank evaluates the 4 nodes on its ``B / 2`` rows;
+- **nodes**: each rank evaluates 2 of the 4 nodes on all ``B`` rows;
 
-At ``W = 2`` each case runs twice: QNVB's update done in full on every rank, and divided between
-the ranks (``DistributedOptimizer(shard_update=True)``; the same update bit for bit).
+each with QNVB's update done in full on every rank, and divided between the ranks
+(``DistributedOptimizer(shard_update=True)``; the same update bit for bit).
 
 Per case and world size: 2 warm-up steps, then ``--repeats`` blocks of ``--steps`` steps, each
 timed on rank 0 between two barriers; the median block gives the steps per second. Scaling
@@ -53,8 +55,9 @@ from pyro_quadvi.testing.datasets import mnist_split
 
 WIDTHS = [784, 400, 400, 10]
 K = 4
-CASES = {"data": 256, "nodes": 2048}  # mode -> minibatch rows
-SHARDS = (False, True)  # DistributedOptimizer's shard_update (W = 2 only: a no-op on one rank)
+ROWS = (256, 2048)  # minibatch sizes
+MODES = ("data", "nodes")
+SHARDS = (False, True)  # DistributedOptimizer's shard_update
 
 
 class TimedDistributed(DistributedOptimizer):
@@ -124,10 +127,12 @@ def worker(rank: int, size: int, port: int, args: argparse.Namespace, out: str) 
         timeout=timedelta(seconds=600),
     )
     data = mnist_split(args.data_dir)
+    if size == 1:
+        plan = [(rows, "data", False) for rows in ROWS]
+    else:
+        plan = [(rows, mode, split) for rows in ROWS for mode in MODES for split in SHARDS]
     results = {
-        (mode, shard_update): run_case(mode, rows, shard_update, data, args.steps, args.repeats)
-        for mode, rows in CASES.items()
-        for shard_update in (SHARDS if size > 1 else (False,))
+        case: run_case(case[1], case[0], case[2], data, args.steps, args.repeats) for case in plan
     }
     dist.destroy_process_group()
     if rank == 0:
@@ -160,17 +165,18 @@ def main() -> None:
         "CPU ms/step W=2 | CPU efficiency | QNVB update W=1 / W=2 | all-reduces W=2 |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for mode, rows in CASES.items():
-        one = results[1][mode, False]
-        for shard_update in SHARDS:
-            two = results[2][mode, shard_update]
-            label = f"{mode} parallel, B={rows}" + (", shard_update" if shard_update else "")
-            print(
-                f"| {label} | {one['rate']:.2f} | {two['rate']:.2f} | "
-                f"{two['rate'] / (2 * one['rate']):.2f} | {1000 * one['cpu']:.0f} | "
-                f"{1000 * two['cpu']:.0f} | {one['cpu'] / (2 * two['cpu']):.2f} | "
-                f"{one['update']:.0%} / {two['update']:.0%} | {two['reduce']:.0%} |"
-            )
+    for rows in ROWS:
+        one = results[1][rows, "data", False]
+        for mode in MODES:
+            for shard_update in SHARDS:
+                two = results[2][rows, mode, shard_update]
+                label = f"{mode} parallel, B={rows}" + (", shard_update" if shard_update else "")
+                print(
+                    f"| {label} | {one['rate']:.2f} | {two['rate']:.2f} | "
+                    f"{two['rate'] / (2 * one['rate']):.2f} | {1000 * one['cpu']:.0f} | "
+                    f"{1000 * two['cpu']:.0f} | {one['cpu'] / (2 * two['cpu']):.2f} | "
+                    f"{one['update']:.0%} / {two['update']:.0%} | {two['reduce']:.0%} |"
+                )
 
 
 if __name__ == "__main__":
