@@ -122,6 +122,14 @@ def _poison_model(x, y, poisoned: bool, rows: int):
         pyro.sample("obs", pyro.distributions.Normal(mean, 0.5), obs=y)
 
 
+def _local_model(rows):
+    zero = torch.zeros((), dtype=torch.float64)
+    mu = pyro.sample("mu", pyro.distributions.Normal(zero, 1.0))
+    with pyro.plate("data", 8, subsample=rows):
+        z = pyro.sample("z", pyro.distributions.Normal(mu, 1.0))
+        pyro.sample("obs", pyro.distributions.Normal(z, 1.0), obs=rows.to(torch.float64))
+
+
 def _poison_fit(poisoned: bool, rows: int = 8, steps: int = 3) -> dict:
     """Data parallel with a NaN gradient on one rank only (``poisoned`` there)."""
     pyro.clear_param_store()
@@ -187,6 +195,20 @@ def _scenarios(outdir: Path) -> dict:
     out["resumed"] = _bnn_fit(
         "data", 12, steps=STEPS - STEPS // 2, resume=outdir / "ckpt.pt", shard_update=True
     )
+    try:  # a local latent (in a subsampled plate) cannot be averaged: every rank refuses it
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        part = shard(8)
+        svi = SVI(
+            _local_model,
+            AutoMeanFieldNormal(_local_model),
+            DistributedOptimizer(QNVB()),
+            DistributedQuadratureELBO(vectorize=True),
+        )
+        svi.step(torch.arange(8)[part])
+        out["local"] = None
+    except ValueError as error:
+        out["local"] = str(error)
     try:  # ranks that drew different nodes: every rank raises, none hangs
         pyro.clear_param_store()
         x, y = _data(12)
@@ -361,3 +383,29 @@ def test_example_script_resumes_exactly_in_one_process(load_script, tmp_path):
     resumed = example.main(["--steps", "4", "--batch", "16", "--resume", ckpt])
     assert resumed == straight
     assert example.main(["--steps", "7", "--batch", "16"]) != straight
+
+
+def test_local_latents_refused_on_every_rank(ranks):
+    for rank in ranks:
+        assert rank["local"] is not None
+        assert "site 'z' lies in a subsampled plate" in rank["local"]
+
+
+def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match="parallel must be one of"):
+        DistributedQuadratureELBO(parallel="rows")
+    with pytest.raises(TypeError, match="check_nodes must be True or False"):
+        DistributedQuadratureELBO(check_nodes=1)
+    with pytest.raises(TypeError, match="wraps a pyro optimizer"):
+        DistributedOptimizer(torch.optim.SGD)
+    with pytest.raises(TypeError, match="shard_update=True divides QNVB"):
+        DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}), shard_update=True)
+    elbo = DistributedQuadratureELBO()
+    elbo.share = 1.5
+    with pytest.raises(ValueError, match=r"share must be a number in \(0, 1\]"):
+        elbo._factor()
+    # one process: the whole batch, and the classes are the plain ones
+    assert world() == (0, 1)
+    assert shard(5) == slice(0, 5)
+    with pytest.raises(ValueError, match="num_rows must be an integer >= the world size 1"):
+        shard(0)

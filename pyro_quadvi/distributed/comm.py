@@ -6,6 +6,7 @@ Everything here works without an initialized process group as a world of one ran
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -141,9 +142,7 @@ def node_fingerprint(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     shape: ``O(K dim)`` work, a little less than one matrix-vector product with the nodes.
     """
     k, d = x.shape
-    direction = torch.cos(
-        torch.arange(d, dtype=torch.float64, device=x.device) * (math.sqrt(2.0) - 1.0)
-    )
+    direction = _direction(d, x.device)
     return torch.cat(
         [
             x.detach().to(torch.float64) @ direction,
@@ -151,3 +150,9 @@ def node_fingerprint(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
             torch.tensor([float(k), float(d)], dtype=torch.float64, device=x.device),
         ]
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _direction(dim: int, device: torch.device) -> torch.Tensor:
+    """``cos((sqrt(2) - 1) i)`` for ``i < dim``: a fixed, irregular direction (cached)."""
+    return torch.cos(torch.arange(dim, dtype=torch.float64, device=device) * (math.sqrt(2.0) - 1.0))

@@ -64,7 +64,7 @@ class DistributedOptimizer(PyroOptim):
     ):
         if not isinstance(optim, PyroOptim):
             raise TypeError(
-                "DistributedOptimizer wraps a pyro.optim optimizer (QNVB(), pyro.optim.Adam(...)), "
+                "DistributedOptimizer wraps a pyro optimizer (QNVB(), pyro.optim.Adam(...)), "
                 f"got {type(optim).__name__}"
             )
         if not isinstance(shard_update, bool):
