@@ -3,6 +3,9 @@
 Every rank draws the same quadrature of the step (same sequence position, same random state; the
 nodes are checked across ranks when ``check_nodes``). What a rank evaluates depends on the mode:
 
+The loss is (1) of :mod:`pyro_quadvi.infer.quadrature_elbo`, the quadrature estimate of the
+negative ELBO (rasp paper, eq. 9 and 13):
+
 * ``parallel="data"``: all ``K`` nodes, on the rank's shard of the minibatch. With the model's
   data plate scaled by ``N / B_r`` (its own rows ``B_r``), rank ``r``'s loss ``L_r`` is an
   estimate of the whole loss and the weighted mean ``sum_r (B_r / B) L_r`` with ``B = sum_r B_r``
@@ -133,12 +136,12 @@ class DistributedQuadratureELBO(QuadratureELBO):
     def loss(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
         """The negative ELBO (the mean over ranks), without gradients; a collective call."""
         value = super().loss(model, guide, *args, **kwargs) * self._factor()
-        return self._mean(value, _device())
+        return self._mean(value, _device(self.group))
 
     def loss_and_grads(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
         """Accumulate this rank's gradients; return the negative ELBO (mean over ranks)."""
         value = super().loss_and_grads(model, guide, *args, **kwargs)
-        return self._mean(value, _device())
+        return self._mean(value, _device(self.group))
 
     def __repr__(self) -> str:
         return (
@@ -147,8 +150,8 @@ class DistributedQuadratureELBO(QuadratureELBO):
         )
 
 
-def _device() -> torch.device:
+def _device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a collective's tensor lives: the current CUDA device under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -28,6 +28,11 @@ __all__ = ["DistributedOptimizer"]
 class DistributedOptimizer(PyroOptim):
     """Average gradients and published moments over the ranks, then step ``optim``.
 
+    The moments are the quadrature estimates of ``E[dU/dz]`` and ``E[d^2U/dz^2]`` (rasp paper,
+    eq. 7, 8 and 11), linear in the node evaluations, so their mean over ranks is the estimate of
+    all the rows (data parallel) or all the nodes (node parallel) that QNVB's update (eq. 4-8)
+    takes.
+
     Args:
         optim: a ``QNVB`` or any ``pyro.optim`` optimizer.
         shard_update: with ``QNVB``, divide its block updates between the ranks (largest block to
@@ -122,7 +127,13 @@ class DistributedOptimizer(PyroOptim):
     def _reduce(self, params: list[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
         """Average gradients and moments; return the moment blocks as ``(owner, leaves)``."""
         store = pyro.get_param_store()
-        named = sorted(((store.param_name(p) or "", p) for p in params), key=lambda n: n[0])
+        named = sorted(((store.param_name(p), p) for p in params), key=lambda n: n[0] or "")
+        if any(name is None for name, _ in named):
+            raise RuntimeError(
+                "DistributedOptimizer lays the gradients of every rank out in the order of their "
+                "names in Pyro's param store, and a parameter it received has none (under "
+                "pyro.settings.set(module_local_params=True)?); use the global param store"
+            )
         device = params[0].device
         names = "\n".join(name for name, _ in named).encode()
         check_agreement(
