@@ -2,7 +2,7 @@
 
     python examples/distributed_bnn.py                                  # one process
     torchrun --nproc_per_node=2 examples/distributed_bnn.py             # data parallel
-    torchrun --nproc_per_node=2 examples/distributed_bnn.py --parallel nodes
+    torchrun --nproc_per_node=2 examples/distributed_bnn.py --parallel nodes --shard-update
     torchrun --nproc_per_node=2 examples/distributed_bnn.py --checkpoint /tmp/fit.pt --steps 100
     torchrun --nproc_per_node=2 examples/distributed_bnn.py --resume /tmp/fit.pt --steps 100
 
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--parallel", choices=["data", "nodes"], default="data")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument(
+        "--shard-update", action="store_true", help="divide QNVB's update between the ranks"
+    )
     parser.add_argument("--checkpoint", help="save the fit here (rank 0) after the last step")
     parser.add_argument("--resume", help="continue from this checkpoint")
     args = parser.parse_args(argv)
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> float:
     bnn = BayesianModule(net, prior, likelihoods.Gaussian(n, scale=0.7))
     guide = AutoMeanFieldNormal(bnn, init_loc_fn=init_to_sample)
     elbo = DistributedQuadratureELBO("hadamard", 4, vectorize=True, parallel=args.parallel)
-    optim = DistributedOptimizer(QNVB())
+    optim = DistributedOptimizer(QNVB(), shard_update=args.shard_update)
     svi = SVI(bnn, guide, optim, elbo)
     batches = torch.Generator().manual_seed(1)
 
