@@ -124,12 +124,31 @@ def _poison_model(x, y, poisoned: bool, rows: int):
         pyro.sample("obs", pyro.distributions.Normal(mean, 0.5), obs=y)
 
 
+def _local_plate(rows):
+    """The data plate at the rows passed (the guide's plate too: the same rows as the model)."""
+    return pyro.plate("data", 8, subsample=rows)
+
+
 def _local_model(rows):
     zero = torch.zeros((), dtype=torch.float64)
     mu = pyro.sample("mu", pyro.distributions.Normal(zero, 1.0))
-    with pyro.plate("data", 8, subsample=rows):
+    with _local_plate(rows):
         z = pyro.sample("z", pyro.distributions.Normal(mu, 1.0))
         pyro.sample("obs", pyro.distributions.Normal(z, 1.0), obs=rows.to(torch.float64))
+
+
+def _local_fit(parallel: str, steps: int = 3) -> dict:
+    """QNVB on a model with a local latent per row: every rank passes all 8 rows."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMeanFieldNormal(
+        _local_model, init_loc_fn=init_to_sample, create_plates=_local_plate
+    )
+    elbo = DistributedQuadratureELBO(vectorize=True, parallel=parallel)
+    svi = SVI(_local_model, guide, DistributedOptimizer(QNVB(lr=0.5)), elbo)
+    for _ in range(steps):
+        svi.step(torch.arange(8))
+    return {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
 
 
 def _poison_fit(poisoned: bool, rows: int = 8, steps: int = 3) -> dict:
@@ -198,19 +217,20 @@ def _scenarios(outdir: Path) -> dict:
     out["resumed"] = _bnn_fit(
         "data", 12, steps=STEPS - STEPS // 2, resume=outdir / "ckpt.pt", shard_update=True
     )
-    try:  # a local latent (in a subsampled plate) cannot be averaged: every rank refuses it
+    out["local_nodes"] = _local_fit("nodes")
+    try:  # data parallel, a local latent's rows differ between ranks: every rank refuses it
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
         part = shard(8)
         svi = SVI(
             _local_model,
-            AutoMeanFieldNormal(_local_model),
+            AutoMeanFieldNormal(_local_model, create_plates=_local_plate),
             DistributedOptimizer(QNVB()),
             DistributedQuadratureELBO(vectorize=True),
         )
         svi.step(torch.arange(8)[part])
         out["local"] = None
-    except ValueError as error:
+    except RuntimeError as error:
         out["local"] = str(error)
     try:  # ranks that drew different nodes: every rank raises, none hangs
         pyro.clear_param_store()
@@ -395,10 +415,14 @@ def test_example_script_resumes_exactly_in_one_process(load_script, tmp_path):
     assert example.main(["--steps", "7", "--batch", "16"]) != straight
 
 
-def test_local_latents_refused_on_every_rank(ranks):
+def test_local_latents_node_parallel_or_refused_on_every_rank(ranks):
+    """Node parallel: all rows on every rank, a local latent is fitted as by one process. Data
+    parallel: its rows differ between the ranks, and every rank refuses it."""
+    _assert_identical(ranks[0]["local_nodes"], ranks[1]["local_nodes"])
+    _assert_close(ranks[0]["local_nodes"], _local_fit("nodes"), atol=1e-10)
     for rank in ranks:
         assert rank["local"] is not None
-        assert "site 'z' lies in a subsampled plate" in rank["local"]
+        assert "the rows of their local latents" in rank["local"]
 
 
 def test_bad_arguments_are_refused_by_name():

@@ -47,17 +47,19 @@ class DistributedOptimizer(PyroOptim):
     published moments), and one fused sum per dtype of every gradient and moment. A parameter
     without a gradient on some rank (its shard did not touch it) counts as a zero gradient there;
     moments must be published on all ranks or none (they are, when every rank runs the same model
-    and guide).
+    and guide). With ``shard_update``, one broadcast per rank (and dtype) follows the update.
 
     Attribute look-ups it does not know go to ``optim`` (``num_steps``, ``anneal``, ...);
-    ``get_state`` / ``set_state`` (and ``save`` / ``load``) are ``optim``'s: every rank holds the
-    same state, so rank 0 saves it (:func:`~pyro_quadvi.distributed.save_checkpoint`).
+    ``get_state`` / ``set_state`` (and ``save`` / ``load``) are ``optim``'s, the same on every
+    rank (gathered first with ``shard_update``), so rank 0 saves them
+    (:func:`~pyro_quadvi.distributed.save_checkpoint`).
 
     Raises (on every rank together):
-        RuntimeError: when the ranks received different parameters or disagree on which
-            parameters have moments.
-        ValueError: for a block of a subsampled plate (local latents) with moments: its rows
-            differ between ranks, which a mean cannot combine.
+        RuntimeError: when the ranks received different parameters, disagree on which
+            parameters have moments, or on the rows of a block in a subsampled plate (a local
+            latent, data parallel: a mean cannot combine different rows; node parallel, where
+            every rank has the whole minibatch, fits local latents), or for a parameter without a
+            name in Pyro's param store (``module_local_params=True``): names order the reduction.
     """
 
     def __init__(
@@ -135,13 +137,20 @@ class DistributedOptimizer(PyroOptim):
                 "pyro.settings.set(module_local_params=True)?); use the global param store"
             )
         device = params[0].device
+        moments = [published_moments(p) for _, p in named]
         names = "\n".join(name for name, _ in named).encode()
         check_agreement(
-            torch.tensor([len(named), zlib.crc32(names)], dtype=torch.float64, device=device),
-            "the parameters to update (their number and names)",
+            torch.cat(
+                [
+                    torch.tensor([len(named), zlib.crc32(names)], dtype=torch.float64),
+                    _rows_fingerprint(moments),
+                ]
+            ).to(device),
+            "the parameters to update (their number and names) or the rows of their local "
+            "latents (sites in subsampled plates: a data-parallel run gives each rank other rows, "
+            "which a mean cannot combine; fit them with parallel='nodes' or in one process)",
             self.group,
         )
-        moments = [published_moments(p) for _, p in named]
         flags = torch.tensor(
             [[p.grad is not None, m is not None] for (_, p), m in zip(named, moments)],
             dtype=torch.int64,
@@ -164,16 +173,8 @@ class DistributedOptimizer(PyroOptim):
                     p.grad = torch.zeros_like(p)
                 tensors.append(p.grad)
         for m in moments:
-            if m is None:
-                continue
-            if m.site.rows:
-                raise ValueError(
-                    f"DistributedOptimizer: site {m.site.name!r} lies in a subsampled plate (a "
-                    "local latent): each rank updates different rows of it, which averaging "
-                    "cannot combine; keep local latents out of data-parallel runs (or fit them "
-                    "in one process)"
-                )
-            tensors += [m.g, m.h]
+            if m is not None:
+                tensors += [m.g, m.h]
         all_reduce_mean_(tensors, self.group)
         rank, size = world(self.group)
         named_blocks = [(name, m) for (name, _), m in zip(named, moments) if m is not None]
@@ -214,6 +215,27 @@ class DistributedOptimizer(PyroOptim):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optim!r})"
+
+
+def _rows_fingerprint(moments: list[PublishedMoments | None]) -> torch.Tensor:
+    """Count, sum, sum of squares and position-weighted sum of the subsampled rows of the blocks
+    with moments: equal on every rank when (almost surely only when) the rows are."""
+    indices = [
+        index.reshape(-1).to(torch.float64)
+        for m in moments
+        if m is not None and m.site.rows
+        for _, index in sorted(m.site.rows.items())
+    ]
+    flat = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.float64)
+    position = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+    return torch.stack(
+        [
+            torch.tensor(float(flat.numel())),
+            flat.sum(),
+            (flat * flat).sum(),
+            (flat * position).sum(),
+        ]
+    ).to(torch.float64)
 
 
 def _balance(sizes: list[tuple[str, int]], size: int) -> dict[str, int]:
