@@ -438,6 +438,10 @@ def test_bad_arguments_are_refused_by_name():
     elbo.share = 1.5
     with pytest.raises(ValueError, match=r"share must be a number in \(0, 1\]"):
         elbo._factor()
+    nodes = DistributedQuadratureELBO(parallel="nodes")
+    nodes.share = 0.5
+    with pytest.raises(ValueError, match="with parallel='nodes' every rank has all rows"):
+        nodes._factor()
     # one process: the whole batch, and the classes are the plain ones
     assert world() == (0, 1)
     assert shard(5) == slice(0, 5)

@@ -1,10 +1,9 @@
 """``DistributedQuadratureELBO``: ``QuadratureELBO`` shared across ranks, by data or by nodes.
 
-Every rank draws the same quadrature of the step (same sequence position, same random state; the
-nodes are checked across ranks when ``check_nodes``). What a rank evaluates depends on the mode:
-
 The loss is (1) of :mod:`pyro_quadvi.infer.quadrature_elbo`, the quadrature estimate of the
-negative ELBO (rasp paper, eq. 9 and 13):
+negative ELBO (rasp paper, eq. 9 and 13). Every rank draws the same quadrature of the step (same
+sequence position, same random state; the nodes are checked across ranks when ``check_nodes``).
+What a rank evaluates depends on the mode:
 
 * ``parallel="data"``: all ``K`` nodes, on the rank's shard of the minibatch. With the model's
   data plate scaled by ``N / B_r`` (its own rows ``B_r``), rank ``r``'s loss ``L_r`` is an
@@ -85,9 +84,14 @@ class DistributedQuadratureELBO(QuadratureELBO):
     def _factor(self) -> float:
         """What this rank's loss is multiplied by so that the plain mean over ranks is right."""
         _, size = world(self.group)
-        if self.parallel == "nodes" or self.share is None:
-            return 1.0
         share = self.share
+        if share is not None and self.parallel == "nodes":
+            raise ValueError(
+                "DistributedQuadratureELBO.share is the rank's fraction of the rows in "
+                "parallel='data'; with parallel='nodes' every rank has all rows: leave it None"
+            )
+        if share is None:
+            return 1.0
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
             raise ValueError(
                 f"DistributedQuadratureELBO.share must be a number in (0, 1] (this rank's rows / "
