@@ -17,6 +17,7 @@ __all__ = [
     "all_reduce_mean_",
     "broadcast_generator",
     "check_agreement",
+    "collective_device",
     "shard",
     "world",
 ]
@@ -27,6 +28,13 @@ def world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a collective's own tensors live: the current CUDA device under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def shard(num_rows: int, group: dist.ProcessGroup | None = None) -> slice:
@@ -102,8 +110,9 @@ def broadcast_generator(
     if size == 1:
         return
     state = torch.get_rng_state() if generator is None else generator.get_state()
-    state = state.clone()
+    state = state.to(collective_device(group), copy=True)
     dist.broadcast(state, src=src, group=group)
+    state = state.cpu()
     if generator is None:
         torch.set_rng_state(state)
     else:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..infer import QuadratureELBO
 from ..quadrature import QuadratureRule
-from .comm import check_agreement, node_fingerprint, world
+from .comm import check_agreement, collective_device, node_fingerprint, world
 
 __all__ = ["PARALLEL_MODES", "DistributedQuadratureELBO"]
 
@@ -140,22 +140,15 @@ class DistributedQuadratureELBO(QuadratureELBO):
     def loss(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
         """The negative ELBO (the mean over ranks), without gradients; a collective call."""
         value = super().loss(model, guide, *args, **kwargs) * self._factor()
-        return self._mean(value, _device(self.group))
+        return self._mean(value, collective_device(self.group))
 
     def loss_and_grads(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
         """Accumulate this rank's gradients; return the negative ELBO (mean over ranks)."""
         value = super().loss_and_grads(model, guide, *args, **kwargs)
-        return self._mean(value, _device(self.group))
+        return self._mean(value, collective_device(self.group))
 
     def __repr__(self) -> str:
         return (
             f"DistributedQuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize}, "
             f"parallel={self.parallel!r})"
         )
-
-
-def _device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a collective's tensor lives: the current CUDA device under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
