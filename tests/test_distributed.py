@@ -218,6 +218,9 @@ def _scenarios(outdir: Path) -> dict:
         "data", 12, steps=STEPS - STEPS // 2, resume=outdir / "ckpt.pt", shard_update=True
     )
     out["local_nodes"] = _local_fit("nodes")
+    torch.manual_seed(rank)  # torch's global generator, different on each rank until broadcast
+    broadcast_generator()
+    out["global_draw"] = torch.rand(4, dtype=torch.float64)
     try:  # data parallel, a local latent's rows differ between ranks: every rank refuses it
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
@@ -447,3 +450,11 @@ def test_bad_arguments_are_refused_by_name():
     assert shard(5) == slice(0, 5)
     with pytest.raises(ValueError, match="num_rows must be an integer >= the world size 1"):
         shard(0)
+
+
+def test_broadcast_generator_global(ranks):
+    """``broadcast_generator()`` gives every rank the state of rank 0's global generator."""
+    torch.manual_seed(0)
+    expected = torch.rand(4, dtype=torch.float64)
+    for rank in ranks:
+        assert torch.equal(rank["global_draw"], expected)
