@@ -195,13 +195,13 @@ class QuadratureELBO(ELBO):
             dtype=entropy.dtype,
             device=entropy.device,
         )
-        x = nodes.matrix()
+        x, node_weights = self.local_nodes(nodes.matrix(), nodes.weights)
         z = description.affine(x)
         if z.requires_grad and description.joint is None:
             z.register_hook(_publisher(description, x))
         log_joint = self._log_joint(model, guide, description, z, args, kwargs, guide_trace)
         # float64 data with float32 latents give a float64 log joint, as in Trace_ELBO
-        weights = nodes.weights.to(torch.promote_types(nodes.weights.dtype, log_joint.dtype))
+        weights = node_weights.to(torch.promote_types(node_weights.dtype, log_joint.dtype))
         loss = -(weights @ log_joint) - entropy
         if not torch.isfinite(loss):
             raise ValueError(
@@ -209,6 +209,16 @@ class QuadratureELBO(ELBO):
                 f"{entropy.item()}: a scale collapsed to zero or overflowed"
             )
         return loss, description
+
+    def local_nodes(
+        self, x: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The nodes ``(K, dim)`` this process evaluates, and their weights: all of them.
+
+        The hook of node-parallel evaluation
+        (:class:`~pyro_quadvi.distributed.DistributedQuadratureELBO`), which keeps a share.
+        """
+        return x, weights
 
     def _log_joint(
         self, model, guide, description: GuideDescription, z, args, kwargs, guide_trace

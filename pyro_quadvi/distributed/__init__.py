@@ -1,0 +1,31 @@
+"""Data- and node-parallel ``QuadratureELBO`` and ``QNVB`` on ``torch.distributed``.
+
+* :class:`DistributedQuadratureELBO`: every rank draws the same nodes; ``parallel="data"``
+  evaluates them all on the rank's shard of the minibatch, ``parallel="nodes"`` every ``W``-th
+  node on the whole minibatch.
+* :class:`DistributedOptimizer`: wraps ``QNVB`` (or any ``PyroOptim``); averages gradients and the
+  published moments ``g``, ``h`` over the ranks before the step.
+* :func:`save_checkpoint` / :func:`load_checkpoint`: one copy, written by rank 0.
+* :func:`world`, :func:`shard`, :func:`broadcast_generator`, :func:`check_agreement`: plain helpers.
+
+Plain PyTorch needs nothing of its own: ``QNVBOptimizer`` steps a ``DistributedDataParallel``
+network as it steps any network (see the guide page "Scaling out").
+"""
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .comm import all_reduce_mean_, broadcast_generator, check_agreement, shard, world
+from .elbo import PARALLEL_MODES, DistributedQuadratureELBO
+from .optim import DistributedOptimizer
+
+__all__ = [
+    "PARALLEL_MODES",
+    "DistributedOptimizer",
+    "DistributedQuadratureELBO",
+    "all_reduce_mean_",
+    "broadcast_generator",
+    "check_agreement",
+    "load_checkpoint",
+    "save_checkpoint",
+    "shard",
+    "world",
+]

@@ -1,0 +1,249 @@
+"""``DistributedOptimizer``: any ``PyroOptim`` (``QNVB`` above all) stepping on averaged inputs.
+
+In the spirit of Pyro's ``HorovodOptimizer``, on ``torch.distributed``: before the wrapped
+optimizer steps, the gradients of the parameters ``SVI`` hands it and the moments ``g``, ``h`` that
+``QuadratureELBO`` published for them (:func:`~pyro_quadvi.guides.interface.published_moments`)
+are replaced by their means over the ranks. With
+:class:`~pyro_quadvi.distributed.DistributedQuadratureELBO` those means are the single-process
+values (its module docstring says why), so every rank takes the same step.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+
+import pyro
+import torch
+import torch.distributed as dist
+from pyro.optim import PyroOptim
+
+from ..guides.interface import PublishedMoments, publish_moments, published_moments
+from ..optim import QNVB
+from .comm import all_reduce_mean_, check_agreement, world
+
+__all__ = ["DistributedOptimizer"]
+
+
+class DistributedOptimizer(PyroOptim):
+    """Average gradients and published moments over the ranks, then step ``optim``.
+
+    The moments are the quadrature estimates of ``E[dU/dz]`` and ``E[d^2U/dz^2]`` (rasp paper,
+    eq. 7, 8 and 11), linear in the node evaluations, so their mean over ranks is the estimate of
+    all the rows (data parallel) or all the nodes (node parallel) that QNVB's update (eq. 4-8)
+    takes.
+
+    Args:
+        optim: a ``QNVB`` or any ``pyro.optim`` optimizer.
+        shard_update: with ``QNVB``, divide its block updates between the ranks (largest block to
+            the least loaded rank): each rank updates its blocks and broadcasts their new values
+            (one broadcast per rank), instead of every rank updating every block. The result is
+            the same bit for bit (the update is elementwise); each block's QNVB state then lives
+            on its rank only, and :meth:`get_state` gathers it.
+        group: the process group (``None``: the default group).
+
+    Each step makes three all-reduces: one that checks that every rank received the same
+    parameters (their number and names), one of two flags per parameter (has a gradient, has
+    published moments), and one fused sum per dtype of every gradient and moment. A parameter
+    without a gradient on some rank (its shard did not touch it) counts as a zero gradient there;
+    moments must be published on all ranks or none (they are, when every rank runs the same model
+    and guide). With ``shard_update``, one broadcast per rank (and dtype) follows the update.
+
+    Attribute look-ups it does not know go to ``optim`` (``num_steps``, ``anneal``, ...);
+    ``get_state`` / ``set_state`` (and ``save`` / ``load``) are ``optim``'s, the same on every
+    rank (gathered first with ``shard_update``), so rank 0 saves them
+    (:func:`~pyro_quadvi.distributed.save_checkpoint`).
+
+    Raises (on every rank together):
+        RuntimeError: when the ranks received different parameters, disagree on which
+            parameters have moments, or on the rows of a block in a subsampled plate (a local
+            latent, data parallel: a mean cannot combine different rows; node parallel, where
+            every rank has the whole minibatch, fits local latents), or for a parameter without a
+            name in Pyro's param store (``module_local_params=True``): names order the reduction.
+    """
+
+    def __init__(
+        self,
+        optim: PyroOptim,
+        *,
+        shard_update: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ):
+        if not isinstance(optim, PyroOptim):
+            raise TypeError(
+                "DistributedOptimizer wraps a pyro optimizer (QNVB(), pyro.optim.Adam(...)), "
+                f"got {type(optim).__name__}"
+            )
+        if not isinstance(shard_update, bool):
+            raise TypeError(f"shard_update must be True or False, got {shard_update!r}")
+        if shard_update and not isinstance(optim, QNVB):
+            raise TypeError(
+                "shard_update=True divides QNVB's block updates between the ranks; it needs a QNVB "
+                f"optimizer, got {type(optim).__name__}"
+            )
+        # PyroOptim.__init__ is not called: every PyroOptim attribute is optim's (__getattr__)
+        self.optim = optim
+        self.shard_update = shard_update
+        self.group = group
+        self._owners: dict[str, int] = {}  # loc parameter name -> the rank updating its block
+
+    def __getattr__(self, name: str):
+        if name in ("optim", "shard_update", "group", "_owners"):  # unpickling: no recursion
+            raise AttributeError(name)
+        return getattr(self.optim, name)
+
+    def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
+        """Average the gradients and moments of ``params`` over the ranks; step the optimizer."""
+        params = list(params)
+        if world(self.group)[1] == 1 or not params:
+            self.optim(params, *args, **kwargs)
+            return
+        blocks = self._reduce(params)
+        if not self.shard_update:
+            self.optim(params, *args, **kwargs)
+            return
+        rank, _ = world(self.group)
+        elsewhere = {id(leaf) for owner, leaves in blocks if owner != rank for leaf in leaves}
+        self.optim([p for p in params if id(p) not in elsewhere], *args, **kwargs)
+        self._share_blocks(blocks)
+
+    @torch.no_grad()
+    def _share_blocks(self, blocks: list[tuple[int, list[torch.Tensor]]]) -> None:
+        """Each block's owner broadcasts its new leaves: one broadcast per rank and dtype."""
+        _, size = world(self.group)
+        for owner in range(size):
+            leaves = [leaf for rank, block in blocks if rank == owner for leaf in block]
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for leaf in leaves:
+                by_dtype.setdefault(leaf.dtype, []).append(leaf)
+            for bucket in by_dtype.values():
+                flat = torch.cat([leaf.detach().reshape(-1) for leaf in bucket])
+                dist.broadcast(flat, src=owner, group=self.group)
+                start = 0
+                for leaf in bucket:  # through .data, as QNVB writes: no version bump
+                    stop = start + leaf.numel()
+                    leaf.data.copy_(flat[start:stop].view_as(leaf))
+                    start = stop
+
+    @torch.no_grad()
+    def _reduce(self, params: list[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
+        """Average gradients and moments; return the moment blocks as ``(owner, leaves)``."""
+        store = pyro.get_param_store()
+        named = sorted(((store.param_name(p), p) for p in params), key=lambda n: n[0] or "")
+        if any(name is None for name, _ in named):
+            raise RuntimeError(
+                "DistributedOptimizer lays the gradients of every rank out in the order of their "
+                "names in Pyro's param store, and a parameter it received has none (under "
+                "pyro.settings.set(module_local_params=True)?); use the global param store"
+            )
+        device = params[0].device
+        moments = [published_moments(p) for _, p in named]
+        names = "\n".join(name for name, _ in named).encode()
+        check_agreement(
+            torch.cat(
+                [
+                    torch.tensor([len(named), zlib.crc32(names)], dtype=torch.float64),
+                    _rows_fingerprint(moments),
+                ]
+            ).to(device),
+            "the parameters to update (their number and names) or the rows of their local "
+            "latents (sites in subsampled plates: a data-parallel run gives each rank other rows, "
+            "which a mean cannot combine; fit them with parallel='nodes' or in one process)",
+            self.group,
+        )
+        flags = torch.tensor(
+            [[p.grad is not None, m is not None] for (_, p), m in zip(named, moments)],
+            dtype=torch.int64,
+            device=device,
+        ).reshape(-1, 2)
+        both = torch.cat([flags, -flags], dim=1)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        any_grad, any_moments, all_moments = both[:, 0], both[:, 1], -both[:, 3]
+        mixed = (any_moments != all_moments).nonzero()
+        if mixed.numel():
+            raise RuntimeError(
+                f"DistributedOptimizer: QuadratureELBO published moments for "
+                f"{named[int(mixed[0])][0]!r} on some ranks only; every rank must run the same "
+                "model and guide with the same ELBO"
+            )
+        tensors = []
+        for (_, p), has_grad in zip(named, any_grad.tolist()):
+            if has_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                tensors.append(p.grad)
+        for m in moments:
+            if m is not None:
+                tensors += [m.g, m.h]
+        all_reduce_mean_(tensors, self.group)
+        rank, size = world(self.group)
+        named_blocks = [(name, m) for (name, _), m in zip(named, moments) if m is not None]
+        if self.shard_update:
+            self._owners = _balance([(n, m.site.loc.numel()) for n, m in named_blocks], size)
+        blocks = []
+        for name, m in named_blocks:
+            owner = self._owners[name] if self.shard_update else rank
+            if owner == rank:  # moments a rank will not use are dropped, never left stale
+                publish_moments(PublishedMoments(m.site, m.g, m.h, m.version))
+            blocks.append((owner, [m.site.params[role] for role in sorted(m.site.params)]))
+        return blocks
+
+    def get_state(self) -> dict:
+        """The wrapped optimizer's state, the same on every rank.
+
+        With ``shard_update`` each rank holds the QNVB state of its own blocks: this is then a
+        collective call (every rank must make it) that gathers them.
+        """
+        state = self.optim.get_state()
+        _, size = world(self.group)
+        if not self.shard_update or size == 1:
+            return state
+        everyone: list = [None] * size
+        dist.all_gather_object(everyone, state["qnvb"]["pairs"], group=self.group)
+        pairs = {}
+        for rank, held in enumerate(everyone):
+            for name, block in held.items():
+                # the owner's copy; before the first step (a restore) every copy is the same
+                if name not in pairs or self._owners.get(name) == rank:
+                    pairs[name] = block
+        state["qnvb"]["pairs"] = pairs
+        return state
+
+    def set_state(self, state_dict: dict) -> None:
+        """Restore the wrapped optimizer's state."""
+        self.optim.set_state(state_dict)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optim!r})"
+
+
+def _rows_fingerprint(moments: list[PublishedMoments | None]) -> torch.Tensor:
+    """Count, sum, sum of squares and position-weighted sum of the subsampled rows of the blocks
+    with moments: equal on every rank when (almost surely only when) the rows are."""
+    indices = [
+        index.reshape(-1).to(torch.float64)
+        for m in moments
+        if m is not None and m.site.rows
+        for _, index in sorted(m.site.rows.items())
+    ]
+    flat = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.float64)
+    position = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+    return torch.stack(
+        [
+            torch.tensor(float(flat.numel())),
+            flat.sum(),
+            (flat * flat).sum(),
+            (flat * position).sum(),
+        ]
+    ).to(torch.float64)
+
+
+def _balance(sizes: list[tuple[str, int]], size: int) -> dict[str, int]:
+    """Blocks to ranks, largest first to the least loaded rank (ties: the lower rank)."""
+    load = [0] * size
+    owners = {}
+    for name, numel in sorted(sizes, key=lambda item: (-item[1], item[0])):
+        rank = min(range(size), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += numel
+    return owners
