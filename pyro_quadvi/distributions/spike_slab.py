@@ -18,7 +18,6 @@ Two spike-and-slab distributions compared under this one measure give the closed
 from __future__ import annotations
 
 import math
-from numbers import Number
 from typing import ClassVar
 
 import torch
@@ -71,9 +70,11 @@ class SpikeSlab(TorchDistribution):
         if (inclusion is None) == (zero_logits is None):
             raise ValueError("SpikeSlab: give exactly one of inclusion and zero_logits")
         if inclusion is not None:
-            inclusion = torch.as_tensor(inclusion, dtype=torch.get_default_dtype())
-            if not isinstance(slab_scale, Number) and torch.is_tensor(slab_scale):
-                inclusion = inclusion.to(slab_scale)
+            if not torch.is_tensor(inclusion):
+                like = next((t for t in (slab_scale, slab_loc) if torch.is_tensor(t)), None)
+                dtype = torch.get_default_dtype() if like is None else like.dtype
+                device = None if like is None else like.device
+                inclusion = torch.tensor(float(inclusion), dtype=dtype, device=device)
             if validate_args is not False and not bool(((inclusion > 0) & (inclusion <= 1)).all()):
                 raise ValueError(
                     "SpikeSlab: inclusion must lie in (0, 1] (the probability of a nonzero), got "
