@@ -43,23 +43,11 @@ from tqdm.auto import tqdm
 from pyro_quadvi import AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO
 from pyro_quadvi.infer import GumbelSpikeSlabELBO
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors, sparse_network
+from pyro_quadvi.testing.sparse_regression import TRUE_INPUTS, sparse_regression_data
 
 N_TRAIN, N_TEST, P, WIDTH, HIDDEN, BATCH = 3000, 10_000, 200, 7, 3, 512
-TRUE_INPUTS = 5
 SLAB_SCALE, INIT_RADIUS, INIT_SCALE, INIT_INCLUSION, LR = 1.3, 0.6, 2.5e-3, 0.99, 5e-3
 METHODS = ("gumbel", "quadrature", "dense")
-
-
-def target(x: torch.Tensor) -> torch.Tensor:
-    """``7 x2 / (1 + x1^2) + 5 sin(x3 x4) + 2 x5`` (inputs numbered from 1)."""
-    return 7 * x[:, 1] / (1 + x[:, 0] ** 2) + 5 * torch.sin(x[:, 2] * x[:, 3]) + 2 * x[:, 4]
-
-
-def make_data(seed: int) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.rand(N_TRAIN + N_TEST, P, generator=gen) * 2 - 1
-    y = target(x) + torch.randn(N_TRAIN + N_TEST, generator=gen)
-    return x[:N_TRAIN], y[:N_TRAIN], x[N_TRAIN:], y[N_TRAIN:]
 
 
 def make_net() -> nn.Sequential:
@@ -118,7 +106,7 @@ def kept_fraction(guide, method: str) -> float:
 def run(method: str, rep: int, epochs: int, eval_every: int, progress: bool) -> dict:
     pyro.clear_param_store()
     pyro.set_rng_seed(rep)
-    x, y, x_test, y_test = make_data(rep)
+    x, y, x_test, y_test = sparse_regression_data(N_TRAIN, N_TEST, P, seed=rep)
     bnn, guide, elbo = build(method, x, y)
     optimizer = torch.optim.Adam(guide.parameters(), lr=LR)
     curve = []
