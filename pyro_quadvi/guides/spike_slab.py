@@ -32,7 +32,7 @@ from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.infer.autoguide.utils import deep_setattr
 from pyro.nn import PyroModule, PyroParam
 from pyro.poutine import Trace
-from torch.distributions import biject_to, constraints
+from torch.distributions import biject_to, constraints, transform_to
 
 from ..distributions import SpikeSlab
 from ..infer.log_joint import LatentSite
@@ -171,15 +171,15 @@ class AutoSpikeSlab(AutoNormal):
         """Each site's exact median: 0 wherever the point mass covers the middle of the mixture."""
         return {name: value[0] for name, value in self.quantiles([0.5]).items()}
 
-    def _full_mixture(self, name: str) -> SpikeSlab:
-        """The site's factor over all rows (outside of any plate: no subsampling)."""
+    def _full_mixture(self, name: str, rows: dict[int, torch.Tensor] | None = None) -> SpikeSlab:
+        """The site's factor over all rows, or over ``rows`` of its subsampled plates."""
         loc = _leaf(self.locs, name)[0]
         scale_leaf, scale_constraint, _ = _leaf(self.scales, name)
         logit = _leaf(self.logits, name)[0]
         return SpikeSlab(
-            zero_logits=logit,
-            slab_scale=torch.distributions.transform_to(scale_constraint)(scale_leaf),
-            slab_loc=loc,
+            zero_logits=_select(logit, rows),
+            slab_scale=_select(transform_to(scale_constraint)(scale_leaf), rows),
+            slab_loc=_select(loc, rows),
             validate_args=False,
         )
 
@@ -243,14 +243,7 @@ class AutoSpikeSlab(AutoNormal):
                 factor = scale_factor(aux)
             else:
                 factor, rows = (self._last_run or {}).get(name, (1.0, None))
-                mixture = SpikeSlab(
-                    zero_logits=_select(logit_leaf, rows),
-                    slab_scale=_select(
-                        torch.distributions.transform_to(scale_constraint)(scale_leaf), rows
-                    ),
-                    slab_loc=_select(loc_leaf, rows),
-                    validate_args=False,
-                )
+                mixture = self._full_mixture(name, rows)
             transform = biject_to(proto["fn"].support)
             sites.append(
                 MeanFieldSite(
