@@ -25,7 +25,8 @@ Measures, per replication: test RMSE of the realized network (``sparse_network``
 guide draws (``bnn.predict``); the fraction of weights kept (inclusion > 0.5); the false-positive
 and false-negative rates of input selection on the 5 true inputs (an input is selected if any of
 its first-layer weights is kept); wall and CPU time of the training loop (evaluations
-included). Every ``--eval-every`` epochs the run records the test RMSE of the realized network, the kept fraction and the mean training loss (the curves).
+included). Every ``--eval-every`` epochs the run records the test RMSE of the realized network,
+the kept fraction and the mean training loss (the curves).
 """
 
 from __future__ import annotations
