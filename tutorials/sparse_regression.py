@@ -10,14 +10,17 @@ weight and bias (``priors.SpikeSlab`` with the paper's theorem's inclusion, abou
 probability above 0.5; the realized sparse network (:func:`~pyro_quadvi.nn.sparse_network`) gives
 the test RMSE (the noise floor is 1).
 
-What we chose for a short tutorial (the benchmark follows the paper instead): full-batch steps
-(all 3,000 rows) with Adam at lr 0.05, for 1,500 steps, instead of the paper's minibatches of 512
-at lr 5e-3 for 7,000 epochs. The guide starts as in the paper (slab means ``U(-0.6, 0.6)``, slab
-scales 2.5e-3, inclusion 0.99).
+Training follows the paper (minibatches of 512, Adam at lr 5e-3, the guide starting from slab
+means ``U(-0.6, 0.6)``, slab scales 2.5e-3 and inclusion 0.99) but for 800 epochs instead of its
+7,000 (``--epochs``): about 80 s of CPU on one core. Faster schedules lose x1, the weakest input
+(it enters only through ``1 / (1 + x1^2)``): full-batch steps at lr 0.05 kept x2..x5 and dropped
+x1 under both estimators, with or without 300 first steps that hold the inclusion probabilities
+fixed; the sparsity pressure of the theorem's prior (about 9 nats a weight) outruns the slow
+discovery of x1's effect.
 
 Run::
 
-    python tutorials/sparse_regression.py                       # about 25 s of CPU, the figure
+    python tutorials/sparse_regression.py                       # minutes, writes the figure
     python tutorials/sparse_regression.py --quick --out /tmp/s.png   # seconds (CI runs it)
 
 The figure goes to ``docs/img/spike_slab_inputs.png`` unless ``--out`` says otherwise.
@@ -39,8 +42,8 @@ from pyro_quadvi.nn import BayesianModule, likelihoods, priors, sparse_network
 from pyro_quadvi.testing.sparse_regression import TRUE_INPUTS, sparse_regression_data
 
 SETTINGS = {
-    "full": {"train": 3000, "test": 10_000, "steps": 1500, "every": 50},
-    "quick": {"train": 300, "test": 500, "steps": 40, "every": 10},
+    "full": {"train": 3000, "test": 10_000, "batch": 512, "epochs": 800, "every": 25},
+    "quick": {"train": 300, "test": 500, "batch": 100, "epochs": 12, "every": 3},
 }
 INPUTS, WIDTH, HIDDEN = 200, 7, 3
 
@@ -65,15 +68,15 @@ def input_inclusion(guide: AutoSpikeSlab) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few steps on less data (CI)")
+    parser.add_argument("--quick", action="store_true", help="a few epochs on less data (CI)")
     parser.add_argument("--out", default="docs/img/spike_slab_inputs.png", help="the figure")
-    parser.add_argument("--steps", type=int, help="Adam steps (full batch)")
+    parser.add_argument("--epochs", type=int, help="passes over the training data")
     parser.add_argument("--estimator", choices=["gumbel", "quadrature"], default="gumbel")
     parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args(argv)
     torch.set_num_threads(1)  # a small network: more threads only add overhead
     settings = dict(SETTINGS["quick" if options.quick else "full"])
-    steps = options.steps or settings["steps"]
+    epochs = options.epochs or settings["epochs"]
 
     pyro.clear_param_store()
     pyro.set_rng_seed(options.seed)
@@ -84,22 +87,26 @@ def main(argv: list[str] | None = None) -> dict:
     guide = AutoSpikeSlab(
         bnn, init_loc_fn=init_to_uniform(radius=0.6), init_scale=2.5e-3, init_inclusion=0.99
     )
-    guide(x, y)
+    guide(x[: settings["batch"]], y[: settings["batch"]])
     elbo = (
         GumbelSpikeSlabELBO(temperature=0.5) if options.estimator == "gumbel" else QuadratureELBO()
     )
-    optimizer = torch.optim.Adam(guide.parameters(), lr=0.05)
-    history = []  # (step, loss, fraction of weights kept)
-    bar = tqdm(range(1, steps + 1), desc=f"spike-and-slab ({options.estimator})")
-    for step in bar:
-        loss = elbo.differentiable_loss(bnn, guide, x, y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if step % settings["every"] == 0 or step == steps:
+    optimizer = torch.optim.Adam(guide.parameters(), lr=5e-3)
+    history = []  # (epoch, mean loss, fraction of weights kept)
+    bar = tqdm(range(1, epochs + 1), desc=f"spike-and-slab ({options.estimator})")
+    for epoch in bar:
+        order, total = torch.randperm(len(x)), 0.0
+        for start in range(0, len(x), settings["batch"]):
+            rows = order[start : start + settings["batch"]]
+            loss = elbo.differentiable_loss(bnn, guide, x[rows], y[rows])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * len(rows) / len(x)
+        if epoch % settings["every"] == 0 or epoch == epochs:
             kept = sparse_network(bnn, guide).kept_fraction
-            history.append((step, loss.item(), kept))
-            bar.set_postfix(loss=f"{loss.item():.4g}", kept=f"{kept:.3f}", refresh=False)
+            history.append((epoch, total, kept))
+            bar.set_postfix(loss=f"{total:.4g}", kept=f"{kept:.3f}", refresh=False)
 
     sparse = sparse_network(bnn, guide)
     inclusion = input_inclusion(guide)
@@ -134,9 +141,9 @@ def plot(inclusion: torch.Tensor, history: list[tuple[int, float, float]], out: 
     left.set(xlabel="input", ylabel="max inclusion prob. of its weights", ylim=(0, 1.02))
     left.set_xlim(0, len(inclusion) + 1)
     left.legend(loc="upper right")
-    steps, _, kept = zip(*history)
-    right.plot(steps, [100 * k for k in kept], color="C0")
-    right.set(xlabel="Adam step", ylabel="weights kept (%)", yscale="log")
+    epochs, _, kept = zip(*history)
+    right.plot(epochs, [100 * k for k in kept], color="C0")
+    right.set(xlabel="epoch", ylabel="weights kept (%)", yscale="log")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
