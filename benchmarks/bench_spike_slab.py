@@ -151,16 +151,17 @@ def run(method: str, rep: int, epochs: int, eval_every: int, progress: bool) -> 
 def table(results: list[dict]) -> str:
     lines = [
         "| method | rep | epochs | test RMSE (sparse net) | test RMSE (BMA, 32 draws) | kept | FPR "
-        "| FNR | inputs selected | wall (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| FNR | true inputs selected | noise inputs selected | CPU (s) | wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        inputs = ", ".join(str(i + 1) for i in r["selected"])
+        true = ", ".join(f"x{i + 1}" for i in r["selected"] if i < TRUE_INPUTS)
+        noise = round(r["fpr"] * (P - TRUE_INPUTS))
+        cpu = f"{r['cpu_s']:.0f}" if "cpu_s" in r else "-"
         lines.append(
             f"| {r['method']} | {r['rep']} | {r['epochs']} | {r['rmse']:.3f} | "
             f"{r['rmse_bma']:.3f} | {100 * r['kept']:.2f}% | {r['fpr']:.3f} | {r['fnr']:.1f} | "
-            f"{inputs if len(inputs) < 40 else str(len(r['selected'])) + '+'} | "
-            f"{r['wall_s']:.0f} |"
+            f"{true} | {noise} | {cpu} | {r['wall_s']:.0f} |"
         )
     return "\n".join(lines)
 
