@@ -3,20 +3,24 @@
 ``BayesianModule(net, prior, likelihood)`` is a Pyro model whose latent sites are the net's
 parameters; :mod:`~pyro_quadvi.nn.priors` and :mod:`~pyro_quadvi.nn.likelihoods` hold the pieces,
 :func:`~pyro_quadvi.nn.predict` the Bayesian model average, :func:`~pyro_quadvi.nn.fit` the SVI
-loop of the tutorials.
+loop of the tutorials, :func:`~pyro_quadvi.nn.sparse_network` the realized network of a
+spike-and-slab fit.
 """
 
 from . import likelihoods, priors
 from .module import BayesianModule
 from .predict import Prediction, predict
+from .sparse import SparseNetwork, sparse_network
 from .training import History, fit
 
 __all__ = [
     "BayesianModule",
     "History",
     "Prediction",
+    "SparseNetwork",
     "fit",
     "likelihoods",
     "predict",
     "priors",
+    "sparse_network",
 ]

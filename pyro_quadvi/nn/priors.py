@@ -14,7 +14,16 @@ import pyro.distributions as dist
 import torch
 from torch.nn.init import _calculate_fan_in_and_fan_out
 
-__all__ = ["LayerwiseNormal", "Normal", "Prior", "fan_in_and_fan_out"]
+from .. import distributions
+
+__all__ = [
+    "LayerwiseNormal",
+    "Normal",
+    "Prior",
+    "SpikeSlab",
+    "fan_in_and_fan_out",
+    "theorem_inclusion",
+]
 
 
 class Prior:
@@ -122,3 +131,54 @@ class LayerwiseNormal(Prior):
 
     def __repr__(self) -> str:
         return f"priors.LayerwiseNormal(method={self.method!r}, scale={self.scale})"
+
+
+class SpikeSlab(Prior):
+    """An iid spike-and-slab on every entry: zero with probability ``1 - inclusion``, else
+    ``N(0, slab_scale^2)`` (:class:`pyro_quadvi.distributions.SpikeSlab`; the sparse-VI paper's
+    prior). Fit it with :class:`~pyro_quadvi.AutoSpikeSlab`.
+
+    Args:
+        inclusion: the prior probability of a nonzero weight, in ``(0, 1)`` (the paper's
+            ``lambda``; :func:`theorem_inclusion` gives its theorem's choice).
+        slab_scale: the slab's standard deviation (the paper's ``sigma_0``).
+    """
+
+    def __init__(self, inclusion: float, slab_scale: float = 1.0):
+        if not 0.0 < inclusion < 1.0:
+            raise ValueError(f"inclusion must lie in (0, 1), got {inclusion!r}")
+        if not slab_scale > 0:
+            raise ValueError(f"slab_scale must be > 0, got {slab_scale!r}")
+        self.inclusion = float(inclusion)
+        self.slab_scale = float(slab_scale)
+
+    def __call__(self, name: str, param: torch.Tensor) -> distributions.SpikeSlab:
+        inclusion = torch.full_like(param, self.inclusion).detach()
+        return distributions.SpikeSlab(inclusion, torch.full_like(inclusion, self.slab_scale))
+
+    def __repr__(self) -> str:
+        return f"priors.SpikeSlab(inclusion={self.inclusion}, slab_scale={self.slab_scale})"
+
+
+def theorem_inclusion(
+    num_params: int,
+    hidden_layers: int,
+    width: int,
+    num_data: int,
+    num_inputs: int,
+    delta: float = 0.1,
+) -> float:
+    """The sparse-VI paper's prior inclusion probability (its main theorem):
+
+        -log lambda = log T + delta [(L + 1) log N + log(sqrt(n) p)]
+
+    Args:
+        num_params: ``T``, the number of weights and biases.
+        hidden_layers: ``L``.
+        width: ``N``, the hidden layers' width.
+        num_data: ``n``, the training set's size.
+        num_inputs: ``p``, the input dimension.
+        delta: the theorem's constant (0.1 in the paper's experiment).
+    """
+    log_n = (hidden_layers + 1) * math.log(width) + math.log(math.sqrt(num_data) * num_inputs)
+    return math.exp(-(math.log(num_params) + delta * log_n))
