@@ -1,14 +1,16 @@
 """Quality of Bayesian networks at equal gradient evaluations (issue 11, "Quality").
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_bnn_quality.py --part regression
-    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_bnn_quality.py --part mnist --data-dir DIR
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_bnn_quality.py --part mnist --data-dir D
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_bnn_quality.py --part diagnose
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_bnn_quality.py --part qnvb-lr --data-dir D
     python benchmarks/bench_bnn_quality.py --report          # tables and figures from the JSON
-    python benchmarks/bench_bnn_quality.py --quick --part all --data-dir DIR   # smoke run
+    python benchmarks/bench_bnn_quality.py --quick --part all --data-dir D   # smoke run
 
-Every run is cached in ``benchmarks/results/bnn_quality.json`` (``--quick``: its own file) under a
-key naming the data, the network, the method, the learning rate and the split, and is skipped when
-present, so an interrupted run resumes. ``--report`` prints the markdown of the docs section and
+``D`` is the MNIST directory (default ``$PYRO_QUADVI_DATA/mnist-t10k``). Every run is cached in
+``benchmarks/results/bnn_quality.json`` (``--quick``: its own file) under a key naming the data,
+the network, the method, the learning rate and the split, and is skipped when present, so an
+interrupted run resumes. ``--report`` prints the markdown of the docs section and
 draws ``docs/img/bnn_quality_*.png`` from that file alone.
 
 **Methods**, each given the same number of gradient evaluations (one evaluation: one forward and
@@ -18,12 +20,17 @@ backward pass of the network over the minibatch at one weight setting):
   the rule's number of nodes);
 - ``adam``: ``SVI(bnn, guide, pyro.optim.Adam({"lr": lr}), Trace_ELBO())``, one draw a step, ``lr``
   tuned over ``LR_GRID["adam"]``;
-- ``ivon``: ``ivon.IVON(params, lr, ess=N, weight_decay=1/(N prior_sd^2))`` on the plain network,
+- ``ivon``: ``ivon.IVON(groups, lr, ess=N)`` on the plain network, one group per parameter tensor
+  with ``weight_decay = 1/(N prior_sd^2)`` (IVON's prior precision is ``ess * weight_decay``),
   one Monte Carlo sample a step (``with opt.sampled_params(train=True)``), ``lr`` tuned over
   ``LR_GRID["ivon"]`` (its other arguments at their defaults);
 - ``map`` (MNIST only): the plain network trained by ``torch.optim.Adam(lr=1e-3)`` on the mean NLL.
 
-``bnn`` is ``BayesianModule(net, priors.Normal(1.0), likelihood)``, the guide
+``--part diagnose`` runs the controlled diabetes runs of :data:`DIAGNOSE`; ``--part qnvb-lr`` runs
+QNVB with ``lr=PROPOSED_LR`` (else defaults) on every cell, the change those runs point to.
+
+``bnn`` is ``BayesianModule(net, default_prior(kind), likelihood)`` (regression:
+``priors.LayerwiseNormal("radford")``; MNIST: ``priors.Normal(1.0)``), the guide
 ``AutoMeanFieldNormal(bnn, init_loc_fn=init_to_value(the net's own initialization))``, so every
 method starts at the same weights (PyTorch's default initialization, seeded). Regression uses a
 learned homoscedastic noise: ``likelihoods.Gaussian(N, scale=None, noise_prior=LogNormal(0, 1))``,
@@ -46,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -596,6 +604,36 @@ def part_regression(cache: Cache, s: dict) -> None:
     bar.close()
 
 
+#: The step cap the diabetes runs point to (``QNVB``'s default ``lr`` is 1.0), on every cell.
+PROPOSED_LR = 0.1
+
+
+def part_qnvb_lr(cache: Cache, s: dict, data_dir: str | None) -> None:
+    """QNVB with ``lr=PROPOSED_LR`` (all else default) on every regression cell and split, and
+    on MNIST when its directory is given."""
+    method = f"qnvb-lr{PROPOSED_LR:g}"
+    qnvb_args = {"lr": PROPOSED_LR}
+    if data_dir is not None or os.environ.get("PYRO_QUADVI_DATA"):
+        task = mnist_task(data_dir, s["mnist_batch"])
+        grid = eval_grid(s["mnist_evals"], s["mnist_grid"])
+        bar = tqdm(total=len(s["mnist_nets"]), desc="qnvb lr, mnist")
+        for net_name in s["mnist_nets"]:
+            args = ("qnvb", task, partial(mnist_net, net_name), None, grid, s["mnist_draws"])
+            cache.get_or_run(f"mnist/{net_name}/{method}", bar, run, *args, qnvb_args=qnvb_args)
+        bar.close()
+    grid = eval_grid(s["evals"], s["grid_points"])
+    bar = tqdm(total=len(s["datasets"]) * len(s["nets"]) * s["splits"], desc="qnvb lr")
+    for name in s["datasets"]:
+        for net_name in s["nets"]:
+            for split in range(s["splits"]):
+                task = regression_task(name, split)
+                make = partial(regression_net, task.x_train.shape[1], net_name)
+                key = f"regression/{name}/{net_name}/{method}/split{split}"
+                args = ("qnvb", task, make, None, grid, s["draws"])
+                cache.get_or_run(key, bar, run, *args, seed=split, qnvb_args=qnvb_args)
+    bar.close()
+
+
 MAP_LR = 1e-3
 
 
@@ -638,7 +676,7 @@ DIAGNOSE = {
         "qnvb",
         {"prior": priors.Normal(1.0), "qnvb_args": {"lr": 0.1}},
     ),
-    "qnvb, annealing 0.01 over 1/2 budget": ("qnvb", {"anneal": True}),
+    "qnvb, annealing from 0.01 over half the budget": ("qnvb", {"anneal": True}),
 }
 
 
@@ -672,7 +710,9 @@ def part_diagnose(cache: Cache, s: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--part", choices=("regression", "mnist", "diagnose", "all"), default="regression"
+        "--part",
+        choices=("regression", "mnist", "diagnose", "qnvb-lr", "all"),
+        default="regression",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run (its own JSON)")
     parser.add_argument("--report", action="store_true", help="markdown and figures from the JSON")
@@ -705,6 +745,8 @@ def main(argv: list[str] | None = None) -> None:
         part_mnist(cache, s, options.data_dir)
     if options.part in ("diagnose", "all"):
         part_diagnose(cache, s)
+    if options.part in ("qnvb-lr", "all"):
+        part_qnvb_lr(cache, s, options.data_dir)
 
 
 if __name__ == "__main__":

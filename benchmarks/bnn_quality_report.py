@@ -19,7 +19,9 @@ LABELS = {
     "adam": "Adam + Trace_ELBO (tuned lr)",
     "ivon": "IVON (tuned lr)",
     "map": "deterministic net, Adam",
+    "qnvb-lr0.1": "QNVB lr=0.1 (else defaults) + QuadratureELBO",
 }
+PROPOSED = "qnvb-lr0.1"
 
 
 def _runs(data: dict, prefix: str) -> list[dict]:
@@ -51,12 +53,12 @@ def first_reaching(evals: np.ndarray, values: np.ndarray, target: float) -> int 
     return int(evals[hit[0]]) if len(hit) else None
 
 
-def goal_row(runs: dict[str, list[dict]]) -> dict:
+def goal_row(runs: dict[str, list[dict]], qnvb: str = "qnvb") -> dict:
     """Issue 11's goal on the mean test-NLL curves: QNVB at Adam's best NLL in <= 1/3 of its
     evaluations, and QNVB's final NLL and ECE (where scored) no worse than IVON's."""
     e_adam, nll_adam = mean_curve(runs["adam"])
     best = int(np.argmin(nll_adam))
-    e_qnvb, nll_qnvb = mean_curve(runs["qnvb"])
+    e_qnvb, nll_qnvb = mean_curve(runs[qnvb])
     reach = first_reaching(e_qnvb, nll_qnvb, nll_adam[best])
     final = {m: float(np.mean([r["final"]["nll"] for r in runs[m]])) for m in runs}
     row = {
@@ -64,12 +66,12 @@ def goal_row(runs: dict[str, list[dict]]) -> dict:
         "adam_at": int(e_adam[best]),
         "qnvb_reach": reach,
         "speed_met": reach is not None and reach <= e_adam[best] / 3,
-        "nll_met": final["qnvb"] <= final["ivon"],
+        "nll_met": final[qnvb] <= final["ivon"],
         "final": final,
     }
-    if "ece" in runs["qnvb"][0]["final"]:
+    if "ece" in runs[qnvb][0]["final"]:
         ece = {m: float(np.mean([r["final"]["ece"] for r in runs[m]])) for m in runs}
-        row["ece_met"] = ece["qnvb"] <= ece["ivon"]
+        row["ece_met"] = ece[qnvb] <= ece["ivon"]
     return row
 
 
@@ -87,16 +89,18 @@ def regression_tables(data: dict) -> tuple[list[str], list[tuple]]:
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     goals = [
-        "| data | net | Adam's best mean NLL (at evals) | QNVB reaches it at | <= 1/3? | "
+        "| data | net | QNVB | Adam's best mean NLL (at evals) | QNVB reaches it at | <= 1/3? | "
         "final NLL QNVB / IVON | QNVB NLL <= IVON? |",
-        "|---|---|---:|---:|---|---:|---|",
+        "|---|---|---|---:|---:|---|---:|---|",
     ]
     curves = []
     for name, net in cells:
-        runs = {m: _runs(data, f"regression/{name}/{net}/{m}") for m in METHODS}
+        runs = {m: _runs(data, f"regression/{name}/{net}/{m}") for m in (*METHODS, PROPOSED)}
+        if not runs[PROPOSED]:
+            del runs[PROPOSED]
         if not all(runs.values()):
             continue
-        for method in METHODS:
+        for method in runs:
             rs = runs[method]
             e, v = mean_curve(rs)
             b = int(np.argmin(v))
@@ -107,13 +111,16 @@ def regression_tables(data: dict) -> tuple[list[str], list[tuple]]:
                 f"{_mean_sd([r['final']['nll'] for r in rs])} | {v[b]:.3f} ({e[b]}) | "
                 f"{np.mean([r['cpu_s'] for r in rs]):.1f} |"
             )
-        g = goal_row(runs)
-        reach = "never" if g["qnvb_reach"] is None else str(g["qnvb_reach"])
-        goals.append(
-            f"| {name} | {net} | {g['adam_best']:.3f} ({g['adam_at']}) | {reach} | "
-            f"{_yes(g['speed_met'])} | {g['final']['qnvb']:.3f} / {g['final']['ivon']:.3f} | "
-            f"{_yes(g['nll_met'])} |"
-        )
+        for qnvb in ("qnvb", PROPOSED):
+            if qnvb not in runs:
+                continue
+            g = goal_row(runs, qnvb)
+            reach = "never" if g["qnvb_reach"] is None else str(g["qnvb_reach"])
+            goals.append(
+                f"| {name} | {net} | {'defaults' if qnvb == 'qnvb' else 'lr 0.1'} | "
+                f"{g['adam_best']:.3f} ({g['adam_at']}) | {reach} | {_yes(g['speed_met'])} | "
+                f"{g['final'][qnvb]:.3f} / {g['final']['ivon']:.3f} | {_yes(g['nll_met'])} |"
+            )
         curves.append((name, net, runs))
     splits = len(curves[0][2]["qnvb"]) if curves else 0
     head = [f"Mean ± sd over {splits} splits, scores after the whole budget:", ""]
@@ -148,7 +155,9 @@ def mnist_table(data: dict) -> tuple[list[str], list[tuple]]:
     ]
     goals, curves = [], []
     for net in ("mlp", "cnn"):
-        runs = {m: data.get(f"mnist/{net}/{m}") for m in (*METHODS, "map")}
+        runs = {m: data.get(f"mnist/{net}/{m}") for m in (*METHODS, "map", PROPOSED)}
+        if runs[PROPOSED] is None:
+            del runs[PROPOSED]
         if not all(runs.values()):
             continue
         for method, r in runs.items():
@@ -160,17 +169,21 @@ def mnist_table(data: dict) -> tuple[list[str], list[tuple]]:
                 f"{f['accuracy']:.4f} | {f['nll']:.4f} | {f['ece']:.4f} | {f['brier']:.4f} | "
                 f"{c['nll'][b]:.4f} ({c['evals'][b]}) | {r['cpu_s']:.0f} |"
             )
-        g = goal_row({m: [runs[m]] for m in METHODS})
-        reach = "never" if g["qnvb_reach"] is None else str(g["qnvb_reach"])
-        goals.append(
-            f"| {net} | {g['adam_best']:.4f} ({g['adam_at']}) | {reach} | {_yes(g['speed_met'])} "
-            f"| {_yes(g['nll_met'])} | {_yes(g['ece_met'])} |"
-        )
+        for qnvb in ("qnvb", PROPOSED):
+            if qnvb not in runs:
+                continue
+            g = goal_row({m: [runs[m]] for m in runs}, qnvb)
+            reach = "never" if g["qnvb_reach"] is None else str(g["qnvb_reach"])
+            goals.append(
+                f"| {net} | {'defaults' if qnvb == 'qnvb' else 'lr 0.1'} | "
+                f"{g['adam_best']:.4f} ({g['adam_at']}) | {reach} | {_yes(g['speed_met'])} | "
+                f"{_yes(g['nll_met'])} | {_yes(g['ece_met'])} |"
+            )
         curves.append((net, runs))
     goals = [
-        "| net | Adam's best NLL (at evals) | QNVB reaches it at | <= 1/3? | NLL <= IVON? | "
-        "ECE <= IVON? |",
-        "|---|---:|---:|---|---|---|",
+        "| net | QNVB | Adam's best NLL (at evals) | QNVB reaches it at | <= 1/3? | "
+        "NLL <= IVON? | ECE <= IVON? |",
+        "|---|---|---:|---:|---|---|---|",
         *goals,
     ]
     return [*lines, "", *goals], curves
@@ -191,9 +204,9 @@ def diagnose_table(data: dict) -> list[str]:
                 labels.append(label)
     lines = [
         "| run (diabetes, 1x50) | splits | test NLL | test NLL, standardized | best mean NLL "
-        "(at evals) | worst mean NLL (at evals) | -ELBO (64 draws) | noise median | "
-        "weight sd median | train RMSE (std.) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "(at evals) | worst mean NLL (at evals) | first at <= adam tuned's best | -ELBO (64 "
+        "draws) | noise median | weight sd median | train RMSE (std.) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = {
         "qnvb (main table, 1,000 evals)": "regression/diabetes/1x50/qnvb",
@@ -202,8 +215,9 @@ def diagnose_table(data: dict) -> list[str]:
     rows = [(label, _runs(data, prefix)) for label, prefix in base.items()]
     rows += [(label, _runs(data, f"diagnose/{label}")) for label in labels]
     # every row over the same splits: those all the controlled runs have
-    num = min((len(runs) for label, runs in rows if label in labels), default=0)
-    rows = [(label, runs[:num]) for label, runs in rows]
+    num = min((len(runs) for label, runs in rows if label in labels and runs), default=0)
+    rows = [(label, runs[:num]) for label, runs in rows if runs]
+    target = min(mean_curve(runs)[1].min() for label, runs in rows if label == "adam tuned")
     for label, runs in rows:
         if not runs:
             continue
@@ -216,7 +230,8 @@ def diagnose_table(data: dict) -> list[str]:
         lines.append(
             f"| {label} | {len(runs)} | {_mean_sd(nll)} | "
             f"{_mean_sd(standardized)} | "
-            f"{v[b]:.3f} ({e[b]}) | {v[w]:.1f} ({e[w]}) | {_column(runs, 'neg_elbo')} | "
+            f"{v[b]:.3f} ({e[b]}) | {v[w]:.1f} ({e[w]}) | "
+            f"{first_reaching(e, v, target) or 'never'} | {_column(runs, 'neg_elbo')} | "
             f"{_column(runs, 'noise_median')} | {_column(runs, 'weight_scale_median')} | "
             f"{_column(runs, 'train_rmse_std')} |"
         )
@@ -236,11 +251,12 @@ def figure_regression(curves: list[tuple], path: Path) -> None:
     )
     for name, net, runs in curves:
         ax = axes[nets.index(net)][names.index(name)]
-        for method in METHODS:
+        for method in runs:
             e, v = mean_curve(runs[method])
-            ax.plot(e, v, marker=".", label=LABELS[method])
-        finals = [v for m in METHODS for v in mean_curve(runs[m])[1][-4:]]
-        ax.set_ylim(min(finals) - 0.3, max(finals) + 0.6)
+            style = "--" if method == PROPOSED else "-"
+            ax.plot(e, v, style, marker=".", label=LABELS[method])
+        finals = [mean_curve(runs[m])[1][-1] for m in METHODS]
+        ax.set_ylim(min(finals) - 0.3, max(finals) + 1.0)
         ax.set_xscale("log")
         ax.set_title(f"{name}, {net}", fontsize=9)
         ax.set_xlabel("gradient evaluations")
@@ -262,7 +278,9 @@ def figure_mnist(curves: list[tuple], path: Path) -> None:
         for row, key in enumerate(("nll", "ece")):
             ax = axes[row][column]
             for method, r in runs.items():
-                ax.plot(r["curve"]["evals"], r["curve"][key], marker=".", label=LABELS[method])
+                style = "--" if method == PROPOSED else "-"
+                curve = r["curve"]
+                ax.plot(curve["evals"], curve[key], style, marker=".", label=LABELS[method])
             ax.set_xscale("log")
             ax.set_yscale("log" if key == "nll" else "linear")
             ax.set_title(f"MNIST 8k/2k, {net}", fontsize=9)
