@@ -54,6 +54,7 @@ import argparse
 import json
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -737,7 +738,8 @@ def main(argv: list[str] | None = None) -> None:
     if options.report:
         from bnn_quality_report import report
 
-        print(report(cache.data, s, IMG))
+        # a smoke run's figures go to the temporary directory, not over the docs' figures
+        print(report(cache.data, s, Path(tempfile.gettempdir()) if options.quick else IMG))
         return
     if options.part in ("regression", "diagnose", "all"):
         part_regression(cache, s)
