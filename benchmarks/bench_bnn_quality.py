@@ -350,10 +350,9 @@ class PyroTrainer(Trainer):
         if isinstance(elbo, QuadratureELBO):
             dim = sum(p.numel() for p in net.parameters())
             self.cost = elbo.rule.num_nodes(dim + (task.kind == "regression"))
-        self.loss = math.nan
 
     def step(self) -> None:
-        self.loss = self.svi.step(*self.batches())
+        self.svi.step(*self.batches())
 
     def draws(self, num: int):
         x = self.task.x_test
@@ -409,7 +408,6 @@ class IVONTrainer(Trainer):
             self.opt.zero_grad()
             self.loss_of(x, y).backward()
         self.opt.step()
-        self.loss = math.nan
 
     def diagnostics(self) -> dict[str, float]:
         """As :func:`diagnostics` (no ELBO): the posterior's noise and weight scales."""
