@@ -59,7 +59,7 @@ class AutoMeanFieldNormal(AutoNormal):
         return state
 
     def forward(self, *args, **kwargs):
-        tracer = poutine.trace(super().forward)
+        tracer = poutine.trace(self._draw)
         result = tracer(*args, **kwargs)
         trace = tracer.trace
         self._last_run = {}
@@ -68,6 +68,10 @@ class AutoMeanFieldNormal(AutoNormal):
             rows = subsample_rows(aux, trace, self._event_dims[name])
             self._last_run[name] = (scale_factor(aux), rows)
         return result
+
+    def _draw(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """One draw of every latent site (Pyro's ``AutoNormal``); subclasses change the family."""
+        return AutoNormal.forward(self, *args, **kwargs)
 
     def quadrature_description(self, trace: Trace | None = None) -> GuideDescription:
         """The guide's ``"gaussian"`` sites: of the run in ``trace``, else of its last run.

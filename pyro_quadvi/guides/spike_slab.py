@@ -27,7 +27,6 @@ import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.distributions.util import sum_rightmost
-from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.infer.autoguide.utils import deep_setattr
 from pyro.nn import PyroModule, PyroParam
@@ -38,11 +37,12 @@ from ..distributions import SpikeSlab
 from ..infer.log_joint import LatentSite
 from .adapters import _leaf, _select, check_set_up, scale_factor, subsample_rows
 from .interface import GuideDescription, MeanFieldSite
+from .mean_field import AutoMeanFieldNormal
 
 __all__ = ["AutoSpikeSlab"]
 
 
-class AutoSpikeSlab(AutoNormal):
+class AutoSpikeSlab(AutoMeanFieldNormal):
     """A Dirac-Gauss mean field over the unconstrained latents: ``(nu, tau, zeta)`` per coordinate.
 
     Built on Pyro's :class:`~pyro.infer.autoguide.AutoNormal` (plates, subsampled local latents,
@@ -82,14 +82,6 @@ class AutoSpikeSlab(AutoNormal):
         super().__init__(
             model, init_loc_fn=init_loc_fn, init_scale=init_scale, create_plates=create_plates
         )
-        self._last_run: dict[str, tuple[float, dict[int, torch.Tensor]]] | None = None
-
-    def __getstate__(self):
-        # As AutoMeanFieldNormal: keep the model reference Pyro's AutoGuide drops from itself.
-        model, master = self._model, self.master
-        state = super().__getstate__()
-        self._model, self.master = model, master
-        return state
 
     def _setup_prototype(self, *args, **kwargs):
         super()._setup_prototype(*args, **kwargs)
@@ -108,19 +100,8 @@ class AutoSpikeSlab(AutoNormal):
         logit = attrgetter(name)(self.logits)
         return SpikeSlab(zero_logits=logit, slab_scale=scale, slab_loc=loc, validate_args=False)
 
-    def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+    def _draw(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Draw every latent site from its spike-and-slab factor (exactly: zeros are zeros)."""
-        tracer = poutine.trace(self._sample)
-        result = tracer(*args, **kwargs)
-        trace = tracer.trace
-        self._last_run = {}
-        for name in self._event_dims:
-            aux = trace.nodes[name + "_unconstrained"]
-            rows = subsample_rows(aux, trace, self._event_dims[name])
-            self._last_run[name] = (scale_factor(aux), rows)
-        return result
-
-    def _sample(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         plates = self._create_plates(*args, **kwargs)
