@@ -3,6 +3,8 @@
 * :class:`QNVB`: a ``pyro.optim.PyroOptim`` for ``SVI``.
 * :class:`QNVBOptimizer`: a ``torch.optim.Optimizer`` evaluating its closure at quadrature nodes.
 * :func:`qnvb_update`: the pure, elementwise update both use.
+* :class:`SparseQNVBOptimizer`: the sparsifying QNVB (Dirac-Gauss mixtures and the sieve) for plain
+  PyTorch networks; :func:`sparse_qnvb_update`: its pure update.
 """
 
 from .annealing import AnnealLikelihoodMessenger, anneal_likelihood, geometric_annealing
@@ -14,6 +16,14 @@ from .qnvb_functional import (
     init_qnvb_state,
     qnvb_update,
 )
+from .sparse_functional import (
+    SparseQNVBBlock,
+    SparseQNVBCounters,
+    SparseQNVBHyperparameters,
+    SparseQNVBResult,
+    sparse_qnvb_update,
+)
+from .sparse_torch import SparseQNVBOptimizer
 from .torch_qnvb import QNVBOptimizer
 
 __all__ = [
@@ -23,8 +33,14 @@ __all__ = [
     "QNVBOptimizer",
     "QNVBResult",
     "QNVBState",
+    "SparseQNVBBlock",
+    "SparseQNVBCounters",
+    "SparseQNVBHyperparameters",
+    "SparseQNVBOptimizer",
+    "SparseQNVBResult",
     "anneal_likelihood",
     "geometric_annealing",
     "init_qnvb_state",
     "qnvb_update",
+    "sparse_qnvb_update",
 ]
