@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from . import evidence, quadrature
+from . import distributions, evidence, quadrature
 from .evidence import OPQAResult, opqa_evidence
 from .export import to_inference_data
-from .guides import AutoMeanFieldNormal
+from .guides import AutoMeanFieldNormal, AutoSpikeSlab
 from .infer import QuadratureELBO
 from .optim import QNVB
 from .quadrature import make_rule
@@ -15,9 +15,11 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "QNVB",
     "AutoMeanFieldNormal",
+    "AutoSpikeSlab",
     "OPQAResult",
     "QuadratureELBO",
     "__version__",
+    "distributions",
     "evidence",
     "make_rule",
     "opqa_evidence",

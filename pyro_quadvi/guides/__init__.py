@@ -11,9 +11,11 @@ from .interface import (
     register_guide,
 )
 from .mean_field import AutoMeanFieldNormal
+from .spike_slab import AutoSpikeSlab
 
 __all__ = [
     "AutoMeanFieldNormal",
+    "AutoSpikeSlab",
     "GuideDescription",
     "JointGaussian",
     "MeanFieldSite",

@@ -13,7 +13,12 @@ says how the guide's posterior covers it:
 * **elementwise families** (one :class:`MeanFieldSite` per block of coordinates, in layout order):
   ``"gaussian"`` is ``z = loc + scale * x`` with ``x ~ N(0, I)``; the block names the leaf tensors
   holding its parameters by role (``"loc"``, ``"scale"``), so an optimizer pairs them by identity,
-  never by name;
+  never by name; ``"dirac_gauss"`` is the spike-and-slab factor of the sequence paper's eq. 4.1
+  (a point mass at zero with probability ``q(z)``, ``N(nu, tau^2)`` otherwise), whose nodes are
+  ``mean + sd * x`` at the mixture's moments (eq. 4.2), with parameters ``"loc"`` (``nu``),
+  ``"scale"`` (``tau``) and ``"logit"`` (``zeta``, the logit of a zero); it meets a
+  :class:`~pyro_quadvi.distributions.SpikeSlab` prior in their closed-form KL
+  (:meth:`MeanFieldSite.kl_to_prior`) instead of through the prior's density at the nodes;
 * a **joint Gaussian** (:class:`JointGaussian`, family ``"mvn"``): ``z = loc + A x`` for a dense or
   low-rank ``A`` (``AutoMultivariateNormal``, ``AutoLowRankMultivariateNormal``), which quadrature
   integrates but QNVB does not update.
@@ -37,14 +42,18 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
+from pyro.distributions import ExpandedDistribution
 from pyro.distributions.transforms import Transform
 from pyro.poutine import Trace
+from torch.distributions import Distribution, Independent, kl_divergence
 from torch.distributions.constraints import Constraint
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..distributions import SpikeSlab
 from ..infer.log_joint import LatentSite
 
 __all__ = [
+    "CLOSED_FORM_FAMILIES",
     "ELEMENTWISE_FAMILIES",
     "GuideDescription",
     "JointGaussian",
@@ -62,8 +71,12 @@ __all__ = [
     "watch_guides",
 ]
 
-ELEMENTWISE_FAMILIES = ("gaussian",)
+ELEMENTWISE_FAMILIES = ("gaussian", "dirac_gauss")
 """Families whose nodes are ``loc + scale * x`` coordinate by coordinate."""
+
+CLOSED_FORM_FAMILIES = ("dirac_gauss",)
+"""Elementwise families whose prior term is a closed-form KL (:meth:`MeanFieldSite.kl_to_prior`)
+rather than the prior's log density integrated at the nodes plus the guide's entropy."""
 
 _HALF_LOG_2PI_E = 0.5 * math.log(2 * math.pi * math.e)
 
@@ -75,14 +88,15 @@ class MeanFieldSite:
     Attributes:
         name: the block's name: the model's sample site, or the guide's own latent site for a guide
             that keeps all sites in one vector (``AutoDiagonalNormal``).
-        family: ``"gaussian"`` (more families to come: each has its own update in QNVB).
+        family: ``"gaussian"`` or ``"dirac_gauss"`` (:data:`ELEMENTWISE_FAMILIES`).
         loc: where the quadrature nodes are centred, unconstrained, in the run's shape (rows of
             subsampled plates only); differentiable with respect to the guide's parameters. For a
-            mixture family, its mean.
+            mixture family, its mean (``dirac_gauss``: ``q(not z) nu``, eq. 4.2).
         scale: the nodes' standard deviations, same shape, positive (for a mixture, its standard
-            deviation).
+            deviation: ``dirac_gauss``: ``sqrt(q(z) q(not z) nu^2 + q(not z) tau^2)``, eq. 4.2).
         params: role -> the leaf tensor holding that parameter in full, as an optimizer receives it
-            (for ``"gaussian"``: ``"loc"`` and ``"scale"``, the latter unconstrained).
+            (for ``"gaussian"``: ``"loc"`` and ``"scale"``, the latter unconstrained; for
+            ``"dirac_gauss"`` also ``"logit"``, the logit of a zero).
         param_constraints: role -> the constraint that maps the leaf to the parameter's value
             (``transform_to(constraint)(leaf)``), e.g. ``softplus_positive`` for a scale.
         param_names: role -> a stable name (the param store's), used in messages and saved states.
@@ -95,6 +109,10 @@ class MeanFieldSite:
             this run; empty without subsampling; ``None`` where the guide cannot tell (an optimizer
             then updates the entries that received a gradient).
         constraint: the model site's support, which ``transform`` maps onto.
+        values: role -> the parameter's constrained value in this run (rows used, differentiable),
+            for a family whose nodes' ``loc`` and ``scale`` are moments of its parameters rather
+            than the parameters (``dirac_gauss``: ``"loc"`` nu, ``"scale"`` tau, ``"logit"``
+            zeta); empty for ``"gaussian"``.
     """
 
     name: str
@@ -109,16 +127,64 @@ class MeanFieldSite:
     scale_factor: float = 1.0
     rows: dict[int, torch.Tensor] | None = field(default_factory=dict)
     constraint: Constraint | None = None
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def shape(self) -> torch.Size:
         """The unconstrained shape of the block in this run (batch + event)."""
         return self.loc.shape
 
+    def mixture(self) -> SpikeSlab:
+        """A ``dirac_gauss`` block's factor ``q`` as a :class:`SpikeSlab` (eq. 4.1).
+
+        Raises:
+            TypeError: for another family.
+        """
+        if self.family != "dirac_gauss":
+            raise TypeError(f"site {self.name!r} is {self.family!r}, not a Dirac-Gauss mixture")
+        return SpikeSlab(
+            zero_logits=self.values["logit"],
+            slab_scale=self.values["scale"],
+            slab_loc=self.values["loc"],
+            validate_args=False,
+        )
+
     def entropy(self) -> torch.Tensor:
-        """The block's entropy in the unconstrained space, times its minibatch scale."""
+        """The block's entropy in the unconstrained space, times its minibatch scale.
+
+        For ``dirac_gauss`` under the measure of :class:`SpikeSlab`'s ``log_prob`` (Lebesgue
+        plus a unit mass at zero): ``H(Bernoulli) + q(not z) H(N(nu, tau^2))`` per coordinate.
+        """
+        if self.family == "dirac_gauss":
+            return self.scale_factor * self.mixture().entropy().sum()
         per_coordinate = self.scale.log().sum() + _HALF_LOG_2PI_E * self.scale.numel()
         return self.scale_factor * per_coordinate
+
+    def kl_to_prior(self, prior: Distribution) -> torch.Tensor:
+        """``KL(q_site || prior)`` summed over event dims: the site's batch shape, unscaled.
+
+        ``prior`` is the model's distribution at the site in one run (Pyro's wrappers such as
+        ``to_event`` and ``expand`` are looked through; its batch shape may carry the node
+        plate's dim, the result then carries it too). Closed form for a ``dirac_gauss`` block
+        against a :class:`SpikeSlab` (the sparse-VI paper's KL; sequence paper, eq. 4.3-4.4).
+
+        Raises:
+            ValueError: if the prior has no point mass at zero: a spike against a density has an
+                infinite KL, so the message names :class:`SpikeSlab` as the prior to use.
+        """
+        base = prior
+        while isinstance(base, (Independent, ExpandedDistribution)):
+            base = base.base_dist
+        if not isinstance(base, SpikeSlab):
+            raise ValueError(
+                f"site {self.name!r}: the guide's factor has a point mass at zero ({self.family}) "
+                f"but the model's prior {type(base).__name__} has none, so KL(q || prior) is "
+                "infinite. Give the site a spike-and-slab prior, "
+                "pyro_quadvi.distributions.SpikeSlab(inclusion, slab_scale), or fit it with a "
+                "Gaussian guide (AutoMeanFieldNormal)"
+            )
+        kl = kl_divergence(self.mixture(), base)
+        return kl.sum(tuple(range(-self.event_dim, 0))) if self.event_dim else kl
 
 
 @dataclass
@@ -199,6 +265,22 @@ class GuideDescription:
         if self.joint is not None:
             return self.joint.entropy
         return sum(site.entropy() for site in self.sites)
+
+    def entropy_outside_kl(self) -> torch.Tensor:
+        """:meth:`entropy` without the sites whose entropy is inside their closed-form KL
+        (:data:`CLOSED_FORM_FAMILIES`): what an ELBO adds to ``E_q[log p]`` besides those KLs."""
+        if self.joint is not None:
+            return self.joint.entropy
+        entropy = torch.zeros((), dtype=self.loc.dtype, device=self.loc.device)
+        for site in self.sites:
+            if site.family not in CLOSED_FORM_FAMILIES:
+                entropy = entropy + site.entropy()
+        return entropy
+
+    def closed_form_kls(self) -> dict[str, Callable[[Distribution], torch.Tensor]]:
+        """Site -> :meth:`MeanFieldSite.kl_to_prior` for the :data:`CLOSED_FORM_FAMILIES` sites
+        (the ``closed_form`` of :class:`~pyro_quadvi.infer.LogJoint`)."""
+        return {s.name: s.kl_to_prior for s in self.sites if s.family in CLOSED_FORM_FAMILIES}
 
     def covariance(self) -> torch.Tensor:
         """The covariance of ``z``, dense (for OPQA's weight)."""

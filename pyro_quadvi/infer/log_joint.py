@@ -7,12 +7,19 @@ Both the quadrature ELBO and the OPQA evidence evaluate
 at a batch of flat unconstrained points ``z`` of shape ``(K, dim)``: the latent sites laid end to
 end, each pushed through ``T = biject_to(support)``. :class:`LogJoint` does this either in one pass
 of the model under a particle plate (``vectorize=True``) or node by node.
+
+**Closed-form sites.** A site listed in ``closed_form`` contributes ``-KL(q_site || prior)`` in
+place of its prior's log density at the point, the KL computed by the guide from the prior the
+model builds at that point (so a prior whose parameters are other latents is still integrated
+over them). A spike-and-slab guide meets a spike-and-slab prior this way (sequence paper, eq.
+4.3-4.4; the sparse-VI paper's eq. 1): the prior's point mass never shows at a node, and the
+guide's entropy of those sites is inside the KL, not added by the ELBO.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import pyro
@@ -20,7 +27,7 @@ import torch
 from pyro import poutine
 from pyro.distributions import Delta
 from pyro.distributions.transforms import Transform
-from pyro.distributions.util import sum_rightmost
+from pyro.distributions.util import scale_and_mask, sum_rightmost
 from pyro.poutine import Trace
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import biject_to
@@ -131,6 +138,10 @@ class LogJoint:
         sites: the latent sites, in the order they are laid out in ``z``.
         max_plate_nesting: plates the model nests (the node plate goes left of them); ``None``
             finds it from a first, looped run of the model.
+        closed_form: site -> a function of the model's distribution at that site returning
+            ``KL(q_site || prior)`` summed over the site's event dims (its batch shape, unscaled);
+            those sites contribute ``-KL`` (times their minibatch scale) instead of their log
+            density (see the module).
 
     One minibatch per object: the first run of the model records the subsample indices of the
     plates that the ``replay_trace`` does not supply (plates only the model has, such as
@@ -147,9 +158,12 @@ class LogJoint:
         model: Callable,
         sites: Sequence[LatentSite],
         max_plate_nesting: int | None = None,
+        closed_form: Mapping[str, Callable[[torch.distributions.Distribution], torch.Tensor]]
+        | None = None,
     ):
         self.model = model
         self.sites = list(sites)
+        self.closed_form = dict(closed_form or {})
         self.dim = sum(site.numel for site in self.sites)
         self.max_plate_nesting = max_plate_nesting
         self._subsample: dict[str, dict] | None = None  # recorded by the first run
@@ -293,6 +307,8 @@ class LogJoint:
         for name, site in trace.nodes.items():
             if site["type"] == "sample" and "log_prob_sum" in site:
                 terms[name] = site["log_prob_sum"]
+        for name, kl in self.closed_form.items():
+            terms[name] = -_scaled(kl(trace.nodes[name]["fn"]), trace.nodes[name]).sum()
         for name, ladj in log_jac.items():
             scale = trace.nodes[name]["scale"]
             terms[name] = terms[name] + (scale * ladj).sum()
@@ -317,10 +333,18 @@ class LogJoint:
         for name, site in trace.nodes.items():
             if site["type"] == "sample" and "log_prob" in site:
                 terms[name] = _per_particle(site["log_prob"], K, mpn + 1)
+        for name, kl in self.closed_form.items():
+            site = trace.nodes[name]
+            terms[name] = -_per_particle(_scaled(kl(site["fn"]), site), K, mpn + 1)
         for name, ladj in log_jac.items():
             scale = trace.nodes[name]["scale"]
             terms[name] = terms[name] + _per_particle(scale * ladj, K, mpn + 1)
         return terms, trace
+
+
+def _scaled(term: torch.Tensor, site: dict) -> torch.Tensor:
+    """A site's term with its minibatch scale and mask applied, as Pyro applies them."""
+    return scale_and_mask(term, site["scale"], site["mask"])
 
 
 def _sample_sites(trace: Trace) -> list[str]:

@@ -25,6 +25,19 @@ site, the moments it integrated (:func:`~pyro_quadvi.guides.interface.publish_mo
 
 with ``s`` the site's minibatch scale: ``QNVB`` uses them directly, so a family whose parameter
 gradients do not carry ``g`` and ``h`` (a mixture) is updated all the same.
+
+**Spike-and-slab sites** (family ``"dirac_gauss"``, :class:`~pyro_quadvi.guides.AutoSpikeSlab`):
+the nodes sit at each mixture's mean and standard deviation (sequence paper, eq. 4.2), where the
+likelihood and every smooth prior term are integrated; a sigma-point rule integrates univariate
+quadratics exactly against any distribution with those two moments. The site's own prior, a
+:class:`~pyro_quadvi.distributions.SpikeSlab`, meets the guide in their closed-form KL (the
+sparse-VI paper's KL term), which also holds the site's entropy:
+
+    loss = -sum_k w_k log p_smooth(x, T(z_k)) - H[gaussian sites] + sum_ss KL(q_ss || p_ss)
+
+(the same objective as :class:`~pyro_quadvi.infer.GumbelSpikeSlabELBO`, without its noise). The
+published ``g`` and ``h`` of such a site are those of the smooth loss under the moment-matched
+Gaussian, which is what the sequence paper's eq. 4.6 takes.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ import pyro
 import torch
 from pyro import poutine
 from pyro.infer import ELBO
+from pyro.poutine import Trace
 
 from ..guides.interface import (
     ELEMENTWISE_FAMILIES,
@@ -50,7 +64,7 @@ from ..quadrature import QuadratureRule, make_rule
 from .batched import BatchDecision, DecisionCache, evaluate_batch
 from .log_joint import LogJoint, latent_sites_of_model
 
-__all__ = ["QuadratureELBO"]
+__all__ = ["PointsELBO", "QuadratureELBO"]
 
 
 @dataclass
@@ -61,8 +75,97 @@ class _Fit:
     decision: BatchDecision | None = None
 
 
-class QuadratureELBO(ELBO):
-    """The evidence lower bound integrated by a quadrature rule, for Gaussian guides.
+class PointsELBO(ELBO):
+    """What the package's ELBOs share: the guide described from a trace of one run, and the
+    model's log joint (:class:`~pyro_quadvi.infer.LogJoint`, closed-form KLs included) at a batch
+    of points, vectorized or looped as decided once per model and guide.
+
+    Args:
+        num_particles: as in Pyro's ``ELBO``.
+        vectorize: ``True``, ``False`` or ``None`` (try, check, fall back once with a warning).
+        max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of each model.
+    """
+
+    def __init__(
+        self,
+        num_particles: int = 1,
+        vectorize: bool | None = None,
+        max_plate_nesting: float = float("inf"),
+    ):
+        super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting)
+        if vectorize not in (None, True, False):
+            raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
+        self.vectorize = vectorize
+        self._fits = DecisionCache()
+
+    def _described_run(
+        self, model: Callable, guide: Callable, args, kwargs
+    ) -> tuple[Trace, GuideDescription]:
+        """One run of the guide, traced, and its description."""
+        if getattr(unwrap_guide(guide), "prototype_trace", True) is None:
+            # Before an AutoGuide's first run: refuse discrete or enumerated latents by name,
+            # without disturbing the random state a seeded run depends on.
+            with torch.random.fork_rng(devices=[]):
+                latent_sites_of_model(model, *args, **kwargs)
+        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        description = describe_guide(guide, guide_trace)
+        if description.dim == 0:
+            raise ValueError(
+                f"{type(self).__name__}: the model has no latent sample site, so there is nothing "
+                "to integrate; its log likelihood is the whole objective (use MAP or fit "
+                "pyro.param values with an ordinary optimizer)"
+            )
+        return guide_trace, description
+
+    def _fit(self, model: Callable, guide: Callable) -> _Fit:
+        fit = self._fits.get(model, unwrap_guide(guide))
+        if fit is None:
+            mpn = None if math.isinf(self.max_plate_nesting) else int(self.max_plate_nesting)
+            fit = _Fit(mpn)
+            self._fits.set(model, unwrap_guide(guide), decision=fit)
+        return fit
+
+    def vectorized(self, model: Callable, guide: Callable) -> bool | None:
+        """Whether this model and guide evaluate all points in one pass (``None``: not known)."""
+        if self.vectorize is not None:
+            return self.vectorize
+        fit = self._fits.get(model, unwrap_guide(guide))
+        return None if fit is None or fit.decision is None else fit.decision.vectorized
+
+    def _log_joint(
+        self, model, guide, description: GuideDescription, z, args, kwargs, guide_trace
+    ) -> torch.Tensor:
+        fit = self._fit(model, guide)
+        # one LogJoint per step: all points of the step see one minibatch
+        log_joint = LogJoint(
+            model,
+            description.latent_sites,
+            max_plate_nesting=fit.max_plate_nesting,
+            closed_form=description.closed_form_kls(),
+        )
+        vectorize = self.vectorize
+        if vectorize is None and fit.decision is not None:
+            vectorize = fit.decision.vectorized
+        values, decision = evaluate_batch(
+            lambda points: log_joint(points, args, kwargs, guide_trace, vectorize=True),
+            lambda point: log_joint(point[None], args, kwargs, guide_trace, vectorize=False)[0],
+            z,
+            vectorize,
+            probe=(0, z.shape[0] - 1),
+            what=type(self).__name__,
+        )
+        if fit.decision is None:
+            fit.decision = decision
+        fit.max_plate_nesting = log_joint.max_plate_nesting  # found once, then kept
+        return values
+
+    def _get_trace(self, model, guide, args, kwargs):
+        raise NotImplementedError(f"{type(self).__name__} evaluates the log joint at points")
+
+
+class QuadratureELBO(PointsELBO):
+    """The evidence lower bound integrated by a quadrature rule, for Gaussian and spike-and-slab
+    guides.
 
     Args:
         rule: a rule name for :func:`~pyro_quadvi.quadrature.make_rule` (``"rasp_simplex"``,
@@ -104,7 +207,7 @@ class QuadratureELBO(ELBO):
         generator: torch.Generator | None = None,
         name: str | None = None,
     ):
-        super().__init__(num_particles=1, max_plate_nesting=max_plate_nesting)
+        super().__init__(1, vectorize, max_plate_nesting)
         if isinstance(rule, str):
             rule = make_rule(rule, num_points)
         elif not isinstance(rule, QuadratureRule):
@@ -114,15 +217,11 @@ class QuadratureELBO(ELBO):
         elif num_points is not None:
             raise ValueError("num_points goes with a rule name; a rule object has its own")
         rule.check_sees_curvature()
-        if vectorize not in (None, True, False):
-            raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a string or None, got {type(name).__name__}")
         self.rule = rule
-        self.vectorize = vectorize
         self.generator = generator
         self.name = name
-        self._fits = DecisionCache()
 
     # -- the sequence position, kept in Pyro's param store ------------------------------------
 
@@ -152,42 +251,13 @@ class QuadratureELBO(ELBO):
         position = torch.tensor(float(self.step(description) + 1), dtype=torch.float64)
         pyro.get_param_store()[self.step_key(description)] = position
 
-    # -- what is learnt per model and guide ------------------------------------------------------
-
-    def _fit(self, model: Callable, guide: Callable) -> _Fit:
-        fit = self._fits.get(model, unwrap_guide(guide))
-        if fit is None:
-            mpn = None if math.isinf(self.max_plate_nesting) else int(self.max_plate_nesting)
-            fit = _Fit(mpn)
-            self._fits.set(model, unwrap_guide(guide), decision=fit)
-        return fit
-
-    def vectorized(self, model: Callable, guide: Callable) -> bool | None:
-        """Whether this model and guide evaluate all nodes in one pass (``None``: not yet known)."""
-        if self.vectorize is not None:
-            return self.vectorize
-        fit = self._fits.get(model, unwrap_guide(guide))
-        return None if fit is None or fit.decision is None else fit.decision.vectorized
-
     # -- the loss ------------------------------------------------------------------------------
 
     def _quadrature_loss(
         self, model: Callable, guide: Callable, args, kwargs
     ) -> tuple[torch.Tensor, GuideDescription]:
-        if getattr(unwrap_guide(guide), "prototype_trace", True) is None:
-            # Before an AutoGuide's first run: refuse discrete or enumerated latents by name,
-            # without disturbing the random state a seeded run depends on.
-            with torch.random.fork_rng(devices=[]):
-                latent_sites_of_model(model, *args, **kwargs)
-        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
-        description = describe_guide(guide, guide_trace)
-        if description.dim == 0:
-            raise ValueError(
-                "QuadratureELBO: the model has no latent sample site, so there is nothing to "
-                "integrate; its log likelihood is the whole objective (use MAP or fit "
-                "pyro.param values with an ordinary optimizer)"
-            )
-        entropy = description.entropy()
+        guide_trace, description = self._described_run(model, guide, args, kwargs)
+        entropy = description.entropy_outside_kl()
         nodes = self.rule.draw(
             description.dim,
             step=self.step(description),
@@ -209,33 +279,6 @@ class QuadratureELBO(ELBO):
                 f"{entropy.item()}: a scale collapsed to zero or overflowed"
             )
         return loss, description
-
-    def _log_joint(
-        self, model, guide, description: GuideDescription, z, args, kwargs, guide_trace
-    ) -> torch.Tensor:
-        fit = self._fit(model, guide)
-        # one LogJoint per step: all nodes of the step see one minibatch
-        log_joint = LogJoint(
-            model, description.latent_sites, max_plate_nesting=fit.max_plate_nesting
-        )
-        vectorize = self.vectorize
-        if vectorize is None and fit.decision is not None:
-            vectorize = fit.decision.vectorized
-        values, decision = evaluate_batch(
-            lambda points: log_joint(points, args, kwargs, guide_trace, vectorize=True),
-            lambda point: log_joint(point[None], args, kwargs, guide_trace, vectorize=False)[0],
-            z,
-            vectorize,
-            probe=(0, z.shape[0] - 1),
-            what="QuadratureELBO",
-        )
-        if fit.decision is None:
-            fit.decision = decision
-        fit.max_plate_nesting = log_joint.max_plate_nesting  # found once, then kept
-        return values
-
-    def _get_trace(self, model, guide, args, kwargs):
-        raise NotImplementedError("QuadratureELBO integrates with quadrature nodes, not traces")
 
     def loss(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
         """The negative ELBO, without gradients; does not advance the sequence."""

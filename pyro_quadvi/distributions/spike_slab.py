@@ -1,0 +1,202 @@
+"""``SpikeSlab``: a point mass at zero and a Gaussian slab, per coordinate.
+
+The Dirac-Gauss mixture of the sequence paper (Section 4.3, eq. 4.1) and of the sparse-VI paper's
+prior and variational family,
+
+    p(theta) = (1 - phi) delta_0(theta) + phi N(theta | nu, tau^2),
+
+with ``phi`` the probability of a nonzero (the *inclusion* probability; the sequence paper's
+``q(not z)``) and ``zeta = log((1 - phi) / phi)`` the logit of a zero (its ``zeta_i``).
+
+Densities are taken with respect to the sum of Lebesgue measure and a unit point mass at zero,
+the measure the sequence paper reaches as its carve-out ``epsilon -> 0`` (eq. 4.3, 4.4): at exactly
+``0`` the log density is ``log(1 - phi)``, anywhere else ``log phi + log N(theta | nu, tau^2)``.
+Two spike-and-slab distributions compared under this one measure give the closed-form
+:func:`kl_spike_slab`, the quantity the sparse-VI paper's estimator (its eq. 1) needs.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Number
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from pyro.distributions import TorchDistribution
+from torch.distributions import Normal, constraints
+from torch.distributions.kl import kl_divergence, register_kl
+from torch.distributions.utils import broadcast_all
+
+__all__ = ["SpikeSlab", "kl_normal_spike_slab", "kl_spike_slab"]
+
+_SCALAR = torch.Size()
+_HALF_LOG_2PI_E = 0.5 * math.log(2 * math.pi * math.e)
+
+
+class SpikeSlab(TorchDistribution):
+    """``(1 - inclusion) delta_0 + inclusion N(slab_loc, slab_scale^2)``, elementwise.
+
+    Args:
+        inclusion: the probability of a nonzero, in ``(0, 1]`` (the sparse-VI paper's ``lambda``
+            for a prior, ``phi`` for a variational factor). Give this or ``zero_logits``.
+        slab_scale: the slab's standard deviation (``sigma_0`` of a prior, ``tau`` of eq. 4.1).
+        slab_loc: the slab's mean (``nu`` of eq. 4.1); 0 for a prior.
+        zero_logits: ``log(P(zero) / P(nonzero))`` instead of ``inclusion`` (the sequence paper's
+            ``zeta``): the variational guide's parameter, exact at inclusions near 1.
+
+    ``log_prob`` is with respect to Lebesgue measure plus a unit mass at zero (see the module),
+    so ``log_prob(0) = log(1 - inclusion)``. ``sample`` is exact; there is no ``rsample`` (the
+    Bernoulli choice has no reparameterization: :class:`~pyro_quadvi.infer.GumbelSpikeSlabELBO`
+    relaxes it, :class:`~pyro_quadvi.infer.QuadratureELBO` integrates the moments of eq. 4.2).
+    """
+
+    arg_constraints: ClassVar[dict] = {
+        "zero_logits": constraints.real,
+        "slab_loc": constraints.real,
+        "slab_scale": constraints.positive,
+    }
+    support = constraints.real
+    has_rsample = False
+
+    def __init__(
+        self,
+        inclusion: torch.Tensor | float | None = None,
+        slab_scale: torch.Tensor | float = 1.0,
+        slab_loc: torch.Tensor | float = 0.0,
+        *,
+        zero_logits: torch.Tensor | float | None = None,
+        validate_args: bool | None = None,
+    ):
+        if (inclusion is None) == (zero_logits is None):
+            raise ValueError("SpikeSlab: give exactly one of inclusion and zero_logits")
+        if inclusion is not None:
+            inclusion = torch.as_tensor(inclusion, dtype=torch.get_default_dtype())
+            if not isinstance(slab_scale, Number) and torch.is_tensor(slab_scale):
+                inclusion = inclusion.to(slab_scale)
+            if validate_args is not False and not bool(((inclusion > 0) & (inclusion <= 1)).all()):
+                raise ValueError(
+                    "SpikeSlab: inclusion must lie in (0, 1] (the probability of a nonzero), got "
+                    f"{inclusion if inclusion.numel() < 8 else 'values outside it'}"
+                )
+            zero_logits = torch.log1p(-inclusion) - torch.log(inclusion)
+        self.zero_logits, self.slab_scale, self.slab_loc = broadcast_all(
+            zero_logits, slab_scale, slab_loc
+        )
+        super().__init__(self.zero_logits.shape, validate_args=validate_args)
+
+    # -- parameters --------------------------------------------------------------------------------
+
+    @property
+    def inclusion(self) -> torch.Tensor:
+        """``P(theta != 0)``: the sequence paper's ``q(not z)``, the sparse-VI paper's ``phi``."""
+        return torch.sigmoid(-self.zero_logits)
+
+    @property
+    def log_inclusion(self) -> torch.Tensor:
+        """``log P(theta != 0)``, computed from the logits without cancellation."""
+        return F.logsigmoid(-self.zero_logits)
+
+    @property
+    def log_exclusion(self) -> torch.Tensor:
+        """``log P(theta = 0)`` (``-inf`` for inclusion 1)."""
+        return F.logsigmoid(self.zero_logits)
+
+    def expand(self, batch_shape, _instance=None):
+        new = self._get_checked_instance(SpikeSlab, _instance)
+        batch_shape = torch.Size(batch_shape)
+        new.zero_logits = self.zero_logits.expand(batch_shape)
+        new.slab_scale = self.slab_scale.expand(batch_shape)
+        new.slab_loc = self.slab_loc.expand(batch_shape)
+        super(SpikeSlab, new).__init__(batch_shape, validate_args=False)
+        new._validate_args = self._validate_args
+        return new
+
+    def slab(self) -> Normal:
+        """The Gaussian component ``N(slab_loc, slab_scale^2)``."""
+        return Normal(self.slab_loc, self.slab_scale, validate_args=False)
+
+    # -- moments (sequence paper, eq. 4.2) -----------------------------------------------------
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """``q(not z) nu`` (eq. 4.2)."""
+        return self.inclusion * self.slab_loc
+
+    @property
+    def variance(self) -> torch.Tensor:
+        """``q(z) q(not z) nu^2 + q(not z) tau^2`` (eq. 4.2)."""
+        phi = self.inclusion
+        return phi * (1 - phi) * self.slab_loc**2 + phi * self.slab_scale**2
+
+    # -- densities -------------------------------------------------------------------------------
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        """``log(1 - phi)`` at exactly zero, ``log phi + log N(value | nu, tau^2)`` elsewhere."""
+        if self._validate_args:
+            self._validate_sample(value)
+        slab = self.log_inclusion + self.slab().log_prob(value)
+        return torch.where(value == 0, self.log_exclusion.expand_as(slab), slab)
+
+    def sample(self, sample_shape: torch.Size = _SCALAR) -> torch.Tensor:
+        """Exact draws: a Bernoulli(inclusion) choice times a slab draw."""
+        shape = self._extended_shape(sample_shape)
+        with torch.no_grad():
+            keep = torch.rand(shape, dtype=self.slab_loc.dtype, device=self.slab_loc.device)
+            keep = keep < self.inclusion.expand(shape)
+            slab = self.slab().sample(sample_shape)
+            return torch.where(keep, slab, torch.zeros_like(slab))
+
+    def cdf(self, value: torch.Tensor) -> torch.Tensor:
+        """``(1 - phi) 1[value >= 0] + phi Phi((value - nu) / tau)``."""
+        spike = (value >= 0).to(self.slab_loc.dtype)
+        return (1 - self.inclusion) * spike + self.inclusion * self.slab().cdf(value)
+
+    def icdf(self, value: torch.Tensor) -> torch.Tensor:
+        """The quantile function, exact: the slab's below and above the jump at zero, 0 on it.
+
+        With ``a = phi Phi(-nu / tau)`` the slab's mass below zero, the ``p``-quantile is
+        ``nu + tau Phi^-1(p / phi)`` for ``p < a``, ``0`` for ``a <= p <= a + 1 - phi`` and
+        ``nu + tau Phi^-1((p - 1 + phi) / phi)`` above.
+        """
+        phi = self.inclusion
+        slab = self.slab()
+        below = phi * slab.cdf(torch.zeros_like(self.slab_loc))
+        p = torch.as_tensor(value, dtype=phi.dtype, device=phi.device)
+        lower = slab.icdf((p / phi).clamp(max=1.0))
+        upper = slab.icdf(((p - 1 + phi) / phi).clamp(min=0.0, max=1.0))
+        zero = torch.zeros_like(lower)
+        return torch.where(p < below, lower, torch.where(p <= below + 1 - phi, zero, upper))
+
+    def entropy(self) -> torch.Tensor:
+        """``H(Bernoulli(phi)) + phi H(N(nu, tau^2))``, under the measure of ``log_prob``."""
+        phi = self.inclusion
+        bernoulli = -(phi * self.log_inclusion + (1 - phi) * _xlogy_safe(self.log_exclusion, phi))
+        return bernoulli + phi * (_HALF_LOG_2PI_E + self.slab_scale.log())
+
+
+def _xlogy_safe(log_p: torch.Tensor, inclusion: torch.Tensor) -> torch.Tensor:
+    """``log(1 - phi)`` with ``0 log 0 = 0`` in mind: zero where ``1 - phi`` is exactly 0."""
+    return torch.where(inclusion >= 1, torch.zeros_like(log_p), log_p)
+
+
+@register_kl(SpikeSlab, SpikeSlab)
+def kl_spike_slab(q: SpikeSlab, p: SpikeSlab) -> torch.Tensor:
+    """``KL(q || p)`` per coordinate, closed form (the sparse-VI paper's KL term of its eq. 1).
+
+        phi log(phi / lambda) + (1 - phi) log((1 - phi) / (1 - lambda)) + phi KL(slab_q || slab_p)
+
+    with ``phi``, ``lambda`` the inclusion probabilities of ``q`` and ``p``; ``inf`` where ``q``
+    puts mass on zero and ``p`` does not (inclusion 1).
+    """
+    phi = q.inclusion
+    include = phi * (q.log_inclusion - p.log_inclusion)
+    exclude = (1 - phi) * (q.log_exclusion - p.log_exclusion)
+    exclude = torch.where(phi >= 1, torch.zeros_like(exclude), exclude)
+    return include + exclude + phi * kl_divergence(q.slab(), p.slab())
+
+
+@register_kl(Normal, SpikeSlab)
+def kl_normal_spike_slab(q: Normal, p: SpikeSlab) -> torch.Tensor:
+    """``KL(N || p) = -log lambda + KL(N || slab)``: a Gaussian never puts mass on zero."""
+    return -p.log_inclusion + kl_divergence(q, p.slab())

@@ -1,0 +1,262 @@
+"""``AutoSpikeSlab``: a spike-and-slab (Dirac-Gauss) mean field over the model's latents.
+
+Per unconstrained coordinate ``theta_i`` (sequence paper, Section 4.3, eq. 4.1; the sparse-VI
+paper's variational family ``q``)
+
+    q(theta_i) = q(z_i) delta_0(theta_i) + q(not z_i) N(theta_i | nu_i, tau_i^2),
+
+kept as three parameters: the slab mean ``nu`` (``locs``), the slab scale ``tau`` (``scales``,
+through a softplus as in the sparse-VI paper's Algorithm 1) and the logit of a zero
+``zeta = log(q(z) / q(not z))`` (``logits``). Its moments (eq. 4.2),
+
+    mean = q(not z) nu,    variance = q(z) q(not z) nu^2 + q(not z) tau^2,
+
+are where :class:`~pyro_quadvi.infer.QuadratureELBO` places its nodes; its exact draws feed
+``Predictive``; :class:`~pyro_quadvi.infer.GumbelSpikeSlabELBO` relaxes its Bernoulli choice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import ExitStack
+from operator import attrgetter
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro import poutine
+from pyro.distributions.util import sum_rightmost
+from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide.initialization import init_to_feasible
+from pyro.infer.autoguide.utils import deep_setattr
+from pyro.nn import PyroModule, PyroParam
+from pyro.poutine import Trace
+from torch.distributions import biject_to, constraints
+
+from ..distributions import SpikeSlab
+from ..infer.log_joint import LatentSite
+from .adapters import _leaf, _select, check_set_up, scale_factor, subsample_rows
+from .interface import GuideDescription, MeanFieldSite
+
+__all__ = ["AutoSpikeSlab"]
+
+
+class AutoSpikeSlab(AutoNormal):
+    """A Dirac-Gauss mean field over the unconstrained latents: ``(nu, tau, zeta)`` per coordinate.
+
+    Built on Pyro's :class:`~pyro.infer.autoguide.AutoNormal` (plates, subsampled local latents,
+    ``PyroModule`` models, ``create_plates``), with the Gaussian replaced by the mixture of
+    :class:`~pyro_quadvi.distributions.SpikeSlab`: a draw is exactly zero with probability
+    ``q(z)``. The point mass sits at zero of the *unconstrained* space, i.e. at
+    ``biject_to(support)(0)`` of a constrained site (1 for a positive one); spike-and-slab
+    models put it on real-valued sites.
+
+    Like :class:`~pyro_quadvi.guides.AutoMeanFieldNormal` it remembers the rows and minibatch
+    scale of its last run for :meth:`quadrature_description`, whose family is ``"dirac_gauss"``.
+
+    Args:
+        model: a Pyro model with continuous latent sites.
+        init_loc_fn: initial slab means (constrained), as in Pyro; the sparse-VI paper draws them
+            uniformly in ``(-0.6, 0.6)``: ``init_to_uniform(radius=0.6)``.
+        init_scale: the initial slab scale ``tau``.
+        init_inclusion: the initial probability of a nonzero, ``q(not z)``, in ``(0, 1)``.
+        create_plates: as in Pyro's AutoGuides, to subsample local latents.
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        *,
+        init_loc_fn: Callable = init_to_feasible,
+        init_scale: float = 0.1,
+        init_inclusion: float = 0.99,
+        create_plates: Callable | None = None,
+    ):
+        if not isinstance(init_inclusion, float) or not 0.0 < init_inclusion < 1.0:
+            raise ValueError(
+                f"init_inclusion must be a float in (0, 1), the initial probability of a "
+                f"nonzero; got {init_inclusion!r}"
+            )
+        self._init_inclusion = init_inclusion
+        super().__init__(
+            model, init_loc_fn=init_loc_fn, init_scale=init_scale, create_plates=create_plates
+        )
+        self._last_run: dict[str, tuple[float, dict[int, torch.Tensor]]] | None = None
+
+    def __getstate__(self):
+        # As AutoMeanFieldNormal: keep the model reference Pyro's AutoGuide drops from itself.
+        model, master = self._model, self.master
+        state = super().__getstate__()
+        self._model, self.master = model, master
+        return state
+
+    def _setup_prototype(self, *args, **kwargs):
+        super()._setup_prototype(*args, **kwargs)
+        self.logits = PyroModule()
+        zero_logit = math.log((1.0 - self._init_inclusion) / self._init_inclusion)
+        for name, _ in self.prototype_trace.iter_stochastic_nodes():
+            loc = attrgetter(name)(self.locs)
+            init = torch.full_like(loc.detach(), zero_logit)
+            deep_setattr(
+                self.logits, name, PyroParam(init, constraints.real, self._event_dims[name])
+            )
+
+    def _get_mixture(self, name: str) -> SpikeSlab:
+        """The site's factor at its current parameters (rows of the enclosing subsampled plates)."""
+        loc, scale = self._get_loc_and_scale(name)
+        logit = attrgetter(name)(self.logits)
+        return SpikeSlab(zero_logits=logit, slab_scale=scale, slab_loc=loc, validate_args=False)
+
+    def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Draw every latent site from its spike-and-slab factor (exactly: zeros are zeros)."""
+        tracer = poutine.trace(self._sample)
+        result = tracer(*args, **kwargs)
+        trace = tracer.trace
+        self._last_run = {}
+        for name in self._event_dims:
+            aux = trace.nodes[name + "_unconstrained"]
+            rows = subsample_rows(aux, trace, self._event_dims[name])
+            self._last_run[name] = (scale_factor(aux), rows)
+        return result
+
+    def _sample(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        plates = self._create_plates(*args, **kwargs)
+        result = {}
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            transform = biject_to(site["fn"].support)
+            with ExitStack() as stack:
+                for frame in site["cond_indep_stack"]:
+                    if frame.vectorized:
+                        stack.enter_context(plates[frame.name])
+                unconstrained = pyro.sample(
+                    name + "_unconstrained",
+                    self._get_mixture(name).to_event(self._event_dims[name]),
+                    infer={"is_auxiliary": True},
+                )
+                value = transform(unconstrained)
+                if poutine.get_mask() is False:
+                    log_density = 0.0
+                else:
+                    log_density = transform.inv.log_abs_det_jacobian(value, unconstrained)
+                    log_density = sum_rightmost(
+                        log_density, log_density.dim() - value.dim() + site["fn"].event_dim
+                    )
+                delta = dist.Delta(value, log_density=log_density, event_dim=site["fn"].event_dim)
+                result[name] = pyro.sample(name, delta)
+        return result
+
+    # -- summaries ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Exact quantiles of each site's mixture (:meth:`SpikeSlab.icdf`), constrained.
+
+        Args:
+            quantiles: probabilities in ``[0, 1]``; the result has a leading dim of their number.
+        """
+        check_set_up(self)
+        results = {}
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            mixture = self._full_mixture(name)
+            probs = torch.as_tensor(quantiles, dtype=mixture.slab_loc.dtype)
+            probs = probs.reshape((-1,) + (1,) * mixture.slab_loc.dim())
+            results[name] = biject_to(site["fn"].support)(mixture.icdf(probs))
+        return results
+
+    @torch.no_grad()
+    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Each site's exact median: 0 wherever the point mass covers the middle of the mixture."""
+        return {name: value[0] for name, value in self.quantiles([0.5]).items()}
+
+    def _full_mixture(self, name: str) -> SpikeSlab:
+        """The site's factor over all rows (outside of any plate: no subsampling)."""
+        loc = _leaf(self.locs, name)[0]
+        scale_leaf, scale_constraint, _ = _leaf(self.scales, name)
+        logit = _leaf(self.logits, name)[0]
+        return SpikeSlab(
+            zero_logits=logit,
+            slab_scale=torch.distributions.transform_to(scale_constraint)(scale_leaf),
+            slab_loc=loc,
+            validate_args=False,
+        )
+
+    @torch.no_grad()
+    def inclusion_probs(self) -> dict[str, torch.Tensor]:
+        """Per site, ``q(not z)``: the probability that each coordinate is nonzero."""
+        check_set_up(self)
+        return {name: self._full_mixture(name).inclusion for name in self._event_dims}
+
+    @torch.no_grad()
+    def sparsity(self) -> float:
+        """The fraction of all coordinates expected to be zero: ``mean_i q(z_i)``."""
+        probs = torch.cat([p.reshape(-1) for p in self.inclusion_probs().values()])
+        return float(1.0 - probs.mean()) if probs.numel() else 0.0
+
+    # -- the package's guide interface -------------------------------------------------------------
+
+    def quadrature_description(self, trace: Trace | None = None) -> GuideDescription:
+        """The guide's ``"dirac_gauss"`` sites: nodes at each mixture's mean and standard deviation
+        (eq. 4.2), of the run in ``trace`` or else of the current parameters at the last run's rows.
+
+        Raises:
+            RuntimeError: if the guide has not been run yet.
+        """
+        check_set_up(self)
+        sites, latent = [], []
+        for name, proto in self.prototype_trace.iter_stochastic_nodes():
+            loc_leaf, _, loc_name = _leaf(self.locs, name)
+            scale_leaf, scale_constraint, scale_name = _leaf(self.scales, name)
+            logit_leaf, _, logit_name = _leaf(self.logits, name)
+            event_dim = self._event_dims[name]
+            if trace is not None:
+                aux = trace.nodes[name + "_unconstrained"]
+                mixture = aux["fn"]
+                while isinstance(mixture, torch.distributions.Independent):
+                    mixture = mixture.base_dist
+                rows = subsample_rows(aux, trace, event_dim)
+                factor = scale_factor(aux)
+            else:
+                factor, rows = (self._last_run or {}).get(name, (1.0, None))
+                mixture = SpikeSlab(
+                    zero_logits=_select(logit_leaf, rows),
+                    slab_scale=_select(
+                        torch.distributions.transform_to(scale_constraint)(scale_leaf), rows
+                    ),
+                    slab_loc=_select(loc_leaf, rows),
+                    validate_args=False,
+                )
+            transform = biject_to(proto["fn"].support)
+            sites.append(
+                MeanFieldSite(
+                    name=name,
+                    family="dirac_gauss",
+                    loc=mixture.mean,
+                    scale=mixture.variance.sqrt(),
+                    params={"loc": loc_leaf, "scale": scale_leaf, "logit": logit_leaf},
+                    param_constraints={
+                        "loc": constraints.real,
+                        "scale": scale_constraint,
+                        "logit": constraints.real,
+                    },
+                    param_names={"loc": loc_name, "scale": scale_name, "logit": logit_name},
+                    transform=transform,
+                    event_dim=event_dim,
+                    scale_factor=factor,
+                    rows=rows,
+                    constraint=proto["fn"].support,
+                    values={
+                        "loc": mixture.slab_loc,
+                        "scale": mixture.slab_scale,
+                        "logit": mixture.zero_logits,
+                    },
+                )
+            )
+            latent.append(LatentSite(name, mixture.slab_loc.shape, event_dim, transform))
+        return GuideDescription(self._pyro_name, latent, sites=sites)
+
+    def mean_field_sites(self) -> list[MeanFieldSite]:
+        """The sites of :meth:`quadrature_description`: current parameters, last run's rows."""
+        return self.quadrature_description().sites
