@@ -4,7 +4,8 @@
 * :class:`QNVBOptimizer`: a ``torch.optim.Optimizer`` evaluating its closure at quadrature nodes.
 * :func:`qnvb_update`: the pure, elementwise update both use.
 * :class:`SparseQNVBOptimizer`: the sparsifying QNVB (Dirac-Gauss mixtures and the sieve) for plain
-  PyTorch networks; :func:`sparse_qnvb_update`: its pure update.
+  PyTorch networks; :class:`SparseQNVB`: the same for ``AutoSpikeSlab`` guides in ``SVI``;
+  :func:`sparse_qnvb_update`: their pure update.
 """
 
 from .annealing import AnnealLikelihoodMessenger, anneal_likelihood, geometric_annealing
@@ -23,6 +24,7 @@ from .sparse_functional import (
     SparseQNVBResult,
     sparse_qnvb_update,
 )
+from .sparse_qnvb import SparseQNVB
 from .sparse_torch import SparseQNVBOptimizer
 from .torch_qnvb import QNVBOptimizer
 
@@ -33,6 +35,7 @@ __all__ = [
     "QNVBOptimizer",
     "QNVBResult",
     "QNVBState",
+    "SparseQNVB",
     "SparseQNVBBlock",
     "SparseQNVBCounters",
     "SparseQNVBHyperparameters",
