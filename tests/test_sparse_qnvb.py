@@ -16,6 +16,7 @@ from pyro_quadvi.optim.sparse_functional import (
     init_sparse_block,
     init_sparse_counters,
     mixture_moments,
+    result_messages,
     sieve_boundaries,
     sieve_fractions,
     sieve_map,
@@ -357,3 +358,25 @@ def test_optimizer_refuses_bad_input():
     with pytest.raises(RuntimeError, match="no parameter received a gradient"):
         optimizer.step(lambda: torch.tensor(1.0))
     assert torch.equal(net.weight, optimizer.state[net.weight]["mu"])  # restored to the mean
+
+
+def test_no_nan_or_infinity_leaves_the_update():
+    """float32, n0 = 2 and n1 = 1 (alpha_1 = 4/3): g = 3e38 overflows g_hat, so that coordinate
+    drops the term and keeps its Gaussian; a NaN g drops its term too; both are counted."""
+    hp = SparseQNVBHyperparameters(num_epochs=4)
+    block = init_sparse_block(torch.tensor([0.5, 0.5, 0.5]), hp)
+    counters = init_sparse_counters(hp, 8)._replace(step=1, n0=2.0)
+    g = torch.tensor([3e38, float("nan"), 1.0])
+    h = torch.tensor([20.0, 20.0, 20.0])
+    result = sparse_qnvb_update((block,), counters, [g], [h], hp, 8)
+    new = result.blocks[0]
+    for value in new:
+        assert bool(torch.isfinite(value).all())
+    assert int(result.num_overflow) == 1 and int(result.num_nonfinite) == 1
+    assert new.nu[0] == block.nu[0]  # kept
+    assert new.nu[1] == block.nu[1]  # g, h dropped: g_nu = g_hat + h_hat (nu - mu) = 0 here
+    assert new.nu[2] != block.nu[2]
+    warned: set[str] = set()
+    messages = result_messages(result, warned)
+    assert len(messages) == 2 and "overflowed at 1 coordinates" in messages[1]
+    assert result_messages(result, warned) == []  # each kind once

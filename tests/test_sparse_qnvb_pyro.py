@@ -86,3 +86,5 @@ def test_sparse_qnvb_refuses_bad_hyperparameters():
         SparseQNVB(num_epochs=10, steps_per_epoch=5, target_sparsity=1.5)
     with pytest.raises(ValueError, match="steps_per_epoch"):
         SparseQNVB(num_epochs=10, steps_per_epoch=0)
+    with pytest.raises(TypeError, match="steps_per_epoch"):
+        SparseQNVB(num_epochs=10)

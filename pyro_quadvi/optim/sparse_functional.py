@@ -65,6 +65,7 @@ __all__ = [
     "init_sparse_block",
     "init_sparse_counters",
     "mixture_moments",
+    "result_messages",
     "sieve_boundaries",
     "sieve_fractions",
     "sieve_map",
@@ -184,12 +185,41 @@ class SparseQNVBResult(NamedTuple):
             epoch, where the pattern is fixed).
         num_nonfinite: coordinates whose ``g`` or ``h`` was not finite (0-d tensor); their term is
             dropped (it adds nothing to the sums).
+        num_overflow: coordinates whose update overflowed although ``g`` and ``h`` were finite;
+            they drop the term (Gaussian step overflow) or keep their whole previous state (any
+            other field), so that no NaN or infinity ever leaves the update.
     """
 
     blocks: tuple[SparseQNVBBlock, ...]
     counters: SparseQNVBCounters
     zero_logits: tuple[torch.Tensor, ...] | None
     num_nonfinite: torch.Tensor
+    num_overflow: torch.Tensor
+
+
+def result_messages(result: SparseQNVBResult, warned: set[str]) -> list[str]:
+    """One message per kind of count of ``result`` that occurred and is not yet in ``warned``
+    (the kinds reported are added to it). Reads the counts only while a kind is left to report."""
+    kinds = ("num_nonfinite", "num_overflow")
+    if warned.issuperset(kinds):
+        return []
+    counts = torch.stack([result.num_nonfinite, result.num_overflow]).tolist()
+    messages = []
+    for kind, count in zip(kinds, counts):
+        if count and kind not in warned:
+            warned.add(kind)
+            if kind == "num_nonfinite":
+                messages.append(
+                    f"non-finite gradient or curvature at {count} coordinates; their term was "
+                    "dropped"
+                )
+            else:
+                messages.append(
+                    f"the update overflowed at {count} coordinates although the gradient and "
+                    "curvature were finite; they kept their previous state (rescale the loss, "
+                    "lower max_lr or tau_max, or use float64)"
+                )
+    return messages
 
 
 def hybrid_coefficients(n0: float, n1: float) -> tuple[float, float]:
@@ -390,9 +420,10 @@ def sparse_qnvb_update(
                 pattern = (block.p_nonzero > 0.5).to(block.p_nonzero.dtype)
         finite = torch.isfinite(g_b) & torch.isfinite(h_b)
         num_nonfinite = num_nonfinite + (~finite).sum()
+        g1_before, h1_before = g1, h1
         g1 = g1 + torch.where(finite, g_b, 0.0)
         h1 = (h1 + torch.where(finite, h_b, 0.0)).clamp(min=floor)
-        work.append((block, g1, h1, pattern))
+        work.append((block, g1, h1, pattern, g1_before, h1_before))
     if in_epoch == 0:
         n1 = 0.0
     n1 += 1.0
@@ -400,19 +431,29 @@ def sparse_qnvb_update(
     trust = max(n0, n1) * h_min
 
     moved = []
-    for block, g1, h1, pattern in work:
+    num_overflow = torch.zeros_like(num_nonfinite)
+    for block, g1, h1, pattern, g1_before, h1_before in work:
         g_hat = alpha0 * block.g0 + alpha1 * g1
         h_hat = alpha0 * block.h0 + alpha1 * h1
         g_nu = g_hat + h_hat * (block.nu - block.mu)
         nu = block.nu - g_nu / h_hat.clamp(min=trust)
-        tau = h_hat.rsqrt()
-        moved.append((block, g1, h1, pattern, nu, tau, h_hat))
+        # guard: where the step overflowed, the coordinate drops this term and keeps its Gaussian
+        overflow = ~(torch.isfinite(nu) & torch.isfinite(h_hat))
+        num_overflow = num_overflow + overflow.sum()
+        nu = torch.where(overflow, block.nu, nu)
+        h_hat = torch.where(overflow, block.tau**-2, h_hat)
+        g1 = torch.where(overflow, g1_before, g1)
+        h1 = torch.where(overflow, h1_before, h1)
+        moved.append((block, g1, h1, pattern, nu, h_hat.rsqrt(), h_hat))
 
     if final:
         logits = None
         p_nonzero = [pattern for _, _, _, pattern, _, _, _ in moved]
     else:
-        logits = tuple(zero_logits(h_hat, nu, hp.tau_max) for *_, nu, _, h_hat in moved)
+        big = torch.finfo(blocks[0].nu.dtype).max ** 0.5  # h nu^2 may overflow: -inf -> -big
+        logits = tuple(
+            zero_logits(h_hat, nu, hp.tau_max).clamp(-big, big) for *_, nu, _, h_hat in moved
+        )
         s0, s1 = sieve_fractions(epoch - 1 + (in_epoch + 1) / steps_per_epoch, hp)
         upper, lower = sieve_boundaries(torch.cat([z.reshape(-1) for z in logits]), s0, s1)
         p_nonzero = [torch.sigmoid(-sieve_map(z, upper, lower, hp)) for z in logits]
@@ -421,20 +462,24 @@ def sparse_qnvb_update(
     for (block, g1, h1, pattern, nu, tau, _), p in zip(moved, p_nonzero):
         mu, sigma = mixture_moments(p, nu, tau)
         delta = mu - block.mu
-        new_blocks.append(
-            SparseQNVBBlock(
-                nu=nu,
-                tau=tau,
-                p_nonzero=p,
-                mu=mu,
-                sigma=sigma,
-                g0=block.g0 + block.h0 * delta,
-                h0=block.h0,
-                g1=g1 + h1 * delta,
-                h1=h1,
-                pattern=pattern,
-            )
+        new = SparseQNVBBlock(
+            nu=nu,
+            tau=tau,
+            p_nonzero=p,
+            mu=mu,
+            sigma=sigma,
+            g0=block.g0 + block.h0 * delta,
+            h0=block.h0,
+            g1=g1 + h1 * delta,
+            h1=h1,
+            pattern=pattern,
         )
+        # last guard: a coordinate with any non-finite field keeps its whole previous state
+        finite = torch.ones_like(nu, dtype=torch.bool)
+        for value in new:
+            finite &= torch.isfinite(value)
+        num_overflow = num_overflow + (~finite).sum()
+        new_blocks.append(SparseQNVBBlock(*(torch.where(finite, a, b) for a, b in zip(new, block))))
     if n1 >= _target_terms(epoch, hp, steps_per_epoch):  # Algorithm 5.2, lines 13-15
         n0, n1 = n1, 0.0
         new_blocks = [
@@ -446,4 +491,5 @@ def sparse_qnvb_update(
         counters=SparseQNVBCounters(step=counters.step + 1, n0=n0, n1=n1),
         zero_logits=logits,
         num_nonfinite=num_nonfinite,
+        num_overflow=num_overflow,
     )

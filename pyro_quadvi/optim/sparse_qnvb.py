@@ -35,6 +35,7 @@ from .sparse_functional import (
     epoch_progress,
     init_sparse_counters,
     mixture_moments,
+    result_messages,
     sparse_qnvb_update,
 )
 
@@ -68,7 +69,7 @@ class SparseQNVB(QNVB):
     def __init__(
         self,
         num_epochs: int = 10,
-        steps_per_epoch: int = 1,
+        steps_per_epoch: int | None = None,
         target_sparsity: float = 0.97,
         *,
         target_free: float = 0.01,
@@ -81,6 +82,11 @@ class SparseQNVB(QNVB):
         prior_precision: float | None = None,
         fallback: PyroOptim | tuple[type, dict] | None = None,
     ):
+        if steps_per_epoch is None:
+            raise TypeError(
+                "SparseQNVB needs steps_per_epoch, the number of SVI steps per epoch (e.g. "
+                "len(loader)): the annealing and the sieve are scheduled in epochs"
+            )
         super().__init__(fallback=fallback)
         self.sparse_hyperparameters = SparseQNVBHyperparameters(
             target_sparsity=target_sparsity,
@@ -100,6 +106,7 @@ class SparseQNVB(QNVB):
         _check_number("prior_precision", prior_precision, lambda v: 0 <= v < math.inf, ">= 0")
         self.prior_precision = float(prior_precision)
         self.blocks: dict[str, SparseQNVBBlock] = {}
+        self._sparse_warned: set[str] = set()
 
     @property
     def epoch(self) -> int:
@@ -176,6 +183,8 @@ class SparseQNVB(QNVB):
             h_terms.append(h / steps + self.prior_precision / steps)
         result = sparse_qnvb_update(blocks, self.counters, g_terms, h_terms, hp, steps)
         self.counters = result.counters
+        for message in result_messages(result, self._sparse_warned):
+            self._warn_once(message, f"SparseQNVB: {message} (this warning is shown once)")
         for (site, _, _), block in zip(sites, result.blocks):
             self.blocks[site.param_names["loc"]] = block
             p = block.p_nonzero

@@ -33,6 +33,7 @@ from .sparse_functional import (
     epoch_progress,
     init_sparse_block,
     init_sparse_counters,
+    result_messages,
     sparse_qnvb_update,
 )
 from .torch_qnvb import _checked_loss
@@ -122,7 +123,7 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
         self.rule = make_rule("hadamard", 2 * num_pairs)
         self.generator = generator
         self.sequence_offset: int | None = None
-        self._warned = False
+        self._warned: set[str] = set()
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group; hyperparameters cannot differ per group (the sieve is global)."""
@@ -232,12 +233,9 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
             self.state[p].update(block._asdict())
             p.copy_(block.mu)
             p.grad = None
-        if not self._warned and int(result.num_nonfinite):
-            self._warned = True
+        for message in result_messages(result, self._warned):
             warnings.warn(
-                f"SparseQNVBOptimizer: non-finite gradient or curvature at "
-                f"{int(result.num_nonfinite)} coordinates; their term was dropped (this warning "
-                "is shown once)",
+                f"SparseQNVBOptimizer: {message} (this warning is shown once)",
                 RuntimeWarning,
                 stacklevel=2,
             )
