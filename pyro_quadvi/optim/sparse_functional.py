@@ -418,11 +418,13 @@ def sparse_qnvb_update(
             g1, h1 = torch.zeros_like(g1), torch.zeros_like(h1)
             if final:
                 pattern = (block.p_nonzero > 0.5).to(block.p_nonzero.dtype)
-        finite = torch.isfinite(g_b) & torch.isfinite(h_b)
-        num_nonfinite = num_nonfinite + (~finite).sum()
+        bad = ~torch.isfinite(g_b + h_b)  # NaN as well where g = -h = +-inf
+        num_nonfinite = num_nonfinite + bad.sum()
+        if bad.any():  # one host sync per block and guard; the masks only when needed
+            g_b, h_b = torch.where(bad, 0.0, g_b), torch.where(bad, 0.0, h_b)
         g1_before, h1_before = g1, h1
-        g1 = g1 + torch.where(finite, g_b, 0.0)
-        h1 = (h1 + torch.where(finite, h_b, 0.0)).clamp(min=floor)
+        g1 = g1 + g_b
+        h1 = (h1 + h_b).clamp(min=floor)
         work.append((block, g1, h1, pattern, g1_before, h1_before))
     if in_epoch == 0:
         n1 = 0.0
@@ -438,12 +440,13 @@ def sparse_qnvb_update(
         g_nu = g_hat + h_hat * (block.nu - block.mu)
         nu = block.nu - g_nu / h_hat.clamp(min=trust)
         # guard: where the step overflowed, the coordinate drops this term and keeps its Gaussian
-        overflow = ~(torch.isfinite(nu) & torch.isfinite(h_hat))
+        overflow = ~torch.isfinite(nu + h_hat)
         num_overflow = num_overflow + overflow.sum()
-        nu = torch.where(overflow, block.nu, nu)
-        h_hat = torch.where(overflow, block.tau**-2, h_hat)
-        g1 = torch.where(overflow, g1_before, g1)
-        h1 = torch.where(overflow, h1_before, h1)
+        if overflow.any():
+            nu = torch.where(overflow, block.nu, nu)
+            h_hat = torch.where(overflow, block.tau**-2, h_hat)
+            g1 = torch.where(overflow, g1_before, g1)
+            h1 = torch.where(overflow, h1_before, h1)
         moved.append((block, g1, h1, pattern, nu, h_hat.rsqrt(), h_hat))
 
     if final:
@@ -474,12 +477,14 @@ def sparse_qnvb_update(
             h1=h1,
             pattern=pattern,
         )
-        # last guard: a coordinate with any non-finite field keeps its whole previous state
-        finite = torch.ones_like(nu, dtype=torch.bool)
-        for value in new:
-            finite &= torch.isfinite(value)
-        num_overflow = num_overflow + (~finite).sum()
-        new_blocks.append(SparseQNVBBlock(*(torch.where(finite, a, b) for a, b in zip(new, block))))
+        # last guard: a coordinate with any non-finite field keeps its whole previous state (a
+        # sum of the fields is not finite if one is not; the rare overflow of the sum itself only
+        # keeps a coordinate too)
+        bad = ~torch.isfinite(sum(new))
+        num_overflow = num_overflow + bad.sum()
+        if bad.any():
+            new = SparseQNVBBlock(*(torch.where(bad, b, a) for a, b in zip(new, block)))
+        new_blocks.append(new)
     if n1 >= _target_terms(epoch, hp, steps_per_epoch):  # Algorithm 5.2, lines 13-15
         n0, n1 = n1, 0.0
         new_blocks = [
