@@ -243,7 +243,12 @@ def figures(results: dict, dataset: str, fig_dir: Path) -> list[str]:
     for method, record in results.items():
         epochs = np.arange(1, len(record["accuracy"]) + 1)
         ax_acc.plot(epochs, record["accuracy"], marker="o", label=method)
-        ax_zero.plot(epochs, record["zeros"], marker="o", label=method)
+        line = ax_zero.plot(epochs, record["zeros"], marker="o", label=method)[0]
+        if record["histograms"]:  # the pattern rounding would realize now: p_nonzero < 1/2
+            counts = np.asarray(record["histograms"])
+            below = counts[:, :10].sum(1) / counts.sum(1)
+            ax_zero.plot(epochs, below, ls="--", color=line.get_color(), label="p_nonzero < 1/2")
+    ax_zero.legend(fontsize=8)
     ax_acc.set(xlabel="epoch", ylabel="test accuracy", title=f"{dataset}: accuracy")
     ax_zero.set(xlabel="epoch", ylabel="fraction of exact zeros", title="sparsity")
     ax_acc.legend()
@@ -261,6 +266,7 @@ def figures(results: dict, dataset: str, fig_dir: Path) -> list[str]:
             shown = counts > 0  # a log axis: empty bins are left out
             ax.bar(edges[:-1][shown], counts[shown], width=0.05, align="edge")
             ax.set_yscale("log")
+            ax.set_xlim(0, 1)
             ax.set_title(f"epoch {epoch}", fontsize=9)
         fig.supxlabel("probability of a nonzero")
         fig.supylabel("weights")
