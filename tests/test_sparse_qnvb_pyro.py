@@ -88,3 +88,20 @@ def test_sparse_qnvb_refuses_bad_hyperparameters():
         SparseQNVB(num_epochs=10, steps_per_epoch=0)
     with pytest.raises(TypeError, match="steps_per_epoch"):
         SparseQNVB(num_epochs=10)
+
+
+def test_sparse_qnvb_pattern_is_realized_with_the_final_epoch(fresh_param_store):
+    """Before the first step of the final epoch the pattern is that of p_nonzero > 1/2; after it,
+    the realized one, which the following steps keep."""
+    _, x, y = _data()
+    guide = AutoSpikeSlab(_model)
+    optim = SparseQNVB(num_epochs=3, steps_per_epoch=BATCHES, target_sparsity=0.75)
+    _fit(optim, guide, x, y, 2 * BATCHES)
+    block = optim.blocks["AutoSpikeSlab.locs.w"]
+    expected = (block.p_nonzero > 0.5).float()
+    assert int(expected.sum()) <= D - 12  # at t = 2 = n_e - 1 the sieve holds 12 of 16 near zero
+    assert torch.equal(block.pattern, torch.ones(D))  # not realized yet
+    assert torch.equal(optim.pattern()["AutoSpikeSlab.locs.w"], expected)
+    _fit(optim, guide, x, y, BATCHES, first=2 * BATCHES)
+    assert torch.equal(optim.pattern()["AutoSpikeSlab.locs.w"], expected)
+    assert torch.equal(optim.blocks["AutoSpikeSlab.locs.w"].mu == 0, expected == 0)

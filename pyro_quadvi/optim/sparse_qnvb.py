@@ -110,19 +110,19 @@ class SparseQNVB(QNVB):
 
     @property
     def epoch(self) -> int:
-        """The current epoch (1-based, at most ``num_epochs``)."""
+        """The epoch of the next step (1-based, at most ``num_epochs``)."""
         hp = self.sparse_hyperparameters
         return epoch_progress(self.counters.step, hp, self.steps_per_epoch)[0]
 
     def pattern(self) -> dict[str, torch.Tensor]:
         """Per block (loc parameter name), 1 where a coordinate is nonzero, 0 where it is an
-        exact zero: the realized pattern in the final epoch, ``p_nonzero > 1/2`` before."""
+        exact zero: the realized pattern once the final epoch has begun, else where
+        ``p_nonzero > 1/2`` (the pattern a realization now would give)."""
+        realized = self.counters.step > (self.sparse_hyperparameters.num_epochs - 1) * (
+            self.steps_per_epoch
+        )
         return {
-            name: (
-                b.pattern
-                if self.epoch == self.sparse_hyperparameters.num_epochs
-                else (b.p_nonzero > 0.5).to(b.p_nonzero.dtype)
-            )
+            name: b.pattern if realized else (b.p_nonzero > 0.5).to(b.p_nonzero.dtype)
             for name, b in self.blocks.items()
         }
 

@@ -138,7 +138,7 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
 
     @property
     def epoch(self) -> int:
-        """The current epoch (1-based, at most ``num_epochs``)."""
+        """The epoch of the next step (1-based, at most ``num_epochs``)."""
         return epoch_progress(self.counters.step, self.hyperparameters, self.steps_per_epoch)[0]
 
     def _params(self) -> list[torch.Tensor]:
