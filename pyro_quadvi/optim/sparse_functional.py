@@ -40,6 +40,10 @@ One update (Algorithm 5.3, with the errata of ``design/qnvb-update-rule.md``):
    ``-1/2``; eq. 4.2 gives ``sigma = (...)^(1/2)``, used here.
 6. When the restarted sum holds the epoch's target ``n_tgt = S 2^(e - n_e)`` terms (in steps) it
    replaces the previous one and restarts (Algorithm 5.2, lines 13-15).
+7. **Guard**: a non-finite ``g`` or ``h`` drops the term at its coordinate; a Gaussian step that
+   overflows keeps the coordinate's Gaussian; a coordinate with any other non-finite field keeps
+   its whole previous state. Both are counted (:func:`result_messages`): no NaN or infinity ever
+   leaves the update.
 """
 
 from __future__ import annotations
