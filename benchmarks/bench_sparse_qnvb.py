@@ -106,8 +106,17 @@ def load(dataset: str, data_dir: str | None, net: str):
     return x_tr, y_tr, x_te, y_te
 
 
-def make_net(net: str, data) -> nn.Sequential:
-    return table2_net() if net == "table2" else mlp(data[0].shape[1])
+def make_net(net: str, data, init: str = "default") -> nn.Sequential:
+    """The network; ``init="kaiming"`` redraws every weight matrix from Kaiming's normal for ReLU
+    (``std = sqrt(2 / fan_in)``) and zeroes the biases."""
+    module = table2_net() if net == "table2" else mlp(data[0].shape[1])
+    if init == "kaiming":
+        for layer in module.modules():
+            if isinstance(layer, (nn.Conv2d, nn.Linear)):
+                nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+                if layer.bias is not None:
+                    nn.init.zeros_(layer.bias)
+    return module
 
 
 def accuracy(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -128,6 +137,11 @@ def disk_bytes(state: dict[str, torch.Tensor], sparse: bool) -> int:
     return buffer.getbuffer().nbytes
 
 
+def prior_scale(args) -> float:
+    """The slab prior's standard deviation: ``--prior-scale``, by default ``--tau-max``."""
+    return args.tau_max if args.prior_scale is None else args.prior_scale
+
+
 def batches(n: int, batch_size: int, generator: torch.Generator):
     order = torch.randperm(n, generator=generator)
     return [order[i : i + batch_size] for i in range(0, n, batch_size)]
@@ -136,8 +150,9 @@ def batches(n: int, batch_size: int, generator: torch.Generator):
 def run_torch(method, data, args):
     x_tr, y_tr, x_te, y_te = data
     epochs, batch_size, seed, tau_max = args.epochs, args.batch_size, args.seed, args.tau_max
+    prior_precision = prior_scale(args) ** -2
     torch.manual_seed(seed)
-    net = make_net(args.net, data)
+    net = make_net(args.net, data, args.init)
     n = len(y_tr)
     steps = -(-n // batch_size)
     loss_fn = nn.CrossEntropyLoss()
@@ -145,13 +160,14 @@ def run_torch(method, data, args):
         optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
     elif method == "qnvb":
         optimizer = QNVBOptimizer(
-            net.parameters(), likelihood_weight=n, prior_precision=tau_max**-2,
-            quadrature="hadamard", num_eval=4, init_sigma=1e-3, sigma_max=tau_max,
+            net.parameters(), likelihood_weight=n, prior_precision=prior_precision,
+            quadrature="hadamard", num_eval=4, init_sigma=1e-3, sigma_max=tau_max, lr=args.qnvb_lr,
         )  # fmt: skip
     else:
         optimizer = SparseQNVBOptimizer(
             net.parameters(), num_cases=n, steps_per_epoch=steps,
-            num_epochs=epochs, tau_max=tau_max, generator=torch.Generator().manual_seed(seed),
+            num_epochs=epochs, tau_max=tau_max, prior_precision=prior_precision,
+            generator=torch.Generator().manual_seed(seed),
         )  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     record = {"accuracy": [], "zeros": [], "histograms": [], "train_loss": []}
@@ -198,12 +214,12 @@ def run_gumbel(data, epochs, args):
     from pyro_quadvi.nn.likelihoods import Categorical
 
     x_tr, y_tr, x_te, y_te = data
-    batch_size, seed, tau_max = args.batch_size, args.seed, args.tau_max
+    batch_size, seed = args.batch_size, args.seed
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    net = make_net(args.net, data)
+    net = make_net(args.net, data, args.init)
     n = len(y_tr)
-    prior = SpikeSlab(0.5, tau_max)
+    prior = SpikeSlab(0.5, prior_scale(args))
     bnn = BayesianModule(net, lambda name, p: prior, Categorical(dataset_size=n))
     guide = AutoSpikeSlab(bnn, init_scale=1e-3)
     svi = SVI(bnn, guide, Adam({"lr": 5e-3}), GumbelSpikeSlabELBO(temperature=0.5))
@@ -410,7 +426,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--tau-max", type=float, default=0.3,
-        help="SparseQNVB's tau_max; also the slab scale of every prior and dense QNVB's sigma_max",
+        help="SparseQNVB's tau_max and dense QNVB's sigma_max",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prior-scale", type=float, default=None,
+        help="standard deviation of every method's slab prior (default: --tau-max)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--qnvb-lr", type=float, default=1.0,
+        help="dense QNVB's lr (the cap on its Adam-sized step; QNVBOptimizer's default 1.0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--init", choices=["default", "kaiming"], default="default",
+        help="PyTorch's default initialization or Kaiming's normal for ReLU (all methods)",
     )  # fmt: skip
     parser.add_argument("--fig-dir", default="docs/img")
     parser.add_argument("--out", default=None, help="JSON file for the records")

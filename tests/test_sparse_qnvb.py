@@ -206,6 +206,69 @@ def test_quadratic_lands_on_newton_point_with_eq_4_6_logits():
     torch.testing.assert_close(block.mu, p * b, rtol=1e-12, atol=1e-12)
 
 
+def _epoch_two_move(cases_per_step, steps_per_epoch, g_case):
+    """How far ``nu`` moves during epoch 2 of a loss with the constant gradient ``g_case`` per case
+    and no curvature (terms of ``cases_per_step`` cases), where only the trust region limits it
+    (the curvature floor 1e-6 and the sums carried with it change the move by about 1e-5)."""
+    hp = SparseQNVBHyperparameters(num_epochs=4, tau_max=1e3)  # curvature floor 1e-6
+    blocks = (init_sparse_block(torch.zeros_like(g_case), hp),)
+    counters = init_sparse_counters(hp, steps_per_epoch)
+    term, zero = cases_per_step * g_case, torch.zeros_like(g_case)
+    start = None
+    for step in range(2 * steps_per_epoch):
+        if step == steps_per_epoch:
+            start = blocks[0].nu
+        result = sparse_qnvb_update(
+            blocks, counters, [term], [zero], hp, steps_per_epoch, cases_per_step
+        )
+        blocks, counters = result.blocks, result.counters
+    return blocks[0].nu - start
+
+
+def test_trust_region_moves_a_minibatch_as_far_as_its_cases():
+    """Section 5.1.3: where the trust region binds, each update moves nu by its term's gradient
+    over h_min = 1 / (n_c 2^(1 - n_e) alpha_max) = 1.25 (n_c = 64, n_e = 4, alpha_max = 0.1): 64
+    per-case updates move nu by 64 g / 1.25 = 51.2 g in an epoch, and so must 8 minibatches of 8
+    cases. With h_min counted in steps (1 / (S 2^(1 - n_e) alpha_max)) they moved 8 times less."""
+    g_case = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=DTYPE)
+    expected = -51.2 * g_case
+    per_case = _epoch_two_move(1.0, 64, g_case)
+    minibatch = _epoch_two_move(8.0, 8, g_case)
+    torch.testing.assert_close(per_case, expected, rtol=1e-4, atol=0)
+    torch.testing.assert_close(minibatch, expected, rtol=1e-4, atol=0)
+
+
+def test_optimizer_trust_region_counts_cases():
+    """The same through ``SparseQNVBOptimizer``: the mean loss per case ``w . c`` of a linear model
+    has the gradient ``c`` per case and, integrated by the antithetic nodes, no curvature; with 64
+    cases in 8 steps of 8 and no prior, nu moves by -51.2 c in epoch 2."""
+    c = torch.tensor([[1.0, -2.0, 0.5, 3.0]], dtype=DTYPE)
+    net = torch.nn.Linear(4, 1, bias=False).to(DTYPE)
+    torch.nn.init.zeros_(net.weight)
+    optimizer = SparseQNVBOptimizer(
+        net.parameters(),
+        num_cases=64,
+        steps_per_epoch=8,
+        num_epochs=4,
+        tau_max=1e3,
+        prior_precision=0.0,
+        generator=torch.Generator().manual_seed(0),
+    )
+
+    def closure():
+        loss = (net.weight * c).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(8):
+        optimizer.step(closure)
+    start = optimizer.state[net.weight]["nu"].clone()
+    for _ in range(8):
+        optimizer.step(closure)
+    moved = optimizer.state[net.weight]["nu"] - start
+    torch.testing.assert_close(moved, -51.2 * c, rtol=1e-4, atol=0)
+
+
 @pytest.mark.parametrize("target_free", [0.1, 0.01])
 def test_final_epoch_realizes_and_keeps_the_pattern(target_free):
     """After n_e epochs the weights are exactly zero where the probability of a nonzero was below
@@ -311,7 +374,6 @@ def test_optimizer_finds_the_sparse_support():
     xs = torch.cat([x for x, _ in batches])
     ys = torch.cat([y for _, y in batches])
     posterior_mean = 100 * (xs * ys[:, None]).sum(0) / (100 * (xs**2).sum(0) + 0.3**-2)
-    # the trust region (max(n0, n1) h_min = 5120 > h_hat = 2011) moves nu part of the way per step
     torch.testing.assert_close(weights[w != 0], posterior_mean[w != 0], rtol=0, atol=0.03)
     assert optimizer.p_nonzero().shape == (16,)
 

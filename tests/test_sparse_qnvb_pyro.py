@@ -88,6 +88,11 @@ def test_sparse_qnvb_refuses_bad_hyperparameters():
         SparseQNVB(num_epochs=10, steps_per_epoch=0)
     with pytest.raises(TypeError, match="steps_per_epoch"):
         SparseQNVB(num_epochs=10)
+    with pytest.raises(ValueError, match="num_cases"):
+        SparseQNVB(num_epochs=10, steps_per_epoch=5, num_cases=0)
+    # the trust region counts cases: 160 cases in 5 steps are 32 per step
+    assert SparseQNVB(num_epochs=10, steps_per_epoch=5, num_cases=160).cases_per_step == 32.0
+    assert SparseQNVB(num_epochs=10, steps_per_epoch=5).cases_per_step == 1.0
 
 
 def test_sparse_qnvb_pattern_is_realized_with_the_final_epoch(fresh_param_store):

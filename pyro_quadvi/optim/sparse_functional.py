@@ -9,14 +9,22 @@ mixture's own moments (eq. 4.2)
 
 and returns the gradient ``g`` and Hessian diagonal ``h`` of one loss term at ``mu``. One term is
 one call of :func:`sparse_qnvb_update`: with minibatches, one step's minibatch sum stands for its
-cases' per-case terms (``n_c / S`` of them for ``n_c`` cases in ``S`` steps per epoch), each case
+``B = n_c / S`` cases' per-case terms (``n_c`` cases in ``S`` steps per epoch), each case
 carrying ``1 / n_c`` of the continuous prior (Section 5.1.2). The counts of terms (``n0``,
-``n1``, the annealing target ``n_tgt``) are kept in steps rather than cases: the update depends on
-them only through ratios (the coefficients of eq. 5.1, ``max(n0, n1) h_min`` with
-``h_min = 1 / (n0_init alpha_max)``, ``n1 / n_tgt``), so counting in units of ``n_c / S`` cases
-changes nothing but the paper's floors ``floor(n_c 2^(e - n_e))``, which are dropped. Counted so,
-the paper's initial stage of ``n_c 2^(1 - n_e)`` cases lasts ``S 2^(1 - n_e)`` steps: less than
-one step unless ``S > 2^(n_e - 1)`` (512 for 10 epochs).
+``n1``, the annealing target ``n_tgt``) are kept in steps rather than cases: the sums, the
+coefficients of eq. 5.1 and ``n1 / n_tgt`` depend on them only through ratios, so counting in
+units of ``B`` cases changes nothing but the paper's floors ``floor(n_c 2^(e - n_e))``, which are
+dropped. Counted so, the paper's initial stage of ``n_c 2^(1 - n_e)`` cases lasts
+``S 2^(1 - n_e)`` steps: less than one step unless ``S > 2^(n_e - 1)`` (512 for 10 epochs).
+
+The trust region is the exception. Its bound ``max(n0, n1) h_min`` is not carried into the sums
+(they are carried with ``h0``, ``h1``), so where it binds every update moves ``nu`` by the average
+gradient per term over ``h_min`` (Section 5.1.3), however many updates an epoch has: the paper
+makes ``n_c`` of them, a minibatch run ``S``. To move a minibatch of ``B`` cases as far as the
+paper's ``B`` per-case updates, ``h_min`` keeps the paper's value in cases,
+``h_min = 1 / (n_c 2^(1 - n_e) alpha_max)`` (Algorithm 5.1, line 6), with ``max(n0, n1)``
+counted in steps: ``cases_per_step = B`` in :func:`sparse_qnvb_update`. (Counting ``n0`` in
+steps there as well would divide the maximum learning rate by ``B``.)
 
 One update (Algorithm 5.3, with the errata of ``design/qnvb-update-rule.md``):
 
@@ -28,7 +36,8 @@ One update (Algorithm 5.3, with the errata of ``design/qnvb-update-rule.md``):
    variance of ``max(n0, n1)`` terms.
 3. The Gaussian means move by a Newton step on the hybrid quadratic, inside a trust region:
    ``nu <- nu - g_nu / max(h_hat, max(n0, n1) h_min)`` with ``g_nu = g_hat + h_hat (nu - mu)``
-   (Section 5.1.3); ``tau = h_hat^(-1/2)``.
+   and ``h_min = 1 / (n_c 2^(1 - n_e) alpha_max)`` (Section 5.1.3, Algorithm 5.1 line 6);
+   ``tau = h_hat^(-1/2)``.
 4. Zero logits by eq. 4.6 with the prior precision ``h_p = 1 / tau_max^2`` and without ``zeta_p``
    (line 10), then the sieve (lines 11-14): the logits of **all** coordinates are sorted together,
    the ``s0(t)`` fraction with the largest logits is shifted to at least ``-logit(p_nonzero_low)``,
@@ -390,6 +399,7 @@ def sparse_qnvb_update(
     h: Sequence[torch.Tensor],
     hp: SparseQNVBHyperparameters,
     steps_per_epoch: int,
+    cases_per_step: float = 1.0,
 ) -> SparseQNVBResult:
     """One term of the sparsifying QNVB (Algorithms 5.2, lines 2-5 and 13-15, and 5.3).
 
@@ -400,6 +410,9 @@ def sparse_qnvb_update(
             expansion point ``mu`` (Algorithm 4.1), the continuous prior's share included.
         hp: the hyperparameters.
         steps_per_epoch: ``S``, terms per epoch.
+        cases_per_step: ``B = n_c / S``, training cases per term (1 for the paper's per-case
+            updates): the trust region's ``h_min = 1 / (B S 2^(1 - n_e) alpha_max)`` is the paper's
+            ``1 / (n_c 2^(1 - n_e) alpha_max)`` (module docstring).
 
     Returns:
         :class:`SparseQNVBResult`.
@@ -412,7 +425,8 @@ def sparse_qnvb_update(
     n0, n1 = counters.n0, counters.n1
     final = epoch == hp.num_epochs
     floor = hp.tau_max**-2
-    h_min = 1.0 / (_initial_terms(hp, steps_per_epoch) * hp.max_lr)
+    _check_number("cases_per_step", cases_per_step, lambda v: 0 < v < math.inf, "finite and > 0")
+    h_min = 1.0 / (_initial_terms(hp, steps_per_epoch) * cases_per_step * hp.max_lr)
 
     num_nonfinite = torch.zeros((), dtype=torch.int64, device=blocks[0].mu.device)
     work = []

@@ -59,6 +59,11 @@ class SparseQNVB(QNVB):
             (``QuadratureELBO(rule="hadamard", num_points=2 * num_pairs)``).
         prior_precision: ``h_p``, the slab's prior precision, ``1 / slab_scale^2`` of the model's
             :class:`~pyro_quadvi.distributions.SpikeSlab` prior; ``None``: ``1 / tau_max^2``.
+        num_cases: ``n_c``, the number of training cases (the size the model's plate scales
+            to). It sets the trust region per case as the paper does,
+            ``h_min = 1 / (n_c 2^(1 - n_e) max_lr)``; ``None`` counts one case per step, which
+            divides the maximum learning rate per epoch by ``n_c / steps_per_epoch``
+            (:mod:`~pyro_quadvi.optim.sparse_functional`).
         fallback: the optimizer of every other parameter, as for :class:`QNVB`.
 
     Blocks in a subsampled plate (local latents) are refused: the sieve needs every coordinate at
@@ -80,6 +85,7 @@ class SparseQNVB(QNVB):
         p_nonzero_high: float = 0.999,
         num_pairs: int = 2,
         prior_precision: float | None = None,
+        num_cases: int | None = None,
         fallback: PyroOptim | tuple[type, dict] | None = None,
     ):
         if steps_per_epoch is None:
@@ -105,6 +111,9 @@ class SparseQNVB(QNVB):
             prior_precision = tau_max**-2
         _check_number("prior_precision", prior_precision, lambda v: 0 <= v < math.inf, ">= 0")
         self.prior_precision = float(prior_precision)
+        if num_cases is not None:
+            _check_number("num_cases", num_cases, lambda v: 0 < v < math.inf, "finite and > 0")
+        self.cases_per_step = 1.0 if num_cases is None else num_cases / steps_per_epoch
         self.blocks: dict[str, SparseQNVBBlock] = {}
         self._sparse_warned: set[str] = set()
 
@@ -181,7 +190,9 @@ class SparseQNVB(QNVB):
             blocks.append(block)
             g_terms.append(g / steps + (self.prior_precision / steps) * block.mu)
             h_terms.append(h / steps + self.prior_precision / steps)
-        result = sparse_qnvb_update(blocks, self.counters, g_terms, h_terms, hp, steps)
+        result = sparse_qnvb_update(
+            blocks, self.counters, g_terms, h_terms, hp, steps, self.cases_per_step
+        )
         self.counters = result.counters
         for message in result_messages(result, self._sparse_warned):
             self._warn_once(message, f"SparseQNVB: {message} (this warning is shown once)")

@@ -226,7 +226,13 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
             sigma = block.sigma
             h_terms.append(scale * torch.where(sigma > 0, gx / sigma, 0.0) + prior)
         result = sparse_qnvb_update(
-            blocks, self.counters, g_terms, h_terms, self.hyperparameters, self.steps_per_epoch
+            blocks,
+            self.counters,
+            g_terms,
+            h_terms,
+            self.hyperparameters,
+            self.steps_per_epoch,
+            cases_per_step=scale,
         )
         self.counters = result.counters
         for p, block in zip(params, result.blocks):
