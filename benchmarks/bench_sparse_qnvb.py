@@ -27,6 +27,11 @@ Usage::
     python benchmarks/bench_sparse_qnvb.py --dataset mnist --net mlp --data-dir /path/to/mnist
 
 ``--net mlp`` swaps in a one-hidden-layer ReLU network (64 units) for the Table 2 network.
+``--init kaiming`` redraws every weight from Kaiming's normal for ReLU (all methods);
+``--tau-max`` is the sparse optimizer's slab width and dense QNVB's ``sigma_max``; ``--prior-scale``
+(default: ``--tau-max``) the standard deviation of every method's slab prior. The Table 2 rows of
+``docs/benchmarks.md`` use ``--init kaiming --tau-max 0.03 --prior-scale 0.3``: with PyTorch's
+default initialization and ``tau_max = 0.3`` this network stays at chance (see there).
 
 ``--integration`` runs benchmark 3 instead (the paper's Appendix A.2, Fig. 7): signed errors of
 MC, VRMC-1, VRMC-2, the blocked 2-simplex and the Hadamard sequence against the Dirac-Gauss mixture
