@@ -7,7 +7,7 @@ from .evidence import OPQAResult, opqa_evidence
 from .export import to_inference_data
 from .guides import AutoMeanFieldNormal, AutoSpikeSlab
 from .infer import QuadratureELBO
-from .optim import QNVB
+from .optim import QNVB, SparseQNVB
 from .quadrature import make_rule
 
 __version__ = "0.1.0.dev0"
@@ -18,6 +18,7 @@ __all__ = [
     "AutoSpikeSlab",
     "OPQAResult",
     "QuadratureELBO",
+    "SparseQNVB",
     "__version__",
     "distributions",
     "evidence",

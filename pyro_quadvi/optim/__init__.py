@@ -5,6 +5,9 @@
 * :func:`qnvb_update`: the pure, elementwise update (the reference); :func:`qnvb_update_many`:
   the same on one flat buffer for many tensors, which both optimizers run.
 * :func:`module_loss`: a ``loss_fn`` for ``QNVBOptimizer.step(loss_fn=..., batch=...)``.
+* :class:`SparseQNVBOptimizer`: the sparsifying QNVB (Dirac-Gauss mixtures and the sieve) for plain
+  PyTorch networks; :class:`SparseQNVB`: the same for ``AutoSpikeSlab`` guides in ``SVI``;
+  :func:`sparse_qnvb_update`: their pure update.
 """
 
 from .annealing import AnnealLikelihoodMessenger, anneal_likelihood, geometric_annealing
@@ -17,6 +20,15 @@ from .qnvb_functional import (
     qnvb_update,
     qnvb_update_many,
 )
+from .sparse_functional import (
+    SparseQNVBBlock,
+    SparseQNVBCounters,
+    SparseQNVBHyperparameters,
+    SparseQNVBResult,
+    sparse_qnvb_update,
+)
+from .sparse_qnvb import SparseQNVB
+from .sparse_torch import SparseQNVBOptimizer
 from .torch_qnvb import QNVBOptimizer, module_loss
 
 __all__ = [
@@ -26,10 +38,17 @@ __all__ = [
     "QNVBOptimizer",
     "QNVBResult",
     "QNVBState",
+    "SparseQNVB",
+    "SparseQNVBBlock",
+    "SparseQNVBCounters",
+    "SparseQNVBHyperparameters",
+    "SparseQNVBOptimizer",
+    "SparseQNVBResult",
     "anneal_likelihood",
     "geometric_annealing",
     "init_qnvb_state",
     "module_loss",
     "qnvb_update",
     "qnvb_update_many",
+    "sparse_qnvb_update",
 ]

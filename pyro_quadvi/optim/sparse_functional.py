@@ -1,0 +1,518 @@
+"""The sparsifying QNVB update as pure functions of tensors.
+
+Sequence paper, Sections 4.3 and 5 (Algorithms 5.1-5.3). Each coordinate ``theta_i`` has a
+Dirac-Gauss mixture ``q(theta_i) = q(z_i) delta(theta_i) + q(not z_i) N(nu_i, tau_i^2)`` (eq. 4.1),
+written here with ``p_nonzero = q(not z_i)``. The quadrature (Algorithm 4.1) is applied to the
+mixture's own moments (eq. 4.2)
+
+    mu = p_nonzero nu,        sigma^2 = p_nonzero (1 - p_nonzero) nu^2 + p_nonzero tau^2,
+
+and returns the gradient ``g`` and Hessian diagonal ``h`` of one loss term at ``mu``. One term is
+one call of :func:`sparse_qnvb_update`: with minibatches, one step's minibatch sum stands for its
+``B = n_c / S`` cases' per-case terms (``n_c`` cases in ``S`` steps per epoch), each case
+carrying ``1 / n_c`` of the continuous prior (Section 5.1.2). The counts of terms (``n0``,
+``n1``, the annealing target ``n_tgt``) are kept in steps rather than cases: the sums, the
+coefficients of eq. 5.1 and ``n1 / n_tgt`` depend on them only through ratios, so counting in
+units of ``B`` cases changes nothing but the paper's floors ``floor(n_c 2^(e - n_e))``, which are
+dropped. Counted so, the paper's initial stage of ``n_c 2^(1 - n_e)`` cases lasts
+``S 2^(1 - n_e)`` steps: less than one step unless ``S > 2^(n_e - 1)`` (512 for 10 epochs).
+
+The trust region is the exception. Its bound ``max(n0, n1) h_min`` is not carried into the sums
+(they are carried with ``h0``, ``h1``), so where it binds every update moves ``nu`` by the average
+gradient per term over ``h_min`` (Section 5.1.3), however many updates an epoch has: the paper
+makes ``n_c`` of them, a minibatch run ``S``. To move a minibatch of ``B`` cases as far as the
+paper's ``B`` per-case updates, ``h_min`` keeps the paper's value in cases,
+``h_min = 1 / (n_c 2^(1 - n_e) alpha_max)`` (Algorithm 5.1, line 6), with ``max(n0, n1)``
+counted in steps: ``cases_per_step = B`` in :func:`sparse_qnvb_update`. (Counting ``n0`` in
+steps there as well would divide the maximum learning rate by ``B``.)
+
+One update (Algorithm 5.3, with the errata of ``design/qnvb-update-rule.md``):
+
+1. The term is added to the restarted sums ``g1``, ``h1``; ``h1`` is floored at
+   ``1 / tau_max^2``. At the start of an epoch the restarted sums are emptied (Algorithm 5.2,
+   line 2); at the start of the final epoch the most probable pattern is realized and kept.
+2. The hybrid sums ``g_hat``, ``h_hat`` of eq. 5.1 **as corrected** (the second coefficient
+   multiplies ``a_1``; line 5 reads ``h_hat = alpha_0 h_0 + alpha_1 h_1``): they have the mean and
+   variance of ``max(n0, n1)`` terms.
+3. The Gaussian means move by a Newton step on the hybrid quadratic, inside a trust region:
+   ``nu <- nu - g_nu / max(h_hat, max(n0, n1) h_min)`` with ``g_nu = g_hat + h_hat (nu - mu)``
+   and ``h_min = 1 / (n_c 2^(1 - n_e) alpha_max)`` (Section 5.1.3, Algorithm 5.1 line 6);
+   ``tau = h_hat^(-1/2)``.
+4. Zero logits by eq. 4.6 with the prior precision ``h_p = 1 / tau_max^2`` and without ``zeta_p``
+   (line 10), then the sieve (lines 11-14): the logits of **all** coordinates are sorted together,
+   the ``s0(t)`` fraction with the largest logits is shifted to at least ``-logit(p_nonzero_low)``,
+   the ``s1(t)`` fraction with the smallest to at most ``-logit(p_nonzero_high)``, and the rest is
+   mapped affinely between them; the middle piece divides by ``zeta^(1) - zeta^(0)`` (erratum:
+   the text prints ``zeta^(1) - zeta_hat^(0)``, which is not continuous).
+5. The mixture moments (eq. 4.2) give the new expansion point ``mu``; both sums are carried to it
+   by their quadratic model, ``g <- g + h (mu_new - mu)`` (line 20). Line 19 prints the exponent
+   ``-1/2``; eq. 4.2 gives ``sigma = (...)^(1/2)``, used here.
+6. When the restarted sum holds the epoch's target ``n_tgt = S 2^(e - n_e)`` terms (in steps) it
+   replaces the previous one and restarts (Algorithm 5.2, lines 13-15).
+7. **Guard**: a non-finite ``g`` or ``h`` drops the term at its coordinate; a Gaussian step that
+   overflows keeps the coordinate's Gaussian; a coordinate with any other non-finite field keeps
+   its whole previous state. Both are counted (:func:`result_messages`): no NaN or infinity ever
+   leaves the update.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .qnvb_functional import _check_number
+
+__all__ = [
+    "SparseQNVBBlock",
+    "SparseQNVBCounters",
+    "SparseQNVBHyperparameters",
+    "SparseQNVBResult",
+    "epoch_progress",
+    "hybrid_coefficients",
+    "hybrid_sum",
+    "init_sparse_block",
+    "init_sparse_counters",
+    "mixture_moments",
+    "result_messages",
+    "sieve_boundaries",
+    "sieve_fractions",
+    "sieve_map",
+    "sparse_qnvb_update",
+    "zero_logits",
+]
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SparseQNVBHyperparameters:
+    """Hyperparameters of the sparsifying QNVB; defaults from the sequence paper's Table 1.
+
+    Attributes:
+        target_sparsity: ``s_tgt^(0)``, the fraction of coordinates held near zero (probability
+            of a nonzero at most ``p_nonzero_low``) once the sieve has finished, at the end of
+            epoch ``num_epochs - 1``.
+        target_free: ``s_tgt^(1)``, the fraction held nonzero (probability of a nonzero at least
+            ``p_nonzero_high``) at that time. The remaining ``1 - target_sparsity - target_free``
+            lie between the two and are rounded when the pattern is realized.
+        max_lr: ``alpha_max``, the maximum learning rate: it sets the curvature floor of the
+            trust region, ``h_min = 1 / (n0 max_lr)``.
+        initial_lr: ``alpha_0``, the initial learning rate: the initial curvature sums are
+            ``1 / initial_lr``.
+        tau_max: the largest standard deviation of a nonzero Gaussian; ``1 / tau_max^2`` floors the
+            curvature sums and is the slab's prior precision in the zero logits (eq. 4.6).
+        p_nonzero_low, p_nonzero_high: the sieve's probabilities ``p_NZ^(0)`` and ``p_NZ^(1)``.
+        num_epochs: ``n_e``, the number of epochs (at least 3: the schedule ``s0`` divides by
+            ``1 - 2^(2 - n_e)``).
+        num_pairs: ``n_q``, antithetic pairs per quadrature (``2 n_q`` evaluations per term).
+    """
+
+    target_sparsity: float = 0.97
+    target_free: float = 0.01
+    max_lr: float = 0.1
+    initial_lr: float = 1e-5
+    tau_max: float = 0.3
+    p_nonzero_low: float = 0.001
+    p_nonzero_high: float = 0.999
+    num_epochs: int = 10
+    num_pairs: int = 2
+
+    def __post_init__(self) -> None:
+        positive = (lambda v: 0 < v < math.inf, "finite and > 0")
+        checks = [
+            ("target_sparsity", self.target_sparsity, lambda v: 0 <= v < 1, "in [0, 1)"),
+            ("target_free", self.target_free, lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("max_lr", self.max_lr, *positive),
+            ("initial_lr", self.initial_lr, *positive),
+            ("tau_max", self.tau_max, *positive),
+            ("p_nonzero_low", self.p_nonzero_low, lambda v: 0 < v < 0.5, "in (0, 0.5)"),
+            ("p_nonzero_high", self.p_nonzero_high, lambda v: 0.5 < v < 1, "in (0.5, 1)"),
+        ]
+        for name, value, ok, expected in checks:
+            _check_number(name, value, ok, expected)
+        if self.target_sparsity + self.target_free > 1:
+            raise ValueError(
+                f"target_sparsity + target_free must be <= 1, got {self.target_sparsity!r} + "
+                f"{self.target_free!r}: lower one of them"
+            )
+        _check_int("num_epochs", self.num_epochs, 3)
+        _check_int("num_pairs", self.num_pairs, 1)
+
+    @property
+    def sieve_logits(self) -> tuple[float, float]:
+        """``(zeta_hat^(0), zeta_hat^(1)) = (-logit(p_nonzero_low), -logit(p_nonzero_high))``."""
+        low, high = self.p_nonzero_low, self.p_nonzero_high
+        return math.log((1 - low) / low), math.log((1 - high) / high)
+
+
+class SparseQNVBBlock(NamedTuple):
+    """Per-coordinate state of one block (a site or a parameter); every field has its shape.
+
+    Attributes:
+        nu, tau: mean and standard deviation of the nonzero Gaussian.
+        p_nonzero: ``q(not z)``, the probability of a nonzero (after the sieve).
+        mu, sigma: the mixture moments (eq. 4.2), the quadrature's expansion point and scale.
+        g0, h0: the previous sums of gradients and Hessian diagonals, at ``mu``.
+        g1, h1: the restarted (current) sums, at ``mu``.
+        pattern: the realized pattern (1: nonzero, 0: exact zero); all ones before the final epoch.
+    """
+
+    nu: torch.Tensor
+    tau: torch.Tensor
+    p_nonzero: torch.Tensor
+    mu: torch.Tensor
+    sigma: torch.Tensor
+    g0: torch.Tensor
+    h0: torch.Tensor
+    g1: torch.Tensor
+    h1: torch.Tensor
+    pattern: torch.Tensor
+
+
+class SparseQNVBCounters(NamedTuple):
+    """Global counters. ``step``: updates taken; ``n0``, ``n1``: terms in the two sums, in steps
+    (``n0`` starts at the fraction ``S 2^(1 - n_e)`` of a step)."""
+
+    step: int
+    n0: float
+    n1: float
+
+
+class SparseQNVBResult(NamedTuple):
+    """What :func:`sparse_qnvb_update` returns.
+
+    Attributes:
+        blocks: the new per-block states.
+        counters: the new counters.
+        zero_logits: per block, the zero logits of eq. 4.6 before the sieve (``None`` in the final
+            epoch, where the pattern is fixed).
+        num_nonfinite: coordinates whose ``g`` or ``h`` was not finite (0-d tensor); their term is
+            dropped (it adds nothing to the sums).
+        num_overflow: coordinates whose update overflowed although ``g`` and ``h`` were finite;
+            they drop the term (Gaussian step overflow) or keep their whole previous state (any
+            other field), so that no NaN or infinity ever leaves the update.
+    """
+
+    blocks: tuple[SparseQNVBBlock, ...]
+    counters: SparseQNVBCounters
+    zero_logits: tuple[torch.Tensor, ...] | None
+    num_nonfinite: torch.Tensor
+    num_overflow: torch.Tensor
+
+
+def result_messages(result: SparseQNVBResult, warned: set[str]) -> list[str]:
+    """One message per kind of count of ``result`` that occurred and is not yet in ``warned``
+    (the kinds reported are added to it). Reads the counts only while a kind is left to report."""
+    kinds = ("num_nonfinite", "num_overflow")
+    if warned.issuperset(kinds):
+        return []
+    counts = torch.stack([result.num_nonfinite, result.num_overflow]).tolist()
+    messages = []
+    for kind, count in zip(kinds, counts):
+        if count and kind not in warned:
+            warned.add(kind)
+            if kind == "num_nonfinite":
+                messages.append(
+                    f"non-finite gradient or curvature at {count} coordinates; their term was "
+                    "dropped"
+                )
+            else:
+                messages.append(
+                    f"the update overflowed at {count} coordinates although the gradient and "
+                    "curvature were finite; they kept their previous state (rescale the loss, "
+                    "lower max_lr or tau_max, or use float64)"
+                )
+    return messages
+
+
+def hybrid_coefficients(n0: float, n1: float) -> tuple[float, float]:
+    """``(alpha_0, alpha_1)`` of the hybrid sum, eq. 5.1 as corrected in the design note.
+
+    ``a_hat = alpha_0 a_0 + alpha_1 a_1`` with ``alpha_0 = max(0, (n0 - n1) / (n0 + n1))`` and
+    ``alpha_1 = max(1, 2 n0 / (n0 + n1))``: for sums of ``n0`` and ``n1`` i.i.d. terms its mean and
+    variance are those of ``max(n0, n1)`` terms.
+    """
+    if n0 < 0 or n1 < 0 or n0 + n1 == 0:
+        raise ValueError(f"hybrid sums need n0, n1 >= 0 and n0 + n1 > 0, got n0={n0}, n1={n1}")
+    total = n0 + n1
+    return max(0.0, (n0 - n1) / total), max(1.0, 2 * n0 / total)
+
+
+def hybrid_sum(a0: torch.Tensor, a1: torch.Tensor, n0: float, n1: float) -> torch.Tensor:
+    """The hybrid sum of eq. 5.1 (corrected): ``alpha_0 a_0 + alpha_1 a_1``."""
+    alpha0, alpha1 = hybrid_coefficients(n0, n1)
+    return alpha0 * a0 + alpha1 * a1
+
+
+def sieve_fractions(t: float, hp: SparseQNVBHyperparameters) -> tuple[float, float]:
+    """The sieve's schedule (Section 5.1.4) at training progress ``t`` in ``[0, n_e]``.
+
+    ``s0(t) = max(0, min(1, (1 - 2^(1 - t)) / (1 - 2^(2 - n_e)))) s_tgt^(0)`` and
+    ``s1(t) = s_tgt^(1) + s_tgt^(0) - s0(t)``: nothing is held near zero during the first epoch,
+    the target is reached at ``t = n_e - 1``.
+    """
+    ramp = (1 - 2.0 ** (1 - t)) / (1 - 2.0 ** (2 - hp.num_epochs))
+    s0 = max(0.0, min(1.0, ramp)) * hp.target_sparsity
+    return s0, hp.target_free + hp.target_sparsity - s0
+
+
+def _counts(s0: float, s1: float, dim: int) -> tuple[int, int]:
+    """Numbers of coordinates held near zero and held nonzero: ``round(s d)`` each, at least one
+    held nonzero, and no more than ``d`` in all."""
+    k0 = min(dim, math.floor(s0 * dim + 0.5))
+    k1 = min(dim - k0, max(1, math.floor(s1 * dim + 0.5)))
+    return k0, k1
+
+
+def sieve_boundaries(zeta: torch.Tensor, s0: float, s1: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The domain boundaries ``(zeta^(0), zeta^(1))`` of the sieve (Section 5.1.4).
+
+    ``zeta^(0)`` is the smallest of the ``round(s0 d)`` largest logits, ``zeta^(1)`` the largest
+    of the ``round(s1 d)`` smallest (at least one), over the flat ``zeta`` of all coordinates.
+    An empty set gives ``+inf`` (resp. ``-inf``), the minimum (maximum) of nothing.
+    """
+    flat = zeta.reshape(-1)
+    k0, k1 = _counts(s0, s1, flat.numel())
+    inf = torch.tensor(math.inf, dtype=flat.dtype, device=flat.device)
+    upper = flat.kthvalue(flat.numel() - k0 + 1).values if k0 else inf
+    lower = flat.kthvalue(k1).values if k1 else -inf
+    return upper, lower
+
+
+def sieve_map(
+    zeta: torch.Tensor,
+    upper: torch.Tensor,
+    lower: torch.Tensor,
+    hp: SparseQNVBHyperparameters,
+) -> torch.Tensor:
+    """The continuous, monotone, piecewise-affine sieve (Algorithm 5.3, line 14, corrected).
+
+    With ``(zeta_hat^(0), zeta_hat^(1))`` from :attr:`SparseQNVBHyperparameters.sieve_logits`
+    and the boundaries ``upper = zeta^(0) >= lower = zeta^(1)`` of :func:`sieve_boundaries`::
+
+        zeta >= zeta^(0):            zeta - zeta^(0) + zeta_hat^(0)     (held near zero)
+        zeta <= zeta^(1):            zeta - zeta^(1) + zeta_hat^(1)     (held nonzero)
+        otherwise:  zeta_hat^(1) + (zeta - zeta^(1)) (zeta_hat^(0) - zeta_hat^(1))
+                                     / (zeta^(0) - zeta^(1))
+
+    With ``zeta^(0) = +inf`` (nothing held near zero yet) the middle piece is flat at
+    ``zeta_hat^(1)``: every free coordinate keeps a probability of zero below ``1 - p_high``.
+    """
+    zeta_hat0, zeta_hat1 = hp.sieve_logits
+    top = zeta - upper + zeta_hat0
+    bottom = zeta - lower + zeta_hat1
+    width = upper - lower
+    if torch.isinf(upper):
+        middle = torch.full_like(zeta, zeta_hat1)
+    else:
+        slope = torch.where(width > 0, (zeta_hat0 - zeta_hat1) / width, 0.0)
+        middle = zeta_hat1 + (zeta - lower) * slope
+    return torch.where(zeta >= upper, top, torch.where(zeta <= lower, bottom, middle))
+
+
+def zero_logits(h_hat: torch.Tensor, nu: torch.Tensor, tau_max: float) -> torch.Tensor:
+    """Logits of the probability of a zero, eq. 4.6 as Algorithm 5.3 line 10 applies it.
+
+    ``zeta = (log(h_hat / h_p) - h_hat nu^2) / 2`` with the slab precision ``h_p = 1 / tau_max^2``
+    (already inside ``h_hat``, the curvature of the whole loss) and without the prior logit
+    ``zeta_p``, whose offset the sieve sets instead.
+    """
+    return 0.5 * (torch.log(h_hat * tau_max**2) - h_hat * nu**2)
+
+
+def mixture_moments(
+    p_nonzero: torch.Tensor, nu: torch.Tensor, tau: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and standard deviation of the Dirac-Gauss mixture, eq. 4.2.
+
+    ``mu = p nu`` and ``sigma^2 = p (1 - p) nu^2 + p tau^2`` with ``p = q(not z)``.
+    """
+    mu = p_nonzero * nu
+    variance = p_nonzero * (1 - p_nonzero) * nu**2 + p_nonzero * tau**2
+    return mu, variance.sqrt()
+
+
+def _initial_terms(hp: SparseQNVBHyperparameters, steps_per_epoch: int) -> float:
+    """``n0 = S 2^(1 - n_e)`` (Algorithm 5.1, line 3, counted in steps; module docstring)."""
+    return steps_per_epoch * 2.0 ** (1 - hp.num_epochs)
+
+
+def _target_terms(epoch: int, hp: SparseQNVBHyperparameters, steps_per_epoch: int) -> float:
+    """``n_tgt = S 2^(e - n_e)`` (Algorithm 5.2, line 4, counted in steps)."""
+    return steps_per_epoch * 2.0 ** (epoch - hp.num_epochs)
+
+
+def epoch_progress(
+    step: int, hp: SparseQNVBHyperparameters, steps_per_epoch: int
+) -> tuple[int, int]:
+    """``(e, c)``: the epoch (1-based, at most ``n_e``: later steps repeat the final epoch's rule)
+    and the step within it (0-based) of update number ``step``."""
+    _check_int("steps_per_epoch", steps_per_epoch, 1)
+    return min(hp.num_epochs, step // steps_per_epoch + 1), step % steps_per_epoch
+
+
+def init_sparse_counters(hp: SparseQNVBHyperparameters, steps_per_epoch: int) -> SparseQNVBCounters:
+    """The counters before the first update (Algorithm 5.1, line 3)."""
+    _check_int("steps_per_epoch", steps_per_epoch, 1)
+    return SparseQNVBCounters(step=0, n0=_initial_terms(hp, steps_per_epoch), n1=0.0)
+
+
+def init_sparse_block(theta: torch.Tensor, hp: SparseQNVBHyperparameters) -> SparseQNVBBlock:
+    """A block's state before the first update (Algorithm 5.1, lines 3-5).
+
+    The initial values ``theta`` are the expansion point and the Gaussian means (nonzero with
+    probability one); ``g0 = 0``, ``h0 = 1 / initial_lr`` and ``sigma = tau = h0^(-1/2)``.
+    """
+    theta = theta.detach().clone()
+    zeros = torch.zeros_like(theta)
+    h0 = torch.full_like(theta, 1.0 / hp.initial_lr)
+    sigma = h0.rsqrt()
+    return SparseQNVBBlock(
+        nu=theta.clone(),
+        tau=sigma.clone(),
+        p_nonzero=torch.ones_like(theta),
+        mu=theta,
+        sigma=sigma,
+        g0=zeros,
+        h0=h0,
+        g1=zeros.clone(),
+        h1=zeros.clone(),
+        pattern=torch.ones_like(theta),
+    )
+
+
+@torch.no_grad()
+def sparse_qnvb_update(
+    blocks: Sequence[SparseQNVBBlock],
+    counters: SparseQNVBCounters,
+    g: Sequence[torch.Tensor],
+    h: Sequence[torch.Tensor],
+    hp: SparseQNVBHyperparameters,
+    steps_per_epoch: int,
+    cases_per_step: float = 1.0,
+) -> SparseQNVBResult:
+    """One term of the sparsifying QNVB (Algorithms 5.2, lines 2-5 and 13-15, and 5.3).
+
+    Args:
+        blocks: the state of every block; the sieve sorts the logits of all of them together.
+        counters: from :func:`init_sparse_counters` or the previous update.
+        g, h: per block, the gradient and Hessian diagonal of this term of the loss at the
+            expansion point ``mu`` (Algorithm 4.1), the continuous prior's share included.
+        hp: the hyperparameters.
+        steps_per_epoch: ``S``, terms per epoch.
+        cases_per_step: ``B = n_c / S``, training cases per term (1 for the paper's per-case
+            updates): the trust region's ``h_min = 1 / (B S 2^(1 - n_e) alpha_max)`` is the paper's
+            ``1 / (n_c 2^(1 - n_e) alpha_max)`` (module docstring).
+
+    Returns:
+        :class:`SparseQNVBResult`.
+    """
+    if not (len(blocks) == len(g) == len(h)) or not blocks:
+        raise ValueError(
+            f"need one g and one h per block, got {len(blocks)} blocks, {len(g)} g, {len(h)} h"
+        )
+    epoch, in_epoch = epoch_progress(counters.step, hp, steps_per_epoch)
+    n0, n1 = counters.n0, counters.n1
+    final = epoch == hp.num_epochs
+    floor = hp.tau_max**-2
+    _check_number("cases_per_step", cases_per_step, lambda v: 0 < v < math.inf, "finite and > 0")
+    h_min = 1.0 / (_initial_terms(hp, steps_per_epoch) * cases_per_step * hp.max_lr)
+
+    num_nonfinite = torch.zeros((), dtype=torch.int64, device=blocks[0].mu.device)
+    work = []
+    for block, g_b, h_b in zip(blocks, g, h):
+        g1, h1, pattern = block.g1, block.h1, block.pattern
+        if in_epoch == 0:  # Algorithm 5.2, lines 2 and 5
+            g1, h1 = torch.zeros_like(g1), torch.zeros_like(h1)
+            if final:
+                pattern = (block.p_nonzero > 0.5).to(block.p_nonzero.dtype)
+        bad = ~torch.isfinite(g_b + h_b)  # NaN as well where g = -h = +-inf
+        num_nonfinite = num_nonfinite + bad.sum()
+        if bad.any():  # one host sync per block and guard; the masks only when needed
+            g_b, h_b = torch.where(bad, 0.0, g_b), torch.where(bad, 0.0, h_b)
+        g1_before, h1_before = g1, h1
+        g1 = g1 + g_b
+        h1 = (h1 + h_b).clamp(min=floor)
+        work.append((block, g1, h1, pattern, g1_before, h1_before))
+    if in_epoch == 0:
+        n1 = 0.0
+    n1 += 1.0
+    alpha0, alpha1 = hybrid_coefficients(n0, n1)
+    trust = max(n0, n1) * h_min
+
+    moved = []
+    num_overflow = torch.zeros_like(num_nonfinite)
+    for block, g1, h1, pattern, g1_before, h1_before in work:
+        g_hat = alpha0 * block.g0 + alpha1 * g1
+        h_hat = alpha0 * block.h0 + alpha1 * h1
+        g_nu = g_hat + h_hat * (block.nu - block.mu)
+        nu = block.nu - g_nu / h_hat.clamp(min=trust)
+        # guard: where the step overflowed, the coordinate drops this term and keeps its Gaussian
+        overflow = ~torch.isfinite(nu + h_hat)
+        num_overflow = num_overflow + overflow.sum()
+        if overflow.any():
+            nu = torch.where(overflow, block.nu, nu)
+            h_hat = torch.where(overflow, block.tau**-2, h_hat)
+            g1 = torch.where(overflow, g1_before, g1)
+            h1 = torch.where(overflow, h1_before, h1)
+        moved.append((block, g1, h1, pattern, nu, h_hat.rsqrt(), h_hat))
+
+    if final:
+        logits = None
+        p_nonzero = [pattern for _, _, _, pattern, _, _, _ in moved]
+    else:
+        big = torch.finfo(blocks[0].nu.dtype).max ** 0.5  # h nu^2 may overflow: -inf -> -big
+        logits = tuple(
+            zero_logits(h_hat, nu, hp.tau_max).clamp(-big, big) for *_, nu, _, h_hat in moved
+        )
+        s0, s1 = sieve_fractions(epoch - 1 + (in_epoch + 1) / steps_per_epoch, hp)
+        upper, lower = sieve_boundaries(torch.cat([z.reshape(-1) for z in logits]), s0, s1)
+        p_nonzero = [torch.sigmoid(-sieve_map(z, upper, lower, hp)) for z in logits]
+
+    new_blocks = []
+    for (block, g1, h1, pattern, nu, tau, _), p in zip(moved, p_nonzero):
+        mu, sigma = mixture_moments(p, nu, tau)
+        delta = mu - block.mu
+        new = SparseQNVBBlock(
+            nu=nu,
+            tau=tau,
+            p_nonzero=p,
+            mu=mu,
+            sigma=sigma,
+            g0=block.g0 + block.h0 * delta,
+            h0=block.h0,
+            g1=g1 + h1 * delta,
+            h1=h1,
+            pattern=pattern,
+        )
+        # last guard: a coordinate with any non-finite field keeps its whole previous state (a
+        # sum of the fields is not finite if one is not; the rare overflow of the sum itself only
+        # keeps a coordinate too)
+        bad = ~torch.isfinite(sum(new))
+        num_overflow = num_overflow + bad.sum()
+        if bad.any():
+            new = SparseQNVBBlock(*(torch.where(bad, b, a) for a, b in zip(new, block)))
+        new_blocks.append(new)
+    if n1 >= _target_terms(epoch, hp, steps_per_epoch):  # Algorithm 5.2, lines 13-15
+        n0, n1 = n1, 0.0
+        new_blocks = [
+            b._replace(g0=b.g1, h0=b.h1, g1=torch.zeros_like(b.g1), h1=torch.zeros_like(b.h1))
+            for b in new_blocks
+        ]
+    return SparseQNVBResult(
+        blocks=tuple(new_blocks),
+        counters=SparseQNVBCounters(step=counters.step + 1, n0=n0, n1=n1),
+        zero_logits=logits,
+        num_nonfinite=num_nonfinite,
+        num_overflow=num_overflow,
+    )

@@ -1,0 +1,251 @@
+"""``SparseQNVB``: the sparsifying QNVB (sequence paper, Algorithms 5.1-5.3) as a Pyro optimizer.
+
+``SVI(model, AutoSpikeSlab(model), SparseQNVB(...), QuadratureELBO(rule="hadamard",
+num_points=4))`` trains every ``"dirac_gauss"`` block of the guide (slab mean ``nu``, slab scale
+``tau``, zero logit ``zeta``) by :func:`~pyro_quadvi.optim.sparse_functional.sparse_qnvb_update`,
+all blocks together (the sieve ranks the logits of the whole model). ``QuadratureELBO`` publishes
+``g`` and ``h`` of the smooth part of the loss per block at the mixture's moments (eq. 4.2); one
+SVI step is one term of ``1 / steps_per_epoch`` of the data, so the term handed to the update is
+
+    g / S + (h_p / S) mu,        h / S + h_p / S,
+
+with ``h_p`` the slab's prior precision (the spike-and-slab prior itself enters ``QuadratureELBO``
+as a closed-form KL, so its continuous part is added here, Section 5.1.2). Everything else (other
+families, a model's ``pyro.param``, blocks without published moments) goes to the fallback
+optimizer of :class:`~pyro_quadvi.optim.qnvb.QNVB`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable
+
+import torch
+from pyro.optim import PyroOptim
+from torch.distributions import transform_to
+
+from ..guides.interface import MeanFieldSite, published_moments
+from .qnvb import QNVB
+from .qnvb_functional import _check_number
+from .sparse_functional import (
+    SparseQNVBBlock,
+    SparseQNVBCounters,
+    SparseQNVBHyperparameters,
+    epoch_progress,
+    init_sparse_counters,
+    mixture_moments,
+    result_messages,
+    sparse_qnvb_update,
+)
+
+__all__ = ["SparseQNVB"]
+
+_LOGIT_BOUND = 30.0
+"""The guide's zero logits are written within +-30 (a probability of 1e-13): the realized
+pattern's exact zeros live in :meth:`SparseQNVB.pattern` and in the guide's median."""
+
+
+class SparseQNVB(QNVB):
+    """The sparsifying QNVB for ``"dirac_gauss"`` guides (``AutoSpikeSlab``) in ``SVI``.
+
+    Args:
+        num_epochs: ``n_e`` (Table 1: 10).
+        steps_per_epoch: ``S``, SVI steps per epoch, e.g. ``len(loader)``.
+        target_sparsity, target_free, max_lr, initial_lr, tau_max, p_nonzero_low,
+            p_nonzero_high, num_pairs: see
+            :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters` (defaults:
+            Table 1). ``num_pairs`` is informational here: the ELBO's rule sets the nodes
+            (``QuadratureELBO(rule="hadamard", num_points=2 * num_pairs)``).
+        prior_precision: ``h_p``, the slab's prior precision, ``1 / slab_scale^2`` of the model's
+            :class:`~pyro_quadvi.distributions.SpikeSlab` prior; ``None``: ``1 / tau_max^2``.
+        num_cases: ``n_c``, the number of training cases (the size the model's plate scales
+            to). It sets the trust region per case as the paper does,
+            ``h_min = 1 / (n_c 2^(1 - n_e) max_lr)``; ``None`` counts one case per step, which
+            divides the maximum learning rate per epoch by ``n_c / steps_per_epoch``
+            (:mod:`~pyro_quadvi.optim.sparse_functional`).
+        fallback: the optimizer of every other parameter, as for :class:`QNVB`.
+
+    Blocks in a subsampled plate (local latents) are refused: the sieve needs every coordinate at
+    every step. ``get_state()`` / ``set_state()`` hold the counters, every block's state and the
+    fallback's state: with the param store, a restored run continues bit for bit.
+    """
+
+    def __init__(
+        self,
+        num_epochs: int = 10,
+        steps_per_epoch: int | None = None,
+        target_sparsity: float = 0.97,
+        *,
+        target_free: float = 0.01,
+        max_lr: float = 0.1,
+        initial_lr: float = 1e-5,
+        tau_max: float = 0.3,
+        p_nonzero_low: float = 0.001,
+        p_nonzero_high: float = 0.999,
+        num_pairs: int = 2,
+        prior_precision: float | None = None,
+        num_cases: int | None = None,
+        fallback: PyroOptim | tuple[type, dict] | None = None,
+    ):
+        if steps_per_epoch is None:
+            raise TypeError(
+                "SparseQNVB needs steps_per_epoch, the number of SVI steps per epoch (e.g. "
+                "len(loader)): the annealing and the sieve are scheduled in epochs"
+            )
+        super().__init__(fallback=fallback)
+        self.sparse_hyperparameters = SparseQNVBHyperparameters(
+            target_sparsity=target_sparsity,
+            target_free=target_free,
+            max_lr=max_lr,
+            initial_lr=initial_lr,
+            tau_max=tau_max,
+            p_nonzero_low=p_nonzero_low,
+            p_nonzero_high=p_nonzero_high,
+            num_epochs=num_epochs,
+            num_pairs=num_pairs,
+        )
+        self.counters = init_sparse_counters(self.sparse_hyperparameters, steps_per_epoch)
+        self.steps_per_epoch = steps_per_epoch
+        if prior_precision is None:
+            prior_precision = tau_max**-2
+        _check_number("prior_precision", prior_precision, lambda v: 0 <= v < math.inf, ">= 0")
+        self.prior_precision = float(prior_precision)
+        if num_cases is not None:
+            _check_number("num_cases", num_cases, lambda v: 0 < v < math.inf, "finite and > 0")
+        self.cases_per_step = 1.0 if num_cases is None else num_cases / steps_per_epoch
+        self.blocks: dict[str, SparseQNVBBlock] = {}
+        self._sparse_warned: set[str] = set()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next step (1-based, at most ``num_epochs``)."""
+        hp = self.sparse_hyperparameters
+        return epoch_progress(self.counters.step, hp, self.steps_per_epoch)[0]
+
+    def pattern(self) -> dict[str, torch.Tensor]:
+        """Per block (loc parameter name), 1 where a coordinate is nonzero, 0 where it is an
+        exact zero: the realized pattern once the final epoch has begun, else where
+        ``p_nonzero > 1/2`` (the pattern a realization now would give)."""
+        realized = self.counters.step > (self.sparse_hyperparameters.num_epochs - 1) * (
+            self.steps_per_epoch
+        )
+        return {
+            name: b.pattern if realized else (b.p_nonzero > 0.5).to(b.p_nonzero.dtype)
+            for name, b in self.blocks.items()
+        }
+
+    def p_nonzero(self) -> torch.Tensor:
+        """The probabilities of a nonzero of all blocks, flat (the paper's Fig. 4)."""
+        return torch.cat([b.p_nonzero.reshape(-1) for b in self.blocks.values()])
+
+    def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
+        """Update the ``"dirac_gauss"`` blocks among ``params`` together; the rest: fallback."""
+        params = list(params)
+        received = {id(p) for p in params}
+        sites: list[tuple[MeanFieldSite, torch.Tensor, torch.Tensor]] = []
+        for p in params:
+            moments = published_moments(p)
+            if moments is None or moments.site.family != "dirac_gauss":
+                continue
+            site = moments.site
+            if any(id(leaf) not in received for leaf in site.params.values()):
+                self._warn_once(
+                    f"missing {site.name}",
+                    f"SparseQNVB: site {site.name!r} came without all of its loc, scale and logit "
+                    "parameters in this step (frozen or detached?); they go to the fallback",
+                )
+                continue
+            if site.rows or site.rows is None or site.scale_factor != 1.0:
+                raise ValueError(
+                    f"SparseQNVB: site {site.name!r} is in a subsampled plate; the sieve ranks "
+                    "every coordinate at every step, so only global sites can be sparsified. Fit "
+                    "local latents with another guide (e.g. AutoMeanFieldNormal on a sub-model)"
+                )
+            sites.append((site, moments.g, moments.h))
+        paired = {id(leaf) for site, _, _ in sites for leaf in site.params.values()}
+        if sites:
+            self._update(sites)
+        rest = [p for p in params if id(p) not in paired]
+        if params and not sites:
+            self._warn_once(
+                "nothing paired",
+                "SparseQNVB: no spike-and-slab block with moments published by QuadratureELBO "
+                "among the parameters; all go to the fallback optimizer. Use AutoSpikeSlab with "
+                "QuadratureELBO",
+            )
+        if rest:
+            self._guarded_fallback(rest, *args, **kwargs)
+        self.num_steps += 1
+
+    @torch.no_grad()
+    def _update(self, sites: list[tuple[MeanFieldSite, torch.Tensor, torch.Tensor]]) -> None:
+        hp, steps = self.sparse_hyperparameters, self.steps_per_epoch
+        blocks, g_terms, h_terms = [], [], []
+        for site, g, h in sites:
+            name = site.param_names["loc"]
+            block = self.blocks.get(name)
+            if block is None or block.nu.shape != g.shape:
+                block = self._initial_block(site)
+            blocks.append(block)
+            g_terms.append(g / steps + (self.prior_precision / steps) * block.mu)
+            h_terms.append(h / steps + self.prior_precision / steps)
+        result = sparse_qnvb_update(
+            blocks, self.counters, g_terms, h_terms, hp, steps, self.cases_per_step
+        )
+        self.counters = result.counters
+        for message in result_messages(result, self._sparse_warned):
+            self._warn_once(message, f"SparseQNVB: {message} (this warning is shown once)")
+        for (site, _, _), block in zip(sites, result.blocks):
+            self.blocks[site.param_names["loc"]] = block
+            p = block.p_nonzero
+            logit = (torch.log1p(-p) - torch.log(p)).clamp(-_LOGIT_BOUND, _LOGIT_BOUND)
+            scale_leaf = site.params["scale"]
+            new_u = transform_to(site.param_constraints["scale"]).inv(block.tau)
+            site.params["loc"].data.copy_(block.nu)
+            scale_leaf.data.copy_(torch.where(torch.isfinite(new_u), new_u, scale_leaf.data))
+            site.params["logit"].data.copy_(logit)
+
+    def _initial_block(self, site: MeanFieldSite) -> SparseQNVBBlock:
+        """Algorithm 5.1 at the guide's current factor: ``g0 = 0``, ``h0 = 1 / initial_lr``."""
+        nu = site.values["loc"].detach().clone()
+        tau = site.values["scale"].detach().clone()
+        p = torch.sigmoid(-site.values["logit"].detach())
+        mu, sigma = mixture_moments(p, nu, tau)
+        return SparseQNVBBlock(
+            nu=nu,
+            tau=tau,
+            p_nonzero=p,
+            mu=mu,
+            sigma=sigma,
+            g0=torch.zeros_like(nu),
+            h0=torch.full_like(nu, 1.0 / self.sparse_hyperparameters.initial_lr),
+            g1=torch.zeros_like(nu),
+            h1=torch.zeros_like(nu),
+            pattern=torch.ones_like(nu),
+        )
+
+    def get_state(self) -> dict:
+        """Deep copies of the counters, every block's state and the fallback's state."""
+        return {
+            "sparse_qnvb": {
+                "num_steps": self.num_steps,
+                "counters": tuple(self.counters),
+                "blocks": {
+                    name: {k: v.clone() for k, v in b._asdict().items()}
+                    for name, b in self.blocks.items()
+                },
+            },
+            "fallback": copy.deepcopy(PyroOptim.get_state(self)),
+        }
+
+    def set_state(self, state_dict: dict) -> None:
+        """Restore what :meth:`get_state` returned."""
+        state = state_dict["sparse_qnvb"]
+        self.num_steps = state["num_steps"]
+        self.counters = SparseQNVBCounters(*state["counters"])
+        self.blocks = {
+            name: SparseQNVBBlock(**{k: v.clone() for k, v in b.items()})
+            for name, b in state["blocks"].items()
+        }
+        PyroOptim.set_state(self, copy.deepcopy(state_dict["fallback"]))

@@ -1,0 +1,273 @@
+"""The sparsifying QNVB as a ``torch.optim.Optimizer`` for plain PyTorch networks.
+
+Every weight ``theta_i`` of the network becomes a Dirac-Gauss mixture (sequence paper, eq. 4.1),
+trained by Algorithms 5.1-5.3 (:mod:`~pyro_quadvi.optim.sparse_functional`). A step sets the
+weights to the quadrature nodes ``mu + sigma * x_k`` of the mixture's moments (eq. 4.2), evaluates
+the closure (the mean loss per case of a minibatch, and its backward) at each, forms
+(Algorithm 4.1)
+
+    g = sum_k w_k grad_k,        h = sum_k w_k grad_k * x_k / sigma,
+
+and hands the minibatch's term to :func:`~pyro_quadvi.optim.sparse_functional.sparse_qnvb_update`:
+``(n_c / S) g + (h_p / S) mu`` and ``(n_c / S) h + h_p / S`` for ``n_c`` training cases in ``S``
+steps per epoch and a Gaussian slab prior of precision ``h_p`` (each case carries ``1 / n_c`` of
+it, Section 5.1.2). After a step the weights hold the mixture mean ``mu = p_nonzero nu``; once the
+final epoch has realized the pattern, its zeros are exact zeros.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+
+from ..quadrature import make_rule
+from ..quadrature.hadamard import HadamardRule
+from .qnvb_functional import _check_number
+from .sparse_functional import (
+    SparseQNVBBlock,
+    SparseQNVBCounters,
+    SparseQNVBHyperparameters,
+    epoch_progress,
+    init_sparse_block,
+    init_sparse_counters,
+    result_messages,
+    sparse_qnvb_update,
+)
+from .torch_qnvb import _checked_loss
+
+__all__ = ["SparseQNVBOptimizer"]
+
+_BLOCK_NAMES = SparseQNVBBlock._fields
+
+
+class SparseQNVBOptimizer(torch.optim.Optimizer):
+    """Sparsifying quasi-Newton variational Bayes for ``torch.nn`` parameters (sequence paper,
+    Algorithms 5.1-5.3).
+
+    Args:
+        params: the network's parameters (one group: the sieve ranks all of them together, so no
+            hyperparameter is set per group).
+        num_cases: ``n_c``, the number of training cases: the closure returns a mean per case.
+        steps_per_epoch: ``S``, steps (minibatches) per epoch, e.g. ``len(loader)``.
+        num_epochs, target_sparsity, target_free, max_lr, initial_lr, tau_max, p_nonzero_low,
+            p_nonzero_high, num_pairs: see
+            :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters` (defaults:
+            the paper's Table 1).
+        prior_precision: ``h_p``, precision of the Gaussian slab prior on a nonzero; ``None``:
+            ``1 / tau_max^2``, the precision eq. 4.6 assumes in the zero logits.
+        generator: random generator for the initial position in the quadrature sequence (torch's
+            global generator when ``None``); when given, its state is saved with
+            :meth:`state_dict`.
+
+    Nodes come from the Hadamard cross-polytope sequence (sequence paper, Algorithm 3.1):
+    ``num_pairs`` antithetic pairs, ``2 num_pairs`` closure evaluations per step, starting at a
+    random iterate (Algorithm 5.1, line 2) and moving ``num_pairs`` iterates per step.
+    ``optimizer.state[p]`` holds the mixture's state (:class:`SparseQNVBBlock` fields:
+    ``nu``, ``tau``, ``p_nonzero``, ``mu``, ``sigma``, the sums, ``pattern``).
+
+    Example::
+
+        optimizer = SparseQNVBOptimizer(
+            net.parameters(), num_cases=len(dataset), steps_per_epoch=len(loader)
+        )
+        for epoch in range(optimizer.hyperparameters.num_epochs):
+            for x, y in loader:
+                def closure():
+                    loss = criterion(net(x), y)      # mean over the batch
+                    loss.backward()
+                    return loss
+                optimizer.step(closure)
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        num_cases: int,
+        steps_per_epoch: int,
+        num_epochs: int = 10,
+        target_sparsity: float = 0.97,
+        target_free: float = 0.01,
+        max_lr: float = 0.1,
+        initial_lr: float = 1e-5,
+        tau_max: float = 0.3,
+        p_nonzero_low: float = 0.001,
+        p_nonzero_high: float = 0.999,
+        num_pairs: int = 2,
+        prior_precision: float | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        _check_number("num_cases", num_cases, lambda v: 0 < v < math.inf, "> 0")
+        self.hyperparameters = SparseQNVBHyperparameters(
+            target_sparsity=target_sparsity,
+            target_free=target_free,
+            max_lr=max_lr,
+            initial_lr=initial_lr,
+            tau_max=tau_max,
+            p_nonzero_low=p_nonzero_low,
+            p_nonzero_high=p_nonzero_high,
+            num_epochs=num_epochs,
+            num_pairs=num_pairs,
+        )
+        if prior_precision is None:
+            prior_precision = tau_max**-2
+        _check_number("prior_precision", prior_precision, lambda v: 0 <= v < math.inf, ">= 0")
+        self.counters = init_sparse_counters(self.hyperparameters, steps_per_epoch)
+        super().__init__(params, {})
+        self.num_cases = float(num_cases)
+        self.steps_per_epoch = steps_per_epoch
+        self.prior_precision = float(prior_precision)
+        self.rule = make_rule("hadamard", 2 * num_pairs)
+        self.generator = generator
+        self.sequence_offset: int | None = None
+        self._warned: set[str] = set()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group; hyperparameters cannot differ per group (the sieve is global)."""
+        extra = sorted(set(param_group) - {"params"})
+        if extra:
+            raise ValueError(
+                f"SparseQNVBOptimizer: parameter groups take no options ({extra} given): the "
+                "sieve ranks all parameters together, so every hyperparameter is global; pass "
+                "them to the constructor"
+            )
+        super().add_param_group(param_group)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next step (1-based, at most ``num_epochs``)."""
+        return epoch_progress(self.counters.step, self.hyperparameters, self.steps_per_epoch)[0]
+
+    def _params(self) -> list[torch.Tensor]:
+        out = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if not out:
+            raise ValueError("SparseQNVBOptimizer has no parameter that requires grad")
+        for p in out:
+            if not self.state[p]:
+                self.state[p].update(init_sparse_block(p, self.hyperparameters)._asdict())
+        return out
+
+    def _block(self, p: torch.Tensor) -> SparseQNVBBlock:
+        return SparseQNVBBlock(*(self.state[p][name] for name in _BLOCK_NAMES))
+
+    def p_nonzero(self) -> torch.Tensor:
+        """The probabilities of a nonzero of all parameters, flat (the paper's Fig. 4)."""
+        return torch.cat([self._block(p).p_nonzero.reshape(-1) for p in self._params()])
+
+    def sparsity(self) -> float:
+        """The fraction of parameters (of those optimized) that are exactly zero now."""
+        params = self._params()
+        zeros = sum(int((p == 0).sum()) for p in params)
+        return zeros / sum(p.numel() for p in params)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        """Evaluate ``closure`` at every quadrature node and update the mixtures (one term).
+
+        Args:
+            closure: computes the mean loss per case of a minibatch at the current parameter
+                values, calls ``backward()`` on it and returns it.
+
+        Returns:
+            The quadrature average of the closure's loss.
+        """
+        params = self._params()
+        first = params[0]
+        dim = sum(p.numel() for p in params)
+        if self.sequence_offset is None:  # Algorithm 5.1, line 2
+            positions = max(1, HadamardRule.sequence_length(dim) // self.hyperparameters.num_pairs)
+            self.sequence_offset = int(torch.randint(positions, (), generator=self.generator))
+        nodes = self.rule.draw(
+            dim,
+            step=self.sequence_offset + self.counters.step,
+            dtype=first.dtype,
+            device=first.device,
+        )
+        blocks = [self._block(p) for p in params]
+        g_sum = [torch.zeros_like(p) for p in params]
+        gx_sum = [torch.zeros_like(p) for p in params]
+        seen = False
+        loss_avg = torch.zeros((), dtype=first.dtype, device=first.device)
+        try:
+            for k in range(len(nodes)):
+                x, start, weight_k = nodes.node(k), 0, nodes.weights[k]
+                offsets = []
+                for p, block in zip(params, blocks):
+                    x_p = x[start : start + p.numel()].view_as(p)
+                    start += p.numel()
+                    p.copy_(block.mu + block.sigma * x_p)
+                    p.grad = None
+                    offsets.append(x_p)
+                with torch.enable_grad():
+                    loss_avg += weight_k * _checked_loss(closure())
+                for i, p in enumerate(params):
+                    if p.grad is not None:
+                        seen = True
+                        g_sum[i] += weight_k * p.grad
+                        gx_sum[i] += weight_k * p.grad * offsets[i]
+            if not seen:
+                raise RuntimeError(
+                    "SparseQNVBOptimizer: no parameter received a gradient; the closure must "
+                    "call backward() on the loss before returning it"
+                )
+        except BaseException:  # the parameters go back to their means, unchanged
+            for p, block in zip(params, blocks):
+                p.copy_(block.mu)
+                p.grad = None
+            raise
+        scale = self.num_cases / self.steps_per_epoch
+        prior = self.prior_precision / self.steps_per_epoch
+        g_terms, h_terms = [], []
+        for block, g, gx in zip(blocks, g_sum, gx_sum):
+            g_terms.append(scale * g + prior * block.mu)
+            sigma = block.sigma
+            h_terms.append(scale * torch.where(sigma > 0, gx / sigma, 0.0) + prior)
+        result = sparse_qnvb_update(
+            blocks,
+            self.counters,
+            g_terms,
+            h_terms,
+            self.hyperparameters,
+            self.steps_per_epoch,
+            cases_per_step=scale,
+        )
+        self.counters = result.counters
+        for p, block in zip(params, result.blocks):
+            self.state[p].update(block._asdict())
+            p.copy_(block.mu)
+            p.grad = None
+        for message in result_messages(result, self._warned):
+            warnings.warn(
+                f"SparseQNVBOptimizer: {message} (this warning is shown once)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return loss_avg
+
+    def state_dict(self) -> dict:
+        """Torch's state dict plus the counters, the sequence offset and the generator's state."""
+        state = super().state_dict()
+        state["sparse_qnvb"] = {
+            "counters": tuple(self.counters),
+            "sequence_offset": self.sequence_offset,
+            "generator": None if self.generator is None else self.generator.get_state(),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("sparse_qnvb")
+        super().load_state_dict(state_dict)
+        self.counters = SparseQNVBCounters(*extra["counters"])
+        self.sequence_offset = extra["sequence_offset"]
+        if extra["generator"] is not None:
+            if self.generator is None:
+                raise ValueError(
+                    "the saved state holds a generator state; construct the optimizer with a "
+                    "generator to restore it"
+                )
+            self.generator.set_state(extra["generator"])

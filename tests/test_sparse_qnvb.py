@@ -1,0 +1,444 @@
+"""Sparsifying QNVB (sequence paper, Sections 4.3 and 5): the pure update and the torch optimizer,
+each piece against a hand computation."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from pyro_quadvi.optim import SparseQNVBHyperparameters, SparseQNVBOptimizer
+from pyro_quadvi.optim.sparse_functional import (
+    hybrid_coefficients,
+    hybrid_sum,
+    init_sparse_block,
+    init_sparse_counters,
+    mixture_moments,
+    result_messages,
+    sieve_boundaries,
+    sieve_fractions,
+    sieve_map,
+    sparse_qnvb_update,
+    zero_logits,
+)
+
+DTYPE = torch.float64
+
+
+# --- eq. 5.1 (corrected) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n0", range(1, 9))
+@pytest.mark.parametrize("n1", range(1, 13))
+def test_hybrid_coefficients_preserve_mean_and_variance(n0, n1):
+    """E[a_hat] = (c0 n0 + c1 n1) alpha and Var[a_hat] = (c0^2 n0 + c1^2 n1) v: both must be
+    max(n0, n1) times those of one term."""
+    c0, c1 = hybrid_coefficients(n0, n1)
+    assert c0 * n0 + c1 * n1 == pytest.approx(max(n0, n1), rel=1e-14)
+    assert c0**2 * n0 + c1**2 * n1 == pytest.approx(max(n0, n1), rel=1e-14)
+
+
+def test_printed_eq_5_1_is_wrong():
+    """The printed form multiplies a_0 twice: its variance is (c0 + c1)^2 n0 v, not n0 v."""
+    n0, n1 = 6, 2
+    c0, c1 = hybrid_coefficients(n0, n1)
+    assert (c0 + c1) ** 2 * n0 != pytest.approx(max(n0, n1))
+    assert c0**2 * n0 + c1**2 * n1 == pytest.approx(max(n0, n1))
+
+
+@pytest.mark.parametrize(("n0", "n1"), [(6, 2), (3, 5)])
+def test_hybrid_sum_of_random_sums(n0, n1):
+    """Sums of i.i.d. N(0.7, 2) terms: the hybrid sum has mean 0.7 m and variance 2 m,
+    m = max(n0, n1), within four standard errors over 200,000 replicates."""
+    generator = torch.Generator().manual_seed(0)
+    reps, mean, var = 200_000, 0.7, 2.0
+    x = mean + math.sqrt(var) * torch.randn(reps, n0 + n1, generator=generator, dtype=DTYPE)
+    a_hat = hybrid_sum(x[:, :n0].sum(1), x[:, n0:].sum(1), n0, n1)
+    m = max(n0, n1)
+    assert abs(a_hat.mean().item() - mean * m) < 4 * math.sqrt(var * m / reps)
+    # the sample variance of a Gaussian has standard error var * sqrt(2 / (reps - 1))
+    assert abs(a_hat.var().item() - var * m) < 4 * var * m * math.sqrt(2 / reps)
+
+
+# --- the sieve ----------------------------------------------------------------------------------
+
+
+def test_sieve_schedule_matches_the_formula():
+    hp = SparseQNVBHyperparameters()  # n_e = 10, s_tgt = (0.97, 0.01)
+    for t in (0.0, 0.5, 1.0):
+        assert sieve_fractions(t, hp) == (0.0, 0.98)
+    s0, s1 = sieve_fractions(2.0, hp)
+    assert s0 == pytest.approx(0.5 / (1 - 1 / 256) * 0.97, rel=1e-15)
+    assert s1 == pytest.approx(0.98 - s0, rel=1e-15)
+    s0, _ = sieve_fractions(4.5, hp)
+    assert s0 == pytest.approx((1 - 2**-3.5) / (1 - 2**-8) * 0.97, rel=1e-15)
+    for t in (9.0, 9.5, 10.0):  # the target is reached at t = n_e - 1 and held
+        assert sieve_fractions(t, hp)[0] == pytest.approx(0.97, rel=1e-15)
+        assert sieve_fractions(t, hp)[1] == pytest.approx(0.01, abs=1e-15)
+
+
+def test_sieve_map_continuous_monotone_and_on_target():
+    hp = SparseQNVBHyperparameters()
+    zeta_hat0, zeta_hat1 = hp.sieve_logits
+    assert zeta_hat0 == pytest.approx(-math.log(0.001 / 0.999))
+    assert zeta_hat1 == pytest.approx(-math.log(0.999 / 0.001))
+    zeta = 5 * torch.randn(1000, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
+    upper, lower = sieve_boundaries(zeta, 0.3, 0.5)
+    ordered = zeta.sort().values
+    assert upper == ordered[-300] and lower == ordered[499]
+    mapped = sieve_map(zeta, upper, lower, hp)
+    assert int((mapped >= zeta_hat0).sum()) == 300  # held near zero: exactly the 300 largest
+    assert set((mapped >= zeta_hat0).nonzero().flatten().tolist()) == set(
+        zeta.topk(300).indices.tolist()
+    )
+    assert int((mapped <= zeta_hat1).sum()) == 500  # held nonzero: exactly the 500 smallest
+    assert sieve_map(upper.reshape(1), upper, lower, hp).item() == zeta_hat0
+    assert sieve_map(lower.reshape(1), upper, lower, hp).item() == zeta_hat1
+    # monotone (strictly) and continuous at both boundaries
+    fine = torch.linspace(ordered[0].item() - 1, ordered[-1].item() + 1, 20001, dtype=DTYPE)
+    out = sieve_map(fine, upper, lower, hp)
+    assert bool((out.diff() > 0).all())
+    for boundary in (upper, lower):
+        eps = 1e-9
+        around = torch.stack([boundary - eps, boundary + eps])
+        left, right = sieve_map(around, upper, lower, hp)
+        assert abs(right - left) < 1e-6
+    # the middle piece is affine between (zeta^(1), zeta_hat^(1)) and (zeta^(0), zeta_hat^(0))
+    mid = 0.25 * upper + 0.75 * lower
+    expected = zeta_hat1 + 0.25 * (zeta_hat0 - zeta_hat1)
+    assert sieve_map(mid.reshape(1), upper, lower, hp).item() == pytest.approx(expected)
+
+
+def test_sieve_holds_everything_free_while_nothing_is_held_near_zero():
+    """s0 = 0 (the first epoch): min over an empty set is +inf, so the middle piece is flat at
+    zeta_hat^(1): no coordinate gets a probability of zero above 1 - p_nonzero_high."""
+    hp = SparseQNVBHyperparameters()
+    zeta = torch.randn(200, generator=torch.Generator().manual_seed(2), dtype=DTYPE)
+    upper, lower = sieve_boundaries(zeta, 0.0, 0.98)
+    assert math.isinf(upper.item()) and lower == zeta.sort().values[195]
+    mapped = sieve_map(zeta, upper, lower, hp)
+    assert bool((mapped <= hp.sieve_logits[1] + 1e-12).all())
+    assert int((mapped < hp.sieve_logits[1]).sum()) == 195
+
+
+# --- eq. 4.2 and 4.6 ----------------------------------------------------------------------------
+
+
+def test_mixture_moments_eq_4_2():
+    p = torch.tensor([1.0, 0.0, 0.25], dtype=DTYPE)
+    nu = torch.tensor([2.0, 3.0, -4.0], dtype=DTYPE)
+    tau = torch.tensor([0.5, 0.5, 2.0], dtype=DTYPE)
+    mu, sigma = mixture_moments(p, nu, tau)
+    assert mu.tolist() == [2.0, 0.0, -1.0]
+    # 0.25 * 0.75 * 16 + 0.25 * 4 = 4
+    assert sigma.tolist() == [0.5, 0.0, 2.0]
+
+
+# --- the update on quadratic losses -------------------------------------------------------------
+
+
+def _quadratic(d=1000, seed=0):
+    """Per term, L(theta) = sum_i a_i (theta_i - b_i)^2 / 2 with a_i in [20, 100]: every
+    quadrature integrates it exactly, g = a (mu - b), h = a."""
+    generator = torch.Generator().manual_seed(seed)
+    a = 20 + 80 * torch.rand(d, generator=generator, dtype=DTYPE)
+    b = 0.3 * torch.randn(d, generator=generator, dtype=DTYPE)
+    return a, b
+
+
+def _run(hp, steps_per_epoch, a, b, num_steps):
+    blocks = (init_sparse_block(torch.zeros_like(a), hp),)
+    counters = init_sparse_counters(hp, steps_per_epoch)
+    history = []
+    for _ in range(num_steps):
+        mu = blocks[0].mu
+        result = sparse_qnvb_update(blocks, counters, [a * (mu - b)], [a], hp, steps_per_epoch)
+        blocks, counters = result.blocks, result.counters
+        history.append(result)
+    return history
+
+
+def test_one_update_by_hand_floors_and_trust_region():
+    """n_e = 4, S = 8: n0 = 1, h_min = 1 / (1 * max_lr) = 100 with max_lr = 0.01. After one term
+    n1 = 1, so alpha = (0, 1): h_hat = max(h, 1 / tau_max^2) and nu moves by g / max(h_hat, 100)."""
+    hp = SparseQNVBHyperparameters(num_epochs=4, max_lr=0.01)
+    theta = torch.tensor([1.0, 1.0, 1.0], dtype=DTYPE)
+    block = init_sparse_block(theta, hp)
+    counters = init_sparse_counters(hp, 8)
+    assert counters.n0 == 1.0 and block.h0.tolist() == pytest.approx([1e5] * 3, rel=1e-15)
+    g = torch.tensor([2.0, 2.0, 2.0], dtype=DTYPE)
+    h = torch.tensor([5.0, 500.0, -3.0], dtype=DTYPE)
+    result = sparse_qnvb_update((block,), counters, [g], [h], hp, 8)
+    new = result.blocks[0]
+    floor = 0.3**-2
+    assert new.tau.tolist() == pytest.approx([floor**-0.5, 500**-0.5, floor**-0.5])
+    assert new.nu.tolist() == pytest.approx([1 - 2 / 100, 1 - 2 / 500, 1 - 2 / 100])
+    assert result.counters == (1, 1.0, 0.0)  # n_tgt = 8 * 2^(1-4) = 1 reached: restarted
+    assert new.h0.tolist() == pytest.approx([floor, 500.0, floor])  # moved to the index-0 sums
+    assert new.h1.tolist() == [0.0, 0.0, 0.0]
+    # the sums were carried to the new expansion point before the restart: g1 + h1 (mu' - mu)
+    delta = new.mu - block.mu
+    assert new.g0.tolist() == pytest.approx((g + new.h0 * delta).tolist())
+
+
+def test_quadratic_lands_on_newton_point_with_eq_4_6_logits():
+    """n_e = 4, S = 8: n_tgt = 1, 2, 4, 8 per epoch. Update 19 (epoch 3, its third term) has
+    n0 = 2, n1 = 3: h_hat = 3 a, so tau = (3a)^(-1/2), nu = b (the Newton point of the hybrid
+    quadratic, whose sums all stem from the same quadratic), and the zero logits are eq. 4.6:
+    (log(3 a tau_max^2) - 3 a b^2) / 2; the probabilities are the sieve's map of them."""
+    hp = SparseQNVBHyperparameters(num_epochs=4)
+    a, b = _quadratic()
+    history = _run(hp, 8, a, b, 19)
+    result = history[-1]
+    block = result.blocks[0]
+    assert result.counters == (19, 2.0, 3.0)
+    torch.testing.assert_close(block.nu, b, rtol=0, atol=1e-12)
+    torch.testing.assert_close(block.tau, (3 * a).rsqrt(), rtol=1e-14, atol=0)
+    expected = 0.5 * (torch.log(3 * a * 0.09) - 3 * a * b**2)
+    torch.testing.assert_close(result.zero_logits[0], expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(zero_logits(3 * a, b, 0.3), expected, rtol=1e-14, atol=0)
+    s0, s1 = sieve_fractions(2 + 3 / 8, hp)
+    upper, lower = sieve_boundaries(expected, s0, s1)
+    p = torch.sigmoid(-sieve_map(expected, upper, lower, hp))
+    torch.testing.assert_close(block.p_nonzero, p, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block.mu, p * b, rtol=1e-12, atol=1e-12)
+
+
+def _epoch_two_move(cases_per_step, steps_per_epoch, g_case):
+    """How far ``nu`` moves during epoch 2 of a loss with the constant gradient ``g_case`` per case
+    and no curvature (terms of ``cases_per_step`` cases), where only the trust region limits it
+    (the curvature floor 1e-6 and the sums carried with it change the move by about 1e-5)."""
+    hp = SparseQNVBHyperparameters(num_epochs=4, tau_max=1e3)  # curvature floor 1e-6
+    blocks = (init_sparse_block(torch.zeros_like(g_case), hp),)
+    counters = init_sparse_counters(hp, steps_per_epoch)
+    term, zero = cases_per_step * g_case, torch.zeros_like(g_case)
+    start = None
+    for step in range(2 * steps_per_epoch):
+        if step == steps_per_epoch:
+            start = blocks[0].nu
+        result = sparse_qnvb_update(
+            blocks, counters, [term], [zero], hp, steps_per_epoch, cases_per_step
+        )
+        blocks, counters = result.blocks, result.counters
+    return blocks[0].nu - start
+
+
+def test_trust_region_moves_a_minibatch_as_far_as_its_cases():
+    """Section 5.1.3: where the trust region binds, each update moves nu by its term's gradient
+    over h_min = 1 / (n_c 2^(1 - n_e) alpha_max) = 1.25 (n_c = 64, n_e = 4, alpha_max = 0.1): 64
+    per-case updates move nu by 64 g / 1.25 = 51.2 g in an epoch, and so must 8 minibatches of 8
+    cases. With h_min counted in steps (1 / (S 2^(1 - n_e) alpha_max)) they moved 8 times less."""
+    g_case = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=DTYPE)
+    expected = -51.2 * g_case
+    per_case = _epoch_two_move(1.0, 64, g_case)
+    minibatch = _epoch_two_move(8.0, 8, g_case)
+    torch.testing.assert_close(per_case, expected, rtol=1e-4, atol=0)
+    torch.testing.assert_close(minibatch, expected, rtol=1e-4, atol=0)
+
+
+def test_optimizer_trust_region_counts_cases():
+    """The same through ``SparseQNVBOptimizer``: the mean loss per case ``w . c`` of a linear model
+    has the gradient ``c`` per case and, integrated by the antithetic nodes, no curvature; with 64
+    cases in 8 steps of 8 and no prior, nu moves by -51.2 c in epoch 2."""
+    c = torch.tensor([[1.0, -2.0, 0.5, 3.0]], dtype=DTYPE)
+    net = torch.nn.Linear(4, 1, bias=False).to(DTYPE)
+    torch.nn.init.zeros_(net.weight)
+    optimizer = SparseQNVBOptimizer(
+        net.parameters(),
+        num_cases=64,
+        steps_per_epoch=8,
+        num_epochs=4,
+        tau_max=1e3,
+        prior_precision=0.0,
+        generator=torch.Generator().manual_seed(0),
+    )
+
+    def closure():
+        loss = (net.weight * c).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(8):
+        optimizer.step(closure)
+    start = optimizer.state[net.weight]["nu"].clone()
+    for _ in range(8):
+        optimizer.step(closure)
+    moved = optimizer.state[net.weight]["nu"] - start
+    torch.testing.assert_close(moved, -51.2 * c, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("target_free", [0.1, 0.01])
+def test_final_epoch_realizes_and_keeps_the_pattern(target_free):
+    """After n_e epochs the weights are exactly zero where the probability of a nonzero was below
+    1/2 at the end of epoch n_e - 1: exactly round(0.9 d) zeros when target_free = 1 - 0.9 (no
+    middle band), between round(0.9 d) and d - round(0.01 d) otherwise."""
+    hp = SparseQNVBHyperparameters(num_epochs=4, target_sparsity=0.9, target_free=target_free)
+    a, b = _quadratic()
+    history = _run(hp, 8, a, b, 32)
+    before = history[23].blocks[0].p_nonzero  # end of epoch 3
+    expected_zeros = before < 0.5
+    if target_free == 0.1:
+        assert int(expected_zeros.sum()) == 900
+    else:
+        assert 900 <= int(expected_zeros.sum()) <= 990
+    for result in history[24:]:
+        block = result.blocks[0]
+        assert result.zero_logits is None
+        assert torch.equal(block.pattern, (~expected_zeros).to(DTYPE))
+        assert torch.equal(block.mu == 0, expected_zeros)
+        assert torch.equal(block.sigma == 0, expected_zeros)
+    # the nonzeros sit at their Newton point b, and the zeros are the smallest |b| sqrt(a) on the
+    # whole: eq. 4.6 ranks by h nu^2 - log(h tau^2)
+    last = history[-1].blocks[0]
+    torch.testing.assert_close(last.mu[~expected_zeros], b[~expected_zeros], rtol=0, atol=1e-12)
+    score = a * b**2
+    assert score[expected_zeros].max() < score[~expected_zeros].max()
+
+
+def test_hyperparameters_are_checked_by_name():
+    with pytest.raises(ValueError, match="target_sparsity"):
+        SparseQNVBHyperparameters(target_sparsity=1.2)
+    with pytest.raises(ValueError, match="target_sparsity \\+ target_free"):
+        SparseQNVBHyperparameters(target_sparsity=0.97, target_free=0.05)
+    with pytest.raises(ValueError, match="p_nonzero_high"):
+        SparseQNVBHyperparameters(p_nonzero_high=0.3)
+    with pytest.raises(ValueError, match="num_epochs"):
+        SparseQNVBHyperparameters(num_epochs=2)
+    with pytest.raises(TypeError, match="num_pairs"):
+        SparseQNVBHyperparameters(num_pairs=1.5)
+    with pytest.raises(TypeError, match="tau_max"):
+        SparseQNVBHyperparameters(tau_max="0.3")
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        init_sparse_counters(SparseQNVBHyperparameters(), 0)
+
+
+# --- SparseQNVBOptimizer ------------------------------------------------------------------------
+
+
+def _separable_regression(num_batches=10, d=16, seed=0):
+    """Minibatches whose rows are +-e_j, each coordinate twice per batch: every minibatch's
+    Hessian is diagonal, so the Hadamard quadrature's g and h are exact. Three true nonzeros."""
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.zeros(d, dtype=DTYPE)
+    w[[2, 7, 11]] = torch.tensor([1.5, -2.0, 0.8], dtype=DTYPE)
+    batches = []
+    for _ in range(num_batches):
+        x = torch.cat([torch.eye(d, dtype=DTYPE), -torch.eye(d, dtype=DTYPE)])
+        y = x @ w + 0.1 * torch.randn(2 * d, generator=generator, dtype=DTYPE)
+        batches.append((x, y))
+    return w, batches
+
+
+def _train(net, optimizer, batches, steps):
+    for step in range(steps):
+        x, y = batches[step % len(batches)]
+
+        def closure(x=x, y=y):
+            loss = 50.0 * ((net(x).squeeze(-1) - y) ** 2).mean()  # noise sd 0.1, per case
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+
+
+def _net(d=16, seed=0):
+    torch.manual_seed(seed)
+    net = torch.nn.Linear(d, 1, bias=False).to(DTYPE)
+    torch.nn.init.normal_(net.weight, std=0.1)
+    return net
+
+
+def test_optimizer_finds_the_sparse_support():
+    """16 weights, 3 true nonzeros: 12 are sieved near zero and 3 held nonzero by the end of
+    epoch 9; the one left in the middle band is rounded at the realization. Exactly the true
+    support survives, and the nonzeros approach the posterior mean on it."""
+    w, batches = _separable_regression()
+    net = _net()
+    optimizer = SparseQNVBOptimizer(
+        net.parameters(),
+        num_cases=32 * len(batches),
+        steps_per_epoch=len(batches),
+        target_sparsity=12 / 16,
+        target_free=3 / 16,
+        generator=torch.Generator().manual_seed(0),
+    )
+    _train(net, optimizer, batches, 10 * len(batches))
+    weights = net.weight.detach().reshape(-1)
+    assert optimizer.epoch == 10
+    assert torch.equal(weights != 0, w != 0)
+    assert optimizer.sparsity() == 13 / 16
+    # posterior mean on the support: each of the 10 batches has 2 rows per coordinate with noise
+    # precision 100, and the slab prior's precision is 1 / 0.3^2
+    xs = torch.cat([x for x, _ in batches])
+    ys = torch.cat([y for _, y in batches])
+    posterior_mean = 100 * (xs * ys[:, None]).sum(0) / (100 * (xs**2).sum(0) + 0.3**-2)
+    torch.testing.assert_close(weights[w != 0], posterior_mean[w != 0], rtol=0, atol=0.03)
+    assert optimizer.p_nonzero().shape == (16,)
+
+
+def test_optimizer_resumes_bit_for_bit():
+    _, batches = _separable_regression()
+    kwargs = dict(num_cases=320, steps_per_epoch=10, num_epochs=4, target_sparsity=0.75)
+    net = _net()
+    optimizer = SparseQNVBOptimizer(
+        net.parameters(), generator=torch.Generator().manual_seed(3), **kwargs
+    )
+    _train(net, optimizer, batches, 17)
+    saved_net = copy.deepcopy(net.state_dict())
+    saved = copy.deepcopy(optimizer.state_dict())
+    _train(net, optimizer, batches[7:] + batches[:7], 23)
+
+    other = _net(seed=5)
+    other.load_state_dict(saved_net)
+    resumed = SparseQNVBOptimizer(
+        other.parameters(), generator=torch.Generator().manual_seed(99), **kwargs
+    )
+    resumed.load_state_dict(saved)
+    _train(other, resumed, batches[7:] + batches[:7], 23)
+    assert torch.equal(net.weight, other.weight)
+    for name, value in optimizer.state[net.weight].items():
+        assert torch.equal(value, resumed.state[other.weight][name]), name
+    assert optimizer.counters == resumed.counters
+    assert optimizer.sequence_offset == resumed.sequence_offset
+
+
+def test_optimizer_refuses_bad_input():
+    net = _net()
+    with pytest.raises(ValueError, match="num_cases"):
+        SparseQNVBOptimizer(net.parameters(), num_cases=0, steps_per_epoch=3)
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        SparseQNVBOptimizer(net.parameters(), num_cases=10, steps_per_epoch=0)
+    with pytest.raises(ValueError, match="parameter groups take no options"):
+        SparseQNVBOptimizer(
+            [{"params": net.parameters(), "tau_max": 0.1}], num_cases=10, steps_per_epoch=3
+        )
+    optimizer = SparseQNVBOptimizer(net.parameters(), num_cases=10, steps_per_epoch=3)
+    with pytest.raises(TypeError, match="closure must return the scalar loss"):
+        optimizer.step(lambda: None)
+    with pytest.raises(RuntimeError, match="no parameter received a gradient"):
+        optimizer.step(lambda: torch.tensor(1.0))
+    assert torch.equal(net.weight, optimizer.state[net.weight]["mu"])  # restored to the mean
+
+
+def test_no_nan_or_infinity_leaves_the_update():
+    """float32, n0 = 2 and n1 = 1 (alpha_1 = 4/3): g = 3e38 overflows g_hat, so that coordinate
+    drops the term and keeps its Gaussian; a NaN g drops its term too; both are counted."""
+    hp = SparseQNVBHyperparameters(num_epochs=4)
+    block = init_sparse_block(torch.tensor([0.5, 0.5, 0.5]), hp)
+    counters = init_sparse_counters(hp, 8)._replace(step=1, n0=2.0)
+    g = torch.tensor([3e38, float("nan"), 1.0])
+    h = torch.tensor([20.0, 20.0, 20.0])
+    result = sparse_qnvb_update((block,), counters, [g], [h], hp, 8)
+    new = result.blocks[0]
+    for value in new:
+        assert bool(torch.isfinite(value).all())
+    assert int(result.num_overflow) == 1 and int(result.num_nonfinite) == 1
+    assert new.nu[0] == block.nu[0]  # kept
+    assert new.nu[1] == block.nu[1]  # g, h dropped: g_nu = g_hat + h_hat (nu - mu) = 0 here
+    assert new.nu[2] != block.nu[2]
+    warned: set[str] = set()
+    messages = result_messages(result, warned)
+    assert len(messages) == 2 and "overflowed at 1 coordinates" in messages[1]
+    assert result_messages(result, warned) == []  # each kind once
