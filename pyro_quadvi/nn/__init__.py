@@ -10,13 +10,19 @@ from . import likelihoods, priors
 from .module import BayesianModule
 from .predict import Prediction, predict
 from .training import History, fit
+from .whvi import WHVILinear, setup_dimensions, whvi, whvi_hidden, whvi_prior
 
 __all__ = [
     "BayesianModule",
     "History",
     "Prediction",
+    "WHVILinear",
     "fit",
     "likelihoods",
     "predict",
     "priors",
+    "setup_dimensions",
+    "whvi",
+    "whvi_hidden",
+    "whvi_prior",
 ]
