@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_whvi.py fwht [--repeats 7]
     OMP_NUM_THREADS=1 python benchmarks/bench_whvi.py layer [--repeats 5]
     OMP_NUM_THREADS=1 python benchmarks/bench_whvi.py uci [--datasets boston concrete]
-        [--splits 8] [--steps 600] [--adam-steps 1800]
+        [--splits 8] [--steps 600] [--adam-steps 1800] [--qnvb-lr 0.1]
     OMP_NUM_THREADS=1 python benchmarks/bench_whvi.py toy [--steps 2000] [--nuts]
 
 - ``fwht``: ``pyro_quadvi.linalg.fwht`` against ``x @ H`` with the dense Sylvester matrix ``H``
@@ -21,8 +21,10 @@
   units), a 2 x 128 ReLU network, a learned noise scale (``HalfNormal(1)`` prior on the
   standardized scale); MFG: every layer mean-field (``priors.LayerwiseNormal("radford")``);
   WHVI: ``whvi(net, skip_last=True)`` (the paper's last layer is mean-field), ``g ~ N(0, 1)``.
-  Each is trained full batch from a prior draw with ``QNVB()`` + ``QuadratureELBO()`` for
-  ``--steps`` steps, and with ``pyro.optim.Adam({"lr": 0.01})`` + ``Trace_ELBO()`` for
+  Each is trained full batch from a prior draw with ``QNVB(lr=0.1)`` + ``QuadratureELBO()``
+  for ``--steps`` steps (``--qnvb-lr``: QNVB's default ``lr = 1`` throws the mean-field network's
+  first steps to losses of 1e7-1e11 and it ends at a test RMSE of 80 on Boston), and with
+  ``pyro.optim.Adam({"lr": 0.01})`` + ``Trace_ELBO()`` for
   ``--adam-steps`` steps (3 x, so both take the same gradient evaluations: K = 3 nodes a QNVB
   step). Test RMSE of the predictive mean and MNLL ``-log (1/S) sum_s N(y | f_s(x), sigma_s)``
   over ``S = 200`` guide draws (weights and noise), in the targets' units.
@@ -189,14 +191,16 @@ def predictive_scores(bnn, guide, x, y, y_std: float, num_samples: int = 200) ->
     return {"rmse": float(rmse) * y_std, "mnll": float(mnll) + math.log(y_std)}
 
 
-def fit_uci(name: str, split: int, kind: str, method: str, steps: int, seed: int = 0) -> dict:
+def fit_uci(
+    name: str, split: int, kind: str, method: str, steps: int, qnvb_lr: float, seed: int = 0
+) -> dict:
     data = regression_split(name, split)
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     bnn = make_bnn(kind, data.x_train.shape[1], data.x_train.shape[0])
     guide = AutoMeanFieldNormal(bnn, init_loc_fn=init_to_sample)
     if method == "QNVB":
-        svi = SVI(bnn, guide, QNVB(), QuadratureELBO())
+        svi = SVI(bnn, guide, QNVB(lr=qnvb_lr), QuadratureELBO())
     else:
         svi = SVI(bnn, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
     start = time.process_time()
@@ -209,7 +213,7 @@ def fit_uci(name: str, split: int, kind: str, method: str, steps: int, seed: int
     return scores
 
 
-def bench_uci(datasets, splits: int, steps: int, adam_steps: int) -> None:
+def bench_uci(datasets, splits: int, steps: int, adam_steps: int, qnvb_lr: float) -> None:
     methods = [("MFG", "QNVB"), ("MFG", "Adam"), ("WHVI", "QNVB"), ("WHVI", "Adam")]
     results = {}
     total = len(datasets) * splits * len(methods)
@@ -219,7 +223,7 @@ def bench_uci(datasets, splits: int, steps: int, adam_steps: int) -> None:
             runs = []
             for split in range(splits):
                 n = steps if method == "QNVB" else adam_steps
-                runs.append(fit_uci(name, split, kind, method, n))
+                runs.append(fit_uci(name, split, kind, method, n, qnvb_lr))
                 bar.update()
                 bar.set_postfix(rmse=f"{runs[-1]['rmse']:.2f}", mnll=f"{runs[-1]['mnll']:.2f}")
             results[name, kind, method] = runs
@@ -303,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--splits", type=int, default=8)
     parser.add_argument("--steps", type=int, default=600, help="QNVB steps (uci, toy)")
     parser.add_argument("--adam-steps", type=int, default=1800, help="Adam steps (uci)")
+    parser.add_argument("--qnvb-lr", type=float, default=0.1, help="QNVB's lr (uci)")
     parser.add_argument("--nuts", action="store_true", help="toy: add the NUTS reference")
     parser.add_argument("--out", default=str(ROOT / "docs" / "img" / "whvi_toy.png"))
     options = parser.parse_args(argv)
@@ -312,7 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     elif options.part == "layer":
         bench_layer(options.repeats)
     elif options.part == "uci":
-        bench_uci(options.datasets, options.splits, options.steps, options.adam_steps)
+        bench_uci(
+            options.datasets, options.splits, options.steps, options.adam_steps, options.qnvb_lr
+        )
     else:
         bench_toy(options.steps, options.nuts, options.out)
 
