@@ -46,9 +46,7 @@ import time
 from pathlib import Path
 
 import pyro
-import pyro.distributions as dist
 import torch
-from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide.initialization import init_to_sample
 from torch import nn
@@ -90,6 +88,17 @@ def slope(xs, ys) -> float:
     lx, ly = [math.log(v) for v in xs], [math.log(v) for v in ys]
     mx, my = statistics.fmean(lx), statistics.fmean(ly)
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def load_tutorial(name: str):
+    """A tutorial script (``tutorials/<name>.py``) as a module, loaded once."""
+    if name not in sys.modules:
+        path = ROOT / "tutorials" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
 
 
 # ----------------------------------------------------------------------------- 1. the transform
@@ -144,7 +153,7 @@ def bench_layer(repeats: int) -> None:
             guide = AutoMeanFieldNormal(bnn)
             svi = SVI(bnn, guide, QNVB(), QuadratureELBO())
             svi.step(x, y)
-            count = sum(v.numel() for v in pyro.get_param_store().values())
+            count = load_tutorial("whvi_regression").count_parameters()
 
             def steps(svi=svi, x=x, y=y):
                 for _ in range(3):
@@ -158,46 +167,15 @@ def bench_layer(repeats: int) -> None:
 # ----------------------------------------------------------------------------- 3. Table 3
 
 
-def make_bnn(kind: str, num_features: int, n: int, hidden: int = 128) -> BayesianModule:
-    net = nn.Sequential(
-        nn.Linear(num_features, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, 1),
-    )
-    prior = priors.LayerwiseNormal("radford")
-    hide: list[str] = []
-    if kind == "WHVI":
-        net = whvi(net, skip_last=True)
-        prior, hide = whvi_prior(net, prior), whvi_hidden(net)
-    return BayesianModule(net, prior, likelihoods.Gaussian(n, scale=None), hide=hide)
-
-
-def predictive_scores(bnn, guide, x, y, y_std: float, num_samples: int = 200) -> dict:
-    """RMSE and mixture MNLL in original units from ``num_samples`` joint guide draws."""
-    with torch.no_grad(), pyro.plate("_draws", num_samples, dim=-2):
-        trace = poutine.trace(guide).get_trace(x)
-    values = {
-        name: trace.nodes[name]["value"].expand((num_samples, 1, *param.shape))
-        for name, param in bnn.latent_parameters().items()
-    }
-    with torch.no_grad():
-        f = bnn.evaluate(values, x).squeeze(-1)  # (S, B)
-    sigma = trace.nodes["noise_scale"]["value"].reshape(num_samples, 1)
-    log_density = dist.Normal(f, sigma).log_prob(y)
-    mnll = -(torch.logsumexp(log_density, 0) - math.log(num_samples)).mean()
-    rmse = (f.mean(0) - y).square().mean().sqrt()
-    return {"rmse": float(rmse) * y_std, "mnll": float(mnll) + math.log(y_std)}
-
-
 def fit_uci(
     name: str, split: int, kind: str, method: str, steps: int, qnvb_lr: float, seed: int = 0
 ) -> dict:
+    """One fit of the tutorial's model (``tutorials/whvi_regression.py``) and its test scores."""
+    tutorial = load_tutorial("whvi_regression")
     data = regression_split(name, split)
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    bnn = make_bnn(kind, data.x_train.shape[1], data.x_train.shape[0])
+    bnn = tutorial.make_bnn(kind, data.x_train.shape[1], data.x_train.shape[0])
     guide = AutoMeanFieldNormal(bnn, init_loc_fn=init_to_sample)
     if method == "QNVB":
         svi = SVI(bnn, guide, QNVB(lr=qnvb_lr), QuadratureELBO())
@@ -208,9 +186,9 @@ def fit_uci(
         svi.step(data.x_train, data.y_train)
     cpu = time.process_time() - start
     pyro.set_rng_seed(seed + 1)
-    scores = predictive_scores(bnn, guide, data.x_test, data.y_test, data.y_std)
-    scores["cpu_s"] = cpu
-    return scores
+    outputs, sigma = tutorial.predictive_draws(bnn, guide, data.x_test, 200)
+    scores = tutorial.scores(outputs, sigma, data.y_test, data.y_mean, data.y_std)
+    return {"rmse": scores["rmse"], "mnll": scores["mnll"], "cpu_s": cpu}
 
 
 def bench_uci(datasets, splits: int, steps: int, adam_steps: int, qnvb_lr: float) -> None:
@@ -251,16 +229,8 @@ def bench_uci(datasets, splits: int, steps: int, adam_steps: int, qnvb_lr: float
 # ----------------------------------------------------------------------------- 4. the toy
 
 
-def load_tutorial():
-    path = ROOT / "tutorials" / "bnn_regression.py"
-    spec = importlib.util.spec_from_file_location("bnn_regression", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def bench_toy(steps: int, nuts: bool, out: str, samples: int = 200) -> None:
-    tutorial = load_tutorial()
+    tutorial = load_tutorial("bnn_regression")
     x, y = tutorial.toy_data()
     x_test, y_test = tutorial.test_data()
     n = x.shape[0]
@@ -279,7 +249,7 @@ def bench_toy(steps: int, nuts: bool, out: str, samples: int = 200) -> None:
         elapsed = time.perf_counter() - start
         pyro.set_rng_seed(10)
         prediction = bnn.predict(guide, x_test, num_samples=samples)
-        count = sum(v.numel() for v in pyro.get_param_store().values())
+        count = load_tutorial("whvi_regression").count_parameters()
         label = f"{kind}, 1-128-128-1 ({count} parameters), QNVB {steps} steps"
         results[label] = tutorial.summarize(prediction.outputs.squeeze(-1), x_test, y_test)
         results[label]["time_s"] = elapsed
