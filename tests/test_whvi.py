@@ -276,3 +276,21 @@ def test_qnvb_trains_g_and_the_fallback_trains_s1_s2(fresh_param_store):
     names = [site.name for site in guide.mean_field_sites()]
     assert names == ["0.g", "0.bias", "2.weight", "2.bias"]
     assert last < first - 5.0  # the ELBO improved
+
+
+def test_network_counts_of_the_docs(fresh_param_store):
+    """docs/whvi.md: 13-128-128-1 with a learned noise, 1,796 (WHVI) against 36,868 (MFG)."""
+    x, y = torch.randn(4, 13), torch.randn(4)
+    counts = {}
+    for kind in ("WHVI", "MFG"):
+        pyro.clear_param_store()
+        net = nn.Sequential(nn.Linear(13, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU())
+        net.append(nn.Linear(128, 1))
+        prior, hide = priors.LayerwiseNormal(), []
+        if kind == "WHVI":
+            net = whvi(net, skip_last=True)
+            prior, hide = whvi_prior(net, prior), whvi_hidden(net)
+        bnn = BayesianModule(net, prior, likelihoods.Gaussian(4, scale=None), hide=hide)
+        AutoMeanFieldNormal(bnn)(x, y)
+        counts[kind] = sum(v.numel() for v in pyro.get_param_store().values())
+    assert counts == {"WHVI": 1796, "MFG": 36868}
