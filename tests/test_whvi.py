@@ -294,3 +294,34 @@ def test_network_counts_of_the_docs(fresh_param_store):
         AutoMeanFieldNormal(bnn)(x, y)
         counts[kind] = sum(v.numel() for v in pyro.get_param_store().values())
     assert counts == {"WHVI": 1796, "MFG": 36868}
+
+
+def test_one_pass_gradients_equal_the_loop(fresh_param_store):
+    bnn = make_bnn()
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(9, 5, dtype=F64, generator=generator)
+    weights = torch.randn(3, 9, 1, dtype=F64, generator=generator)
+    values = {
+        name: torch.randn((3, 1, *p.shape), dtype=F64, generator=generator, requires_grad=True)
+        for name, p in bnn.latent_parameters().items()
+    }
+    batched = torch.autograd.grad((bnn.evaluate(values, x) * weights).sum(), list(values.values()))
+    looped = []
+    for k in range(3):
+        out = bnn.evaluate({n: v[k, 0] for n, v in values.items()}, x)
+        looped.append(torch.autograd.grad((out * weights[k]).sum(), list(values.values())))
+    for i, value in enumerate(batched):
+        torch.testing.assert_close(value, sum(g[i] for g in looped), rtol=0, atol=1e-12)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="in_features must be a positive int"):
+        WHVILinear(0, 4)
+    with pytest.raises(ValueError, match="prior_scale must be > 0"):
+        WHVILinear(4, 4, prior_scale=0.0)
+    with pytest.raises(ValueError, match="in_features=4"):
+        WHVILinear(4, 4)(torch.zeros(2, 5))
+    with pytest.raises(TypeError, match=r"must be a torch\.nn\.Module"):
+        whvi("net")
+    with pytest.raises(TypeError, match="prior must be callable"):
+        whvi_prior(nn.Linear(2, 2), 1.0)
