@@ -268,7 +268,7 @@ def test_qnvb_trains_g_and_the_fallback_trains_s1_s2(fresh_param_store):
     guide = AutoMeanFieldNormal(bnn)
     svi = SVI(bnn, guide, QNVB(), QuadratureELBO())
     first = svi.step(x, y)
-    for _ in range(150):
+    for _ in range(60):
         last = svi.step(x, y)
     store = pyro.get_param_store()
     s1 = store["net.0.s1"]
