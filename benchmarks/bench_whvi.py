@@ -7,14 +7,14 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_whvi.py toy [--steps 2000] [--nuts]
 
 - ``fwht``: ``pyro_quadvi.linalg.fwht`` against ``x @ H`` with the dense Sylvester matrix ``H``
-  built beforehand, ``D = 2^6 .. 2^14``, batch 512, float32, one thread; median of ``--repeats``
-  timings each, alternating the two; the crossover (the least ``D`` where the transform is
-  faster) and least-squares slopes of ``log time`` on ``log D`` (``D log D`` has slope about 1.1
-  over this range, ``D^2`` slope 2).
+  built beforehand, ``D = 2^6 .. 2^14``, batch 512, float32, one thread; median CPU time
+  (``time.process_time``) of ``--repeats`` timings each, alternating the two; the crossover
+  (the least ``D`` where the transform is faster) and least-squares slopes of ``log time`` on
+  ``log D`` (``D log D`` has slope about 1.1 over this range, ``D^2`` slope 2).
 - ``layer``: one ``WHVILinear(D, D)`` against one ``nn.Linear(D, D)`` as the net of a
   ``BayesianModule`` (Gaussian likelihood, batch 64, ``priors.Normal``; the WHVI layer's ``s1``,
   ``s2`` hidden), ``AutoMeanFieldNormal``, ``QNVB()`` + ``QuadratureELBO()``: the variational
-  parameter count (entries of the guide's and the hidden parameters), the median step time over
+  parameter count (entries of the guide's and the hidden parameters), the median step CPU time over
   ``--repeats`` blocks of 3 steps, and the peak memory of one step (``bench_bnn_speed.peak_bytes``).
 - ``uci``: the paper's Table 3 setting (Section 3.2): ``regression_split(name, i)`` for 8 random
   90/10 splits, inputs standardized (targets standardized for training, scores in original
@@ -76,11 +76,13 @@ PUBLISHED = {  # Table 3 of the paper: (mean, sd)
 
 
 def median_time(fn, repeats: int) -> float:
+    """Median CPU time of ``fn()`` (``time.process_time``: the machine is shared, so wall-clock
+    times of one thread measure the other users as much as the code)."""
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return statistics.median(times)
 
 
