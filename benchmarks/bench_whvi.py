@@ -30,7 +30,7 @@
   over ``S = 200`` guide draws (weights and noise), in the targets' units.
 - ``toy``: the paper's Fig. 4 problem (``tutorials/bnn_regression.py``'s data): a 1-128-128-1
   cosine network, mean field against WHVI (the hidden 128 x 128 layer WHVI, the first and last
-  mean-field, as the paper's parameter count of 1541 implies), QNVB + QuadratureELBO;
+  mean-field, as the paper's parameter count of 1541 implies), QNVB(lr=0.1) + QuadratureELBO;
   ``--nuts`` adds the tutorial's NUTS reference (1-10-1, 300 + 300 draws). Writes
   ``docs/img/whvi_toy.png`` (``--out``).
 """
@@ -247,12 +247,12 @@ def bench_toy(steps: int, nuts: bool, out: str, samples: int = 200) -> None:
                 net, whvi_prior(net, bnn.prior), bnn.likelihood, hide=whvi_hidden(net)
             )
         start = time.perf_counter()
-        guide, _ = tutorial.fit_svi(bnn, x, y, QNVB(), QuadratureELBO(), steps, kind)
+        guide, _ = tutorial.fit_svi(bnn, x, y, QNVB(lr=0.1), QuadratureELBO(), steps, kind)
         elapsed = time.perf_counter() - start
         pyro.set_rng_seed(10)
         prediction = bnn.predict(guide, x_test, num_samples=samples)
         count = load_tutorial("whvi_regression").count_parameters()
-        label = f"{kind}, 1-128-128-1 ({count} parameters), QNVB {steps} steps"
+        label = f"{kind}, 1-128-128-1 ({count} parameters), QNVB(lr=0.1) {steps} steps"
         results[label] = tutorial.summarize(prediction.outputs.squeeze(-1), x_test, y_test)
         results[label]["time_s"] = elapsed
     if nuts:
