@@ -4,6 +4,8 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_whvi.py layer [--repeats 5]
     OMP_NUM_THREADS=1 python benchmarks/bench_whvi.py uci [--datasets boston concrete]
         [--splits 8] [--steps 600] [--adam-steps 1800] [--qnvb-lr 0.1]
+        [--only boston:WHVI:Adam:3 ...] [--jsonl fits.jsonl]
+    OMP_NUM_THREADS=1 python benchmarks/bench_whvi.py uci --summarize fits.jsonl ...
     OMP_NUM_THREADS=1 python benchmarks/bench_whvi.py toy [--steps 2000] [--nuts]
 
 - ``fwht``: ``pyro_quadvi.linalg.fwht`` against ``x @ H`` with the dense Sylvester matrix ``H``
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import statistics
 import sys
@@ -193,39 +196,62 @@ def fit_uci(
     return {"rmse": scores["rmse"], "mnll": scores["mnll"], "cpu_s": cpu}
 
 
-def bench_uci(datasets, splits: int, steps: int, adam_steps: int, qnvb_lr: float) -> None:
-    methods = [("MFG", "QNVB"), ("MFG", "Adam"), ("WHVI", "QNVB"), ("WHVI", "Adam")]
-    results = {}
-    total = len(datasets) * splits * len(methods)
-    bar = tqdm(total=total, desc="uci")
-    for name in datasets:
-        for kind, method in methods:
-            runs = []
-            for split in range(splits):
-                n = steps if method == "QNVB" else adam_steps
-                runs.append(fit_uci(name, split, kind, method, n, qnvb_lr))
-                bar.update()
-                bar.set_postfix(rmse=f"{runs[-1]['rmse']:.2f}", mnll=f"{runs[-1]['mnll']:.2f}")
-            results[name, kind, method] = runs
-    bar.close()
+UCI_METHODS = [("MFG", "QNVB"), ("MFG", "Adam"), ("WHVI", "QNVB"), ("WHVI", "Adam")]
+
+
+def bench_uci(
+    datasets, splits: int, steps: int, adam_steps: int, qnvb_lr: float, only, jsonl
+) -> None:
+    """Every (data set, model, training, split) fit, or those of ``only`` (``"boston:WHVI:Adam:3"``
+    each); each fit's scores go to stdout and, as a JSON line, to ``jsonl`` (so that fits can
+    run in several processes and be summarized together with ``--summarize``)."""
+    fits = [
+        (name, kind, method, split)
+        for name in datasets
+        for kind, method in UCI_METHODS
+        for split in range(splits)
+    ]
+    if only:
+        wanted = {tuple(item.split(":")) for item in only}
+        fits = [fit for fit in fits if (fit[0], fit[1], fit[2], str(fit[3])) in wanted]
+    records = []
+    for name, kind, method, split in tqdm(fits, desc="uci"):
+        n = steps if method == "QNVB" else adam_steps
+        record = {"data": name, "model": kind, "training": method, "split": split, "steps": n}
+        record.update(fit_uci(name, split, kind, method, n, qnvb_lr))
+        records.append(record)
+        print(json.dumps(record), flush=True)
+        if jsonl:
+            with open(jsonl, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+    summarize_uci(records)
+
+
+def summarize_uci(records: list[dict]) -> None:
+    """The Table 3 rows (mean (sd) over splits) of fit records, and the published rows."""
+    groups: dict[tuple, list[dict]] = {}
+    for record in records:
+        groups.setdefault((record["data"], record["model"], record["training"]), []).append(record)
 
     def summary(runs, key):
         values = [r[key] for r in runs]
         sd = statistics.stdev(values) if len(values) > 1 else 0.0
         return f"{statistics.fmean(values):.2f} ({sd:.2f})"
 
-    print("| data | model | training | test RMSE | test MNLL | CPU s per fit |")
-    print("|---|---|---|---|---|---|")
-    for (name, kind, method), runs in results.items():
+    print("| data | model | training | splits | test RMSE | test MNLL | CPU s per fit |")
+    print("|---|---|---|---|---|---|---|")
+    order = {key: i for i, key in enumerate(UCI_METHODS)}
+    for key in sorted(groups, key=lambda k: (k[0], order[k[1:]])):
+        runs = groups[key]
         cpu = statistics.fmean(r["cpu_s"] for r in runs)
         print(
-            f"| {name} | {kind} | {method} | {summary(runs, 'rmse')} | "
+            f"| {key[0]} | {key[1]} | {key[2]} | {len(runs)} | {summary(runs, 'rmse')} | "
             f"{summary(runs, 'mnll')} | {cpu:.1f} |"
         )
     for (name, kind), published in PUBLISHED.items():
-        if name in datasets:
+        if any(key[0] == name for key in groups):
             r, m = published["rmse"], published["mnll"]
-            print(f"| {name} | {kind} | published | {r[0]} ({r[1]}) | {m[0]} ({m[1]}) | |")
+            print(f"| {name} | {kind} | published | 8 | {r[0]} ({r[1]}) | {m[0]} ({m[1]}) | |")
 
 
 # ----------------------------------------------------------------------------- 4. the toy
@@ -280,6 +306,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=600, help="QNVB steps (uci, toy)")
     parser.add_argument("--adam-steps", type=int, default=1800, help="Adam steps (uci)")
     parser.add_argument("--qnvb-lr", type=float, default=0.1, help="QNVB's lr (uci)")
+    parser.add_argument("--only", nargs="+", help="uci: fits data:model:training:split")
+    parser.add_argument("--jsonl", help="uci: append each fit's record to this file")
+    parser.add_argument("--summarize", nargs="+", help="uci: summarize these JSON-lines files")
     parser.add_argument("--nuts", action="store_true", help="toy: add the NUTS reference")
     parser.add_argument("--out", default=str(ROOT / "docs" / "img" / "whvi_toy.png"))
     options = parser.parse_args(argv)
@@ -288,9 +317,21 @@ def main(argv: list[str] | None = None) -> None:
         bench_fwht(options.repeats)
     elif options.part == "layer":
         bench_layer(options.repeats)
+    elif options.part == "uci" and options.summarize:
+        records = []
+        for path in options.summarize:
+            with open(path) as handle:
+                records += [json.loads(line) for line in handle if line.strip()]
+        summarize_uci(records)
     elif options.part == "uci":
         bench_uci(
-            options.datasets, options.splits, options.steps, options.adam_steps, options.qnvb_lr
+            options.datasets,
+            options.splits,
+            options.steps,
+            options.adam_steps,
+            options.qnvb_lr,
+            options.only,
+            options.jsonl,
         )
     else:
         bench_toy(options.steps, options.nuts, options.out)
