@@ -203,17 +203,24 @@ def bench_uci(
     datasets, splits: int, steps: int, adam_steps: int, qnvb_lr: float, only, jsonl
 ) -> None:
     """Every (data set, model, training, split) fit, or those of ``only`` (``"boston:WHVI:Adam:3"``
-    each); each fit's scores go to stdout and, as a JSON line, to ``jsonl`` (so that fits can
-    run in several processes and be summarized together with ``--summarize``)."""
+    each, run in that order); each fit's scores go to stdout and, as a JSON line, to ``jsonl``
+    (so that fits can run in several processes and be summarized together with ``--summarize``).
+    """
     fits = [
         (name, kind, method, split)
         for name in datasets
         for kind, method in UCI_METHODS
         for split in range(splits)
     ]
-    if only:
-        wanted = {tuple(item.split(":")) for item in only}
-        fits = [fit for fit in fits if (fit[0], fit[1], fit[2], str(fit[3])) in wanted]
+    if only:  # in the order given
+        known = {
+            f"{name}:{kind}:{method}:{split}": (name, kind, method, split)
+            for name, kind, method, split in fits
+        }
+        unknown = [item for item in only if item not in known]
+        if unknown:
+            raise ValueError(f"--only: unknown fits {unknown}; e.g. boston:WHVI:Adam:3")
+        fits = [known[item] for item in only]
     records = []
     for name, kind, method, split in tqdm(fits, desc="uci"):
         n = steps if method == "QNVB" else adam_steps
