@@ -285,7 +285,7 @@ def bench_toy(steps: int, nuts: bool, out: str, samples: int = 200) -> None:
         pyro.set_rng_seed(10)
         prediction = bnn.predict(guide, x_test, num_samples=samples)
         count = load_tutorial("whvi_regression").count_parameters()
-        label = f"{kind}, 1-128-128-1 ({count} parameters), QNVB(lr=0.1) {steps} steps"
+        label = f"{kind} ({count:,} parameters)"
         results[label] = tutorial.summarize(prediction.outputs.squeeze(-1), x_test, y_test)
         results[label]["time_s"] = elapsed
     if nuts:
@@ -298,7 +298,10 @@ def bench_toy(steps: int, nuts: bool, out: str, samples: int = 200) -> None:
         label = "NUTS, 1-10-1 (300 draws)"
         results[label] = tutorial.summarize(outputs, x_test, y_test)
         results[label]["time_s"] = elapsed
-    title = "Fig. 4 toy: mean field against WHVI (cosine network, QNVB + QuadratureELBO)"
+    title = (
+        f"Fig. 4 toy, 1-128-128-1 cosine network: mean field against WHVI (hidden layer), "
+        f"QNVB(lr=0.1) + QuadratureELBO, {steps} steps"
+    )
     tutorial.plot(x, y, x_test, results, out, title)
     tutorial.print_table(results)
     print(f"\nfigure saved to {out}")
