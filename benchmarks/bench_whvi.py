@@ -250,11 +250,28 @@ def summarize_uci(records: list[dict]) -> None:
     order = {key: i for i, key in enumerate(UCI_METHODS)}
     for key in sorted(groups, key=lambda k: (k[0], order[k[1:]])):
         runs = groups[key]
-        cpu = statistics.fmean(r["cpu_s"] for r in runs)
+        timed = [r["cpu_s"] for r in runs if math.isfinite(r["cpu_s"])]
+        cpu = f"{statistics.fmean(timed):.1f}" if timed else "n/a"
         print(
             f"| {key[0]} | {key[1]} | {key[2]} | {len(runs)} | {summary(runs, 'rmse')} | "
-            f"{summary(runs, 'mnll')} | {cpu:.1f} |"
+            f"{summary(runs, 'mnll')} | {cpu} |"
         )
+    print("\n| data | training | common splits | WHVI - MFG RMSE | WHVI - MFG MNLL |")
+    print("|---|---|---|---|---|")
+    for name in sorted({key[0] for key in groups}):
+        for method in ("QNVB", "Adam"):
+            whvi_runs = {r["split"]: r for r in groups.get((name, "WHVI", method), [])}
+            mfg_runs = {r["split"]: r for r in groups.get((name, "MFG", method), [])}
+            common = sorted(set(whvi_runs) & set(mfg_runs))
+            if common:
+                paired = [
+                    {k: whvi_runs[i][k] - mfg_runs[i][k] for k in ("rmse", "mnll")} for i in common
+                ]
+                print(
+                    f"| {name} | {method} | {', '.join(map(str, common))} | "
+                    f"{summary(paired, 'rmse')} | {summary(paired, 'mnll')} |"
+                )
+    print()
     for (name, kind), published in PUBLISHED.items():
         if any(key[0] == name for key in groups):
             r, m = published["rmse"], published["mnll"]
