@@ -12,15 +12,21 @@ from .module import BayesianModule
 from .predict import Prediction, predict
 from .sparse import SparseNetwork, sparse_network
 from .training import History, fit
+from .whvi import WHVILinear, setup_dimensions, whvi, whvi_hidden, whvi_prior
 
 __all__ = [
     "BayesianModule",
     "History",
     "Prediction",
     "SparseNetwork",
+    "WHVILinear",
     "fit",
     "likelihoods",
     "predict",
     "priors",
+    "setup_dimensions",
     "sparse_network",
+    "whvi",
+    "whvi_hidden",
+    "whvi_prior",
 ]

@@ -5,6 +5,10 @@ and the antithetic pair ``mu +- sigma * s``. Lemma 3.2 and Theorem 3.3: averaged
 consecutive iterates starting at a multiple of ``2^b``, every pair of coordinates whose indices
 first differ in bit ``b - 1`` (counting from 0) sees the 4-node tensor-product cubature, so its
 cross moments are exact.
+
+The fast Walsh-Hadamard transform :func:`fwht` (the product with the Sylvester-Hadamard matrix,
+whose entries are :func:`hadamard_signs`) lives here too: it is the one implementation in the
+package (re-exported as :func:`pyro_quadvi.linalg.fwht`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 
 from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, check_dim, equal_weights
 
-__all__ = ["MAX_HADAMARD_DIM", "HadamardRule", "hadamard_signs"]
+__all__ = ["MAX_HADAMARD_DIM", "HadamardRule", "fwht", "hadamard_signs"]
 
 MAX_HADAMARD_DIM = 2**31
 """Coordinates are indexed by 32-bit integers: the sequence supports ``dim <= 2^31``."""
@@ -50,6 +54,108 @@ def hadamard_signs(
         iterate = iterate & _INDEX_MASK
     parity = _parity(index & iterate)
     return (1 - 2 * parity).to(dtype or torch.get_default_dtype())
+
+
+# -- the fast Walsh-Hadamard transform --------------------------------------------------------
+
+FWHT_RADIX = 32
+"""Size of the dense Hadamard blocks :func:`fwht` multiplies by (one matrix product per block of
+index bits): ``H_D = H_m (x) ... (x) H_m``, so ``ceil(log2(D) / 5)`` products of ``O(32 D)`` each.
+On a CPU a 32 x 32 product runs near the peak of the BLAS, much faster per element than the 5
+radix-2 passes over memory it replaces."""
+
+_SYLVESTER: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _sylvester(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ``size x size`` Sylvester-Hadamard matrix, entries :func:`hadamard_signs`, cached."""
+    key = (size, dtype, device)
+    if key not in _SYLVESTER:
+        index = torch.arange(size, dtype=torch.int32, device=device)
+        _SYLVESTER[key] = hadamard_signs(index.unsqueeze(0), index.unsqueeze(1), dtype=dtype)
+    return _SYLVESTER[key]
+
+
+def _transform(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * x H`` over the last dim by the Kronecker factorization of ``H`` (no autograd)."""
+    size = x.shape[-1]
+    bits = size.bit_length() - 1
+    rows = x.numel() // size if size else 0
+    radix_bits = FWHT_RADIX.bit_length() - 1
+    out, stride, done = x, 1, 0
+    while done < bits:
+        block = 1 << min(radix_bits, bits - done)
+        factor = _sylvester(block, x.dtype, x.device)
+        if stride == 1:  # the lowest index bits: a plain (rows * size / block, block) product
+            out = out.reshape(rows * size // block, block) @ factor
+        else:  # index bits above ``stride``: H_block acts on the middle axis
+            out = torch.matmul(factor, out.reshape(rows * size // (block * stride), block, stride))
+        stride *= block
+        done += radix_bits
+    if scale != 1.0:
+        out = out * scale
+    return out.reshape(x.shape)
+
+
+class _FWHT(torch.autograd.Function):
+    """``y = scale x H``; ``H`` is symmetric, so the backward (and the forward-mode tangent) is
+    the same transform of the incoming gradient. Nothing is saved for the backward."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return _transform(x, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.scale = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _FWHT.apply(grad, ctx.scale), None
+
+    @staticmethod
+    def jvp(ctx, tangent: torch.Tensor, _scale):
+        return _FWHT.apply(tangent, ctx.scale)
+
+
+def fwht(x: torch.Tensor, normalized: bool = False) -> torch.Tensor:
+    """The fast Walsh-Hadamard transform of ``x`` over its last dim: ``x @ H_D``.
+
+    ``H_D`` is the Sylvester-Hadamard matrix of WHVI paper Section 2.1 (``H_2 = [[1, 1], [1,
+    -1]]``, ``H_2D = [[H_D, H_D], [H_D, -H_D]]``; entry ``(i, j)`` is
+    ``(-1)^parity(i AND j)``, :func:`hadamard_signs`), symmetric, so ``x @ H = (H x^T)^T``: every
+    vector along the last dim is multiplied by ``H``. ``O(D log D)`` per vector (the paper's
+    FWHT): ``H_D`` is the Kronecker power of a 32 x 32 block, applied block of index bits by block
+    (:data:`FWHT_RADIX`).
+
+    Args:
+        x: a floating tensor of any batch shape whose last dim ``D`` is a power of two
+            (``1, 2, 4, ...``).
+        normalized: multiply by ``D^(-1/2)``, making the transform orthonormal (and its own
+            inverse).
+
+    Differentiable (a custom autograd function whose backward is the same transform of the
+    gradient, in float32 and float64, with forward mode too) and usable under ``torch.func.vmap``.
+
+    Raises:
+        TypeError: for a tensor that is not floating point.
+        ValueError: for a 0-dim tensor or a last dim that is not a power of two.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"fwht: x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"fwht: x must have a floating dtype (e.g. x.float()), got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("fwht: x must have at least one dim (the transformed last dim)")
+    size = x.shape[-1]
+    if size < 1 or size & (size - 1):
+        raise ValueError(
+            f"fwht: the last dim of x must be a power of two, got {size}; pad it with zeros to "
+            f"{1 << max(size - 1, 0).bit_length()}"
+        )
+    return _FWHT.apply(x, 1.0 / math.sqrt(size) if normalized else 1.0)
 
 
 class _HadamardNodes(NodeSet):
