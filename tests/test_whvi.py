@@ -313,19 +313,27 @@ def test_explicit_hide_and_prior_win_over_declarations(fresh_param_store):
     bnn = BayesianModule(net, priors.Normal(2.0), lik, hide=["0.s1"])
     assert bnn.hide == ("0.s1",)
     assert list(bnn.latent_parameters()) == ["0.g", "0.s2", "0.bias", "2.weight", "2.bias"]
-    assert torch.equal(bnn.prior_of("0.s2", net[0].s2).base_dist.scale, torch.full((2, 8), 2.0, dtype=F64))
-    assert torch.equal(bnn.prior_of("0.g", net[0].g).base_dist.scale, torch.full((2, 8), 0.6, dtype=F64))
+    assert torch.equal(
+        bnn.prior_of("0.s2", net[0].s2).base_dist.scale, torch.full((2, 8), 2.0, dtype=F64)
+    )
+    assert torch.equal(
+        bnn.prior_of("0.g", net[0].g).base_dist.scale, torch.full((2, 8), 0.6, dtype=F64)
+    )
     # hiding the declared g: a point estimate, its declared prior unused
     bnn = BayesianModule(net, priors.Normal(2.0), lik, hide=["0.g", "0.s1", "0.s2"])
     assert list(bnn.latent_parameters()) == ["0.bias", "2.weight", "2.bias"]
     # declarations=False: the network's prior for g, nothing hidden unless asked
     bnn = BayesianModule(net, priors.Normal(2.0), lik, declarations=False)
     assert bnn.hide == ()
-    assert torch.equal(bnn.prior_of("0.g", net[0].g).base_dist.scale, torch.full((2, 8), 2.0, dtype=F64))
+    assert torch.equal(
+        bnn.prior_of("0.g", net[0].g).base_dist.scale, torch.full((2, 8), 2.0, dtype=F64)
+    )
     # hide=() keeps every parameter latent, g under its declared prior
     bnn = BayesianModule(net, priors.Normal(2.0), lik, hide=())
     assert len(bnn.latent_parameters()) == 6
-    assert torch.equal(bnn.prior_of("0.g", net[0].g).base_dist.scale, torch.full((2, 8), 0.6, dtype=F64))
+    assert torch.equal(
+        bnn.prior_of("0.g", net[0].g).base_dist.scale, torch.full((2, 8), 0.6, dtype=F64)
+    )
 
 
 class Declaring(nn.Module):
@@ -355,7 +363,10 @@ def test_bad_declarations_name_the_module_and_the_parameter():
     with pytest.raises(TypeError, match=r"Declaring at '0': bayesian_parameters\(\) must return"):
         BayesianModule(net, prior, lik)
     net = nn.Sequential(Declaring({"weight": dist.Normal(torch.zeros(3), 1.0)}))
-    with pytest.raises(ValueError, match=r"prior of '0.weight' \(declared by the Declaring at '0'\) has shape \(3,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"prior of '0.weight' \(declared by the Declaring at '0'\) has shape \(3,\)",
+    ):
         BayesianModule(net, prior, lik)
     # a declaration changed after the module was built is caught, not silently used
     layer = Declaring({"weight": dist.Normal(torch.zeros(2, 3), 1.0)})
