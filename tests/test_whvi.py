@@ -374,6 +374,14 @@ def test_bad_declarations_name_the_module_and_the_parameter():
     layer.declared = {"weight": "deterministic"}
     with pytest.raises(ValueError, match="build a new one"):
         bnn(torch.zeros(4, 3))
+    # two layers sharing one parameter may not both declare it
+    first = Declaring({"weight": "deterministic"})
+    second = Declaring({"weight": "deterministic"})
+    second.weight = first.weight
+    with pytest.raises(
+        ValueError, match=r"Declaring at '1' declares 'weight', the net's '0.weight'"
+    ):
+        BayesianModule(nn.Sequential(first, second), prior, lik)
     with pytest.raises(TypeError, match="iterable of parameter names"):
         BayesianModule(nn.Linear(2, 2), prior, lik, hide="weight")
 

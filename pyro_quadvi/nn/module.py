@@ -273,6 +273,11 @@ def _declarations(net: nn.Module) -> tuple[tuple[str, ...], dict[str, tuple[str,
                 )
             role = _declared_role(module, path, local, declared)
             name = names[id(own[local])]
+            if name in priors or name in hidden:
+                raise ValueError(
+                    f"{_where(module, path)} declares {local!r}, the net's {name!r}, which another "
+                    "layer sharing it declares too: declare a shared parameter in one layer only"
+                )
             if isinstance(role, Distribution):
                 _as_event(name, role, own[local], f" (declared by {_where(module, path)})")
                 priors[name] = (path, local)
