@@ -63,8 +63,6 @@ from pyro_quadvi.nn import (
     likelihoods,
     priors,
     whvi,
-    whvi_hidden,
-    whvi_prior,
 )
 from pyro_quadvi.quadrature import hadamard_signs
 from pyro_quadvi.testing.datasets import regression_split
@@ -148,13 +146,10 @@ def bench_layer(repeats: int) -> None:
         for kind in ("mean field", "WHVI"):
             pyro.clear_param_store()
             pyro.set_rng_seed(0)
+            net = nn.Linear(size, size)
             if kind == "WHVI":
-                net = whvi(nn.Linear(size, size))
-                hide = whvi_hidden(net)
-                prior = whvi_prior(net, priors.Normal(1.0))
-            else:
-                net, hide, prior = nn.Linear(size, size), (), priors.Normal(1.0)
-            bnn = BayesianModule(net, prior, likelihoods.Gaussian(64, scale=1.0), hide=hide)
+                net = whvi(net)  # declares S1, S2 (point estimates) and g ~ N(0, 1)
+            bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(64, scale=1.0))
             guide = AutoMeanFieldNormal(bnn)
             svi = SVI(bnn, guide, QNVB(), QuadratureELBO())
             svi.step(x, y)
@@ -293,9 +288,7 @@ def bench_toy(steps: int, nuts: bool, out: str, samples: int = 200) -> None:
         if kind == "WHVI":  # the hidden 128 x 128 layer; the first and last stay mean-field
             net = dict(bnn.named_children())["net"]
             net[2] = WHVILinear(128, 128, dtype=net[2].weight.dtype)
-            bnn = BayesianModule(
-                net, whvi_prior(net, bnn.prior), bnn.likelihood, hide=whvi_hidden(net)
-            )
+            bnn = BayesianModule(net, bnn.prior, bnn.likelihood)
         start = time.perf_counter()
         guide, _ = tutorial.fit_svi(bnn, x, y, QNVB(lr=0.1), QuadratureELBO(), steps, kind)
         elapsed = time.perf_counter() - start

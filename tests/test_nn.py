@@ -220,6 +220,44 @@ def test_hidden_parameters_are_trained_under_module_local_params():
     assert (hidden.net[2].bias.detach() - before).abs().max().item() > 1e-4
 
 
+class GainLinear(nn.Module):
+    """A user's layer: ``y = gain * (W x) + b``, its gain a point estimate, a Laplace bias."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_features, in_features, dtype=DTYPE))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=DTYPE))
+        self.gain = nn.Parameter(torch.ones(out_features, dtype=DTYPE))
+
+    def bayesian_parameters(self):
+        zeros = torch.zeros_like(self.bias).detach()
+        return {"gain": "deterministic", "bias": dist.Laplace(zeros, torch.full_like(zeros, 0.1))}
+
+    def forward(self, x):
+        return self.gain * (x @ self.weight.T) + self.bias
+
+
+def test_a_users_layer_declares_a_hidden_gain_and_a_laplace_bias():
+    net = nn.Sequential(GainLinear(2, 4), nn.Tanh(), nn.Linear(4, 1).double())
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
+    assert bnn.hide == ("0.gain",)
+    trace = poutine.trace(bnn).get_trace(X_NET, Y_REG)
+    latents = [n for n, s in trace.nodes.items() if s["type"] == "sample" and n != "data"]
+    assert latents == ["0.weight", "0.bias", "2.weight", "2.bias", "obs"]
+    # the declared Laplace(0, 0.1) bias: sum of -|v| / b - log(2 b); the weight N(0, 1)
+    value = trace.nodes["0.bias"]["value"]
+    laplace = (-value.abs() / 0.1 - math.log(0.2)).sum()
+    torch.testing.assert_close(trace.nodes["0.bias"]["fn"].log_prob(value), laplace)
+    weight = trace.nodes["0.weight"]["value"]
+    normal = (-(weight**2) / 2 - 0.5 * math.log(2 * math.pi)).sum()
+    torch.testing.assert_close(trace.nodes["0.weight"]["fn"].log_prob(weight), normal)
+    # the gain is a pyro.param the fallback optimizer moves
+    guide = AutoMeanFieldNormal(bnn)
+    SVI(bnn, guide, QNVB(), QuadratureELBO()).step(X_NET, Y_REG)
+    assert pyro.get_param_store()["net.0.gain"] is net[0].gain
+    assert (net[0].gain.detach() - 1.0).abs().max().item() > 1e-4
+
+
 # -------------------------------------------------------------------------- subsampling
 def test_a_minibatch_log_likelihood_is_scaled_to_the_dataset_size():
     N, B, noise = 50, 5, 0.3

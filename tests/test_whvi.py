@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import scipy.linalg
 import torch
@@ -20,8 +22,6 @@ from pyro_quadvi.nn import (
     priors,
     setup_dimensions,
     whvi,
-    whvi_hidden,
-    whvi_prior,
 )
 
 F64 = torch.float64
@@ -99,12 +99,8 @@ def test_parameter_count_of_a_square_layer_and_its_guide():
     layer = WHVILinear(128, 128)
     assert layer.num_variational_parameters == 768
     pyro.clear_param_store()
-    bnn = BayesianModule(
-        layer,
-        whvi_prior(layer, priors.Normal(1.0)),
-        likelihoods.Gaussian(4),
-        hide=whvi_hidden(layer),
-    )
+    bnn = BayesianModule(layer, priors.Normal(1.0), likelihoods.Gaussian(4))
+    assert bnn.hide == ("s1", "s2")  # the net is the layer itself: its own names
     guide = AutoMeanFieldNormal(bnn)
     guide(torch.randn(4, 128), torch.randn(4, 128))  # its run registers the hidden pyro.params
     count = sum(v.numel() for v in pyro.get_param_store().values())
@@ -208,39 +204,186 @@ def test_whvi_replaces_linear_layers_in_a_copy():
     kept = whvi(net, skip_last=True, prior_scale=0.5)
     assert type(kept[4]) is nn.Linear and torch.equal(kept[4].weight, net[4].weight)
     assert kept[2].prior_scale == 0.5
-    assert whvi_hidden(kept) == ["0.s1", "0.s2", "2.s1", "2.s2"]
+    bnn = BayesianModule(kept, priors.Normal(1.0), likelihoods.Gaussian(4))
+    assert bnn.hide == ("0.s1", "0.s2", "2.s1", "2.s2")
     assert isinstance(whvi(nn.Linear(4, 4)), WHVILinear)
     x = torch.randn(5, 13, dtype=F64)
     assert converted(x).shape == (5, 1)
 
 
-def test_whvi_prior():
+def test_declared_prior_of_g_and_the_layerwise_bias():
     net = whvi(nn.Sequential(nn.Linear(13, 32), nn.Tanh(), nn.Linear(32, 3)), skip_last=True)
     net[0].prior_scale = 0.7
-    prior = whvi_prior(net, priors.LayerwiseNormal("radford"))
+    bnn = BayesianModule(net, priors.LayerwiseNormal("radford"), likelihoods.Gaussian(4))
     params = dict(net.named_parameters())
-    g = prior("0.g", params["0.g"])
+    g = bnn.prior_of("0.g", params["0.g"]).base_dist
     assert torch.equal(g.scale, torch.full((2, 16), 0.7)) and torch.equal(g.loc, torch.zeros(2, 16))
     # the WHVI bias gets the fans of the (32, 13) weight it stands for: 1 / sqrt(13)
-    assert prior("0.bias", params["0.bias"]).scale[0].item() == pytest.approx(1 / math.sqrt(13))
-    assert prior("2.weight", params["2.weight"]).scale[0, 0].item() == pytest.approx(
-        1 / math.sqrt(32)
-    )
+    bias = bnn.prior_of("0.bias", params["0.bias"]).base_dist
+    assert bias.scale[0].item() == pytest.approx(1 / math.sqrt(13))
+    weight = bnn.prior_of("2.weight", params["2.weight"]).base_dist
+    assert weight.scale[0, 0].item() == pytest.approx(1 / math.sqrt(32))
 
 
 # ----------------------------------------------------------------------------- BayesianModule
 
 
-def make_bnn():
+def make_net():
     torch.manual_seed(0)
     net = whvi(nn.Sequential(nn.Linear(5, 12), nn.Tanh(), nn.Linear(12, 1)), skip_last=True)
     net = net.double()
-    return BayesianModule(
-        net,
-        whvi_prior(net, priors.LayerwiseNormal()),
-        likelihoods.Gaussian(20, scale=0.5),
-        hide=whvi_hidden(net),
+    with torch.no_grad():  # S1, S2 away from ones, a prior scale away from 1
+        net[0].s1.normal_()
+        net[0].s2.normal_()
+    net[0].prior_scale = 0.6
+    return net
+
+
+def make_bnn(net=None):
+    """The automatic set-up: the WHVI layer declares its S1, S2 and the prior of g."""
+    net = make_net() if net is None else net
+    return BayesianModule(net, priors.LayerwiseNormal(), likelihoods.Gaussian(20, scale=0.5))
+
+
+def make_manual_bnn(net):
+    """The set-up by hand, declarations ignored: hide S1, S2 and write g's prior."""
+    layerwise = priors.LayerwiseNormal()
+    dense = torch.empty(12, 5, device="meta")  # the weight the WHVI layer stands for
+    layerwise.bind([*net.named_parameters(), ("0.weight", dense)])
+
+    def prior(name, param):
+        if name == "0.g":
+            loc = torch.zeros_like(param).detach()
+            return dist.Normal(loc, torch.full_like(loc, 0.6))
+        return layerwise(name, param)
+
+    likelihood = likelihoods.Gaussian(20, scale=0.5)
+    return BayesianModule(net, prior, likelihood, hide=["0.s1", "0.s2"], declarations=False)
+
+
+def test_automatic_set_up_equals_the_manual_one(fresh_param_store):
+    net = make_net()
+    auto, manual = make_bnn(net), make_manual_bnn(net)
+    assert auto.hide == tuple(manual.hide) == ("0.s1", "0.s2")
+    assert list(auto.latent_parameters()) == list(manual.latent_parameters())
+    assert list(auto.latent_parameters()) == ["0.g", "0.bias", "2.weight", "2.bias"]
+    generator = torch.Generator().manual_seed(9)
+    for name, param in auto.latent_parameters().items():
+        value = torch.randn((3, *param.shape), dtype=F64, generator=generator)
+        expected = manual.prior_of(name, param).log_prob(value)
+        assert torch.equal(auto.prior_of(name, param).log_prob(value), expected), name
+    # the declared g ~ N(0, 0.6^2), by hand: sum of -v^2 / (2 s^2) - log s - log(2 pi) / 2
+    value = torch.randn(net[0].g.shape, dtype=F64, generator=generator)
+    closed = (-(value**2) / (2 * 0.36) - math.log(0.6) - 0.5 * math.log(2 * math.pi)).sum()
+    got = auto.prior_of("0.g", net[0].g).log_prob(value)
+    torch.testing.assert_close(got, closed, rtol=0, atol=1e-12)
+    # the WHVI bias: radford's 1 / sqrt(fan_in) of the dense (12, 5) weight, not fan_in = 1
+    assert auto.prior_of("0.bias", net[0].bias).base_dist.scale[0].item() == 5**-0.5
+
+
+def run_steps(bnn, x, y, steps=3):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(11)
+    guide = AutoMeanFieldNormal(bnn)
+    svi = SVI(bnn, guide, QNVB(), QuadratureELBO())
+    losses = [svi.step(x, y) for _ in range(steps)]
+    state = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    return losses, state
+
+
+def test_a_qnvb_step_equals_the_manual_set_up_bit_for_bit(fresh_param_store):
+    net = make_net()
+    generator = torch.Generator().manual_seed(10)
+    x = torch.randn(20, 5, dtype=F64, generator=generator)
+    y = torch.sin(x.sum(-1))
+    auto_losses, auto_state = run_steps(make_bnn(copy.deepcopy(net)), x, y)
+    manual_losses, manual_state = run_steps(make_manual_bnn(copy.deepcopy(net)), x, y)
+    assert auto_losses == manual_losses
+    assert list(auto_state) == list(manual_state)
+    assert "net.0.s1" in auto_state  # the hidden S1 went through the fallback optimizer
+    assert not torch.equal(auto_state["net.0.s1"], net[0].s1)
+    for name, value in auto_state.items():
+        assert torch.equal(value, manual_state[name]), name
+
+
+def test_explicit_hide_and_prior_win_over_declarations(fresh_param_store):
+    net = make_net()
+    lik = likelihoods.Gaussian(20, scale=0.5)
+    # a given hide is the whole hidden set: s2 becomes latent under the network's prior
+    bnn = BayesianModule(net, priors.Normal(2.0), lik, hide=["0.s1"])
+    assert bnn.hide == ("0.s1",)
+    assert list(bnn.latent_parameters()) == ["0.g", "0.s2", "0.bias", "2.weight", "2.bias"]
+    assert torch.equal(
+        bnn.prior_of("0.s2", net[0].s2).base_dist.scale, torch.full((2, 8), 2.0, dtype=F64)
     )
+    assert torch.equal(
+        bnn.prior_of("0.g", net[0].g).base_dist.scale, torch.full((2, 8), 0.6, dtype=F64)
+    )
+    # hiding the declared g: a point estimate, its declared prior unused
+    bnn = BayesianModule(net, priors.Normal(2.0), lik, hide=["0.g", "0.s1", "0.s2"])
+    assert list(bnn.latent_parameters()) == ["0.bias", "2.weight", "2.bias"]
+    # declarations=False: the network's prior for g, nothing hidden unless asked
+    bnn = BayesianModule(net, priors.Normal(2.0), lik, declarations=False)
+    assert bnn.hide == ()
+    assert torch.equal(
+        bnn.prior_of("0.g", net[0].g).base_dist.scale, torch.full((2, 8), 2.0, dtype=F64)
+    )
+    # hide=() keeps every parameter latent, g under its declared prior
+    bnn = BayesianModule(net, priors.Normal(2.0), lik, hide=())
+    assert len(bnn.latent_parameters()) == 6
+    assert torch.equal(
+        bnn.prior_of("0.g", net[0].g).base_dist.scale, torch.full((2, 8), 0.6, dtype=F64)
+    )
+
+
+class Declaring(nn.Module):
+    """A layer whose declaration the test sets."""
+
+    def __init__(self, declared):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(2, 3))
+        self.declared = declared
+
+    def bayesian_parameters(self):
+        return self.declared
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+def test_bad_declarations_name_the_module_and_the_parameter():
+    lik, prior = likelihoods.Gaussian(4), priors.Normal(1.0)
+    net = nn.Sequential(nn.Tanh(), Declaring({"wieght": "deterministic"}))
+    with pytest.raises(ValueError, match=r"Declaring at '1' declares 'wieght'.*\(weight\)"):
+        BayesianModule(net, prior, lik)
+    net = nn.Sequential(nn.Tanh(), Declaring({"weight": "fixed"}))
+    with pytest.raises(TypeError, match=r"Declaring at '1' declares 'weight' as 'fixed'"):
+        BayesianModule(net, prior, lik)
+    net = nn.Sequential(Declaring(["weight"]))
+    with pytest.raises(TypeError, match=r"Declaring at '0': bayesian_parameters\(\) must return"):
+        BayesianModule(net, prior, lik)
+    net = nn.Sequential(Declaring({"weight": dist.Normal(torch.zeros(3), 1.0)}))
+    with pytest.raises(
+        ValueError,
+        match=r"prior of '0.weight' \(declared by the Declaring at '0'\) has shape \(3,\)",
+    ):
+        BayesianModule(net, prior, lik)
+    # a declaration changed after the module was built is caught, not silently used
+    layer = Declaring({"weight": dist.Normal(torch.zeros(2, 3), 1.0)})
+    bnn = BayesianModule(layer, prior, lik)
+    layer.declared = {"weight": "deterministic"}
+    with pytest.raises(ValueError, match="build a new one"):
+        bnn(torch.zeros(4, 3))
+    # two layers sharing one parameter may not both declare it
+    first = Declaring({"weight": "deterministic"})
+    second = Declaring({"weight": "deterministic"})
+    second.weight = first.weight
+    with pytest.raises(
+        ValueError, match=r"Declaring at '1' declares 'weight', the net's '0.weight'"
+    ):
+        BayesianModule(nn.Sequential(first, second), prior, lik)
+    with pytest.raises(TypeError, match="iterable of parameter names"):
+        BayesianModule(nn.Linear(2, 2), prior, lik, hide="weight")
 
 
 def test_one_pass_equals_the_loop(fresh_param_store):
@@ -286,11 +429,9 @@ def test_network_counts_of_the_docs(fresh_param_store):
         pyro.clear_param_store()
         net = nn.Sequential(nn.Linear(13, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU())
         net.append(nn.Linear(128, 1))
-        prior, hide = priors.LayerwiseNormal(), []
         if kind == "WHVI":
             net = whvi(net, skip_last=True)
-            prior, hide = whvi_prior(net, prior), whvi_hidden(net)
-        bnn = BayesianModule(net, prior, likelihoods.Gaussian(4, scale=None), hide=hide)
+        bnn = BayesianModule(net, priors.LayerwiseNormal(), likelihoods.Gaussian(4, scale=None))
         AutoMeanFieldNormal(bnn)(x, y)
         counts[kind] = sum(v.numel() for v in pyro.get_param_store().values())
     assert counts == {"WHVI": 1796, "MFG": 36868}
@@ -323,5 +464,3 @@ def test_bad_input():
         WHVILinear(4, 4)(torch.zeros(2, 5))
     with pytest.raises(TypeError, match=r"must be a torch\.nn\.Module"):
         whvi("net")
-    with pytest.raises(TypeError, match="prior must be callable"):
-        whvi_prior(nn.Linear(2, 2), 1.0)

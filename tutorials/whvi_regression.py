@@ -9,8 +9,8 @@ versions of the same network, each a :class:`~pyro_quadvi.nn.BayesianModule` fit
 
 1. **WHVI**: ``whvi(net, skip_last=True)``: the two hidden layers become
    :class:`~pyro_quadvi.nn.WHVILinear` layers ``W = S1 H diag(g) H S2`` (only ``g`` latent,
-   ``S1``, ``S2`` point estimates: ``hide=whvi_hidden(net)``), the last layer stays mean-field as
-   in the paper;
+   ``S1``, ``S2`` point estimates, as the layers declare to ``BayesianModule``), the last layer
+   stays mean-field as in the paper;
 2. **MFG**: every weight and bias a mean-field Gaussian latent.
 
 The targets are standardized for training and every figure is in the original units (thousands
@@ -42,7 +42,7 @@ from pyro.infer.autoguide.initialization import init_to_sample
 from torch import nn
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
-from pyro_quadvi.nn import BayesianModule, fit, likelihoods, priors, whvi, whvi_hidden, whvi_prior
+from pyro_quadvi.nn import BayesianModule, fit, likelihoods, priors, whvi
 from pyro_quadvi.testing.datasets import regression_split
 
 SETTINGS = {
@@ -55,7 +55,7 @@ def make_bnn(kind: str, num_features: int, n: int, hidden: int = 128) -> Bayesia
     """A ``num_features-hidden-hidden-1`` ReLU network as a Pyro model, ``"WHVI"`` or ``"MFG"``.
 
     The prior is ``priors.LayerwiseNormal("radford")`` on every mean-field parameter and
-    ``g ~ N(0, 1)`` on the WHVI layers (:func:`~pyro_quadvi.nn.whvi_prior`); the noise scale is
+    ``g ~ N(0, 1)`` on the WHVI layers (their declared prior); the noise scale is
     learned (``HalfNormal(1)`` prior, on standardized targets).
     """
     net = nn.Sequential(
@@ -65,14 +65,12 @@ def make_bnn(kind: str, num_features: int, n: int, hidden: int = 128) -> Bayesia
         nn.ReLU(),
         nn.Linear(hidden, 1),
     )
-    prior = priors.LayerwiseNormal("radford")
-    hide: list[str] = []
     if kind == "WHVI":
-        net = whvi(net, skip_last=True)
-        prior, hide = whvi_prior(net, prior), whvi_hidden(net)
+        net = whvi(net, skip_last=True)  # its layers declare S1, S2 and the prior of g
     elif kind != "MFG":
         raise ValueError(f"kind must be 'WHVI' or 'MFG', got {kind!r}")
-    return BayesianModule(net, prior, likelihoods.Gaussian(n, scale=None), hide=hide)
+    prior = priors.LayerwiseNormal("radford")
+    return BayesianModule(net, prior, likelihoods.Gaussian(n, scale=None))
 
 
 def predictive_draws(bnn: BayesianModule, guide, x: torch.Tensor, num_samples: int):

@@ -12,7 +12,7 @@ from .module import BayesianModule
 from .predict import Prediction, predict
 from .sparse import SparseNetwork, sparse_network
 from .training import History, fit
-from .whvi import WHVILinear, setup_dimensions, whvi, whvi_hidden, whvi_prior
+from .whvi import WHVILinear, setup_dimensions, whvi
 
 __all__ = [
     "BayesianModule",
@@ -27,6 +27,4 @@ __all__ = [
     "setup_dimensions",
     "sparse_network",
     "whvi",
-    "whvi_hidden",
-    "whvi_prior",
 ]

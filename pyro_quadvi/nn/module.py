@@ -10,25 +10,34 @@ leading dims ``batch + (1,) + param.shape``: the ``(1,)`` is the module's own da
 The module strips it, flattens ``batch`` into one axis of ``n`` points, evaluates
 ``torch.func.vmap(functional_call)`` over it and reshapes the outputs to ``batch + (B,) + row`` so
 that the data plate lines up at dim -1 and the particle plate at its own dim.
+
+**Layers that declare their parameters.** A submodule may define a method
+``bayesian_parameters() -> Mapping[str, "deterministic" | Distribution]`` over (some of) its own
+parameters, by their names in the module (``"s1"``, not ``"0.s1"``): ``"deterministic"`` makes
+the parameter a point estimate (a hidden ``pyro.param``), a distribution of its shape is its prior,
+in place of the network's prior. :class:`~pyro_quadvi.nn.WHVILinear` declares its ``s1``, ``s2``
+deterministic and ``g ~ N(0, prior_scale^2)`` (Rossi et al. 2020, Sec. 2).
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import pyro
 import torch
 from pyro.nn import PyroModule
 from torch import nn
-from torch.distributions import constraints
+from torch.distributions import Distribution, constraints
 from torch.func import functional_call, vmap
 
 from .likelihoods import Likelihood
 from .priors import LayerwiseNormal
 
 __all__ = ["BayesianModule"]
+
+DETERMINISTIC = "deterministic"  # a declared role: a point estimate (see the module docstring)
 
 
 class BayesianModule(PyroModule):
@@ -43,8 +52,20 @@ class BayesianModule(PyroModule):
         hide: parameter names (as in ``net.named_parameters()``) that stay deterministic: they are
             registered with ``pyro.param`` under ``"net.<name>"`` (as ``pyro.module`` would name
             them), so ``SVI``'s optimizer (QNVB's fallback) point-estimates them in place.
+            ``None`` (the default): the parameters the net's layers declare ``"deterministic"``
+            (see below). A given ``hide`` is the whole hidden set: it replaces those declarations.
+        declarations: read the layers' declarations (``bayesian_parameters()``); ``False``
+            ignores them, so that ``prior`` and ``hide`` alone decide every parameter.
 
     Every other parameter of ``net`` is a latent ``pyro.sample(name, prior(name, p).to_event())``.
+
+    **Declarations.** Any submodule of ``net`` may define ``bayesian_parameters()``, returning a
+    mapping from some of its own parameter names (``module.named_parameters(recurse=False)``) to
+    ``"deterministic"`` or to a distribution of the parameter's shape, its prior. Precedence: a
+    parameter is hidden if it is in ``hide``, or, with ``hide=None``, if its layer declares it
+    ``"deterministic"``; a latent parameter's prior is its layer's declared distribution if there
+    is one (and ``declarations=True``), else ``prior(name, param)``. A declaration naming a
+    parameter the layer does not have, or a role that is neither, raises at construction.
 
     **Buffers** (batch-norm running statistics) are passed to the net unchanged: the net runs in
     eval mode, so batch norm normalizes with its running statistics as they are and never updates
@@ -59,7 +80,8 @@ class BayesianModule(PyroModule):
         net: nn.Module,
         prior: Callable,
         likelihood: Likelihood,
-        hide: Iterable[str] = (),
+        hide: Iterable[str] | None = None,
+        declarations: bool = True,
     ):
         super().__init__()
         if not isinstance(net, nn.Module):
@@ -67,6 +89,11 @@ class BayesianModule(PyroModule):
         if not callable(prior):
             raise TypeError(f"prior must be callable (name, param) -> distribution, got {prior!r}")
         names = [name for name, _ in net.named_parameters()]
+        declared_hidden, declared_priors = _declarations(net) if declarations else ((), {})
+        if hide is None:
+            hide = declared_hidden
+        elif isinstance(hide, str):
+            raise TypeError(f"hide must be an iterable of parameter names, got the string {hide!r}")
         hide = tuple(hide)
         unknown = sorted(set(hide) - set(names))
         if unknown:
@@ -78,8 +105,10 @@ class BayesianModule(PyroModule):
         self.prior = prior
         self.likelihood = likelihood
         self.hide = hide
+        # latent parameter name -> (module path, name in the module) of its declared prior
+        self._declared = {n: where for n, where in declared_priors.items() if n not in hide}
         if isinstance(prior, LayerwiseNormal):
-            prior.bind(net.named_parameters())
+            prior.bind(net.named_parameters(), net.named_modules())
 
     # -- the pieces -----------------------------------------------------------------------------
 
@@ -100,18 +129,20 @@ class BayesianModule(PyroModule):
         return {n: p for n, p in self._net.named_parameters() if n not in self.hide}
 
     def prior_of(self, name: str, param: torch.Tensor):
-        """The prior of one parameter, all its dims event dims."""
-        fn = self.prior(name, param)
-        shape = tuple(fn.batch_shape) + tuple(fn.event_shape)
-        if shape != tuple(param.shape):
-            if fn.event_shape == () and fn.batch_shape == ():
-                fn = fn.expand(param.shape)
-            else:
+        """The prior of one parameter, all its dims event dims: its layer's declared prior if it
+        has one, else the network's ``prior(name, param)``."""
+        if name in self._declared:
+            path, local = self._declared[name]
+            module = self._net.get_submodule(path)
+            fn = _declared_role(module, path, local, _declared(module, path))
+            if not isinstance(fn, Distribution):
                 raise ValueError(
-                    f"the prior of {name!r} has shape {shape} (batch + event), the parameter "
-                    f"{tuple(param.shape)}"
+                    f"{_where(module, path)} now declares {local!r} {fn!r}; it declared a prior "
+                    "when the BayesianModule was built: build a new one"
                 )
-        return fn.to_event(len(fn.batch_shape))
+        else:
+            fn = self.prior(name, param)
+        return _as_event(name, fn, param)
 
     def hidden_values(self) -> dict[str, torch.Tensor]:
         """The deterministic (hidden) parameters, as ``pyro.param`` sites ``"net.<name>"``."""
@@ -188,6 +219,85 @@ class BayesianModule(PyroModule):
         from .predict import predict
 
         return predict(self, guide, x, num_samples=num_samples, **kwargs)
+
+
+def _where(module: nn.Module, path: str) -> str:
+    return f"the {type(module).__name__} at {path!r}" if path else f"the {type(module).__name__}"
+
+
+def _declared(module: nn.Module, path: str) -> Mapping:
+    """A layer's ``bayesian_parameters()``, checked to be a mapping."""
+    declare = module.bayesian_parameters
+    if not callable(declare):
+        raise TypeError(f"{_where(module, path)}: bayesian_parameters must be a method")
+    declared = declare()
+    if not isinstance(declared, Mapping):
+        raise TypeError(
+            f"{_where(module, path)}: bayesian_parameters() must return a mapping from parameter "
+            f"names to {DETERMINISTIC!r} or a distribution, got {type(declared).__name__}"
+        )
+    return declared
+
+
+def _declared_role(module: nn.Module, path: str, local: str, declared: Mapping) -> object:
+    """The role a layer declares for its parameter ``local``, checked."""
+    role = declared[local]
+    if not (isinstance(role, Distribution) or (isinstance(role, str) and role == DETERMINISTIC)):
+        raise TypeError(
+            f"{_where(module, path)} declares {local!r} as {role!r} in bayesian_parameters(); "
+            f"a role is {DETERMINISTIC!r} or a distribution of the parameter's shape"
+        )
+    return role
+
+
+def _declarations(net: nn.Module) -> tuple[tuple[str, ...], dict[str, tuple[str, str]]]:
+    """The hidden parameters and the declared priors of ``net``'s layers, by parameter name.
+
+    Returns the names declared ``"deterministic"`` (in ``net.named_parameters()`` order) and, for
+    each name declared with a prior, the ``(module path, name in the module)`` to fetch it from.
+    """
+    names = {id(p): name for name, p in net.named_parameters()}
+    order = {name: i for i, name in enumerate(names.values())}
+    hidden, priors = [], {}
+    for path, module in net.named_modules():
+        if not hasattr(module, "bayesian_parameters"):
+            continue
+        declared = _declared(module, path)
+        own = dict(module.named_parameters(recurse=False))
+        for local in declared:
+            if local not in own:
+                raise ValueError(
+                    f"{_where(module, path)} declares {local!r} in bayesian_parameters(), which is "
+                    f"not one of its parameters ({', '.join(own) or 'none'}): declare only the "
+                    "names of module.named_parameters(recurse=False)"
+                )
+            role = _declared_role(module, path, local, declared)
+            name = names[id(own[local])]
+            if name in priors or name in hidden:
+                raise ValueError(
+                    f"{_where(module, path)} declares {local!r}, the net's {name!r}, which another "
+                    "layer sharing it declares too: declare a shared parameter in one layer only"
+                )
+            if isinstance(role, Distribution):
+                _as_event(name, role, own[local], f" (declared by {_where(module, path)})")
+                priors[name] = (path, local)
+            else:
+                hidden.append(name)
+    return tuple(sorted(hidden, key=order.__getitem__)), priors
+
+
+def _as_event(name: str, fn, param: torch.Tensor, source: str = ""):
+    """A prior of the parameter's shape (a scalar one expanded), all its dims event dims."""
+    shape = tuple(fn.batch_shape) + tuple(fn.event_shape)
+    if shape != tuple(param.shape):
+        if fn.event_shape == () and fn.batch_shape == ():
+            fn = fn.expand(param.shape)
+        else:
+            raise ValueError(
+                f"the prior of {name!r}{source} has shape {shape} (batch + event), the parameter "
+                f"{tuple(param.shape)}"
+            )
+    return fn.to_event(len(fn.batch_shape))
 
 
 def _lead(name: str, value: torch.Tensor, param: torch.Tensor) -> torch.Size:

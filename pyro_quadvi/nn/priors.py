@@ -79,7 +79,9 @@ class LayerwiseNormal(Prior):
     **Biases and other parameters of fewer than 2 dims** take the fans of their layer's weight:
     the parameter of the same module path ending in ``weight`` (``"0.bias"`` -> ``"0.weight"``),
     found in the network the prior is bound to by
-    :class:`~pyro_quadvi.nn.BayesianModule` (:meth:`bind`). A 1-d parameter without such a weight
+    :class:`~pyro_quadvi.nn.BayesianModule` (:meth:`bind`), or, for a layer that stores no
+    ``weight`` but has ``in_features`` and ``out_features`` (a WHVI layer), the dense
+    ``(out_features, in_features)`` weight it stands for. A 1-d parameter without such a weight
     (a layer-norm's gain, say) falls back to ``fan_in = fan_out = 1`` (a standard normal for
     ``radford``).
 
@@ -99,9 +101,22 @@ class LayerwiseNormal(Prior):
         self.scale = float(scale)
         self._shapes: dict[str, torch.Size] = {}
 
-    def bind(self, named_parameters) -> None:
-        """Remember the shapes of a network's parameters (to find a bias's weight)."""
+    def bind(self, named_parameters, named_modules=()) -> None:
+        """Remember the shapes of a network's weights (to find a bias's fans).
+
+        Args:
+            named_parameters: ``(name, param)`` pairs, as ``net.named_parameters()`` gives.
+            named_modules: ``(path, module)`` pairs, as ``net.named_modules()`` gives: a layer
+                without a ``weight`` parameter but with int ``in_features`` and
+                ``out_features`` (a :class:`~pyro_quadvi.nn.WHVILinear`) stands for a dense
+                ``(out_features, in_features)`` weight, whose fans its bias takes.
+        """
         self._shapes = {name: param.shape for name, param in named_parameters}
+        for path, module in named_modules:
+            weight = f"{path}.weight" if path else "weight"
+            sizes = (getattr(module, "out_features", None), getattr(module, "in_features", None))
+            if weight not in self._shapes and all(type(n) is int for n in sizes):
+                self._shapes[weight] = torch.Size(sizes)
 
     def fans(self, name: str, param: torch.Tensor) -> tuple[int, int]:
         """``(fan_in, fan_out)`` used for the parameter ``name``."""

@@ -14,25 +14,23 @@ square layer.
 
 With :class:`~pyro_quadvi.nn.BayesianModule` a WHVI layer's ``g`` (and its bias) are ordinary
 latent sites, so ``AutoMeanFieldNormal``, ``QuadratureELBO`` and ``QNVB`` apply unchanged;
-``S1`` and ``S2`` are point estimates: pass ``hide=whvi_hidden(net)`` and the prior
-``whvi_prior(net, prior)``. All quadrature nodes go through the layer in the module's one
-vectorized pass.
+the layer declares (:meth:`WHVILinear.bayesian_parameters`) ``S1`` and ``S2`` point estimates and
+the prior of ``g``, so ``BayesianModule(whvi(net), prior, likelihood)`` needs nothing more. All
+quadrature nodes go through the layer in the module's one vectorized pass.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
 
 import pyro.distributions as dist
 import torch
 from torch import nn
 
 from ..linalg import fwht
-from .priors import LayerwiseNormal
 
-__all__ = ["WHVILinear", "setup_dimensions", "whvi", "whvi_hidden", "whvi_prior"]
+__all__ = ["WHVILinear", "setup_dimensions", "whvi"]
 
 
 def _next_power_of_two(n: int) -> int:
@@ -62,9 +60,10 @@ class WHVILinear(nn.Module):
         in_features: input size.
         out_features: output size.
         bias: add a bias ``b`` of ``out_features`` entries (a latent under ``BayesianModule``,
-            with the network's prior; see :func:`whvi_prior`).
+            with the network's prior; a ``LayerwiseNormal`` gives it the fans of the dense
+            ``(out_features, in_features)`` weight).
         prior_scale: the prior standard deviation of every entry of ``g``, ``g ~ N(0, s^2)``
-            (:func:`whvi_prior` applies it).
+            (declared to ``BayesianModule`` by :meth:`bayesian_parameters`).
         dtype, device: of the parameters.
 
     **Matrix layers** (both sizes above 1) follow Algorithm 1 (:func:`setup_dimensions`): the
@@ -116,6 +115,17 @@ class WHVILinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features, **factory).uniform_(-bound, bound))
         else:
             self.register_parameter("bias", None)
+
+    def bayesian_parameters(self) -> dict[str, str | dist.Distribution]:
+        """The roles of ``g``, ``s1``, ``s2`` for :class:`~pyro_quadvi.nn.BayesianModule`.
+
+        ``s1`` and ``s2`` are ``"deterministic"`` (optimized point estimates, the paper's ``S1``,
+        ``S2`` of eq. 2) and ``g ~ N(0, prior_scale^2)`` iid (Section 2); the bias, undeclared,
+        takes the network's prior.
+        """
+        loc = torch.zeros_like(self.g).detach()
+        prior = dist.Normal(loc, torch.full_like(loc, self.prior_scale))
+        return {"g": prior, "s1": "deterministic", "s2": "deterministic"}
 
     @property
     def num_variational_parameters(self) -> int:
@@ -260,48 +270,3 @@ def whvi(net: nn.Module, skip_last: bool = False, prior_scale: float = 1.0) -> n
         else:
             return new  # the net is one nn.Linear
     return net
-
-
-def _whvi_layers(net: nn.Module) -> dict[str, WHVILinear]:
-    return {name: m for name, m in net.named_modules() if isinstance(m, WHVILinear)}
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def whvi_hidden(net: nn.Module) -> list[str]:
-    """The names of every WHVI layer's ``s1`` and ``s2``: ``BayesianModule(..., hide=...)``.
-
-    Hidden parameters are ``pyro.param`` sites: point estimates, updated by the SVI optimizer
-    (QNVB's fallback), as the paper optimizes ``S1`` and ``S2``.
-    """
-    return [_join(prefix, p) for prefix in _whvi_layers(net) for p in ("s1", "s2")]
-
-
-def whvi_prior(net: nn.Module, prior: Callable) -> Callable:
-    """A prior for ``BayesianModule``: ``N(0, prior_scale^2)`` on every WHVI layer's ``g``,
-    ``prior(name, param)`` on every other parameter.
-
-    A :class:`~pyro_quadvi.nn.priors.LayerwiseNormal` ``prior`` is bound to the network with
-    each WHVI layer's bias paired with the dense weight it stands for, ``(out_features,
-    in_features)``, so the bias gets the fans of that weight.
-    """
-    if not callable(prior):
-        raise TypeError(f"whvi_prior: prior must be callable (name, param), got {prior!r}")
-    layers = _whvi_layers(net)
-    scales = {_join(prefix, "g"): layer.prior_scale for prefix, layer in layers.items()}
-    if isinstance(prior, LayerwiseNormal):
-        shapes = list(net.named_parameters())
-        for prefix, layer in layers.items():
-            weight = torch.empty(layer.out_features, layer.in_features, device="meta")
-            shapes.append((_join(prefix, "weight"), weight))
-        prior.bind(shapes)
-
-    def whvi_or_base(name: str, param: torch.Tensor) -> dist.Distribution:
-        if name in scales:
-            loc = torch.zeros_like(param).detach()
-            return dist.Normal(loc, torch.full_like(loc, scales[name]))
-        return prior(name, param)
-
-    return whvi_or_base
