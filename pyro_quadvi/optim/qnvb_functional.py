@@ -127,6 +127,8 @@ class QNVBHyperparameters:
         recent_fraction: the curvature averages span at most this fraction of a coordinate's
             updates (and at least two), so that the first, transient estimates fade as
             ``(t0 / t)^2`` instead of ``t0 / t``; ``1`` (the default) keeps the plain warm-up.
+        trust_region: the mean moves by at most ``trust_region * sigma`` per step (the current
+            ``sigma``: the width over which the nodes measured ``g`` and ``h``); ``inf``: off.
     """
 
     lr: float = 1.0
@@ -142,6 +144,8 @@ class QNVBHyperparameters:
     damping_recovery: float = 0.5
     drift_forgetting: float = 1.0
     recent_fraction: float = 1.0
+    trust_region: float = math.inf
+    lr_warmup: float = 0.0
 
     def __post_init__(self) -> None:
         betas = self.betas
@@ -170,6 +174,8 @@ class QNVBHyperparameters:
             ("damping_recovery", self.damping_recovery, lambda v: v > 0, "> 0"),
             ("drift_forgetting", self.drift_forgetting, lambda v: v >= 0, ">= 0"),
             ("recent_fraction", self.recent_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("trust_region", self.trust_region, lambda v: v > 0, "> 0 (inf: off)"),
+            ("lr_warmup", self.lr_warmup, lambda v: 0 <= v < math.inf, "finite and >= 0"),
         ]
         for name, value, ok, expected in checks:
             _check_number(name, value, ok, expected)
@@ -377,8 +383,13 @@ def qnvb_update(
 
     # rule 7: the quasi-Newton step, capped by an Adam-sized step; rule 8: the carry
     cap = (s_avg.sqrt() + hp.eps) / hp.lr
+    if hp.lr_warmup > 0:  # the cap grows as lr * t / lr_warmup over the first steps
+        cap = cap / (count / hp.lr_warmup).clamp(max=1.0)
     total_grad = weight * g_avg + prior_precision * mu
     step = total_grad / (damping * torch.maximum(total_curv, cap))
+    if hp.trust_region < math.inf:  # the mean moves at most trust_region * sigma
+        radius = hp.trust_region * sigma
+        step = torch.minimum(torch.maximum(step, -radius), radius)
     new_mu = mu - step
     g_avg = g_avg - curv * step  # carry the averaged gradient to the new mean
 
@@ -532,11 +543,17 @@ def _flat_update(
     cap += hp.eps
     if hp.lr != 1:
         cap /= hp.lr
+    if hp.lr_warmup > 0:
+        cap /= (count / hp.lr_warmup).clamp(max=1.0)
     divisor = torch.maximum(total_curv, cap)
     del cap  # temporaries go as soon as they are used: the flat update holds every coordinate
     divisor *= damping
     step = scaled(g_avg) / divisor
     del divisor
+    if hp.trust_region < math.inf:
+        radius = hp.trust_region * sigma
+        step = torch.minimum(torch.maximum(step, -radius), radius)
+        del radius
     new_mu = mu - step
     g_avg = g_avg - curv * step
 
