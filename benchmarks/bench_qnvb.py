@@ -79,7 +79,6 @@ ABLATIONS: dict[str, dict] = {
     "lr-0.1": {"lr": 0.1},
     "trust-1": {"trust_region": 1.0},
     "trust-3": {"trust_region": 3.0},
-    "warmup-10": {"lr_warmup": 10.0},
 }
 """Each ablation's hyperparameters: one rule of the update switched off (or, for ``beta1``,
 ``recent-fraction-0.5`` and ``significance-1``, on: they are off by default)."""

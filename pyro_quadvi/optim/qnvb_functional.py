@@ -36,7 +36,9 @@ update's rules, each measured", gives the test and the benchmark row behind each
    makes ``k`` grow like the step count, a Robbins-Monro schedule that averages the noise out.
 7. **Step cap** (``lr``, ``eps``; design note step 6): the mean moves by
    ``g / (k max(H, (sqrt(s) + eps) / lr))``, the smaller of the (damped) quasi-Newton step and an
-   Adam step of size ``lr``.
+   Adam step of size ``lr``; with ``trust_region`` (off by default) it moves by at most
+   ``trust_region * sigma``, the width over which the nodes measured ``g`` and ``h`` (eq. 6 is a
+   local model; for Bayesian networks, ``docs/qnvb.md``).
 8. **Gradient carry** (with ``beta1 > 0``; design note step 6): the averaged gradient is moved to
    the new mean by the quadratic model, ``g_avg <- g_avg - H step`` (eq. 6).
 9. **Scale rate limit** (``scale_min``, ``scale_max``; design note step 5): ``sigma`` moves to
@@ -145,7 +147,6 @@ class QNVBHyperparameters:
     drift_forgetting: float = 1.0
     recent_fraction: float = 1.0
     trust_region: float = math.inf
-    lr_warmup: float = 0.0
 
     def __post_init__(self) -> None:
         betas = self.betas
@@ -175,7 +176,6 @@ class QNVBHyperparameters:
             ("drift_forgetting", self.drift_forgetting, lambda v: v >= 0, ">= 0"),
             ("recent_fraction", self.recent_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
             ("trust_region", self.trust_region, lambda v: v > 0, "> 0 (inf: off)"),
-            ("lr_warmup", self.lr_warmup, lambda v: 0 <= v < math.inf, "finite and >= 0"),
         ]
         for name, value, ok, expected in checks:
             _check_number(name, value, ok, expected)
@@ -383,8 +383,6 @@ def qnvb_update(
 
     # rule 7: the quasi-Newton step, capped by an Adam-sized step; rule 8: the carry
     cap = (s_avg.sqrt() + hp.eps) / hp.lr
-    if hp.lr_warmup > 0:  # the cap grows as lr * t / lr_warmup over the first steps
-        cap = cap / (count / hp.lr_warmup).clamp(max=1.0)
     total_grad = weight * g_avg + prior_precision * mu
     step = total_grad / (damping * torch.maximum(total_curv, cap))
     if hp.trust_region < math.inf:  # the mean moves at most trust_region * sigma
@@ -543,8 +541,6 @@ def _flat_update(
     cap += hp.eps
     if hp.lr != 1:
         cap /= hp.lr
-    if hp.lr_warmup > 0:
-        cap /= (count / hp.lr_warmup).clamp(max=1.0)
     divisor = torch.maximum(total_curv, cap)
     del cap  # temporaries go as soon as they are used: the flat update holds every coordinate
     divisor *= damping
