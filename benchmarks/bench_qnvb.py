@@ -73,6 +73,12 @@ ABLATIONS: dict[str, dict] = {
     "beta1": {"betas": (0.9, 0.999)},  # switched on: the reference's gradient average
     "recent-fraction-0.5": {"recent_fraction": 0.5},  # switched on: a window of t / 2 at most
     "significance-1": {"significance": 1.0},  # switched on: one standard error
+    # candidate step caps (issue 11, "QNVB step cap default"), named by their values
+    "lr-1": {"lr": 1.0},
+    "lr-0.3": {"lr": 0.3},
+    "lr-0.1": {"lr": 0.1},
+    "trust-1": {"trust_region": 1.0},
+    "trust-3": {"trust_region": 3.0},
 }
 """Each ablation's hyperparameters: one rule of the update switched off (or, for ``beta1``,
 ``recent-fraction-0.5`` and ``significance-1``, on: they are off by default)."""

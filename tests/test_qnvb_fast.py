@@ -28,7 +28,7 @@ HYPERPARAMETERS = [
     QNVBHyperparameters(),
     QNVBHyperparameters(lr=0.3, betas=(0.9, 0.99), significance=1.5, recent_fraction=0.5),
     QNVBHyperparameters(curvature="rms", damping=False, drift_forgetting=0.0),
-    QNVBHyperparameters(drift_forgetting=2.0, damping_recovery=1.0, eps=1e-3),
+    QNVBHyperparameters(drift_forgetting=2.0, damping_recovery=1.0, eps=1e-3, trust_region=0.5),
 ]
 
 

@@ -196,6 +196,20 @@ def test_lr_caps_the_step_of_the_mean():
     torch.testing.assert_close(result.mu, torch.tensor([-0.25, 0.25], dtype=DTYPE))
 
 
+def test_trust_region_caps_the_step_in_units_of_the_current_sigma():
+    # flat loss and no lr cap: the step is trust_region * sigma with the sign of g; the third
+    # coordinate's quasi-Newton step (0.1 / 1) is inside its radius (2 * 1) and is taken whole
+    mu = torch.zeros(3, dtype=DTYPE)
+    sigma = torch.tensor([0.5, 0.02, 1.0], dtype=DTYPE)
+    g = torch.tensor([3.0, -0.2, 0.1], dtype=DTYPE)
+    h = torch.tensor([1e-6, 1e-6, 1.0], dtype=DTYPE)
+    hp = QNVBHyperparameters(lr=1e6, eps=0.0, sigma_max=1e4, trust_region=2.0)
+    result = qnvb_update(mu, sigma, g, h, init_qnvb_state(mu), hp)
+    torch.testing.assert_close(result.mu, torch.tensor([-1.0, 0.04, -0.1], dtype=DTYPE))
+    off = qnvb_update(mu, sigma, g, h, init_qnvb_state(mu), QNVBHyperparameters(lr=1e6, eps=0.0))
+    assert float(off.mu[0]) < -1e3  # without it, the full step g / H
+
+
 def test_non_finite_coordinates_keep_their_mean_scale_and_state():
     mu = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=DTYPE)
     sigma = torch.full((4,), 0.5, dtype=DTYPE)
@@ -313,6 +327,7 @@ def test_damping_has_no_ceiling():
     [
         (dict(lr=0.0), ValueError, "lr must be > 0, got 0.0"),
         (dict(lr="1"), TypeError, "lr must be a real number > 0, got '1' (str)"),
+        (dict(trust_region=0.0), ValueError, "trust_region must be > 0 (inf: off), got 0.0"),
         (
             dict(betas=0.9),
             TypeError,

@@ -375,3 +375,48 @@ def test_quadrature_elbo_logistic_regression_reaches_the_reference():
     # the rule's nodes are +-1 in every coordinate, so the non-quadratic likelihood leaves a bias
     # of a few percent of sigma (6.5% here) in the fixed point
     assert problem.error(loc, scale) < 0.1
+
+
+def _bnn_first_steps(**qnvb_args):
+    """A 10-50-1 ReLU BayesianModule on diabetes (split 0, prior N(0, 1/fan_in), learned noise)
+    under QNVB + QuadratureELBO: the largest move of a guide mean on the first step, and the
+    losses of the first four steps."""
+    from torch import nn
+
+    from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+    from pyro_quadvi.testing.datasets import regression_split
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    split = regression_split("diabetes", 0)
+    x, y = split.x_train.float(), split.y_train.float()
+    net = nn.Sequential(nn.Linear(x.shape[1], 50), nn.ReLU(), nn.Linear(50, 1))
+    noise_prior = dist.LogNormal(0.0, 1.0)
+    likelihood = likelihoods.Gaussian(len(x), scale=None, noise_prior=noise_prior)
+    bnn = BayesianModule(net, priors.LayerwiseNormal("radford"), likelihood)
+    guide = AutoMeanFieldNormal(bnn, init_scale=0.1)
+    svi = SVI(bnn, guide, QNVB(**qnvb_args), QuadratureELBO())
+    guide(x, y)
+    store = pyro.get_param_store()
+
+    def locs():
+        return torch.cat([v.detach().reshape(-1) for k, v in store.items() if ".locs." in k])
+
+    before = locs()
+    losses = [svi.step(x, y)]
+    largest_move = float((locs() - before).abs().max())
+    losses += [svi.step(x, y) for _ in range(3)]
+    return largest_move, losses
+
+
+def test_on_a_bayesian_network_the_default_cap_moves_weights_by_lr_and_trust_region_holds():
+    # docs/benchmarks.md, "QNVB step cap default (issue 11)": on the first step s = g^2, so every
+    # weight of small curvature moves by lr = 1 at once and the loss blows up; trust_region = 1
+    # moves none by more than its sigma (init_scale = 0.1), and the loss keeps falling
+    move, losses = _bnn_first_steps()
+    assert move == pytest.approx(1.0, rel=1e-6)
+    assert losses[3] > 50 * losses[0]
+    move, losses = _bnn_first_steps(trust_region=1.0)
+    assert move <= 0.1 * (1 + 1e-6)
+    assert losses[2] < losses[1] < losses[0]
+    assert losses[3] < 1.5 * losses[0]

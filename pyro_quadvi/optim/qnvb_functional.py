@@ -36,7 +36,9 @@ update's rules, each measured", gives the test and the benchmark row behind each
    makes ``k`` grow like the step count, a Robbins-Monro schedule that averages the noise out.
 7. **Step cap** (``lr``, ``eps``; design note step 6): the mean moves by
    ``g / (k max(H, (sqrt(s) + eps) / lr))``, the smaller of the (damped) quasi-Newton step and an
-   Adam step of size ``lr``.
+   Adam step of size ``lr``; with ``trust_region`` (off by default) it moves by at most
+   ``trust_region * sigma``, the width over which the nodes measured ``g`` and ``h`` (eq. 6 is a
+   local model; for Bayesian networks, ``docs/qnvb.md``).
 8. **Gradient carry** (with ``beta1 > 0``; design note step 6): the averaged gradient is moved to
    the new mean by the quadratic model, ``g_avg <- g_avg - H step`` (eq. 6).
 9. **Scale rate limit** (``scale_min``, ``scale_max``; design note step 5): ``sigma`` moves to
@@ -127,6 +129,8 @@ class QNVBHyperparameters:
         recent_fraction: the curvature averages span at most this fraction of a coordinate's
             updates (and at least two), so that the first, transient estimates fade as
             ``(t0 / t)^2`` instead of ``t0 / t``; ``1`` (the default) keeps the plain warm-up.
+        trust_region: the mean moves by at most ``trust_region * sigma`` per step (the current
+            ``sigma``: the width over which the nodes measured ``g`` and ``h``); ``inf``: off.
     """
 
     lr: float = 1.0
@@ -142,6 +146,7 @@ class QNVBHyperparameters:
     damping_recovery: float = 0.5
     drift_forgetting: float = 1.0
     recent_fraction: float = 1.0
+    trust_region: float = math.inf
 
     def __post_init__(self) -> None:
         betas = self.betas
@@ -170,6 +175,7 @@ class QNVBHyperparameters:
             ("damping_recovery", self.damping_recovery, lambda v: v > 0, "> 0"),
             ("drift_forgetting", self.drift_forgetting, lambda v: v >= 0, ">= 0"),
             ("recent_fraction", self.recent_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("trust_region", self.trust_region, lambda v: v > 0, "> 0 (inf: off)"),
         ]
         for name, value, ok, expected in checks:
             _check_number(name, value, ok, expected)
@@ -379,6 +385,9 @@ def qnvb_update(
     cap = (s_avg.sqrt() + hp.eps) / hp.lr
     total_grad = weight * g_avg + prior_precision * mu
     step = total_grad / (damping * torch.maximum(total_curv, cap))
+    if hp.trust_region < math.inf:  # the mean moves at most trust_region * sigma
+        radius = hp.trust_region * sigma
+        step = torch.minimum(torch.maximum(step, -radius), radius)
     new_mu = mu - step
     g_avg = g_avg - curv * step  # carry the averaged gradient to the new mean
 
@@ -537,6 +546,10 @@ def _flat_update(
     divisor *= damping
     step = scaled(g_avg) / divisor
     del divisor
+    if hp.trust_region < math.inf:
+        radius = hp.trust_region * sigma
+        step = torch.minimum(torch.maximum(step, -radius), radius)
+        del radius
     new_mu = mu - step
     g_avg = g_avg - curv * step
 

@@ -139,7 +139,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
             (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`): an opt-in, it needs a
             C++ compiler on the CPU and compiles on the first step (seconds to a minute).
         lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, significance,
-            damping, damping_recovery, drift_forgetting, recent_fraction: see
+            damping, damping_recovery, drift_forgetting, recent_fraction, trust_region: see
             :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
 
     Every argument is checked when the optimizer (or a parameter group) is built, and a wrong
@@ -194,6 +194,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
         damping_recovery: float = 0.5,
         drift_forgetting: float = 1.0,
         recent_fraction: float = 1.0,
+        trust_region: float = math.inf,
         compile: bool = False,
     ):
         if not isinstance(compile, bool):
@@ -213,6 +214,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
             damping_recovery=damping_recovery,
             drift_forgetting=drift_forgetting,
             recent_fraction=recent_fraction,
+            trust_region=trust_region,
             prior_precision=prior_precision,
             init_sigma=init_sigma,
         )
