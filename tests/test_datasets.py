@@ -52,6 +52,9 @@ def test_regression_split_standardizes_with_training_statistics():
     assert torch.allclose(split.y_test * split.y_std + split.y_mean, torch.as_tensor(y[test]))
     with pytest.raises(ValueError, match="choose one of"):
         load_regression("mnist")
+    for bad in (8, -1):
+        with pytest.raises(ValueError, match="split must lie in"):
+            regression_split("diabetes", bad)
 
 
 def _write_idx(path, array):
@@ -75,7 +78,10 @@ def test_mnist_reader_and_split_on_a_written_idx_file(tmp_path, monkeypatch):
     monkeypatch.delenv("PYRO_QUADVI_DATA", raising=False)
     with pytest.raises(FileNotFoundError, match="PYRO_QUADVI_DATA"):
         load_mnist()
-    monkeypatch.setenv("PYRO_QUADVI_DATA", str(tmp_path.parent))
-    (tmp_path.parent / "mnist-t10k").mkdir(exist_ok=True)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match="num_train"):
+        mnist_split(tmp_path, num_train=10)
+    root = tmp_path / "root"
+    (root / "mnist-t10k").mkdir(parents=True)
+    monkeypatch.setenv("PYRO_QUADVI_DATA", str(root))
+    with pytest.raises(FileNotFoundError, match="t10k-images"):
         load_mnist()

@@ -201,6 +201,9 @@ def test_wrong_calls_are_refused_clearly():
         optimizer.step(_closure(net, x, y), loss_fn=loss_fn, batch=(x, y))
     with pytest.raises(TypeError, match="exactly one of them"):
         optimizer.step()
+    for extra in ({"batch": (x, y)}, {"vectorize": False}):
+        with pytest.raises(TypeError, match="belong to the one-pass form"):
+            optimizer.step(_closure(net, x, y), **extra)
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         optimizer.step(loss_fn=3.0, batch=(x, y))
     with pytest.raises(ValueError, match="vectorize must be True, False or None"):

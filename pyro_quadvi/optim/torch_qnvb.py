@@ -297,6 +297,11 @@ class QNVBOptimizer(torch.optim.Optimizer):
                 "QNVBOptimizer.step takes either a closure (step(closure)) or a loss function "
                 "(step(loss_fn=..., batch=(x, y))), exactly one of them"
             )
+        if closure is not None and (batch != () or vectorize is not None):
+            raise TypeError(
+                "QNVBOptimizer.step: batch and vectorize belong to the one-pass form "
+                "step(loss_fn=..., batch=(x, y)); a closure reads its data itself"
+            )
         params = self._params()
         if not params:
             raise ValueError("QNVBOptimizer has no parameter that requires grad")

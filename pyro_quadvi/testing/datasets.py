@@ -114,6 +114,10 @@ def regression_split(
     dtype: torch.dtype = torch.float32,
 ) -> RegressionSplit:
     """Split ``split`` of :func:`random_splits` for data set ``name``, inputs standardized."""
+    if not 0 <= split < num_splits:
+        raise ValueError(
+            f"split must lie in [0, {num_splits}) for num_splits={num_splits}, got {split}"
+        )
     x, y = load_regression(name)
     train, test = random_splits(len(y), num_splits, test_fraction, seed)[split]
     x_mean, x_std = x[train].mean(0), x[train].std(0)
@@ -176,6 +180,11 @@ def mnist_split(
     this package reports).
     """
     x, y = load_mnist(data_dir)
+    if not 0 < num_train < len(y):
+        raise ValueError(
+            f"num_train must leave both a training and a test set: 0 < num_train < {len(y)}, "
+            f"got {num_train}"
+        )
     order = torch.as_tensor(np.random.default_rng(seed).permutation(len(y)))
     train, test = order[:num_train], order[num_train:]
     return x[train], y[train], x[test], y[test]
