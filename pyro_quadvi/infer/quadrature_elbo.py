@@ -322,7 +322,8 @@ def _publisher(description: GuideDescription, x: torch.Tensor) -> Callable:
 
     def hook(grad: torch.Tensor) -> None:
         g_all = grad.sum(0)
-        h_all = (grad * x).sum(0) / scale
+        # a scale at zero (a collapsed mixture) has h = 0, not 0 / 0
+        h_all = torch.where(scale > 0, (grad * x).sum(0) / scale, torch.zeros_like(scale))
         start = 0
         for site in description.sites:
             stop = start + site.loc.numel()
