@@ -35,7 +35,6 @@ them back with :func:`published_moments`.
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace

@@ -70,8 +70,9 @@ class GumbelSpikeSlabELBO(PointsELBO):
     Draws come from torch's global generator (``pyro.set_rng_seed`` makes runs reproducible).
 
     Raises:
-        ValueError: for a temperature that is not a positive finite number (a bool included), or (when run) a site whose prior has
-            no point mass: its KL against a spike is infinite (the message names ``SpikeSlab``).
+        ValueError: for a temperature that is not a positive finite number (a bool included),
+            or (when run) a site whose prior has no point mass: its KL against a spike is
+            infinite (the message names ``SpikeSlab``).
     """
 
     def __init__(
@@ -89,8 +90,14 @@ class GumbelSpikeSlabELBO(PointsELBO):
             raise ValueError(
                 f"temperature must be a positive finite number (not a bool), got {temperature!r}"
             )
-        if isinstance(num_particles, bool) or not isinstance(num_particles, int) or num_particles < 1:
-            raise ValueError(f"num_particles must be a positive integer (not a bool), got {num_particles!r}")
+        if (
+            isinstance(num_particles, bool)
+            or not isinstance(num_particles, int)
+            or num_particles < 1
+        ):
+            raise ValueError(
+                f"num_particles must be a positive integer (not a bool), got {num_particles!r}"
+            )
         super().__init__(num_particles, vectorize, max_plate_nesting)
         self.temperature = float(temperature)
 
