@@ -150,7 +150,7 @@ def test_quadrature_elbo_publishes_g_and_h_of_the_smooth_loss_under_the_moment_m
     torch.testing.assert_close(moments.h, h, rtol=1e-10, atol=1e-12)
 
 
-def test_gumbel_elbo_is_an_unbiased_draw_of_the_same_objective():
+def test_gumbel_elbo_is_an_unbiased_draw_of_the_same_objective_for_per_coordinate_quadratics():
     torch.manual_seed(0)
     guide = fitted_guide(NU, TAU, ZETA)
     K = 20_000
