@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pyro_quadvi import AutoMeanFieldNormal
+from pyro_quadvi import AutoMeanFieldNormal, AutoSpikeSlab
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 
 DTYPE = torch.float64
@@ -82,3 +82,24 @@ def test_classification_has_no_predictive_variance():
     guide(X, torch.tensor([0, 1, 1, 0]))
     pred = bnn.predict(guide, X, num_samples=4)
     assert pred.variance is None and pred.noise_variance is None and pred.probs.shape == (4, 2)
+
+
+def test_a_spike_and_slab_guide_is_refused_with_quadrature_and_drawn_with_num_samples():
+    bnn = BayesianModule(
+        nn.Linear(3, 1).double(), priors.SpikeSlab(0.5), likelihoods.Gaussian(len(X), scale=0.5)
+    )
+    guide = AutoSpikeSlab(bnn, init_inclusion=0.6)
+    guide(X, Y)
+    with torch.no_grad():
+        guide.locs.weight.copy_(MU[:3].reshape(1, 3))
+        guide.locs.bias.copy_(MU[3:])
+    with pytest.raises(ValueError, match=r"dirac_gauss.*num_samples"):
+        bnn.predict(guide, X, quadrature="hadamard", num_points=4)
+    # the draws' average: E[y] = x.(phi nu_w) + phi nu_b, within 5 standard errors
+    S = 4000
+    pred = bnn.predict(guide, X, num_samples=S)
+    assert pred.outputs.shape == (S, 4, 1)
+    torch.testing.assert_close(pred.mean[:, 0], pred.outputs[:, :, 0].mean(0))
+    se = pred.outputs[:, :, 0].std(0) / math.sqrt(S)
+    assert ((pred.mean[:, 0] - 0.6 * DESIGN @ MU).abs() < 5 * se).all()
+    assert (pred.outputs == 0).all(dim=2).all(dim=1).any()  # a draw with all four weights zero

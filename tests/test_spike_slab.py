@@ -125,6 +125,39 @@ def test_kl_of_a_gaussian_against_a_spike_and_slab_matches_monte_carlo():
     assert abs(ratio.mean().item() - kl_divergence(q, prior).item()) < 4 * ratio.std() / 447
 
 
+@pytest.mark.parametrize("zeta", [-20.0, 20.0])
+def test_gradients_in_float32_far_in_either_tail_match_float64_autograd(zeta):
+    # at zeta = -20, 1 - sigmoid(20) is exactly 0 in float32, and so is torch.sigmoid's derivative
+    # y (1 - y) at y = sigmoid(20): both would drop the gradient the float64 run has
+    prior64 = SpikeSlab(
+        torch.tensor(0.3, dtype=torch.float64), torch.tensor(1.5, dtype=torch.float64)
+    )
+    prior32 = SpikeSlab(torch.tensor(0.3), torch.tensor(1.5))
+
+    def quantities(dtype, prior):
+        logit = torch.tensor(zeta, dtype=dtype, requires_grad=True)
+        q = SpikeSlab(
+            zero_logits=logit,
+            slab_scale=torch.tensor(0.4, dtype=dtype),
+            slab_loc=torch.tensor(0.7, dtype=dtype),
+        )
+        values = {
+            "q(zero)": q.exclusion,
+            "q(not zero)": q.inclusion,
+            "log q(zero)": q.log_prob(torch.zeros((), dtype=dtype)),
+            "mean": q.mean,
+            "variance": q.variance,
+            "entropy": q.entropy(),
+            "kl": kl_divergence(q, prior),
+        }
+        return {k: torch.autograd.grad(v, logit)[0] for k, v in values.items()}
+
+    got, want = quantities(torch.float32, prior32), quantities(torch.float64, prior64)
+    for name in got:
+        assert got[name].item() != 0.0, name
+        assert got[name].item() == pytest.approx(want[name].item(), rel=1e-5), name
+
+
 def test_shapes_expand_and_bad_arguments():
     d = SpikeSlab(0.3, torch.ones(4)).expand((2, 4))
     assert d.batch_shape == (2, 4) and d.sample((3,)).shape == (3, 2, 4)

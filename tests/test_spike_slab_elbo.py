@@ -50,6 +50,12 @@ def test_gate_is_exactly_zero_or_one_forward_with_the_relaxed_gradient():
 def test_temperature_and_particles_are_checked():
     with pytest.raises(ValueError, match="temperature must be a positive"):
         GumbelSpikeSlabELBO(temperature=0.0)
+    with pytest.raises(ValueError, match="temperature must be a positive finite number"):
+        GumbelSpikeSlabELBO(temperature=True)  # a bool is an int, but not a temperature
+    with pytest.raises(ValueError, match="temperature must be a positive finite number"):
+        GumbelSpikeSlabELBO(temperature=math.inf)
+    with pytest.raises(ValueError, match="num_particles must be a positive integer"):
+        GumbelSpikeSlabELBO(num_particles=True)
     with pytest.raises(ValueError, match="num_particles must be a positive integer"):
         GumbelSpikeSlabELBO(num_particles=0)
 
@@ -144,7 +150,7 @@ def test_quadrature_elbo_publishes_g_and_h_of_the_smooth_loss_under_the_moment_m
     torch.testing.assert_close(moments.h, h, rtol=1e-10, atol=1e-12)
 
 
-def test_gumbel_elbo_is_an_unbiased_draw_of_the_same_objective():
+def test_gumbel_elbo_is_an_unbiased_draw_of_the_same_objective_for_per_coordinate_quadratics():
     torch.manual_seed(0)
     guide = fitted_guide(NU, TAU, ZETA)
     K = 20_000
@@ -161,6 +167,43 @@ def test_gumbel_elbo_is_an_unbiased_draw_of_the_same_objective():
     torch.manual_seed(1)
     loss = elbo.loss(separable_model, guide, X, Y)
     assert abs(loss - exact_negative_elbo(*map(torch.tensor, (NU, TAU, ZETA))).item()) < 4 * se
+
+
+def float32_model(x, y=None):
+    prior = SpikeSlab(torch.tensor(LAMBDA), torch.tensor(SLAB))
+    w = pyro.sample("w", prior.expand([x.shape[-1]]).to_event(1))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Normal(x * w, SIGMA).to_event(1), obs=y)
+
+
+def test_a_mixture_whose_variance_underflows_gives_finite_gradients_and_a_finite_adam_step():
+    # a zero logit of 200 puts inclusion at exp(-200), 0 in float32: the mixture variance is 0
+    x, y = X.float(), Y.float()
+    guide = AutoSpikeSlab(float32_model)
+    guide(x, y)
+    with torch.no_grad():
+        guide.logits.w_unconstrained.copy_(torch.tensor([200.0, 0.0, 0.0]))
+    assert guide._full_mixture("w_unconstrained").variance[0].item() == 0.0
+    elbo = QuadratureELBO("hadamard", 4)
+    loss = elbo.differentiable_loss(float32_model, guide, x, y)
+    params = [guide.locs.w_unconstrained, guide.scales.w_unconstrained]
+    params.append(guide.logits.w_unconstrained)
+    grads = torch.autograd.grad(loss, params)
+    assert torch.isfinite(loss)
+    for grad in grads:
+        assert torch.isfinite(grad).all()
+    # coordinate 0 is exactly zero at every node: the likelihood does not see its slab mean
+    assert grads[0][0].item() == pytest.approx(0.0, abs=1e-6)
+    # the published moments are those of the quadratic loss (see the test above), finite
+    moments = published_moments(guide.locs.w_unconstrained)
+    mean = guide._full_mixture("w_unconstrained").mean.detach()
+    torch.testing.assert_close(moments.g, -(x * (y - x * mean)).sum(0) / SIGMA**2)
+    assert torch.isfinite(moments.h).all()  # coordinate 0: nodes 1e-19 apart, h rounds
+    torch.testing.assert_close(moments.h[1:], (x[:, 1:] ** 2).sum(0) / SIGMA**2)
+    svi = SVI(float32_model, guide, Adam({"lr": 0.1}), elbo)
+    svi.step(x, y)
+    for param in params:
+        assert torch.isfinite(param).all()
 
 
 def normal_prior_model(x, y=None):

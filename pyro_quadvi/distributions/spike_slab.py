@@ -30,7 +30,8 @@ from torch.distributions.utils import broadcast_all
 __all__ = ["SpikeSlab", "kl_normal_spike_slab", "kl_spike_slab"]
 
 _SCALAR = torch.Size()
-_HALF_LOG_2PI_E = 0.5 * math.log(2 * math.pi * math.e)
+HALF_LOG_2PI_E = 0.5 * math.log(2 * math.pi * math.e)
+"""``H[N(0, 1)] = log(2 pi e) / 2``: the entropy of a standard normal, in nats."""
 
 
 class SpikeSlab(TorchDistribution):
@@ -91,7 +92,14 @@ class SpikeSlab(TorchDistribution):
     @property
     def inclusion(self) -> torch.Tensor:
         """``P(theta != 0)``: the sequence paper's ``q(not z)``, the sparse-VI paper's ``phi``."""
-        return torch.sigmoid(-self.zero_logits)
+        return _sigmoid(-self.zero_logits)
+
+    @property
+    def exclusion(self) -> torch.Tensor:
+        """``P(theta = 0) = sigmoid(zeta)``: the sequence paper's ``q(z)``, taken from the logit
+        itself (not as ``1 - inclusion``, which is exactly 0 in float32 below ``zeta ~ -17`` and
+        has no gradient there)."""
+        return _sigmoid(self.zero_logits)
 
     @property
     def log_inclusion(self) -> torch.Tensor:
@@ -128,7 +136,7 @@ class SpikeSlab(TorchDistribution):
     def variance(self) -> torch.Tensor:
         """``q(z) q(not z) nu^2 + q(not z) tau^2`` (eq. 4.2)."""
         phi = self.inclusion
-        return phi * (1 - phi) * self.slab_loc**2 + phi * self.slab_scale**2
+        return phi * self.exclusion * self.slab_loc**2 + phi * self.slab_scale**2
 
     # -- densities -------------------------------------------------------------------------------
 
@@ -151,7 +159,7 @@ class SpikeSlab(TorchDistribution):
     def cdf(self, value: torch.Tensor) -> torch.Tensor:
         """``(1 - phi) 1[value >= 0] + phi Phi((value - nu) / tau)``."""
         spike = (value >= 0).to(self.slab_loc.dtype)
-        return (1 - self.inclusion) * spike + self.inclusion * self.slab().cdf(value)
+        return self.exclusion * spike + self.inclusion * self.slab().cdf(value)
 
     def icdf(self, value: torch.Tensor) -> torch.Tensor:
         """The quantile function, exact: the slab's below and above the jump at zero, 0 on it.
@@ -160,25 +168,37 @@ class SpikeSlab(TorchDistribution):
         ``nu + tau Phi^-1(p / phi)`` for ``p < a``, ``0`` for ``a <= p <= a + 1 - phi`` and
         ``nu + tau Phi^-1((p - 1 + phi) / phi)`` above.
         """
-        phi = self.inclusion
+        phi, spike = self.inclusion, self.exclusion
         slab = self.slab()
         below = phi * slab.cdf(torch.zeros_like(self.slab_loc))
         p = torch.as_tensor(value, dtype=phi.dtype, device=phi.device)
         lower = slab.icdf((p / phi).clamp(max=1.0))
-        upper = slab.icdf(((p - 1 + phi) / phi).clamp(min=0.0, max=1.0))
+        upper = slab.icdf(((p - spike) / phi).clamp(min=0.0, max=1.0))
         zero = torch.zeros_like(lower)
-        return torch.where(p < below, lower, torch.where(p <= below + 1 - phi, zero, upper))
+        return torch.where(p < below, lower, torch.where(p <= below + spike, zero, upper))
 
     def entropy(self) -> torch.Tensor:
         """``H(Bernoulli(phi)) + phi H(N(nu, tau^2))``, under the measure of ``log_prob``."""
-        phi = self.inclusion
-        bernoulli = -(phi * self.log_inclusion + (1 - phi) * _xlogy_safe(self.log_exclusion, phi))
-        return bernoulli + phi * (_HALF_LOG_2PI_E + self.slab_scale.log())
+        phi, spike = self.inclusion, self.exclusion
+        bernoulli = -(phi * self.log_inclusion + spike * _where_mass(spike, self.log_exclusion))
+        return bernoulli + phi * (HALF_LOG_2PI_E + self.slab_scale.log())
 
 
-def _xlogy_safe(log_p: torch.Tensor, inclusion: torch.Tensor) -> torch.Tensor:
-    """``log(1 - phi)`` with ``0 log 0 = 0`` in mind: zero where ``1 - phi`` is exactly 0."""
-    return torch.where(inclusion >= 1, torch.zeros_like(log_p), log_p)
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` whose derivative keeps its relative accuracy in both tails.
+
+    Torch differentiates ``sigmoid`` as ``y (1 - y)``, which is exactly 0 once ``y`` rounds to 1
+    (``x > ~17`` in float32); there ``1 - sigmoid(-x)`` has the same value and the derivative
+    ``sigmoid(-x) (1 - sigmoid(-x))``, accurate. Each branch is used where its result is ``>= 1/2``
+    (resp. ``< 1/2``), so the forward value is as accurate as ``torch.sigmoid``'s.
+    """
+    return torch.where(x > 0, 1 - torch.sigmoid(-x), torch.sigmoid(x))
+
+
+def _where_mass(prob: torch.Tensor, log_term: torch.Tensor) -> torch.Tensor:
+    """``log_term`` where ``prob > 0``, else 0: the ``0 log 0 = 0`` convention, with the
+    masked value chosen before the product so that neither it nor its gradient is NaN."""
+    return torch.where(prob > 0, log_term, torch.zeros_like(log_term))
 
 
 @register_kl(SpikeSlab, SpikeSlab)
@@ -190,10 +210,9 @@ def kl_spike_slab(q: SpikeSlab, p: SpikeSlab) -> torch.Tensor:
     with ``phi``, ``lambda`` the inclusion probabilities of ``q`` and ``p``; ``inf`` where ``q``
     puts mass on zero and ``p`` does not (inclusion 1).
     """
-    phi = q.inclusion
+    phi, spike = q.inclusion, q.exclusion
     include = phi * (q.log_inclusion - p.log_inclusion)
-    exclude = (1 - phi) * (q.log_exclusion - p.log_exclusion)
-    exclude = torch.where(phi >= 1, torch.zeros_like(exclude), exclude)
+    exclude = spike * _where_mass(spike, q.log_exclusion - p.log_exclusion)
     return include + exclude + phi * kl_divergence(q.slab(), p.slab())
 
 

@@ -35,7 +35,6 @@ them back with :func:`published_moments`.
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -50,6 +49,7 @@ from torch.distributions.constraints import Constraint
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..distributions import SpikeSlab
+from ..distributions.spike_slab import HALF_LOG_2PI_E
 from ..infer.log_joint import LatentSite
 
 __all__ = [
@@ -77,8 +77,6 @@ ELEMENTWISE_FAMILIES = ("gaussian", "dirac_gauss")
 CLOSED_FORM_FAMILIES = ("dirac_gauss",)
 """Elementwise families whose prior term is a closed-form KL (:meth:`MeanFieldSite.kl_to_prior`)
 rather than the prior's log density integrated at the nodes plus the guide's entropy."""
-
-_HALF_LOG_2PI_E = 0.5 * math.log(2 * math.pi * math.e)
 
 
 @dataclass
@@ -157,7 +155,7 @@ class MeanFieldSite:
         """
         if self.family == "dirac_gauss":
             return self.scale_factor * self.mixture().entropy().sum()
-        per_coordinate = self.scale.log().sum() + _HALF_LOG_2PI_E * self.scale.numel()
+        per_coordinate = self.scale.log().sum() + HALF_LOG_2PI_E * self.scale.numel()
         return self.scale_factor * per_coordinate
 
     def kl_to_prior(self, prior: Distribution) -> torch.Tensor:

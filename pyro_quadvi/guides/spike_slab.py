@@ -231,7 +231,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
                     name=name,
                     family="dirac_gauss",
                     loc=mixture.mean,
-                    scale=mixture.variance.sqrt(),
+                    scale=_std(mixture),
                     params={"loc": loc_leaf, "scale": scale_leaf, "logit": logit_leaf},
                     param_constraints={
                         "loc": constraints.real,
@@ -257,3 +257,11 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
     def mean_field_sites(self) -> list[MeanFieldSite]:
         """The sites of :meth:`quadrature_description`: current parameters, last run's rows."""
         return self.quadrature_description().sites
+
+
+def _std(mixture: SpikeSlab) -> torch.Tensor:
+    """The mixture's standard deviation (eq. 4.2), its variance floored at the dtype's smallest
+    normal number: a variance that underflows to 0 (a zero logit above ~104 in float32) would
+    give ``sqrt`` an infinite derivative, and the loss NaN gradients."""
+    variance = mixture.variance
+    return variance.clamp_min(torch.finfo(variance.dtype).tiny).sqrt()

@@ -20,6 +20,7 @@ any) are reparameterized and keep their analytic entropy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -69,8 +70,9 @@ class GumbelSpikeSlabELBO(PointsELBO):
     Draws come from torch's global generator (``pyro.set_rng_seed`` makes runs reproducible).
 
     Raises:
-        ValueError: for a temperature that is not positive, or (when run) a site whose prior has
-            no point mass: its KL against a spike is infinite (the message names ``SpikeSlab``).
+        ValueError: for a temperature that is not a positive finite number (a bool included),
+            or (when run) a site whose prior has no point mass: its KL against a spike is
+            infinite (the message names ``SpikeSlab``).
     """
 
     def __init__(
@@ -80,10 +82,22 @@ class GumbelSpikeSlabELBO(PointsELBO):
         vectorize: bool | None = None,
         max_plate_nesting: float = float("inf"),
     ):
-        if not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-        if not isinstance(num_particles, int) or num_particles < 1:
-            raise ValueError(f"num_particles must be a positive integer, got {num_particles!r}")
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not 0 < temperature < math.inf
+        ):
+            raise ValueError(
+                f"temperature must be a positive finite number (not a bool), got {temperature!r}"
+            )
+        if (
+            isinstance(num_particles, bool)
+            or not isinstance(num_particles, int)
+            or num_particles < 1
+        ):
+            raise ValueError(
+                f"num_particles must be a positive integer (not a bool), got {num_particles!r}"
+            )
         super().__init__(num_particles, vectorize, max_plate_nesting)
         self.temperature = float(temperature)
 

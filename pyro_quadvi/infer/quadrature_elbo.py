@@ -28,14 +28,18 @@ gradients do not carry ``g`` and ``h`` (a mixture) is updated all the same.
 
 **Spike-and-slab sites** (family ``"dirac_gauss"``, :class:`~pyro_quadvi.guides.AutoSpikeSlab`):
 the nodes sit at each mixture's mean and standard deviation (sequence paper, eq. 4.2), where the
-likelihood and every smooth prior term are integrated; a sigma-point rule integrates univariate
-quadratics exactly against any distribution with those two moments. The site's own prior, a
+likelihood and every smooth prior term are integrated. The site's own prior, a
 :class:`~pyro_quadvi.distributions.SpikeSlab`, meets the guide in their closed-form KL (the
 sparse-VI paper's KL term), which also holds the site's entropy:
 
     loss = -sum_k w_k log p_smooth(x, T(z_k)) - H[gaussian sites] + sum_ss KL(q_ss || p_ss)
 
-(the same objective as :class:`~pyro_quadvi.infer.GumbelSpikeSlabELBO`, without its noise). The
+This is a deterministic **moment-matched surrogate**: the expectations are taken under the
+Gaussian with the mixture's two moments, not under the mixture. A sigma-point rule integrates
+univariate quadratics exactly against any distribution with those moments, so for a likelihood
+that is a sum of quadratics, one per coordinate, the surrogate equals the negative ELBO of
+:class:`~pyro_quadvi.infer.GumbelSpikeSlabELBO` (without its noise); for a network it is a
+different objective and not a bound on the evidence: do not compare the two losses. The
 published ``g`` and ``h`` of such a site are those of the smooth loss under the moment-matched
 Gaussian, which is what the sequence paper's eq. 4.6 takes.
 """
@@ -164,8 +168,9 @@ class PointsELBO(ELBO):
 
 
 class QuadratureELBO(PointsELBO):
-    """The evidence lower bound integrated by a quadrature rule, for Gaussian and spike-and-slab
-    guides.
+    """The evidence lower bound integrated by a quadrature rule for Gaussian guides; for
+    spike-and-slab guides, its moment-matched surrogate (see the module: exact only for
+    likelihoods quadratic in each coordinate, not a bound otherwise).
 
     Args:
         rule: a rule name for :func:`~pyro_quadvi.quadrature.make_rule` (``"rasp_simplex"``,
@@ -322,7 +327,8 @@ def _publisher(description: GuideDescription, x: torch.Tensor) -> Callable:
 
     def hook(grad: torch.Tensor) -> None:
         g_all = grad.sum(0)
-        h_all = (grad * x).sum(0) / scale
+        # a scale at zero (a collapsed mixture) has h = 0, not 0 / 0
+        h_all = torch.where(scale > 0, (grad * x).sum(0) / scale, torch.zeros_like(scale))
         start = 0
         for site in description.sites:
             stop = start + site.loc.numel()

@@ -16,6 +16,9 @@ import torch
 
 __all__ = ["Bernoulli", "Categorical", "Gaussian", "Likelihood"]
 
+NOISE_SITE = "noise_scale"
+"""The latent site of the noise scale that :class:`Gaussian` learns with ``scale=None``."""
+
 
 class Likelihood:
     """Base class: a data plate of ``dataset_size`` rows and one observed site ``"obs"``.
@@ -125,11 +128,11 @@ class Gaussian(Likelihood):
         prior = self.noise_prior
         if prior is None:
             prior = dist.HalfNormal(torch.ones((), dtype=dtype, device=device))
-        return {"noise_scale": pyro.sample("noise_scale", prior)}
+        return {NOISE_SITE: pyro.sample(NOISE_SITE, prior)}
 
     def distribution(self, outputs, latents, row_dims):
         if self.scale is None:
-            scale = _expand_to_rows(latents["noise_scale"], row_dims)
+            scale = _expand_to_rows(latents[NOISE_SITE], row_dims)
         else:
             scale = torch.full((), self.scale, dtype=outputs.dtype, device=outputs.device)
         return dist.Normal(outputs, scale).to_event(row_dims)

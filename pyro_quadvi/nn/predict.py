@@ -20,12 +20,11 @@ from pyro import poutine
 
 from ..guides import describe_guide
 from ..quadrature import QuadratureRule, make_rule
-from .likelihoods import Bernoulli, Categorical, Gaussian
+from .likelihoods import NOISE_SITE, Bernoulli, Categorical, Gaussian
 
 __all__ = ["Prediction", "predict"]
 
 _PREDICT_PLATE = "_quadvi_predict"
-_NOISE_SITE = "noise_scale"  # the learned noise scale of likelihoods.Gaussian(scale=None)
 
 
 @dataclass
@@ -75,17 +74,23 @@ def predict(
             ``num_samples`` (like ``Predictive(parallel=True)``). A rule name (``"hadamard"``,
             ``"gauss_hermite"``, ...) or rule: the rule's nodes ``description.affine(x_k)`` on the
             guide's description (:func:`~pyro_quadvi.guides.describe_guide`, so a Gaussian guide),
-            weighted by the rule's weights, at step 0 of its sequence.
+            weighted by the rule's weights, at step 0 of its sequence. A spike-and-slab guide
+            (:class:`~pyro_quadvi.guides.AutoSpikeSlab`) is refused: its nodes would sit on the
+            moment-matched Gaussian, not the mixture; predict it with ``num_samples``.
         num_points: the rule's ``num_points`` (with a rule name).
 
     All draws or nodes go through the net in one vectorized pass, under ``torch.no_grad()``.
     With a rule of negative weights, ``probs`` is a signed average and may leave ``[0, 1]``, and
     ``variance`` may be negative.
+
+    Raises:
+        ValueError: for ``quadrature`` with a guide that has non-Gaussian (``"dirac_gauss"``)
+            sites, or ``num_samples < 1`` without it.
     """
     with torch.no_grad():
         if getattr(guide, "prototype_trace", True) is None:
             guide(x)  # an AutoGuide builds itself on its first run, outside our plate
-        noise = _NOISE_SITE if _learned_noise(bnn) else None
+        noise = NOISE_SITE if _learned_noise(bnn) else None
         if quadrature is None:
             if num_samples < 1:
                 raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -153,6 +158,14 @@ def _quadrature_nodes(bnn, guide, x, quadrature, num_points, noise: str | None):
         raise TypeError(f"quadrature must be a rule name or a QuadratureRule, got {quadrature!r}")
     trace = poutine.trace(guide).get_trace(x)
     description = describe_guide(guide, trace)
+    mixtures = [site.name for site in description.sites if site.family != "gaussian"]
+    if mixtures:
+        families = sorted({site.family for site in description.sites} - {"gaussian"})
+        raise ValueError(
+            f"predict(quadrature=...) needs a Gaussian guide, but sites {mixtures} are {families} "
+            "mixtures (AutoSpikeSlab): nodes on their moment-matched Gaussian are not draws of the "
+            "guide and bias the average. Use quadrature=None with num_samples (exact draws)."
+        )
     loc = description.loc
     nodes = rule.draw(description.dim, step=0, dtype=loc.dtype, device=loc.device)
     z = description.affine(nodes.matrix())
