@@ -30,10 +30,12 @@ from .sparse_functional import (
     SparseQNVBBlock,
     SparseQNVBCounters,
     SparseQNVBHyperparameters,
+    check_settings,
     epoch_progress,
     init_sparse_block,
     init_sparse_counters,
     result_messages,
+    run_settings,
     sparse_qnvb_update,
 )
 from .torch_qnvb import closure_moments
@@ -221,27 +223,37 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
             )
         return loss_avg
 
+    def _settings(self) -> dict:
+        return run_settings(
+            self.hyperparameters, self.steps_per_epoch, self.num_cases, self.prior_precision
+        )
+
     def state_dict(self) -> dict:
-        """Torch's state dict plus the counters, the sequence offset and the generator's state."""
+        """Torch's state dict plus the counters, the sequence offset, the generator's state and
+        the settings of the run (:func:`~pyro_quadvi.optim.sparse_functional.run_settings`)."""
         state = super().state_dict()
         state["sparse_qnvb"] = {
             "counters": tuple(self.counters),
             "sequence_offset": self.sequence_offset,
             "generator": None if self.generator is None else self.generator.get_state(),
+            "settings": self._settings(),
         }
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore what :meth:`state_dict` saved."""
+        """Restore what :meth:`state_dict` saved, into an optimizer built with the same settings
+        (hyperparameters, ``num_cases``, ``steps_per_epoch``, ``prior_precision``): a
+        ``ValueError`` names any that differs, and nothing is loaded."""
         state_dict = dict(state_dict)
         extra = state_dict.pop("sparse_qnvb")
+        check_settings("SparseQNVBOptimizer.load_state_dict", extra["settings"], self._settings())
+        if extra["generator"] is not None and self.generator is None:
+            raise ValueError(
+                "the saved state holds a generator state; construct the optimizer with a "
+                "generator to restore it"
+            )
         super().load_state_dict(state_dict)
         self.counters = SparseQNVBCounters(*extra["counters"])
         self.sequence_offset = extra["sequence_offset"]
         if extra["generator"] is not None:
-            if self.generator is None:
-                raise ValueError(
-                    "the saved state holds a generator state; construct the optimizer with a "
-                    "generator to restore it"
-                )
             self.generator.set_state(extra["generator"])
