@@ -57,6 +57,7 @@ from torch import nn
 from tqdm import tqdm
 
 from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
+from pyro_quadvi.testing.datasets import digits_split, mnist_split
 
 
 class GroupMax(nn.Module):
@@ -85,19 +86,11 @@ def load(dataset: str, data_dir: str | None, net: str):
     """``(x_train, y_train, x_test, y_test)``, images in [0, 1]: ``(n, 1, 32, 32)`` for the Table 2
     network (digits upsampled 4x, MNIST padded by 2), flat for the MLP."""
     if dataset == "digits":
-        from sklearn.datasets import load_digits
-
-        images, labels = load_digits(return_X_y=True)
-        order = np.random.default_rng(0).permutation(len(labels))
-        x = torch.tensor(images[order], dtype=torch.float32).reshape(-1, 1, 8, 8) / 16
-        if net == "table2":
-            x = x.repeat_interleave(4, -1).repeat_interleave(4, -2)  # 8x8 -> 32x32
-        y = torch.tensor(labels[order])
-        cut = int(0.8 * len(y))
-        x_tr, y_tr, x_te, y_te = x[:cut], y[:cut], x[cut:], y[cut:]
+        x_tr, y_tr, x_te, y_te = digits_split()
+        x_tr, x_te = x_tr.reshape(-1, 1, 8, 8), x_te.reshape(-1, 1, 8, 8)
+        if net == "table2":  # 8x8 -> 32x32
+            x_tr, x_te = (v.repeat_interleave(4, -1).repeat_interleave(4, -2) for v in (x_tr, x_te))
     else:
-        from pyro_quadvi.testing.datasets import mnist_split
-
         x_tr, y_tr, x_te, y_te = mnist_split(data_dir)
         x_tr, x_te = (torch.as_tensor(v, dtype=torch.float32) for v in (x_tr, x_te))
         if x_tr.max() > 1:

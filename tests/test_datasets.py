@@ -85,3 +85,24 @@ def test_mnist_reader_and_split_on_a_written_idx_file(tmp_path, monkeypatch):
     monkeypatch.setenv("PYRO_QUADVI_DATA", str(root))
     with pytest.raises(FileNotFoundError, match="t10k-images"):
         load_mnist()
+
+
+def test_digits_split_is_the_seeded_permutation():
+    from sklearn.datasets import load_digits
+
+    from pyro_quadvi.testing.datasets import digits_split
+
+    images, labels = load_digits(return_X_y=True)
+    x_train, y_train, x_test, y_test = digits_split()
+    assert x_train.shape == (1437, 64) and x_test.shape == (360, 64)
+    assert x_train.dtype == torch.float32 and y_train.dtype == torch.int64
+    order = np.random.default_rng(0).permutation(1797)
+    assert y_train.tolist() == labels[order[:1437]].tolist()
+    assert y_test.tolist() == labels[order[1437:]].tolist()
+    assert x_test[5, 37].item() == images[order[1442], 37] / 16  # exact: a sixteenth
+    assert float(x_train.max()) == 1.0 and float(x_train.min()) == 0.0
+    _, y_train_1, _, _ = digits_split(train_fraction=0.5, seed=1)
+    assert y_train_1.tolist() == labels[np.random.default_rng(1).permutation(1797)[:898]].tolist()
+    for bad in (0.0, 1.0, 1):
+        with pytest.raises(ValueError, match="train_fraction"):
+            digits_split(train_fraction=bad)

@@ -34,18 +34,11 @@ DTYPE = torch.float64
 @pytest.mark.parametrize("n1", range(1, 13))
 def test_hybrid_coefficients_preserve_mean_and_variance(n0, n1):
     """E[a_hat] = (c0 n0 + c1 n1) alpha and Var[a_hat] = (c0^2 n0 + c1^2 n1) v: both must be
-    max(n0, n1) times those of one term."""
+    max(n0, n1) times those of one term. (The printed eq. 5.1 multiplies a_0 twice, see
+    design/qnvb-update-rule.md; the code implements the corrected form.)"""
     c0, c1 = hybrid_coefficients(n0, n1)
     assert c0 * n0 + c1 * n1 == pytest.approx(max(n0, n1), rel=1e-14)
     assert c0**2 * n0 + c1**2 * n1 == pytest.approx(max(n0, n1), rel=1e-14)
-
-
-def test_printed_eq_5_1_is_wrong():
-    """The printed form multiplies a_0 twice: its variance is (c0 + c1)^2 n0 v, not n0 v."""
-    n0, n1 = 6, 2
-    c0, c1 = hybrid_coefficients(n0, n1)
-    assert (c0 + c1) ** 2 * n0 != pytest.approx(max(n0, n1))
-    assert c0**2 * n0 + c1**2 * n1 == pytest.approx(max(n0, n1))
 
 
 @pytest.mark.parametrize(("n0", "n1"), [(6, 2), (3, 5)])
@@ -404,6 +397,34 @@ def test_optimizer_resumes_bit_for_bit():
     assert optimizer.sequence_offset == resumed.sequence_offset
 
 
+def test_optimizer_load_refuses_other_settings():
+    """A state loaded into a differently configured optimizer would continue under another
+    schedule or other terms: each differing setting is named and nothing is loaded."""
+    _, batches = _separable_regression()
+    kwargs = dict(num_cases=320, steps_per_epoch=10, num_epochs=4, target_sparsity=0.75)
+    net = _net()
+    optimizer = SparseQNVBOptimizer(net.parameters(), **kwargs)
+    _train(net, optimizer, batches, 3)
+    saved = optimizer.state_dict()
+    changes = [
+        ({"steps_per_epoch": 20}, r"steps_per_epoch=10 \(this optimizer: 20\)"),
+        ({"num_cases": 640}, r"num_cases=320\.0 \(this optimizer: 640\.0\)"),
+        ({"prior_precision": 1.0}, r"prior_precision=11\.1.* \(this optimizer: 1\.0\)"),
+        ({"initial_lr": 1e-4}, r"initial_lr=1e-05 \(this optimizer: 0\.0001\)"),
+        ({"num_pairs": 4}, r"num_pairs=2 \(this optimizer: 4\)"),
+        (
+            {"tau_max": 0.1, "num_epochs": 5},
+            r"num_epochs=4 .*tau_max=0\.3 \(this optimizer: 0\.1\)",
+        ),
+    ]
+    for change, message in changes:
+        other_net = _net(seed=1)
+        other = SparseQNVBOptimizer(other_net.parameters(), **{**kwargs, **change})
+        with pytest.raises(ValueError, match=message):
+            other.load_state_dict(saved)
+        assert other.counters.step == 0 and other.sequence_offset is None and not other.state
+
+
 def test_optimizer_refuses_bad_input():
     net = _net()
     with pytest.raises(ValueError, match="num_cases"):
@@ -415,9 +436,9 @@ def test_optimizer_refuses_bad_input():
             [{"params": net.parameters(), "tau_max": 0.1}], num_cases=10, steps_per_epoch=3
         )
     optimizer = SparseQNVBOptimizer(net.parameters(), num_cases=10, steps_per_epoch=3)
-    with pytest.raises(TypeError, match="closure must return the scalar loss"):
+    with pytest.raises(TypeError, match="SparseQNVBOptimizer: the closure must return the scalar"):
         optimizer.step(lambda: None)
-    with pytest.raises(RuntimeError, match="no parameter received a gradient"):
+    with pytest.raises(RuntimeError, match="SparseQNVBOptimizer: no parameter received a grad"):
         optimizer.step(lambda: torch.tensor(1.0))
     assert torch.equal(net.weight, optimizer.state[net.weight]["mu"])  # restored to the mean
 

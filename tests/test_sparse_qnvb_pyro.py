@@ -36,6 +36,19 @@ def _model(x, y, start):
         pyro.sample("y", dist.Normal(mean, 0.1), obs=y[rows])
 
 
+@pytest.fixture
+def float64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _guide():
+    """The paper's start (Algorithm 5.1, line 5): sigma = initial_lr**0.5, nonzero for sure."""
+    return AutoSpikeSlab(_model, init_scale=1e-5**0.5, init_inclusion=1 - 1e-9)
+
+
 def _fit(optim, guide, x, y, steps, first=0):
     svi = SVI(_model, guide, optim, QuadratureELBO(rule="hadamard", num_points=4, vectorize=False))
     for step in range(first, first + steps):
@@ -44,7 +57,7 @@ def _fit(optim, guide, x, y, steps, first=0):
 
 def test_sparse_qnvb_finds_the_support(fresh_param_store):
     w, x, y = _data()
-    guide = AutoSpikeSlab(_model)
+    guide = _guide()
     optim = SparseQNVB(
         num_epochs=4, steps_per_epoch=BATCHES, target_sparsity=12 / 16, target_free=3 / 16
     )
@@ -60,7 +73,7 @@ def test_sparse_qnvb_finds_the_support(fresh_param_store):
 def test_sparse_qnvb_resumes_bit_for_bit(fresh_param_store):
     _, x, y = _data()
     kwargs = dict(num_epochs=4, steps_per_epoch=BATCHES, target_sparsity=0.75)
-    guide = AutoSpikeSlab(_model)
+    guide = _guide()
     optim = SparseQNVB(**kwargs)
     _fit(optim, guide, x, y, 13)
     store = copy.deepcopy(pyro.get_param_store().get_state())
@@ -72,7 +85,7 @@ def test_sparse_qnvb_resumes_bit_for_bit(fresh_param_store):
     pyro.get_param_store().set_state(store)
     resumed = SparseQNVB(**kwargs)
     resumed.set_state(saved)
-    _fit(resumed, AutoSpikeSlab(_model), x, y, 9, first=13)
+    _fit(resumed, _guide(), x, y, 9, first=13)
     assert {"AutoSpikeSlab.locs.w", "AutoSpikeSlab.scales.w", "AutoSpikeSlab.logits.w"} <= set(
         expected
     )
@@ -99,7 +112,7 @@ def test_sparse_qnvb_pattern_is_realized_with_the_final_epoch(fresh_param_store)
     """Before the first step of the final epoch the pattern is that of p_nonzero > 1/2; after it,
     the realized one, which the following steps keep."""
     _, x, y = _data()
-    guide = AutoSpikeSlab(_model)
+    guide = _guide()
     optim = SparseQNVB(num_epochs=3, steps_per_epoch=BATCHES, target_sparsity=0.75)
     _fit(optim, guide, x, y, 2 * BATCHES)
     block = optim.blocks["AutoSpikeSlab.locs.w"]
@@ -110,3 +123,81 @@ def test_sparse_qnvb_pattern_is_realized_with_the_final_epoch(fresh_param_store)
     _fit(optim, guide, x, y, BATCHES, first=2 * BATCHES)
     assert torch.equal(optim.pattern()["AutoSpikeSlab.locs.w"], expected)
     assert torch.equal(optim.blocks["AutoSpikeSlab.locs.w"].mu == 0, expected == 0)
+
+
+def test_sparse_qnvb_refuses_a_guide_off_the_papers_start(fresh_param_store):
+    """Algorithm 5.1, line 5: sigma = h0^(-1/2) = initial_lr**0.5. AutoSpikeSlab's default start
+    (tau = 0.1, inclusion 0.99) has the first term integrated at sigma = 0.0995: refused by name,
+    the guide unchanged."""
+    _, x, y = _data()
+    guide = AutoSpikeSlab(_model)
+    optim = SparseQNVB(num_epochs=4, steps_per_epoch=BATCHES, num_cases=N)
+    guide(x, y, 0)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().named_parameters()}
+    with pytest.raises(ValueError, match=r"'w'.*\[0\.0995, 0\.0995\].*init_scale=0\.00316"):
+        _fit(optim, guide, x, y, 1)
+    store = dict(pyro.get_param_store().named_parameters())
+    for name, value in before.items():
+        assert torch.equal(store[name].detach(), value), name
+    assert optim.counters.step == 0 and not optim.blocks
+    # the same start with initial_lr = 0.1**2 and a nonzero for sure is the paper's
+    guide = AutoSpikeSlab(_model, init_scale=0.1, init_inclusion=1 - 1e-9)
+    optim = SparseQNVB(num_epochs=4, steps_per_epoch=BATCHES, initial_lr=0.01)
+    _fit(optim, guide, x, y, 1)
+    assert torch.equal(optim.blocks["AutoSpikeSlab.locs.w"].h0, torch.full((D,), 100.0))
+
+
+def test_sparse_qnvb_steps_as_the_torch_optimizer(fresh_param_store, float64):
+    """On the same problem, from the same start (w = 0, sigma = initial_lr**0.5, p_nonzero = 1),
+    the Pyro front end and SparseQNVBOptimizer hold the same state after every step (the
+    quadrature is exact here, so their different node offsets do not matter): the same h0 / sigma
+    convention, the same terms (n_c / S per-case gradient plus h_p / S), the same trust region.
+    In float64: the gradient sums cancel terms of size h0 |nu| ~ 600."""
+    from pyro_quadvi.optim import SparseQNVBOptimizer
+
+    _, x, y = _data()
+    kwargs = dict(num_epochs=4, steps_per_epoch=BATCHES, target_sparsity=0.75, num_cases=N)
+    optim, guide = SparseQNVB(**kwargs), _guide()
+    w = torch.nn.Parameter(torch.zeros(D))
+    reference = SparseQNVBOptimizer([w], **kwargs)
+    rows_per_step = N // BATCHES
+    for step in range(BATCHES + 2):
+        _fit(optim, guide, x, y, 1, first=step)
+        rows = slice((step % BATCHES) * rows_per_step, (step % BATCHES + 1) * rows_per_step)
+
+        def closure(rows=rows):
+            loss = (0.5 * ((y[rows] - x[rows] @ w) / 0.1) ** 2).mean()  # per case, as _model
+            loss.backward()
+            return loss
+
+        reference.step(closure)
+        block = optim.blocks["AutoSpikeSlab.locs.w"]
+        for field in block._fields:
+            expected = reference.state[w][field]
+            assert expected.dtype == torch.float64
+            torch.testing.assert_close(getattr(block, field), expected, rtol=1e-9, atol=1e-9)
+    assert optim.counters == reference.counters
+    assert float(block.h0[0]) != 1e5  # the sums were replaced: the comparison went past the start
+
+
+def test_sparse_qnvb_set_state_refuses_other_settings(fresh_param_store):
+    """A state restored into a differently configured optimizer would go on under another
+    schedule: each differing setting is named, and nothing is restored."""
+    _, x, y = _data()
+    kwargs = dict(num_epochs=4, steps_per_epoch=BATCHES, target_sparsity=0.75, num_cases=N)
+    optim = SparseQNVB(**kwargs)
+    _fit(optim, _guide(), x, y, 3)
+    saved = optim.get_state()
+    changes = [
+        ({"steps_per_epoch": 5}, r"steps_per_epoch=10 \(this optimizer: 5\)"),
+        ({"num_cases": None}, r"num_cases=320 \(this optimizer: None\)"),
+        ({"prior_precision": 4.0}, r"prior_precision=11\.1.*\(this optimizer: 4\.0\)"),
+        ({"target_sparsity": 0.5}, r"target_sparsity=0\.75 \(this optimizer: 0\.5\)"),
+        ({"max_lr": 0.2}, r"max_lr=0\.1 \(this optimizer: 0\.2\)"),
+        ({"num_epochs": 5}, r"num_epochs=4 \(this optimizer: 5\)"),
+    ]
+    for change, message in changes:
+        other = SparseQNVB(**{**kwargs, **change})
+        with pytest.raises(ValueError, match=message):
+            other.set_state(saved)
+        assert other.counters.step == 0 and not other.blocks

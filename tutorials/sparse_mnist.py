@@ -31,26 +31,13 @@ import torch
 from torch import nn
 
 from pyro_quadvi.optim import SparseQNVBOptimizer
+from pyro_quadvi.testing.datasets import digits_split, mnist_split
 
 SEED = 0
 BINS = np.linspace(0.0, 1.0, 21)
 
 
-def digits_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """sklearn's digits as flat floats in [0, 1], split 80/20 by a seeded permutation."""
-    from sklearn.datasets import load_digits
-
-    images, labels = load_digits(return_X_y=True)
-    order = np.random.default_rng(SEED).permutation(len(labels))
-    x = torch.tensor(images[order] / 16.0, dtype=torch.float32)
-    y = torch.tensor(labels[order])
-    cut = int(0.8 * len(y))
-    return x[:cut], y[:cut], x[cut:], y[cut:]
-
-
 def mnist_data(data_dir: str | None):
-    from pyro_quadvi.testing.datasets import mnist_split
-
     x_train, y_train, x_test, y_test = mnist_split(data_dir)
     return x_train.flatten(1), y_train, x_test.flatten(1), y_test
 
@@ -151,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
     if options.quick:
-        data, hidden, epochs, title = digits_split(), 64, 6, "digits, 64-64-10"
+        data, hidden, epochs, title = digits_split(seed=SEED), 64, 6, "digits, 64-64-10"
     else:
         data, hidden, epochs, title = mnist_data(options.data_dir), 64, 10, "MNIST, 784-64-10"
     net, history = train(data, hidden, epochs)

@@ -60,7 +60,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import torch
@@ -72,6 +72,7 @@ __all__ = [
     "SparseQNVBCounters",
     "SparseQNVBHyperparameters",
     "SparseQNVBResult",
+    "check_settings",
     "epoch_progress",
     "hybrid_coefficients",
     "hybrid_sum",
@@ -79,6 +80,7 @@ __all__ = [
     "init_sparse_counters",
     "mixture_moments",
     "result_messages",
+    "run_settings",
     "sieve_boundaries",
     "sieve_fractions",
     "sieve_map",
@@ -233,6 +235,38 @@ def result_messages(result: SparseQNVBResult, warned: set[str]) -> list[str]:
                     "lower max_lr or tau_max, or use float64)"
                 )
     return messages
+
+
+def run_settings(
+    hp: SparseQNVBHyperparameters,
+    steps_per_epoch: int,
+    num_cases: float | None,
+    prior_precision: float,
+) -> dict:
+    """Everything besides the state that fixes a run's schedule and terms: the hyperparameters,
+    ``S``, ``n_c`` and ``h_p``. Saved with a state, checked by :func:`check_settings` on load."""
+    return {
+        **asdict(hp),
+        "steps_per_epoch": steps_per_epoch,
+        "num_cases": num_cases,
+        "prior_precision": prior_precision,
+    }
+
+
+def check_settings(owner: str, saved: dict, current: dict) -> None:
+    """Raise a ``ValueError`` naming every setting of :func:`run_settings` in which a saved state
+    differs from the optimizer it is loaded into: the counters and sums would go on under another
+    schedule."""
+    differing = [
+        f"{name}={saved.get(name)!r} (this optimizer: {current.get(name)!r})"
+        for name in sorted(set(saved) | set(current))
+        if saved.get(name) != current.get(name)
+    ]
+    if differing:
+        raise ValueError(
+            f"{owner}: the state was saved with {', '.join(differing)}; construct the optimizer "
+            "with the saved settings to continue that run"
+        )
 
 
 def hybrid_coefficients(n0: float, n1: float) -> tuple[float, float]:

@@ -32,10 +32,12 @@ from .sparse_functional import (
     SparseQNVBBlock,
     SparseQNVBCounters,
     SparseQNVBHyperparameters,
+    check_settings,
     epoch_progress,
     init_sparse_counters,
     mixture_moments,
     result_messages,
+    run_settings,
     sparse_qnvb_update,
 )
 
@@ -45,6 +47,9 @@ _LOGIT_BOUND = 30.0
 """The guide's zero logits are written within +-30 (a probability of 1e-13): the realized
 pattern's exact zeros live in :meth:`SparseQNVB.pattern` and in the guide's median."""
 
+_START_RTOL = 0.01
+"""How far (relative) the guide's initial standard deviations may lie from ``initial_lr**0.5``."""
+
 
 class SparseQNVB(QNVB):
     """The sparsifying QNVB for ``"dirac_gauss"`` guides (``AutoSpikeSlab``) in ``SVI``.
@@ -53,10 +58,10 @@ class SparseQNVB(QNVB):
         num_epochs: ``n_e`` (Table 1: 10).
         steps_per_epoch: ``S``, SVI steps per epoch, e.g. ``len(loader)``.
         target_sparsity, target_free, max_lr, initial_lr, tau_max, p_nonzero_low,
-            p_nonzero_high, num_pairs: see
+            p_nonzero_high: see
             :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters` (defaults:
-            Table 1). ``num_pairs`` is informational here: the ELBO's rule sets the nodes
-            (``QuadratureELBO(rule="hadamard", num_points=2 * num_pairs)``).
+            Table 1). The nodes are the ELBO's: Table 1's ``n_q = 2`` antithetic pairs are
+            ``QuadratureELBO(rule="hadamard", num_points=4)``.
         prior_precision: ``h_p``, the slab's prior precision, ``1 / slab_scale^2`` of the model's
             :class:`~pyro_quadvi.distributions.SpikeSlab` prior; ``None``: ``1 / tau_max^2``.
         num_cases: ``n_c``, the number of training cases (the size the model's plate scales
@@ -66,9 +71,14 @@ class SparseQNVB(QNVB):
             (:mod:`~pyro_quadvi.optim.sparse_functional`).
         fallback: the optimizer of every other parameter, as for :class:`QNVB`.
 
-    Blocks in a subsampled plate (local latents) are refused: the sieve needs every coordinate at
-    every step. ``get_state()`` / ``set_state()`` hold the counters, every block's state and the
-    fallback's state: with the param store, a restored run continues bit for bit.
+    The guide must start at Algorithm 5.1's initial factor (line 5: ``sigma = h0^(-1/2)``,
+    ``h0 = 1 / initial_lr``), e.g. ``AutoSpikeSlab(model, init_scale=initial_lr**0.5,
+    init_inclusion=1 - 1e-9)``: ``SVI`` integrates the first term at the guide's start, so any
+    other is refused on the first step. Blocks in a subsampled plate (local latents) are
+    refused: the sieve needs every coordinate at every step. ``get_state()`` / ``set_state()``
+    hold the counters, every block's state, the fallback's state and the run's settings (restored
+    only into an optimizer built with the same): with the param store, a restored run continues
+    bit for bit.
     """
 
     def __init__(
@@ -83,7 +93,6 @@ class SparseQNVB(QNVB):
         tau_max: float = 0.3,
         p_nonzero_low: float = 0.001,
         p_nonzero_high: float = 0.999,
-        num_pairs: int = 2,
         prior_precision: float | None = None,
         num_cases: int | None = None,
         fallback: PyroOptim | tuple[type, dict] | None = None,
@@ -103,7 +112,6 @@ class SparseQNVB(QNVB):
             p_nonzero_low=p_nonzero_low,
             p_nonzero_high=p_nonzero_high,
             num_epochs=num_epochs,
-            num_pairs=num_pairs,
         )
         self.counters = init_sparse_counters(self.sparse_hyperparameters, steps_per_epoch)
         self.steps_per_epoch = steps_per_epoch
@@ -113,6 +121,7 @@ class SparseQNVB(QNVB):
         self.prior_precision = float(prior_precision)
         if num_cases is not None:
             _check_number("num_cases", num_cases, lambda v: 0 < v < math.inf, "finite and > 0")
+        self.num_cases = num_cases
         self.cases_per_step = 1.0 if num_cases is None else num_cases / steps_per_epoch
         self.blocks: dict[str, SparseQNVBBlock] = {}
         self._sparse_warned: set[str] = set()
@@ -207,11 +216,31 @@ class SparseQNVB(QNVB):
             site.params["logit"].data.copy_(logit)
 
     def _initial_block(self, site: MeanFieldSite) -> SparseQNVBBlock:
-        """Algorithm 5.1 at the guide's current factor: ``g0 = 0``, ``h0 = 1 / initial_lr``."""
+        """Algorithm 5.1, lines 3-5, at the guide's current factor: ``g0 = 0``,
+        ``h0 = 1 / initial_lr`` and the standard deviations consistent with it,
+        ``sigma = h0^(-1/2)``.
+
+        The first term was already integrated at the guide's factor, so the guide must start
+        there (within 1%): slab scale ``initial_lr**0.5`` and a probability of a nonzero near
+        one, as ``AutoSpikeSlab(model, init_scale=initial_lr**0.5, init_inclusion=1 - 1e-9)``
+        does; anything else is refused by name.
+        """
         nu = site.values["loc"].detach().clone()
         tau = site.values["scale"].detach().clone()
         p = torch.sigmoid(-site.values["logit"].detach())
         mu, sigma = mixture_moments(p, nu, tau)
+        initial_lr = self.sparse_hyperparameters.initial_lr
+        start = initial_lr**0.5
+        if not bool(((sigma - start).abs() <= _START_RTOL * start).all()):
+            raise ValueError(
+                f"SparseQNVB: site {site.name!r} starts at mixture standard deviations in "
+                f"[{sigma.min().item():.3g}, {sigma.max().item():.3g}], but Algorithm 5.1 (line "
+                f"5) starts every weight at sigma = h0^(-1/2) = initial_lr**0.5 = {start:.6g}, "
+                "with h0 = 1 / initial_lr, and the first step has already integrated the loss at "
+                "the guide's sigma. Start a fresh guide there, AutoSpikeSlab(model, "
+                f"init_scale={start!r}, init_inclusion=1 - 1e-9), or choose initial_lr as the "
+                "square of the guide's init_scale, with init_inclusion=1 - 1e-9"
+            )
         return SparseQNVBBlock(
             nu=nu,
             tau=tau,
@@ -219,14 +248,20 @@ class SparseQNVB(QNVB):
             mu=mu,
             sigma=sigma,
             g0=torch.zeros_like(nu),
-            h0=torch.full_like(nu, 1.0 / self.sparse_hyperparameters.initial_lr),
+            h0=torch.full_like(nu, 1.0 / initial_lr),
             g1=torch.zeros_like(nu),
             h1=torch.zeros_like(nu),
             pattern=torch.ones_like(nu),
         )
 
+    def _settings(self) -> dict:
+        return run_settings(
+            self.sparse_hyperparameters, self.steps_per_epoch, self.num_cases, self.prior_precision
+        )
+
     def get_state(self) -> dict:
-        """Deep copies of the counters, every block's state and the fallback's state."""
+        """Deep copies of the counters, every block's state and the fallback's state, and the
+        settings of the run (:func:`~pyro_quadvi.optim.sparse_functional.run_settings`)."""
         return {
             "sparse_qnvb": {
                 "num_steps": self.num_steps,
@@ -235,13 +270,17 @@ class SparseQNVB(QNVB):
                     name: {k: v.clone() for k, v in b._asdict().items()}
                     for name, b in self.blocks.items()
                 },
+                "settings": self._settings(),
             },
             "fallback": copy.deepcopy(PyroOptim.get_state(self)),
         }
 
     def set_state(self, state_dict: dict) -> None:
-        """Restore what :meth:`get_state` returned."""
+        """Restore what :meth:`get_state` returned, into an optimizer built with the same
+        settings (hyperparameters, ``steps_per_epoch``, ``num_cases``, ``prior_precision``): a
+        ``ValueError`` names any that differs, and nothing is restored."""
         state = state_dict["sparse_qnvb"]
+        check_settings("SparseQNVB.set_state", state["settings"], self._settings())
         self.num_steps = state["num_steps"]
         self.counters = SparseQNVBCounters(*state["counters"])
         self.blocks = {

@@ -30,13 +30,15 @@ from .sparse_functional import (
     SparseQNVBBlock,
     SparseQNVBCounters,
     SparseQNVBHyperparameters,
+    check_settings,
     epoch_progress,
     init_sparse_block,
     init_sparse_counters,
     result_messages,
+    run_settings,
     sparse_qnvb_update,
 )
-from .torch_qnvb import _checked_loss
+from .torch_qnvb import closure_moments
 
 __all__ = ["SparseQNVBOptimizer"]
 
@@ -187,43 +189,17 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
             device=first.device,
         )
         blocks = [self._block(p) for p in params]
-        g_sum = [torch.zeros_like(p) for p in params]
-        gx_sum = [torch.zeros_like(p) for p in params]
-        seen = False
-        loss_avg = torch.zeros((), dtype=first.dtype, device=first.device)
-        try:
-            for k in range(len(nodes)):
-                x, start, weight_k = nodes.node(k), 0, nodes.weights[k]
-                offsets = []
-                for p, block in zip(params, blocks):
-                    x_p = x[start : start + p.numel()].view_as(p)
-                    start += p.numel()
-                    p.copy_(block.mu + block.sigma * x_p)
-                    p.grad = None
-                    offsets.append(x_p)
-                with torch.enable_grad():
-                    loss_avg += weight_k * _checked_loss(closure())
-                for i, p in enumerate(params):
-                    if p.grad is not None:
-                        seen = True
-                        g_sum[i] += weight_k * p.grad
-                        gx_sum[i] += weight_k * p.grad * offsets[i]
-            if not seen:
-                raise RuntimeError(
-                    "SparseQNVBOptimizer: no parameter received a gradient; the closure must "
-                    "call backward() on the loss before returning it"
-                )
-        except BaseException:  # the parameters go back to their means, unchanged
-            for p, block in zip(params, blocks):
-                p.copy_(block.mu)
-                p.grad = None
-            raise
+        mus, sigmas = [b.mu for b in blocks], [b.sigma for b in blocks]
+        loss_avg, moments = closure_moments(
+            params, mus, sigmas, nodes, closure, "SparseQNVBOptimizer"
+        )
         scale = self.num_cases / self.steps_per_epoch
         prior = self.prior_precision / self.steps_per_epoch
         g_terms, h_terms = [], []
-        for block, g, gx in zip(blocks, g_sum, gx_sum):
-            g_terms.append(scale * g + prior * block.mu)
+        for block, moment in zip(blocks, moments):
+            g, gx = (0.0, 0.0) if moment is None else moment  # no gradient: no loss term
             sigma = block.sigma
+            g_terms.append(scale * g + prior * block.mu)
             h_terms.append(scale * torch.where(sigma > 0, gx / sigma, 0.0) + prior)
         result = sparse_qnvb_update(
             blocks,
@@ -247,27 +223,37 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
             )
         return loss_avg
 
+    def _settings(self) -> dict:
+        return run_settings(
+            self.hyperparameters, self.steps_per_epoch, self.num_cases, self.prior_precision
+        )
+
     def state_dict(self) -> dict:
-        """Torch's state dict plus the counters, the sequence offset and the generator's state."""
+        """Torch's state dict plus the counters, the sequence offset, the generator's state and
+        the settings of the run (:func:`~pyro_quadvi.optim.sparse_functional.run_settings`)."""
         state = super().state_dict()
         state["sparse_qnvb"] = {
             "counters": tuple(self.counters),
             "sequence_offset": self.sequence_offset,
             "generator": None if self.generator is None else self.generator.get_state(),
+            "settings": self._settings(),
         }
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore what :meth:`state_dict` saved."""
+        """Restore what :meth:`state_dict` saved, into an optimizer built with the same settings
+        (hyperparameters, ``num_cases``, ``steps_per_epoch``, ``prior_precision``): a
+        ``ValueError`` names any that differs, and nothing is loaded."""
         state_dict = dict(state_dict)
         extra = state_dict.pop("sparse_qnvb")
+        check_settings("SparseQNVBOptimizer.load_state_dict", extra["settings"], self._settings())
+        if extra["generator"] is not None and self.generator is None:
+            raise ValueError(
+                "the saved state holds a generator state; construct the optimizer with a "
+                "generator to restore it"
+            )
         super().load_state_dict(state_dict)
         self.counters = SparseQNVBCounters(*extra["counters"])
         self.sequence_offset = extra["sequence_offset"]
         if extra["generator"] is not None:
-            if self.generator is None:
-                raise ValueError(
-                    "the saved state holds a generator state; construct the optimizer with a "
-                    "generator to restore it"
-                )
             self.generator.set_state(extra["generator"])

@@ -36,7 +36,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from ..infer.batched import BatchMismatch, DecisionCache, evaluate_batch, first_line
-from ..quadrature import make_rule
+from ..quadrature import NodeSet, make_rule
 from .annealing import check_schedule
 from .qnvb_functional import (
     QNVBHyperparameters,
@@ -75,7 +75,7 @@ _HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
 _STATE_NAMES = QNVBState._fields
 
 
-def _checked_loss(loss: object) -> torch.Tensor:
+def _checked_loss(loss: object, owner: str) -> torch.Tensor:
     """The closure's loss as a detached 0-d tensor, or a clear error for anything else."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         got = (
@@ -84,10 +84,64 @@ def _checked_loss(loss: object) -> torch.Tensor:
             else f"{loss!r} ({type(loss).__name__})"
         )
         raise TypeError(
-            "QNVBOptimizer: the closure must return the scalar loss tensor (mean per case) after "
+            f"{owner}: the closure must return the scalar loss tensor (mean per case) after "
             f"calling backward() on it; it returned {got}"
         )
     return loss.detach().reshape(())
+
+
+def closure_moments(
+    params: list[torch.Tensor],
+    mus: list[torch.Tensor],
+    sigmas: list[torch.Tensor],
+    nodes: NodeSet,
+    closure: Callable[[], torch.Tensor],
+    owner: str,
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor] | None]]:
+    """The closure evaluated at each quadrature node in turn (rasp paper, eq. 7-8 before the
+    division by ``sigma``; sequence paper, Algorithm 4.1).
+
+    Node ``k`` sets every parameter to ``mu + sigma * x_k`` (its slice of ``x_k``, in the order
+    of ``params``) with its gradient cleared, and calls ``closure``. Returns the quadrature
+    average of the loss and, per parameter, ``(sum_k w_k grad_k, sum_k w_k grad_k x_k)``, or
+    ``None`` for a parameter that received no gradient. On any error the parameters are set
+    back to ``mus`` with their gradients cleared; ``owner`` names the optimizer in the messages.
+    """
+    g_sum = [torch.zeros_like(p) for p in params]
+    gx_sum = [torch.zeros_like(p) for p in params]
+    seen = [False] * len(params)
+    first = params[0]
+    loss_avg = torch.zeros((), dtype=first.dtype, device=first.device)
+    try:
+        for k in range(len(nodes)):
+            x, weight_k, start, offsets = nodes.node(k), nodes.weights[k], 0, []
+            for p, mu, sigma in zip(params, mus, sigmas):
+                x_p = x[start : start + p.numel()].view_as(p)
+                start += p.numel()
+                p.copy_(mu + sigma * x_p)
+                p.grad = None
+                offsets.append(x_p)
+            with torch.enable_grad():
+                loss = _checked_loss(closure(), owner)
+            loss_avg += weight_k * loss
+            for i, p in enumerate(params):
+                if p.grad is None:
+                    continue
+                seen[i] = True
+                g_sum[i] += weight_k * p.grad
+                gx_sum[i] += weight_k * p.grad * offsets[i]
+        if not any(seen):
+            raise RuntimeError(
+                f"{owner}: no parameter received a gradient; the closure must call backward() "
+                "on the loss before returning it"
+            )
+    except BaseException:  # the parameters go back to their means, unchanged
+        for p, mu in zip(params, mus):
+            p.copy_(mu)
+            p.grad = None
+        raise
+    moments = [(g, gx) if ok else None for g, gx, ok in zip(g_sum, gx_sum, seen)]
+    return loss_avg, moments
 
 
 def _scalar_loss(loss: object) -> torch.Tensor:
@@ -330,39 +384,11 @@ class QNVBOptimizer(torch.optim.Optimizer):
         return loss_avg
 
     def _closure_moments(self, params, nodes, closure):
-        """``sum_k w_k grad_k`` and ``sum_k w_k grad_k x_k`` per parameter (None: no gradient),
-        with the closure evaluated at each node in turn."""
-        g_sum = [torch.zeros_like(p) for p, _ in params]
-        gx_sum = [torch.zeros_like(p) for p, _ in params]
-        seen = [False] * len(params)
-        first = params[0][0]
-        loss_avg = torch.zeros((), dtype=first.dtype, device=first.device)
-        try:
-            for k in range(len(nodes)):
-                x = nodes.node(k)
-                weight_k = nodes.weights[k]
-                offsets = self._set_to_node(params, x)
-                with torch.enable_grad():
-                    loss = _checked_loss(closure())
-                loss_avg += weight_k * loss
-                for i, (p, _) in enumerate(params):
-                    if p.grad is None:
-                        continue
-                    seen[i] = True
-                    g_sum[i] += weight_k * p.grad
-                    gx_sum[i] += weight_k * p.grad * offsets[i]
-            if not any(seen):
-                raise RuntimeError(
-                    "QNVBOptimizer: no parameter received a gradient; the closure must call "
-                    "backward() on the loss before returning it"
-                )
-        except BaseException:  # the parameters go back to their means, unchanged
-            for p, _ in params:
-                p.copy_(self.state[p]["mu"])
-                p.grad = None
-            raise
-        moments = [(g, gx) if ok else None for g, gx, ok in zip(g_sum, gx_sum, seen)]
-        return loss_avg, moments
+        """:func:`closure_moments` at this optimizer's means and standard deviations."""
+        tensors = [p for p, _ in params]
+        mus = [self.state[p]["mu"] for p in tensors]
+        sigmas = [self.state[p]["sigma"] for p in tensors]
+        return closure_moments(tensors, mus, sigmas, nodes, closure, "QNVBOptimizer")
 
     def _one_pass_moments(self, params, nodes, loss_fn, batch, vectorize):
         """The moments of :meth:`_closure_moments` from ``loss_fn`` at all nodes at once: the
@@ -486,18 +512,6 @@ class QNVBOptimizer(torch.optim.Optimizer):
                 RuntimeWarning,
                 stacklevel=4,  # step -> _update -> _warn
             )
-
-    def _set_to_node(self, params, x: torch.Tensor) -> list[torch.Tensor]:
-        """Set every parameter to ``mu + sigma * x`` (its slice of ``x``); zero its gradient."""
-        offsets, start = [], 0
-        for p, _ in params:
-            state = self.state[p]
-            x_p = x[start : start + p.numel()].view_as(p)
-            start += p.numel()
-            p.copy_(state["mu"] + state["sigma"] * x_p)
-            p.grad = None
-            offsets.append(x_p)
-        return offsets
 
     def state_dict(self) -> dict:
         """Torch's state dict plus the step count and the generator's state."""

@@ -24,6 +24,7 @@ import torch
 __all__ = [
     "REGRESSION_DATASETS",
     "RegressionSplit",
+    "digits_split",
     "load_mnist",
     "load_regression",
     "mnist_split",
@@ -188,3 +189,25 @@ def mnist_split(
     order = torch.as_tensor(np.random.default_rng(seed).permutation(len(y)))
     train, test = order[:num_train], order[num_train:]
     return x[train], y[train], x[test], y[test]
+
+
+def digits_split(
+    train_fraction: float = 0.8, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x_train, y_train, x_test, y_test)``: scikit-learn's 1,797 8x8 digits, split by a seed.
+
+    Inputs are the flat ``(n, 64)`` pixel values divided by 16 (float32 in [0, 1]), labels int64.
+    The split is ``numpy.random.default_rng(seed).permutation(1797)``: its first
+    ``int(train_fraction * 1797)`` indices train, the others test (1,437 / 360 with the defaults,
+    the split of every digits figure of this package).
+    """
+    if not isinstance(train_fraction, float) or not 0.0 < train_fraction < 1.0:
+        raise ValueError(f"train_fraction must be a float in (0, 1), got {train_fraction!r}")
+    from sklearn.datasets import load_digits
+
+    images, labels = load_digits(return_X_y=True)
+    order = np.random.default_rng(seed).permutation(len(labels))
+    x = torch.tensor(images[order] / 16.0, dtype=torch.float32)
+    y = torch.tensor(labels[order])
+    cut = int(train_fraction * len(y))
+    return x[:cut], y[:cut], x[cut:], y[cut:]
