@@ -47,9 +47,6 @@ _LOGIT_BOUND = 30.0
 """The guide's zero logits are written within +-30 (a probability of 1e-13): the realized
 pattern's exact zeros live in :meth:`SparseQNVB.pattern` and in the guide's median."""
 
-_START_RTOL = 0.01
-"""How far (relative) the guide's initial standard deviations may lie from ``initial_lr**0.5``."""
-
 
 class SparseQNVB(QNVB):
     """The sparsifying QNVB for ``"dirac_gauss"`` guides (``AutoSpikeSlab``) in ``SVI``.
@@ -57,10 +54,10 @@ class SparseQNVB(QNVB):
     Args:
         num_epochs: ``n_e`` (Table 1: 10).
         steps_per_epoch: ``S``, SVI steps per epoch, e.g. ``len(loader)``.
-        target_sparsity, target_free, max_lr, initial_lr, tau_max, p_nonzero_low,
-            p_nonzero_high: see
+        target_sparsity, target_free, max_lr, tau_max, p_nonzero_low, p_nonzero_high: see
             :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters` (defaults:
-            Table 1). The nodes are the ELBO's: Table 1's ``n_q = 2`` antithetic pairs are
+            Table 1; the initial learning rate is the guide's start, see below). The nodes are
+            the ELBO's: Table 1's ``n_q = 2`` antithetic pairs are
             ``QuadratureELBO(rule="hadamard", num_points=4)``.
         prior_precision: ``h_p``, the slab's prior precision, ``1 / slab_scale^2`` of the model's
             :class:`~pyro_quadvi.distributions.SpikeSlab` prior; ``None``: ``1 / tau_max^2``.
@@ -71,10 +68,12 @@ class SparseQNVB(QNVB):
             (:mod:`~pyro_quadvi.optim.sparse_functional`).
         fallback: the optimizer of every other parameter, as for :class:`QNVB`.
 
-    The guide must start at Algorithm 5.1's initial factor (line 5: ``sigma = h0^(-1/2)``,
-    ``h0 = 1 / initial_lr``), e.g. ``AutoSpikeSlab(model, init_scale=initial_lr**0.5,
-    init_inclusion=1 - 1e-9)``: ``SVI`` integrates the first term at the guide's start, so any
-    other is refused on the first step. Blocks in a subsampled plate (local latents) are
+    The run starts where the guide starts: Algorithm 5.1, line 5 (``sigma = h0^(-1/2)``), read
+    from the guide's initial mixture, ``h0 = 1 / sigma^2`` per coordinate, since ``SVI`` has
+    already integrated the first term there. Table 1's start (``initial_lr = 1e-5``, a nonzero
+    for sure) is ``AutoSpikeSlab(model, init_scale=1e-5**0.5, init_inclusion=1 - 1e-9)``; the
+    guide's defaults (``init_scale=0.1``, inclusion 0.99) start at ``h0`` about 100, a bolder
+    first learning rate. Blocks in a subsampled plate (local latents) are
     refused: the sieve needs every coordinate at every step. ``get_state()`` / ``set_state()``
     hold the counters, every block's state, the fallback's state and the run's settings (restored
     only into an optimizer built with the same): with the param store, a restored run continues
@@ -89,7 +88,6 @@ class SparseQNVB(QNVB):
         *,
         target_free: float = 0.01,
         max_lr: float = 0.1,
-        initial_lr: float = 1e-5,
         tau_max: float = 0.3,
         p_nonzero_low: float = 0.001,
         p_nonzero_high: float = 0.999,
@@ -107,7 +105,6 @@ class SparseQNVB(QNVB):
             target_sparsity=target_sparsity,
             target_free=target_free,
             max_lr=max_lr,
-            initial_lr=initial_lr,
             tau_max=tau_max,
             p_nonzero_low=p_nonzero_low,
             p_nonzero_high=p_nonzero_high,
@@ -216,30 +213,19 @@ class SparseQNVB(QNVB):
             site.params["logit"].data.copy_(logit)
 
     def _initial_block(self, site: MeanFieldSite) -> SparseQNVBBlock:
-        """Algorithm 5.1, lines 3-5, at the guide's current factor: ``g0 = 0``,
-        ``h0 = 1 / initial_lr`` and the standard deviations consistent with it,
-        ``sigma = h0^(-1/2)``.
-
-        The first term was already integrated at the guide's factor, so the guide must start
-        there (within 1%): slab scale ``initial_lr**0.5`` and a probability of a nonzero near
-        one, as ``AutoSpikeSlab(model, init_scale=initial_lr**0.5, init_inclusion=1 - 1e-9)``
-        does; anything else is refused by name.
-        """
+        """Algorithm 5.1, lines 3-5, at the guide's current factor: ``g0 = 0`` and the curvature
+        sums consistent with its standard deviations, ``h0 = 1 / sigma^2`` (line 5 read
+        backwards: the first term was already integrated at the guide's ``sigma``)."""
         nu = site.values["loc"].detach().clone()
         tau = site.values["scale"].detach().clone()
         p = torch.sigmoid(-site.values["logit"].detach())
         mu, sigma = mixture_moments(p, nu, tau)
-        initial_lr = self.sparse_hyperparameters.initial_lr
-        start = initial_lr**0.5
-        if not bool(((sigma - start).abs() <= _START_RTOL * start).all()):
+        h0 = sigma.pow(-2)
+        if not bool(torch.isfinite(h0).all()):
             raise ValueError(
-                f"SparseQNVB: site {site.name!r} starts at mixture standard deviations in "
-                f"[{sigma.min().item():.3g}, {sigma.max().item():.3g}], but Algorithm 5.1 (line "
-                f"5) starts every weight at sigma = h0^(-1/2) = initial_lr**0.5 = {start:.6g}, "
-                "with h0 = 1 / initial_lr, and the first step has already integrated the loss at "
-                "the guide's sigma. Start a fresh guide there, AutoSpikeSlab(model, "
-                f"init_scale={start!r}, init_inclusion=1 - 1e-9), or choose initial_lr as the "
-                "square of the guide's init_scale, with init_inclusion=1 - 1e-9"
+                f"SparseQNVB: site {site.name!r} starts with a mixture standard deviation of "
+                f"{sigma.min().item():.3g}, whose curvature 1 / sigma^2 overflows; start the guide "
+                "wider (AutoSpikeSlab(model, init_scale=...), e.g. 1e-5**0.5 as in Table 1)"
             )
         return SparseQNVBBlock(
             nu=nu,
@@ -248,7 +234,7 @@ class SparseQNVB(QNVB):
             mu=mu,
             sigma=sigma,
             g0=torch.zeros_like(nu),
-            h0=torch.full_like(nu, 1.0 / initial_lr),
+            h0=h0,
             g1=torch.zeros_like(nu),
             h1=torch.zeros_like(nu),
             pattern=torch.ones_like(nu),
