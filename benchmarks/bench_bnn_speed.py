@@ -1,10 +1,11 @@
 """Cost of one SVI step on a Bayesian network (issue 11, "Speed and memory").
 
     OMP_NUM_THREADS=1 python benchmarks/bench_bnn_speed.py [--repeats 7] [--steps 10] [--profile]
-        [--no-compile] [--update-only]
+        [--no-compile] [--update-only] [--nets 1-50-1 784-200-10 784-400-400-10 table2-cnn]
 
-For three networks (1-50-1 with a Gaussian likelihood at batch 128, 784-200-10 and 784-400-400-10
-with a categorical likelihood at batch 128 and 256), on generated float32 inputs, one step of
+For four networks (1-50-1 with a Gaussian likelihood at batch 128; 784-200-10, 784-400-400-10 and
+the convolutional network of the sequence paper's Table 2 with a categorical likelihood at batch
+128, 256 and 64), on generated float32 inputs, one step of
 
 - **plain**: K = 4 forward+backward passes of the same ``nn.Module`` (``loss.backward()`` on an
   MSE or a cross-entropy, no optimizer), the unit of the ratios;
@@ -19,6 +20,10 @@ with a categorical likelihood at batch 128 and 256), on generated float32 inputs
   y))``: all nodes in one ``vmap`` pass, one backward; **opt pass compiled** with
   ``compile=True``.
 
+The Table 2 network is ``table2_cnn`` of ``bench_bnn_quality.py`` (ReLU after grouped 1x1
+convolutions in place of the paper's ternary units; 28 x 28 inputs, padded to 32 x 32 inside the
+net). ``--nets`` keeps the networks named (all by default).
+
 Blocks of ``--steps`` steps are timed alternately (each variant in turn) ``--repeats`` times; the
 table shows the median time per step and the ratios of the medians. An update's share is the
 time spent in the optimizer's update (``QNVB.__call__``, Adam's ``__call__``,
@@ -29,12 +34,13 @@ Peak memory: one step (after the warm-up) under ``torch.profiler.profile(profile
 on the CPU (the least of 3 profiled steps); the peak is the maximum of the running sum of the
 allocator's ``[memory]`` events, in time order: the most bytes the step held beyond what was
 allocated before it (parameters, guide and optimizer state). The bound is K times the activations
-of one plain pass (the bytes of every leaf module's output, from forward hooks) plus the
-parameters' bytes.
+of one plain pass (the bytes of every distinct storage that a module's forward returns, from
+forward hooks on every module: a view such as ``Flatten``'s, or a container's output, is counted
+once) plus the parameters' bytes.
 
-``--profile`` adds, on 784-400-400-10, a cProfile of the QNVB step and of the one-pass
-``QNVBOptimizer`` step (cumulative times of their stages; eager updates) and the top operators of
-``torch.profiler`` by self CPU time.
+``--profile`` adds, on 784-400-400-10 (on each network of ``--nets`` where given), a cProfile of
+the QNVB step and of the one-pass ``QNVBOptimizer`` step (cumulative times of their stages; eager
+updates) and the top operators of ``torch.profiler`` by self CPU time.
 
 Pyro's validation is left as it is by default (on) for both SVI steps.
 """
@@ -52,6 +58,7 @@ import time
 import pyro
 import torch
 import torch.nn.functional as F
+from bench_bnn_quality import table2_cnn
 from pyro.infer import SVI, Trace_ELBO
 from pyro.optim import PyroOptim
 from torch import nn
@@ -117,10 +124,12 @@ def make_net(widths: list[int], activation: type[nn.Module]) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def make_case(widths, activation, batch, kind, seed=0):
+def make_case(make, in_shape, batch, kind, seed=0):
+    """The network ``make()`` (seeded), ``batch`` inputs of ``in_shape``, targets, likelihood and
+    the plain loss; a categorical network's output size is the number of classes."""
     torch.manual_seed(seed)
-    net = make_net(widths, activation)
-    x = torch.randn(batch, widths[0])
+    net = make()
+    x = torch.randn(batch, *in_shape)
     if kind == "gaussian":
         y = torch.randn(batch)
         likelihood = likelihoods.Gaussian(DATASET_SIZE, scale=0.1)
@@ -128,7 +137,9 @@ def make_case(widths, activation, batch, kind, seed=0):
         def criterion(out, target):
             return F.mse_loss(out.squeeze(-1), target)
     else:
-        y = torch.randint(0, widths[-1], (batch,))
+        with torch.no_grad():
+            num_classes = net(x[:1]).shape[-1]
+        y = torch.randint(0, num_classes, (batch,))
         likelihood = likelihoods.Categorical(DATASET_SIZE)
 
         criterion = F.cross_entropy
@@ -137,19 +148,21 @@ def make_case(widths, activation, batch, kind, seed=0):
 
 
 def activation_bytes(net: nn.Module, x: torch.Tensor) -> int:
-    """Bytes of every leaf module's output in one plain forward pass."""
-    total = 0
+    """Bytes of the distinct storages of every module's output in one plain forward pass (a view,
+    or a container returning its last layer's output, counts once; so does a module calling a
+    function such as ``torch.relu`` in its own forward)."""
+    storages = {}  # data pointer -> storage, held so that no address is reused during the pass
 
     def hook(module, inputs, output):
-        nonlocal total
-        total += output.numel() * output.element_size()
+        storage = output.untyped_storage()
+        storages[storage.data_ptr()] = storage
 
-    handles = [m.register_forward_hook(hook) for m in net.modules() if not list(m.children())]
+    handles = [m.register_forward_hook(hook) for m in net.modules()]
     with torch.no_grad():
         net(x)
     for h in handles:
         h.remove()
-    return total
+    return sum(storage.nbytes() for storage in storages.values())
 
 
 def peak_bytes(fn, tries: int = 3) -> int:
@@ -175,8 +188,8 @@ def peak_bytes(fn, tries: int = 3) -> int:
     return min(peaks)
 
 
-def build(widths, activation, batch, kind, compile: bool = True):
-    net, x, y, likelihood, criterion = make_case(widths, activation, batch, kind)
+def build(make, in_shape, batch, kind, compile: bool = True):
+    net, x, y, likelihood, criterion = make_case(make, in_shape, batch, kind)
 
     def plain_step():
         net.zero_grad(set_to_none=True)
@@ -201,7 +214,7 @@ def build(widths, activation, batch, kind, compile: bool = True):
     svi_step("trace", TimedAdam({"lr": 1e-3}), trace)
 
     def optimizer_step(label, one_pass, compile_update=False):
-        copy = make_case(widths, activation, batch, kind)[0]
+        copy = make_case(make, in_shape, batch, kind)[0]
         optimizer = TimedQNVBOptimizer(
             copy.named_parameters(),
             likelihood_weight=DATASET_SIZE,
@@ -240,16 +253,40 @@ def time_block(fn, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-CASES = [
-    ("1-50-1, B=128, Gaussian", [1, 50, 1], nn.Tanh, 128, "gaussian"),
-    ("784-200-10, B=128, Categorical", [784, 200, 10], nn.ReLU, 128, "categorical"),
-    ("784-400-400-10, B=256, Categorical", [784, 400, 400, 10], nn.ReLU, 256, "categorical"),
-]
+def mlp(widths: list[int], activation: type[nn.Module]):
+    return lambda: make_net(widths, activation)
+
+
+#: key -> (table row name, network factory, input shape, batch, likelihood)
+CASES = {
+    "1-50-1": ("1-50-1, B=128, Gaussian", mlp([1, 50, 1], nn.Tanh), (1,), 128, "gaussian"),
+    "784-200-10": (
+        "784-200-10, B=128, Categorical",
+        mlp([784, 200, 10], nn.ReLU),
+        (784,),
+        128,
+        "categorical",
+    ),
+    "784-400-400-10": (
+        "784-400-400-10, B=256, Categorical",
+        mlp([784, 400, 400, 10], nn.ReLU),
+        (784,),
+        256,
+        "categorical",
+    ),
+    "table2-cnn": (
+        "Table 2 CNN (ReLU), B=64, Categorical",
+        table2_cnn,
+        (1, 28, 28),
+        64,
+        "categorical",
+    ),
+}
 
 
 def measure(case, repeats: int, steps: int, compile: bool) -> tuple[str, str]:
-    name, widths, activation, batch, kind = case
-    net, x, optims, fns = build(widths, activation, batch, kind, compile)
+    name, make, in_shape, batch, kind = case
+    net, x, optims, fns = build(make, in_shape, batch, kind, compile)
     times = {label: [] for label in fns}
     update = {label: [] for label in optims}
     for _ in range(repeats):
@@ -314,9 +351,9 @@ STAGES = {
 }
 
 
-def run_profile(steps: int) -> None:
-    name, widths, activation, batch, kind = CASES[-1]
-    _, _, _, fns = build(widths, activation, batch, kind, compile=False)
+def run_profile(case, steps: int) -> None:
+    name, make, in_shape, batch, kind = case
+    _, _, _, fns = build(make, in_shape, batch, kind, compile=False)
     for label, stages in STAGES.items():
         step = fns[label]
         profiler = cProfile.Profile()
@@ -346,7 +383,7 @@ def run_profile(steps: int) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
-def update_table(repeats: int, compile: bool) -> None:
+def update_table(cases, repeats: int, compile: bool) -> None:
     """The update alone on each network's parameter shapes: the reference ``qnvb_update`` tensor
     by tensor, ``qnvb_update_many`` (eager, flat) and with ``compile=True``; median of
     ``repeats``, each update fed the previous one's results (as in training)."""
@@ -356,9 +393,9 @@ def update_table(repeats: int, compile: bool) -> None:
         "compiled | reference / flat | reference / compiled |\n|---|---:|---:|---:|---:|---:|---:|"
     )
     hp = QNVBHyperparameters()
-    for name, widths, activation, _, _ in CASES:
+    for name, make, _, _, _ in cases:
         torch.manual_seed(0)
-        params = [p.detach() for p in make_net(widths, activation).parameters()]
+        params = [p.detach() for p in make().parameters()]
         gs = [torch.randn_like(p) for p in params]
         hs = [torch.rand_like(p) * 1e-3 for p in params]
 
@@ -405,17 +442,24 @@ def main() -> None:
     parser.add_argument(
         "--update-only", action="store_true", help="only the table of the update alone"
     )
+    parser.add_argument(
+        "--nets",
+        nargs="+",
+        choices=list(CASES),
+        help="only these networks (default: all; --profile then profiles them, not 784-400-400-10)",
+    )
     args = parser.parse_args()
+    cases = [CASES[key] for key in args.nets or CASES]
     torch.set_num_threads(1)
     pyro.settings.set(module_local_params=True)  # each guide holds its own parameters
     torch.set_default_dtype(torch.float32)
     print(f"torch {torch.__version__}, pyro {pyro.__version__}, threads {torch.get_num_threads()}")
-    update_table(args.repeats * args.steps, not args.no_compile)
+    update_table(cases, args.repeats * args.steps, not args.no_compile)
     if args.update_only:
         return
     speed_rows, memory_rows = [], []
     labels = []
-    for case in CASES:
+    for case in cases:
         speed, memory, labels = measure(case, args.repeats, args.steps, not args.no_compile)
         print(speed, flush=True)
         speed_rows.append(speed)
@@ -436,7 +480,8 @@ def main() -> None:
     print("|---|" + "---:|" * 9)
     print("\n".join(memory_rows))
     if args.profile:
-        run_profile(args.steps * 2)
+        for key in args.nets or ["784-400-400-10"]:
+            run_profile(CASES[key], args.steps * 2)
 
 
 if __name__ == "__main__":

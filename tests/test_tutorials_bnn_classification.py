@@ -1,4 +1,5 @@
-"""The BNN classification tutorial (sklearn digits), end to end in its quick mode."""
+"""The BNN classification tutorial: its data choice (digits or MNIST), the MNIST path on stand-in
+images, and the digits end to end in its quick mode."""
 
 from __future__ import annotations
 
@@ -43,5 +44,79 @@ def test_quick_run(tutorial, run_quick):
         assert 0.0 <= r["brier"] <= 2.0
         assert math.isfinite(r["nll"]) and 0.0 <= r["nll"] < math.log(10)
         assert len(r["entropy"]) == len(tutorial.ANGLES) == 4
+        for e in r["entropy"]:
+            assert math.isfinite(e) and 0.0 <= e <= math.log(10) + 1e-6
+
+
+class FakeMnistSplit:
+    """Stands in for ``mnist_split``: seeded random ``(n, 1, 28, 28)`` images, records its calls."""
+
+    def __init__(self, num_train: int, num_test: int):
+        generator = torch.Generator().manual_seed(1)
+        n = num_train + num_test
+        x = torch.rand(n, 1, 28, 28, generator=generator)
+        y = torch.randint(0, 10, (n,), generator=generator)
+        self.split = x[:num_train], y[:num_train], x[num_train:], y[num_train:]
+        self.calls = []
+
+    def __call__(self, data_dir=None, num_train=8000, seed=0):
+        self.calls.append((data_dir, num_train, seed))
+        return self.split
+
+
+def test_data_choice(tutorial, monkeypatch):
+    fake = FakeMnistSplit(12, 4)
+    monkeypatch.setattr(tutorial, "mnist_split", fake)
+    monkeypatch.delenv("PYRO_QUADVI_DATA", raising=False)
+    # no directory: the digits
+    assert tutorial.load_data(quick=False, data_dir=None).name == "digits" and fake.calls == []
+    monkeypatch.setenv("PYRO_QUADVI_DATA", "/nonexistent")
+    # --quick: the digits whatever the environment says
+    digits = tutorial.load_data(quick=True, data_dir=None)
+    assert digits.name == "digits" and digits.train_images.shape == (1438, 8, 8)
+    assert fake.calls == []
+    # the environment variable: MNIST, the package's split (8,000 train, seed 0)
+    mnist = tutorial.load_data(quick=False, data_dir=None)
+    assert fake.calls == [(None, 8000, 0)]
+    assert mnist.name == "mnist" and mnist.origin == "/nonexistent/mnist-t10k"
+    assert mnist.train_images.shape == (12, 28, 28) and mnist.test_images.shape == (4, 28, 28)
+    assert torch.equal(mnist.train_images, fake.split[0][:, 0])
+    assert torch.equal(mnist.y_test, fake.split[3])
+    assert "seed 0: 12 train / 4 test" in mnist.description
+    # an explicit directory wins
+    assert tutorial.load_data(quick=False, data_dir="D").origin == "D"
+    assert fake.calls[-1] == ("D", 8000, 0)
+    # --quick and --data-dir together are refused before any work
+    with pytest.raises(SystemExit):
+        tutorial.main(["--quick", "--data-dir", "D"])
+    assert len(fake.calls) == 2
+
+
+def test_missing_mnist_is_named_with_the_fix(tutorial, monkeypatch, tmp_path):
+    monkeypatch.setenv("PYRO_QUADVI_DATA", str(tmp_path))  # no mnist-t10k/ below it
+    with pytest.raises(FileNotFoundError, match=r"no MNIST in .*mnist-t10k.*unset PYRO_QUADVI"):
+        tutorial.load_data(quick=False, data_dir=None)
+    with pytest.raises(FileNotFoundError, match="pass --data-dir"):
+        tutorial.load_data(quick=False, data_dir=str(tmp_path))
+
+
+def test_mnist_path_end_to_end(tutorial, monkeypatch, tmp_path):
+    fake = FakeMnistSplit(200, 50)
+    monkeypatch.setattr(tutorial, "mnist_split", fake)
+    out = tmp_path / "m.png"
+    threads = torch.get_num_threads()
+    try:
+        result = tutorial.main(
+            ["--data-dir", "D", "--epochs", "1", "--samples", "4", "--out", str(out)]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert fake.calls == [("D", 8000, 0)]
+    assert result["data"] == "mnist" and result["num_inputs"] == 28 * 28
+    assert result["steps"] == math.ceil(200 / tutorial.BATCH) == 2  # one epoch of minibatches
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(result["results"]) == 3
+    for r in result["results"].values():
+        assert math.isfinite(r["nll"]) and 0.0 <= r["ece"] <= 1.0
         for e in r["entropy"]:
             assert math.isfinite(e) and 0.0 <= e <= math.log(10) + 1e-6

@@ -1,17 +1,24 @@
-"""Classification and calibration: a Bayesian MLP on sklearn's digits, QNVB against Adam.
+"""Classification and calibration: a Bayesian MLP on MNIST or sklearn's digits, QNVB against Adam.
 
-scikit-learn's ``load_digits`` (1797 grey-scale 8x8 images of the digits 0-9, shipped with the
-package) is split once, with ``torch.Generator().manual_seed(0)``, into 1438 training and 359 test
-images (80/20); every pixel is standardized with the training set's mean and standard deviation
-(a pixel that is constant on the training set is only centred). A 64-100-10 MLP with tanh
-activations is a :class:`~pyro_quadvi.nn.BayesianModule` with the iid prior
-``priors.Normal(scale=1.0)`` on every weight and bias and the likelihood
-``likelihoods.Categorical(dataset_size=1438)``, trained on shuffled minibatches of 128 (a
-``DataLoader``, 12 a pass through the data) three ways, at equal gradient evaluations:
+**The data.** MNIST when a directory holding it is known: ``--data-dir D``, or else the
+environment variable ``PYRO_QUADVI_DATA`` (its ``mnist-t10k`` subdirectory), read by
+:func:`pyro_quadvi.testing.datasets.mnist_split`: the 10,000 images of MNIST's test set (28x28) in
+its seeded 8,000 / 2,000 split (``numpy.random.default_rng(0).permutation``; the split every MNIST
+figure of the package reports). Without a directory, and always with ``--quick``, scikit-learn's
+``load_digits`` (1797 grey-scale 8x8 images of the digits 0-9, shipped with the package) split
+once, with ``torch.Generator().manual_seed(0)``, into 1438 training and 359 test images (80/20).
+Either way the images are flattened and every pixel is standardized with the training set's mean
+and standard deviation (a pixel that is constant on the training set is only centred).
+
+A ``P``-100-10 MLP with tanh activations (``P`` = 64 pixels for the digits, 784 for MNIST) is a
+:class:`~pyro_quadvi.nn.BayesianModule` with the iid prior ``priors.Normal(scale=1.0)`` on every
+weight and bias and the likelihood ``likelihoods.Categorical(dataset_size=N)`` (``N`` the training
+images), trained on shuffled minibatches of 128 (a ``DataLoader``: 12 a pass through the digits,
+63 through MNIST) three ways, at equal gradient evaluations:
 
 1. ``QNVB()`` + ``QuadratureELBO()`` (the package's defaults: K nodes a step) with an
-   ``AutoMeanFieldNormal`` guide started at a prior draw (``init_to_sample``), 100 epochs (4 in
-   ``--quick``);
+   ``AutoMeanFieldNormal`` guide started at a prior draw (``init_to_sample``), 100 epochs on the
+   digits (4 in ``--quick``), 20 on MNIST (1260 steps, about the digits' 1200);
 2. ``pyro.optim.Adam({"lr": 0.01})`` + ``Trace_ELBO()`` (one draw a step) with the same guide,
    K times as many steps;
 3. the same network without priors (deterministic), ``torch.optim.Adam(lr=1e-3)`` on the
@@ -24,7 +31,7 @@ Under a shift the predictive entropy ``-sum_c p_c log p_c`` should grow: the tes
 rotated by 0, 30, 60 and 90 degrees (``scipy.ndimage.rotate(..., reshape=False)``, linear
 interpolation, before standardization) and the mean entropy is reported at each angle.
 
-The prior matters more than the optimizer here: with the fan-in scaled
+On the digits the prior matters more than the optimizer: with the fan-in scaled
 ``priors.LayerwiseNormal("radford")`` (``N(0, 1 / fan_in)``) both mean fields stay close to the
 prior and are badly underconfident (after 60 epochs, test NLL about 0.53, ECE about 0.28, for
 either optimizer; with that prior the guides' initial scale, 0.1 or 0.01, changed nothing
@@ -32,18 +39,23 @@ measurable); ``N(0, 1)`` on every entry regularizes less.
 
 Run::
 
-    python tutorials/bnn_classification.py                            # full study (under a minute)
-    python tutorials/bnn_classification.py --quick --out /tmp/c.png   # seconds (CI runs it)
+    python tutorials/bnn_classification.py               # digits, under a minute (MNIST if
+                                                         # PYRO_QUADVI_DATA is set)
+    python tutorials/bnn_classification.py --data-dir D  # MNIST 8,000 / 2,000
+    python tutorials/bnn_classification.py --quick --out /tmp/c.png   # digits, seconds (CI runs it)
 
 The figure (reliability diagrams of the three methods and the entropy against the angle) goes to
-``docs/img/bnn_classification.png`` unless ``--out`` says otherwise.
+``docs/img/bnn_classification.png`` (digits) or ``docs/img/bnn_classification_mnist.png`` (MNIST)
+unless ``--out`` says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
+from typing import NamedTuple
 
 import numpy as np
 import pyro
@@ -56,6 +68,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi import metrics as M
 from pyro_quadvi.nn import BayesianModule, fit, likelihoods, priors
+from pyro_quadvi.testing.datasets import mnist_split
 
 SEED = 0
 TEST_FRACTION = 0.2
@@ -63,7 +76,11 @@ BATCH = 128
 HIDDEN = 100
 ANGLES = (0, 30, 60, 90)
 NUM_BINS = 15
-SETTINGS = {"full": {"epochs": 100}, "quick": {"epochs": 4}}
+SETTINGS = {"full": {"epochs": 100}, "quick": {"epochs": 4}, "mnist": {"epochs": 20}}
+FIGURES = {
+    "digits": "docs/img/bnn_classification.png",
+    "mnist": "docs/img/bnn_classification_mnist.png",
+}
 
 
 # ----------------------------------------------------------------------------- the data
@@ -82,8 +99,49 @@ def digits_split(seed: int = SEED):
     return images[train], labels[train], images[test], labels[test]
 
 
+def mnist_images(data_dir: str | None = None):
+    """MNIST's seeded 8,000 / 2,000 split (:func:`~pyro_quadvi.testing.datasets.mnist_split`, seed
+    0) as ``(n, 28, 28)`` images in [0, 1] and labels; ``data_dir=None`` reads
+    ``$PYRO_QUADVI_DATA/mnist-t10k``."""
+    x_train, y_train, x_test, y_test = mnist_split(data_dir, seed=SEED)
+    return x_train[:, 0], y_train, x_test[:, 0], y_test
+
+
+class Data(NamedTuple):
+    """Raw ``(n, H, W)`` training and test images, their labels, and where they come from."""
+
+    name: str  # "digits" or "mnist"
+    description: str  # the data and the split, for the output and the figure
+    origin: str  # where it was read from
+    train_images: torch.Tensor
+    y_train: torch.Tensor
+    test_images: torch.Tensor
+    y_test: torch.Tensor
+
+
+def load_data(quick: bool, data_dir: str | None) -> Data:
+    """MNIST from ``data_dir`` or, without it, from ``$PYRO_QUADVI_DATA`` when that is set; the
+    digits otherwise and always when ``quick``."""
+    if quick or (data_dir is None and "PYRO_QUADVI_DATA" not in os.environ):
+        split, name, origin = digits_split(), "digits", "sklearn.datasets.load_digits"
+        what = f"sklearn digits (8x8), seeded 80/20 split (torch seed {SEED})"
+    else:
+        origin = data_dir or os.path.join(os.environ["PYRO_QUADVI_DATA"], "mnist-t10k")
+        try:
+            split, name = mnist_images(data_dir), "mnist"
+        except FileNotFoundError as error:
+            raise FileNotFoundError(
+                f"no MNIST in {origin} ({error}): pass --data-dir with the directory holding "
+                "t10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz, or leave out --data-dir "
+                "and unset PYRO_QUADVI_DATA to run on sklearn's digits"
+            ) from error
+        what = f"MNIST t10k (28x28), mnist_split seed {SEED}"
+    description = f"{what}: {len(split[1])} train / {len(split[3])} test"
+    return Data(name, description, origin, *split)
+
+
 class Standardizer:
-    """Flattens 8x8 images and standardizes each pixel with the training set's statistics."""
+    """Flattens images and standardizes each pixel with the training set's statistics."""
 
     def __init__(self, images: torch.Tensor):
         flat = images.reshape(len(images), -1)
@@ -96,7 +154,7 @@ class Standardizer:
 
 
 def rotate(images: torch.Tensor, angle: float) -> torch.Tensor:
-    """The images rotated by ``angle`` degrees about their centre, same 8x8 frame."""
+    """The ``(n, H, W)`` images rotated by ``angle`` degrees about their centre, same frame."""
     if angle == 0:
         return images.clone()
     from scipy.ndimage import rotate as nd_rotate
@@ -113,14 +171,14 @@ def loader(x: torch.Tensor, y: torch.Tensor, seed: int) -> DataLoader:
 # ----------------------------------------------------------------------------- the models
 
 
-def make_net(seed: int = SEED) -> nn.Module:
+def make_net(num_inputs: int, seed: int = SEED) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 10))
+    return nn.Sequential(nn.Linear(num_inputs, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 10))
 
 
-def make_bnn(n_train: int) -> BayesianModule:
+def make_bnn(num_inputs: int, n_train: int) -> BayesianModule:
     return BayesianModule(
-        make_net(),
+        make_net(num_inputs),
         priors.Normal(scale=1.0),
         likelihoods.Categorical(dataset_size=n_train),
     )
@@ -134,8 +192,8 @@ def fit_svi(bnn, data, optimizer, elbo, steps: int, label: str, seed: int = SEED
     return guide, history
 
 
-def fit_deterministic(data, steps: int, lr: float = 1e-3):
-    net = make_net()
+def fit_deterministic(data, num_inputs: int, steps: int, lr: float = 1e-3):
+    net = make_net(num_inputs)
     optimizer = torch.optim.Adam(net.parameters(), lr=lr)
     batches = iter(())
     for _ in range(steps):
@@ -215,23 +273,34 @@ def print_table(results: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few epochs (CI)")
-    parser.add_argument("--out", default="docs/img/bnn_classification.png", help="figure path")
+    parser.add_argument(
+        "--data-dir",
+        help="MNIST directory (t10k-*-ubyte.gz; default: $PYRO_QUADVI_DATA/mnist-t10k if that "
+        "variable is set, else sklearn digits)",
+    )
+    parser.add_argument("--out", help="figure path (default: docs/img/bnn_classification*.png)")
     parser.add_argument("--epochs", type=int, help="QNVB epochs (the others: K times the steps)")
     parser.add_argument("--samples", type=int, default=100, help="guide draws for prediction")
     options = parser.parse_args(argv)
+    if options.quick and options.data_dir is not None:
+        parser.error("--quick runs on sklearn's digits: leave out --data-dir (or --quick)")
     torch.set_num_threads(1)
-    epochs = options.epochs or SETTINGS["quick" if options.quick else "full"]["epochs"]
+    source = load_data(options.quick, options.data_dir)
+    setting = "quick" if options.quick else "full" if source.name == "digits" else "mnist"
+    epochs = options.epochs or SETTINGS[setting]["epochs"]
+    out = options.out or FIGURES[source.name]
+    print(f"data: {source.description} (from {source.origin})")
 
-    train_images, y_train, test_images, y_test = digits_split()
-    standardize = Standardizer(train_images)
-    x_train = standardize(train_images)
-    x_tests = {angle: standardize(rotate(test_images, angle)) for angle in ANGLES}
-    n_train = len(y_train)
+    y_train, y_test = source.y_train, source.y_test
+    standardize = Standardizer(source.train_images)
+    x_train = standardize(source.train_images)
+    x_tests = {angle: standardize(rotate(source.test_images, angle)) for angle in ANGLES}
+    n_train, num_inputs = x_train.shape
     data = loader(x_train, y_train, SEED)
     steps = epochs * len(data)
 
     elbo = QuadratureELBO()
-    bnn = make_bnn(n_train)
+    bnn = make_bnn(num_inputs, n_train)
     K = elbo.rule.num_nodes(sum(p.numel() for p in bnn.latent_parameters().values()))
     results = {}
 
@@ -259,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 2. Adam + Trace_ELBO: one draw a step, K times the steps
     adam_steps = K * steps
-    bnn = make_bnn(n_train)
+    bnn = make_bnn(num_inputs, n_train)
     start = time.perf_counter()
     guide, _ = fit_svi(
         bnn, data, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO(), adam_steps, "Adam + Trace_ELBO"
@@ -272,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 3. a deterministic net, Adam on the cross-entropy, the same gradient evaluations
     start = time.perf_counter()
-    net = fit_deterministic(data, adam_steps)
+    net = fit_deterministic(data, num_inputs, adam_steps)
     elapsed = time.perf_counter() - start
 
     def net_probs(x):
@@ -282,13 +351,21 @@ def main(argv: list[str] | None = None) -> dict:
     record(f"deterministic, Adam(lr=1e-3) ({adam_steps} steps)", net_probs, elapsed)
 
     title = (
-        f"64-{HIDDEN}-10 tanh MLP on sklearn digits ({n_train} train / {len(y_test)} test, "
-        f"seed {SEED}), {epochs} epochs of QNVB; equal gradient evaluations"
+        f"{num_inputs}-{HIDDEN}-10 tanh MLP on {source.description}\n"
+        f"{epochs} epochs of QNVB; equal gradient evaluations"
     )
-    plot(results, y_test, options.out, title)
+    plot(results, y_test, out, title)
     print_table(results)
-    print(f"\nfigure saved to {options.out}")
-    return {"results": results, "K": K, "epochs": epochs, "out": options.out}
+    print(f"\nfigure saved to {out}")
+    return {
+        "results": results,
+        "K": K,
+        "epochs": epochs,
+        "steps": steps,
+        "data": source.name,
+        "num_inputs": num_inputs,
+        "out": out,
+    }
 
 
 if __name__ == "__main__":
