@@ -26,6 +26,9 @@ def test_split_and_rotation(tutorial):
     z = standardize(x_train)
     assert z.shape == (1438, 64) and torch.isfinite(z).all()
     assert z.mean(0).abs().max() < 1e-4
+    pooled = tutorial.Standardizer(x_train, per_pixel=False)(x_train)
+    assert abs(pooled.mean().item()) < 1e-4 and pooled.std().item() == pytest.approx(1, abs=1e-4)
+    assert torch.allclose(pooled, (x_train.reshape(1438, -1) - x_train.mean()) / x_train.std())
     rotated = tutorial.rotate(x_test[:5], 90)
     assert rotated.shape == (5, 8, 8)
     # a quarter turn in the same 8x8 frame moves the pixels exactly (no interpolation)
