@@ -76,10 +76,16 @@ class DistributedOptimizer(PyroOptim):
             )
         if not isinstance(shard_update, bool):
             raise TypeError(f"shard_update must be True or False, got {shard_update!r}")
-        if shard_update and not isinstance(optim, QNVB):
+        if shard_update and type(optim) is not QNVB:
             raise TypeError(
                 "shard_update=True divides QNVB's block updates between the ranks; it needs a QNVB "
                 f"optimizer, got {type(optim).__name__}"
+                + (
+                    " (SparseQNVB's sieve ranks all blocks together, so every rank must update "
+                    "all of them: use shard_update=False)"
+                    if isinstance(optim, QNVB)
+                    else ""
+                )
             )
         # PyroOptim.__init__ is not called: every PyroOptim attribute is optim's (__getattr__)
         self.optim = optim
