@@ -438,7 +438,7 @@ def test_bad_arguments_are_refused_by_name():
     with pytest.raises(TypeError, match="shard_update=True divides QNVB"):
         DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}), shard_update=True)
     with pytest.raises(TypeError, match="sieve ranks all blocks together"):
-        DistributedOptimizer(SparseQNVB(num_epochs=2, steps_per_epoch=3), shard_update=True)
+        DistributedOptimizer(SparseQNVB(num_epochs=3, steps_per_epoch=3), shard_update=True)
     elbo = DistributedQuadratureELBO()
     elbo.share = 1.5
     with pytest.raises(ValueError, match=r"share must be a number in \(0, 1\]"):
