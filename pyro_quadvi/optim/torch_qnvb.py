@@ -36,7 +36,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from ..infer.batched import BatchMismatch, DecisionCache, evaluate_batch, first_line
-from ..quadrature import make_rule
+from ..quadrature import NodeSet, make_rule
 from .annealing import check_schedule
 from .qnvb_functional import (
     QNVBHyperparameters,
@@ -315,12 +315,25 @@ class QNVBOptimizer(torch.optim.Optimizer):
             dtype=first.dtype,
             device=first.device,
         )
+        nodes = self._local_nodes(nodes)
         if closure is not None:
             loss_avg, moments = self._closure_moments(params, nodes, closure)
         else:
             loss_avg, moments = self._one_pass_moments(params, nodes, loss_fn, batch, vectorize)
+        loss_avg, moments = self._combine(params, loss_avg, moments)
         self._update(params, moments)
         return loss_avg
+
+    # Two hooks for pyro_quadvi.distributed.NodeParallelQNVBOptimizer; here, one process
+    # evaluates every node and its weighted sums are the whole step's.
+    def _local_nodes(self, nodes: NodeSet) -> NodeSet:
+        """The nodes this process evaluates (weights as in the full rule): all of them."""
+        return nodes
+
+    def _combine(self, params, loss_avg: torch.Tensor, moments: list):
+        """The step's weighted sums (loss, ``sum_k w_k grad_k``, ``sum_k w_k grad_k x_k``) from
+        this process's: they are the step's already."""
+        return loss_avg, moments
 
     def _closure_moments(self, params, nodes, closure):
         """``sum_k w_k grad_k`` and ``sum_k w_k grad_k x_k`` per parameter (None: no gradient),
