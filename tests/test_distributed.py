@@ -273,7 +273,7 @@ def _torch_nodes_refused() -> dict:
         torch.manual_seed(seed)
         optimizer = NodeParallelQNVBOptimizer(net.parameters(), **kwargs)
 
-        def closure():
+        def closure(net=net):
             loss = net(torch.ones(1, 3, dtype=torch.float64)).sum()
             loss.backward()
             return loss
