@@ -25,6 +25,7 @@ from pyro_quadvi import QNVB, AutoMeanFieldNormal, SparseQNVB
 from pyro_quadvi.distributed import (
     DistributedOptimizer,
     DistributedQuadratureELBO,
+    NodeParallelQNVBOptimizer,
     broadcast_generator,
     load_checkpoint,
     save_checkpoint,
@@ -32,7 +33,7 @@ from pyro_quadvi.distributed import (
     world,
 )
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
-from pyro_quadvi.optim import QNVBOptimizer
+from pyro_quadvi.optim import QNVBOptimizer, module_loss
 
 WORLD = 2
 STEPS = 6
@@ -200,6 +201,91 @@ def _ddp_fit(rows: int = 12, steps: int = STEPS) -> dict:
     }
 
 
+def _torch_nodes_fit(
+    one_pass: bool,
+    quadrature: str,
+    num_eval=None,
+    *,
+    steps: int = STEPS,
+    distributed: bool = True,
+    save: Path | None = None,
+    resume: Path | None = None,
+) -> dict:
+    """Plain torch, node parallel: every rank has all 12 rows and evaluates every W-th node.
+
+    The ranks start from different weights and generator states on purpose: the constructor
+    gives every rank rank 0's (which equal one process's). ``distributed=False``: the plain
+    ``QNVBOptimizer`` in this process, the reference."""
+    rank = world()[0]
+    x, y = _data(12)
+    net = _net()
+    with torch.no_grad():
+        for p in net.parameters():
+            p += rank
+    generator = torch.Generator().manual_seed(11 + rank)
+    cls = NodeParallelQNVBOptimizer if distributed else QNVBOptimizer
+    optimizer = cls(
+        net.named_parameters(),
+        likelihood_weight=12,
+        generator=generator,
+        init_sigma=0.05,
+        prior_precision=1.0,
+        quadrature=quadrature,
+        num_eval=num_eval,
+    )
+    if resume is not None:
+        optimizer.load_state_dict(torch.load(resume, weights_only=False))
+    loss_fn = module_loss(net, torch.nn.functional.mse_loss)
+    losses = []
+    for step in range(steps):
+        if one_pass:
+            losses.append(optimizer.step(loss_fn=loss_fn, batch=(x, y), vectorize=True))
+        else:
+
+            def closure():
+                loss = torch.nn.functional.mse_loss(net(x), y)
+                loss.backward()
+                return loss
+
+            losses.append(optimizer.step(closure))
+        if save is not None and step == steps // 2 - 1 and rank == 0:
+            torch.save(optimizer.state_dict(), save)
+    if save is not None and world()[1] > 1:
+        dist.barrier()
+    params = dict(net.named_parameters())
+    return {
+        "losses": torch.stack(losses),
+        "mu": {n: optimizer.state[p]["mu"].clone() for n, p in params.items()},
+        "sigma": {n: optimizer.state[p]["sigma"].clone() for n, p in params.items()},
+        "net": {n: p.detach().clone() for n, p in params.items()},
+    }
+
+
+def _torch_nodes_refused() -> dict:
+    """What every rank raises: fewer nodes than ranks; nodes drawn from unshared global states."""
+    out = {}
+    rank = world()[0]
+    for case, kwargs, seed in (
+        ("few", {"quadrature": "mc", "num_eval": 1}, 100),
+        ("unshared", {"quadrature": "rasp_simplex"}, 100 + rank),  # torch's global generator
+    ):
+        net = _net()
+        torch.manual_seed(seed)
+        optimizer = NodeParallelQNVBOptimizer(net.parameters(), **kwargs)
+
+        def closure(net=net):
+            loss = net(torch.ones(1, 3, dtype=torch.float64)).sum()
+            loss.backward()
+            return loss
+
+        try:
+            optimizer.step(closure)
+            out[case] = None
+        except (ValueError, RuntimeError) as error:
+            out[case] = str(error)
+    return out
+
+
 def _scenarios(outdir: Path) -> dict:
     rank = world()[0]
     out = {
@@ -209,11 +295,19 @@ def _scenarios(outdir: Path) -> dict:
         "nodes_hadamard": _bnn_fit("nodes", 12, rule="hadamard", num_points=4),
         "poison": _poison_fit(poisoned=rank == 1),
         "ddp": _ddp_fit(),
+        "torch_closure": _torch_nodes_fit(False, "rasp_simplex"),
+        "torch_one_pass": _torch_nodes_fit(True, "blocked_simplex"),
+        "torch_hadamard": _torch_nodes_fit(True, "hadamard", 4),
+        "torch_uninterrupted": _torch_nodes_fit(False, "rasp_simplex", save=outdir / "torch.pt"),
+        "torch_refused": _torch_nodes_refused(),
         "data_adam": _bnn_fit("data", 12, adam=True),
         "data_sharded": _bnn_fit("data", 12, shard_update=True),
         "nodes_sharded": _bnn_fit("nodes", 12, shard_update=True),
         "uninterrupted": _bnn_fit("data", 12, checkpoint=outdir / "ckpt.pt", shard_update=True),
     }
+    out["torch_resumed"] = _torch_nodes_fit(
+        False, "rasp_simplex", steps=STEPS - STEPS // 2, resume=outdir / "torch.pt"
+    )
     out["resumed"] = _bnn_fit(
         "data", 12, steps=STEPS - STEPS // 2, resume=outdir / "ckpt.pt", shard_update=True
     )
@@ -386,6 +480,48 @@ def test_ddp_qnvb_optimizer_equals_one_process(ranks):
     # each rank's closure returns the mean over its shard: their mean is the full batch's
     mean = (ranks[0]["ddp"]["losses"] + ranks[1]["ddp"]["losses"]) / 2
     torch.testing.assert_close(mean, single["losses"], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize(
+    "case, one_pass, quadrature, num_eval",
+    [
+        ("torch_closure", False, "rasp_simplex", None),
+        ("torch_one_pass", True, "blocked_simplex", None),
+        ("torch_hadamard", True, "hadamard", 4),
+    ],
+)
+def test_node_parallel_qnvb_optimizer_equals_one_process(
+    ranks, case, one_pass, quadrature, num_eval
+):
+    """Plain torch, nodes {0, 2} and {1} (3 nodes: a closure per node, or one pass) or {0, 2} and
+    {1, 3} (Hadamard, one pass), from ranks that started apart: the ranks agree bit for bit, and
+    equal the plain QNVBOptimizer in one process to 1e-10."""
+    _assert_identical(ranks[0][case], ranks[1][case])
+    single = _torch_nodes_fit(one_pass, quadrature, num_eval, distributed=False)
+    for key in ("mu", "sigma", "net"):
+        _assert_close(ranks[0][case][key], single[key], atol=1e-10)
+    # the parameters moved: the comparison is not between two starting points
+    assert (ranks[0][case]["mu"]["0.weight"] - _net()[0].weight).abs().max() > 1e-3
+    torch.testing.assert_close(ranks[0][case]["losses"], single["losses"], rtol=1e-12, atol=0)
+
+
+def test_node_parallel_qnvb_optimizer_resumes_exactly(ranks):
+    """``state_dict`` saved by rank 0 after 3 steps, loaded by every rank into a fresh optimizer
+    (the generator's state included): 3 more steps equal the uninterrupted run bit for bit."""
+    for rank in ranks:
+        resumed, straight = rank["torch_resumed"], rank["torch_uninterrupted"]
+        for key in ("mu", "sigma", "net"):
+            _assert_identical(resumed[key], straight[key])
+        assert torch.equal(resumed["losses"], straight["losses"][STEPS // 2 :])
+    _assert_identical(ranks[0]["torch_uninterrupted"]["mu"], ranks[0]["torch_closure"]["mu"])
+
+
+def test_node_parallel_qnvb_optimizer_refusals_on_every_rank(ranks):
+    for rank in ranks:
+        assert "the rule has 1 nodes for 2 ranks" in rank["torch_refused"]["few"]
+        assert "disagree on the quadrature nodes" in rank["torch_refused"]["unshared"]
+    with pytest.raises(TypeError, match="check_nodes must be True or False"):
+        NodeParallelQNVBOptimizer(_net().parameters(), check_nodes="yes")
 
 
 def test_checkpoint_resumes_exactly(ranks):

@@ -5,23 +5,35 @@
   node on the whole minibatch.
 * :class:`DistributedOptimizer`: wraps ``QNVB`` (or any ``PyroOptim``); averages gradients and the
   published moments ``g``, ``h`` over the ranks before the step.
+* :class:`NodeParallelQNVBOptimizer`: the plain-torch ``QNVBOptimizer`` with each step's nodes
+  divided between the ranks, their weighted sums added up by one all-reduce.
 * :func:`save_checkpoint` / :func:`load_checkpoint`: one copy, written by rank 0.
 * :func:`world`, :func:`shard`, :func:`broadcast_generator`, :func:`check_agreement`: plain helpers.
 
-Plain PyTorch needs nothing of its own: ``QNVBOptimizer`` steps a ``DistributedDataParallel``
-network as it steps any network (see the guide page "Scaling out").
+Data parallel in plain PyTorch needs nothing of its own: ``QNVBOptimizer`` steps a
+``DistributedDataParallel`` network as it steps any network (see the guide page "Scaling out").
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .comm import all_reduce_mean_, broadcast_generator, check_agreement, shard, world
+from .comm import (
+    all_reduce_mean_,
+    all_reduce_sum_,
+    broadcast_generator,
+    check_agreement,
+    shard,
+    world,
+)
 from .elbo import PARALLEL_MODES, DistributedQuadratureELBO
 from .optim import DistributedOptimizer
+from .torch_optim import NodeParallelQNVBOptimizer
 
 __all__ = [
     "PARALLEL_MODES",
     "DistributedOptimizer",
     "DistributedQuadratureELBO",
+    "NodeParallelQNVBOptimizer",
     "all_reduce_mean_",
+    "all_reduce_sum_",
     "broadcast_generator",
     "check_agreement",
     "load_checkpoint",

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 __all__ = [
     "all_reduce_mean_",
+    "all_reduce_sum_",
     "broadcast_generator",
     "check_agreement",
     "collective_device",
@@ -127,6 +128,18 @@ def all_reduce_mean_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup |
     all-reduces reduce each entry once and hand the result to all), so the optimizers' guards skip
     the same coordinates everywhere.
     """
+    _fused_all_reduce_(tensors, group, mean=True)
+
+
+def all_reduce_sum_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None):
+    """Replace each tensor by its sum over the ranks, as :func:`all_reduce_mean_` does its mean
+    (one all-reduce per dtype and device; the same bits on every rank)."""
+    _fused_all_reduce_(tensors, group, mean=False)
+
+
+def _fused_all_reduce_(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, *, mean: bool
+) -> None:
     _, size = world(group)
     if size == 1 or not tensors:
         return
@@ -136,7 +149,8 @@ def all_reduce_mean_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup |
     for bucket in buckets.values():
         flat = torch.cat([t.reshape(-1) for t in bucket])
         dist.all_reduce(flat, group=group)
-        flat /= size
+        if mean:
+            flat /= size
         start = 0
         for t in bucket:
             stop = start + t.numel()

@@ -376,12 +376,25 @@ class QNVBOptimizer(torch.optim.Optimizer):
             dtype=first.dtype,
             device=first.device,
         )
+        nodes = self._local_nodes(nodes)
         if closure is not None:
             loss_avg, moments = self._closure_moments(params, nodes, closure)
         else:
             loss_avg, moments = self._one_pass_moments(params, nodes, loss_fn, batch, vectorize)
+        loss_avg, moments = self._combine(params, loss_avg, moments)
         self._update(params, moments)
         return loss_avg
+
+    # Two hooks for pyro_quadvi.distributed.NodeParallelQNVBOptimizer; here, one process
+    # evaluates every node and its weighted sums are the whole step's.
+    def _local_nodes(self, nodes: NodeSet) -> NodeSet:
+        """The nodes this process evaluates (weights as in the full rule): all of them."""
+        return nodes
+
+    def _combine(self, params, loss_avg: torch.Tensor, moments: list):
+        """The step's weighted sums (loss, ``sum_k w_k grad_k``, ``sum_k w_k grad_k x_k``) from
+        this process's: they are the step's already."""
+        return loss_avg, moments
 
     def _closure_moments(self, params, nodes, closure):
         """:func:`closure_moments` at this optimizer's means and standard deviations."""

@@ -1,0 +1,135 @@
+"""``NodeParallelQNVBOptimizer``: the plain-torch ``QNVBOptimizer`` with each step's nodes divided
+between the ranks.
+
+Rank ``r`` of ``W`` evaluates nodes ``S_r = {r, r + W, r + 2 W, ...}`` of the step's quadrature on
+the whole minibatch (closure loop or one pass) and forms its part of the weighted sums of rasp
+paper eq. 11,
+
+    L_r = sum_{k in S_r} w_k loss_k,   g_r = sum_{k in S_r} w_k grad_k,
+    gx_r = sum_{k in S_r} w_k grad_k x_k;
+
+one all-reduce adds them up, ``g = sum_r g_r`` and ``h = sum_r gx_r / sigma``, the moments of all
+``K`` nodes, and every rank applies the same QNVB update (eq. 4-8) to the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..optim import QNVBOptimizer
+from ..quadrature import NodeSet
+from .comm import all_reduce_sum_, broadcast_generator, check_agreement, node_fingerprint, world
+
+__all__ = ["NodeParallelQNVBOptimizer"]
+
+
+class _NodeShare(NodeSet):
+    """Nodes ``rank, rank + size, ...`` of ``nodes``, with their weights as in the full rule."""
+
+    def __init__(self, nodes: NodeSet, rank: int, size: int):
+        super().__init__(
+            nodes.dim, nodes.weights[rank::size], name=nodes.name, max_bytes=nodes.max_bytes
+        )
+        self.nodes = nodes
+        self.rank = rank
+        self.size = size
+
+    def node(self, k: int) -> torch.Tensor:
+        return self.nodes.node(self.rank + self.size * self._check_index(k))
+
+
+class NodeParallelQNVBOptimizer(QNVBOptimizer):
+    """:class:`~pyro_quadvi.optim.QNVBOptimizer` whose nodes are divided between the ranks.
+
+    Every rank passes the **whole** minibatch to :meth:`step` (a closure, or ``loss_fn`` and
+    ``batch``); rank ``r`` evaluates nodes ``r, r + W, ...`` of the step. The weighted sums of the
+    loss, of the gradients and of the gradients times the offsets (rasp paper, eq. 11) are summed
+    over the ranks in one all-reduce per dtype, so every rank takes the same QNVB step (eq. 4-8),
+    bit for bit, and :meth:`step` returns the quadrature average of the loss over all ``K`` nodes
+    on every rank. Without an initialized process group it is a ``QNVBOptimizer``.
+
+    Args:
+        params: as for ``QNVBOptimizer`` (``net.named_parameters()`` for ``step(loss_fn=...)``).
+            The network is a plain module on every rank, **not** wrapped in
+            ``DistributedDataParallel`` (which would average the gradients of different nodes).
+        check_nodes: compare the step's count, number of nodes, weights and the first node (a
+            projection of it) across the ranks every step (one small all-reduce), and raise on
+            every rank if they differ.
+        group: the process group (``None``: the default group).
+        **kwargs: the keyword arguments of ``QNVBOptimizer`` (``likelihood_weight``,
+            ``quadrature``, ``num_eval``, ``generator``, the hyperparameters).
+
+    The constructor makes every rank start from rank 0's: it broadcasts the parameters (as
+    ``DistributedDataParallel`` does) and the state of ``generator`` when one is given (random
+    rules draw their nodes from it; without one they draw from torch's global generator, which
+    the ranks must then seed alike or share with
+    :func:`~pyro_quadvi.distributed.broadcast_generator`). ``state_dict`` is the same on every
+    rank: rank 0 saves it, every rank loads it, and the run continues bit for bit.
+
+    Raises:
+        ValueError: at a step, on every rank, when the rule has fewer nodes than ranks.
+        RuntimeError: at a step, on every rank, when the ranks drew different nodes
+            (``check_nodes``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        check_nodes: bool = True,
+        group: dist.ProcessGroup | None = None,
+        **kwargs: Any,
+    ):
+        if not isinstance(check_nodes, bool):
+            raise TypeError(f"check_nodes must be True or False, got {check_nodes!r}")
+        super().__init__(params, **kwargs)
+        self.check_nodes = check_nodes
+        self.group = group
+        if world(group)[1] > 1:
+            with torch.no_grad():
+                for param_group in self.param_groups:
+                    for p in param_group["params"]:
+                        dist.broadcast(p.data, src=0, group=group)
+            if self.generator is not None:
+                broadcast_generator(self.generator, group=group)
+
+    def _local_nodes(self, nodes: NodeSet) -> NodeSet:
+        """Nodes ``r, r + W, ...`` of the step (checked to be the same step on every rank)."""
+        rank, size = world(self.group)
+        if size == 1:
+            return nodes
+        if self.check_nodes:
+            step = torch.tensor([float(self.num_steps)], dtype=torch.float64, device=nodes.device)
+            fingerprint = node_fingerprint(nodes.node(0)[None], nodes.weights)
+            check_agreement(torch.cat([step, fingerprint]), "the quadrature nodes", self.group)
+        if len(nodes) < size:
+            raise ValueError(
+                f"NodeParallelQNVBOptimizer: the rule has {len(nodes)} nodes for {size} ranks; "
+                "use at least as many nodes as ranks (num_eval)"
+            )
+        return _NodeShare(nodes, rank, size)
+
+    @torch.no_grad()
+    def _combine(self, params, loss_avg: torch.Tensor, moments: list):
+        """Sum the ranks' weighted sums; a parameter with a gradient on some rank only counts as
+        a zero gradient on the others."""
+        _, size = world(self.group)
+        if size == 1:
+            return loss_avg, moments
+        seen = torch.tensor(
+            [m is not None for m in moments], dtype=torch.int64, device=loss_avg.device
+        )
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        moments = [
+            (m if m is not None else (torch.zeros_like(p), torch.zeros_like(p)))
+            if any_rank
+            else None
+            for (p, _), m, any_rank in zip(params, moments, seen.tolist())
+        ]
+        loss_avg = loss_avg.clone()
+        all_reduce_sum_([loss_avg] + [t for m in moments if m is not None for t in m], self.group)
+        return loss_avg, moments
