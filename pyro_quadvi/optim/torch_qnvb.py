@@ -75,19 +75,25 @@ _HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
 _STATE_NAMES = QNVBState._fields
 
 
-def _checked_loss(loss: object, owner: str) -> torch.Tensor:
-    """The closure's loss as a detached 0-d tensor, or a clear error for anything else."""
+def _scalar_tensor(loss: object, requirement: str) -> torch.Tensor:
+    """``loss`` as a 0-d tensor, or a ``TypeError`` stating ``requirement`` and what came."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         got = (
             f"a tensor of shape {tuple(loss.shape)}"
             if isinstance(loss, torch.Tensor)
             else f"{loss!r} ({type(loss).__name__})"
         )
-        raise TypeError(
-            f"{owner}: the closure must return the scalar loss tensor (mean per case) after "
-            f"calling backward() on it; it returned {got}"
-        )
-    return loss.detach().reshape(())
+        raise TypeError(f"{requirement}; it returned {got}")
+    return loss.reshape(())
+
+
+def _checked_loss(loss: object, owner: str) -> torch.Tensor:
+    """The closure's loss as a detached 0-d tensor, or a clear error for anything else."""
+    return _scalar_tensor(
+        loss,
+        f"{owner}: the closure must return the scalar loss tensor (mean per case) after "
+        "calling backward() on it",
+    ).detach()
 
 
 def closure_moments(
@@ -146,17 +152,9 @@ def closure_moments(
 
 def _scalar_loss(loss: object) -> torch.Tensor:
     """``loss_fn``'s value as a 0-d tensor (still differentiable), or a clear error."""
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        got = (
-            f"a tensor of shape {tuple(loss.shape)}"
-            if isinstance(loss, torch.Tensor)
-            else f"{loss!r} ({type(loss).__name__})"
-        )
-        raise TypeError(
-            f"QNVBOptimizer: loss_fn must return the scalar loss tensor (mean per case); it "
-            f"returned {got}"
-        )
-    return loss.reshape(())
+    return _scalar_tensor(
+        loss, "QNVBOptimizer: loss_fn must return the scalar loss tensor (mean per case)"
+    )
 
 
 class _NodeStack:
