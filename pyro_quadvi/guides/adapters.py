@@ -25,7 +25,7 @@ from pyro.infer.autoguide import (
     AutoNormal,
 )
 from pyro.poutine import Trace
-from torch.distributions import Independent, biject_to, constraints, transform_to
+from torch.distributions import Distribution, Independent, biject_to, constraints, transform_to
 
 from ..infer.log_joint import LatentSite, latent_nodes
 from .interface import GuideDescription, JointGaussian, MeanFieldSite, register_adapter
@@ -73,6 +73,28 @@ def _select(t: torch.Tensor, rows: dict[int, torch.Tensor] | None) -> torch.Tens
     return t
 
 
+def site_run(
+    name: str,
+    event_dim: int,
+    trace: Trace | None,
+    last_run: dict[str, tuple[float, dict[int, torch.Tensor]]] | None,
+) -> tuple[Distribution | None, float, dict[int, torch.Tensor] | None]:
+    """What one run of an ``AutoNormal``-like guide did at site ``name``.
+
+    With a ``trace``: the distribution of its ``{name}_unconstrained`` draw (``Independent``
+    unwrapped), its minibatch scale and the rows used. Without one: ``None``, and the scale and
+    rows of the guide's last run where it keeps them (``last_run``), else ``(1.0, None)``.
+    """
+    if trace is None:
+        factor, rows = (last_run or {}).get(name, (1.0, None))
+        return None, factor, rows
+    aux = trace.nodes[name + "_unconstrained"]
+    fn = aux["fn"]
+    while isinstance(fn, Independent):
+        fn = fn.base_dist
+    return fn, scale_factor(aux), subsample_rows(aux, trace, event_dim)
+
+
 def describe_auto_normal(
     guide: AutoNormal,
     trace: Trace | None,
@@ -92,16 +114,10 @@ def describe_auto_normal(
         loc_leaf, _, loc_name = _leaf(guide.locs, name)
         scale_leaf, scale_constraint, scale_name = _leaf(guide.scales, name)
         event_dim = guide._event_dims[name]
-        if trace is not None:
-            aux = trace.nodes[name + "_unconstrained"]
-            normal = aux["fn"]
-            while isinstance(normal, Independent):
-                normal = normal.base_dist
+        normal, factor, rows = site_run(name, event_dim, trace, last_run)
+        if normal is not None:
             loc, scale = normal.loc, normal.scale
-            rows = subsample_rows(aux, trace, event_dim)
-            factor = scale_factor(aux)
         else:
-            factor, rows = (last_run or {}).get(name, (1.0, None))
             loc = _select(loc_leaf, rows)
             scale = _select(transform_to(scale_constraint)(scale_leaf), rows)
         transform = biject_to(proto["fn"].support)

@@ -35,7 +35,7 @@ from torch.distributions import biject_to, constraints, transform_to
 
 from ..distributions import SpikeSlab
 from ..infer.log_joint import LatentSite
-from .adapters import _leaf, _select, check_set_up, scale_factor, subsample_rows
+from .adapters import _leaf, _select, check_set_up, site_run
 from .interface import GuideDescription, MeanFieldSite
 from .mean_field import AutoMeanFieldNormal
 
@@ -215,15 +215,8 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
             scale_leaf, scale_constraint, scale_name = _leaf(self.scales, name)
             logit_leaf, _, logit_name = _leaf(self.logits, name)
             event_dim = self._event_dims[name]
-            if trace is not None:
-                aux = trace.nodes[name + "_unconstrained"]
-                mixture = aux["fn"]
-                while isinstance(mixture, torch.distributions.Independent):
-                    mixture = mixture.base_dist
-                rows = subsample_rows(aux, trace, event_dim)
-                factor = scale_factor(aux)
-            else:
-                factor, rows = (self._last_run or {}).get(name, (1.0, None))
+            mixture, factor, rows = site_run(name, event_dim, trace, self._last_run)
+            if mixture is None:
                 mixture = self._full_mixture(name, rows)
             transform = biject_to(proto["fn"].support)
             sites.append(
@@ -253,10 +246,6 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
             )
             latent.append(LatentSite(name, mixture.slab_loc.shape, event_dim, transform))
         return GuideDescription(self._pyro_name, latent, sites=sites)
-
-    def mean_field_sites(self) -> list[MeanFieldSite]:
-        """The sites of :meth:`quadrature_description`: current parameters, last run's rows."""
-        return self.quadrature_description().sites
 
 
 def _std(mixture: SpikeSlab) -> torch.Tensor:
