@@ -28,10 +28,14 @@ Usage::
 
 ``--net mlp`` swaps in a one-hidden-layer ReLU network (64 units) for the Table 2 network.
 ``--init kaiming`` redraws every weight from Kaiming's normal for ReLU (all methods);
-``--tau-max`` is the sparse optimizer's slab width and dense QNVB's ``sigma_max``; ``--prior-scale``
-(default: ``--tau-max``) the standard deviation of every method's slab prior. The Table 2 rows of
-``docs/benchmarks.md`` use ``--init kaiming --tau-max 0.03 --prior-scale 0.3``: with PyTorch's
-default initialization and ``tau_max = 0.3`` this network stays at chance (see there).
+``--init scaled`` is the same network in a scaled parametrization (each parameter ``N(0, 1)``,
+Kaiming's ``sqrt(2 / fan_in)`` applied in the forward pass), in which every layer's parameters
+have scale 1. ``--tau-max`` is the sparse optimizer's slab width and dense QNVB's ``sigma_max``;
+``--prior-scale`` (default: ``--tau-max``) the standard deviation of every method's slab prior;
+``--target-sparsity`` and ``--target-free`` the sieve's targets. The Table 2 rows of
+``docs/benchmarks.md`` use ``--init kaiming --tau-max 0.03 --prior-scale 0.3`` or ``--init scaled
+--tau-max 0.3 --prior-scale 1``: with PyTorch's default initialization and ``tau_max = 0.3`` this
+network stays at chance (see there).
 
 ``--integration`` runs benchmark 3 instead (the paper's Appendix A.2, Fig. 7): signed errors of
 MC, VRMC-1, VRMC-2, the blocked 2-simplex and the Hadamard sequence against the Dirac-Gauss mixture
@@ -54,6 +58,7 @@ import numpy as np
 import pyro
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from tqdm import tqdm
 
 from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
@@ -104,14 +109,35 @@ def load(dataset: str, data_dir: str | None, net: str):
     return x_tr, y_tr, x_te, y_te
 
 
+class Gain(nn.Module):
+    """Multiplies a weight by a constant in the forward pass (a parametrization)."""
+
+    def __init__(self, gain: float):
+        super().__init__()
+        self.gain = gain
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.gain
+
+
 def make_net(net: str, data, init: str = "default") -> nn.Sequential:
     """The network; ``init="kaiming"`` redraws every weight matrix from Kaiming's normal for ReLU
-    (``std = sqrt(2 / fan_in)``) and zeroes the biases."""
+    (``std = sqrt(2 / fan_in)``) and zeroes the biases; ``init="scaled"`` gives the same network
+    in a scaled parametrization: the parameter holds ``N(0, 1)`` draws and the layer multiplies
+    it by Kaiming's ``sqrt(2 / fan_in)`` in the forward pass, so every layer's parameters have
+    scale 1 and one ``tau_max`` is the same fraction of each layer's weights."""
     module = table2_net() if net == "table2" else mlp(data[0].shape[1])
-    if init == "kaiming":
+    if init in ("kaiming", "scaled"):
         for layer in module.modules():
             if isinstance(layer, (nn.Conv2d, nn.Linear)):
-                nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+                if init == "kaiming":
+                    nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+                else:
+                    fan_in = layer.weight[0].numel()
+                    nn.init.normal_(layer.weight)
+                    parametrize.register_parametrization(
+                        layer, "weight", Gain(math.sqrt(2 / fan_in))
+                    )
                 if layer.bias is not None:
                     nn.init.zeros_(layer.bias)
     return module
@@ -165,6 +191,7 @@ def run_torch(method, data, args):
         optimizer = SparseQNVBOptimizer(
             net.parameters(), num_cases=n, steps_per_epoch=steps,
             num_epochs=epochs, tau_max=tau_max, prior_precision=prior_precision,
+            target_sparsity=args.target_sparsity, target_free=args.target_free,
             generator=torch.Generator().manual_seed(seed),
         )  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
@@ -430,13 +457,16 @@ def main(argv=None) -> dict:
         "--prior-scale", type=float, default=None,
         help="standard deviation of every method's slab prior (default: --tau-max)",
     )  # fmt: skip
+    parser.add_argument("--target-sparsity", type=float, default=0.97, help="sparse's s0_tgt")
+    parser.add_argument("--target-free", type=float, default=0.01, help="sparse's s1_tgt")
     parser.add_argument(
         "--qnvb-lr", type=float, default=1.0,
         help="dense QNVB's lr (the cap on its Adam-sized step; QNVBOptimizer's default 1.0)",
     )  # fmt: skip
     parser.add_argument(
-        "--init", choices=["default", "kaiming"], default="default",
-        help="PyTorch's default initialization or Kaiming's normal for ReLU (all methods)",
+        "--init", choices=["default", "kaiming", "scaled"], default="default",
+        help="PyTorch's default initialization, Kaiming's normal for ReLU, or Kaiming's scale "
+        "as a gain in the forward pass over N(0, 1) parameters (all methods)",
     )  # fmt: skip
     parser.add_argument("--fig-dir", default="docs/img")
     parser.add_argument("--out", default=None, help="JSON file for the records")
