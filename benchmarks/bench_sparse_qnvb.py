@@ -4,6 +4,8 @@ The network keeps Table 2's layer sizes (five 2x2 stride-2 convolutions without 
 48 -> 192 -> 192 -> 192 channels, then a 64 -> 10 linear layer; 112,048 weights) on 32 x 32 inputs.
 The paper's ternary logic activations, which map 3k channels to k, are replaced by a ReLU followed
 by the maximum over each group of 3 channels (no parameters; the ternary layers' 1,696 are gone).
+``--activation ternary`` puts our reading of them back (:class:`Ternary`: 8 parameters per output
+channel, 113,744 in all, as in Table 2).
 
 Methods, each for ``--epochs`` epochs on the same split and minibatches:
 
@@ -28,10 +30,14 @@ Usage::
 
 ``--net mlp`` swaps in a one-hidden-layer ReLU network (64 units) for the Table 2 network.
 ``--init kaiming`` redraws every weight from Kaiming's normal for ReLU (all methods);
-``--tau-max`` is the sparse optimizer's slab width and dense QNVB's ``sigma_max``; ``--prior-scale``
-(default: ``--tau-max``) the standard deviation of every method's slab prior. The Table 2 rows of
-``docs/benchmarks.md`` use ``--init kaiming --tau-max 0.03 --prior-scale 0.3``: with PyTorch's
-default initialization and ``tau_max = 0.3`` this network stays at chance (see there).
+``--init scaled`` is the same network in a scaled parametrization (each parameter ``N(0, 1)``,
+Kaiming's ``sqrt(2 / fan_in)`` applied in the forward pass), in which every layer's parameters
+have scale 1. ``--tau-max`` is the sparse optimizer's slab width and dense QNVB's ``sigma_max``;
+``--prior-scale`` (default: ``--tau-max``) the standard deviation of every method's slab prior;
+``--target-sparsity`` and ``--target-free`` the sieve's targets. The Table 2 rows of
+``docs/benchmarks.md`` use ``--init kaiming --tau-max 0.03 --prior-scale 0.3`` or ``--init scaled
+--tau-max 0.3 --prior-scale 1``: with PyTorch's default initialization and ``tau_max = 0.3`` this
+network stays at chance (see there).
 
 ``--integration`` runs benchmark 3 instead (the paper's Appendix A.2, Fig. 7): signed errors of
 MC, VRMC-1, VRMC-2, the blocked 2-simplex and the Hadamard sequence against the Dirac-Gauss mixture
@@ -54,6 +60,7 @@ import numpy as np
 import pyro
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from tqdm import tqdm
 
 from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
@@ -68,11 +75,39 @@ class GroupMax(nn.Module):
         return x.unflatten(-3, (x.shape[-3] // 3, 3)).amax(-3)
 
 
-def table2_net() -> nn.Sequential:
-    """Table 2's convolutions and linear layer, GroupMax in place of the ternary activations."""
+class Ternary(nn.Module):
+    """A ternary logic activation (3k -> k channels) with 8 parameters per output channel, as
+    Table 2 counts them: each group of 3 channels gives probabilities ``p = sigmoid(x)`` of 3
+    independent Boolean inputs, and the output is the expected value of a learned truth table
+    ``T`` (``2^3`` entries per output channel) under them, ``sum_b T[b] prod_i p_i^b_i (1 -
+    p_i)^(1 - b_i)``: the multilinear extension of a 3-input logic function. This is our reading
+    of the paper's "ternary logical activation functions" ([14] there, not at hand); the table
+    starts at ``N(0, 1)`` draws."""
+
+    def __init__(self, out_channels: int):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(out_channels, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = torch.sigmoid(x).unflatten(-3, (x.shape[-3] // 3, 3))
+        p0, p1, p2 = (p.select(-3, i) for i in range(3))  # (..., k, H, W) each
+        corners = [
+            (p0 if b0 else 1 - p0) * (p1 if b1 else 1 - p1) * (p2 if b2 else 1 - p2)
+            for b0 in (0, 1)
+            for b1 in (0, 1)
+            for b2 in (0, 1)
+        ]
+        weights = torch.stack(corners, -1)  # (..., k, H, W, 8)
+        return (weights * self.table[:, None, None, :]).sum(-1)
+
+
+def table2_net(activation: str = "groupmax") -> nn.Sequential:
+    """Table 2's convolutions and linear layer, with GroupMax (no parameters) or the
+    :class:`Ternary` activation (Table 2's 8 parameters per output channel) between them."""
     layers: list[nn.Module] = []
     for c_in, c_out in ((1, 12), (4, 48), (16, 192), (64, 192), (64, 192)):
-        layers += [nn.Conv2d(c_in, c_out, 2, stride=2, bias=False), GroupMax()]
+        act = Ternary(c_out // 3) if activation == "ternary" else GroupMax()
+        layers += [nn.Conv2d(c_in, c_out, 2, stride=2, bias=False), act]
     layers += [nn.Flatten(), nn.Linear(64, 10, bias=False)]
     return nn.Sequential(*layers)
 
@@ -104,14 +139,35 @@ def load(dataset: str, data_dir: str | None, net: str):
     return x_tr, y_tr, x_te, y_te
 
 
-def make_net(net: str, data, init: str = "default") -> nn.Sequential:
+class Gain(nn.Module):
+    """Multiplies a weight by a constant in the forward pass (a parametrization)."""
+
+    def __init__(self, gain: float):
+        super().__init__()
+        self.gain = gain
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.gain
+
+
+def make_net(net: str, data, init: str = "default", activation: str = "groupmax") -> nn.Sequential:
     """The network; ``init="kaiming"`` redraws every weight matrix from Kaiming's normal for ReLU
-    (``std = sqrt(2 / fan_in)``) and zeroes the biases."""
-    module = table2_net() if net == "table2" else mlp(data[0].shape[1])
-    if init == "kaiming":
+    (``std = sqrt(2 / fan_in)``) and zeroes the biases; ``init="scaled"`` gives the same network
+    in a scaled parametrization: the parameter holds ``N(0, 1)`` draws and the layer multiplies
+    it by Kaiming's ``sqrt(2 / fan_in)`` in the forward pass, so every layer's parameters have
+    scale 1 and one ``tau_max`` is the same fraction of each layer's weights."""
+    module = table2_net(activation) if net == "table2" else mlp(data[0].shape[1])
+    if init in ("kaiming", "scaled"):
         for layer in module.modules():
             if isinstance(layer, (nn.Conv2d, nn.Linear)):
-                nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+                if init == "kaiming":
+                    nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+                else:
+                    fan_in = layer.weight[0].numel()
+                    nn.init.normal_(layer.weight)
+                    parametrize.register_parametrization(
+                        layer, "weight", Gain(math.sqrt(2 / fan_in))
+                    )
                 if layer.bias is not None:
                     nn.init.zeros_(layer.bias)
     return module
@@ -150,7 +206,7 @@ def run_torch(method, data, args):
     epochs, batch_size, seed, tau_max = args.epochs, args.batch_size, args.seed, args.tau_max
     prior_precision = prior_scale(args) ** -2
     torch.manual_seed(seed)
-    net = make_net(args.net, data, args.init)
+    net = make_net(args.net, data, args.init, args.activation)
     n = len(y_tr)
     steps = -(-n // batch_size)
     loss_fn = nn.CrossEntropyLoss()
@@ -165,6 +221,7 @@ def run_torch(method, data, args):
         optimizer = SparseQNVBOptimizer(
             net.parameters(), num_cases=n, steps_per_epoch=steps,
             num_epochs=epochs, tau_max=tau_max, prior_precision=prior_precision,
+            target_sparsity=args.target_sparsity, target_free=args.target_free,
             generator=torch.Generator().manual_seed(seed),
         )  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
@@ -215,7 +272,7 @@ def run_gumbel(data, epochs, args):
     batch_size, seed = args.batch_size, args.seed
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    net = make_net(args.net, data, args.init)
+    net = make_net(args.net, data, args.init, args.activation)
     n = len(y_tr)
     prior = SpikeSlab(0.5, prior_scale(args))
     bnn = BayesianModule(net, lambda name, p: prior, Categorical(dataset_size=n))
@@ -430,13 +487,20 @@ def main(argv=None) -> dict:
         "--prior-scale", type=float, default=None,
         help="standard deviation of every method's slab prior (default: --tau-max)",
     )  # fmt: skip
+    parser.add_argument("--target-sparsity", type=float, default=0.97, help="sparse's s0_tgt")
+    parser.add_argument("--target-free", type=float, default=0.01, help="sparse's s1_tgt")
     parser.add_argument(
         "--qnvb-lr", type=float, default=1.0,
         help="dense QNVB's lr (the cap on its Adam-sized step; QNVBOptimizer's default 1.0)",
     )  # fmt: skip
     parser.add_argument(
-        "--init", choices=["default", "kaiming"], default="default",
-        help="PyTorch's default initialization or Kaiming's normal for ReLU (all methods)",
+        "--init", choices=["default", "kaiming", "scaled"], default="default",
+        help="PyTorch's default initialization, Kaiming's normal for ReLU, or Kaiming's scale "
+        "as a gain in the forward pass over N(0, 1) parameters (all methods)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--activation", choices=["groupmax", "ternary"], default="groupmax",
+        help="the Table 2 network's activations: ReLU and a maximum over groups of 3, or Ternary",
     )  # fmt: skip
     parser.add_argument("--fig-dir", default="docs/img")
     parser.add_argument("--out", default=None, help="JSON file for the records")
