@@ -579,8 +579,11 @@ def _flat_update(
     updated = probe == 0
     del probe
     arguments = {id(t) for t in (mu, sigma, g, h, *state)}  # never written: grad may be g
+    everywhere = bool(updated.all())  # one host sync, which spares ten passes when it holds
 
     def keep(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:  # in place when fresh
+        if everywhere:  # the guard selects ``new`` throughout; a result never is an argument
+            return new.clone() if id(new) in arguments else new
         return torch.where(updated, new, old, out=None if id(new) in arguments else new)
 
     new_mu, new_sigma = keep(new_mu, mu), keep(new_sigma, sigma)
