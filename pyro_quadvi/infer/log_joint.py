@@ -31,6 +31,7 @@ from pyro.distributions.util import scale_and_mask, sum_rightmost
 from pyro.poutine import Trace
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import biject_to
+from torch.distributions.transforms import ComposeTransform, IndependentTransform
 
 from .batched import BatchMismatch, first_line, is_broadcast_error
 
@@ -288,10 +289,14 @@ class LogJoint:
         return trace
 
     def _constrain(self, values: dict[str, torch.Tensor]):
-        """Constrained values and the (unscaled) log-Jacobian of each site."""
+        """Constrained values and the (unscaled) log-Jacobian of each site; a site of the real
+        line (an identity transform) has none: its log-Jacobian is zero."""
         constrained, log_jac = {}, {}
         for site in self.sites:
             z = values[site.name]
+            if _is_identity(site.transform):
+                constrained[site.name] = z
+                continue
             theta = site.transform(z)
             ladj = site.transform.log_abs_det_jacobian(z, theta)
             ladj = sum_rightmost(ladj, ladj.dim() - (z.dim() - site.event_dim))
@@ -340,6 +345,14 @@ class LogJoint:
             scale = trace.nodes[name]["scale"]
             terms[name] = terms[name] + _per_particle(scale * ladj, K, mpn + 1)
         return terms, trace
+
+
+def _is_identity(transform: Transform) -> bool:
+    """Whether ``transform`` is the identity (``biject_to`` of the real line, of real vectors):
+    ``torch``'s empty ``ComposeTransform``, possibly inside ``IndependentTransform`` s."""
+    while isinstance(transform, IndependentTransform):
+        transform = transform.base_transform
+    return isinstance(transform, ComposeTransform) and not transform.parts
 
 
 def _scaled(term: torch.Tensor, site: dict) -> torch.Tensor:
