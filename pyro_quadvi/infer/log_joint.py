@@ -176,12 +176,13 @@ class LogJoint:
                 f"expected points with {self.dim} unconstrained coordinates "
                 f"({', '.join(s.name for s in self.sites)}), got shape {tuple(z.shape)}"
             )
-        values, start = {}, 0
-        for site in self.sites:
-            chunk = z[..., start : start + site.numel]
-            values[site.name] = chunk.reshape(z.shape[:-1] + site.shape)
-            start += site.numel
-        return values
+        # one split, not a slice per site: its backward places every site's gradient into one
+        # new tensor, where a slice's backward makes a zero tensor of all points for each site
+        chunks = z.split([site.numel for site in self.sites], dim=-1)
+        return {
+            site.name: chunk.reshape(z.shape[:-1] + site.shape)
+            for site, chunk in zip(self.sites, chunks)
+        }
 
     def __call__(
         self,

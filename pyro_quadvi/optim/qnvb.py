@@ -465,7 +465,7 @@ class QNVB(PyroOptim):
                 self.compile,
             )
             whole = [self._whole(item) for item in items]
-            self._finish_together(
+            rebound = self._finish_together(
                 [(item, *outcome) for item, outcome, w in zip(items, outcomes, whole) if w],
                 transform,
             )
@@ -474,7 +474,8 @@ class QNVB(PyroOptim):
                     counts.append((f"site {item.site.name!r}", hp, result_counts(result)))
                 else:
                     self._finish_block(item, new_values, result, counts)
-            self._share_storage(items)
+            if not (rebound and all(whole)):
+                self._share_storage(items)
 
     @staticmethod
     def _share_storage(items: list[_Prepared]) -> None:
@@ -502,21 +503,26 @@ class QNVB(PyroOptim):
         )
 
     @staticmethod
-    def _finish_together(picked: list, transform) -> None:
+    def _finish_together(picked: list, transform) -> bool:
         """:meth:`_finish_block` of blocks updated on all their entries, sharing the scale's
         transform: the inverse transform and the guard run once on all of them (elementwise, so
         each value is the one :meth:`_finish_block` writes, to rounding), and a state that the
-        update returned as pieces of one buffer becomes the block's state without a copy."""
+        update returned as pieces of one buffer becomes the block's state without a copy.
+
+        Returns whether every field of the states was so rebound (then they share one buffer).
+        """
         if not picked:
-            return
+            return False
         sigma = _flatten([item.values["scale"] for item, _, _ in picked])
         new_sigma = _flatten([new_values["scale"] for _, new_values, _ in picked])
         u = _flatten([item.values["scale_leaf"] for item, _, _ in picked])
         new_u = transform.inv(new_sigma)
         new_u = torch.where((new_sigma == sigma) | ~torch.isfinite(new_u), u, new_u)
         new_us = new_u.split([item.values["scale_leaf"].numel() for item, _, _ in picked])
+        rebound = True
         for key, field in zip(QNVBState._fields, zip(*(result.state for _, _, result in picked))):
             shared = consecutive_base(list(field)) is not None
+            rebound &= shared
             for (item, _, _), value in zip(picked, field):
                 if shared:
                     item.state[key] = value
@@ -526,6 +532,7 @@ class QNVB(PyroOptim):
             site = item.site
             site.params["loc"].data.copy_(new_values["loc"])
             site.params["scale"].data.copy_(piece.view(site.params["scale"].shape))
+        return rebound
 
     def _finish_block(self, item: _Prepared, new_values, result: QNVBResult, counts) -> None:
         """Write one block's update back into its parameters and state."""
