@@ -55,8 +55,9 @@ rule written as above. :func:`qnvb_update_many` is what the optimizers run: it c
 tensor of a group into one flat buffer and applies the same rules once, with in-place operations
 and without the work that cannot change a result (a multiplication by a weight of 1, a prior of
 precision 0, the significance test at ``significance = 0``, twelve ``isfinite`` replaced by one
-probe); ``compile=True`` runs the reference :func:`qnvb_update` through ``torch.compile``, tensor
-by tensor (a fused loop each; needs a C++ compiler on the CPU). Tests hold the
+probe; one boolean read on the host, whether the guard kept any coordinate, spares the guard's
+selections when it kept none); ``compile=True`` runs the reference :func:`qnvb_update` through
+``torch.compile``, tensor by tensor (a fused loop each; needs a C++ compiler on the CPU). Tests hold the
 flat update equal to the reference value for value, and the compiled one to within rounding.
 
 The loss is ``weight * L(theta) + prior_precision * |theta|^2 / 2``: ``g`` and ``h`` estimate the
