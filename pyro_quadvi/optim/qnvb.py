@@ -151,9 +151,13 @@ def _constrain(items: list[_Prepared], transform) -> None:
     if not items:
         return
     leaves = [item.values["scale_leaf"] for item in items]
-    scales = transform(_flatten(leaves)).split([u.numel() for u in leaves])
-    for item, scale, u in zip(items, scales, leaves):
+    sizes = [u.numel() for u in leaves]
+    flat = _flatten(leaves)
+    scales = transform(flat).split(sizes)
+    # the unconstrained scales too become pieces of one buffer: the write-back reads them flat
+    for item, scale, u, piece in zip(items, scales, leaves, flat.split(sizes)):
         item.values["scale"] = scale.view(u.shape)
+        item.values["scale_leaf"] = piece.view(u.shape)
 
 
 @dataclass

@@ -57,8 +57,9 @@ and without the work that cannot change a result (a multiplication by a weight o
 precision 0, the significance test at ``significance = 0``, twelve ``isfinite`` replaced by one
 probe; one boolean read on the host, whether the guard kept any coordinate, spares the guard's
 selections when it kept none); ``compile=True`` runs the reference :func:`qnvb_update` through
-``torch.compile``, tensor by tensor (a fused loop each; needs a C++ compiler on the CPU). Tests hold the
-flat update equal to the reference value for value, and the compiled one to within rounding.
+``torch.compile``, tensor by tensor (a fused loop each; needs a C++ compiler on the CPU). Tests
+hold the flat update equal to the reference value for value, and the compiled one to within
+rounding.
 
 The loss is ``weight * L(theta) + prior_precision * |theta|^2 / 2``: ``g`` and ``h`` estimate the
 moments of ``L`` and ``weight`` (the likelihood weight times an annealing factor) and the Gaussian
