@@ -146,15 +146,19 @@ _GRADIENT_IDENTITIES: dict[str, Callable] = {"gaussian": _gaussian_identity}
 
 
 def _constrain(items: list[_Prepared], transform) -> None:
-    """Set each block's ``values["scale"]``, ``transform`` of its unconstrained scale, in one
-    elementwise pass over all of them."""
+    """Set each block's ``values["scale"]``, ``transform`` of its unconstrained scale, both as
+    pieces of one buffer (the update and the write-back then read them flat, without a copy).
+
+    The transform runs block by block: a vectorized ``softplus`` rounds the last few entries of
+    a tensor (its scalar tail) its own way, so on all blocks at once a block's scales would
+    depend on its neighbours (and on how ranks share the blocks out).
+    """
     if not items:
         return
     leaves = [item.values["scale_leaf"] for item in items]
     sizes = [u.numel() for u in leaves]
     flat = _flatten(leaves)
-    scales = transform(flat).split(sizes)
-    # the unconstrained scales too become pieces of one buffer: the write-back reads them flat
+    scales = _flatten([transform(u) for u in flat.split(sizes)]).split(sizes)
     for item, scale, u, piece in zip(items, scales, leaves, flat.split(sizes)):
         item.values["scale"] = scale.view(u.shape)
         item.values["scale_leaf"] = piece.view(u.shape)
