@@ -240,6 +240,34 @@ def test_qnvb_describes_no_guide_when_published_moments_cover_its_parameters(mon
         assert torch.equal(fast[name], slow[name]), name
 
 
+def test_not_finite_is_the_complement_of_isfinite():
+    for dtype in (torch.float32, torch.float64):
+        big = torch.finfo(dtype).max
+        values = [0.0, -0.0, 1e-300, -big, big, math.inf, -math.inf, math.nan, 1.0]
+        t = torch.tensor(values, dtype=dtype)
+        assert torch.equal(qnvb_module._not_finite(t), ~torch.isfinite(t))
+
+
+@pytest.mark.parametrize("where", [0, 2])
+def test_a_non_finite_term_is_named_and_finite_terms_that_overflow_pass(where):
+    # the log joint checks its total once; a non-finite total names the site (a NaN datum), and
+    # finite terms whose sum overflows are returned as before (no site to blame)
+    def model(data):
+        a = pyro.sample("a", dist.Normal(torch.zeros(()), 1.0))
+        for i in range(3):
+            pyro.sample(f"y{i}", dist.Normal(a, 1.0), obs=data[i])
+
+    sites = latent_sites_of_model(model, torch.zeros(3))
+    bad = torch.zeros(3)
+    bad[where] = math.nan
+    joint = LogJoint(model, sites, max_plate_nesting=0)
+    with pyro.validation_enabled(False), pytest.raises(ValueError, match=f"data of 'y{where}'"):
+        joint(torch.zeros(2, 1), (bad,))  # (validation would refuse the datum first)
+    huge = torch.full((3,), 1.8e19)  # each log density about -1.6e38, finite; the sum is -inf
+    total = LogJoint(model, sites, max_plate_nesting=0)(torch.zeros(2, 1), (huge,))
+    assert torch.equal(total, torch.full((2,), -math.inf))
+
+
 # -- QuadratureELBO: published moments as views of the node gradients' sums -------------------
 
 
