@@ -519,9 +519,10 @@ class QNVB(PyroOptim):
     @staticmethod
     def _finish_together(picked: list, transform) -> bool:
         """:meth:`_finish_block` of blocks updated on all their entries, sharing the scale's
-        transform: the inverse transform and the guard run once on all of them (elementwise, so
-        each value is the one :meth:`_finish_block` writes, to rounding), and a state that the
-        update returned as pieces of one buffer becomes the block's state without a copy.
+        transform: the inverse transform and the guard run once on all of them (elementwise,
+        and through vectorized kernels without a scalar tail, unlike the softplus: each value is
+        the one :meth:`_finish_block` writes, bit for bit, as the tests check), and a state that
+        the update returned as pieces of one buffer becomes the block's state without a copy.
 
         Returns whether every field of the states was so rebound (then they share one buffer).
         """
