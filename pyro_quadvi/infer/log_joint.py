@@ -31,6 +31,7 @@ from pyro.distributions.util import scale_and_mask, sum_rightmost
 from pyro.poutine import Trace
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import biject_to
+from torch.distributions.transforms import ComposeTransform, IndependentTransform
 
 from .batched import BatchMismatch, first_line, is_broadcast_error
 
@@ -175,12 +176,13 @@ class LogJoint:
                 f"expected points with {self.dim} unconstrained coordinates "
                 f"({', '.join(s.name for s in self.sites)}), got shape {tuple(z.shape)}"
             )
-        values, start = {}, 0
-        for site in self.sites:
-            chunk = z[..., start : start + site.numel]
-            values[site.name] = chunk.reshape(z.shape[:-1] + site.shape)
-            start += site.numel
-        return values
+        # one split, not a slice per site: its backward places every site's gradient into one
+        # new tensor, where a slice's backward makes a zero tensor of all points for each site
+        chunks = z.split([site.numel for site in self.sites], dim=-1)
+        return {
+            site.name: chunk.reshape(z.shape[:-1] + site.shape)
+            for site, chunk in zip(self.sites, chunks)
+        }
 
     def __call__(
         self,
@@ -219,12 +221,15 @@ class LogJoint:
                 rows.append(self._single(values, args, kwargs, replay_trace, _where(z, k)))
             terms = {name: torch.stack([row[0][name] for row in rows]) for name in rows[0][0]}
             trace = rows[-1][1]
+        total = sum(terms.values())
+        if bool(torch.isfinite(total).all()):  # then so is every term: one check, not one a site
+            return total
         for name, term in terms.items():
             bad = ~torch.isfinite(term)
             if bad.any():
                 k = int(bad.nonzero()[0, 0])
                 raise ValueError(_not_finite(trace.nodes[name], term[k].item(), _where(z, k)))
-        return sum(terms.values())
+        return total
 
     def _find_plate_nesting(self, unconstrained, args, kwargs, replay_trace, where) -> int:
         constrained, _ = self._constrain({name: value[0] for name, value in unconstrained.items()})
@@ -288,10 +293,14 @@ class LogJoint:
         return trace
 
     def _constrain(self, values: dict[str, torch.Tensor]):
-        """Constrained values and the (unscaled) log-Jacobian of each site."""
+        """Constrained values and the (unscaled) log-Jacobian of each site; a site of the real
+        line (an identity transform) has none: its log-Jacobian is zero."""
         constrained, log_jac = {}, {}
         for site in self.sites:
             z = values[site.name]
+            if _is_identity(site.transform):
+                constrained[site.name] = z
+                continue
             theta = site.transform(z)
             ladj = site.transform.log_abs_det_jacobian(z, theta)
             ladj = sum_rightmost(ladj, ladj.dim() - (z.dim() - site.event_dim))
@@ -340,6 +349,14 @@ class LogJoint:
             scale = trace.nodes[name]["scale"]
             terms[name] = terms[name] + _per_particle(scale * ladj, K, mpn + 1)
         return terms, trace
+
+
+def _is_identity(transform: Transform) -> bool:
+    """Whether ``transform`` is the identity (``biject_to`` of the real line, of real vectors):
+    ``torch``'s empty ``ComposeTransform``, possibly inside ``IndependentTransform`` s."""
+    while isinstance(transform, IndependentTransform):
+        transform = transform.base_transform
+    return isinstance(transform, ComposeTransform) and not transform.parts
 
 
 def _scaled(term: torch.Tensor, site: dict) -> torch.Tensor:

@@ -333,8 +333,12 @@ def _publisher(description: GuideDescription, x: torch.Tensor) -> Callable:
         for site in description.sites:
             stop = start + site.loc.numel()
             if site.family in ELEMENTWISE_FAMILIES:
-                g = g_all[start:stop].reshape(site.shape) / site.scale_factor
-                h = h_all[start:stop].reshape(site.shape) / site.scale_factor
+                # views of g_all, h_all without a minibatch scale (x / 1 is x): QNVB then reads
+                # the blocks as one buffer, without a copy
+                g = g_all[start:stop].reshape(site.shape)
+                h = h_all[start:stop].reshape(site.shape)
+                if site.scale_factor != 1.0:
+                    g, h = g / site.scale_factor, h / site.scale_factor
                 version = site.params["loc"]._version
                 publish_moments(PublishedMoments(site, g, h, version))
             start = stop

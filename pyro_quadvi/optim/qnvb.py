@@ -59,6 +59,7 @@ from .qnvb_functional import (
     QNVBHyperparameters,
     QNVBResult,
     QNVBState,
+    _flatten,
     consecutive_base,
     count_messages,
     init_qnvb_state,
@@ -142,6 +143,31 @@ def _gaussian_identity(site: MeanFieldSite, values, grads) -> tuple[torch.Tensor
 
 
 _GRADIENT_IDENTITIES: dict[str, Callable] = {"gaussian": _gaussian_identity}
+
+
+def _not_finite(t: torch.Tensor) -> torch.Tensor:
+    """``~isfinite(t)`` in two passes (``isfinite`` is four kernels on the CPU): ``t * 0`` is 0
+    for a finite entry and NaN for an infinite or NaN one."""
+    return t * 0 != 0
+
+
+def _constrain(items: list[_Prepared], transform) -> None:
+    """Set each block's ``values["scale"]``, ``transform`` of its unconstrained scale, both as
+    pieces of one buffer (the update and the write-back then read them flat, without a copy).
+
+    The transform runs block by block: a vectorized ``softplus`` rounds the last few entries of
+    a tensor (its scalar tail) its own way, so on all blocks at once a block's scales would
+    depend on its neighbours (and on how ranks share the blocks out).
+    """
+    if not items:
+        return
+    leaves = [item.values["scale_leaf"] for item in items]
+    sizes = [u.numel() for u in leaves]
+    flat = _flatten(leaves)
+    scales = _flatten([transform(u) for u in flat.split(sizes)]).split(sizes)
+    for item, scale, u, piece in zip(items, scales, leaves, flat.split(sizes)):
+        item.values["scale"] = scale.view(u.shape)
+        item.values["scale_leaf"] = piece.view(u.shape)
 
 
 @dataclass
@@ -319,6 +345,11 @@ class QNVB(PyroOptim):
             moments = published_moments(p)
             if moments is not None:
                 blocks[id(p)] = _Block(moments.site, moments)
+        covered = {id(leaf) for block in blocks.values() for leaf in block.site.params.values()}
+        if received <= covered:
+            # every parameter belongs to a block with published moments: describing the live
+            # guides (a transform of every scale each) could add no block and no warning
+            return self._checked_blocks(blocks, received, explained)
         for guide in live_guides():
             try:
                 description = describe_guide(guide)
@@ -338,6 +369,13 @@ class QNVB(PyroOptim):
                     "so its parameters go to the fallback optimizer. Use AutoMeanFieldNormal for "
                     "QNVB updates, or a first-order optimizer for this guide.",
                 )
+        return self._checked_blocks(blocks, received, explained)
+
+    def _checked_blocks(
+        self, blocks: dict[int, _Block], received: set[int], explained: bool
+    ) -> tuple[list[_Block], bool]:
+        """The blocks QNVB can update (a family it knows, all parameters received); a warning
+        for each other one, which then goes to the fallback."""
         found = []
         for block in blocks.values():
             site = block.site
@@ -393,9 +431,11 @@ class QNVB(PyroOptim):
         def select(t: torch.Tensor) -> torch.Tensor:
             return t if index is None else t[index]
 
-        transform = transform_to(site.param_constraints["scale"])
         u = select(scale_leaf.detach())
-        values = {"loc": select(loc_leaf.detach()), "scale": transform(u), "scale_leaf": u}
+        values = {"loc": select(loc_leaf.detach()), "scale_leaf": u}
+        if block.moments is None or site.family not in _FAMILY_BATCH_UPDATES:
+            # else the blocks updated together transform their scales in one go (_constrain)
+            values["scale"] = transform_to(site.param_constraints["scale"])(u)
         if block.moments is not None:
             g, h = block.moments.g, block.moments.h
         elif site.family in _GRADIENT_IDENTITIES:
@@ -418,15 +458,18 @@ class QNVB(PyroOptim):
     def _update_prepared(self, prepared: list[_Prepared], counts: list) -> None:
         """The family updates of the prepared blocks, those sharing a family with a batched
         update and hyperparameters together; appends each block's :func:`result_counts`."""
-        together: dict[tuple[str, QNVBHyperparameters], list[_Prepared]] = {}
+        together: dict[tuple[str, QNVBHyperparameters, object], list[_Prepared]] = {}
         for item in prepared:
             if item.site.family in _FAMILY_BATCH_UPDATES:
-                together.setdefault((item.site.family, item.hp), []).append(item)
+                constraint = item.site.param_constraints["scale"]
+                together.setdefault((item.site.family, item.hp, constraint), []).append(item)
             else:
                 update = FAMILY_UPDATES[item.site.family]
                 new_values, result = update(item.values, item.g, item.h, item.old, item.hp)
                 self._finish_block(item, new_values, result, counts)
-        for (family, hp), items in together.items():
+        for (family, hp, constraint), items in together.items():
+            transform = transform_to(constraint)
+            _constrain([item for item in items if "scale" not in item.values], transform)
             outcomes = _FAMILY_BATCH_UPDATES[family](
                 [item.values for item in items],
                 [item.g for item in items],
@@ -435,9 +478,18 @@ class QNVB(PyroOptim):
                 hp,
                 self.compile,
             )
-            for item, (new_values, result) in zip(items, outcomes):
-                self._finish_block(item, new_values, result, counts)
-            self._share_storage(items)
+            whole = [self._whole(item) for item in items]
+            rebound = self._finish_together(
+                [(item, *outcome) for item, outcome, w in zip(items, outcomes, whole) if w],
+                transform,
+            )
+            for item, (new_values, result), w in zip(items, outcomes, whole):
+                if w:
+                    counts.append((f"site {item.site.name!r}", hp, result_counts(result)))
+                else:
+                    self._finish_block(item, new_values, result, counts)
+            if not (rebound and all(whole)):
+                self._share_storage(items)
 
     @staticmethod
     def _share_storage(items: list[_Prepared]) -> None:
@@ -453,6 +505,49 @@ class QNVB(PyroOptim):
             pieces = torch.cat([t.reshape(-1) for t in tensors]).split([t.numel() for t in tensors])
             for item, piece, t in zip(items, pieces, tensors):
                 item.state[key] = piece.view(t.shape)
+
+    @staticmethod
+    def _whole(item: _Prepared) -> bool:
+        """Whether a block is updated on all its entries (no minibatch rows, no entries to keep
+        for want of a gradient): :meth:`_finish_together` can write it."""
+        loc_leaf, scale_leaf = item.site.params["loc"], item.site.params["scale"]
+        unknown_rows = item.site.rows is None
+        return item.index is None and not (
+            unknown_rows and loc_leaf.grad is not None and scale_leaf.grad is not None
+        )
+
+    @staticmethod
+    def _finish_together(picked: list, transform) -> bool:
+        """:meth:`_finish_block` of blocks updated on all their entries, sharing the scale's
+        transform: the inverse transform and the guard run once on all of them (elementwise,
+        and through vectorized kernels without a scalar tail, unlike the softplus: each value is
+        the one :meth:`_finish_block` writes, bit for bit, as the tests check), and a state that
+        the update returned as pieces of one buffer becomes the block's state without a copy.
+
+        Returns whether every field of the states was so rebound (then they share one buffer).
+        """
+        if not picked:
+            return False
+        sigma = _flatten([item.values["scale"] for item, _, _ in picked])
+        new_sigma = _flatten([new_values["scale"] for _, new_values, _ in picked])
+        u = _flatten([item.values["scale_leaf"] for item, _, _ in picked])
+        new_u = transform.inv(new_sigma)
+        new_u = torch.where((new_sigma == sigma) | _not_finite(new_u), u, new_u)
+        new_us = new_u.split([item.values["scale_leaf"].numel() for item, _, _ in picked])
+        rebound = True
+        for key, field in zip(QNVBState._fields, zip(*(result.state for _, _, result in picked))):
+            shared = consecutive_base(list(field)) is not None
+            rebound &= shared
+            for (item, _, _), value in zip(picked, field):
+                if shared:
+                    item.state[key] = value
+                else:
+                    item.state[key].copy_(value)
+        for (item, new_values, _), piece in zip(picked, new_us):
+            site = item.site
+            site.params["loc"].data.copy_(new_values["loc"])
+            site.params["scale"].data.copy_(piece.view(site.params["scale"].shape))
+        return rebound
 
     def _finish_block(self, item: _Prepared, new_values, result: QNVBResult, counts) -> None:
         """Write one block's update back into its parameters and state."""
@@ -472,7 +567,7 @@ class QNVB(PyroOptim):
         # an unchanged sigma keeps its parameter bit for bit (no round trip through the transform);
         # sigma_min keeps the inverse finite, a coordinate it cannot represent stays unchanged
         new_u = transform.inv(new_sigma)
-        new_u = torch.where((new_sigma == values["scale"]) | ~torch.isfinite(new_u), u, new_u)
+        new_u = torch.where((new_sigma == values["scale"]) | _not_finite(new_u), u, new_u)
         for key, value in zip(QNVBState._fields, new_state):
             self._write(item.state[key], index, value)
         self._write(loc_leaf.data, index, new_mu)

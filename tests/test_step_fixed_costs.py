@@ -1,0 +1,301 @@
+"""The trimmed fixed costs of one ``SVI`` + ``QNVB`` + ``QuadratureELBO`` step (issue 11) leave
+every result as it was: each fast path against the slow one it replaces, or a closed form."""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI
+from torch import nn
+
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.infer import LogJoint, latent_sites_of_model
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi.optim import qnvb as qnvb_module
+from pyro_quadvi.optim.qnvb_functional import (
+    QNVBHyperparameters,
+    init_qnvb_state,
+    qnvb_update,
+    qnvb_update_many,
+)
+
+X = torch.linspace(-1, 1, 10, dtype=torch.float64)
+Y = 0.4 - 0.7 * X + 0.2 * torch.sin(5 * X)
+
+
+def _regression():
+    """A model with a real vector, a real scalar and a positive latent (a log-Jacobian)."""
+    w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=X.dtype), 1.5).to_event(1))
+    b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=X.dtype), 2.0))
+    s = pyro.sample("s", dist.LogNormal(torch.tensor(-1.0, dtype=X.dtype), 0.5))
+    mean = b + w[..., 0] * X + w[..., 1] * X**2
+    with pyro.plate("data", len(X)):
+        pyro.sample("y", dist.Normal(mean, s), obs=Y)
+
+
+# -- LogJoint: no log-Jacobian for identity transforms, one split of the points ---------------
+
+
+@pytest.mark.parametrize("vectorize", [True, False])
+def test_log_joint_and_its_gradient_equal_the_hand_written_density(vectorize):
+    # log p(x, T(z)) + log|J_T(z)|: the real sites add nothing, the positive one log s = z_s
+    sites = latent_sites_of_model(_regression)
+    assert [site.name for site in sites] == ["w", "b", "s"]
+    z = torch.tensor(
+        [[0.3, -0.2, 0.1, -1.2], [-0.5, 0.8, -0.4, -0.7], [1.1, 0.0, 0.6, -1.6]],
+        dtype=torch.float64,
+        requires_grad=True,
+    )
+    value = LogJoint(_regression, sites, max_plate_nesting=1)(z, vectorize=vectorize)
+
+    def by_hand(point):
+        w, b, u = point[:2], point[2], point[3]
+        s = u.exp()
+        mean = b + w[0] * X + w[1] * X**2
+        zero = torch.zeros((), dtype=torch.float64)  # float64 parameters, as the model's
+        return (
+            dist.Normal(zero, 1.5).log_prob(w).sum()
+            + dist.Normal(zero, 2.0).log_prob(b)
+            + dist.LogNormal(zero - 1, 0.5).log_prob(s)
+            + u  # log|ds/du|
+            + dist.Normal(mean, s).log_prob(Y).sum()
+        )
+
+    expected = torch.stack([by_hand(point) for point in z])
+    torch.testing.assert_close(value, expected, rtol=1e-13, atol=1e-12)
+    (grad,) = torch.autograd.grad(value.sum(), z)
+    (want,) = torch.autograd.grad(expected.sum(), z)
+    torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)
+
+
+# -- the Normal priors take their numbers once (priors._IidNormal) ----------------------------
+
+
+@pytest.mark.parametrize(
+    "prior, loc, exact",
+    [
+        (priors.Normal(1.0), 0.0, True),
+        (priors.Normal(0.3, loc=0.2), 0.2, False),
+        (priors.LayerwiseNormal("kaiming"), 0.0, False),
+    ],
+)
+def test_normal_priors_equal_torch_normal_with_full_parameters(prior, loc, exact):
+    param = torch.zeros(5, 3)
+    fn = prior("0.weight", param)
+    scale = fn.scale[0, 0].item()
+    reference = dist.Normal(torch.full_like(param, loc), torch.full_like(param, scale))
+    assert isinstance(fn, dist.Normal) and fn.batch_shape == param.shape
+    assert fn.loc.untyped_storage().nbytes() == param.element_size()  # one number, expanded
+    values = torch.randn(4, 1, 5, 3, generator=torch.Generator().manual_seed(1))
+    values.requires_grad_()
+    got, want = fn.log_prob(values), reference.log_prob(values)
+    (grad,) = torch.autograd.grad(got.sum(), values)
+    (grad_want,) = torch.autograd.grad(want.sum(), values)
+    if exact:  # loc 0, scale 1: the same operations up to exact ones
+        assert torch.equal(got, want) and torch.equal(grad, grad_want)
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-6)
+    torch.testing.assert_close(grad, grad_want, rtol=2e-7, atol=1e-7)
+    expanded = fn.expand((4, 1, 5, 3))  # as a particle plate does
+    assert type(expanded) is type(fn) and torch.equal(expanded.log_prob(values), got)
+    with pytest.raises(ValueError, match="within the support"):
+        fn.log_prob(torch.full((5, 3), math.nan))
+
+
+def test_normal_prior_refuses_a_non_finite_loc():
+    with pytest.raises(ValueError, match="finite loc and scale > 0"):
+        priors.Normal(1.0, loc=math.inf)("w", torch.zeros(2))
+
+
+# -- QNVB: the flat update's guard, the finish of whole blocks together, no describing --------
+
+
+def test_the_flat_update_without_a_guarded_coordinate_equals_the_reference():
+    # every coordinate finite: the guard's selections are skipped; values as the reference's,
+    # and no result is one of the arguments (weight 1, no prior: the new last_grad is g)
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(4, 3), (5,), (1,)]
+    mus = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    sigmas = [torch.rand(s, generator=gen, dtype=torch.float64) + 0.1 for s in shapes]
+    states = [init_qnvb_state(mu) for mu in mus]
+    hp = QNVBHyperparameters()
+    for _ in range(3):
+        gs = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+        hs = [torch.rand(s, generator=gen, dtype=torch.float64) for s in shapes]
+        fast = qnvb_update_many(mus, sigmas, gs, hs, states, hp)
+        for i, result in enumerate(fast):
+            want = qnvb_update(mus[i], sigmas[i], gs[i], hs[i], states[i], hp)
+            assert torch.equal(result.mu, want.mu) and torch.equal(result.sigma, want.sigma)
+            for got, expected in zip(result.state, want.state):
+                assert torch.equal(got, expected)
+            arguments = (mus[i], sigmas[i], gs[i], hs[i], *states[i])
+            pointers = {t.untyped_storage().data_ptr() for t in arguments}
+            for t in (result.mu, result.sigma, *result.state):
+                assert t.untyped_storage().data_ptr() not in pointers
+        mus = [r.mu for r in fast]
+        sigmas = [r.sigma for r in fast]
+        states = [r.state for r in fast]
+
+
+FEATURES = torch.randn(12, 37, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+
+def _local_model(x, y):
+    """Global weights (37 and 19 of them: longer than a vector register, so a transform's
+    scalar tail matters), a scalar, and a local offset per row in a subsampled plate (a block
+    updated on its minibatch's rows)."""
+    w = pyro.sample("w", dist.Normal(torch.zeros(37, dtype=x.dtype), 1.0).to_event(1))
+    v = pyro.sample("v", dist.Normal(torch.zeros(19, dtype=x.dtype), 1.0).to_event(1))
+    c = pyro.sample("c", dist.Normal(torch.tensor(0.0, dtype=x.dtype), 1.0))
+    with pyro.plate("rows", 12, subsample_size=4) as idx:
+        a = pyro.sample("a", dist.Normal(torch.tensor(0.0, dtype=x.dtype), 0.5))
+        lead = w.shape[:-2]  # the particle dim of a vectorized pass, else none
+        projected = (w.reshape(-1, 37) @ FEATURES[idx].T).reshape((*lead, len(idx)))
+        mean = projected + 0.1 * v.sum(-1) * x[idx] + c + a
+        pyro.sample("y", dist.Normal(mean, 0.3), obs=y[idx])
+
+
+@pytest.mark.usefixtures("fresh_param_store")
+@pytest.mark.parametrize("alone", ["written", "updated"])
+def test_blocks_finished_together_equal_blocks_finished_one_by_one(alone, monkeypatch):
+    # a step updates the global blocks on all their entries (transformed, written and their
+    # states rebound together) and the local one on its minibatch's rows (written on its own):
+    # the same SVI run with every block written on its own, or updated on its own by the
+    # reference update, gives the same parameters and states, bit for bit
+    x = torch.linspace(-1, 1, 12, dtype=torch.float64)
+    y = 1.0 - 0.5 * x + 0.1 * torch.cos(3 * x)
+
+    def run(together: bool):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(4)
+        if not together and alone == "written":
+            monkeypatch.setattr(qnvb_module.QNVB, "_whole", staticmethod(lambda item: False))
+        elif not together:
+            monkeypatch.setattr(qnvb_module, "_FAMILY_BATCH_UPDATES", {})
+        guide = AutoMeanFieldNormal(_local_model)
+        optim = QNVB()
+        svi = SVI(_local_model, guide, optim, QuadratureELBO("hadamard", num_points=4))
+        losses = [svi.step(x, y) for _ in range(12)]
+        monkeypatch.undo()
+        params = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+        return losses, params, optim.get_state()["qnvb"]["pairs"]
+
+    losses_a, params_a, states_a = run(together=True)
+    losses_b, params_b, states_b = run(together=False)
+    assert losses_a == losses_b and len(states_a) == 4
+    for name in params_a:
+        assert torch.equal(params_a[name], params_b[name]), name
+    for block in states_a:
+        for key in states_a[block]:
+            assert torch.equal(states_a[block][key], states_b[block][key]), (block, key)
+
+
+class _Counting:
+    """``describe_guide`` of the QNVB module, counting its calls."""
+
+    def __init__(self, describe):
+        self.describe, self.calls = describe, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.describe(*args, **kwargs)
+
+
+@pytest.mark.usefixtures("fresh_param_store")
+def test_qnvb_describes_no_guide_when_published_moments_cover_its_parameters(monkeypatch):
+    # with QuadratureELBO's moments for every parameter QNVB describes no live guide; a parameter
+    # they do not cover (here an extra tensor handed to the optimizer) makes it describe them,
+    # and the guide's parameters come out the same either way
+    counter = _Counting(qnvb_module.describe_guide)
+    monkeypatch.setattr(qnvb_module, "describe_guide", counter)
+
+    def run(extra: bool):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(2)
+        counter.calls = 0
+        guide = AutoMeanFieldNormal(_regression)
+        stranger = torch.zeros(3, requires_grad=True)
+
+        class WithStranger(QNVB):
+            def __call__(self, params, *args, **kwargs):
+                stranger.grad = torch.ones(3)
+                super().__call__([*params, stranger], *args, **kwargs)
+
+        optim = WithStranger() if extra else QNVB()
+        svi = SVI(_regression, guide, optim, QuadratureELBO("hadamard", num_points=4))
+        for _ in range(4):
+            svi.step()
+        params = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+        return params, counter.calls, stranger.detach().clone()
+
+    fast, fast_calls, _ = run(extra=False)
+    slow, slow_calls, moved = run(extra=True)
+    assert fast_calls == 0 and slow_calls >= 4
+    assert not torch.equal(moved, torch.zeros(3))  # the stranger went to the fallback (Adam)
+    assert fast.keys() == slow.keys()
+    for name in fast:
+        assert torch.equal(fast[name], slow[name]), name
+
+
+def test_not_finite_is_the_complement_of_isfinite():
+    for dtype in (torch.float32, torch.float64):
+        big = torch.finfo(dtype).max
+        values = [0.0, -0.0, 1e-300, -big, big, math.inf, -math.inf, math.nan, 1.0]
+        t = torch.tensor(values, dtype=dtype)
+        assert torch.equal(qnvb_module._not_finite(t), ~torch.isfinite(t))
+
+
+@pytest.mark.parametrize("where", [0, 2])
+def test_a_non_finite_term_is_named_and_finite_terms_that_overflow_pass(where):
+    # the log joint checks its total once; a non-finite total names the site (a NaN datum), and
+    # finite terms whose sum overflows are returned as before (no site to blame)
+    def model(data):
+        a = pyro.sample("a", dist.Normal(torch.zeros(()), 1.0))
+        for i in range(3):
+            pyro.sample(f"y{i}", dist.Normal(a, 1.0), obs=data[i])
+
+    sites = latent_sites_of_model(model, torch.zeros(3))
+    bad = torch.zeros(3)
+    bad[where] = math.nan
+    joint = LogJoint(model, sites, max_plate_nesting=0)
+    with pyro.validation_enabled(False), pytest.raises(ValueError, match=f"data of 'y{where}'"):
+        joint(torch.zeros(2, 1), (bad,))  # (validation would refuse the datum first)
+    huge = torch.full((3,), 1.8e19)  # each log density about -1.6e38, finite; the sum is -inf
+    total = LogJoint(model, sites, max_plate_nesting=0)(torch.zeros(2, 1), (huge,))
+    assert torch.equal(total, torch.full((2,), -math.inf))
+
+
+# -- QuadratureELBO: published moments as views of the node gradients' sums -------------------
+
+
+@pytest.mark.usefixtures("fresh_param_store")
+def test_published_moments_equal_the_guide_gradients_and_share_one_buffer():
+    # dL/dloc = g and dL/dsigma = sigma h - 1 / sigma (the ELBO's module docstring): the moments
+    # published at scale factor 1 are the autograd gradients, as pieces of one buffer
+    net = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1)).double()
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(scale=0.5))
+    x = torch.randn(6, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = x.sum(-1)
+    guide = AutoMeanFieldNormal(bnn)
+    guide(x, y)
+    elbo = QuadratureELBO("hadamard", num_points=4)
+    loss = elbo.differentiable_loss(bnn, guide, x, y)
+    description = guide.quadrature_description()
+    leaves = [leaf for site in description.sites for leaf in site.params.values()]
+    grads = torch.autograd.grad(loss, leaves)
+    pieces = []
+    for i, site in enumerate(description.sites):
+        moments = qnvb_module.published_moments(site.params["loc"])
+        assert moments is not None and moments.site.scale_factor == 1.0
+        sigma = site.scale.detach()
+        dsigma_du = torch.sigmoid(site.params["scale"].detach())  # softplus'
+        torch.testing.assert_close(moments.g, grads[2 * i], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            sigma * moments.h - 1 / sigma, grads[2 * i + 1] / dsigma_du, rtol=1e-10, atol=1e-10
+        )
+        pieces.append(moments.g)
+    base = pieces[0].untyped_storage().data_ptr()
+    assert all(g.untyped_storage().data_ptr() == base for g in pieces)
