@@ -776,7 +776,7 @@ OBJECTIVE_DRAWS = {"final": 256, "curve": 64}
 def part_objective(cache: Cache, s: dict, tune: Cache) -> None:
     """Is QNVB's gap to IVON the objective or the optimizer? On :data:`OBJECTIVE_CELLS`, splits
     ``0 .. s["objective_splits"] - 1``: every method of :data:`OBJECTIVE_METHODS` and
-    :data:`REMEDIES` trained as in ``part_regression`` (those runs stored under its keys), the
+    :data:`REMEDIES` trained as in ``part_regression`` (and stored under its keys), the
     :func:`objective` of each final posterior and of the :data:`SWAPS`, IVON's :func:`ivon_spread`,
     and QNVB (defaults) run to ``s["long_evals"]`` with its ``-ELBO`` along the way."""
     grid = eval_grid(s["evals"], s["grid_points"])
@@ -799,8 +799,7 @@ def part_objective(cache: Cache, s: dict, tune: Cache) -> None:
                 keep: list[Trainer] = []
                 lr = lrs.get(method.split("-")[0])
                 result = run(method, task, make, lr, grid, s["draws"], seed=split, keep=keep)
-                group = "regression" if method in OBJECTIVE_METHODS else "remedy"
-                run_key = f"{group}/{name}/{net_name}/{method}/split{split}"
+                run_key = f"regression/{name}/{net_name}/{method}/split{split}"
                 if run_key not in cache.data:
                     cache.put(run_key, result)
                 posteriors[method] = posterior_of(keep[0])
@@ -974,7 +973,8 @@ def main(argv: list[str] | None = None) -> None:
         from bnn_quality_report import report
 
         # a smoke run's figures go to the temporary directory, not over the docs' figures
-        print(report(cache.data, s, Path(tempfile.gettempdir()) if options.quick else IMG))
+        img = Path(tempfile.gettempdir()) if options.quick else IMG
+        print(report(cache.data, s, img, stem=path.stem))
         return
     if options.part in ("objective", "all"):
         part_objective(cache, s, tune)
