@@ -7,6 +7,12 @@
     python benchmarks/bench_bnn_quality.py --report          # tables and figures from the JSON
     python benchmarks/bench_bnn_quality.py --quick --part all --data-dir D   # smoke run
 
+The full-length pass (``docs/benchmarks.md`` gives its exact commands): ``--part objective`` and
+``--part regression`` with ``--evals 3000 --results benchmarks/results/bnn_quality_e3000.json
+--reuse-tuning benchmarks/results/bnn_quality.json`` (the first pass's tuned learning rates),
+``--part mnist`` and ``--part objective-mnist`` with ``--mnist-evals 620`` (10 epochs) into
+``bnn_quality_mnist10.json``; ``--variants`` adds named QNVB variants (:data:`VARIANTS`).
+
 ``D`` is the MNIST directory (default ``$PYRO_QUADVI_DATA/mnist-t10k``). Every run is cached in
 ``benchmarks/results/bnn_quality.json`` (``--quick``: its own file) under a key naming the data,
 the network, the method, the learning rate and the split, and is skipped when present, so an
@@ -28,6 +34,9 @@ backward pass of the network over the minibatch at one weight setting):
 
 ``--part diagnose`` runs the controlled diabetes runs of :data:`DIAGNOSE`; ``--part qnvb-lr`` runs
 QNVB with ``lr=PROPOSED_LR`` (else defaults) on every cell, the change those runs point to.
+``--part objective`` (and ``objective-mnist``) asks whether QNVB's gap to IVON is the objective or
+the optimizer: every method's final posterior scored by one model's ``-ELBO`` (:func:`objective`),
+IVON's as the Gaussian it samples from, with means and standard deviations swapped between methods.
 
 ``bnn`` is ``BayesianModule(net, default_prior(kind), likelihood)`` (regression:
 ``priors.LayerwiseNormal("radford")``; MNIST: ``priors.Normal(1.0)``), the guide
@@ -599,12 +608,15 @@ def posterior_of(trainer: Trainer) -> Posterior:
     draws from: the mean and ``1 / sqrt(ess (hess + weight_decay))`` per entry."""
     if isinstance(trainer, PyroTrainer):
         sites = {site.name: site for site in describe_guide(trainer.guide).sites}
-        names = [*trainer.bnn.latent_parameters(), NOISE_SITE]
+        names = [*trainer.bnn.latent_parameters(), *[NOISE_SITE][: NOISE_SITE in sites]]
         return Posterior(
             {name: sites[name].loc.detach().clone() for name in names},
             {name: sites[name].scale.detach().clone() for name in names},
         )
-    names = [name for name, _ in trainer.model.net.named_parameters()] + [NOISE_SITE]
+    if isinstance(trainer.model, NoisyNet):
+        names = [name for name, _ in trainer.model.net.named_parameters()] + [NOISE_SITE]
+    else:
+        names = [name for name, _ in trainer.model.named_parameters()]
     loc, sd = {}, {}
     for name, group in zip(names, trainer.opt.param_groups, strict=True):
         (param,) = group["params"]
@@ -617,7 +629,11 @@ def posterior_of(trainer: Trainer) -> Posterior:
 def ivon_spread(trainer: IVONTrainer, posterior: Posterior, num: int = 256) -> dict[str, float]:
     """IVON's own ``num`` draws (``sampled_params``) against ``posterior.sd``: quantiles over the
     entries of (sample standard deviation) / sd; 1 up to the sampling error ``1/sqrt(2 num)``."""
-    params = [*trainer.model.net.parameters(), trainer.model.log_noise]
+    model = trainer.model
+    if isinstance(model, NoisyNet):  # IVON's groups: the net's parameters, then log sigma
+        params = [*model.net.parameters(), model.log_noise]
+    else:
+        params = list(model.parameters())
     with torch.no_grad():
         draws = []
         for _ in range(num):
@@ -635,53 +651,70 @@ def gaussian_kl(loc: torch.Tensor, sd: torch.Tensor, prior_sd: float) -> torch.T
 
 
 def objective(
-    task: Task, net: nn.Module, posterior: Posterior, draws: int, seed: int
+    task: Task, net: nn.Module, posterior: Posterior, draws: int, seed: int, chunk: int = 64
 ) -> dict[str, float]:
-    """The regression model's ``-ELBO`` of ``posterior`` (standardized targets) and its scores.
+    """The model's ``-ELBO`` of ``posterior`` (regression: standardized targets) and its scores.
 
-    ``-ELBO = -E_q[log p(y | w, sigma)] + KL(q || p)`` (rasp paper, eq. 1), the model of every
-    method: ``BayesianModule(net, default_prior, Gaussian)`` with the noise prior
-    ``LogNormal(0, 1)``. The expected log likelihood of the training set by ``draws`` Monte Carlo
-    draws (the same standard normal draws for every posterior given ``seed``: common random
-    numbers), the KL in closed form: per weight against its Gaussian prior, and ``N(0, 1)`` on
-    ``log sigma`` (the exp's Jacobian cancels between ``p`` and ``q``). The same draws score the
-    test set (Bayesian model average, as :func:`scores`); ``point_*``: the net at the means, with
-    ``sigma = exp(mean of log sigma)``.
+    ``-ELBO = -E_q[log p(y | w, ...)] + KL(q || p)`` (rasp paper, eq. 1), the model every method
+    fits: ``BayesianModule(net, default_prior(task.kind), likelihood)``, for regression with the
+    noise prior ``LogNormal(0, 1)``. The expected log likelihood of the training set by ``draws``
+    Monte Carlo draws (the same standard normal draws for every posterior given ``seed``: common
+    random numbers; ``chunk`` draws at a time), the KL in closed form: per weight against its
+    Gaussian prior, and ``N(0, 1)`` on ``log sigma`` (the exp's Jacobian cancels between ``p`` and
+    ``q``). The same draws score the test set (Bayesian model average, as :func:`scores`);
+    ``point_*``: the net at the means (regression: ``sigma = exp(mean of log sigma)``).
     """
-    prior = default_prior("regression")
-    bnn = BayesianModule(net, prior, likelihoods.Gaussian(len(task.y_train), scale=None))
+    regression = task.kind == "regression"
+    prior = default_prior(task.kind)
+    bnn = BayesianModule(net, prior, likelihoods.Categorical(len(task.y_train)))
     generator = torch.Generator().manual_seed(seed)
-    weights, kl_weights = {}, 0.0
+    weights, kl = {}, 0.0
     for name, param in bnn.latent_parameters().items():
         loc, sd = posterior.loc[name], posterior.sd[name]
-        noise = torch.randn((draws, *loc.shape), generator=generator)
-        weights[name] = loc + sd * noise
-        kl_weights += float(gaussian_kl(loc, sd, prior_sd(prior, net, name, param)))
-    log_noise = posterior.loc[NOISE_SITE] + posterior.sd[NOISE_SITE] * torch.randn(
-        draws, generator=generator
-    )
-    kl_noise = float(gaussian_kl(posterior.loc[NOISE_SITE], posterior.sd[NOISE_SITE], 1.0))
+        weights[name] = loc + sd * torch.randn((draws, *loc.shape), generator=generator)
+        kl += float(gaussian_kl(loc, sd, prior_sd(prior, net, name, param)))
+    noise = point_noise = None
+    if regression:
+        loc, sd = posterior.loc[NOISE_SITE], posterior.sd[NOISE_SITE]
+        noise = (loc + sd * torch.randn(draws, generator=generator)).exp()
+        point_noise = loc.exp().reshape(1)
+        kl += float(gaussian_kl(loc, sd, 1.0))
+
+    def outputs(x: torch.Tensor, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = bnn.evaluate(values, x)
+        return out.squeeze(-1) if regression else out
+
+    def log_lik(i: int) -> torch.Tensor:
+        part = outputs(task.x_train, {name: w[i : i + chunk] for name, w in weights.items()})
+        if regression:
+            return dist.Normal(part, noise[i : i + chunk, None]).log_prob(task.y_train).sum(-1)
+        return dist.Categorical(logits=part).log_prob(task.y_train).sum(-1)
+
     with torch.no_grad():
-        train = bnn.evaluate(weights, task.x_train).squeeze(-1)
-        log_lik = dist.Normal(train, log_noise.exp().unsqueeze(-1)).log_prob(task.y_train).sum(-1)
-        test = scores(task, bnn.evaluate(weights, task.x_test).squeeze(-1), log_noise.exp())
-        means = {name: posterior.loc[name] for name in weights}
-        point = bnn.evaluate(means, task.x_test).squeeze(-1).unsqueeze(0)
-        point = scores(task, point, posterior.loc[NOISE_SITE].exp().reshape(1))
-    ell = float(log_lik.mean())
+        train = torch.cat([log_lik(i) for i in range(0, draws, chunk)])
+        test = torch.cat(
+            [
+                outputs(task.x_test, {name: w[i : i + chunk] for name, w in weights.items()})
+                for i in range(0, draws, chunk)
+            ]
+        )
+        test = scores(task, test, noise)
+        point = outputs(task.x_test, {name: posterior.loc[name] for name in weights})
+        point = scores(task, point.unsqueeze(0), point_noise)
+    ell = float(train.mean())
     sds = torch.cat([posterior.sd[name].flatten() for name in weights])
-    return {
-        "neg_elbo": kl_weights + kl_noise - ell,
+    out = {
+        "neg_elbo": kl - ell,
         "neg_ell": -ell,
-        "ell_se": float(log_lik.std() / math.sqrt(draws)),
-        "kl": kl_weights + kl_noise,
-        "test_nll": test["nll"],
-        "test_rmse": test["rmse"],
-        "point_nll": point["nll"],
-        "point_rmse": point["rmse"],
+        "ell_se": float(train.std() / math.sqrt(draws)),
+        "kl": kl,
         "sd_median": float(sds.median()),
-        "noise": float(posterior.loc[NOISE_SITE].exp()),
+        **{f"test_{key}": value for key, value in test.items()},
+        **{f"point_{key}": value for key, value in point.items()},
     }
+    if regression:
+        out["noise"] = float(point_noise)
+    return out
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -856,6 +889,43 @@ def part_qnvb_lr(cache: Cache, s: dict, data_dir: str | None) -> None:
 MAP_LR = 1e-3
 
 
+#: ``--part objective-mnist``: the MNIST methods whose posteriors are scored, and the draws
+MNIST_OBJECTIVE_METHODS = ("qnvb", "qnvb-trust1", "qnvb-trust1-kl0.1", "adam", "ivon")
+MNIST_OBJECTIVE_DRAWS = 16
+
+
+def part_objective_mnist(cache: Cache, s: dict, data_dir: str | None) -> None:
+    """:func:`objective` of the MNIST MLP's final posteriors (and the :data:`SWAPS`): each method
+    of :data:`MNIST_OBJECTIVE_METHODS` trained again as ``part_mnist`` trained it (which must have
+    run: its learning rates; the rerun's final test NLL is recorded beside the cached one)."""
+    grid = eval_grid(s["mnist_evals"], s["mnist_grid"])
+    task = mnist_task(data_dir, s["mnist_batch"])
+    key = "objective/mnist/mlp/split0"
+    if key in cache.data:
+        return
+    make = partial(mnist_net, "mlp")
+    lrs = {m: tuned_lr(cache, "tune/mnist/mlp", m, MNIST_LR_GRID) for m in ("adam", "ivon")}
+    posteriors, out = {}, {}
+    bar = tqdm(total=len(MNIST_OBJECTIVE_METHODS), desc=key)
+    for method in MNIST_OBJECTIVE_METHODS:
+        keep: list[Trainer] = []
+        result = run(method, task, make, lrs.get(method), grid, s["mnist_draws"], keep=keep)
+        out[f"rerun {method}"] = {
+            "nll": result["final"]["nll"],
+            "cached_nll": cache.data[f"mnist/mlp/{method}"]["final"]["nll"],
+        }
+        posteriors[method] = posterior_of(keep[0])
+        if method == "ivon":
+            out["ivon spread"] = ivon_spread(keep[0], posteriors[method], num=64)
+        bar.update()
+    bar.close()
+    for label, (means, sds) in SWAPS.items():
+        posteriors[label] = Posterior(posteriors[means].loc, posteriors[sds].sd)
+    for label, posterior in tqdm(posteriors.items(), desc="objective"):
+        out[label] = objective(task, make(), posterior, MNIST_OBJECTIVE_DRAWS, 1000, chunk=4)
+    cache.put(key, out)
+
+
 def part_mnist(cache: Cache, s: dict, data_dir: str | None) -> None:
     grid = eval_grid(s["mnist_evals"], s["mnist_grid"])
     task = mnist_task(data_dir, s["mnist_batch"])
@@ -932,7 +1002,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--part",
-        choices=("regression", "mnist", "diagnose", "qnvb-lr", "objective", "all"),
+        choices=(
+            "regression",
+            "mnist",
+            "diagnose",
+            "qnvb-lr",
+            "objective",
+            "objective-mnist",
+            "all",
+        ),
         default="regression",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run (its own JSON)")
@@ -982,6 +1060,8 @@ def main(argv: list[str] | None = None) -> None:
         part_regression(cache, s, tune)
     if options.part in ("mnist", "all"):
         part_mnist(cache, s, options.data_dir)
+    if options.part in ("objective-mnist", "all"):
+        part_objective_mnist(cache, s, options.data_dir)
     if options.part in ("diagnose", "all"):
         part_diagnose(cache, s)
     if options.part in ("qnvb-lr", "all"):
