@@ -7,6 +7,12 @@
     python benchmarks/bench_bnn_quality.py --report          # tables and figures from the JSON
     python benchmarks/bench_bnn_quality.py --quick --part all --data-dir D   # smoke run
 
+The full-length pass (``docs/benchmarks.md`` gives its exact commands): ``--part objective`` and
+``--part regression`` with ``--evals 3000 --results benchmarks/results/bnn_quality_e3000.json
+--reuse-tuning benchmarks/results/bnn_quality.json`` (the first pass's tuned learning rates),
+``--part mnist`` and ``--part objective-mnist`` with ``--mnist-evals 620`` (10 epochs) into
+``bnn_quality_mnist10.json``; ``--variants`` adds named QNVB variants (:data:`VARIANTS`).
+
 ``D`` is the MNIST directory (default ``$PYRO_QUADVI_DATA/mnist-t10k``). Every run is cached in
 ``benchmarks/results/bnn_quality.json`` (``--quick``: its own file) under a key naming the data,
 the network, the method, the learning rate and the split, and is skipped when present, so an
@@ -28,6 +34,9 @@ backward pass of the network over the minibatch at one weight setting):
 
 ``--part diagnose`` runs the controlled diabetes runs of :data:`DIAGNOSE`; ``--part qnvb-lr`` runs
 QNVB with ``lr=PROPOSED_LR`` (else defaults) on every cell, the change those runs point to.
+``--part objective`` (and ``objective-mnist``) asks whether QNVB's gap to IVON is the objective or
+the optimizer: every method's final posterior scored by one model's ``-ELBO`` (:func:`objective`),
+IVON's as the Gaussian it samples from, with means and standard deviations swapped between methods.
 
 ``bnn`` is ``BayesianModule(net, default_prior(kind), likelihood)`` (regression:
 ``priors.LayerwiseNormal("radford")``; MNIST: ``priors.Normal(1.0)``), the guide
@@ -75,14 +84,16 @@ from tqdm.auto import tqdm
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, metrics
 from pyro_quadvi.guides import describe_guide
 from pyro_quadvi.nn import BayesianModule, likelihoods, predict, priors
+from pyro_quadvi.nn.likelihoods import NOISE_SITE
 from pyro_quadvi.optim.annealing import geometric_annealing
 from pyro_quadvi.testing.datasets import mnist_split, regression_split
 
 RESULTS = Path(__file__).parent / "results" / "bnn_quality.json"
 IMG = Path(__file__).parent.parent / "docs" / "img"
 LR_GRID = {"adam": (1e-3, 3e-3, 1e-2, 3e-2), "ivon": (1e-2, 3e-2, 1e-1, 3e-1)}
-#: MNIST's grids: two values each, for the CPU budget
-MNIST_LR_GRID = {"adam": (3e-3, 1e-2), "ivon": (1e-1, 3e-1)}
+#: MNIST's grids: three values each, for the CPU budget (the 240-evaluation runs of the first
+#: table, whose grids were the first two of each, chose the largest)
+MNIST_LR_GRID = {"adam": (3e-3, 1e-2, 3e-2), "ivon": (1e-1, 3e-1, 1.0)}
 
 
 def default_prior(kind: str) -> priors.Prior:
@@ -115,6 +126,9 @@ SETTINGS = {
         "mnist_grid": 3,
         "mnist_draws": 8,
         "diagnose_splits": 2,
+        "objective_splits": 3,
+        "long_evals": 5000,
+        "variants": (),
     },
     "quick": {
         "datasets": ("diabetes",),
@@ -130,6 +144,9 @@ SETTINGS = {
         "mnist_grid": 2,
         "mnist_draws": 4,
         "diagnose_splits": 1,
+        "objective_splits": 1,
+        "long_evals": 90,
+        "variants": (),
     },
 }
 
@@ -331,14 +348,17 @@ class PyroTrainer(Trainer):
         model_wrap: Callable | None = None,
         noise: float | None = None,
         prior: Callable | None = None,
+        likelihood_weight: int = 1,
     ):
         super().__init__(task, seed)
         n = len(task.y_train)
+        # the likelihood counts likelihood_weight times: -ELBO / weight = -E log lik + KL / weight
+        size = n * likelihood_weight
         if task.kind == "regression":
             noise_prior = None if noise else dist.LogNormal(0.0, 1.0)
-            likelihood = likelihoods.Gaussian(n, scale=noise, noise_prior=noise_prior)
+            likelihood = likelihoods.Gaussian(size, scale=noise, noise_prior=noise_prior)
         else:
-            likelihood = likelihoods.Categorical(n)
+            likelihood = likelihoods.Categorical(size)
         prior = default_prior(task.kind) if prior is None else prior
         self.bnn = BayesianModule(net, prior, likelihood)
         start = {name: p.detach().clone() for name, p in net.named_parameters()}
@@ -460,7 +480,21 @@ class MAPTrainer(Trainer):
             return self.model(self.task.x_test).unsqueeze(0), None
 
 
+#: Named variants of a method: name -> (method, its extra arguments). ``-klW``: the KL term
+#: weighted by ``W`` (the likelihood by ``1/W``: a tempered, "cold" posterior).
+VARIANTS = {
+    "qnvb-lr0.1": ("qnvb", {"qnvb_args": {"lr": 0.1}}),
+    "qnvb-trust1": ("qnvb", {"qnvb_args": {"trust_region": 1.0}}),
+    "qnvb-kl0.1": ("qnvb", {"likelihood_weight": 10}),
+    "qnvb-trust1-kl0.1": ("qnvb", {"qnvb_args": {"trust_region": 1.0}, "likelihood_weight": 10}),
+    "adam-kl0.1": ("adam", {"likelihood_weight": 10}),
+}
+
+
 def make_trainer(method: str, task: Task, net: nn.Module, seed: int, lr: float | None, **extra):
+    if method in VARIANTS:
+        method, more = VARIANTS[method]
+        extra = {**more, **extra}
     if method == "qnvb":
         qnvb = QNVB(**extra.pop("qnvb_args", {}))
         wrap = qnvb.anneal if extra.pop("anneal", False) else None
@@ -489,9 +523,15 @@ def run(
     grid: list[int],
     draws: int,
     seed: int = 0,
+    keep: list | None = None,
+    more_scores: Callable[[Trainer], dict[str, float]] | None = None,
     **extra,
 ) -> dict:
-    """Train one method up to ``grid[-1]`` evaluations, scoring at every point of ``grid``."""
+    """Train one method up to ``grid[-1]`` evaluations, scoring at every point of ``grid``.
+
+    ``keep``: a list the trained :class:`Trainer` is appended to; ``more_scores(trainer)``: further
+    scores recorded at every point of the grid.
+    """
     pyro.set_rng_seed(seed)
     net = make_net()
     trainer = make_trainer(method, task, net, seed, lr, **extra)
@@ -508,6 +548,9 @@ def run(
         curve["evals"].append(trainer.evals)
         for name, value in scores(task, outputs, noise).items():
             curve.setdefault(name, []).append(value)
+        if more_scores is not None:
+            for name, value in more_scores(trainer).items():
+                curve.setdefault(name, []).append(value)
     result = {
         "curve": curve,
         "final": {name: values[-1] for name, values in curve.items() if name != "evals"},
@@ -521,6 +564,8 @@ def run(
         result.update(diagnostics(trainer))
     elif isinstance(trainer, IVONTrainer) and task.kind == "regression":
         result.update(trainer.diagnostics())
+    if keep is not None:
+        keep.append(trainer)
     return result
 
 
@@ -546,6 +591,132 @@ def diagnostics(trainer: PyroTrainer) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- the objective
+
+
+@dataclass
+class Posterior:
+    """A mean-field Gaussian in the unconstrained space: site -> mean and standard deviation, for
+    the net's parameters (in the net's order) and ``log sigma`` (the site ``"noise_scale"``)."""
+
+    loc: dict[str, torch.Tensor]
+    sd: dict[str, torch.Tensor]
+
+
+def posterior_of(trainer: Trainer) -> Posterior:
+    """The fitted posterior: the guide's sites, or IVON's as the Gaussian its ``sampled_params``
+    draws from: the mean and ``1 / sqrt(ess (hess + weight_decay))`` per entry."""
+    if isinstance(trainer, PyroTrainer):
+        sites = {site.name: site for site in describe_guide(trainer.guide).sites}
+        names = [*trainer.bnn.latent_parameters(), *[NOISE_SITE][: NOISE_SITE in sites]]
+        return Posterior(
+            {name: sites[name].loc.detach().clone() for name in names},
+            {name: sites[name].scale.detach().clone() for name in names},
+        )
+    if isinstance(trainer.model, NoisyNet):
+        names = [name for name, _ in trainer.model.net.named_parameters()] + [NOISE_SITE]
+    else:
+        names = [name for name, _ in trainer.model.named_parameters()]
+    loc, sd = {}, {}
+    for name, group in zip(names, trainer.opt.param_groups, strict=True):
+        (param,) = group["params"]
+        loc[name] = param.detach().clone()
+        precision = group["ess"] * (group["hess"] + group["weight_decay"])
+        sd[name] = precision.rsqrt().reshape(param.shape)
+    return Posterior(loc, sd)
+
+
+def ivon_spread(trainer: IVONTrainer, posterior: Posterior, num: int = 256) -> dict[str, float]:
+    """IVON's own ``num`` draws (``sampled_params``) against ``posterior.sd``: quantiles over the
+    entries of (sample standard deviation) / sd; 1 up to the sampling error ``1/sqrt(2 num)``."""
+    model = trainer.model
+    if isinstance(model, NoisyNet):  # IVON's groups: the net's parameters, then log sigma
+        params = [*model.net.parameters(), model.log_noise]
+    else:
+        params = list(model.parameters())
+    with torch.no_grad():
+        draws = []
+        for _ in range(num):
+            with trainer.opt.sampled_params():
+                draws.append(torch.cat([p.detach().flatten() for p in params]))
+        ratio = torch.stack(draws).std(0) / torch.cat([v.flatten() for v in posterior.sd.values()])
+    quantiles = ratio.quantile(torch.tensor([0.01, 0.5, 0.99]))
+    return {f"spread_ratio_q{q}": float(v) for q, v in zip((1, 50, 99), quantiles, strict=True)}
+
+
+def gaussian_kl(loc: torch.Tensor, sd: torch.Tensor, prior_sd: float) -> torch.Tensor:
+    """``sum KL(N(loc, sd^2) || N(0, prior_sd^2))`` over the entries, in closed form."""
+    ratio = (sd / prior_sd) ** 2
+    return 0.5 * (ratio + (loc / prior_sd) ** 2 - 1.0 - ratio.log()).sum()
+
+
+def objective(
+    task: Task, net: nn.Module, posterior: Posterior, draws: int, seed: int, chunk: int = 64
+) -> dict[str, float]:
+    """The model's ``-ELBO`` of ``posterior`` (regression: standardized targets) and its scores.
+
+    ``-ELBO = -E_q[log p(y | w, ...)] + KL(q || p)`` (rasp paper, eq. 1), the model every method
+    fits: ``BayesianModule(net, default_prior(task.kind), likelihood)``, for regression with the
+    noise prior ``LogNormal(0, 1)``. The expected log likelihood of the training set by ``draws``
+    Monte Carlo draws (the same standard normal draws for every posterior given ``seed``: common
+    random numbers; ``chunk`` draws at a time), the KL in closed form: per weight against its
+    Gaussian prior, and ``N(0, 1)`` on ``log sigma`` (the exp's Jacobian cancels between ``p`` and
+    ``q``). The same draws score the test set (Bayesian model average, as :func:`scores`);
+    ``point_*``: the net at the means (regression: ``sigma = exp(mean of log sigma)``).
+    """
+    regression = task.kind == "regression"
+    prior = default_prior(task.kind)
+    bnn = BayesianModule(net, prior, likelihoods.Categorical(len(task.y_train)))
+    generator = torch.Generator().manual_seed(seed)
+    weights, kl = {}, 0.0
+    for name, param in bnn.latent_parameters().items():
+        loc, sd = posterior.loc[name], posterior.sd[name]
+        weights[name] = loc + sd * torch.randn((draws, *loc.shape), generator=generator)
+        kl += float(gaussian_kl(loc, sd, prior_sd(prior, net, name, param)))
+    noise = point_noise = None
+    if regression:
+        loc, sd = posterior.loc[NOISE_SITE], posterior.sd[NOISE_SITE]
+        noise = (loc + sd * torch.randn(draws, generator=generator)).exp()
+        point_noise = loc.exp().reshape(1)
+        kl += float(gaussian_kl(loc, sd, 1.0))
+
+    def outputs(x: torch.Tensor, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = bnn.evaluate(values, x)
+        return out.squeeze(-1) if regression else out
+
+    def log_lik(i: int) -> torch.Tensor:
+        part = outputs(task.x_train, {name: w[i : i + chunk] for name, w in weights.items()})
+        if regression:
+            return dist.Normal(part, noise[i : i + chunk, None]).log_prob(task.y_train).sum(-1)
+        return dist.Categorical(logits=part).log_prob(task.y_train).sum(-1)
+
+    with torch.no_grad():
+        train = torch.cat([log_lik(i) for i in range(0, draws, chunk)])
+        test = torch.cat(
+            [
+                outputs(task.x_test, {name: w[i : i + chunk] for name, w in weights.items()})
+                for i in range(0, draws, chunk)
+            ]
+        )
+        test = scores(task, test, noise)
+        point = outputs(task.x_test, {name: posterior.loc[name] for name in weights})
+        point = scores(task, point.unsqueeze(0), point_noise)
+    ell = float(train.mean())
+    sds = torch.cat([posterior.sd[name].flatten() for name in weights])
+    out = {
+        "neg_elbo": kl - ell,
+        "neg_ell": -ell,
+        "ell_se": float(train.std() / math.sqrt(draws)),
+        "kl": kl,
+        "sd_median": float(sds.median()),
+        **{f"test_{key}": value for key, value in test.items()},
+        **{f"point_{key}": value for key, value in point.items()},
+    }
+    if regression:
+        out["noise"] = float(point_noise)
+    return out
+
+
 # ----------------------------------------------------------------------------- the cache
 
 
@@ -560,11 +731,15 @@ class Cache:
         """The run ``key`` from the cache, or ``fn(*args, **kwargs)`` stored under it."""
         if key not in self.data:
             bar.set_description(key)
-            self.data[key] = fn(*args, **kwargs)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+            self.put(key, fn(*args, **kwargs))
         bar.update()
         return self.data[key]
+
+    def put(self, key: str, value: dict) -> None:
+        """Store ``value`` under ``key`` and write the file."""
+        self.data[key] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=1, sort_keys=True))
 
 
 def tuned_lr(cache: Cache, prefix: str, method: str, grid: dict = LR_GRID) -> float:
@@ -580,26 +755,104 @@ def nan_last(value: float) -> float:
 # ----------------------------------------------------------------------------- the parts
 
 
-def part_regression(cache: Cache, s: dict) -> None:
+def regression_lrs(tune: Cache, s: dict, name: str, net_name: str) -> dict[str, float]:
+    """Adam's and IVON's learning rates for a cell: the grid's runs on split 0's holdout at the
+    budget ``s["evals"]``, read from ``tune`` (or run into it), the lowest validation NLL."""
     grid = eval_grid(s["evals"], s["grid_points"])
-    total = len(s["datasets"]) * len(s["nets"]) * (8 + 3 * s["splits"])
+    tune_task = holdout(regression_task(name, 0))
+    make = partial(regression_net, tune_task.x_train.shape[1], net_name)
+    prefix = f"tune/{name}/{net_name}"
+    bar = tqdm(total=sum(len(lrs) for lrs in LR_GRID.values()), desc=prefix, leave=False)
+    for method in ("adam", "ivon"):
+        for lr in LR_GRID[method]:
+            key = f"{prefix}/{method}/lr={lr}"
+            tune.get_or_run(key, bar, run, method, tune_task, make, lr, grid, s["draws"])
+    bar.close()
+    return {m: tuned_lr(tune, prefix, m) for m in ("adam", "ivon")}
+
+
+def part_regression(cache: Cache, s: dict, tune: Cache) -> None:
+    """Every cell and split: QNVB, its ``s["variants"]``, and Adam and IVON at the learning rates
+    tuned on split 0 (tuning runs read from, or run into, ``tune``)."""
+    grid = eval_grid(s["evals"], s["grid_points"])
+    methods = ("qnvb", *s["variants"], "adam", "ivon")
+    total = len(s["datasets"]) * len(s["nets"]) * len(methods) * s["splits"]
     bar = tqdm(total=total, desc="regression")
     for name in s["datasets"]:
         for net_name in s["nets"]:
-            tune_task = holdout(regression_task(name, 0))
-            make = partial(regression_net, tune_task.x_train.shape[1], net_name)
-            prefix = f"tune/{name}/{net_name}"
-            for method in ("adam", "ivon"):
-                for lr in LR_GRID[method]:
-                    key = f"{prefix}/{method}/lr={lr}"
-                    cache.get_or_run(key, bar, run, method, tune_task, make, lr, grid, s["draws"])
-            lrs = {"qnvb": None, **{m: tuned_lr(cache, prefix, m) for m in ("adam", "ivon")}}
+            lrs = regression_lrs(tune, s, name, net_name)
+            make = partial(regression_net, regression_task(name, 0).x_train.shape[1], net_name)
             for split in range(s["splits"]):
                 task = regression_task(name, split)
-                for method, lr in lrs.items():
+                for method in methods:
                     key = f"regression/{name}/{net_name}/{method}/split{split}"
-                    args = (method, task, make, lr, grid, s["draws"])
+                    args = (method, task, make, lrs.get(method), grid, s["draws"])
                     cache.get_or_run(key, bar, run, *args, seed=split)
+    bar.close()
+
+
+#: The cells, methods and remedies of ``--part objective``, and the posteriors it swaps:
+#: label -> (the means' method, the standard deviations' method).
+OBJECTIVE_CELLS = (("diabetes", "1x50"), ("boston", "2x128"), ("concrete", "2x128"))
+OBJECTIVE_METHODS = ("qnvb", "qnvb-trust1", "adam", "ivon")
+REMEDIES = ("qnvb-kl0.1", "qnvb-trust1-kl0.1")
+SWAPS = {
+    "qnvb means, ivon sd": ("qnvb", "ivon"),
+    "ivon means, qnvb sd": ("ivon", "qnvb"),
+    "adam means, ivon sd": ("adam", "ivon"),
+    "ivon means, adam sd": ("ivon", "adam"),
+}
+#: Monte Carlo draws of the objective's expected log likelihood (and of the long runs' curve)
+OBJECTIVE_DRAWS = {"final": 256, "curve": 64}
+
+
+def part_objective(cache: Cache, s: dict, tune: Cache) -> None:
+    """Is QNVB's gap to IVON the objective or the optimizer? On :data:`OBJECTIVE_CELLS`, splits
+    ``0 .. s["objective_splits"] - 1``: every method of :data:`OBJECTIVE_METHODS` and
+    :data:`REMEDIES` trained as in ``part_regression`` (and stored under its keys), the
+    :func:`objective` of each final posterior and of the :data:`SWAPS`, IVON's :func:`ivon_spread`,
+    and QNVB (defaults) run to ``s["long_evals"]`` with its ``-ELBO`` along the way."""
+    grid = eval_grid(s["evals"], s["grid_points"])
+    long_grid = eval_grid(s["long_evals"], s["grid_points"] + 2)
+    cells = [c for c in OBJECTIVE_CELLS if c[0] in s["datasets"] and c[1] in s["nets"]]
+    bar = tqdm(total=len(cells) * s["objective_splits"], desc="objective")
+    for name, net_name in cells:
+        lrs = regression_lrs(tune, s, name, net_name)
+        for split in range(s["objective_splits"]):
+            key = f"objective/{name}/{net_name}/split{split}"
+            if key in cache.data:
+                bar.update()
+                continue
+            bar.set_description(key)
+            task = regression_task(name, split)
+            make = partial(regression_net, task.x_train.shape[1], net_name)
+            seed = 1000 + split  # the objective's Monte Carlo draws, shared by every posterior
+            posteriors, out = {}, {}
+            for method in (*OBJECTIVE_METHODS, *REMEDIES):
+                keep: list[Trainer] = []
+                lr = lrs.get(method.split("-")[0])
+                result = run(method, task, make, lr, grid, s["draws"], seed=split, keep=keep)
+                run_key = f"regression/{name}/{net_name}/{method}/split{split}"
+                if run_key not in cache.data:
+                    cache.put(run_key, result)
+                posteriors[method] = posterior_of(keep[0])
+                if method == "ivon":
+                    out["ivon spread"] = ivon_spread(keep[0], posteriors[method])
+            for label, (means, sds) in SWAPS.items():
+                posteriors[label] = Posterior(posteriors[means].loc, posteriors[sds].sd)
+            for label, posterior in posteriors.items():
+                out[label] = objective(task, make(), posterior, OBJECTIVE_DRAWS["final"], seed)
+
+            def neg_elbo(trainer: Trainer, task=task, make=make, seed=seed) -> dict[str, float]:
+                draws = OBJECTIVE_DRAWS["curve"]
+                value = objective(task, make(), posterior_of(trainer), draws, seed)
+                return {"neg_elbo": value["neg_elbo"], "kl": value["kl"]}
+
+            args = ("qnvb", task, make, None, long_grid, s["draws"])
+            long_run = run(*args, seed=split, more_scores=neg_elbo)
+            cache.put(f"long/{name}/{net_name}/qnvb/split{split}", long_run)
+            cache.put(key, out)
+            bar.update()
     bar.close()
 
 
@@ -636,11 +889,49 @@ def part_qnvb_lr(cache: Cache, s: dict, data_dir: str | None) -> None:
 MAP_LR = 1e-3
 
 
+#: ``--part objective-mnist``: the MNIST methods whose posteriors are scored, and the draws
+MNIST_OBJECTIVE_METHODS = ("qnvb", "qnvb-trust1", "qnvb-trust1-kl0.1", "adam", "ivon")
+MNIST_OBJECTIVE_DRAWS = 16
+
+
+def part_objective_mnist(cache: Cache, s: dict, data_dir: str | None) -> None:
+    """:func:`objective` of the MNIST MLP's final posteriors (and the :data:`SWAPS`): each method
+    of :data:`MNIST_OBJECTIVE_METHODS` trained again as ``part_mnist`` trained it (which must have
+    run: its learning rates; the rerun's final test NLL is recorded beside the cached one)."""
+    grid = eval_grid(s["mnist_evals"], s["mnist_grid"])
+    task = mnist_task(data_dir, s["mnist_batch"])
+    key = "objective/mnist/mlp/split0"
+    if key in cache.data:
+        return
+    make = partial(mnist_net, "mlp")
+    lrs = {m: tuned_lr(cache, "tune/mnist/mlp", m, MNIST_LR_GRID) for m in ("adam", "ivon")}
+    posteriors, out = {}, {}
+    bar = tqdm(total=len(MNIST_OBJECTIVE_METHODS), desc=key)
+    for method in MNIST_OBJECTIVE_METHODS:
+        keep: list[Trainer] = []
+        result = run(method, task, make, lrs.get(method), grid, s["mnist_draws"], keep=keep)
+        out[f"rerun {method}"] = {
+            "nll": result["final"]["nll"],
+            "cached_nll": cache.data[f"mnist/mlp/{method}"]["final"]["nll"],
+        }
+        posteriors[method] = posterior_of(keep[0])
+        if method == "ivon":
+            out["ivon spread"] = ivon_spread(keep[0], posteriors[method], num=64)
+        bar.update()
+    bar.close()
+    for label, (means, sds) in SWAPS.items():
+        posteriors[label] = Posterior(posteriors[means].loc, posteriors[sds].sd)
+    for label, posterior in tqdm(posteriors.items(), desc="objective"):
+        out[label] = objective(task, make(), posterior, MNIST_OBJECTIVE_DRAWS, 1000, chunk=4)
+    cache.put(key, out)
+
+
 def part_mnist(cache: Cache, s: dict, data_dir: str | None) -> None:
     grid = eval_grid(s["mnist_evals"], s["mnist_grid"])
     task = mnist_task(data_dir, s["mnist_batch"])
     tune_task = holdout(task)
-    bar = tqdm(total=len(s["mnist_nets"]) * 8, desc="mnist")
+    runs = sum(len(grid) for grid in MNIST_LR_GRID.values()) + 4 + len(s["variants"])
+    bar = tqdm(total=len(s["mnist_nets"]) * runs, desc="mnist")
     for net_name in s["mnist_nets"]:
         make = partial(mnist_net, net_name)
         prefix = f"tune/mnist/{net_name}"
@@ -650,6 +941,7 @@ def part_mnist(cache: Cache, s: dict, data_dir: str | None) -> None:
                 cache.get_or_run(f"{prefix}/{method}/lr={lr}", bar, run, *args)
         lrs = {
             "qnvb": None,
+            **{variant: None for variant in s["variants"]},
             "adam": tuned_lr(cache, prefix, "adam", MNIST_LR_GRID),
             "ivon": tuned_lr(cache, prefix, "ivon", MNIST_LR_GRID),
             "map": MAP_LR,
@@ -710,7 +1002,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--part",
-        choices=("regression", "mnist", "diagnose", "qnvb-lr", "all"),
+        choices=(
+            "regression",
+            "mnist",
+            "diagnose",
+            "qnvb-lr",
+            "objective",
+            "objective-mnist",
+            "all",
+        ),
         default="regression",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run (its own JSON)")
@@ -722,27 +1022,46 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--evals", type=int, help="regression budget in gradient evaluations")
     parser.add_argument("--splits", type=int, help="regression splits")
     parser.add_argument("--mnist-evals", type=int, help="MNIST budget in gradient evaluations")
+    parser.add_argument("--mnist-grid", type=int, help="MNIST scoring points")
+    parser.add_argument("--mnist-nets", nargs="+", choices=("mlp", "cnn"), help="MNIST networks")
+    parser.add_argument("--long-evals", type=int, help="budget of --part objective's long run")
+    parser.add_argument(
+        "--variants", nargs="+", choices=sorted(VARIANTS), help="QNVB variants run beside it"
+    )
+    parser.add_argument(
+        "--reuse-tuning",
+        type=Path,
+        help="the JSON the regression tuning runs are read from (and run into); default --results",
+    )
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
     pyro.enable_validation(False)  # Pyro's argument checks cost every method alike; off for all
     s = dict(SETTINGS["quick" if options.quick else "full"])
-    for name in ("evals", "splits", "mnist_evals"):
+    for name in ("evals", "splits", "mnist_evals", "mnist_grid", "mnist_nets", "long_evals"):
         if getattr(options, name) is not None:
             s[name] = getattr(options, name)
+    if options.variants:
+        s["variants"] = tuple(options.variants)
     path = options.results or (
         RESULTS.with_name("bnn_quality_quick.json") if options.quick else RESULTS
     )
     cache = Cache(path)
+    tune = Cache(options.reuse_tuning) if options.reuse_tuning else cache
     if options.report:
         from bnn_quality_report import report
 
         # a smoke run's figures go to the temporary directory, not over the docs' figures
-        print(report(cache.data, s, Path(tempfile.gettempdir()) if options.quick else IMG))
+        img = Path(tempfile.gettempdir()) if options.quick else IMG
+        print(report(cache.data, s, img, stem=path.stem))
         return
+    if options.part in ("objective", "all"):
+        part_objective(cache, s, tune)
     if options.part in ("regression", "diagnose", "all"):
-        part_regression(cache, s)
+        part_regression(cache, s, tune)
     if options.part in ("mnist", "all"):
         part_mnist(cache, s, options.data_dir)
+    if options.part in ("objective-mnist", "all"):
+        part_objective_mnist(cache, s, options.data_dir)
     if options.part in ("diagnose", "all"):
         part_diagnose(cache, s)
     if options.part in ("qnvb-lr", "all"):

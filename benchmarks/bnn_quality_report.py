@@ -14,14 +14,23 @@ import numpy as np
 from pyro_quadvi.testing.datasets import regression_split
 
 METHODS = ("qnvb", "adam", "ivon")
+_CELL_ORDER = {"diabetes": 0, "boston": 1, "concrete": 2}
 LABELS = {
     "qnvb": "QNVB + QuadratureELBO (defaults)",
     "adam": "Adam + Trace_ELBO (tuned lr)",
     "ivon": "IVON (tuned lr)",
     "map": "deterministic net, Adam",
     "qnvb-lr0.1": "QNVB lr=0.1 (else defaults) + QuadratureELBO",
+    "qnvb-trust1": "QNVB trust_region=1 (else defaults) + QuadratureELBO",
+    "qnvb-trust1-kl0.1": "QNVB trust_region=1 + QuadratureELBO, KL weight 0.1",
 }
-PROPOSED = "qnvb-lr0.1"
+#: QNVB variants run beside the defaults, and their name in the goal tables
+EXTRAS = {
+    "qnvb-trust1": "trust_region 1",
+    "qnvb-trust1-kl0.1": "trust_region 1, KL weight 0.1",
+    "qnvb-lr0.1": "lr 0.1",
+}
+QNVB_ROWS = {"qnvb": "defaults", **EXTRAS}
 
 
 def _runs(data: dict, prefix: str) -> list[dict]:
@@ -95,9 +104,10 @@ def regression_tables(data: dict) -> tuple[list[str], list[tuple]]:
     ]
     curves = []
     for name, net in cells:
-        runs = {m: _runs(data, f"regression/{name}/{net}/{m}") for m in (*METHODS, PROPOSED)}
-        if not runs[PROPOSED]:
-            del runs[PROPOSED]
+        runs = {m: _runs(data, f"regression/{name}/{net}/{m}") for m in (*METHODS, *EXTRAS)}
+        for extra in EXTRAS:
+            if len(runs[extra]) != len(runs["qnvb"]):
+                del runs[extra]
         if not all(runs.values()):
             continue
         for method in runs:
@@ -111,13 +121,13 @@ def regression_tables(data: dict) -> tuple[list[str], list[tuple]]:
                 f"{_mean_sd([r['final']['nll'] for r in rs])} | {v[b]:.3f} ({e[b]}) | "
                 f"{np.mean([r['cpu_s'] for r in rs]):.1f} |"
             )
-        for qnvb in ("qnvb", PROPOSED):
+        for qnvb, row_name in QNVB_ROWS.items():
             if qnvb not in runs:
                 continue
             g = goal_row(runs, qnvb)
             reach = "never" if g["qnvb_reach"] is None else str(g["qnvb_reach"])
             goals.append(
-                f"| {name} | {net} | {'defaults' if qnvb == 'qnvb' else 'lr 0.1'} | "
+                f"| {name} | {net} | {row_name} | "
                 f"{g['adam_best']:.3f} ({g['adam_at']}) | {reach} | {_yes(g['speed_met'])} | "
                 f"{g['final'][qnvb]:.3f} / {g['final']['ivon']:.3f} | {_yes(g['nll_met'])} |"
             )
@@ -155,9 +165,8 @@ def mnist_table(data: dict) -> tuple[list[str], list[tuple]]:
     ]
     goals, curves = [], []
     for net in ("mlp", "cnn"):
-        runs = {m: data.get(f"mnist/{net}/{m}") for m in (*METHODS, "map", PROPOSED)}
-        if runs[PROPOSED] is None:
-            del runs[PROPOSED]
+        runs = {m: data.get(f"mnist/{net}/{m}") for m in (*METHODS, "map", *EXTRAS)}
+        runs = {m: r for m, r in runs.items() if r is not None or m not in EXTRAS}
         if not all(runs.values()):
             continue
         for method, r in runs.items():
@@ -169,13 +178,13 @@ def mnist_table(data: dict) -> tuple[list[str], list[tuple]]:
                 f"{f['accuracy']:.4f} | {f['nll']:.4f} | {f['ece']:.4f} | {f['brier']:.4f} | "
                 f"{c['nll'][b]:.4f} ({c['evals'][b]}) | {r['cpu_s']:.0f} |"
             )
-        for qnvb in ("qnvb", PROPOSED):
+        for qnvb, row_name in QNVB_ROWS.items():
             if qnvb not in runs:
                 continue
             g = goal_row({m: [runs[m]] for m in runs}, qnvb)
             reach = "never" if g["qnvb_reach"] is None else str(g["qnvb_reach"])
             goals.append(
-                f"| {net} | {'defaults' if qnvb == 'qnvb' else 'lr 0.1'} | "
+                f"| {net} | {row_name} | "
                 f"{g['adam_best']:.4f} ({g['adam_at']}) | {reach} | {_yes(g['speed_met'])} | "
                 f"{_yes(g['nll_met'])} | {_yes(g['ece_met'])} |"
             )
@@ -238,6 +247,143 @@ def diagnose_table(data: dict) -> list[str]:
     return lines
 
 
+#: Rows of the objective tables: the fitted posteriors, the swaps, the remedies
+OBJECTIVE_ROWS = (
+    "qnvb",
+    "qnvb-trust1",
+    "adam",
+    "ivon",
+    "qnvb means, ivon sd",
+    "ivon means, qnvb sd",
+    "adam means, ivon sd",
+    "ivon means, adam sd",
+    "qnvb-kl0.1",
+    "qnvb-trust1-kl0.1",
+)
+
+
+def objective_tables(data: dict) -> list[str]:
+    """Per cell, the mean over splits of every posterior's ``-ELBO`` and its parts, its test NLL
+    (model average and at the means), and IVON's spread check; then the long QNVB runs."""
+    cells: dict[tuple, list[dict]] = {}
+    for key in sorted(data):
+        if key.startswith("objective/") and not key.startswith("objective/mnist/"):
+            _, name, net, _ = key.split("/")
+            cells.setdefault((name, net), []).append(data[key])
+    order = {"diabetes": 0, "boston": 1, "concrete": 2}
+    lines = [
+        "| data | net | posterior | -ELBO | -E log lik | KL | test NLL | test NLL at the means | "
+        "test RMSE | weight sd median | noise |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    spread = []
+    for (name, net), outs in sorted(cells.items(), key=lambda c: (order.get(c[0][0], 9), c[0])):
+        for row in OBJECTIVE_ROWS:
+            if not all(row in out for out in outs):
+                continue
+
+            def mean(key: str, row: str = row, outs: list = outs) -> float:
+                return float(np.mean([out[row][key] for out in outs]))
+
+            lines.append(
+                f"| {name} | {net} | {row} | {mean('neg_elbo'):.1f} | {mean('neg_ell'):.1f} | "
+                f"{mean('kl'):.1f} | {mean('test_nll'):.3f} | {mean('point_nll'):.3f} | "
+                f"{mean('test_rmse'):.2f} | {mean('sd_median'):.3f} | {mean('noise'):.3f} |"
+            )
+        ratios = [out["ivon spread"] for out in outs]
+        spread.append(
+            f"{name} {net}: median {min(r['spread_ratio_q50'] for r in ratios):.3f} to "
+            f"{max(r['spread_ratio_q50'] for r in ratios):.3f}, 1% quantile >= "
+            f"{min(r['spread_ratio_q1'] for r in ratios):.3f}, 99% quantile <= "
+            f"{max(r['spread_ratio_q99'] for r in ratios):.3f}"
+        )
+    splits = max((len(outs) for outs in cells.values()), default=0)
+    head = [f"Mean over {splits} splits (the -ELBO in standardized units, test scores original):"]
+    lines = [*head, "", *lines, "", "IVON's own draws (sample sd / formula sd, per entry): "]
+    lines += ["; ".join(spread) + ".", "", *long_table(data)]
+    return lines
+
+
+def figure_objective(data: dict, path: Path) -> None:
+    """Test NLL against -ELBO of every posterior of the objective runs, one panel per cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in sorted(data) if k.startswith("objective/") and "/mnist/" not in k]
+    cells = sorted({tuple(k.split("/")[1:3]) for k in keys}, key=lambda c: _CELL_ORDER[c[0]])
+    figure, axes = plt.subplots(1, len(cells), figsize=(4.6 * len(cells), 3.8), squeeze=False)
+    markers = dict(zip(OBJECTIVE_ROWS, "os^vDd<>Px", strict=True))
+    for ax, (name, net) in zip(axes[0], cells, strict=True):
+        outs = [data[k] for k in keys if k.split("/")[1:3] == [name, net]]
+        for row in OBJECTIVE_ROWS:
+            x = [out[row]["neg_elbo"] for out in outs if row in out]
+            y = [out[row]["test_nll"] for out in outs if row in out]
+            ax.scatter(x, y, marker=markers[row], label=row, alpha=0.8)
+        ax.set_xscale("log")
+        ax.set_title(f"{name}, {net} (splits 0-{len(outs) - 1})", fontsize=9)
+        ax.set_xlabel("-ELBO of the posterior (training set)")
+        ax.set_ylabel("test NLL (model average)")
+    axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def mnist_objective_table(data: dict) -> list[str]:
+    """The MNIST MLP's posteriors under its ELBO, with their test scores."""
+    out = data["objective/mnist/mlp/split0"]
+    lines = [
+        "| posterior | -ELBO | -E log lik | KL | test NLL | accuracy | ECE | test NLL at the "
+        "means | weight sd median |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in OBJECTIVE_ROWS:
+        if row in out:
+            r = out[row]
+            lines.append(
+                f"| {row} | {r['neg_elbo']:.0f} | {r['neg_ell']:.0f} | {r['kl']:.0f} | "
+                f"{r['test_nll']:.4f} | {r['test_accuracy']:.4f} | {r['test_ece']:.4f} | "
+                f"{r['point_nll']:.4f} | {r['sd_median']:.4f} |"
+            )
+    reruns = [
+        f"{k[6:]} {v['nll']:.4f} / {v['cached_nll']:.4f}"
+        for k, v in out.items()
+        if k.startswith("rerun ")
+    ]
+    q = [out["ivon spread"][f"spread_ratio_q{p}"] for p in (50, 1, 99)]
+    lines += [
+        "",
+        "Final test NLL of the rerun / of the table's run (8 draws each): "
+        + "; ".join(reruns)
+        + f". IVON's own draws (64): sample sd / formula sd median {q[0]:.3f}, 1% / 99% "
+        f"quantiles {q[1]:.3f} / {q[2]:.3f}.",
+    ]
+    return lines
+
+
+def long_table(data: dict) -> list[str]:
+    """QNVB (defaults) run long: mean ``-ELBO``, KL and test NLL at points of the grid."""
+    cells = sorted({tuple(k.split("/")[1:3]) for k in data if k.startswith("long/")})
+    order = {"diabetes": 0, "boston": 1, "concrete": 2}
+    cells.sort(key=lambda c: (order.get(c[0], 9), c[1]))
+    lines = [
+        "| data | net | evals | -ELBO (64 draws) | KL | test NLL | test RMSE |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, net in cells:
+        runs = _runs(data, f"long/{name}/{net}/qnvb")
+        evals = np.asarray(runs[0]["curve"]["evals"])
+        values = {k: mean_curve(runs, k)[1] for k in ("neg_elbo", "kl", "nll", "rmse")}
+        for i in np.nonzero(evals >= 500)[0]:
+            lines.append(
+                f"| {name} | {net} | {evals[i]} | {values['neg_elbo'][i]:.1f} | "
+                f"{values['kl'][i]:.1f} | {values['nll'][i]:.3f} | {values['rmse'][i]:.2f} |"
+            )
+    return lines
+
+
 def figure_regression(curves: list[tuple], path: Path) -> None:
     import matplotlib
 
@@ -253,7 +399,7 @@ def figure_regression(curves: list[tuple], path: Path) -> None:
         ax = axes[nets.index(net)][names.index(name)]
         for method in runs:
             e, v = mean_curve(runs[method])
-            style = "--" if method == PROPOSED else "-"
+            style = "--" if method in EXTRAS else "-"
             ax.plot(e, v, style, marker=".", label=LABELS[method])
         finals = [mean_curve(runs[m])[1][-1] for m in METHODS]
         ax.set_ylim(min(finals) - 0.3, max(finals) + 1.0)
@@ -278,7 +424,7 @@ def figure_mnist(curves: list[tuple], path: Path) -> None:
         for row, key in enumerate(("nll", "ece")):
             ax = axes[row][column]
             for method, r in runs.items():
-                style = "--" if method == PROPOSED else "-"
+                style = "--" if method in EXTRAS else "-"
                 curve = r["curve"]
                 ax.plot(curve["evals"], curve[key], style, marker=".", label=LABELS[method])
             ax.set_xscale("log")
@@ -292,19 +438,24 @@ def figure_mnist(curves: list[tuple], path: Path) -> None:
     plt.close(figure)
 
 
-def report(data: dict, settings: dict, img: Path) -> str:
-    """The markdown of the docs section (tables) and the figures."""
+def report(data: dict, settings: dict, img: Path, stem: str = "bnn_quality") -> str:
+    """The markdown of the docs section (tables) and the figures ``img/<stem>_*.png``."""
     out: list[str] = []
     table, curves = regression_tables(data)
     if curves:
-        figure_regression(curves, img / "bnn_quality_regression.png")
+        figure_regression(curves, img / f"{stem}_regression.png")
         out += ["### Regression", "", *table, "", "Learning-rate tuning (split 0, validation):"]
         out += ["", *tuning_table({k: v for k, v in data.items() if "/mnist/" not in k}), ""]
     table, curves = mnist_table(data)
     if curves:
-        figure_mnist(curves, img / "bnn_quality_mnist.png")
+        figure_mnist(curves, img / f"{stem}_mnist.png")
         out += ["### MNIST", "", *table, "", "Learning-rate tuning (validation):", ""]
         out += [*tuning_table({k: v for k, v in data.items() if "/mnist/" in k}), ""]
+    if any(k.startswith("objective/") and "/mnist/" not in k for k in data):
+        figure_objective(data, img / f"{stem}_objective.png")
+        out += ["### The objective", "", *objective_tables(data), ""]
+    if "objective/mnist/mlp/split0" in data:
+        out += ["### The objective, MNIST MLP", "", *mnist_objective_table(data), ""]
     if any(k.startswith("diagnose/") for k in data):
         out += ["### Diabetes: the controlled runs", "", *diagnose_table(data), ""]
     return "\n".join(out)
