@@ -176,6 +176,44 @@ def test_one_update_by_hand_floors_and_trust_region():
     assert new.g0.tolist() == pytest.approx((g + new.h0 * delta).tolist())
 
 
+@pytest.mark.parametrize("late_epoch, floor", [(1, 0.6**-2), (2, 0.3**-2)])
+def test_late_tau_max_lowers_the_step_floor_not_the_slab(late_epoch, floor):
+    """The extension: from ``late_epoch`` on, h1 is floored at 1 / late_tau_max^2 = 2.78 (tau_max
+    0.3, late_tau_max 0.6), so nu moves by g / max(h, 2.78) (the trust region 1 / max_lr = 0.1
+    does not bind); the slab's precision stays max(h_hat, 1 / 0.3^2), so tau <= 0.3, and the zero
+    logits are eq. 4.6 at that precision. Before late_epoch (the first update is in epoch 1) the
+    paper's floor 1 / 0.3^2 = 11.1 holds."""
+    hp = SparseQNVBHyperparameters(
+        num_epochs=4, max_lr=10.0, late_tau_max=0.6, late_epoch=late_epoch
+    )
+    assert hp.curvature_floor(1) == pytest.approx(floor)
+    assert hp.curvature_floor(2) == pytest.approx(0.6**-2)
+    theta = torch.tensor([1.0, 1.0, 1.0], dtype=DTYPE)
+    block, counters = init_sparse_block(theta, hp), init_sparse_counters(hp, 8)
+    g = torch.tensor([2.0, 2.0, 2.0], dtype=DTYPE)
+    h = torch.tensor([1.0, 500.0, -3.0], dtype=DTYPE)
+    result = sparse_qnvb_update((block,), counters, [g], [h], hp, 8)
+    new = result.blocks[0]
+    step_h = torch.tensor([floor, 500.0, floor], dtype=DTYPE)
+    torch.testing.assert_close(new.nu, theta - g / step_h, rtol=1e-14, atol=0)
+    slab_h = step_h.clamp(min=0.3**-2)
+    torch.testing.assert_close(new.tau, slab_h.rsqrt(), rtol=1e-14, atol=0)
+    torch.testing.assert_close(
+        result.zero_logits[0], zero_logits(slab_h, new.nu, 0.3), rtol=1e-14, atol=0
+    )
+    torch.testing.assert_close(new.h0, step_h, rtol=1e-14, atol=0)  # the sums keep the floor
+
+
+def test_late_tau_max_off_is_the_paper_rule():
+    """``late_tau_max=None`` (the default) gives the same update bit for bit as before, whatever
+    ``late_epoch`` says."""
+    a, b = _quadratic()
+    paper = _run(SparseQNVBHyperparameters(num_epochs=4), 8, a, b, 19)[-1]
+    other = _run(SparseQNVBHyperparameters(num_epochs=4, late_epoch=1), 8, a, b, 19)[-1]
+    for x, y in zip(paper.blocks[0], other.blocks[0]):
+        assert torch.equal(x, y)
+
+
 def test_quadratic_lands_on_newton_point_with_eq_4_6_logits():
     """n_e = 4, S = 8: n_tgt = 1, 2, 4, 8 per epoch. Update 19 (epoch 3, its third term) has
     n0 = 2, n1 = 3: h_hat = 3 a, so tau = (3a)^(-1/2), nu = b (the Newton point of the hybrid
@@ -303,6 +341,12 @@ def test_hyperparameters_are_checked_by_name():
         SparseQNVBHyperparameters(num_pairs=1.5)
     with pytest.raises(TypeError, match="tau_max"):
         SparseQNVBHyperparameters(tau_max="0.3")
+    with pytest.raises(ValueError, match="late_tau_max"):
+        SparseQNVBHyperparameters(late_tau_max=-0.1)
+    with pytest.raises(ValueError, match="late_epoch must be at most num_epochs=10"):
+        SparseQNVBHyperparameters(late_tau_max=0.1, late_epoch=11)
+    with pytest.raises(ValueError, match="late_epoch"):
+        SparseQNVBHyperparameters(late_epoch=0)
     with pytest.raises(ValueError, match="steps_per_epoch"):
         init_sparse_counters(SparseQNVBHyperparameters(), 0)
 

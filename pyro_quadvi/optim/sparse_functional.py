@@ -29,8 +29,10 @@ steps there as well would divide the maximum learning rate by ``B``.)
 One update (Algorithm 5.3, with the errata of ``design/qnvb-update-rule.md``):
 
 1. The term is added to the restarted sums ``g1``, ``h1``; ``h1`` is floored at
-   ``1 / tau_max^2``. At the start of an epoch the restarted sums are emptied (Algorithm 5.2,
-   line 2); at the start of the final epoch the most probable pattern is realized and kept.
+   ``1 / tau_max^2`` (or, an extension, ``1 / late_tau_max^2`` from ``late_epoch`` on, the slab
+   keeping ``tau <= tau_max``: :class:`SparseQNVBHyperparameters`). At the start of an epoch the
+   restarted sums are emptied (Algorithm 5.2, line 2); at the start of the final epoch the most
+   probable pattern is realized and kept.
 2. The hybrid sums ``g_hat``, ``h_hat`` of eq. 5.1 **as corrected** (the second coefficient
    multiplies ``a_1``; line 5 reads ``h_hat = alpha_0 h_0 + alpha_1 h_1``): they have the mean and
    variance of ``max(n0, n1)`` terms.
@@ -117,6 +119,15 @@ class SparseQNVBHyperparameters:
         num_epochs: ``n_e``, the number of epochs (at least 3: the schedule ``s0`` divides by
             ``1 - 2^(2 - n_e)``).
         num_pairs: ``n_q``, antithetic pairs per quadrature (``2 n_q`` evaluations per term).
+        late_tau_max: an extension, not in the paper (``None``, the default, is the paper's
+            Algorithm 5.3): from epoch ``late_epoch`` on, the curvature sums are floored at
+            ``1 / late_tau_max^2`` instead of ``1 / tau_max^2``, while the slab keeps
+            ``tau <= tau_max`` (its precision is ``max(h_hat, 1 / tau_max^2)``, also in the zero
+            logits). The floor is the cap on the Newton step on ``nu`` wherever the trust region
+            does not bind, so a ``late_tau_max`` above ``tau_max`` lets later steps be up to
+            ``(late_tau_max / tau_max)^2`` times longer without widening the nodes: Section
+            5.1.3's small localized quadratures first, with longer steps once a basin is found.
+        late_epoch: the first epoch (1-based) of ``late_tau_max``; read only when it is set.
     """
 
     target_sparsity: float = 0.97
@@ -128,6 +139,8 @@ class SparseQNVBHyperparameters:
     p_nonzero_high: float = 0.999
     num_epochs: int = 10
     num_pairs: int = 2
+    late_tau_max: float | None = None
+    late_epoch: int = 3
 
     def __post_init__(self) -> None:
         positive = (lambda v: 0 < v < math.inf, "finite and > 0")
@@ -149,6 +162,20 @@ class SparseQNVBHyperparameters:
             )
         _check_int("num_epochs", self.num_epochs, 3)
         _check_int("num_pairs", self.num_pairs, 1)
+        if self.late_tau_max is not None:
+            _check_number("late_tau_max", self.late_tau_max, *positive)
+        _check_int("late_epoch", self.late_epoch, 1)
+        if self.late_epoch > self.num_epochs:
+            raise ValueError(
+                f"late_epoch must be at most num_epochs={self.num_epochs}, got "
+                f"{self.late_epoch!r}: late_tau_max would never apply"
+            )
+
+    def curvature_floor(self, epoch: int) -> float:
+        """The floor on the curvature sums in ``epoch`` (1-based): ``1 / tau_max^2``
+        (Algorithm 5.3, line 4), or ``1 / late_tau_max^2`` from ``late_epoch`` on."""
+        late = self.late_tau_max is not None and epoch >= self.late_epoch
+        return (self.late_tau_max if late else self.tau_max) ** -2
 
     @property
     def sieve_logits(self) -> tuple[float, float]:
@@ -458,7 +485,8 @@ def sparse_qnvb_update(
     epoch, in_epoch = epoch_progress(counters.step, hp, steps_per_epoch)
     n0, n1 = counters.n0, counters.n1
     final = epoch == hp.num_epochs
-    floor = hp.tau_max**-2
+    floor = hp.curvature_floor(epoch)
+    slab_floor = hp.tau_max**-2
     _check_number("cases_per_step", cases_per_step, lambda v: 0 < v < math.inf, "finite and > 0")
     h_min = 1.0 / (_initial_terms(hp, steps_per_epoch) * cases_per_step * hp.max_lr)
 
@@ -499,6 +527,8 @@ def sparse_qnvb_update(
             h_hat = torch.where(overflow, block.tau**-2, h_hat)
             g1 = torch.where(overflow, g1_before, g1)
             h1 = torch.where(overflow, h1_before, h1)
+        if floor < slab_floor:  # late_tau_max > tau_max: the slab's precision stays >= it
+            h_hat = h_hat.clamp(min=slab_floor)
         moved.append((block, g1, h1, pattern, nu, h_hat.rsqrt(), h_hat))
 
     if final:

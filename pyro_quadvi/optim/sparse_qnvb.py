@@ -54,7 +54,8 @@ class SparseQNVB(QNVB):
     Args:
         num_epochs: ``n_e`` (Table 1: 10).
         steps_per_epoch: ``S``, SVI steps per epoch, e.g. ``len(loader)``.
-        target_sparsity, target_free, max_lr, tau_max, p_nonzero_low, p_nonzero_high: see
+        target_sparsity, target_free, max_lr, tau_max, p_nonzero_low, p_nonzero_high,
+            late_tau_max, late_epoch: see
             :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters` (defaults:
             Table 1; the initial learning rate is the guide's start, see below). The nodes are
             the ELBO's: Table 1's ``n_q = 2`` antithetic pairs are
@@ -91,6 +92,8 @@ class SparseQNVB(QNVB):
         tau_max: float = 0.3,
         p_nonzero_low: float = 0.001,
         p_nonzero_high: float = 0.999,
+        late_tau_max: float | None = None,
+        late_epoch: int = 3,
         prior_precision: float | None = None,
         num_cases: int | None = None,
         fallback: PyroOptim | tuple[type, dict] | None = None,
@@ -108,6 +111,8 @@ class SparseQNVB(QNVB):
             tau_max=tau_max,
             p_nonzero_low=p_nonzero_low,
             p_nonzero_high=p_nonzero_high,
+            late_tau_max=late_tau_max,
+            late_epoch=late_epoch,
             num_epochs=num_epochs,
         )
         self.counters = init_sparse_counters(self.sparse_hyperparameters, steps_per_epoch)

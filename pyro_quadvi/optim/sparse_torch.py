@@ -58,6 +58,9 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
             p_nonzero_high, num_pairs: see
             :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters` (defaults:
             the paper's Table 1).
+        late_tau_max, late_epoch: an extension (``None``: off, the paper's algorithm): the
+            curvature floor ``1 / late_tau_max^2`` from epoch ``late_epoch`` on, the slab still
+            at most ``tau_max`` (see there).
         prior_precision: ``h_p``, precision of the Gaussian slab prior on a nonzero; ``None``:
             ``1 / tau_max^2``, the precision eq. 4.6 assumes in the zero logits.
         generator: random generator for the initial position in the quadrature sequence (torch's
@@ -98,6 +101,8 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
         tau_max: float = 0.3,
         p_nonzero_low: float = 0.001,
         p_nonzero_high: float = 0.999,
+        late_tau_max: float | None = None,
+        late_epoch: int = 3,
         num_pairs: int = 2,
         prior_precision: float | None = None,
         generator: torch.Generator | None = None,
@@ -111,6 +116,8 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
             tau_max=tau_max,
             p_nonzero_low=p_nonzero_low,
             p_nonzero_high=p_nonzero_high,
+            late_tau_max=late_tau_max,
+            late_epoch=late_epoch,
             num_epochs=num_epochs,
             num_pairs=num_pairs,
         )
