@@ -105,6 +105,27 @@ def test_normal_priors_equal_torch_normal_with_full_parameters(prior, loc, exact
         fn.log_prob(torch.full((5, 3), math.nan))
 
 
+@pytest.mark.parametrize("prior", [priors.Normal(0.7, loc=0.2), priors.LayerwiseNormal()])
+def test_pyros_loc_scale_reparam_rebuilds_the_prior_of_a_bayesian_module(prior):
+    # LocScaleReparam rebuilds a site's Normal as type(fn)(loc=..., scale=...): the weight is
+    # then loc + scale * (its decentered draw), with the prior's own numbers
+    from pyro import poutine
+    from pyro.infer.reparam import LocScaleReparam
+
+    net = nn.Linear(3, 1)
+    bnn = BayesianModule(net, prior, likelihoods.Gaussian(scale=0.1))
+    fn = prior("weight", net.weight)
+    loc, scale = fn.loc[0, 0].item(), fn.scale[0, 0].item()
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(2))
+    reparam = poutine.reparam(bnn, {"weight": LocScaleReparam(0.0)})
+    trace = poutine.trace(reparam).get_trace(x, x.sum(-1, keepdim=True))
+    decentered = trace.nodes["weight_decentered"]
+    standard = decentered["fn"].base_dist  # the site's event dims: Independent(Normal)
+    assert torch.equal(standard.loc, torch.zeros(1, 3))
+    assert torch.equal(standard.scale, torch.ones(1, 3))
+    torch.testing.assert_close(trace.nodes["weight"]["value"], loc + scale * decentered["value"])
+
+
 def test_normal_prior_refuses_a_non_finite_loc():
     with pytest.raises(ValueError, match="finite loc and scale > 0"):
         priors.Normal(1.0, loc=math.inf)("w", torch.zeros(2))
