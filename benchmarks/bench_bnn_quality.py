@@ -666,6 +666,8 @@ def objective(
     """
     regression = task.kind == "regression"
     prior = default_prior(task.kind)
+    # the module only names the latent parameters here (its likelihood is never evaluated: the
+    # expected log likelihood is computed below from the task's own kind)
     bnn = BayesianModule(net, prior, likelihoods.Categorical(len(task.y_train)))
     generator = torch.Generator().manual_seed(seed)
     weights, kl = {}, 0.0

@@ -214,6 +214,37 @@ def test_blocks_finished_together_equal_blocks_finished_one_by_one(alone, monkey
             assert torch.equal(states_a[block][key], states_b[block][key]), (block, key)
 
 
+def _mixed_dtype_model():
+    a = pyro.sample("a", dist.Normal(torch.zeros(37), 1.0).to_event(1))  # float32
+    b = pyro.sample("b", dist.Normal(torch.zeros(19, dtype=torch.float64), 1.0).to_event(1))
+    x = torch.linspace(-1, 1, 16, dtype=torch.float64)
+    mean = a.double().sum(-1, keepdim=True) * x + b.sum(-1, keepdim=True)
+    pyro.sample("y", dist.Normal(mean, 0.5).to_event(1), obs=x.sin())
+
+
+@pytest.mark.usefixtures("fresh_param_store")
+def test_blocks_of_different_dtypes_are_not_updated_in_one_buffer(monkeypatch):
+    # a float32 and a float64 site share family and hyperparameters; in one buffer the float32
+    # scales would be transformed in float64 and differ in their last bits from the reference
+    def run(together: bool):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        if not together:
+            monkeypatch.setattr(qnvb_module, "_FAMILY_BATCH_UPDATES", {})
+        guide = AutoMeanFieldNormal(_mixed_dtype_model)
+        svi = SVI(_mixed_dtype_model, guide, QNVB(), QuadratureELBO("hadamard", num_points=4))
+        losses = [svi.step() for _ in range(4)]
+        monkeypatch.undo()
+        return losses, {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+
+    losses_a, params_a = run(together=True)
+    losses_b, params_b = run(together=False)
+    assert losses_a == losses_b
+    for name in params_a:
+        assert params_a[name].dtype == params_b[name].dtype
+        assert torch.equal(params_a[name], params_b[name]), name
+
+
 class _Counting:
     """``describe_guide`` of the QNVB module, counting its calls."""
 
@@ -266,13 +297,13 @@ def test_not_finite_is_the_complement_of_isfinite():
         big = torch.finfo(dtype).max
         values = [0.0, -0.0, 1e-300, -big, big, math.inf, -math.inf, math.nan, 1.0]
         t = torch.tensor(values, dtype=dtype)
-        assert torch.equal(qnvb_module._not_finite(t), ~torch.isfinite(t))
+        assert torch.equal(qnvb_module._not_finite_mask(t), ~torch.isfinite(t))
 
 
 @pytest.mark.parametrize("where", [0, 2])
-def test_a_non_finite_term_is_named_and_finite_terms_that_overflow_pass(where):
+def test_a_non_finite_term_is_named_and_finite_terms_that_overflow_are_refused(where):
     # the log joint checks its total once; a non-finite total names the site (a NaN datum), and
-    # finite terms whose sum overflows are returned as before (no site to blame)
+    # finite terms whose sum overflows are refused with the fix (float64), not returned as -inf
     def model(data):
         a = pyro.sample("a", dist.Normal(torch.zeros(()), 1.0))
         for i in range(3):
@@ -285,8 +316,14 @@ def test_a_non_finite_term_is_named_and_finite_terms_that_overflow_pass(where):
     with pyro.validation_enabled(False), pytest.raises(ValueError, match=f"data of 'y{where}'"):
         joint(torch.zeros(2, 1), (bad,))  # (validation would refuse the datum first)
     huge = torch.full((3,), 1.8e19)  # each log density about -1.6e38, finite; the sum is -inf
-    total = LogJoint(model, sites, max_plate_nesting=0)(torch.zeros(2, 1), (huge,))
-    assert torch.equal(total, torch.full((2,), -math.inf))
+    with pytest.raises(ValueError, match=r"overflows torch.float32 at quadrature node 0.*'y0'"):
+        LogJoint(model, sites, max_plate_nesting=0)(torch.zeros(2, 1), (huge,))
+    # in float64 the same terms sum to a finite total: three times one of them
+    joint = LogJoint(model, sites, max_plate_nesting=0)(
+        torch.zeros(2, 1, dtype=torch.float64), (huge.double(),)
+    )
+    one = dist.Normal(0.0, 1.0).log_prob(torch.tensor(1.8e19, dtype=torch.float64))
+    torch.testing.assert_close(joint, torch.full((2,), 3 * one.item(), dtype=torch.float64))
 
 
 # -- QuadratureELBO: published moments as views of the node gradients' sums -------------------

@@ -229,7 +229,14 @@ class LogJoint:
             if bad.any():
                 k = int(bad.nonzero()[0, 0])
                 raise ValueError(_not_finite(trace.nodes[name], term[k].item(), _where(z, k)))
-        return total
+        k = int((~torch.isfinite(total)).nonzero()[0, 0])
+        largest = max(terms, key=lambda name: terms[name][k].abs().item())
+        raise ValueError(
+            f"the log joint overflows {total.dtype} at {_where(z, k)}: every site's log density "
+            f"is finite (the largest in size: {largest!r}, {terms[largest][k].item():.4g}) but "
+            "their sum is not; run the model in float64 (torch.set_default_dtype and float64 "
+            "data), or rescale the data"
+        )
 
     def _find_plate_nesting(self, unconstrained, args, kwargs, replay_trace, where) -> int:
         constrained, _ = self._constrain({name: value[0] for name, value in unconstrained.items()})

@@ -334,9 +334,11 @@ def _publisher(description: GuideDescription, x: torch.Tensor) -> Callable:
             stop = start + site.loc.numel()
             if site.family in ELEMENTWISE_FAMILIES:
                 # views of g_all, h_all without a minibatch scale (x / 1 is x): QNVB then reads
-                # the blocks as one buffer, without a copy
-                g = g_all[start:stop].reshape(site.shape)
-                h = h_all[start:stop].reshape(site.shape)
+                # the blocks as one buffer, without a copy; in the site's dtype, as the
+                # gradient of its loc is (the points of a float32 and a float64 site are float64)
+                dtype = site.loc.dtype
+                g = g_all[start:stop].reshape(site.shape).to(dtype)
+                h = h_all[start:stop].reshape(site.shape).to(dtype)
                 if site.scale_factor != 1.0:
                     g, h = g / site.scale_factor, h / site.scale_factor
                 version = site.params["loc"]._version

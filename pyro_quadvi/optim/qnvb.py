@@ -145,7 +145,7 @@ def _gaussian_identity(site: MeanFieldSite, values, grads) -> tuple[torch.Tensor
 _GRADIENT_IDENTITIES: dict[str, Callable] = {"gaussian": _gaussian_identity}
 
 
-def _not_finite(t: torch.Tensor) -> torch.Tensor:
+def _not_finite_mask(t: torch.Tensor) -> torch.Tensor:
     """``~isfinite(t)`` in two passes (``isfinite`` is four kernels on the CPU): ``t * 0`` is 0
     for a finite entry and NaN for an infinite or NaN one."""
     return t * 0 != 0
@@ -458,16 +458,18 @@ class QNVB(PyroOptim):
     def _update_prepared(self, prepared: list[_Prepared], counts: list) -> None:
         """The family updates of the prepared blocks, those sharing a family with a batched
         update and hyperparameters together; appends each block's :func:`result_counts`."""
-        together: dict[tuple[str, QNVBHyperparameters, object], list[_Prepared]] = {}
+        together: dict[tuple, list[_Prepared]] = {}
         for item in prepared:
             if item.site.family in _FAMILY_BATCH_UPDATES:
                 constraint = item.site.param_constraints["scale"]
-                together.setdefault((item.site.family, item.hp, constraint), []).append(item)
+                loc = item.values["loc"]  # one buffer holds one dtype on one device
+                key = (item.site.family, item.hp, constraint, loc.dtype, loc.device)
+                together.setdefault(key, []).append(item)
             else:
                 update = FAMILY_UPDATES[item.site.family]
                 new_values, result = update(item.values, item.g, item.h, item.old, item.hp)
                 self._finish_block(item, new_values, result, counts)
-        for (family, hp, constraint), items in together.items():
+        for (family, hp, constraint, _, _), items in together.items():
             transform = transform_to(constraint)
             _constrain([item for item in items if "scale" not in item.values], transform)
             outcomes = _FAMILY_BATCH_UPDATES[family](
@@ -532,7 +534,7 @@ class QNVB(PyroOptim):
         new_sigma = _flatten([new_values["scale"] for _, new_values, _ in picked])
         u = _flatten([item.values["scale_leaf"] for item, _, _ in picked])
         new_u = transform.inv(new_sigma)
-        new_u = torch.where((new_sigma == sigma) | _not_finite(new_u), u, new_u)
+        new_u = torch.where((new_sigma == sigma) | _not_finite_mask(new_u), u, new_u)
         new_us = new_u.split([item.values["scale_leaf"].numel() for item, _, _ in picked])
         rebound = True
         for key, field in zip(QNVBState._fields, zip(*(result.state for _, _, result in picked))):
@@ -567,7 +569,7 @@ class QNVB(PyroOptim):
         # an unchanged sigma keeps its parameter bit for bit (no round trip through the transform);
         # sigma_min keeps the inverse finite, a coordinate it cannot represent stays unchanged
         new_u = transform.inv(new_sigma)
-        new_u = torch.where((new_sigma == values["scale"]) | _not_finite(new_u), u, new_u)
+        new_u = torch.where((new_sigma == values["scale"]) | _not_finite_mask(new_u), u, new_u)
         for key, value in zip(QNVBState._fields, new_state):
             self._write(item.state[key], index, value)
         self._write(loc_leaf.data, index, new_mu)
