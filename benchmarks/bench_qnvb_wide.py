@@ -235,9 +235,10 @@ def neg_elbo(task, prior, draws: int, seed: int) -> callable:
     return score
 
 
-def run_row(label: str, task, grid: list[int], final_draws: int | None) -> dict:
-    """Train row ``label`` to ``grid[-1]`` evaluations, with the ``-ELBO`` at every grid point
-    (and by ``final_draws`` draws at the end)."""
+def run_row(label: str, task, grid: list[int], final_draws: int | None, seed: int = 0) -> dict:
+    """Train row ``label`` to ``grid[-1]`` evaluations from ``seed`` (the net's initialization,
+    the minibatches, the Monte Carlo draws), with the ``-ELBO`` at every grid point (and by
+    ``final_draws`` draws at the end)."""
     method, lr, extra = ROWS[label]
     extra = dict(extra)
     prior = extra.get("prior")
@@ -250,6 +251,7 @@ def run_row(label: str, task, grid: list[int], final_draws: int | None) -> dict:
         lr,
         grid,
         DRAWS,
+        seed=seed,
         keep=keep,
         more_scores=more,
         **extra,
@@ -265,16 +267,19 @@ def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def part(cache: Cache, kind: str, labels: list[str], data_dir: str | None) -> None:
+def part(cache: Cache, kind: str, labels: list[str], data_dir: str | None, seed: int = 0) -> None:
+    """Run the rows ``labels`` of ``kind`` ("short", "full") from ``seed``; seed 0 under the key
+    ``kind/label``, another under ``seed<seed>/kind/label``."""
     task = mnist_task(data_dir, BATCH)
     grid = SHORT_GRID if kind == "short" else eval_grid(FULL_EVALS, FULL_GRID_POINTS)
     bar = tqdm(total=len(labels), desc=kind)
     for label in labels:
-        key = f"{kind}/{label}"
+        key = f"{kind}/{label}" if seed == 0 else f"seed{seed}/{kind}/{label}"
         if key not in cache.data:
             bar.set_description(key)
             before = load_average()
-            result = run_row(label, task, grid, FINAL_DRAWS if kind == "full" else None)
+            final = FINAL_DRAWS if kind == "full" else None
+            result = run_row(label, task, grid, final, seed)
             result["load_average"] = [before, load_average()]
             cache.put(key, result)
         bar.update()
@@ -357,6 +362,24 @@ def report(data: dict) -> str:
                 done = [i for i, x in enumerate(curve["evals"]) if x <= e]
                 cells.append(fmt(curve["neg_elbo"][done[-1]]) if done else "-")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    seeds = sorted({int(key.split("/")[0][4:]) for key in data if key.startswith("seed")})
+    if seeds:
+        labels = [key[len(f"seed{seeds[0]}/full/") :] for key in data if key.startswith("seed")]
+        labels = list(dict.fromkeys(labels))
+        head = " | ".join(f"seed {s}: NLL / ECE / -ELBO" for s in [0, *seeds])
+        lines += ["", f"| ten epochs | {head} |", "|---|" + "---:|" * (len(seeds) + 1)]
+        for label in labels:
+            cells = []
+            for s in [0, *seeds]:
+                r = data.get(f"full/{label}" if s == 0 else f"seed{s}/full/{label}")
+                if r is None:
+                    cells.append("-")
+                    continue
+                cells.append(
+                    f"{r['final']['nll']:.4f} / {r['final']['ece']:.4f} "
+                    f"/ {fmt(r['objective']['neg_elbo'])}"
+                )
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -399,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--rows", nargs="+", choices=sorted(ROWS), help="default: SHORT_ROWS / FULL_ROWS"
     )
+    parser.add_argument("--seed", type=int, default=0, help="initialization and minibatches")
     parser.add_argument("--report", action="store_true", help="markdown from the JSON")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument(
@@ -414,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     pyro.enable_validation(False)  # as bench_bnn_quality.py
     default = SHORT_ROWS if options.part == "short" else FULL_ROWS
-    part(cache, options.part, options.rows or default, options.data_dir)
+    part(cache, options.part, options.rows or default, options.data_dir, options.seed)
 
 
 if __name__ == "__main__":
