@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import pyro
 import torch
 from bench_bnn_quality import (
+    SETTINGS,
     Cache,
     Trainer,
     eval_grid,
@@ -38,6 +40,8 @@ from bench_bnn_quality import (
     mnist_task,
     objective,
     posterior_of,
+    regression_net,
+    regression_task,
     run,
 )
 from tqdm.auto import tqdm
@@ -220,7 +224,7 @@ FULL_ROWS = [
 ]
 
 
-def neg_elbo(task, prior, draws: int, seed: int) -> callable:
+def neg_elbo(task, prior, draws: int, seed: int) -> Callable[[Trainer], dict[str, float]]:
     """``trainer -> {"neg_elbo", "neg_ell", "kl"}`` of its guide under the row's prior."""
 
     def score(trainer: Trainer) -> dict[str, float]:
@@ -283,6 +287,34 @@ def part(cache: Cache, kind: str, labels: list[str], data_dir: str | None, seed:
             result["load_average"] = [before, load_average()]
             cache.put(key, result)
         bar.update()
+    bar.close()
+
+
+#: ``--part regression``: the recommended settings on the 2x128 regression cells of
+#: ``bnn_quality_e3000.json`` (3,000 evaluations, its grid and draws), splits 0-3, against that
+#: file's ``qnvb-trust1`` and ``adam`` rows (not rerun)
+REGRESSION_SETTINGS = {
+    "qnvb-trust0.3-smax2": {"trust_region": 0.3, "scale_max": 2.0},
+    "qnvb-trust0.3-smax2-sig1": {"trust_region": 0.3, "scale_max": 2.0, "significance": 1.0},
+}
+REGRESSION_CELLS = ("diabetes", "boston", "concrete")
+REGRESSION_SPLITS = 4
+E3000 = Path(__file__).parent / "results" / "bnn_quality_e3000.json"
+
+
+def part_regression(cache: Cache) -> None:
+    s = SETTINGS["full"]
+    grid = eval_grid(3000, s["grid_points"])
+    total = len(REGRESSION_SETTINGS) * len(REGRESSION_CELLS) * REGRESSION_SPLITS
+    bar = tqdm(total=total, desc="regression")
+    for name in REGRESSION_CELLS:
+        for split in range(REGRESSION_SPLITS):
+            task = regression_task(name, split)
+            make = partial(regression_net, task.x_train.shape[1], "2x128")
+            for label, qnvb_args in REGRESSION_SETTINGS.items():
+                key = f"regression/{name}/2x128/{label}/split{split}"
+                args = ("qnvb", task, make, None, grid, s["draws"])
+                cache.get_or_run(key, bar, run, *args, seed=split, qnvb_args=qnvb_args)
     bar.close()
 
 
@@ -380,6 +412,31 @@ def report(data: dict) -> str:
                     f"/ {fmt(r['objective']['neg_elbo'])}"
                 )
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    regression = [key for key in data if key.startswith("regression/")]
+    if regression:
+        old = json.loads(E3000.read_text())
+        lines += [
+            "",
+            f"| cell (2x128, splits 0-{REGRESSION_SPLITS - 1}) | method | test NLL | -ELBO "
+            "| worst test NLL on the way | CPU s |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        methods = ("qnvb", "qnvb-trust1", "adam", "ivon", *REGRESSION_SETTINGS)
+        for name in REGRESSION_CELLS:
+            for method in methods:
+                source = data if method in REGRESSION_SETTINGS else old
+                runs = [
+                    source[f"regression/{name}/2x128/{method}/split{i}"]
+                    for i in range(REGRESSION_SPLITS)
+                ]
+                nll = sum(r["final"]["nll"] for r in runs) / len(runs)
+                elbo = [r.get("neg_elbo") for r in runs]
+                elbo = "-" if None in elbo else f"{sum(elbo) / len(elbo):,.1f}"
+                worst = max(max(r["curve"]["nll"]) for r in runs)
+                cpu = sum(r["cpu_s"] for r in runs)
+                lines.append(
+                    f"| {name} | {method} | {nll:.3f} | {elbo} | {worst:.1f} | {cpu:.0f} |"
+                )
     return "\n".join(lines)
 
 
@@ -418,7 +475,7 @@ FIGURE_ROWS = [
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("short", "full"), default="short")
+    parser.add_argument("--part", choices=("short", "full", "regression"), default="short")
     parser.add_argument(
         "--rows", nargs="+", choices=sorted(ROWS), help="default: SHORT_ROWS / FULL_ROWS"
     )
@@ -437,6 +494,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.set_num_threads(1)
     pyro.enable_validation(False)  # as bench_bnn_quality.py
+    if options.part == "regression":
+        part_regression(cache)
+        return
     default = SHORT_ROWS if options.part == "short" else FULL_ROWS
     part(cache, options.part, options.rows or default, options.data_dir, options.seed)
 
