@@ -1,24 +1,29 @@
 """Issue 11: making QNVB optimize the ELBO of the wide MNIST MLP (784-400-400-10, ReLU).
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_qnvb_wide.py --part short --data-dir D
-    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_qnvb_wide.py --part full --rows R
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_qnvb_wide.py --part full --data-dir D
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_qnvb_wide.py --part full --seed 1 --rows R
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_qnvb_wide.py --part regression
     python benchmarks/bench_qnvb_wide.py --report   # docs/benchmarks.md's tables, the figure
 
 The data, network, minibatches (128), scoring and methods are those of ``bench_bnn_quality.py``'s
-MNIST part (seed 0, the 8,000 / 2,000 split, 8 posterior draws for the test scores); a row is a
-method and its settings (:data:`ROWS`): a QNVB configuration a user can set (the guide's
-``init_scale``, ``QNVB``'s ``lr`` and ``trust_region``, a fan-in prior, likelihood annealing), or
-the Adam + ``Trace_ELBO`` baseline at its tuned learning rate.
+MNIST part (seed 0 unless ``--seed``, the 8,000 / 2,000 split, 8 posterior draws for the test
+scores); a row is a method and its settings (:data:`ROWS`): a QNVB configuration a user can set
+(the guide's ``init_scale``; ``QNVB``'s ``lr``, ``trust_region``, ``scale_max``, ``sigma_max``,
+``significance``, ``recent_fraction``; a fan-in prior; likelihood annealing), or the Adam +
+``Trace_ELBO`` (or IVON) baseline at its tuned learning rate.
 
-``--part short``: every row for 3 epochs (186 gradient evaluations; QNVB: 62 steps of K = 3),
-scored at :data:`SHORT_GRID` by the test scores and by the model's ``-ELBO`` of the guide
-(:func:`bench_bnn_quality.objective`: the expected log likelihood of the 8,000 training images by
-:data:`CURVE_DRAWS` Monte Carlo draws, common to every row, plus the KL in closed form; the rasp
-paper's eq. 1). ``--part full``: the chosen rows for 10 epochs (620 evaluations, the grid of the
-full-length MNIST table), with the final ``-ELBO`` by :data:`FINAL_DRAWS` draws and the seed of
-that table's objective (``--part objective-mnist``), so the rows compare with its Adam, IVON and
-map rows, which are read from ``bnn_quality_mnist10.json`` and not rerun. Every run is cached in
-``benchmarks/results/bnn_quality_qnvb_wide.json``.
+``--part short``: the rows of :data:`SHORT_ROWS` for 3 epochs (186 gradient evaluations; QNVB: 62
+steps of K = 3), scored at :data:`SHORT_GRID` by the test scores and by the model's ``-ELBO`` of
+the guide (:func:`bench_bnn_quality.objective`: the expected log likelihood of the 8,000 training
+images by :data:`CURVE_DRAWS` Monte Carlo draws, common to every row, plus the KL in closed form;
+the rasp paper's eq. 1). ``--part full``: the rows of :data:`FULL_ROWS` for 10 epochs (620
+evaluations, the grid of the full-length MNIST table), with the final ``-ELBO`` by
+:data:`FINAL_DRAWS` draws and the seed of that table's objective (``--part objective-mnist``), so
+the rows compare with its Adam, IVON and map rows, which are read from
+``bnn_quality_mnist10.json`` and not rerun. ``--part regression``: the settings of
+:data:`REGRESSION_SETTINGS` on the 2x128 regression cells, against ``bnn_quality_e3000.json``.
+Every run is cached in ``benchmarks/results/bnn_quality_qnvb_wide.json``.
 """
 
 from __future__ import annotations
