@@ -349,6 +349,7 @@ class PyroTrainer(Trainer):
         noise: float | None = None,
         prior: Callable | None = None,
         likelihood_weight: int = 1,
+        init_scale: float = 0.1,
     ):
         super().__init__(task, seed)
         n = len(task.y_train)
@@ -364,7 +365,9 @@ class PyroTrainer(Trainer):
         start = {name: p.detach().clone() for name, p in net.named_parameters()}
         start["noise_scale"] = torch.tensor(NOISE_INIT)
         pyro.clear_param_store()
-        self.guide = AutoMeanFieldNormal(self.bnn, init_loc_fn=init_to_value(values=start))
+        self.guide = AutoMeanFieldNormal(
+            self.bnn, init_loc_fn=init_to_value(values=start), init_scale=init_scale
+        )
         model = self.bnn if model_wrap is None else model_wrap(self.bnn)
         self.svi = SVI(model, self.guide, optim, elbo)
         if isinstance(elbo, QuadratureELBO):
@@ -651,21 +654,28 @@ def gaussian_kl(loc: torch.Tensor, sd: torch.Tensor, prior_sd: float) -> torch.T
 
 
 def objective(
-    task: Task, net: nn.Module, posterior: Posterior, draws: int, seed: int, chunk: int = 64
+    task: Task,
+    net: nn.Module,
+    posterior: Posterior,
+    draws: int,
+    seed: int,
+    chunk: int = 64,
+    prior: priors.Prior | None = None,
 ) -> dict[str, float]:
     """The model's ``-ELBO`` of ``posterior`` (regression: standardized targets) and its scores.
 
     ``-ELBO = -E_q[log p(y | w, ...)] + KL(q || p)`` (rasp paper, eq. 1), the model every method
-    fits: ``BayesianModule(net, default_prior(task.kind), likelihood)``, for regression with the
-    noise prior ``LogNormal(0, 1)``. The expected log likelihood of the training set by ``draws``
-    Monte Carlo draws (the same standard normal draws for every posterior given ``seed``: common
-    random numbers; ``chunk`` draws at a time), the KL in closed form: per weight against its
-    Gaussian prior, and ``N(0, 1)`` on ``log sigma`` (the exp's Jacobian cancels between ``p`` and
-    ``q``). The same draws score the test set (Bayesian model average, as :func:`scores`);
-    ``point_*``: the net at the means (regression: ``sigma = exp(mean of log sigma)``).
+    fits: ``BayesianModule(net, prior, likelihood)`` (``prior``: ``default_prior(task.kind)``
+    unless given), for regression with the noise prior ``LogNormal(0, 1)``. The expected log
+    likelihood of the training set by ``draws`` Monte Carlo draws (the same standard normal draws
+    for every posterior given ``seed``: common random numbers; ``chunk`` draws at a time), the KL in
+    closed form: per weight against its Gaussian prior, and ``N(0, 1)`` on ``log sigma`` (the exp's
+    Jacobian cancels between ``p`` and ``q``). The same draws score the test set (Bayesian model
+    average, as :func:`scores`); ``point_*``: the net at the means (regression: ``sigma = exp(mean
+    of log sigma)``).
     """
     regression = task.kind == "regression"
-    prior = default_prior(task.kind)
+    prior = default_prior(task.kind) if prior is None else prior
     # the module only names the latent parameters here (its likelihood is never evaluated: the
     # expected log likelihood is computed below from the task's own kind)
     bnn = BayesianModule(net, prior, likelihoods.Categorical(len(task.y_train)))
