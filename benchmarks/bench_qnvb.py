@@ -79,6 +79,9 @@ ABLATIONS: dict[str, dict] = {
     "lr-0.1": {"lr": 0.1},
     "trust-1": {"trust_region": 1.0},
     "trust-3": {"trust_region": 3.0},
+    # the wide-network setting of docs/nn.md (issue 11, "Wide MLP: making QNVB optimize")
+    "wide": {"trust_region": 0.3, "scale_max": 2.0},
+    "wide-significance-1": {"trust_region": 0.3, "scale_max": 2.0, "significance": 1.0},
 }
 """Each ablation's hyperparameters: one rule of the update switched off (or, for ``beta1``,
 ``recent-fraction-0.5`` and ``significance-1``, on: they are off by default)."""
