@@ -194,6 +194,30 @@ def test_predictive_and_vectorized_particles_run_in_one_pass():
 
 
 # --------------------------------------------------------------------- sites and hiding
+def test_init_to_net_starts_the_guide_at_the_nets_parameters_and_the_rest_at_the_fallback():
+    net = tanh_net()
+    bnn = BayesianModule(
+        net, priors.Normal(1.0), likelihoods.Gaussian(20, scale=None), hide=("0.bias",)
+    )
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
+    guide(X_NET, Y_REG)
+    latent = bnn.latent_parameters()
+    assert "0.bias" not in latent and len(latent) == 3
+    for name, param in latent.items():
+        loc, _ = guide._get_loc_and_scale(name)
+        assert torch.equal(loc.detach(), param.detach()), name
+    # the learned noise scale (LogNormal prior) at init_to_feasible: exp(0) = 1
+    loc, _ = guide._get_loc_and_scale("noise_scale")
+    assert loc.item() == 0.0  # the unconstrained loc of a positive site
+    # the default start: every weight at the prior's centre
+    pyro.clear_param_store()
+    zero = AutoMeanFieldNormal(bnn)
+    zero(X_NET, Y_REG)
+    assert all(zero._get_loc_and_scale(n)[0].abs().max().item() == 0.0 for n in latent)
+    with pytest.raises(ValueError, match="noise_scale"):
+        AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net(fallback=None))(X_NET, Y_REG)
+
+
 def test_sites_are_the_parameters_and_hidden_ones_are_trained_by_svi():
     bnn = BayesianModule(tanh_net(), priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
     trace = poutine.trace(bnn).get_trace(X_NET, Y_REG)

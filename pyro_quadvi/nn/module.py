@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import pyro
 import torch
+from pyro.infer.autoguide.initialization import init_to_feasible, init_to_value
 from pyro.nn import PyroModule
 from torch import nn
 from torch.distributions import Distribution, constraints
@@ -127,6 +128,18 @@ class BayesianModule(PyroModule):
     def latent_parameters(self) -> dict[str, nn.Parameter]:
         """The net's parameters that are latent sites, by name, in the net's order."""
         return {n: p for n, p in self._net.named_parameters() if n not in self.hide}
+
+    def init_to_net(self, fallback: Callable | None = init_to_feasible) -> Callable:
+        """An ``init_loc_fn`` that starts a guide at the net's current parameters.
+
+        ``AutoMeanFieldNormal(bnn)`` (Pyro's default ``init_to_feasible``) starts every weight at
+        the prior's centre, 0: a network whose units are all alike (a ReLU net without bias is
+        dead). ``AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())`` starts each latent
+        parameter at its value in the net now (PyTorch's initialization, or a pretrained fit), as
+        Pyro's ``init_to_value``; other sites (a learned noise scale) go to ``fallback``.
+        """
+        values = {name: p.detach().clone() for name, p in self.latent_parameters().items()}
+        return init_to_value(values=values, fallback=fallback)
 
     def prior_of(self, name: str, param: torch.Tensor):
         """The prior of one parameter, all its dims event dims: its layer's declared prior if it
