@@ -129,6 +129,7 @@ SETTINGS = {
         "objective_splits": 3,
         "long_evals": 5000,
         "variants": (),
+        "init": "default",
     },
     "quick": {
         "datasets": ("diabetes",),
@@ -147,6 +148,7 @@ SETTINGS = {
         "objective_splits": 1,
         "long_evals": 90,
         "variants": (),
+        "init": "default",
     },
 }
 
@@ -193,18 +195,32 @@ def table2_cnn() -> nn.Sequential:
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(64, 10))
 
 
-def mnist_net(name: str) -> nn.Sequential:
-    """``"mlp"``: 784-400-400-10 with ReLU; ``"cnn"``: :func:`table2_cnn`."""
+def mnist_net(name: str, init: str = "default") -> nn.Sequential:
+    """``"mlp"``: 784-400-400-10 with ReLU; ``"cnn"``: :func:`table2_cnn`.
+
+    ``init="default"`` keeps PyTorch's initialization; ``init="kaiming"`` redraws every conv and
+    linear weight from Kaiming's normal for ReLU, ``N(0, 2 / fan_in)``, and zeroes the biases.
+    """
     if name == "cnn":
-        return table2_cnn()
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(784, 400),
-        nn.ReLU(),
-        nn.Linear(400, 400),
-        nn.ReLU(),
-        nn.Linear(400, 10),
-    )
+        net = table2_cnn()
+    else:
+        net = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(784, 400),
+            nn.ReLU(),
+            nn.Linear(400, 400),
+            nn.ReLU(),
+            nn.Linear(400, 10),
+        )
+    if init == "kaiming":
+        for layer in net.modules():
+            if isinstance(layer, (nn.Conv2d, nn.Linear)):
+                nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+                if layer.bias is not None:
+                    nn.init.zeros_(layer.bias)
+    elif init != "default":
+        raise ValueError(f"init must be 'default' or 'kaiming', got {init!r}")
+    return net
 
 
 class NoisyNet(nn.Module):
@@ -491,6 +507,10 @@ VARIANTS = {
     "qnvb-kl0.1": ("qnvb", {"likelihood_weight": 10}),
     "qnvb-trust1-kl0.1": ("qnvb", {"qnvb_args": {"trust_region": 1.0}, "likelihood_weight": 10}),
     "adam-kl0.1": ("adam", {"likelihood_weight": 10}),
+    "qnvb-wide": (
+        "qnvb",
+        {"qnvb_args": {"trust_region": 0.3, "scale_max": 2.0, "significance": 1.0}},
+    ),
 }
 
 
@@ -939,13 +959,15 @@ def part_objective_mnist(cache: Cache, s: dict, data_dir: str | None) -> None:
 
 
 def part_mnist(cache: Cache, s: dict, data_dir: str | None) -> None:
+    """Every MNIST network (from ``s["init"]``): Adam's and IVON's learning rates tuned on a
+    validation split, then QNVB, its variants, Adam, IVON and the deterministic net."""
     grid = eval_grid(s["mnist_evals"], s["mnist_grid"])
     task = mnist_task(data_dir, s["mnist_batch"])
     tune_task = holdout(task)
     runs = sum(len(grid) for grid in MNIST_LR_GRID.values()) + 4 + len(s["variants"])
     bar = tqdm(total=len(s["mnist_nets"]) * runs, desc="mnist")
     for net_name in s["mnist_nets"]:
-        make = partial(mnist_net, net_name)
+        make = partial(mnist_net, net_name, s["init"])
         prefix = f"tune/mnist/{net_name}"
         for method in ("adam", "ivon"):
             for lr in MNIST_LR_GRID[method]:
@@ -1041,6 +1063,11 @@ def main(argv: list[str] | None = None) -> None:
         "--variants", nargs="+", choices=sorted(VARIANTS), help="QNVB variants run beside it"
     )
     parser.add_argument(
+        "--init",
+        choices=("default", "kaiming"),
+        help="the MNIST networks' initialization (--part mnist; default: PyTorch's)",
+    )
+    parser.add_argument(
         "--reuse-tuning",
         type=Path,
         help="the JSON the regression tuning runs are read from (and run into); default --results",
@@ -1049,7 +1076,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     pyro.enable_validation(False)  # Pyro's argument checks cost every method alike; off for all
     s = dict(SETTINGS["quick" if options.quick else "full"])
-    for name in ("evals", "splits", "mnist_evals", "mnist_grid", "mnist_nets", "long_evals"):
+    for name in (
+        "evals",
+        "splits",
+        "mnist_evals",
+        "mnist_grid",
+        "mnist_nets",
+        "long_evals",
+        "init",
+    ):
         if getattr(options, name) is not None:
             s[name] = getattr(options, name)
     if options.variants:

@@ -23,12 +23,14 @@ LABELS = {
     "qnvb-lr0.1": "QNVB lr=0.1 (else defaults) + QuadratureELBO",
     "qnvb-trust1": "QNVB trust_region=1 (else defaults) + QuadratureELBO",
     "qnvb-trust1-kl0.1": "QNVB trust_region=1 + QuadratureELBO, KL weight 0.1",
+    "qnvb-wide": "QNVB trust_region=0.3, scale_max=2, significance=1 + QuadratureELBO",
 }
 #: QNVB variants run beside the defaults, and their name in the goal tables
 EXTRAS = {
     "qnvb-trust1": "trust_region 1",
     "qnvb-trust1-kl0.1": "trust_region 1, KL weight 0.1",
     "qnvb-lr0.1": "lr 0.1",
+    "qnvb-wide": "trust_region 0.3, scale_max 2, significance 1",
 }
 QNVB_ROWS = {"qnvb": "defaults", **EXTRAS}
 
