@@ -41,10 +41,12 @@ IVON's as the Gaussian it samples from, with means and standard deviations swapp
 ``bnn`` is ``BayesianModule(net, default_prior(kind), likelihood)`` (regression:
 ``priors.LayerwiseNormal("radford")``; MNIST: ``priors.Normal(1.0)``), the guide
 ``AutoMeanFieldNormal(bnn, init_loc_fn=init_to_value(the net's own initialization))``, so every
-method starts at the same weights (PyTorch's default initialization, seeded). Regression uses a
-learned homoscedastic noise: ``likelihoods.Gaussian(N, scale=None, noise_prior=LogNormal(0, 1))``,
-a Gaussian prior ``N(0, 1)`` on ``log sigma``, which is exactly what IVON's weight decay puts on a
-``log sigma`` parameter trained alongside the net; so the three methods fit the same model.
+method starts at the same weights (PyTorch's default initialization, seeded; ``--init kaiming``:
+the MNIST networks from Kaiming's normal for ReLU, biases zero, :func:`mnist_net`). Regression
+uses a learned homoscedastic noise:
+``likelihoods.Gaussian(N, scale=None, noise_prior=LogNormal(0, 1))``, a Gaussian prior ``N(0, 1)``
+on ``log sigma``, which is exactly what IVON's weight decay puts on a ``log sigma`` parameter
+trained alongside the net; so the three methods fit the same model.
 
 **Tuning**: on split 0, the last 10% of the training rows (a seeded permutation) are a validation
 set; each learning rate of the grid runs the full budget and the one of lowest final validation

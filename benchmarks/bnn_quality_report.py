@@ -421,7 +421,12 @@ def figure_mnist(curves: list[tuple], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(2, len(curves), figsize=(4.5 * len(curves), 6.0), squeeze=False)
+    widest = max(range(len(curves)), key=lambda column: len(curves[column][1]))
+    ncol = min(2, len(curves))
+    legend_height = 0.22 * math.ceil(len(curves[widest][1]) / ncol)  # inches, below the panels
+    figure, axes = plt.subplots(
+        2, len(curves), figsize=(4.5 * len(curves), 6.0 + legend_height), squeeze=False
+    )
     for column, (net, runs) in enumerate(curves):
         for row, key in enumerate(("nll", "ece")):
             ax = axes[row][column]
@@ -434,8 +439,9 @@ def figure_mnist(curves: list[tuple], path: Path) -> None:
             ax.set_title(f"MNIST 8k/2k, {net}", fontsize=9)
             ax.set_xlabel("gradient evaluations")
             ax.set_ylabel(f"test {key.upper()}")
-    axes[0][0].legend(fontsize=7)
-    figure.tight_layout()
+    handles, names = axes[0][widest].get_legend_handles_labels()
+    figure.legend(handles, names, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
+    figure.tight_layout(rect=(0, legend_height / (6.0 + legend_height), 1, 1))
     figure.savefig(path, dpi=100)
     plt.close(figure)
 
