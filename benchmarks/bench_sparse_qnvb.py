@@ -291,12 +291,12 @@ class ScaleLatents(Messenger):
 
 def run_gumbel(data, epochs, args):
     """The Gumbel baseline. Its slab means start at the network's initialization (the same as every
-    other method's; ``AutoSpikeSlab``'s default would start them at 0), its inclusion
+    other method's, through ``bnn.init_to_net()``; ``AutoSpikeSlab``'s default would start them at
+    0), its inclusion
     probabilities at ``--init-inclusion``. With ``--kl-warmup W`` the KL is weighted by ``beta =
     min(1, (t + 1) / (W * steps_per_epoch))`` at step ``t`` (0-based): a linear warm-up over the
     first ``W`` epochs, not the sparse-VI paper's recipe."""
     from pyro.infer import SVI
-    from pyro.infer.autoguide.initialization import init_to_value
     from pyro.optim import Adam
 
     from pyro_quadvi.distributions import SpikeSlab
@@ -314,9 +314,8 @@ def run_gumbel(data, epochs, args):
     steps = -(-n // batch_size)
     prior = SpikeSlab(0.5, prior_scale(args))
     bnn = BayesianModule(net, lambda name, p: prior, Categorical(dataset_size=n))
-    start_values = {name: p.detach().clone() for name, p in net.named_parameters()}
     guide = AutoSpikeSlab(
-        bnn, init_loc_fn=init_to_value(values=start_values), init_scale=1e-3,
+        bnn, init_loc_fn=bnn.init_to_net(), init_scale=1e-3,
         init_inclusion=args.init_inclusion,
     )  # fmt: skip
     step = [0]

@@ -33,7 +33,6 @@ FNR over the 5 true ones), and the training loop's wall and CPU time (evaluation
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import pyro
@@ -51,7 +50,9 @@ from bench_spike_slab import (
     kept_fraction,
     make_net,
     realized,
+    report,
     rmse,
+    summarize,
 )
 from pyro.infer import SVI
 from pyro.infer.autoguide import init_to_uniform
@@ -277,19 +278,8 @@ def main(argv=None) -> list[dict]:
             runs += [run_sparse(rep, epochs, args) for epochs in args.sparse_epochs]
         if "gumbel" in args.methods:
             runs += run_gumbel(rep, sorted(args.gumbel_epochs))
-        for result in runs:
-            print(table([result]).splitlines()[-1], flush=True)
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(result) + "\n")
-        results += runs
-    if args.plot and args.json:
-        with open(args.json) as f:
-            everything = [json.loads(line) for line in f]
-        plot(everything, args.plot)
-        print(table(everything))
-    elif results:
-        print(table(results))
+        report(runs, results, args.json, table)
+    summarize(results, args.json, args.plot, table, plot)
     return results
 
 

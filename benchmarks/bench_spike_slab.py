@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import pyro
 import torch
@@ -191,6 +192,38 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def report(
+    runs: list[dict], results: list[dict], json_path: str | None, table: Callable[[list[dict]], str]
+) -> None:
+    """Prints each of ``runs`` as the last row of ``table([run])`` (a benchmark's table), appends
+    it to ``json_path`` (JSON lines) when given, and adds it to ``results``."""
+    for result in runs:
+        print(table([result]).splitlines()[-1], flush=True)
+        if json_path:
+            with open(json_path, "a") as f:
+                f.write(json.dumps(result) + "\n")
+    results += runs
+
+
+def summarize(
+    results: list[dict],
+    json_path: str | None,
+    plot_path: str | None,
+    table: Callable[[list[dict]], str],
+    plot: Callable[[list[dict], str], None],
+) -> None:
+    """With ``plot_path`` and ``json_path``: the figure ``plot(runs, plot_path)`` and the table of
+    the runs on every line of the JSON file (all so far, not only this call's); otherwise the
+    table of ``results``."""
+    if plot_path and json_path:
+        with open(json_path) as f:
+            everything = [json.loads(line) for line in f]
+        plot(everything, plot_path)
+        print(table(everything))
+    elif results:
+        print(table(results))
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=7000)
@@ -210,18 +243,8 @@ def main(argv=None) -> list[dict]:
             if method not in METHODS:
                 raise SystemExit(f"unknown method {method!r}; choose from {METHODS}")
             result = run(method, rep, args.epochs, args.eval_every, not args.no_progress)
-            results.append(result)
-            print(table([result]).splitlines()[-1], flush=True)
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(result) + "\n")
-    if args.plot and args.json:
-        with open(args.json) as f:
-            everything = [json.loads(line) for line in f]
-        plot(everything, args.plot)
-        print(table(everything))
-    elif results:
-        print(table(results))
+            report([result], results, args.json, table)
+    summarize(results, args.json, args.plot, table, plot)
     return results
 
 
