@@ -357,3 +357,37 @@ def test_published_moments_equal_the_guide_gradients_and_share_one_buffer():
         pieces.append(moments.g)
     base = pieces[0].untyped_storage().data_ptr()
     assert all(g.untyped_storage().data_ptr() == base for g in pieces)
+
+
+def test_node_points_sum_over_the_nodes_once_for_moments_and_gradients():
+    # the backward of z = loc + sigma * x makes the two sums over the K nodes that both the
+    # published moments and the gradients of loc and sigma are made of: two reductions of
+    # (K, D), where a hook on z and autograd's own backward made four; results bit for bit
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(scale=0.5))
+    x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = x.sum(-1)
+    guide = AutoMeanFieldNormal(bnn)
+    guide(x, y)
+    elbo = QuadratureELBO("hadamard", num_points=4)
+    for _ in range(2):  # a position of the sequence past the first
+        loss = elbo.differentiable_loss(bnn, guide, x, y)
+    description = guide.quadrature_description()
+    leaves = [leaf for site in description.sites for leaf in site.params.values()]
+    dim = description.dim
+    with torch.profiler.profile(record_shapes=True) as prof:
+        grads = torch.autograd.grad(loss, leaves)
+    sums = [
+        e for e in prof.events() if e.name == "aten::sum" and list(e.input_shapes[0]) == [4, dim]
+    ]
+    assert len(sums) == 2
+
+    # the same loss with the points written out: the same gradients, bit for bit
+    loc, scale = description.loc, description.scale
+    nodes = elbo.rule.draw(dim, step=elbo.step(description) - 1, dtype=torch.float64)
+    points = loc + scale * nodes.matrix()
+    log_joint = LogJoint(bnn, description.latent_sites, max_plate_nesting=1)(points, (x, y))
+    expected = -(nodes.weights @ log_joint) - description.entropy()
+    assert torch.equal(loss.detach(), expected.detach())
+    for got, want in zip(grads, torch.autograd.grad(expected, leaves)):
+        assert torch.equal(got, want)

@@ -17,9 +17,10 @@ quantities a QNVB step needs. The nodes span all latent coordinates of the model
 so a rule's exactness holds across sites, not only within one.
 
 The guide is read through :func:`~pyro_quadvi.guides.describe_guide` (its
-``quadrature_description`` hook, or the adapter of its class). During the backward pass a hook on
-the node points ``z_k`` catches ``dloss/dz_k``, from which the ELBO publishes, per elementwise
-site, the moments it integrated (:func:`~pyro_quadvi.guides.interface.publish_moments`):
+``quadrature_description`` hook, or the adapter of its class). During the backward pass the node
+points ``z_k`` receive ``dloss/dz_k``, from which the ELBO publishes, per elementwise site, the
+moments it integrated (the same two sums over the nodes make the gradients of ``loc`` and
+``sigma``) (:func:`~pyro_quadvi.guides.interface.publish_moments`):
 
     g = sum_k dloss/dz_k / s,        h = sum_k dloss/dz_k * x_k / (sigma s)
 
@@ -271,9 +272,10 @@ class QuadratureELBO(PointsELBO):
             device=entropy.device,
         )
         x, node_weights = self.local_nodes(nodes.matrix(), nodes.weights)
-        z = description.affine(x)
-        if z.requires_grad and description.joint is None:
-            z.register_hook(_publisher(description, x))
+        if description.joint is None:
+            z = _NodePoints.apply(description.loc, description.scale, x, description)
+        else:
+            z = description.affine(x)
         log_joint = self._log_joint(model, guide, description, z, args, kwargs, guide_trace)
         # float64 data with float32 latents give a float64 log joint, as in Trace_ELBO
         weights = node_weights.to(torch.promote_types(node_weights.dtype, log_joint.dtype))
@@ -320,29 +322,51 @@ class QuadratureELBO(PointsELBO):
         return f"QuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize})"
 
 
-def _publisher(description: GuideDescription, x: torch.Tensor) -> Callable:
-    """A hook on the node points ``z`` (K, D) that publishes each site's ``g`` and ``h``."""
-    x = x.detach()
-    scale = description.scale.detach()
+class _NodePoints(torch.autograd.Function):
+    """The node points ``z = loc + scale * x`` of a mean field, ``(K, D)``; its
+    backward computes the two sums the gradients of ``loc`` and ``scale`` are made of,
 
-    def hook(grad: torch.Tensor) -> None:
+        dloss/dloc = sum_k dloss/dz_k,        dloss/dscale = sum_k dloss/dz_k * x_k,
+
+    and publishes each elementwise site's moments ``g`` and ``h`` from the same two sums (the
+    module's formulas; rasp paper, eq. 7, 8 and 11), so each is computed once, not once for the
+    moments and again for the parameters' gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, loc, scale, x, description):
+        ctx.save_for_backward(scale, x)
+        ctx.description = description
+        return loc + scale * x  # not addcmul: its fused rounding would change every result
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        scale, x = ctx.saved_tensors
         g_all = grad.sum(0)
-        # a scale at zero (a collapsed mixture) has h = 0, not 0 / 0
-        h_all = torch.where(scale > 0, (grad * x).sum(0) / scale, torch.zeros_like(scale))
-        start = 0
-        for site in description.sites:
-            stop = start + site.loc.numel()
-            if site.family in ELEMENTWISE_FAMILIES:
-                # views of g_all, h_all without a minibatch scale (x / 1 is x): QNVB then reads
-                # the blocks as one buffer, without a copy; in the site's dtype, as the
-                # gradient of its loc is (the points of a float32 and a float64 site are float64)
-                dtype = site.loc.dtype
-                g = g_all[start:stop].reshape(site.shape).to(dtype)
-                h = h_all[start:stop].reshape(site.shape).to(dtype)
-                if site.scale_factor != 1.0:
-                    g, h = g / site.scale_factor, h / site.scale_factor
-                version = site.params["loc"]._version
-                publish_moments(PublishedMoments(site, g, h, version))
-            start = stop
+        gx_all = (grad * x).sum(0)
+        _publish(ctx.description, g_all, gx_all, scale)
+        return g_all, gx_all, None, None
 
-    return hook
+
+def _publish(
+    description: GuideDescription, g_all: torch.Tensor, gx_all: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """Publish each elementwise site's ``g`` and ``h`` from the flat sums of :class:`_NodePoints`."""
+    # a scale at zero (a collapsed mixture) has h = 0, not 0 / 0
+    h_all = torch.where(scale > 0, gx_all / scale, torch.zeros_like(scale))
+    start = 0
+    for site in description.sites:
+        stop = start + site.loc.numel()
+        if site.family in ELEMENTWISE_FAMILIES:
+            # views of g_all, h_all without a minibatch scale (x / 1 is x): QNVB then reads
+            # the blocks as one buffer, without a copy; in the site's dtype, as the
+            # gradient of its loc is (the points of a float32 and a float64 site are float64)
+            dtype = site.loc.dtype
+            g = g_all[start:stop].reshape(site.shape).to(dtype)
+            h = h_all[start:stop].reshape(site.shape).to(dtype)
+            if site.scale_factor != 1.0:
+                g, h = g / site.scale_factor, h / site.scale_factor
+            version = site.params["loc"]._version
+            publish_moments(PublishedMoments(site, g, h, version))
+        start = stop
