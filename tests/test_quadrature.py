@@ -128,6 +128,29 @@ def test_which_rules_are_random():
 
 
 @pytest.mark.parametrize("name", list(RULES))
+@pytest.mark.parametrize("num_points", [1, 2, 3, 4, 6])
+def test_exact_coordinate_quadratics_says_what_the_nodes_do(name, num_points):
+    # the flag QuadratureELBO relies on to integrate Normal priors in closed form: sum w = 1,
+    # sum w x_j = 0, sum w x_j^2 = 1 along every coordinate, at several steps and seeds
+    try:
+        rule = make_rule(name, num_points)
+    except ValueError:  # a size the rule refuses
+        return
+    exact = True
+    for dim in (1, 3) if name == "gauss_hermite" else (1, 7, 40):
+        for step in (0, 1, 5):
+            X, w = rule.nodes(
+                dim, step=step, generator=torch.Generator().manual_seed(step), dtype=torch.float64
+            )
+            exact &= bool(
+                abs(w.sum().item() - 1) < 1e-12
+                and (w @ X).abs().max() < 1e-12
+                and (w @ X**2 - 1).abs().max() < 1e-12
+            )
+    assert rule.exact_coordinate_quadratics == exact
+
+
+@pytest.mark.parametrize("name", list(RULES))
 def test_same_generator_seed_gives_identical_nodes(name):
     dim = small_dim(name)
     X1, w1 = draw(name, None, dim=dim, seed=11, step=2)

@@ -13,6 +13,7 @@ from pyro.infer import SVI
 from torch import nn
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.distributions import IidNormal
 from pyro_quadvi.infer import LogJoint, latent_sites_of_model
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import qnvb as qnvb_module
@@ -362,9 +363,14 @@ def test_published_moments_equal_the_guide_gradients_and_share_one_buffer():
 def test_node_points_sum_over_the_nodes_once_for_moments_and_gradients():
     # the backward of z = loc + sigma * x makes the two sums over the K nodes that both the
     # published moments and the gradients of loc and sigma are made of: two reductions of
-    # (K, D), where a hook on z and autograd's own backward made four; results bit for bit
+    # (K, D), where a hook on z and autograd's own backward made four; results bit for bit.
+    # A plain Normal prior (not an IidNormal): evaluated at the nodes, as before
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
-    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(scale=0.5))
+
+    def prior(name, param):
+        return dist.Normal(torch.zeros_like(param), 1.3)
+
+    bnn = BayesianModule(net, prior, likelihoods.Gaussian(scale=0.5))
     x = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     y = x.sum(-1)
     guide = AutoMeanFieldNormal(bnn)
@@ -391,3 +397,106 @@ def test_node_points_sum_over_the_nodes_once_for_moments_and_gradients():
     assert torch.equal(loss.detach(), expected.detach())
     for got, want in zip(grads, torch.autograd.grad(expected, leaves)):
         assert torch.equal(got, want)
+
+
+# -- Normal priors of Gaussian sites in closed form, under rules exact on x_j and x_j^2 -------
+
+
+def _bnn_with(prior):
+    net = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1)).double()
+    torch.nn.init.normal_(net[0].weight, generator=torch.Generator().manual_seed(3))
+    return BayesianModule(net, prior, likelihoods.Gaussian(scale=0.5))
+
+
+def _explicit_loss(bnn, description, rule, step, x, y, generator=None):
+    """The loss of QuadratureELBO written out, every prior evaluated at the nodes."""
+    nodes = rule.draw(description.dim, step=step, generator=generator, dtype=torch.float64)
+    points = description.loc + description.scale * nodes.matrix()
+    log_joint = LogJoint(bnn, description.latent_sites, max_plate_nesting=1)(points, (x, y))
+    return -(nodes.weights @ log_joint) - description.entropy()
+
+
+@pytest.mark.parametrize("rule, num_points", [("hadamard", 4), ("blocked_simplex", 3)])
+@pytest.mark.parametrize(
+    "prior",
+    [priors.Normal(1.0), priors.Normal(0.7, loc=0.2), priors.LayerwiseNormal("kaiming")],
+    ids=["N(0,1)", "N(0.2,0.7)", "kaiming"],
+)
+def test_closed_form_priors_equal_the_priors_at_the_nodes(rule, num_points, prior):
+    # the loss, the gradients of every loc and scale and the published moments equal those of
+    # the priors evaluated at the nodes (exact for these rules), to rounding; the prior's log
+    # density is never evaluated at the nodes
+    pyro.clear_param_store()
+    bnn = _bnn_with(prior)
+    x = torch.randn(6, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = x.sum(-1)
+    guide = AutoMeanFieldNormal(bnn, init_scale=0.3)
+    guide(x, y)
+    elbo = QuadratureELBO(rule, num_points=num_points, generator=torch.Generator().manual_seed(5))
+    description = guide.quadrature_description()
+    leaves = [leaf for site in description.sites for leaf in site.params.values()]
+    with torch.no_grad():  # move the means off the prior's centre
+        for leaf in leaves[::2]:
+            leaf.add_(torch.linspace(-0.5, 0.8, leaf.numel(), dtype=leaf.dtype).view(leaf.shape))
+
+    calls = []
+    original = IidNormal.log_prob
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(IidNormal, "log_prob", lambda self, v: calls.append(v.shape) or original(self, v))
+        step = elbo.step(description)
+        loss = elbo.differentiable_loss(bnn, guide, x, y)
+        grads = torch.autograd.grad(loss, leaves)
+    assert calls == []
+
+    generator = torch.Generator().manual_seed(5)  # the same draw for a random rule
+    expected = _explicit_loss(bnn, description, elbo.rule, step, x, y, generator)
+    want = torch.autograd.grad(expected, leaves)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    for got, w in zip(grads, want):
+        torch.testing.assert_close(got, w, rtol=1e-11, atol=1e-12)
+    for i, site in enumerate(description.sites):  # g = dL/dloc; sigma h - 1/sigma = dL/dsigma
+        moments = qnvb_module.published_moments(site.params["loc"])
+        sigma = site.scale.detach()
+        dsigma_du = torch.sigmoid(site.params["scale"].detach())
+        torch.testing.assert_close(moments.g, want[2 * i], rtol=1e-11, atol=1e-12)
+        torch.testing.assert_close(
+            sigma * moments.h - 1 / sigma, want[2 * i + 1] / dsigma_du, rtol=1e-10, atol=1e-10
+        )
+
+
+def test_random_rules_not_exact_on_quadratics_evaluate_the_priors_at_the_nodes():
+    # plain Monte Carlo is not exact on x_j^2: the priors stay at the nodes, bit for bit as
+    # written out (the same draws)
+    pyro.clear_param_store()
+    bnn = _bnn_with(priors.Normal(1.0))
+    x = torch.randn(6, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = x.sum(-1)
+    guide = AutoMeanFieldNormal(bnn)
+    guide(x, y)
+    elbo = QuadratureELBO("mc", num_points=5, generator=torch.Generator().manual_seed(7))
+    assert not elbo.rule.exact_coordinate_quadratics
+    description = guide.quadrature_description()
+    loss = elbo.differentiable_loss(bnn, guide, x, y)
+    generator = torch.Generator().manual_seed(7)
+    assert torch.equal(loss, _explicit_loss(bnn, description, elbo.rule, 0, x, y, generator))
+
+
+def test_closed_form_priors_reach_the_scales_when_nothing_else_depends_on_the_points():
+    # a model of priors alone (no data): the loss is the closed form, and its gradients still
+    # come through the node points' backward: dL/dmu = (mu - m) / s^2, dL/dsigma = sigma / s^2
+    # - 1 / sigma
+    def model():
+        pyro.sample("w", priors.Normal(2.0, loc=1.0)("w", torch.zeros(3)).to_event(1))
+
+    pyro.clear_param_store()
+    guide = AutoMeanFieldNormal(model, init_scale=0.5)
+    guide()
+    loss = QuadratureELBO("hadamard", num_points=4).differentiable_loss(model, guide)
+    (site,) = guide.quadrature_description().sites
+    mu, sigma = site.loc.detach(), site.scale.detach()
+    kl = (torch.log(2.0 / sigma) + (sigma**2 + (mu - 1.0) ** 2) / 8 - 0.5).sum()
+    torch.testing.assert_close(loss.detach(), kl)
+    g_loc, g_scale = torch.autograd.grad(loss, [site.params["loc"], site.params["scale"]])
+    torch.testing.assert_close(g_loc, (mu - 1.0) / 4)
+    dsigma_du = torch.sigmoid(site.params["scale"].detach())
+    torch.testing.assert_close(g_scale / dsigma_du, sigma / 4 - 1 / sigma)

@@ -1,5 +1,7 @@
-"""Distributions of pyro-quadvi: the spike-and-slab (Dirac-Gauss) mixture."""
+"""Distributions of pyro-quadvi: the spike-and-slab (Dirac-Gauss) mixture, and the iid Normal
+prior of :mod:`pyro_quadvi.nn`'s priors."""
 
+from .iid_normal import IidNormal
 from .spike_slab import SpikeSlab
 
-__all__ = ["SpikeSlab"]
+__all__ = ["IidNormal", "SpikeSlab"]

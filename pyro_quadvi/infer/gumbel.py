@@ -129,7 +129,7 @@ class GumbelSpikeSlabELBO(PointsELBO):
     def _gumbel_loss(self, model: Callable, guide: Callable, args, kwargs) -> torch.Tensor:
         guide_trace, description = self._described_run(model, guide, args, kwargs)
         z = self.draw(description)
-        log_joint = self._log_joint(model, guide, description, z, args, kwargs, guide_trace)
+        log_joint, _ = self._log_joint(model, guide, description, z, args, kwargs, guide_trace)
         loss = -log_joint.mean() - description.entropy_outside_kl()
         if not torch.isfinite(loss):
             raise ValueError(f"GumbelSpikeSlabELBO: the loss is not finite ({loss.item()})")

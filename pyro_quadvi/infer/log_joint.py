@@ -14,25 +14,33 @@ model builds at that point (so a prior whose parameters are other latents is sti
 over them). A spike-and-slab guide meets a spike-and-slab prior this way (sequence paper, eq.
 4.3-4.4; the sparse-VI paper's eq. 1): the prior's point mass never shows at a node, and the
 guide's entropy of those sites is inside the KL, not added by the ELBO.
+
+**Priors integrated by the caller.** A site listed in ``expected_log_priors`` whose prior is an
+:class:`~pyro_quadvi.distributions.IidNormal` (the Normal priors of :mod:`pyro_quadvi.nn`), on
+the real line and unmasked, contributes nothing here: its log density is not evaluated at the
+points, and its ``(loc, scale, site scale)`` is recorded in :attr:`LogJoint.closed_priors` for
+the caller, which integrates it in closed form (:class:`~pyro_quadvi.infer.QuadratureELBO`). Any
+other prior at such a site is evaluated at the points as usual.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import pyro
 import torch
 from pyro import poutine
-from pyro.distributions import Delta
+from pyro.distributions import Delta, ExpandedDistribution
 from pyro.distributions.transforms import Transform
 from pyro.distributions.util import scale_and_mask, sum_rightmost
 from pyro.poutine import Trace
 from pyro.poutine.util import site_is_subsample
-from torch.distributions import biject_to
+from torch.distributions import Independent, biject_to
 from torch.distributions.transforms import ComposeTransform, IndependentTransform
 
+from ..distributions.iid_normal import IidNormal
 from .batched import BatchMismatch, first_line, is_broadcast_error
 
 __all__ = ["LatentSite", "LogJoint", "latent_sites_of_model", "model_max_plate_nesting"]
@@ -143,6 +151,9 @@ class LogJoint:
             ``KL(q_site || prior)`` summed over the site's event dims (its batch shape, unscaled);
             those sites contribute ``-KL`` (times their minibatch scale) instead of their log
             density (see the module).
+        expected_log_priors: sites whose prior, if an iid Normal, the caller integrates in
+            closed form: they contribute nothing, and each run records their priors in
+            :attr:`closed_priors` (see the module).
 
     One minibatch per object: the first run of the model records the subsample indices of the
     plates that the ``replay_trace`` does not supply (plates only the model has, such as
@@ -161,10 +172,14 @@ class LogJoint:
         max_plate_nesting: int | None = None,
         closed_form: Mapping[str, Callable[[torch.distributions.Distribution], torch.Tensor]]
         | None = None,
+        expected_log_priors: Collection[str] = (),
     ):
         self.model = model
         self.sites = list(sites)
         self.closed_form = dict(closed_form or {})
+        self.expected_log_priors = frozenset(expected_log_priors)
+        self.closed_priors: dict[str, tuple[float, float, float]] = {}
+        """site -> ``(loc, scale, site scale)`` of the priors left to the caller, last run."""
         self.dim = sum(site.numel for site in self.sites)
         self.max_plate_nesting = max_plate_nesting
         self._subsample: dict[str, dict] | None = None  # recorded by the first run
@@ -221,7 +236,8 @@ class LogJoint:
                 rows.append(self._single(values, args, kwargs, replay_trace, _where(z, k)))
             terms = {name: torch.stack([row[0][name] for row in rows]) for name in rows[0][0]}
             trace = rows[-1][1]
-        total = sum(terms.values())
+        # (a model whose every term is left to the caller has none)
+        total = sum(terms.values(), torch.zeros(z.shape[0], dtype=z.dtype, device=z.device))
         if bool(torch.isfinite(total).all()):  # then so is every term: one check, not one a site
             return total
         for name, term in terms.items():
@@ -315,10 +331,23 @@ class LogJoint:
             log_jac[site.name] = ladj
         return constrained, log_jac
 
+    def _compute_log_prob(self, trace: Trace) -> None:
+        """The log densities of the trace's sites but those left to the caller
+        (:attr:`closed_priors`, recorded here)."""
+        self.closed_priors = {}
+        for site in self.sites:
+            if site.name in self.expected_log_priors and _is_identity(site.transform):
+                node = trace.nodes[site.name]
+                prior = _iid_normal(node["fn"])
+                scale = node["scale"]
+                if prior is not None and node["mask"] is None and isinstance(scale, float | int):
+                    self.closed_priors[site.name] = (*prior, float(scale))
+        trace.compute_log_prob(lambda name, _: name not in self.closed_priors)
+
     def _single(self, values, args, kwargs, replay_trace, where: str):
         constrained, log_jac = self._constrain(values)
         trace = self._trace(constrained, args, kwargs, replay_trace, where=where)
-        trace.compute_log_prob()
+        self._compute_log_prob(trace)
         terms = {}
         for name, site in trace.nodes.items():
             if site["type"] == "sample" and "log_prob_sum" in site:
@@ -344,7 +373,7 @@ class LogJoint:
             padded[site.name] = value.reshape((K,) + (1,) * pad + site.shape)
         constrained, log_jac = self._constrain(padded)
         trace = self._trace(constrained, args, kwargs, replay_trace, particles=K)
-        trace.compute_log_prob()
+        self._compute_log_prob(trace)
         terms = {}
         for name, site in trace.nodes.items():
             if site["type"] == "sample" and "log_prob" in site:
@@ -364,6 +393,13 @@ def _is_identity(transform: Transform) -> bool:
     while isinstance(transform, IndependentTransform):
         transform = transform.base_transform
     return isinstance(transform, ComposeTransform) and not transform.parts
+
+
+def _iid_normal(fn) -> tuple[float, float] | None:
+    """``(loc, scale)`` of an :class:`IidNormal` seen through ``to_event`` and ``expand``."""
+    while isinstance(fn, Independent | ExpandedDistribution):
+        fn = fn.base_dist
+    return fn.iid if isinstance(fn, IidNormal) else None
 
 
 def _scaled(term: torch.Tensor, site: dict) -> torch.Tensor:

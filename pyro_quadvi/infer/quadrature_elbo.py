@@ -138,8 +138,18 @@ class PointsELBO(ELBO):
         return None if fit is None or fit.decision is None else fit.decision.vectorized
 
     def _log_joint(
-        self, model, guide, description: GuideDescription, z, args, kwargs, guide_trace
-    ) -> torch.Tensor:
+        self,
+        model,
+        guide,
+        description: GuideDescription,
+        z,
+        args,
+        kwargs,
+        guide_trace,
+        expected_log_priors: frozenset[str] = frozenset(),
+    ) -> tuple[torch.Tensor, dict[str, tuple[float, float, float]]]:
+        """The log joint at the points ``z``, and the priors of ``expected_log_priors`` left to
+        the caller (:attr:`~pyro_quadvi.infer.LogJoint.closed_priors`)."""
         fit = self._fit(model, guide)
         # one LogJoint per step: all points of the step see one minibatch
         log_joint = LogJoint(
@@ -147,6 +157,7 @@ class PointsELBO(ELBO):
             description.latent_sites,
             max_plate_nesting=fit.max_plate_nesting,
             closed_form=description.closed_form_kls(),
+            expected_log_priors=expected_log_priors,
         )
         vectorize = self.vectorize
         if vectorize is None and fit.decision is not None:
@@ -162,7 +173,7 @@ class PointsELBO(ELBO):
         if fit.decision is None:
             fit.decision = decision
         fit.max_plate_nesting = log_joint.max_plate_nesting  # found once, then kept
-        return values
+        return values, log_joint.closed_priors
 
     def _get_trace(self, model, guide, args, kwargs):
         raise NotImplementedError(f"{type(self).__name__} evaluates the log joint at points")
@@ -272,14 +283,26 @@ class QuadratureELBO(PointsELBO):
             device=entropy.device,
         )
         x, node_weights = self.local_nodes(nodes.matrix(), nodes.weights)
+        expected = frozenset()
         if description.joint is None:
-            z = _NodePoints.apply(description.loc, description.scale, x, description)
+            closed = _ClosedPriors(description)
+            z = _NodePoints.apply(description.loc, description.scale, x, closed)
+            if self.rule.exact_coordinate_quadratics:
+                expected = frozenset(s.name for s in description.sites if s.family == "gaussian")
         else:
             z = description.affine(x)
-        log_joint = self._log_joint(model, guide, description, z, args, kwargs, guide_trace)
+        log_joint, priors = self._log_joint(
+            model, guide, description, z, args, kwargs, guide_trace, expected
+        )
         # float64 data with float32 latents give a float64 log joint, as in Trace_ELBO
         weights = node_weights.to(torch.promote_types(node_weights.dtype, log_joint.dtype))
         loss = -(weights @ log_joint) - entropy
+        if priors:
+            loss = loss - closed.expected_log_prior(priors, weights.sum().detach())
+            if z.requires_grad and not log_joint.requires_grad:
+                # nothing else reaches the points: their backward must still run (it gives the
+                # priors' gradients), through a term that adds zero
+                loss = loss + 0 * z[0, 0]
         if not torch.isfinite(loss):
             raise ValueError(
                 f"QuadratureELBO: the loss is not finite ({loss.item()}); the guide's entropy is "
@@ -334,25 +357,79 @@ class _NodePoints(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, loc, scale, x, description):
-        ctx.save_for_backward(scale, x)
-        ctx.description = description
+    def forward(ctx, loc, scale, x, closed):
+        ctx.save_for_backward(loc, scale, x)
+        ctx.closed = closed
         return loc + scale * x  # not addcmul: its fused rounding would change every result
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        scale, x = ctx.saved_tensors
+        loc, scale, x = ctx.saved_tensors
         g_all = grad.sum(0)
         gx_all = (grad * x).sum(0)
-        _publish(ctx.description, g_all, gx_all, scale)
+        ctx.closed.add_gradients(g_all, gx_all, loc, scale)
+        _publish(ctx.closed.description, g_all, gx_all, scale)
         return g_all, gx_all, None, None
+
+
+class _ClosedPriors:
+    """The priors of Gaussian sites integrated in closed form, for a rule exact on ``1``,
+    ``x_j``, ``x_j^2`` (:attr:`~pyro_quadvi.quadrature.QuadratureRule.exact_coordinate_quadratics`).
+
+    With ``U(z) = -c log N(z | m, s^2)`` per coordinate (``c`` the site's scale) and nodes
+    ``z_k = mu + sigma x_k`` of total weight ``W``, such a rule gives exactly
+
+        sum_k w_k U(z_k)        = W c [((mu - m)^2 + sigma^2) / (2 s^2) + log s + log(2 pi) / 2]
+        sum_k w_k U'(z_k)       = W c (mu - m) / s^2
+        sum_k w_k U'(z_k) x_k   = W c sigma / s^2,
+
+    the prior's parts of the loss and of the two sums :class:`_NodePoints` makes (rasp paper,
+    eq. 7, 8 and 11, with the prior's Hessian ``1 / s^2``). So the prior is never evaluated at
+    the K nodes (``K x D`` work, forward and backward, on a network's every weight): the loss
+    takes the first line, computed once, and the node points' backward adds the other two.
+    """
+
+    def __init__(self, description: GuideDescription):
+        self.description = description
+        self.pieces: list[tuple[int, int, float, float, float]] = []  # start, stop, m, s, c
+        self.total_weight: torch.Tensor | None = None
+
+    def expected_log_prior(
+        self, priors: dict[str, tuple[float, float, float]], total_weight: torch.Tensor
+    ) -> torch.Tensor:
+        """``W sum_sites c E_q[log N(z | m, s^2)]``, without a gradient (the node points'
+        backward gives it); records the pieces for :meth:`add_gradients`."""
+        self.total_weight = total_weight
+        value = torch.zeros((), dtype=total_weight.dtype, device=total_weight.device)
+        start = 0
+        for site in self.description.sites:
+            stop = start + site.loc.numel()
+            if site.name in priors:
+                m, s, c = priors[site.name]
+                self.pieces.append((start, stop, m, s, c))
+                with torch.no_grad():
+                    mu, sigma = site.loc, site.scale
+                    square = (mu - m).square().sum() + sigma.square().sum()
+                    per_entry = math.log(s) + 0.5 * math.log(2 * math.pi)
+                    value = value - c * (square / (2 * s * s) + per_entry * mu.numel())
+            start = stop
+        return total_weight * value
+
+    def add_gradients(
+        self, g_all: torch.Tensor, gx_all: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor
+    ) -> None:
+        """Add the priors' parts to the node sums ``g_all``, ``gx_all`` (in place)."""
+        for start, stop, m, s, c in self.pieces:
+            factor = self.total_weight * (c / (s * s))
+            g_all[start:stop] += factor * (loc[start:stop] - m)
+            gx_all[start:stop] += factor * scale[start:stop]
 
 
 def _publish(
     description: GuideDescription, g_all: torch.Tensor, gx_all: torch.Tensor, scale: torch.Tensor
 ) -> None:
-    """Publish each elementwise site's ``g`` and ``h`` from the flat sums of :class:`_NodePoints`."""
+    """Publish each elementwise site's ``g``, ``h`` from the node sums of :class:`_NodePoints`."""
     # a scale at zero (a collapsed mixture) has h = 0, not 0 / 0
     h_all = torch.where(scale > 0, gx_all / scale, torch.zeros_like(scale))
     start = 0

@@ -12,10 +12,10 @@ import math
 
 import pyro.distributions as dist
 import torch
-from torch.distributions import Distribution as TorchDistribution
 from torch.nn.init import _calculate_fan_in_and_fan_out
 
 from .. import distributions
+from ..distributions.iid_normal import IidNormal
 
 __all__ = [
     "LayerwiseNormal",
@@ -25,58 +25,6 @@ __all__ = [
     "fan_in_and_fan_out",
     "theorem_inclusion",
 ]
-
-
-_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
-
-
-class _IidNormal(dist.Normal):
-    """A ``Normal`` with one ``loc`` and one ``scale`` (numbers) for every entry of a parameter.
-
-    Built by :meth:`of`: its ``loc`` and ``scale`` are those numbers expanded to the parameter's
-    shape (one element in memory each), checked once there rather than entry by entry, and its
-    log density
-
-        log N(x | loc, scale^2) = -(x - loc)^2 / (2 scale^2) - log(scale) - log(2 pi) / 2
-
-    takes them as numbers: three elementwise passes over a batch of values (``loc = 0``) where
-    ``Normal.log_prob`` makes six, each with a backward. Equal to ``Normal.log_prob`` to
-    rounding, bit for bit at ``loc = 0, scale = 1``. Sample validation is Pyro's, as for any
-    distribution. Built with ``Normal``'s own arguments (as Pyro's reparameterizers rebuild a
-    site's distribution, ``type(fn)(loc=..., scale=...)``) it is a plain ``Normal``.
-    """
-
-    iid: tuple[float, float] | None = None
-
-    @classmethod
-    def of(cls, loc: float, scale: float, like: torch.Tensor) -> _IidNormal:
-        """The prior ``N(loc, scale^2)`` on every entry of a parameter shaped like ``like``."""
-        if not (math.isfinite(loc) and 0 < scale < math.inf):
-            raise ValueError(f"a Normal prior needs a finite loc and scale > 0, got {loc}, {scale}")
-
-        def number(value: float) -> torch.Tensor:
-            return torch.full((), value, dtype=like.dtype, device=like.device).expand(like.shape)
-
-        prior = cls(number(loc), number(scale), validate_args=False)
-        prior._validate_args = TorchDistribution._validate_args  # Pyro's setting, for samples
-        prior.iid = (float(loc), float(scale))
-        return prior
-
-    def expand(self, batch_shape, _instance=None):
-        new = self._get_checked_instance(_IidNormal, _instance)
-        new.iid = self.iid
-        return super().expand(batch_shape, _instance=new)
-
-    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        if self.iid is None:
-            return super().log_prob(value)
-        if self._validate_args:
-            self._validate_sample(value)
-        loc, scale = self.iid
-        centred = value - loc if loc != 0 else value
-        out = centred.square().mul(-0.5 / scale**2).sub_(math.log(scale) + _HALF_LOG_2PI)
-        shape = torch.broadcast_shapes(out.shape, self.batch_shape)
-        return out if shape == out.shape else out.expand(shape)
 
 
 class Prior:
@@ -101,7 +49,7 @@ class Normal(Prior):
         self.loc = float(loc)
 
     def __call__(self, name: str, param: torch.Tensor) -> dist.Distribution:
-        return _IidNormal.of(self.loc, self.scale, param)
+        return IidNormal.of(self.loc, self.scale, param)
 
     def __repr__(self) -> str:
         return f"priors.Normal(scale={self.scale}, loc={self.loc})"
@@ -193,7 +141,7 @@ class LayerwiseNormal(Prior):
         return self.scale * std
 
     def __call__(self, name: str, param: torch.Tensor) -> dist.Distribution:
-        return _IidNormal.of(0.0, self.std(name, param), param)
+        return IidNormal.of(0.0, self.std(name, param), param)
 
     def __repr__(self) -> str:
         return f"priors.LayerwiseNormal(method={self.method!r}, scale={self.scale})"

@@ -143,6 +143,12 @@ class QuadratureRule(abc.ABC):
         num_points: the rule's size parameter (the number of nodes ``K``; for ``gauss_hermite`` the
             number of points per dimension).
         is_random: whether :meth:`draw` consumes random numbers from the generator.
+        exact_coordinate_quadratics: whether every quadrature the rule draws integrates ``1``,
+            ``x_j`` and ``x_j^2`` exactly along each coordinate (``sum_k w_k = 1``,
+            ``sum_k w_k x_kj = 0``, ``sum_k w_k x_kj^2 = 1``): then the expectation of a Gaussian
+            prior's log density at the nodes equals its closed form, which
+            :class:`~pyro_quadvi.infer.QuadratureELBO` uses instead (``False`` unless a rule
+            says so).
         min_curvature_points: the fewest ``num_points`` with which every coordinate has a node off
             the mean, so that a fit can learn the scales (:meth:`check_sees_curvature`).
         max_bytes: the largest array the rule allocates (its tables, the node matrix).
@@ -157,6 +163,7 @@ class QuadratureRule(abc.ABC):
 
     name: str = ""
     is_random: bool = False
+    exact_coordinate_quadratics: bool = False
     min_curvature_points: int = 2
 
     def __init__(self, num_points: int, max_bytes: int = DEFAULT_MAX_BYTES):

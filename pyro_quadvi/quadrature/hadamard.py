@@ -204,6 +204,7 @@ class HadamardRule(QuadratureRule):
     """
 
     name = "hadamard"
+    exact_coordinate_quadratics = True
 
     def __init__(self, num_points: int, max_bytes: int = DEFAULT_MAX_BYTES):
         if num_points < 2 or num_points % 2:

@@ -101,6 +101,7 @@ class GaussHermiteRule(QuadratureRule):
             raise ValueError(f"gauss_hermite needs num_points >= 1 per dimension, got {num_points}")
         super().__init__(num_points, max_bytes=max_bytes)
         self.max_nodes = max_nodes
+        self.exact_coordinate_quadratics = num_points >= 2  # one point: x = 0, so E[x^2] = 0
 
     def num_nodes(self, dim: int) -> int:
         return self.num_points ** check_dim(dim)

@@ -83,6 +83,7 @@ class MonteCarloRule(QuadratureRule):
         if num_points < least:
             raise ValueError(f"{name} needs num_points >= {least}, got {num_points}")
         self.moments = moments
+        self.exact_coordinate_quadratics = moments == 2
         self.name = name
         super().__init__(num_points, max_bytes=max_bytes)
 

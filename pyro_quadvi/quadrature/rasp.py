@@ -110,6 +110,7 @@ class RASPRule(QuadratureRule):
     """
 
     is_random = True
+    exact_coordinate_quadratics = True
 
     def __init__(
         self, num_points: int, reference: str = "simplex", max_bytes: int = DEFAULT_MAX_BYTES
@@ -190,6 +191,7 @@ class BlockedSimplexRule(QuadratureRule):
 
     name = "blocked_simplex"
     is_random = True
+    exact_coordinate_quadratics = True
 
     def __init__(self, num_points: int, max_bytes: int = DEFAULT_MAX_BYTES):
         if num_points < 2:

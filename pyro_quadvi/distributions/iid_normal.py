@@ -1,0 +1,67 @@
+"""``IidNormal``: a Normal prior with one loc and one scale for every entry of a parameter.
+
+The priors of :mod:`pyro_quadvi.nn` build it, and :class:`~pyro_quadvi.infer.QuadratureELBO`
+recognizes it to integrate the prior of a Gaussian guide's site in closed form
+(:class:`~pyro_quadvi.infer.LogJoint`, ``expected_log_priors``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pyro.distributions as dist
+import torch
+from torch.distributions import Distribution as TorchDistribution
+
+__all__ = ["IidNormal"]
+
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+
+
+class IidNormal(dist.Normal):
+    """A ``Normal`` with one ``loc`` and one ``scale`` (numbers) for every entry of a parameter.
+
+    Built by :meth:`of`: its ``loc`` and ``scale`` are those numbers expanded to the parameter's
+    shape (one element in memory each), checked once there rather than entry by entry, and its
+    log density
+
+        log N(x | loc, scale^2) = -(x - loc)^2 / (2 scale^2) - log(scale) - log(2 pi) / 2
+
+    takes them as numbers: three elementwise passes over a batch of values (``loc = 0``) where
+    ``Normal.log_prob`` makes six, each with a backward. Equal to ``Normal.log_prob`` to
+    rounding, bit for bit at ``loc = 0, scale = 1``. Sample validation is Pyro's, as for any
+    distribution. Built with ``Normal``'s own arguments (as Pyro's reparameterizers rebuild a
+    site's distribution, ``type(fn)(loc=..., scale=...)``) it is a plain ``Normal``.
+    """
+
+    iid: tuple[float, float] | None = None
+
+    @classmethod
+    def of(cls, loc: float, scale: float, like: torch.Tensor) -> IidNormal:
+        """The prior ``N(loc, scale^2)`` on every entry of a parameter shaped like ``like``."""
+        if not (math.isfinite(loc) and 0 < scale < math.inf):
+            raise ValueError(f"a Normal prior needs a finite loc and scale > 0, got {loc}, {scale}")
+
+        def number(value: float) -> torch.Tensor:
+            return torch.full((), value, dtype=like.dtype, device=like.device).expand(like.shape)
+
+        prior = cls(number(loc), number(scale), validate_args=False)
+        prior._validate_args = TorchDistribution._validate_args  # Pyro's setting, for samples
+        prior.iid = (float(loc), float(scale))
+        return prior
+
+    def expand(self, batch_shape, _instance=None):
+        new = self._get_checked_instance(IidNormal, _instance)
+        new.iid = self.iid
+        return super().expand(batch_shape, _instance=new)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        if self.iid is None:
+            return super().log_prob(value)
+        if self._validate_args:
+            self._validate_sample(value)
+        loc, scale = self.iid
+        centred = value - loc if loc != 0 else value
+        out = centred.square().mul(-0.5 / scale**2).sub_(math.log(scale) + _HALF_LOG_2PI)
+        shape = torch.broadcast_shapes(out.shape, self.batch_shape)
+        return out if shape == out.shape else out.expand(shape)
