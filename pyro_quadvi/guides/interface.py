@@ -269,7 +269,9 @@ class GuideDescription:
         (:data:`CLOSED_FORM_FAMILIES`): what an ELBO adds to ``E_q[log p]`` besides those KLs."""
         if self.joint is not None:
             return self.joint.entropy
-        entropy = torch.zeros((), dtype=self.loc.dtype, device=self.loc.device)
+        # the dtype of self.loc, without concatenating every loc for it
+        dtype = functools.reduce(torch.promote_types, (s.loc.dtype for s in self.sites))
+        entropy = torch.zeros((), dtype=dtype, device=self.sites[0].loc.device)
         for site in self.sites:
             if site.family not in CLOSED_FORM_FAMILIES:
                 entropy = entropy + site.entropy()

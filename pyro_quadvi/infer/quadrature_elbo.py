@@ -422,8 +422,10 @@ class _ClosedPriors:
         """Add the priors' parts to the node sums ``g_all``, ``gx_all`` (in place)."""
         for start, stop, m, s, c in self.pieces:
             factor = self.total_weight * (c / (s * s))
-            g_all[start:stop] += factor * (loc[start:stop] - m)
-            gx_all[start:stop] += factor * scale[start:stop]
+            centred = loc[start:stop] - m if m != 0 else loc[start:stop]
+            # add_ on the slices (not +=, whose item assignment copies the slice once more)
+            g_all[start:stop].add_(factor * centred)
+            gx_all[start:stop].add_(factor * scale[start:stop])
 
 
 def _publish(
