@@ -13,6 +13,11 @@ The full-length pass (``docs/benchmarks.md`` gives its exact commands): ``--part
 ``--part mnist`` and ``--part objective-mnist`` with ``--mnist-evals 620`` (10 epochs) into
 ``bnn_quality_mnist10.json``; ``--variants`` adds named QNVB variants (:data:`VARIANTS`).
 
+``--part mnist --seed k`` reruns the final MNIST runs from seed ``k`` (the net's initialization,
+the minibatch order and the Monte Carlo draws; the 8,000 / 2,000 split stays fixed) under keys
+``seed<k>/mnist/...``, at the learning rates tuned from seed 0 (``--reuse-tuning`` the seed-0
+JSON: no retuning); ``--report --seed0-results`` puts the recorded seed-0 runs beside them.
+
 ``D`` is the MNIST directory (default ``$PYRO_QUADVI_DATA/mnist-t10k``). Every run is cached in
 ``benchmarks/results/bnn_quality.json`` (``--quick``: its own file) under a key naming the data,
 the network, the method, the learning rate and the split, and is skipped when present, so an
@@ -960,9 +965,25 @@ def part_objective_mnist(cache: Cache, s: dict, data_dir: str | None) -> None:
     cache.put(key, out)
 
 
-def part_mnist(cache: Cache, s: dict, data_dir: str | None) -> None:
+def mnist_key(net_name: str, method: str, seed: int = 0) -> str:
+    """The cache key of an MNIST run: ``mnist/<net>/<method>`` from seed 0 (the recorded runs),
+    ``seed<k>/mnist/<net>/<method>`` from seed ``k``."""
+    key = f"mnist/{net_name}/{method}"
+    return key if seed == 0 else f"seed{seed}/{key}"
+
+
+def part_mnist(
+    cache: Cache, s: dict, data_dir: str | None, tune: Cache | None = None, seed: int = 0
+) -> None:
     """Every MNIST network (from ``s["init"]``): Adam's and IVON's learning rates tuned on a
-    validation split, then QNVB, its variants, Adam, IVON and the deterministic net."""
+    validation split, then QNVB, its variants, Adam, IVON and the deterministic net.
+
+    The tuning runs are always from seed 0, read from ``tune`` (default ``cache``) or run into it;
+    ``seed`` (the net's initialization, the minibatch order, the Monte Carlo draws; the data split
+    stays ``mnist_split``'s) applies to the final runs only, stored under :func:`mnist_key`. So
+    another seed reuses seed 0's learning rates and does not retune.
+    """
+    tune = cache if tune is None else tune
     grid = eval_grid(s["mnist_evals"], s["mnist_grid"])
     task = mnist_task(data_dir, s["mnist_batch"])
     tune_task = holdout(task)
@@ -974,17 +995,17 @@ def part_mnist(cache: Cache, s: dict, data_dir: str | None) -> None:
         for method in ("adam", "ivon"):
             for lr in MNIST_LR_GRID[method]:
                 args = (method, tune_task, make, lr, grid, s["mnist_draws"])
-                cache.get_or_run(f"{prefix}/{method}/lr={lr}", bar, run, *args)
+                tune.get_or_run(f"{prefix}/{method}/lr={lr}", bar, run, *args)
         lrs = {
             "qnvb": None,
             **{variant: None for variant in s["variants"]},
-            "adam": tuned_lr(cache, prefix, "adam", MNIST_LR_GRID),
-            "ivon": tuned_lr(cache, prefix, "ivon", MNIST_LR_GRID),
+            "adam": tuned_lr(tune, prefix, "adam", MNIST_LR_GRID),
+            "ivon": tuned_lr(tune, prefix, "ivon", MNIST_LR_GRID),
             "map": MAP_LR,
         }
         for method, lr in lrs.items():
             args = (method, task, make, lr, grid, s["mnist_draws"])
-            cache.get_or_run(f"mnist/{net_name}/{method}", bar, run, *args)
+            cache.get_or_run(mnist_key(net_name, method, seed), bar, run, *args, seed=seed)
     bar.close()
 
 
@@ -1072,9 +1093,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--reuse-tuning",
         type=Path,
-        help="the JSON the regression tuning runs are read from (and run into); default --results",
+        help="the JSON the tuning runs (regression; --part mnist: MNIST's, from the same --init) "
+        "are read from (and run into); default --results",
+    )
+    parser.add_argument(
+        "--seed0-results",
+        type=Path,
+        nargs="+",
+        help="--report: the JSONs whose seed-0 MNIST runs go beside the other seeds' runs of "
+        "--results (one network's at a time)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="--part mnist only: the seed of the final runs (the net's initialization, the "
+        "minibatches, the Monte Carlo draws; the data split stays fixed); the learning rates are "
+        "tuned from seed 0 (pass --reuse-tuning to read them from the seed-0 JSON); default 0",
     )
     options = parser.parse_args(argv)
+    for seed0_path in options.seed0_results or []:
+        if not seed0_path.exists():
+            parser.error(f"--seed0-results: no such file {seed0_path}")
+    if options.seed < 0:
+        parser.error(f"--seed must be a non-negative integer, got {options.seed}")
+    if options.seed != 0 and (options.part != "mnist" or options.report):
+        parser.error(
+            "--seed applies to --part mnist only (the other parts and --report are seed 0); "
+            "drop --seed or pass --part mnist without --report"
+        )
     torch.set_num_threads(1)
     pyro.enable_validation(False)  # Pyro's argument checks cost every method alike; off for all
     s = dict(SETTINGS["quick" if options.quick else "full"])
@@ -1097,18 +1144,19 @@ def main(argv: list[str] | None = None) -> None:
     cache = Cache(path)
     tune = Cache(options.reuse_tuning) if options.reuse_tuning else cache
     if options.report:
-        from bnn_quality_report import report
+        from bnn_quality_report import report, seed0_runs
 
         # a smoke run's figures go to the temporary directory, not over the docs' figures
         img = Path(tempfile.gettempdir()) if options.quick else IMG
-        print(report(cache.data, s, img, stem=path.stem))
+        seed0 = seed0_runs([Cache(p).data for p in options.seed0_results or []])
+        print(report(cache.data, s, img, stem=path.stem, seed0=seed0))
         return
     if options.part in ("objective", "all"):
         part_objective(cache, s, tune)
     if options.part in ("regression", "diagnose", "all"):
         part_regression(cache, s, tune)
     if options.part in ("mnist", "all"):
-        part_mnist(cache, s, options.data_dir)
+        part_mnist(cache, s, options.data_dir, tune, options.seed)
     if options.part in ("objective-mnist", "all"):
         part_objective_mnist(cache, s, options.data_dir)
     if options.part in ("diagnose", "all"):

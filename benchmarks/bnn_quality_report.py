@@ -44,11 +44,11 @@ def _runs(data: dict, prefix: str) -> list[dict]:
     return runs
 
 
-def _mean_sd(values: list[float]) -> str:
+def _mean_sd(values: list[float], digits: int = 3) -> str:
     a = np.asarray(values, dtype=float)
     if len(a) == 1:
-        return f"{a[0]:.3f}"
-    return f"{a.mean():.3f} ± {a.std(ddof=1):.3f}"
+        return f"{a[0]:.{digits}f}"
+    return f"{a.mean():.{digits}f} ± {a.std(ddof=1):.{digits}f}"
 
 
 def mean_curve(runs: list[dict], key: str = "nll") -> tuple[np.ndarray, np.ndarray]:
@@ -198,6 +198,87 @@ def mnist_table(data: dict) -> tuple[list[str], list[tuple]]:
         *goals,
     ]
     return [*lines, "", *goals], curves
+
+
+#: Seed-0 runs recorded by another script under another key: ``bench_qnvb_wide.py``'s ten-epoch
+#: row of the same setting as the ``qnvb-wide`` variant (the same ``run``, seed, data and scoring;
+#: its ``-ELBO`` score restores the random generator, so the training is the same)
+SEED0_ALIASES = {"mnist/mlp/qnvb-wide": "full/qnvb trust 0.3, scale_max 2, significance 1"}
+MNIST_SCORES = ("accuracy", "nll", "ece", "brier")
+
+
+def seed0_runs(files: list[dict]) -> dict:
+    """The seed-0 MNIST runs ``mnist/<net>/<method>`` of the recorded JSONs ``files`` (each one's
+    data), with :data:`SEED0_ALIASES` resolved; a key found in two files is an error."""
+    out: dict = {}
+    for data in files:
+        found = {k: v for k, v in data.items() if k.startswith("mnist/")}
+        found.update({k: data[a] for k, a in SEED0_ALIASES.items() if a in data})
+        clash = sorted(set(found) & set(out))
+        if clash:
+            raise ValueError(
+                f"the seed-0 runs {clash} are in two of the --seed0-results files: pass one "
+                "network's files at a time (the CNN's default and Kaiming runs share keys)"
+            )
+        out.update(found)
+    return out
+
+
+def mnist_seeds_tables(data: dict, seed0: dict) -> list[str]:
+    """MNIST over seeds: every method run from seeds ``k >= 1`` (``seed<k>/mnist/<net>/<method>``
+    in ``data``) beside its seed-0 run (``mnist/<net>/<method>`` in ``seed0``, or in ``data``):
+    one row per seed, then the mean ± sd (ddof 1) over the seeds found."""
+    seeds = sorted({int(k.split("/")[0][4:]) for k in data if k.startswith("seed")})
+    seed0 = {**{k: v for k, v in data.items() if k.startswith("mnist/")}, **seed0}
+    rows = [
+        "| net | method | lr | seed | accuracy | NLL | ECE | Brier | QNVB reaches Adam's best NLL "
+        "at (Adam's, at evals) | CPU s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    means = [
+        "| net | method | seeds | accuracy | NLL | ECE | Brier |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for net in ("mlp", "cnn"):
+        methods = [
+            m for m in (*METHODS, "map", *EXTRAS) if f"seed{seeds[0]}/mnist/{net}/{m}" in data
+        ]
+        by_seed = {
+            seed: {
+                m: (seed0 if seed == 0 else data).get(
+                    f"mnist/{net}/{m}" if seed == 0 else f"seed{seed}/mnist/{net}/{m}"
+                )
+                for m in methods
+            }
+            for seed in (0, *seeds)
+        }
+        for method in methods:
+            done = []
+            for seed, runs in by_seed.items():
+                r = runs[method]
+                if r is None:
+                    rows.append(f"| {net} | {method} | | {seed} | - | - | - | - | | - |")
+                    continue
+                done.append(seed)
+                f = r["final"]
+                reach = ""
+                if method.startswith("qnvb") and runs.get("adam") and runs.get("ivon"):
+                    g = goal_row({m: [v] for m, v in runs.items() if v is not None}, method)
+                    at = "never" if g["qnvb_reach"] is None else str(g["qnvb_reach"])
+                    reach = f"{at} ({g['adam_best']:.4f}, {g['adam_at']})"
+                lr = r["lr"]
+                rows.append(
+                    f"| {net} | {method} | {'-' if lr is None else f'{lr:g}'} | {seed} | "
+                    + " | ".join(f"{f[key]:.4f}" for key in MNIST_SCORES)
+                    + f" | {reach} | {r['cpu_s']:.0f} |"
+                )
+            cells = [
+                _mean_sd([by_seed[seed][method]["final"][key] for seed in done], 4)
+                for key in MNIST_SCORES
+            ]
+            seeds_done = ", ".join(str(seed) for seed in done)
+            means.append(f"| {net} | {method} | {seeds_done} | " + " | ".join(cells) + " |")
+    return ["Mean ± sd over the seeds:", "", *means, "", "Per seed:", "", *rows]
 
 
 def _column(runs: list[dict], key: str) -> str:
@@ -446,9 +527,15 @@ def figure_mnist(curves: list[tuple], path: Path) -> None:
     plt.close(figure)
 
 
-def report(data: dict, settings: dict, img: Path, stem: str = "bnn_quality") -> str:
-    """The markdown of the docs section (tables) and the figures ``img/<stem>_*.png``."""
+def report(
+    data: dict, settings: dict, img: Path, stem: str = "bnn_quality", seed0: dict | None = None
+) -> str:
+    """The markdown of the docs section (tables) and the figures ``img/<stem>_*.png``; where
+    ``data`` holds runs from other seeds, their table with the seed-0 runs of ``seed0`` (the
+    ``mnist/<net>/<method>`` runs of :func:`seed0_runs`)."""
     out: list[str] = []
+    if any(k.startswith("seed") for k in data):
+        out += ["### MNIST on several seeds", "", *mnist_seeds_tables(data, seed0 or {}), ""]
     table, curves = regression_tables(data)
     if curves:
         figure_regression(curves, img / f"{stem}_regression.png")
