@@ -149,7 +149,9 @@ def bench_layer(repeats: int) -> None:
             net = nn.Linear(size, size)
             if kind == "WHVI":
                 net = whvi(net)  # declares S1, S2 (point estimates) and g ~ N(0, 1)
-            bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(64, scale=1.0))
+            likelihood = likelihoods.Gaussian(64, scale=1.0)
+            # QNVB's own settings, as recorded (not the network settings a BayesianModule declares)
+            bnn = BayesianModule(net, priors.Normal(1.0), likelihood, qnvb_settings={})
             guide = AutoMeanFieldNormal(bnn)
             svi = SVI(bnn, guide, QNVB(), QuadratureELBO())
             svi.step(x, y)
@@ -288,7 +290,7 @@ def bench_toy(steps: int, nuts: bool, out: str, samples: int = 200) -> None:
         if kind == "WHVI":  # the hidden 128 x 128 layer; the first and last stay mean-field
             net = dict(bnn.named_children())["net"]
             net[2] = WHVILinear(128, 128, dtype=net[2].weight.dtype)
-            bnn = BayesianModule(net, bnn.prior, bnn.likelihood)
+            bnn = BayesianModule(net, bnn.prior, bnn.likelihood, qnvb_settings={})
         start = time.perf_counter()
         guide, _ = tutorial.fit_svi(bnn, x, y, QNVB(lr=0.1), QuadratureELBO(), steps, kind)
         elapsed = time.perf_counter() - start

@@ -377,10 +377,11 @@ def test_quadrature_elbo_logistic_regression_reaches_the_reference():
     assert problem.error(loc, scale) < 0.1
 
 
-def _bnn_first_steps(**qnvb_args):
+def _bnn_first_steps(qnvb_settings=None, **qnvb_args):
     """A 10-50-1 ReLU BayesianModule on diabetes (split 0, prior N(0, 1/fan_in), learned noise)
     under QNVB + QuadratureELBO: the largest move of a guide mean on the first step, and the
-    losses of the first four steps."""
+    losses of the first four steps (the move: of a weight's mean). ``qnvb_settings``: what the
+    module declares (None: its default, the network settings)."""
     from torch import nn
 
     from pyro_quadvi.nn import BayesianModule, likelihoods, priors
@@ -393,14 +394,17 @@ def _bnn_first_steps(**qnvb_args):
     net = nn.Sequential(nn.Linear(x.shape[1], 50), nn.ReLU(), nn.Linear(50, 1))
     noise_prior = dist.LogNormal(0.0, 1.0)
     likelihood = likelihoods.Gaussian(len(x), scale=None, noise_prior=noise_prior)
-    bnn = BayesianModule(net, priors.LayerwiseNormal("radford"), likelihood)
+    bnn = BayesianModule(
+        net, priors.LayerwiseNormal("radford"), likelihood, qnvb_settings=qnvb_settings
+    )
     guide = AutoMeanFieldNormal(bnn, init_scale=0.1)
     svi = SVI(bnn, guide, QNVB(**qnvb_args), QuadratureELBO())
     guide(x, y)
     store = pyro.get_param_store()
 
-    def locs():
-        return torch.cat([v.detach().reshape(-1) for k, v in store.items() if ".locs." in k])
+    def locs():  # the weights' (the learned noise scale's loc aside)
+        weights = [v for k, v in store.items() if ".locs." in k and "noise" not in k]
+        return torch.cat([v.detach().reshape(-1) for v in weights])
 
     before = locs()
     losses = [svi.step(x, y)]
@@ -411,12 +415,29 @@ def _bnn_first_steps(**qnvb_args):
 
 def test_on_a_bayesian_network_the_default_cap_moves_weights_by_lr_and_trust_region_holds():
     # docs/benchmarks.md, "QNVB step cap default (issue 11)": on the first step s = g^2, so every
-    # weight of small curvature moves by lr = 1 at once and the loss blows up; trust_region = 1
-    # moves none by more than its sigma (init_scale = 0.1), and the loss keeps falling
-    move, losses = _bnn_first_steps()
+    # weight of small curvature moves by lr = 1 at once and the loss blows up (QNVB's own
+    # defaults: the module declares nothing); trust_region = 1 moves none by more than its sigma
+    # (init_scale = 0.1), and the loss keeps falling
+    move, losses = _bnn_first_steps(qnvb_settings={})
     assert move == pytest.approx(1.0, rel=1e-6)
     assert losses[3] > 50 * losses[0]
-    move, losses = _bnn_first_steps(trust_region=1.0)
+    move, losses = _bnn_first_steps(qnvb_settings={}, trust_region=1.0)
     assert move <= 0.1 * (1 + 1e-6)
     assert losses[2] < losses[1] < losses[0]
     assert losses[3] < 1.5 * losses[0]
+
+
+def test_a_bayesian_network_declares_the_network_settings_and_qnvb_arguments_override_them():
+    # QNVB() on a BayesianModule takes the settings its weights declare (trust_region 0.3: no
+    # weight moves by more than 0.3 sigma = 0.03 on the first step, and the loss falls), while
+    # the learned noise site keeps QNVB's defaults; an argument given to QNVB wins
+    move, losses = _bnn_first_steps()
+    assert 0.01 < move <= 0.03 * (1 + 1e-6)
+    assert losses[3] < losses[2] < losses[1] < losses[0]
+    move, _ = _bnn_first_steps(trust_region=1.0)
+    assert 0.03 < move <= 0.1 * (1 + 1e-6)
+    qnvb = QNVB(scale_max=3.0)
+    hp = qnvb._block_hyperparameters("w", {"trust_region": 0.3, "scale_max": 2.0})
+    assert (hp.trust_region, hp.scale_max, hp.lr) == (0.3, 3.0, 1.0)
+    with pytest.raises(TypeError, match=r"site 'w' declares .*'trust'"):
+        QNVB()._block_hyperparameters("w", {"trust": 0.3})

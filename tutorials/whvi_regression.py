@@ -70,7 +70,9 @@ def make_bnn(kind: str, num_features: int, n: int, hidden: int = 128) -> Bayesia
     elif kind != "MFG":
         raise ValueError(f"kind must be 'WHVI' or 'MFG', got {kind!r}")
     prior = priors.LayerwiseNormal("radford")
-    return BayesianModule(net, prior, likelihoods.Gaussian(n, scale=None))
+    # QNVB's own settings (with lr=0.1, below), as the recorded figures were made: the network
+    # settings a BayesianModule declares by default are not measured on WHVI layers
+    return BayesianModule(net, prior, likelihoods.Gaussian(n, scale=None), qnvb_settings={})
 
 
 def predictive_draws(bnn: BayesianModule, guide, x: torch.Tensor, num_samples: int):

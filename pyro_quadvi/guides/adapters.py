@@ -135,6 +135,7 @@ def describe_auto_normal(
                 scale_factor=factor,
                 rows=rows,
                 constraint=proto["fn"].support,
+                hints=dict(proto["infer"].get("qnvb", {})),
             )
         )
         latent.append(LatentSite(name, loc.shape, event_dim, transform))

@@ -111,6 +111,10 @@ class MeanFieldSite:
             for a family whose nodes' ``loc`` and ``scale`` are moments of its parameters rather
             than the parameters (``dirac_gauss``: ``"loc"`` nu, ``"scale"`` tau, ``"logit"``
             zeta); empty for ``"gaussian"``.
+        hints: optimizer settings the model declares for this block (its sample site's
+            ``infer["qnvb"]``, e.g. a :class:`~pyro_quadvi.nn.BayesianModule`'s
+            ``qnvb_settings``): :class:`~pyro_quadvi.optim.QNVB` takes them in place of its own
+            defaults; the settings a user passes to it override them.
     """
 
     name: str
@@ -126,6 +130,7 @@ class MeanFieldSite:
     rows: dict[int, torch.Tensor] | None = field(default_factory=dict)
     constraint: Constraint | None = None
     values: dict[str, torch.Tensor] = field(default_factory=dict)
+    hints: dict[str, object] = field(default_factory=dict)
 
     @property
     def shape(self) -> torch.Size:

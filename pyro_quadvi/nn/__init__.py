@@ -8,13 +8,14 @@ spike-and-slab fit.
 """
 
 from . import likelihoods, priors
-from .module import BayesianModule
+from .module import NETWORK_QNVB_SETTINGS, BayesianModule
 from .predict import Prediction, predict
 from .sparse import SparseNetwork, sparse_network
 from .training import History, fit
 from .whvi import WHVILinear, setup_dimensions, whvi
 
 __all__ = [
+    "NETWORK_QNVB_SETTINGS",
     "BayesianModule",
     "History",
     "Prediction",

@@ -36,9 +36,18 @@ from torch.func import functional_call, vmap
 from .likelihoods import Likelihood
 from .priors import LayerwiseNormal
 
-__all__ = ["BayesianModule"]
+__all__ = ["NETWORK_QNVB_SETTINGS", "BayesianModule"]
 
 DETERMINISTIC = "deterministic"  # a declared role: a point estimate (see the module docstring)
+
+NETWORK_QNVB_SETTINGS: dict[str, float] = {
+    "trust_region": 0.3,
+    "scale_max": 2.0,
+    "significance": 1.0,
+}
+"""What a :class:`BayesianModule` declares for QNVB at each of its weights (``qnvb_settings``):
+the mean moves at most ``0.3 sigma`` a step, ``sigma`` at most doubles a step and holds until the
+curvature is significant (``docs/nn.md``, "QNVB on networks"; ``docs/benchmarks.md``)."""
 
 
 class BayesianModule(PyroModule):
@@ -57,6 +66,11 @@ class BayesianModule(PyroModule):
             (see below). A given ``hide`` is the whole hidden set: it replaces those declarations.
         declarations: read the layers' declarations (``bayesian_parameters()``); ``False``
             ignores them, so that ``prior`` and ``hide`` alone decide every parameter.
+        qnvb_settings: the QNVB hyperparameters each weight's site declares
+            (``infer={"qnvb": ...}``, :attr:`~pyro_quadvi.guides.MeanFieldSite.hints`), which
+            :class:`~pyro_quadvi.optim.QNVB` takes in place of its own defaults for those blocks
+            (settings passed to ``QNVB(...)`` still win): :data:`NETWORK_QNVB_SETTINGS` by
+            default; ``{}`` declares none.
 
     Every other parameter of ``net`` is a latent ``pyro.sample(name, prior(name, p).to_event())``.
 
@@ -83,6 +97,7 @@ class BayesianModule(PyroModule):
         likelihood: Likelihood,
         hide: Iterable[str] | None = None,
         declarations: bool = True,
+        qnvb_settings: dict | None = None,
     ):
         super().__init__()
         if not isinstance(net, nn.Module):
@@ -106,6 +121,10 @@ class BayesianModule(PyroModule):
         self.prior = prior
         self.likelihood = likelihood
         self.hide = hide
+        settings = NETWORK_QNVB_SETTINGS if qnvb_settings is None else qnvb_settings
+        if not isinstance(settings, dict):
+            raise TypeError(f"qnvb_settings must be a dict of QNVB settings, got {settings!r}")
+        self.qnvb_settings = dict(settings)
         # latent parameter name -> (module path, name in the module) of its declared prior
         self._declared = {n: where for n, where in declared_priors.items() if n not in hide}
         if isinstance(prior, LayerwiseNormal):
@@ -222,7 +241,8 @@ class BayesianModule(PyroModule):
         """Sample the parameters, run the net on ``x`` and observe ``y`` (or sample it)."""
         values = {}
         for name, param in self.latent_parameters().items():
-            values[name] = pyro.sample(name, self.prior_of(name, param))
+            infer = {"qnvb": self.qnvb_settings} if self.qnvb_settings else {}
+            values[name] = pyro.sample(name, self.prior_of(name, param), infer=infer)
         outputs, batch_dims = self._evaluate(values, x)
         self.likelihood(outputs, y, batch_dims)
         return outputs

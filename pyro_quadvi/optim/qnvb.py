@@ -253,8 +253,10 @@ class QNVB(PyroOptim):
         self._warned: set[str] = set()
         watch_guides()
 
-    def _hyperparameters_for(self, name: str | None) -> QNVBHyperparameters:
-        args = dict(self.defaults)
+    def _hyperparameters_for(
+        self, name: str | None, hints: dict | None = None
+    ) -> QNVBHyperparameters:
+        args = {**(hints or {}), **self.defaults}
         if isinstance(self.optim_args, dict):
             args.update(self.optim_args)
         elif callable(self.optim_args) and name is not None:
@@ -266,16 +268,19 @@ class QNVB(PyroOptim):
             args.update(extra)
         unknown = sorted(set(args) - set(_HP_NAMES))
         if unknown:
+            whose = f"the model's site {name!r} declares (infer['qnvb'])" if hints else "QNVB got"
             raise TypeError(
-                f"QNVB got unknown hyperparameters {unknown}; the update takes {list(_HP_NAMES)}"
+                f"{whose} unknown hyperparameters {unknown}; the update takes {list(_HP_NAMES)}"
             )
         return QNVBHyperparameters(**args)
 
-    def _block_hyperparameters(self, name: str) -> QNVBHyperparameters:
-        if not callable(self.optim_args):
+    def _block_hyperparameters(self, name: str, hints: dict) -> QNVBHyperparameters:
+        """The block's hyperparameters: its model's hints (:attr:`MeanFieldSite.hints`) under
+        the settings passed to QNVB, and the callable's per block."""
+        if not callable(self.optim_args) and not hints:
             return self.hyperparameters
         if name not in self._by_block:
-            self._by_block[name] = self._hyperparameters_for(name)
+            self._by_block[name] = self._hyperparameters_for(name, hints)
         return self._by_block[name]
 
     @staticmethod
@@ -451,7 +456,7 @@ class QNVB(PyroOptim):
 
         state = self._state_for(name, loc_leaf)
         old = QNVBState(*(select(state[key]) for key in QNVBState._fields))
-        hp = self._block_hyperparameters(name)
+        hp = self._block_hyperparameters(name, site.hints)
         return _Prepared(site, values, g, h, old, hp, state, index)
 
     @torch.no_grad()
