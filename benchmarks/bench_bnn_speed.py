@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_bnn_speed.py [--repeats 7] [--steps 10] [--profile]
         [--no-compile] [--update-only] [--nets 1-50-1 784-200-10 784-400-400-10 table2-cnn]
-        [--clock wall|cpu]
+        [--clock wall|cpu] [--batch 1024] [--floor]
 
 For four networks (1-50-1 with a Gaussian likelihood at batch 128; 784-200-10, 784-400-400-10 and
 the convolutional network of the sequence paper's Table 2 with a categorical likelihood at batch
@@ -23,7 +23,8 @@ the convolutional network of the sequence paper's Table 2 with a categorical lik
 
 The Table 2 network is ``table2_cnn`` of ``bench_bnn_quality.py`` (ReLU after grouped 1x1
 convolutions in place of the paper's ternary units; 28 x 28 inputs, padded to 32 x 32 inside the
-net). ``--nets`` keeps the networks named (all by default).
+net). ``--nets`` keeps the networks named (all by default); ``--batch`` runs every one of them at
+that batch size instead.
 
 Blocks of ``--steps`` steps are timed alternately (each variant in turn) ``--repeats`` times; the
 table shows the median time per step and the ratios of the medians. ``--clock wall`` (the
@@ -45,6 +46,11 @@ once) plus the parameters' bytes.
 ``--profile`` adds, on 784-400-400-10 (on each network of ``--nets`` where given), a cProfile of
 the QNVB step and of the one-pass ``QNVBOptimizer`` step (cumulative times of their stages; eager
 updates) and the top operators of ``torch.profiler`` by self CPU time.
+
+``--floor`` first times one elementwise pass, ``torch.add(a, b, out=c)``, over ``K x P`` and over
+``P`` floats (``P`` the network's parameter count; median of ``repeats x steps`` blocks of 10
+passes, same clock): the unit of a bandwidth floor for the step's work on ``K x P`` entries (the
+node points, the sums over the nodes) and the update's on ``P``.
 
 Pyro's validation is left as it is by default (on) for both SVI steps.
 """
@@ -263,35 +269,30 @@ def mlp(widths: list[int], activation: type[nn.Module]):
     return lambda: make_net(widths, activation)
 
 
-#: key -> (table row name, network factory, input shape, batch, likelihood)
+#: key -> (network name, network factory, input shape, default batch, likelihood)
 CASES = {
-    "1-50-1": ("1-50-1, B=128, Gaussian", mlp([1, 50, 1], nn.Tanh), (1,), 128, "gaussian"),
-    "784-200-10": (
-        "784-200-10, B=128, Categorical",
-        mlp([784, 200, 10], nn.ReLU),
-        (784,),
-        128,
-        "categorical",
-    ),
+    "1-50-1": ("1-50-1", mlp([1, 50, 1], nn.Tanh), (1,), 128, "gaussian"),
+    "784-200-10": ("784-200-10", mlp([784, 200, 10], nn.ReLU), (784,), 128, "categorical"),
     "784-400-400-10": (
-        "784-400-400-10, B=256, Categorical",
+        "784-400-400-10",
         mlp([784, 400, 400, 10], nn.ReLU),
         (784,),
         256,
         "categorical",
     ),
-    "table2-cnn": (
-        "Table 2 CNN (ReLU), B=64, Categorical",
-        table2_cnn,
-        (1, 28, 28),
-        64,
-        "categorical",
-    ),
+    "table2-cnn": ("Table 2 CNN (ReLU)", table2_cnn, (1, 28, 28), 64, "categorical"),
 }
 
 
-def measure(case, repeats: int, steps: int, compile: bool) -> tuple[str, str]:
-    name, make, in_shape, batch, kind = case
+def row_name(case) -> str:
+    """The table row of a case: network, batch, likelihood."""
+    name, _, _, batch, kind = case
+    return f"{name}, B={batch}, {kind.capitalize()}"
+
+
+def measure(case, repeats: int, steps: int, compile: bool) -> tuple[str, str, list[str]]:
+    _, make, in_shape, batch, kind = case
+    name = row_name(case)
     net, x, optims, fns = build(make, in_shape, batch, kind, compile)
     times = {label: [] for label in fns}
     update = {label: [] for label in optims}
@@ -333,11 +334,12 @@ STAGES = {
         (("mean_field.py", "forward"), "    guide forward (AutoMeanFieldNormal draws a sample)"),
         (("log_joint.py", "_vectorized"), "  model at the K nodes (LogJoint, one pass)"),
         (("module.py", "_evaluate"), "    net under vmap (functional_call)"),
-        (("trace_struct.py", "compute_log_prob"), "    log densities (prior on K x P, likelihood)"),
+        (("trace_struct.py", "compute_log_prob"), "    log densities (likelihood)"),
         (("base.py", "matrix"), "  hadamard node matrix (K x D signs)"),
-        (("interface.py", "affine"), "  nodes z = loc + sigma x"),
-        (("quadrature_elbo.py", "hook"), "  moment publisher hook (in backward)"),
+        (("quadrature_elbo.py", "forward"), "  nodes z = loc + sigma x (_NodePoints)"),
+        (("quadrature_elbo.py", "expected_log_prior"), "  priors in closed form (the loss's term)"),
         (("", "<method 'run_backward' of 'torch._C._EngineBase' objects>"), "  backward"),
+        (("quadrature_elbo.py", "backward"), "    node sums, priors' parts, moments (_NodePoints)"),
         (("qnvb.py", "__call__"), "QNVB.__call__ (the update)"),
         (("qnvb.py", "_find_blocks"), "  QNVB._find_blocks (pairing)"),
         (("qnvb.py", "_prepare_block"), "  QNVB._prepare_block (scales, moments)"),
@@ -359,7 +361,8 @@ STAGES = {
 
 
 def run_profile(case, steps: int) -> None:
-    name, make, in_shape, batch, kind = case
+    _, make, in_shape, batch, kind = case
+    name = row_name(case)
     _, _, _, fns = build(make, in_shape, batch, kind, compile=False)
     for label, stages in STAGES.items():
         step = fns[label]
@@ -388,6 +391,28 @@ def run_profile(case, steps: int) -> None:
             for _ in range(5):
                 fns[label]()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def floor_table(cases, repeats: int) -> None:
+    """One elementwise pass (``torch.add(a, b, out=c)``: two reads, one write) over ``K x P`` and
+    over ``P`` floats, ``P`` each network's parameter count; median of ``repeats`` blocks of 10."""
+    print(
+        f"\nOne elementwise pass, torch.add(a, b, out=c) (ms, median of {repeats} blocks of 10):"
+        f"\n\n| network | parameters P | pass over {K} x P | pass over P |\n|---|---:|---:|---:|"
+    )
+    for name, make, _, _, _ in cases:
+        count = sum(p.numel() for p in make().parameters())
+        cells = []
+        for n in (K * count, count):
+            a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
+            times = []
+            for _ in range(repeats + 1):  # one warm-up block
+                start = clock()
+                for _ in range(10):
+                    torch.add(a, b, out=c)
+                times.append((clock() - start) / 10)
+            cells.append(f"{statistics.median(times[1:]) * 1e3:.3f}")
+        print(f"| {name} | {count:,} | " + " | ".join(cells) + " |", flush=True)
 
 
 def update_table(cases, repeats: int, compile: bool) -> None:
@@ -461,10 +486,22 @@ def main() -> None:
         choices=list(CASES),
         help="only these networks (default: all; --profile then profiles them, not 784-400-400-10)",
     )
+    parser.add_argument(
+        "--batch", type=int, help="batch size of every network run (default: each network's own)"
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time one elementwise pass over K x P and over P floats (a bandwidth floor)",
+    )
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
     cases = [CASES[key] for key in args.nets or CASES]
+    if args.batch is not None:
+        if args.batch < 1:
+            parser.error(f"--batch must be a positive integer, got {args.batch}")
+        cases = [(name, make, shape, args.batch, kind) for name, make, shape, _, kind in cases]
     torch.set_num_threads(1)
     pyro.settings.set(module_local_params=True)  # each guide holds its own parameters
     torch.set_default_dtype(torch.float32)
@@ -472,6 +509,8 @@ def main() -> None:
         f"torch {torch.__version__}, pyro {pyro.__version__}, threads {torch.get_num_threads()}, "
         f"clock {args.clock}"
     )
+    if args.floor:
+        floor_table(cases, args.repeats * args.steps)
     update_table(cases, args.repeats * args.steps, not args.no_compile)
     if args.update_only:
         return
@@ -498,8 +537,11 @@ def main() -> None:
     print("|---|" + "---:|" * 9)
     print("\n".join(memory_rows))
     if args.profile:
-        for key in args.nets or ["784-400-400-10"]:
-            run_profile(CASES[key], args.steps * 2)
+        profiled = cases if args.nets else [CASES["784-400-400-10"]]
+        if args.batch is not None:
+            profiled = [(n, make, shape, args.batch, kind) for n, make, shape, _, kind in profiled]
+        for case in profiled:
+            run_profile(case, args.steps * 2)
 
 
 if __name__ == "__main__":
