@@ -12,6 +12,11 @@ The full-length pass (``docs/benchmarks.md`` gives its exact commands): ``--part
 --reuse-tuning benchmarks/results/bnn_quality.json`` (the first pass's tuned learning rates),
 ``--part mnist`` and ``--part objective-mnist`` with ``--mnist-evals 620`` (10 epochs) into
 ``bnn_quality_mnist10.json``; ``--variants`` adds named QNVB variants (:data:`VARIANTS`).
+The retuned regression (``bnn_quality_e3000_tuned.json``): Adam's and IVON's learning rates tuned
+at ``--evals 3000`` (``--splits 0``: the tuning runs alone), then ``--methods`` (the regression
+methods to run) with ``--reuse-runs bnn_quality_e3000.json``, which copies a run from that JSON
+wherever it holds the same key at the same learning rate (a QNVB row: its recorded run, made by
+the package of that time) instead of running it again.
 
 ``D`` is the MNIST directory (default ``$PYRO_QUADVI_DATA/mnist-t10k``). Every run is cached in
 ``benchmarks/results/bnn_quality.json`` (``--quick``: its own file) under a key naming the data,
@@ -805,11 +810,13 @@ def regression_lrs(tune: Cache, s: dict, name: str, net_name: str) -> dict[str, 
     return {m: tuned_lr(tune, prefix, m) for m in ("adam", "ivon")}
 
 
-def part_regression(cache: Cache, s: dict, tune: Cache) -> None:
+def part_regression(cache: Cache, s: dict, tune: Cache, reuse: Cache | None = None) -> None:
     """Every cell and split: QNVB, its ``s["variants"]``, and Adam and IVON at the learning rates
-    tuned on split 0 (tuning runs read from, or run into, ``tune``)."""
+    tuned on split 0 (tuning runs read from, or run into, ``tune``); ``s["methods"]``, when set,
+    replaces that list. A run absent from ``cache`` is copied from ``reuse`` where ``reuse`` holds
+    it at the same learning rate (same data, seed and budget; as recorded there), not rerun."""
     grid = eval_grid(s["evals"], s["grid_points"])
-    methods = ("qnvb", *s["variants"], "adam", "ivon")
+    methods = s.get("methods") or ("qnvb", *s["variants"], "adam", "ivon")
     total = len(s["datasets"]) * len(s["nets"]) * len(methods) * s["splits"]
     bar = tqdm(total=total, desc="regression")
     for name in s["datasets"]:
@@ -821,6 +828,9 @@ def part_regression(cache: Cache, s: dict, tune: Cache) -> None:
                 for method in methods:
                     key = f"regression/{name}/{net_name}/{method}/split{split}"
                     args = (method, task, make, lrs.get(method), grid, s["draws"])
+                    same = reuse.data.get(key) if reuse is not None else None
+                    if key not in cache.data and same and same["lr"] == lrs.get(method):
+                        cache.put(key, same)
                     cache.get_or_run(key, bar, run, *args, seed=split)
     bar.close()
 
@@ -1074,6 +1084,17 @@ def main(argv: list[str] | None = None) -> None:
         type=Path,
         help="the JSON the regression tuning runs are read from (and run into); default --results",
     )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=("qnvb", "adam", "ivon", *sorted(VARIANTS)),
+        help="--part regression: run only these methods (default: qnvb, --variants, adam, ivon)",
+    )
+    parser.add_argument(
+        "--reuse-runs",
+        type=Path,
+        help="--part regression: copy a run from this JSON where it has the same key and lr",
+    )
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
     pyro.enable_validation(False)  # Pyro's argument checks cost every method alike; off for all
@@ -1091,6 +1112,8 @@ def main(argv: list[str] | None = None) -> None:
             s[name] = getattr(options, name)
     if options.variants:
         s["variants"] = tuple(options.variants)
+    if options.methods:
+        s["methods"] = tuple(options.methods)
     path = options.results or (
         RESULTS.with_name("bnn_quality_quick.json") if options.quick else RESULTS
     )
@@ -1106,7 +1129,7 @@ def main(argv: list[str] | None = None) -> None:
     if options.part in ("objective", "all"):
         part_objective(cache, s, tune)
     if options.part in ("regression", "diagnose", "all"):
-        part_regression(cache, s, tune)
+        part_regression(cache, s, tune, Cache(options.reuse_runs) if options.reuse_runs else None)
     if options.part in ("mnist", "all"):
         part_mnist(cache, s, options.data_dir)
     if options.part in ("objective-mnist", "all"):
