@@ -12,6 +12,11 @@ The full-length pass (``docs/benchmarks.md`` gives its exact commands): ``--part
 --reuse-tuning benchmarks/results/bnn_quality.json`` (the first pass's tuned learning rates),
 ``--part mnist`` and ``--part objective-mnist`` with ``--mnist-evals 620`` (10 epochs) into
 ``bnn_quality_mnist10.json``; ``--variants`` adds named QNVB variants (:data:`VARIANTS`).
+The retuned regression (``bnn_quality_e3000_tuned.json``): Adam's and IVON's learning rates tuned
+at ``--evals 3000`` (``--splits 0``: the tuning runs alone), then ``--methods`` (the regression
+methods to run) with ``--reuse-runs bnn_quality_e3000.json``, which copies a run from that JSON
+wherever it holds the same key at the same learning rate (a QNVB row: its recorded run, made by
+the package of that time) instead of running it again.
 
 ``--part mnist --seed k`` reruns the final MNIST runs from seed ``k`` (the net's initialization,
 the minibatch order and the Monte Carlo draws; the 8,000 / 2,000 split stays fixed) under keys
@@ -43,7 +48,9 @@ QNVB with ``lr=PROPOSED_LR`` (else defaults) on every cell, the change those run
 the optimizer: every method's final posterior scored by one model's ``-ELBO`` (:func:`objective`),
 IVON's as the Gaussian it samples from, with means and standard deviations swapped between methods.
 
-``bnn`` is ``BayesianModule(net, default_prior(kind), likelihood)`` (regression:
+``bnn`` is ``BayesianModule(net, default_prior(kind), likelihood, qnvb_settings={})``: QNVB's
+own settings, as every row was recorded, the QNVB variants naming theirs (``qnvb-wide`` is what
+``QNVB()`` on a ``BayesianModule`` now does, whose weights declare the network settings) (regression:
 ``priors.LayerwiseNormal("radford")``; MNIST: ``priors.Normal(1.0)``), the guide
 ``AutoMeanFieldNormal(bnn, init_loc_fn=init_to_value(the net's own initialization))``, so every
 method starts at the same weights (PyTorch's default initialization, seeded; ``--init kaiming``:
@@ -384,7 +391,7 @@ class PyroTrainer(Trainer):
         else:
             likelihood = likelihoods.Categorical(size)
         prior = default_prior(task.kind) if prior is None else prior
-        self.bnn = BayesianModule(net, prior, likelihood)
+        self.bnn = BayesianModule(net, prior, likelihood, qnvb_settings={})
         start = {name: p.detach().clone() for name, p in net.named_parameters()}
         start["noise_scale"] = torch.tensor(NOISE_INIT)
         pyro.clear_param_store()
@@ -810,11 +817,13 @@ def regression_lrs(tune: Cache, s: dict, name: str, net_name: str) -> dict[str, 
     return {m: tuned_lr(tune, prefix, m) for m in ("adam", "ivon")}
 
 
-def part_regression(cache: Cache, s: dict, tune: Cache) -> None:
+def part_regression(cache: Cache, s: dict, tune: Cache, reuse: Cache | None = None) -> None:
     """Every cell and split: QNVB, its ``s["variants"]``, and Adam and IVON at the learning rates
-    tuned on split 0 (tuning runs read from, or run into, ``tune``)."""
+    tuned on split 0 (tuning runs read from, or run into, ``tune``); ``s["methods"]``, when set,
+    replaces that list. A run absent from ``cache`` is copied from ``reuse`` where ``reuse`` holds
+    it at the same learning rate (same data, seed and budget; as recorded there), not rerun."""
     grid = eval_grid(s["evals"], s["grid_points"])
-    methods = ("qnvb", *s["variants"], "adam", "ivon")
+    methods = s.get("methods") or ("qnvb", *s["variants"], "adam", "ivon")
     total = len(s["datasets"]) * len(s["nets"]) * len(methods) * s["splits"]
     bar = tqdm(total=total, desc="regression")
     for name in s["datasets"]:
@@ -826,6 +835,9 @@ def part_regression(cache: Cache, s: dict, tune: Cache) -> None:
                 for method in methods:
                     key = f"regression/{name}/{net_name}/{method}/split{split}"
                     args = (method, task, make, lrs.get(method), grid, s["draws"])
+                    same = reuse.data.get(key) if reuse is not None else None
+                    if key not in cache.data and same and same["lr"] == lrs.get(method):
+                        cache.put(key, same)
                     cache.get_or_run(key, bar, run, *args, seed=split)
     bar.close()
 
@@ -1111,6 +1123,17 @@ def main(argv: list[str] | None = None) -> None:
         "minibatches, the Monte Carlo draws; the data split stays fixed); the learning rates are "
         "tuned from seed 0 (pass --reuse-tuning to read them from the seed-0 JSON); default 0",
     )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=("qnvb", "adam", "ivon", *sorted(VARIANTS)),
+        help="--part regression: run only these methods (default: qnvb, --variants, adam, ivon)",
+    )
+    parser.add_argument(
+        "--reuse-runs",
+        type=Path,
+        help="--part regression: copy a run from this JSON where it has the same key and lr",
+    )
     options = parser.parse_args(argv)
     for seed0_path in options.seed0_results or []:
         if not seed0_path.exists():
@@ -1138,6 +1161,8 @@ def main(argv: list[str] | None = None) -> None:
             s[name] = getattr(options, name)
     if options.variants:
         s["variants"] = tuple(options.variants)
+    if options.methods:
+        s["methods"] = tuple(options.methods)
     path = options.results or (
         RESULTS.with_name("bnn_quality_quick.json") if options.quick else RESULTS
     )
@@ -1154,7 +1179,7 @@ def main(argv: list[str] | None = None) -> None:
     if options.part in ("objective", "all"):
         part_objective(cache, s, tune)
     if options.part in ("regression", "diagnose", "all"):
-        part_regression(cache, s, tune)
+        part_regression(cache, s, tune, Cache(options.reuse_runs) if options.reuse_runs else None)
     if options.part in ("mnist", "all"):
         part_mnist(cache, s, options.data_dir, tune, options.seed)
     if options.part in ("objective-mnist", "all"):
