@@ -51,8 +51,8 @@ IVON's as the Gaussian it samples from, with means and standard deviations swapp
 ``bnn`` is ``BayesianModule(net, default_prior(kind), likelihood, qnvb_settings={})``: QNVB's
 own settings, as every row was recorded, the QNVB variants naming theirs (``qnvb-wide`` is what
 ``QNVB()`` on a ``BayesianModule`` now does: its weights declare the network settings).
-Priors (regression:
-``priors.LayerwiseNormal("radford")``; MNIST: ``priors.Normal(1.0)``), the guide
+The priors: regression ``priors.LayerwiseNormal("radford")``, MNIST ``priors.Normal(1.0)``;
+the guide
 ``AutoMeanFieldNormal(bnn, init_loc_fn=init_to_value(the net's own initialization))``, so every
 method starts at the same weights (PyTorch's default initialization, seeded; ``--init kaiming``:
 the MNIST networks from Kaiming's normal for ReLU, biases zero, :func:`mnist_net`). Regression
