@@ -105,6 +105,18 @@ class TimedQNVB(QNVB):
         self.elapsed += clock() - start
 
 
+class RecordingQNVB(QNVB):
+    """QNVB keeping the parameters ``SVI`` handed its last update (to run the update alone)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.params: list[torch.Tensor] = []
+
+    def __call__(self, params, *args, **kwargs):
+        self.params = list(params)
+        super().__call__(self.params, *args, **kwargs)
+
+
 class TimedQNVBOptimizer(QNVBOptimizer):
     """QNVBOptimizer that adds the time of each update (after the loss and gradients) to
     ``self.elapsed``."""
@@ -421,6 +433,42 @@ def floor_table(cases, repeats: int) -> None:
         print(f"| {name} | {count:,} | " + " | ".join(cells) + " |", flush=True)
 
 
+def memory_split_table(cases) -> None:
+    """Where the QNVB step's peak is: the peak of ``loss_and_grads`` (the K nodes' forward and
+    backward) and of the update alone (``QNVB.__call__`` on the step's parameters, gradients
+    in place), and the step's peak written as ``K x activations + c x parameters``."""
+    print(
+        "\nWhere the QNVB step's peak memory is (MiB; QNVB's own settings):\n\n| network | "
+        f"parameters P | {K} x activations | loss_and_grads peak | update peak | step peak | "
+        f"c = (step peak - {K} x act) / P |\n|---|---:|---:|---:|---:|---:|---:|"
+    )
+    for case in cases:
+        print(memory_split_row(case), flush=True)
+
+
+def memory_split_row(case) -> str:
+    """One row of :func:`memory_split_table`."""
+    _, make, in_shape, batch, kind = case
+    net, x, y, likelihood, _ = make_case(make, in_shape, batch, kind)
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihood, qnvb_settings={})
+    guide = AutoMeanFieldNormal(bnn)
+    elbo = QuadratureELBO("hadamard", num_points=K)
+    optim = RecordingQNVB()
+    svi = SVI(bnn, guide, optim, elbo)
+    for _ in range(3):
+        svi.step(x, y)
+    step = peak_bytes(lambda: svi.step(x, y))
+    grads = peak_bytes(lambda: elbo.loss_and_grads(bnn, guide, x, y))
+    update = peak_bytes(lambda: optim(optim.params))
+    act = K * activation_bytes(net, x)
+    size = sum(p.numel() * p.element_size() for p in net.parameters())
+    mib = 2.0**20
+    return (
+        f"| {row_name(case)} | {size / mib:.2f} | {act / mib:.2f} | {grads / mib:.2f} | "
+        f"{update / mib:.2f} | {step / mib:.2f} | {(step - act) / size:.1f} |"
+    )
+
+
 def update_table(cases, repeats: int, compile: bool) -> None:
     """The update alone on each network's parameter shapes: the reference ``qnvb_update`` tensor
     by tensor, ``qnvb_update_many`` (eager, flat) and with ``compile=True``; median of
@@ -500,6 +548,11 @@ def main() -> None:
         action="store_true",
         help="also time one elementwise pass over K x P and over P floats (a bandwidth floor)",
     )
+    parser.add_argument(
+        "--memory-split",
+        action="store_true",
+        help="only the table of where the QNVB step's peak memory is (forward-backward, update)",
+    )
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
@@ -517,6 +570,9 @@ def main() -> None:
     )
     if args.floor:
         floor_table(cases, args.repeats * args.steps)
+    if args.memory_split:
+        memory_split_table(cases)
+        return
     update_table(cases, args.repeats * args.steps, not args.no_compile)
     if args.update_only:
         return

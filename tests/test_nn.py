@@ -449,3 +449,16 @@ def test_a_convolutional_net_with_batch_norm_runs_in_one_pass_and_keeps_its_stat
     assert int(net[1].num_batches_tracked) == 0
     names = [site.name for site in describe_guide(guide).latent_sites]
     assert names == [name for name, _ in net.named_parameters()]
+
+
+def test_a_pickled_module_keeps_its_declared_settings_and_an_older_pickle_declares_none():
+    import pickle
+
+    bnn = linear_bnn(qnvb_settings={"trust_region": 0.5})
+    clone = pickle.loads(pickle.dumps(bnn))
+    trace = pyro.poutine.trace(clone).get_trace(X_LIN, Y_LIN)
+    assert trace.nodes["weight"]["infer"] == {"qnvb": {"trust_region": 0.5}}
+    del bnn.__dict__["qnvb_settings"]  # as pickled before modules declared settings
+    old = pickle.loads(pickle.dumps(bnn))
+    trace = pyro.poutine.trace(old).get_trace(X_LIN, Y_LIN)
+    assert trace.nodes["weight"]["infer"] == {} and old.qnvb_settings == {}

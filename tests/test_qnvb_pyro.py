@@ -439,5 +439,35 @@ def test_a_bayesian_network_declares_the_network_settings_and_qnvb_arguments_ove
     qnvb = QNVB(scale_max=3.0)
     hp = qnvb._block_hyperparameters("w", {"trust_region": 0.3, "scale_max": 2.0})
     assert (hp.trust_region, hp.scale_max, hp.lr) == (0.3, 3.0, 1.0)
-    with pytest.raises(TypeError, match=r"site 'w' declares .*'trust'"):
+    with pytest.raises(TypeError, match=r"declares .*\['trust'\] for the block of 'w'"):
         QNVB()._block_hyperparameters("w", {"trust": 0.3})
+    # a QNVB reused on a module declaring other settings takes the new ones
+    assert QNVB()._block_hyperparameters("w", {"trust_region": 0.5}).trust_region == 0.5
+    reused = QNVB()
+    reused._block_hyperparameters("w", {"trust_region": 0.3})
+    assert reused._block_hyperparameters("w", {"trust_region": 0.5}).trust_region == 0.5
+
+
+def _first_block_hyperparameters(guide_class, qnvb_settings=None):
+    """The hyperparameters QNVB gives the first block of ``guide_class`` on a small
+    BayesianModule (fixed noise: every latent is a weight)."""
+    from torch import nn
+
+    from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+
+    pyro.clear_param_store()
+    net = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))
+    likelihood = likelihoods.Gaussian(8, scale=0.5)
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihood, qnvb_settings=qnvb_settings)
+    x = torch.randn(8, 2, generator=torch.Generator().manual_seed(0))
+    guide = guide_class(bnn)
+    optim = QNVB()
+    SVI(bnn, guide, optim, QuadratureELBO()).step(x, x.sum(-1))
+    return next(iter(optim._by_block.values()), optim.hyperparameters)
+
+
+@pytest.mark.parametrize("guide_class", [AutoNormal, AutoMeanFieldNormal, AutoDiagonalNormal])
+def test_guides_carry_the_declared_settings(guide_class):
+    # one block per site, or one block over sites that all declare the same settings
+    assert _first_block_hyperparameters(guide_class).trust_region == 0.3
+    assert _first_block_hyperparameters(guide_class, {}).trust_region == math.inf

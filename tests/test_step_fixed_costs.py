@@ -73,7 +73,7 @@ def test_log_joint_and_its_gradient_equal_the_hand_written_density(vectorize):
     torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)
 
 
-# -- the Normal priors take their numbers once (priors._IidNormal) ----------------------------
+# -- the Normal priors take their numbers once (distributions.IidNormal) ----------------------
 
 
 @pytest.mark.parametrize(
@@ -481,12 +481,18 @@ def test_random_rules_not_exact_on_quadratics_evaluate_the_priors_at_the_nodes()
     assert torch.equal(loss, _explicit_loss(bnn, description, elbo.rule, 0, x, y, generator))
 
 
-def test_closed_form_priors_reach_the_scales_when_nothing_else_depends_on_the_points():
-    # a model of priors alone (no data): the loss is the closed form, and its gradients still
-    # come through the node points' backward: dL/dmu = (mu - m) / s^2, dL/dsigma = sigma / s^2
-    # - 1 / sigma
+Y_OBS = torch.tensor(0.8)
+
+
+@pytest.mark.parametrize("data", [False, True])
+def test_closed_form_priors_reach_the_scales_when_nothing_else_depends_on_the_points(data):
+    # the latent reaches nothing but its prior (no data; or data explained by a pyro.param
+    # alone, so the loss has a gradient but none through the node points): the loss is the
+    # closed form, and its gradients dL/dmu = (mu - m) / s^2, dL/dsigma = sigma / s^2 - 1 / sigma
     def model():
         pyro.sample("w", priors.Normal(2.0, loc=1.0)("w", torch.zeros(3)).to_event(1))
+        if data:
+            pyro.sample("y", dist.Normal(pyro.param("m", torch.tensor(0.3)), 1.0), obs=Y_OBS)
 
     pyro.clear_param_store()
     guide = AutoMeanFieldNormal(model, init_scale=0.5)
@@ -495,6 +501,8 @@ def test_closed_form_priors_reach_the_scales_when_nothing_else_depends_on_the_po
     (site,) = guide.quadrature_description().sites
     mu, sigma = site.loc.detach(), site.scale.detach()
     kl = (torch.log(2.0 / sigma) + (sigma**2 + (mu - 1.0) ** 2) / 8 - 0.5).sum()
+    if data:
+        kl = kl - dist.Normal(0.3, 1.0).log_prob(Y_OBS)
     torch.testing.assert_close(loss.detach(), kl)
     g_loc, g_scale = torch.autograd.grad(loss, [site.params["loc"], site.params["scale"]])
     torch.testing.assert_close(g_loc, (mu - 1.0) / 4)

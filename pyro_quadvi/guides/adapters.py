@@ -179,6 +179,9 @@ def _describe_diagonal(guide: AutoDiagonalNormal, trace: Trace | None) -> GuideD
     posterior, site_scale = _posterior(guide, trace)
     loc_leaf, _, loc_name = _leaf(guide, "loc")
     scale_leaf, scale_constraint, scale_name = _leaf(guide, "scale")
+    # one block over every site: the QNVB settings the sites declare, if they all declare the same
+    declared = [site["infer"].get("qnvb", {}) for _, site in latent_nodes(guide.prototype_trace)]
+    hints = dict(declared[0]) if declared and all(d == declared[0] for d in declared) else {}
     block = MeanFieldSite(
         name=f"_{guide._pyro_name}_latent",
         family="gaussian",
@@ -190,6 +193,7 @@ def _describe_diagonal(guide: AutoDiagonalNormal, trace: Trace | None) -> GuideD
         transform=dist.transforms.identity_transform,
         event_dim=1,
         scale_factor=site_scale,
+        hints=hints,
     )
     return GuideDescription(guide._pyro_name, continuous_latent_sites(guide), sites=[block])
 

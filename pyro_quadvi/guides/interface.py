@@ -114,7 +114,8 @@ class MeanFieldSite:
         hints: optimizer settings the model declares for this block (its sample site's
             ``infer["qnvb"]``, e.g. a :class:`~pyro_quadvi.nn.BayesianModule`'s
             ``qnvb_settings``): :class:`~pyro_quadvi.optim.QNVB` takes them in place of its own
-            defaults; the settings a user passes to it override them.
+            defaults; the settings a user passes to it override them. A block over several
+            sites (``AutoDiagonalNormal``) carries them when every site declares the same.
     """
 
     name: str

@@ -299,10 +299,6 @@ class QuadratureELBO(PointsELBO):
         loss = -(weights @ log_joint) - entropy
         if priors:
             loss = loss - closed.expected_log_prior(priors, weights.sum().detach())
-            if z.requires_grad and not log_joint.requires_grad:
-                # nothing else reaches the points: their backward must still run (it gives the
-                # priors' gradients), through a term that adds zero
-                loss = loss + 0 * z[0, 0]
         if not torch.isfinite(loss):
             raise ValueError(
                 f"QuadratureELBO: the loss is not finite ({loss.item()}); the guide's entropy is "
@@ -368,8 +364,8 @@ class _NodePoints(torch.autograd.Function):
         loc, scale, x = ctx.saved_tensors
         g_all = grad.sum(0)
         gx_all = (grad * x).sum(0)
-        ctx.closed.add_gradients(g_all, gx_all, loc, scale)
-        _publish(ctx.closed.description, g_all, gx_all, scale)
+        g_pub, gx_pub = ctx.closed.with_priors(g_all, gx_all, loc, scale)
+        _publish(ctx.closed.description, g_pub, gx_pub, scale)
         return g_all, gx_all, None, None
 
 
@@ -387,7 +383,9 @@ class _ClosedPriors:
     the prior's parts of the loss and of the two sums :class:`_NodePoints` makes (rasp paper,
     eq. 7, 8 and 11, with the prior's Hessian ``1 / s^2``). So the prior is never evaluated at
     the K nodes (``K x D`` work, forward and backward, on a network's every weight): the loss
-    takes the first line, computed once, and the node points' backward adds the other two.
+    takes the first line, differentiable in ``mu`` and ``sigma`` (its gradients are the other two
+    lines, ``sigma`` times the third), and the node points' backward adds the other two lines to
+    the moments it publishes.
     """
 
     def __init__(self, description: GuideDescription):
@@ -398,8 +396,8 @@ class _ClosedPriors:
     def expected_log_prior(
         self, priors: dict[str, tuple[float, float, float]], total_weight: torch.Tensor
     ) -> torch.Tensor:
-        """``W sum_sites c E_q[log N(z | m, s^2)]``, without a gradient (the node points'
-        backward gives it); records the pieces for :meth:`add_gradients`."""
+        """``W sum_sites c E_q[log N(z | m, s^2)]``, differentiable in the sites' ``mu`` and
+        ``sigma``; records the pieces for :meth:`with_priors`."""
         self.total_weight = total_weight
         value = torch.zeros((), dtype=total_weight.dtype, device=total_weight.device)
         start = 0
@@ -408,24 +406,28 @@ class _ClosedPriors:
             if site.name in priors:
                 m, s, c = priors[site.name]
                 self.pieces.append((start, stop, m, s, c))
-                with torch.no_grad():
-                    mu, sigma = site.loc, site.scale
-                    square = (mu - m).square().sum() + sigma.square().sum()
-                    per_entry = math.log(s) + 0.5 * math.log(2 * math.pi)
-                    value = value - c * (square / (2 * s * s) + per_entry * mu.numel())
+                mu, sigma = site.loc, site.scale
+                centred = mu - m if m != 0 else mu
+                square = centred.square().sum() + sigma.square().sum()
+                per_entry = math.log(s) + 0.5 * math.log(2 * math.pi)
+                value = value - c * (square / (2 * s * s) + per_entry * mu.numel())
             start = stop
         return total_weight * value
 
-    def add_gradients(
+    def with_priors(
         self, g_all: torch.Tensor, gx_all: torch.Tensor, loc: torch.Tensor, scale: torch.Tensor
-    ) -> None:
-        """Add the priors' parts to the node sums ``g_all``, ``gx_all`` (in place)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The node sums with the priors' parts added (new tensors when there are any)."""
+        if not self.pieces:
+            return g_all, gx_all
+        g_all, gx_all = g_all.clone(), gx_all.clone()
         for start, stop, m, s, c in self.pieces:
             factor = self.total_weight * (c / (s * s))
             centred = loc[start:stop] - m if m != 0 else loc[start:stop]
             # add_ on the slices (not +=, whose item assignment copies the slice once more)
             g_all[start:stop].add_(factor * centred)
             gx_all[start:stop].add_(factor * scale[start:stop])
+        return g_all, gx_all
 
 
 def _publish(

@@ -130,6 +130,11 @@ class BayesianModule(PyroModule):
         if isinstance(prior, LayerwiseNormal):
             prior.bind(net.named_parameters(), net.named_modules())
 
+    def __setstate__(self, state: dict) -> None:
+        # a module pickled before modules declared QNVB settings declares none, as it did then
+        state.setdefault("qnvb_settings", {})
+        super().__setstate__(state)
+
     # -- the pieces -----------------------------------------------------------------------------
 
     @property

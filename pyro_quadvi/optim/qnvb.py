@@ -243,7 +243,7 @@ class QNVB(PyroOptim):
         self.defaults = dict(hyperparameters)
         self.optim_args = optim_args
         self.hyperparameters = self._hyperparameters_for(None)  # validates what applies to all
-        self._by_block: dict[str, QNVBHyperparameters] = {}
+        self._by_block: dict[tuple, QNVBHyperparameters] = {}
         # PyroOptim's own machinery (one torch optimizer per parameter) is the fallback
         super().__init__(*self._fallback_arguments(fallback))
         self.annealing = annealing
@@ -256,6 +256,12 @@ class QNVB(PyroOptim):
     def _hyperparameters_for(
         self, name: str | None, hints: dict | None = None
     ) -> QNVBHyperparameters:
+        unknown = sorted(set(hints or {}) - set(_HP_NAMES))
+        if unknown:
+            raise TypeError(
+                f"the model declares (infer['qnvb']) unknown QNVB hyperparameters {unknown} for "
+                f"the block of {name!r}; the update takes {list(_HP_NAMES)}"
+            )
         args = {**(hints or {}), **self.defaults}
         if isinstance(self.optim_args, dict):
             args.update(self.optim_args)
@@ -268,9 +274,8 @@ class QNVB(PyroOptim):
             args.update(extra)
         unknown = sorted(set(args) - set(_HP_NAMES))
         if unknown:
-            whose = f"the model's site {name!r} declares (infer['qnvb'])" if hints else "QNVB got"
             raise TypeError(
-                f"{whose} unknown hyperparameters {unknown}; the update takes {list(_HP_NAMES)}"
+                f"QNVB got unknown hyperparameters {unknown}; the update takes {list(_HP_NAMES)}"
             )
         return QNVBHyperparameters(**args)
 
@@ -279,9 +284,10 @@ class QNVB(PyroOptim):
         the settings passed to QNVB, and the callable's per block."""
         if not callable(self.optim_args) and not hints:
             return self.hyperparameters
-        if name not in self._by_block:
-            self._by_block[name] = self._hyperparameters_for(name, hints)
-        return self._by_block[name]
+        key = (name, tuple(sorted(hints.items())))  # a new model may declare other settings
+        if key not in self._by_block:
+            self._by_block[key] = self._hyperparameters_for(name, hints)
+        return self._by_block[key]
 
     @staticmethod
     def _fallback_arguments(fallback) -> tuple:
