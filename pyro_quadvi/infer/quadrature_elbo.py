@@ -383,9 +383,9 @@ class _ClosedPriors:
     the prior's parts of the loss and of the two sums :class:`_NodePoints` makes (rasp paper,
     eq. 7, 8 and 11, with the prior's Hessian ``1 / s^2``). So the prior is never evaluated at
     the K nodes (``K x D`` work, forward and backward, on a network's every weight): the loss
-    takes the first line, differentiable in ``mu`` and ``sigma`` (its gradients are the other two
-    lines, ``sigma`` times the third), and the node points' backward adds the other two lines to
-    the moments it publishes.
+    takes the first line, differentiable in ``mu`` and ``sigma`` (its gradients in them are the
+    second and the third line), and the node points' backward adds those two lines to the sums
+    it publishes the moments from.
     """
 
     def __init__(self, description: GuideDescription):

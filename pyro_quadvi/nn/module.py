@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 
 import pyro
 import torch
@@ -40,14 +41,13 @@ __all__ = ["NETWORK_QNVB_SETTINGS", "BayesianModule"]
 
 DETERMINISTIC = "deterministic"  # a declared role: a point estimate (see the module docstring)
 
-NETWORK_QNVB_SETTINGS: dict[str, float] = {
-    "trust_region": 0.3,
-    "scale_max": 2.0,
-    "significance": 1.0,
-}
+NETWORK_QNVB_SETTINGS: Mapping[str, float] = MappingProxyType(
+    {"trust_region": 0.3, "scale_max": 2.0, "significance": 1.0}
+)
 """What a :class:`BayesianModule` declares for QNVB at each of its weights (``qnvb_settings``):
 the mean moves at most ``0.3 sigma`` a step, ``sigma`` at most doubles a step and holds until the
-curvature is significant (``docs/nn.md``, "QNVB on networks"; ``docs/benchmarks.md``)."""
+curvature is significant (``docs/nn.md``, "Quality: what to expect against IVON and Adam";
+``docs/benchmarks.md``). Read-only."""
 
 
 class BayesianModule(PyroModule):
@@ -97,7 +97,7 @@ class BayesianModule(PyroModule):
         likelihood: Likelihood,
         hide: Iterable[str] | None = None,
         declarations: bool = True,
-        qnvb_settings: dict | None = None,
+        qnvb_settings: Mapping[str, object] | None = None,
     ):
         super().__init__()
         if not isinstance(net, nn.Module):
@@ -122,7 +122,7 @@ class BayesianModule(PyroModule):
         self.likelihood = likelihood
         self.hide = hide
         settings = NETWORK_QNVB_SETTINGS if qnvb_settings is None else qnvb_settings
-        if not isinstance(settings, dict):
+        if not isinstance(settings, Mapping):
             raise TypeError(f"qnvb_settings must be a dict of QNVB settings, got {settings!r}")
         self.qnvb_settings = dict(settings)
         # latent parameter name -> (module path, name in the module) of its declared prior

@@ -284,7 +284,7 @@ class QNVB(PyroOptim):
         the settings passed to QNVB, and the callable's per block."""
         if not callable(self.optim_args) and not hints:
             return self.hyperparameters
-        key = (name, tuple(sorted(hints.items())))  # a new model may declare other settings
+        key = (name, repr(sorted(hints.items())))  # a new model may declare other settings
         if key not in self._by_block:
             self._by_block[key] = self._hyperparameters_for(name, hints)
         return self._by_block[key]
