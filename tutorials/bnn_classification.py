@@ -18,7 +18,8 @@ weight and bias and the likelihood ``likelihoods.Categorical(dataset_size=N)`` (
 images), trained on shuffled minibatches of 128 (a ``DataLoader``: 12 a pass through the digits,
 63 through MNIST) three ways, at equal gradient evaluations:
 
-1. ``QNVB()`` + ``QuadratureELBO()`` (the package's defaults: K nodes a step) with an
+1. ``QNVB()`` + ``QuadratureELBO()`` (the package's defaults: K nodes a step; QNVB takes the
+   network settings the ``BayesianModule`` declares) with an
    ``AutoMeanFieldNormal`` guide started at a prior draw (``init_to_sample``), 100 epochs on the
    digits (4 in ``--quick``), 20 on MNIST (1260 steps, about the digits' 1200);
 2. ``pyro.optim.Adam({"lr": 0.01})`` + ``Trace_ELBO()`` (one draw a step) with the same guide,

@@ -6,7 +6,8 @@ left empty, targets a random function plus Gaussian noise of variance ``exp(-3)`
 cosine activations is a :class:`~pyro_quadvi.nn.BayesianModule`, fitted three ways:
 
 1. ``QNVB()`` + ``QuadratureELBO()`` (the package's defaults: ``blocked_simplex``, K = 3 nodes a
-   step) with an ``AutoMeanFieldNormal`` guide;
+   step; QNVB takes the network settings the ``BayesianModule`` declares) with an
+   ``AutoMeanFieldNormal`` guide;
 2. ``pyro.optim.Adam({"lr": 0.01})`` + ``Trace_ELBO()`` (one draw a step) with the same guide, for
    K times as many steps: both get the same number of gradient evaluations of the model;
 3. as the reference, NUTS on a smaller network (full mode only).

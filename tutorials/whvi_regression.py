@@ -5,7 +5,8 @@ inference for Bayesian deep learning", Section 3.2) on one split: Boston housing
 (:func:`~pyro_quadvi.testing.datasets.regression_split`, split 0 of 8 random 90/10 splits),
 inputs standardized, a 13-128-128-1 ReLU network with a learned noise scale. Two Bayesian
 versions of the same network, each a :class:`~pyro_quadvi.nn.BayesianModule` fitted with an
-``AutoMeanFieldNormal`` guide, ``QNVB(lr=0.1)`` and ``QuadratureELBO()``:
+``AutoMeanFieldNormal`` guide, ``QNVB(lr=0.1)`` and ``QuadratureELBO()`` (modules built with
+``qnvb_settings={}``: QNVB's own settings, as the figures were made):
 
 1. **WHVI**: ``whvi(net, skip_last=True)``: the two hidden layers become
    :class:`~pyro_quadvi.nn.WHVILinear` layers ``W = S1 H diag(g) H S2`` (only ``g`` latent,

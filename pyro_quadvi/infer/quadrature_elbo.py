@@ -24,8 +24,10 @@ moments it integrated (the same two sums over the nodes make the gradients of ``
 
     g = sum_k dloss/dz_k / s,        h = sum_k dloss/dz_k * x_k / (sigma s)
 
-with ``s`` the site's minibatch scale: ``QNVB`` uses them directly, so a family whose parameter
-gradients do not carry ``g`` and ``h`` (a mixture) is updated all the same.
+with ``s`` the site's minibatch scale, plus, for a Normal prior integrated in closed form
+(:class:`_ClosedPriors`), its parts ``W c (mu - m) / s^2`` and ``W c / s^2``: ``QNVB`` uses them
+directly, so a family whose parameter gradients do not carry ``g`` and ``h`` (a mixture) is
+updated all the same.
 
 **Spike-and-slab sites** (family ``"dirac_gauss"``, :class:`~pyro_quadvi.guides.AutoSpikeSlab`):
 the nodes sit at each mixture's mean and standard deviation (sequence paper, eq. 4.2), where the

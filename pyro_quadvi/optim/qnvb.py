@@ -12,8 +12,9 @@ hands it with those leaves by identity, never by name, so it pairs under
 (every AutoGuide is seen when it runs once a ``QNVB`` exists), because ``QuadratureELBO``
 published its moments, or because it was registered (:func:`~pyro_quadvi.guides.register_guide`).
 Each block goes to the update of its family (:data:`FAMILY_UPDATES`); everything else (a model's
-``pyro.param``, a network's weights, a guide that is not a mean field) goes to the fallback
-optimizer, with one warning per guide that cannot be paired and one when nothing is paired.
+``pyro.param``, a ``pyro.module`` network's weights, a guide that is not a mean field) goes to
+the fallback optimizer, with one warning per guide that cannot be paired and one when nothing is
+paired.
 
 **Which moments.** ``QuadratureELBO`` publishes ``g`` and ``h`` per block, minibatch scale removed
 (:func:`~pyro_quadvi.guides.interface.published_moments`); QNVB uses them when present. Otherwise
@@ -198,8 +199,11 @@ class QNVB(PyroOptim):
     Args:
         optim_args: the update's hyperparameters as Pyro's optimizers take them: a dict such as
             ``{"lr": 0.5}``, or a callable ``name -> dict`` called with each block's loc
-            parameter name (e.g. ``"AutoMeanFieldNormal.locs.w"``). Keyword arguments below set
-            the same names for every block; the dict or callable overrides them.
+            parameter name (e.g. ``"AutoMeanFieldNormal.locs.w"``). A block's model may declare
+            settings (:attr:`~pyro_quadvi.guides.MeanFieldSite.hints`, e.g. a
+            :class:`~pyro_quadvi.nn.BayesianModule`'s ``NETWORK_QNVB_SETTINGS``), which replace
+            QNVB's defaults for it; keyword arguments below set the same names for every block,
+            and the dict or callable overrides them.
         annealing: optional schedule ``step -> factor`` of the likelihood; it takes effect through
             the model returned by :meth:`anneal`.
         fallback: the optimizer of every parameter QNVB does not update: a ``pyro.optim``
