@@ -1017,6 +1017,8 @@ def part_mnist(
             "map": MAP_LR,
         }
         for method, lr in lrs.items():
+            if s.get("methods") and method not in s["methods"]:
+                continue
             args = (method, task, make, lr, grid, s["mnist_draws"])
             cache.get_or_run(mnist_key(net_name, method, seed), bar, run, *args, seed=seed)
     bar.close()
@@ -1128,7 +1130,8 @@ def main(argv: list[str] | None = None) -> None:
         "--methods",
         nargs="+",
         choices=("qnvb", "adam", "ivon", *sorted(VARIANTS)),
-        help="--part regression: run only these methods (default: qnvb, --variants, adam, ivon)",
+        help="--part regression or mnist: run only these methods (default: qnvb, --variants, "
+        "adam, ivon; and map on MNIST)",
     )
     parser.add_argument(
         "--reuse-runs",
