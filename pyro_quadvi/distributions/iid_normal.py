@@ -13,7 +13,7 @@ import pyro.distributions as dist
 import torch
 from torch.distributions import Distribution as TorchDistribution
 
-__all__ = ["IidNormal"]
+__all__ = ["IidNormal", "expected_log_density"]
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -65,3 +65,14 @@ class IidNormal(dist.Normal):
         out = centred.square().mul(-0.5 / scale**2).sub_(math.log(scale) + _HALF_LOG_2PI)
         shape = torch.broadcast_shapes(out.shape, self.batch_shape)
         return out if shape == out.shape else out.expand(shape)
+
+
+def expected_log_density(
+    loc: float, scale: float, mu: torch.Tensor, sigma: torch.Tensor
+) -> torch.Tensor:
+    """``sum E_q[log N(z | loc, scale^2)]`` over the entries of ``q = N(mu, diag(sigma^2))``, in
+    closed form: ``-((mu - loc)^2 + sigma^2) / (2 scale^2) - log(scale) - log(2 pi) / 2`` each;
+    differentiable in ``mu`` and ``sigma``."""
+    centred = mu - loc if loc != 0 else mu
+    square = centred.square().sum() + sigma.square().sum()
+    return -(square / (2 * scale * scale) + (math.log(scale) + _HALF_LOG_2PI) * mu.numel())

@@ -41,16 +41,15 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
-from pyro.distributions import ExpandedDistribution
 from pyro.distributions.transforms import Transform
 from pyro.poutine import Trace
-from torch.distributions import Distribution, Independent, kl_divergence
+from torch.distributions import Distribution, kl_divergence
 from torch.distributions.constraints import Constraint
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..distributions import SpikeSlab
 from ..distributions.spike_slab import HALF_LOG_2PI_E
-from ..infer.log_joint import LatentSite
+from ..infer.log_joint import LatentSite, look_through
 
 __all__ = [
     "CLOSED_FORM_FAMILIES",
@@ -176,9 +175,7 @@ class MeanFieldSite:
             ValueError: if the prior has no point mass at zero: a spike against a density has an
                 infinite KL, so the message names :class:`SpikeSlab` as the prior to use.
         """
-        base = prior
-        while isinstance(base, (Independent, ExpandedDistribution)):
-            base = base.base_dist
+        base = look_through(prior)
         if not isinstance(base, SpikeSlab):
             raise ValueError(
                 f"site {self.name!r}: the guide's factor has a point mass at zero ({self.family}) "

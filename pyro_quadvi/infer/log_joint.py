@@ -395,10 +395,16 @@ def _is_identity(transform: Transform) -> bool:
     return isinstance(transform, ComposeTransform) and not transform.parts
 
 
-def _iid_normal(fn) -> tuple[float, float] | None:
-    """``(loc, scale)`` of an :class:`IidNormal` seen through ``to_event`` and ``expand``."""
+def look_through(fn: torch.distributions.Distribution) -> torch.distributions.Distribution:
+    """The distribution inside Pyro's ``to_event`` and ``expand`` wrappers (others kept)."""
     while isinstance(fn, Independent | ExpandedDistribution):
         fn = fn.base_dist
+    return fn
+
+
+def _iid_normal(fn) -> tuple[float, float] | None:
+    """``(loc, scale)`` of an :class:`IidNormal` seen through ``to_event`` and ``expand``."""
+    fn = look_through(fn)
     return fn.iid if isinstance(fn, IidNormal) else None
 
 

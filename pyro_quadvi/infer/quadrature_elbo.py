@@ -59,6 +59,7 @@ from pyro import poutine
 from pyro.infer import ELBO
 from pyro.poutine import Trace
 
+from ..distributions.iid_normal import expected_log_density
 from ..guides.interface import (
     ELEMENTWISE_FAMILIES,
     GuideDescription,
@@ -408,11 +409,7 @@ class _ClosedPriors:
             if site.name in priors:
                 m, s, c = priors[site.name]
                 self.pieces.append((start, stop, m, s, c))
-                mu, sigma = site.loc, site.scale
-                centred = mu - m if m != 0 else mu
-                square = centred.square().sum() + sigma.square().sum()
-                per_entry = math.log(s) + 0.5 * math.log(2 * math.pi)
-                value = value - c * (square / (2 * s * s) + per_entry * mu.numel())
+                value = value + c * expected_log_density(m, s, site.loc, site.scale)
             start = stop
         return total_weight * value
 
