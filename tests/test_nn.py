@@ -462,3 +462,9 @@ def test_a_pickled_module_keeps_its_declared_settings_and_an_older_pickle_declar
     old = pickle.loads(pickle.dumps(bnn))
     trace = pyro.poutine.trace(old).get_trace(X_LIN, Y_LIN)
     assert trace.nodes["weight"]["infer"] == {} and old.qnvb_settings == {}
+
+
+def test_qnvb_settings_must_be_a_mapping():
+    with pytest.raises(TypeError, match="qnvb_settings must be a dict of QNVB settings"):
+        linear_bnn(qnvb_settings=[("trust_region", 0.3)])
+    assert linear_bnn(qnvb_settings={"lr": 0.5}).qnvb_settings == {"lr": 0.5}
