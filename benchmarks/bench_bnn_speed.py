@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_bnn_speed.py [--repeats 7] [--steps 10] [--profile]
         [--no-compile] [--update-only] [--nets 1-50-1 784-200-10 784-400-400-10 table2-cnn]
-        [--clock wall|cpu] [--batch 1024] [--floor]
+        [--clock wall|cpu] [--batch 1024] [--floor] [--memory-split] [--memory-trace]
 
 For four networks (1-50-1 with a Gaussian likelihood at batch 128; 784-200-10, 784-400-400-10 and
 the convolutional network of the sequence paper's Table 2 with a categorical likelihood at batch
@@ -41,11 +41,16 @@ blocks. Compilation happens in the warm-up steps, outside the timed blocks.
 
 Peak memory: one step (after the warm-up) under ``torch.profiler.profile(profile_memory=True)``
 on the CPU (the least of 3 profiled steps); the peak is the maximum of the running sum of the
-allocator's ``[memory]`` events, in time order: the most bytes the step held beyond what was
-allocated before it (parameters, guide and optimizer state). The bound is K times the activations
-of one plain pass (the bytes of every distinct storage that a module's forward returns, from
-forward hooks on every module: a view such as ``Flatten``'s, or a container's output, is counted
-once) plus the parameters' bytes.
+CPU allocations and frees in the profiler's event tree, in time order: the most bytes the step
+held beyond what was allocated before it (parameters, guide and optimizer state). The bound is K
+times the activations of one plain pass (the bytes of every distinct storage that a module's
+forward returns, from forward hooks on every module: a view such as ``Flatten``'s, or a
+container's output, is counted once) plus the parameters' bytes.
+
+``--memory-split`` prints only where the QNVB step's peak is (the forward and backward at the
+nodes, the update), against K times the activations and K times one plain pass's own peak (a
+plain backward holds gradients beside the saved activations). ``--memory-trace`` prints only what
+one plain pass and the step's forward and backward hold at their peaks, by allocating operator.
 
 ``--profile`` adds, on 784-400-400-10 (on each network of ``--nets`` where given), a cProfile of
 the QNVB step and of the one-pass ``QNVBOptimizer`` step (cumulative times of their stages; eager
@@ -76,6 +81,7 @@ from bench_bnn_quality import table2_cnn
 from pyro.infer import SVI, Trace_ELBO
 from pyro.optim import PyroOptim
 from torch import nn
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
@@ -193,27 +199,60 @@ def activation_bytes(net: nn.Module, x: torch.Tensor) -> int:
     return sum(storage.nbytes() for storage in storages.values())
 
 
-def peak_bytes(fn, tries: int = 3) -> int:
-    """The peak of the running sum of CPU allocations made while ``fn()`` runs (min of tries).
+def cpu_allocations(fn) -> list[tuple[int, int, int, str]]:
+    """Every CPU allocation and free made while ``fn()`` runs, in time order: (time in ns, address,
+    bytes, negative for a free, and the operator that made it as ``"caller > operator"``), from
+    ``torch.profiler``'s event tree with ``profile_memory=True``."""
+    events = []
+
+    def walk(node) -> None:
+        if node.tag != _EventType.Allocation:
+            for child in node.children:
+                walk(child)
+        elif node.extra_fields.device.type == "cpu":
+            op = node.parent
+            callers = [op.parent, op] if op is not None else []
+            made_by = " > ".join(n.name for n in callers if n is not None) or "(no operator)"
+            events.append(
+                (node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size, made_by)
+            )
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    return sorted(events)
+
+
+def live_at_peak(fn) -> tuple[int, dict[str, int]]:
+    """The peak of the running sum of the CPU allocations made while ``fn()`` runs, and the bytes
+    still held at that peak grouped by the operator that allocated them.
 
     Frees of tensors allocated before the profile began are not seen (the profiler warns once),
     so a step that replaces such a tensor counts the new one in full: an upper bound.
     """
-    peaks = []
-    for _ in range(tries):
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            fn()
-        events = sorted(
-            (e.start_ns(), e.nbytes())
-            for e in prof.profiler.kineto_results.events()
-            if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
-        )
-        running = peak = 0
-        for _, nbytes in events:
-            running += nbytes
-            peak = max(peak, running)
-        peaks.append(peak)
-    return min(peaks)
+    live: dict[int, tuple[int, str]] = {}
+    running = peak = 0
+    held: dict[int, tuple[int, str]] = {}
+    for _, address, nbytes, made_by in cpu_allocations(fn):
+        if nbytes > 0:
+            live[address] = (nbytes, made_by)
+        elif address in live:
+            del live[address]
+        else:
+            continue
+        running += nbytes
+        if running > peak:
+            peak, held = running, dict(live)
+    by_operator: dict[str, int] = {}
+    for nbytes, made_by in held.values():
+        by_operator[made_by] = by_operator.get(made_by, 0) + nbytes
+    return peak, by_operator
+
+
+def peak_bytes(fn, tries: int = 3) -> int:
+    """The least over ``tries`` of :func:`live_at_peak`'s peak."""
+    return min(live_at_peak(fn)[0] for _ in range(tries))
 
 
 def build(make, in_shape, batch, kind, compile: bool = True):
@@ -436,18 +475,34 @@ def floor_table(cases, repeats: int) -> None:
 def memory_split_table(cases) -> None:
     """Where the QNVB step's peak is: the peak of ``loss_and_grads`` (the K nodes' forward and
     backward) and of the update alone (``QNVB.__call__`` on the step's parameters, gradients
-    in place), and the step's peak written as ``K x activations + c x parameters``."""
+    in place), and the step's peak written as ``K x activations + c x parameters`` and as
+    ``K x (one plain pass's peak) + c' x parameters`` (a plain forward and backward holds, at its
+    peak, the gradients being made beside the activations still saved)."""
     print(
         "\nWhere the QNVB step's peak memory is (MiB; QNVB's own settings):\n\n| network | "
-        f"parameters P | {K} x activations | loss_and_grads peak | update peak | step peak | "
-        f"c = (step peak - {K} x act) / P |\n|---|---:|---:|---:|---:|---:|---:|"
+        f"parameters P | {K} x activations | {K} x plain pass peak | loss_and_grads peak | "
+        f"update peak | step peak | c = (step peak - {K} x act) / P | "
+        f"c' = (step peak - {K} x plain peak) / P |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for case in cases:
         print(memory_split_row(case), flush=True)
 
 
-def memory_split_row(case) -> str:
-    """One row of :func:`memory_split_table`."""
+def plain_pass(case):
+    """One forward and backward pass of the case's plain network (gradients dropped after)."""
+    _, make, in_shape, batch, kind = case
+    net, x, y, _, criterion = make_case(make, in_shape, batch, kind)
+
+    def run() -> None:
+        criterion(net(x), y).backward()
+        net.zero_grad(set_to_none=True)
+
+    return run
+
+
+def qnvb_case(case):
+    """The case's network as a ``BayesianModule`` (QNVB's own settings), with its guide, ELBO,
+    recording optimizer and SVI after 3 warm-up steps."""
     _, make, in_shape, batch, kind = case
     net, x, y, likelihood, _ = make_case(make, in_shape, batch, kind)
     bnn = BayesianModule(net, priors.Normal(1.0), likelihood, qnvb_settings={})
@@ -457,6 +512,15 @@ def memory_split_row(case) -> str:
     svi = SVI(bnn, guide, optim, elbo)
     for _ in range(3):
         svi.step(x, y)
+    return net, x, y, bnn, guide, elbo, optim, svi
+
+
+def memory_split_row(case) -> str:
+    """One row of :func:`memory_split_table`."""
+    plain = plain_pass(case)
+    plain()
+    plain_peak = K * peak_bytes(plain)
+    net, x, y, bnn, guide, elbo, optim, svi = qnvb_case(case)
     step = peak_bytes(lambda: svi.step(x, y))
     grads = peak_bytes(lambda: elbo.loss_and_grads(bnn, guide, x, y))
     update = peak_bytes(lambda: optim(optim.params))
@@ -464,9 +528,30 @@ def memory_split_row(case) -> str:
     size = sum(p.numel() * p.element_size() for p in net.parameters())
     mib = 2.0**20
     return (
-        f"| {row_name(case)} | {size / mib:.2f} | {act / mib:.2f} | {grads / mib:.2f} | "
-        f"{update / mib:.2f} | {step / mib:.2f} | {(step - act) / size:.1f} |"
+        f"| {row_name(case)} | {size / mib:.2f} | {act / mib:.2f} | {plain_peak / mib:.2f} | "
+        f"{grads / mib:.2f} | {update / mib:.2f} | {step / mib:.2f} | {(step - act) / size:.1f} | "
+        f"{(step - plain_peak) / size:.1f} |"
     )
+
+
+def memory_trace_table(case) -> None:
+    """What is held at the peak of one plain pass and at the peak of the QNVB step's forward and
+    backward at the K nodes (``loss_and_grads``), grouped by the operator that allocated it."""
+    plain = plain_pass(case)
+    plain()
+    plain_peak, plain_held = live_at_peak(plain)
+    _, x, y, bnn, guide, elbo, *_ = qnvb_case(case)
+    peak, held = live_at_peak(lambda: elbo.loss_and_grads(bnn, guide, x, y))
+    mib = 2.0**20
+    print(
+        f"\nHeld at the peak, by allocating operator, on {row_name(case)} (MiB):\n\n"
+        f"| allocated by | one plain pass | {K} x that | loss_and_grads |\n|---|---:|---:|---:|"
+    )
+    for made_by in sorted(set(plain_held) | set(held), key=lambda m: -held.get(m, 0)):
+        one, qnvb = plain_held.get(made_by, 0), held.get(made_by, 0)
+        if max(one * K, qnvb) >= 0.01 * peak:
+            print(f"| {made_by} | {one / mib:.2f} | {K * one / mib:.2f} | {qnvb / mib:.2f} |")
+    print(f"| **peak** | {plain_peak / mib:.2f} | {K * plain_peak / mib:.2f} | {peak / mib:.2f} |")
 
 
 def update_table(cases, repeats: int, compile: bool) -> None:
@@ -553,6 +638,11 @@ def main() -> None:
         action="store_true",
         help="only the table of where the QNVB step's peak memory is (forward-backward, update)",
     )
+    parser.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="only the tables of what the plain pass and the QNVB step hold at their peaks",
+    )
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
@@ -572,6 +662,10 @@ def main() -> None:
         floor_table(cases, args.repeats * args.steps)
     if args.memory_split:
         memory_split_table(cases)
+    if args.memory_trace:
+        for case in cases:
+            memory_trace_table(case)
+    if args.memory_split or args.memory_trace:
         return
     update_table(cases, args.repeats * args.steps, not args.no_compile)
     if args.update_only:
