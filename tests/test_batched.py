@@ -12,6 +12,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from torch import nn
+from torch.func import vmap
 
 from pyro_quadvi.infer.batched import (
     BatchDecision,
@@ -35,6 +36,8 @@ def plate_mismatch():
         pyro.sample("x", dist.Normal(torch.zeros(3), 1.0), obs=torch.zeros(3))
 
 
+GRU = nn.GRU(3, 3)  # built outside vmap: its initialization is random
+
 BROADCAST = {
     "size must match": lambda: torch.ones(3) + torch.ones(4),
     "matmul": lambda: torch.ones(2, 3) @ torch.ones(2, 3),
@@ -50,6 +53,12 @@ BROADCAST = {
     "pyro plate": plate_mismatch,
     "validate_sample": lambda: dist.Normal(torch.zeros(3), 1.0).log_prob(torch.zeros(4)),
     "mismatch": lambda: (_ for _ in ()).throw(BatchMismatch("values differ")),
+    # operations torch.func.vmap cannot batch (a BayesianModule's net runs under vmap)
+    "vmap gru": lambda: vmap(lambda w: GRU(w.expand(2, 3))[0])(torch.ones(4, 3)),
+    "vmap item": lambda: vmap(lambda w: w.sum().item() * w)(torch.ones(4, 3)),
+    "vmap control flow": lambda: vmap(lambda w: w if w.sum() > 0 else -w)(torch.ones(4, 3)),
+    "vmap nonzero": lambda: vmap(torch.nonzero)(torch.ones(4, 3)),
+    "vmap boolean mask": lambda: vmap(lambda w: w[w > 0])(torch.ones(4, 3)),
 }
 
 NOT_BROADCAST = {

@@ -468,3 +468,89 @@ def test_qnvb_settings_must_be_a_mapping():
     with pytest.raises(TypeError, match="qnvb_settings must be a dict of QNVB settings"):
         linear_bnn(qnvb_settings=[("trust_region", 0.3)])
     assert linear_bnn(qnvb_settings={"lr": 0.5}).qnvb_settings == {"lr": 0.5}
+
+
+# ---------------------------------- nets that vmap cannot batch, and nets that return tuples
+class GRUNet(nn.Module):
+    """A recurrent net: ``torch.func.vmap`` has no batching rule for ``aten::gru``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(2, 4, batch_first=True)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(x.unsqueeze(1))
+        return self.head(out[:, -1])
+
+
+def gru_bnn():
+    torch.manual_seed(0)
+    net = GRUNet().double()
+    return BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
+
+
+def test_a_net_vmap_cannot_batch_falls_back_to_one_node_at_a_time():
+    bnn = gru_bnn()
+    guide = perturbed_guide(bnn, X_NET, Y_REG)
+    looped = QuadratureELBO("hadamard", vectorize=False).loss(bnn, guide, X_NET, Y_REG)
+    elbo = QuadratureELBO("hadamard")
+    with pytest.warns(UserWarning, match="Batching rule not implemented.*one by one"):
+        loss = elbo.loss(bnn, guide, X_NET, Y_REG)
+    assert loss == looped  # the same loop, bit for bit
+    assert elbo.vectorized(bnn, guide) is False
+    with pytest.raises(RuntimeError, match="network GRUNet cannot run 4 weight draws or nodes"):
+        QuadratureELBO("hadamard", vectorize=True).loss(bnn, guide, X_NET, Y_REG)
+
+
+def test_predict_falls_back_for_a_net_vmap_cannot_batch_and_decides_once():
+    bnn = gru_bnn()
+    guide = perturbed_guide(bnn, X_NET, Y_REG)
+    with pytest.warns(UserWarning, match="predict: .*Batching rule not implemented"):
+        pred = bnn.predict(guide, X_NET, quadrature="hadamard")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # decided: no second probe, no second warning
+        again = bnn.predict(guide, X_NET, quadrature="hadamard")
+    looped = bnn.predict(guide, X_NET, quadrature="hadamard", vectorize=False)
+    assert torch.equal(pred.outputs, looped.outputs) and torch.equal(again.mean, looped.mean)
+    assert pred.outputs.shape == (4, 5, 1)
+    with pytest.raises(RuntimeError, match=r"network GRUNet .* predict fall back by themselves"):
+        bnn.predict(guide, X_NET, quadrature="hadamard", vectorize=True)
+
+
+def test_predict_keeps_the_one_pass_for_a_float32_mlp():
+    # a batched product rounds differently from a single one: the check must not mistake that
+    # for that (784 inputs: differences of about 3e-6 on logits of about 16 here)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(784, 400), nn.ReLU(), nn.Linear(400, 10))
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Categorical(1000))
+    x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
+    guide = AutoMeanFieldNormal(bnn)
+    guide(x, y)
+    pyro.set_rng_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default = bnn.predict(guide, x, num_samples=16)
+    pyro.set_rng_seed(3)
+    one_pass = bnn.predict(guide, x, num_samples=16, vectorize=True)
+    assert torch.equal(default.outputs, one_pass.outputs)  # the vectorized outputs were kept
+    pyro.set_rng_seed(3)
+    looped = bnn.predict(guide, x, num_samples=16, vectorize=False)
+    assert (looped.outputs - one_pass.outputs).abs().max() < 1e-4
+
+
+def test_a_net_returning_a_tuple_is_refused_naming_the_net():
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2, 1)
+
+        def forward(self, x):
+            out = self.linear(x)
+            return out, out.detach()
+
+    bnn = BayesianModule(Pair().double(), priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
+    with pytest.raises(TypeError, match="network Pair returned a tuple; the likelihood needs one"):
+        bnn(X_NET, Y_REG)
+    with pytest.raises(TypeError, match="network Pair returned a tuple"):
+        QuadratureELBO("hadamard").loss(bnn, AutoMeanFieldNormal(bnn), X_NET, Y_REG)

@@ -9,7 +9,8 @@ one meaning across the package:
 - ``False``: the loop only.
 - ``None``: try the vectorized pass, check it against single evaluations at a few probe points,
   and fall back to the loop, with one warning saying why, if the pass fails with a *broadcasting*
-  error (:func:`is_broadcast_error`) or disagrees with the probes. Any other exception (raised by
+  error or an operation that ``vmap`` cannot batch (:func:`is_broadcast_error`) or disagrees with
+  the probes. Any other exception (raised by
   the model itself, a NaN in the data, a density that is not finite) propagates with its own
   message: it would be raised by the loop too.
 
@@ -35,6 +36,7 @@ __all__ = [
     "DecisionCache",
     "evaluate_batch",
     "is_broadcast_error",
+    "is_vmap_refusal",
 ]
 
 
@@ -62,8 +64,19 @@ class BatchDecision:
     probe_evaluations: int = 0
 
 
+# Messages of torch.func.vmap refusing to batch an operation (a BayesianModule runs its net under
+# vmap); one point at a time, without vmap, the operation runs.
+_VMAP_REFUSALS = [
+    r"Batching rule not implemented for",  # e.g. aten::gru.input
+    r"vmap: It looks like you're calling \.item\(\)",
+    r"vmap: It looks like you're attempting to use a Tensor in some data-dependent",
+    r"vmap: We do not support batching operators that can (output|support) dynamic shape",
+]
+_VMAP_REFUSAL = re.compile("|".join(_VMAP_REFUSALS))
+
 # Messages of errors that come from shapes that do not broadcast, raised by torch, by
-# torch.distributions or by Pyro, when a model meant for one point meets a batch of points.
+# torch.distributions or by Pyro, when a model meant for one point meets a batch of points, and
+# vmap's refusals.
 _BROADCAST_MESSAGES = re.compile(
     "|".join(
         [
@@ -88,17 +101,21 @@ _BROADCAST_MESSAGES = re.compile(
             r"out of bounds for dimension",
             r"invalid log_prob shape",  # Pyro's trace check
             r"inconsistent tensor size",
+            *_VMAP_REFUSALS,
         ]
     )
 )
 
 
 def is_broadcast_error(error: BaseException) -> bool:
-    """Whether ``error`` says that shapes do not broadcast (so a loop over points may work).
+    """Whether ``error`` says that the points cannot be evaluated together (so a loop over them
+    may work): shapes that do not broadcast, or an operation ``torch.func.vmap`` cannot batch.
 
-    ``True`` for :class:`BatchMismatch` and for the ``RuntimeError``, ``ValueError`` and
+    ``True`` for :class:`BatchMismatch`, for the ``RuntimeError``, ``ValueError`` and
     ``IndexError`` that torch, torch.distributions and Pyro raise on incompatible shapes (sizes
-    that must match, matrix products, reshapes, indexing, Pyro's plate shape checks). ``False``
+    that must match, matrix products, reshapes, indexing, Pyro's plate shape checks), and for
+    vmap's refusals: an operator without a batching rule (``nn.GRU``), ``.item()``, control flow
+    on a tensor's value, outputs of data-dependent shape (``nonzero``, boolean masks). ``False``
     for everything else: a model's own exceptions, dtype mismatches, failed argument validation
     (a NaN parameter or observation), non-finite densities.
     """
@@ -107,6 +124,12 @@ def is_broadcast_error(error: BaseException) -> bool:
     if not isinstance(error, RuntimeError | ValueError | IndexError):
         return False
     return _BROADCAST_MESSAGES.search(str(error)) is not None
+
+
+def is_vmap_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is ``torch.func.vmap`` refusing to batch an operation (one of the
+    refusals :func:`is_broadcast_error` recognises), which runs one point at a time."""
+    return isinstance(error, RuntimeError) and _VMAP_REFUSAL.search(str(error)) is not None
 
 
 def evaluate_batch(

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributions import Distribution, constraints
 from torch.func import functional_call, vmap
 
+from ..infer.batched import first_line, is_vmap_refusal
 from .likelihoods import Likelihood
 from .priors import LayerwiseNormal
 
@@ -224,20 +225,40 @@ class BayesianModule(PyroModule):
         fixed = {**hidden, **dict(self._net.named_buffers())}
         leads = {name: _lead(name, value, params[name]) for name, value in values.items()}
         lead = torch.broadcast_shapes(*leads.values()) if leads else torch.Size()
+
+        def one(weights):
+            out = functional_call(self._net, {**weights, **fixed}, (x,))
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(
+                    f"BayesianModule: the network {type(self._net).__name__} returned a "
+                    f"{type(out).__name__}; the likelihood needs one tensor of outputs. Wrap the "
+                    "net in a module whose forward returns that tensor (for an RNN: "
+                    "out, _ = rnn(x); return head(out[:, -1]))."
+                )
+            return out
+
         if len(lead) == 0:
             flat = {name: value.reshape(params[name].shape) for name, value in values.items()}
-            return functional_call(self._net, {**flat, **fixed}, (x,)), 0
+            return one(flat), 0
         n = math.prod(lead)
         flat = {}
         for name, value in values.items():
             shape = params[name].shape
             value = value.reshape(leads[name] + shape)
             flat[name] = value.expand(lead + shape).reshape((n, *shape))
-
-        def one(weights):
-            return functional_call(self._net, {**weights, **fixed}, (x,))
-
-        out = vmap(one)(flat)
+        try:
+            out = vmap(one)(flat)
+        except RuntimeError as error:
+            if not is_vmap_refusal(error):
+                raise
+            raise RuntimeError(
+                f"{first_line(error)} (BayesianModule: the network "
+                f"{type(self._net).__name__} cannot run {n} weight draws or nodes in one "
+                "torch.func.vmap pass). Evaluate them one at a time: QuadratureELBO and predict "
+                "fall back by themselves with vectorize=None (the default), or pass "
+                "vectorize=False; Trace_ELBO(vectorize_particles=False); "
+                "Predictive(parallel=False)."
+            ) from error
         return out.reshape(lead + out.shape[1:]), len(lead)
 
     # -- the model --------------------------------------------------------------------------------

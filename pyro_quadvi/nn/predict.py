@@ -19,12 +19,14 @@ import torch
 from pyro import poutine
 
 from ..guides import describe_guide
+from ..infer.batched import DecisionCache, evaluate_batch
 from ..quadrature import QuadratureRule, make_rule
 from .likelihoods import NOISE_SITE, Bernoulli, Categorical, Gaussian
 
 __all__ = ["Prediction", "predict"]
 
 _PREDICT_PLATE = "_quadvi_predict"
+_DECISIONS = DecisionCache()  # vectorize=None: decided once per BayesianModule
 
 
 @dataclass
@@ -62,6 +64,7 @@ def predict(
     num_samples: int = 64,
     quadrature: str | QuadratureRule | None = None,
     num_points: int | None = None,
+    vectorize: bool | None = None,
 ) -> Prediction:
     """The Bayesian model average of ``bnn``'s net on ``x`` under the posterior ``guide``.
 
@@ -78,8 +81,15 @@ def predict(
             (:class:`~pyro_quadvi.guides.AutoSpikeSlab`) is refused: its nodes would sit on the
             moment-matched Gaussian, not the mixture; predict it with ``num_samples``.
         num_points: the rule's ``num_points`` (with a rule name).
+        vectorize: as everywhere in the package (:func:`~pyro_quadvi.infer.evaluate_batch`):
+            ``True`` runs all draws or nodes through the net in one ``torch.func.vmap`` pass;
+            ``False`` one at a time; ``None`` tries the pass, checks it against the first and last
+            draw run alone (to the square root of the dtype's machine epsilon, relative and
+            absolute: a batched product rounds differently) and falls back to the loop, with one
+            warning, where ``vmap`` cannot batch the net (an ``nn.GRU``, say). The decision is
+            kept per ``bnn``.
 
-    All draws or nodes go through the net in one vectorized pass, under ``torch.no_grad()``.
+    Under ``torch.no_grad()``.
     With a rule of negative weights, ``probs`` is a signed average and may leave ``[0, 1]``, and
     ``variance`` may be negative.
 
@@ -103,7 +113,22 @@ def predict(
             values, noise_scales, weights = _quadrature_nodes(
                 bnn, guide, x, quadrature, num_points, noise
             )
-        outputs = bnn.evaluate(values, x)
+        if vectorize is None:
+            known = _DECISIONS.get(bnn)
+            vectorize = None if known is None else known.vectorized
+        tolerance = torch.finfo(next(iter(values.values()), x).dtype).eps ** 0.5
+        outputs, decision = evaluate_batch(
+            lambda _: bnn.evaluate(values, x),
+            lambda k: bnn.evaluate({name: value[k] for name, value in values.items()}, x),
+            torch.arange(len(weights)),
+            vectorize,
+            probe=(0, len(weights) - 1),
+            rtol=tolerance,
+            atol=tolerance,
+            what="predict",
+        )
+        if _DECISIONS.get(bnn) is None:
+            _DECISIONS.set(bnn, decision=decision)
         weights = weights.to(outputs.dtype)
         mean = _average(outputs, weights)
         probs = variance = noise_variance = None
