@@ -554,3 +554,41 @@ def test_a_net_returning_a_tuple_is_refused_naming_the_net():
         bnn(X_NET, Y_REG)
     with pytest.raises(TypeError, match="network Pair returned a tuple"):
         QuadratureELBO("hadamard").loss(bnn, AutoMeanFieldNormal(bnn), X_NET, Y_REG)
+
+
+# ------------------------------------------------------------- a guide built without the data
+def test_a_guide_built_without_the_observations_is_refused():
+    # built from bnn(x) alone, an AutoGuide takes the unobserved "obs" for a latent: its entropy
+    # and nodes would enter the ELBO silently
+    bnn = BayesianModule(tanh_net(), priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
+    guide = AutoMeanFieldNormal(bnn)
+    guide(X_NET)
+    assert "obs" in [site.name for site in describe_guide(guide).latent_sites]
+    with pytest.raises(ValueError, match="the guide samples 'obs', which the model observes"):
+        QuadratureELBO("hadamard").loss(bnn, guide, X_NET, Y_REG)
+
+
+def test_predict_refuses_a_guide_that_has_not_run():
+    bnn = BayesianModule(tanh_net(), priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
+    guide = AutoMeanFieldNormal(bnn)
+    with pytest.raises(ValueError, match=r"guide has not run yet.*guide\(x, y\)"):
+        bnn.predict(guide, X_NET)
+    assert guide.prototype_trace is None  # and it was left unbuilt
+
+
+# ---------------------------------------------------------------------- observations' shapes
+def test_y_of_another_width_than_the_outputs_is_refused_naming_both():
+    bnn = BayesianModule(tanh_net(2), priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
+    with pytest.raises(ValueError, match=r"y has shape \(5,\), 1 value\(s\) per row.* observe 2"):
+        bnn(X_NET, Y_REG)
+
+
+def test_bernoulli_takes_integer_and_boolean_labels_as_floats():
+    bnn = BayesianModule(tanh_net(), priors.Normal(1.0), likelihoods.Bernoulli(20))
+    labels = torch.tensor([1, 0, 0, 1, 1])
+    guide = perturbed_guide(bnn, X_NET, labels.to(DTYPE))
+    elbo = QuadratureELBO("hadamard")
+    losses = [elbo.loss(bnn, guide, X_NET, y) for y in (labels.to(DTYPE), labels, labels.bool())]
+    assert losses[0] == losses[1] == losses[2]
+    # and the loss is the labels' own: flipping one changes it
+    assert elbo.loss(bnn, guide, X_NET, 1 - labels) != losses[0]

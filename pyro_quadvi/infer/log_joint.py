@@ -305,6 +305,14 @@ class LogJoint:
                     f"model's sample sites: {', '.join(_sample_sites(trace)) or 'none'}); build "
                     "the guide from this model, or rename the site to match the model's"
                 )
+            if trace.nodes[name]["is_observed"]:
+                raise ValueError(
+                    f"the guide samples {name!r}, which the model observes: the guide was built "
+                    "from a run of the model without its observations (an AutoGuide builds "
+                    "itself on its first call: guide(x), or a BayesianModule's predict, before "
+                    "any training). Build it with the data, guide(x, y) or a first "
+                    "svi.step(x, y), on a new guide"
+                )
         if self._subsample is None:
             self._subsample = {
                 name: node

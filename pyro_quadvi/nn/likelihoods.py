@@ -50,6 +50,10 @@ class Likelihood:
         """The likelihood's own latent sites (sampled before the data plate); none by default."""
         return {}
 
+    def observation(self, y: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+        """``y`` as the observed site takes it (rows already shaped); unchanged by default."""
+        return y
+
     def distribution(self, outputs: torch.Tensor, latents: dict[str, torch.Tensor], row_dims: int):
         """The distribution of one row's observation given the net's ``outputs``."""
         raise NotImplementedError
@@ -79,7 +83,14 @@ class Likelihood:
         if y is not None:
             if y.shape[0] != rows:
                 raise ValueError(f"y has {y.shape[0]} rows, x gave {rows}")
-            y = y.reshape((rows, *row))
+            if y[0].numel() != row.numel():
+                raise ValueError(
+                    f"{type(self).__name__} likelihood: y has shape {tuple(y.shape)}, "
+                    f"{y[0].numel()} value(s) per row, but the network's outputs observe "
+                    f"{row.numel()} per row (shape {tuple(row)}); make the net's output size "
+                    "match y"
+                )
+            y = self.observation(y.reshape((rows, *row)), outputs)
         fn = self.distribution(outputs, latents, len(row))
         with self.plate(rows, outputs.device):
             return pyro.sample(self.name, fn, obs=y)
@@ -149,9 +160,15 @@ class Categorical(Likelihood):
 
 
 class Bernoulli(Likelihood):
-    """``y ~ Bernoulli(logits=net(x))``; a net with one output column gives one label per row."""
+    """``y ~ Bernoulli(logits=net(x))``; a net with one output column gives one label per row.
+
+    ``y`` holds 0 / 1 labels, as floats, integers or booleans."""
 
     squeeze_single_output = True
+
+    def observation(self, y, outputs):
+        """Integer or boolean labels are taken as 0 / 1 in the outputs' dtype."""
+        return y if y.is_floating_point() else y.to(outputs.dtype)
 
     def distribution(self, outputs, latents, row_dims):
         return dist.Bernoulli(logits=outputs).to_event(row_dims)

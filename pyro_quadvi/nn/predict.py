@@ -94,12 +94,17 @@ def predict(
     ``variance`` may be negative.
 
     Raises:
-        ValueError: for ``quadrature`` with a guide that has non-Gaussian (``"dirac_gauss"``)
-            sites, or ``num_samples < 1`` without it.
+        ValueError: for an AutoGuide that has not run yet (built from ``bnn(x)`` alone it would
+            take the observations for a latent), for ``quadrature`` with a guide that has
+            non-Gaussian (``"dirac_gauss"``) sites, or ``num_samples < 1`` without it.
     """
     with torch.no_grad():
         if getattr(guide, "prototype_trace", True) is None:
-            guide(x)  # an AutoGuide builds itself on its first run, outside our plate
+            # built from bnn(x) alone, an AutoGuide would take the observations for a latent
+            raise ValueError(
+                "predict: the guide has not run yet, so it holds no posterior. Train it first "
+                "(svi.step(x, y)), or build it at its initialization with guide(x, y)"
+            )
         noise = NOISE_SITE if _learned_noise(bnn) else None
         if quadrature is None:
             if num_samples < 1:
