@@ -579,8 +579,30 @@ def test_predict_refuses_a_guide_that_has_not_run():
 # ---------------------------------------------------------------------- observations' shapes
 def test_y_of_another_width_than_the_outputs_is_refused_naming_both():
     bnn = BayesianModule(tanh_net(2), priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
-    with pytest.raises(ValueError, match=r"y has shape \(5,\), 1 value\(s\) per row.* observe 2"):
+    with pytest.raises(ValueError, match=r"y has shape \(5,\), but .* rows of shape \(2,\)"):
         bnn(X_NET, Y_REG)
+
+
+def test_y_of_the_right_size_in_another_layout_is_refused():
+    # per-pixel classes: outputs (B, H, W, C) observe labels (B, H, W); (B, W, H) has as many
+    # labels, which a reshape would pair with the wrong pixels
+    class PerPixel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2, 4 * 3 * 5)
+
+        def forward(self, x):
+            return self.linear(x).reshape(len(x), 4, 3, 5)
+
+    bnn = BayesianModule(PerPixel().double(), priors.Normal(1.0), likelihoods.Categorical(20))
+    labels = torch.zeros(5, 4, 3, dtype=torch.long)
+    bnn(X_NET, labels)  # the layout of the outputs: accepted
+    with pytest.raises(ValueError, match=r"y has shape \(5, 3, 4\).*y must be \(5, 4, 3\)"):
+        bnn(X_NET, labels.transpose(1, 2))
+    # one number per row: y may be (B,) or (B, 1), and both observe the same values
+    single = BayesianModule(tanh_net(), priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
+    trace = poutine.trace(single).get_trace(X_NET, Y_REG[:, None])
+    assert torch.equal(trace.nodes["obs"]["value"], Y_REG)
 
 
 def test_bernoulli_takes_integer_and_boolean_labels_as_floats():
@@ -592,3 +614,91 @@ def test_bernoulli_takes_integer_and_boolean_labels_as_floats():
     assert losses[0] == losses[1] == losses[2]
     # and the loss is the labels' own: flipping one changes it
     assert elbo.loss(bnn, guide, X_NET, 1 - labels) != losses[0]
+
+
+# ------------------------------------------------------------ priors: binding, fans, dtypes
+def test_one_layerwise_prior_serves_two_networks_each_with_its_own_fans():
+    prior = priors.LayerwiseNormal("radford")
+    wide = BayesianModule(nn.Linear(400, 2).double(), prior, likelihoods.Gaussian(10))
+    narrow = BayesianModule(nn.Linear(4, 2).double(), prior, likelihoods.Gaussian(10))
+    for bnn, fan_in in ((wide, 400), (narrow, 4)):  # a bias takes its own layer's fan-in
+        scale = bnn.prior_of("bias", bnn.net.bias).base_dist.scale
+        assert torch.allclose(scale, torch.full_like(scale, fan_in**-0.5), rtol=1e-15)
+
+
+def test_an_unbound_layerwise_prior_refuses_a_bias_instead_of_a_unit_scale():
+    prior = priors.LayerwiseNormal("radford")
+    net = nn.Linear(400, 2).double()
+    with pytest.raises(ValueError, match=r"prior of 'bias' \(1-d\).*never bound.*prior.bind"):
+        BayesianModule(net, lambda n, p: prior(n, p), likelihoods.Gaussian(10)).prior_of(
+            "bias", net.bias
+        )
+    prior.bind(net.named_parameters(), net.named_modules())
+    assert prior.std("bias", net.bias) == 400**-0.5
+
+
+def test_a_recurrent_layers_biases_take_the_fans_of_their_own_weights():
+    gru = nn.GRU(3, 5)  # weight_ih_l0 (15, 3), weight_hh_l0 (15, 5); biases of 15
+    prior = priors.LayerwiseNormal("kaiming")
+    prior.bind(gru.named_parameters(), gru.named_modules())
+    assert prior.std("bias_ih_l0", gru.bias_ih_l0) == (2 / 3) ** 0.5
+    assert prior.std("bias_hh_l0", gru.bias_hh_l0) == (2 / 5) ** 0.5
+    attention = nn.MultiheadAttention(8, 2)  # in_proj_weight (24, 8), in_proj_bias (24,)
+    prior.bind(attention.named_parameters(), attention.named_modules())
+    assert prior.std("in_proj_bias", attention.in_proj_bias) == (2 / 8) ** 0.5
+    assert prior.std("out_proj.bias", attention.out_proj.bias) == (2 / 8) ** 0.5
+
+
+def test_a_prior_of_another_dtype_than_its_parameter_is_refused_naming_the_site():
+    bnn = BayesianModule(
+        nn.Linear(2, 1).double(), lambda n, p: dist.Normal(0.0, 1.0), likelihoods.Gaussian(10)
+    )
+    with pytest.raises(ValueError, match=r"prior of 'weight' draws torch\.float32 values, but the"):
+        bnn(X_NET, Y_REG)
+
+
+# ---------------------------------------------------- frozen parameters, modes, settings
+def test_frozen_parameters_are_constants_neither_latent_nor_trained():
+    for local in (False, True):
+        pyro.clear_param_store()
+        with pyro.settings.context(module_local_params=local):
+            net = tanh_net()
+            net[0].requires_grad_(False)  # a frozen first layer: a fixed feature map
+            frozen = {n: p.detach().clone() for n, p in net[0].named_parameters()}
+            bnn = BayesianModule(
+                net, priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3), hide=("0.bias",)
+            )
+            assert list(bnn.latent_parameters()) == ["2.weight", "2.bias"]
+            assert set(bnn.frozen_parameters()) == {"0.weight", "0.bias"}
+            guide = AutoMeanFieldNormal(bnn)
+            svi = SVI(bnn, guide, QNVB(), QuadratureELBO())
+            for _ in range(3):
+                svi.step(X_NET, Y_REG)
+            # the frozen layer is unchanged and still frozen, the model used it as it is
+            for name, p in net[0].named_parameters():
+                assert torch.equal(p, frozen[name]) and not p.requires_grad
+            last = {name: value.detach() for name, value in guide.median().items()}
+            features = torch.tanh(X_NET @ frozen["weight"].T + frozen["bias"])
+            direct = features @ last["2.weight"].T + last["2.bias"]
+            assert torch.allclose(bnn.evaluate(last, X_NET), direct, rtol=1e-12)
+
+
+def test_a_net_put_back_in_training_mode_is_refused_naming_the_layer():
+    net = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1)).double()
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
+    bnn.train()  # keeps the net in eval mode
+    bnn(X_NET, Y_REG)
+    net.train()  # undoes it: batch statistics, and running statistics updated at every node
+    with pytest.raises(ValueError, match=r"the Sequential of the network is in training mode"):
+        bnn(X_NET, Y_REG)
+    net[0].eval(), net[2].eval(), net[3].eval()
+    net.training = False
+    with pytest.raises(ValueError, match=r"the BatchNorm1d at '1' .* Call bnn.net.eval\(\)"):
+        bnn(X_NET, Y_REG)
+
+
+def test_misspelt_qnvb_settings_are_refused_when_the_module_is_built():
+    with pytest.raises(TypeError, match=r"unknown QNVB settings \['trustregion'\]"):
+        linear_bnn(qnvb_settings={"trustregion": 0.3})
+    with pytest.raises(ValueError, match="trust_region"):
+        linear_bnn(qnvb_settings={"trust_region": -1.0})

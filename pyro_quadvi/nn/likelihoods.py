@@ -83,12 +83,13 @@ class Likelihood:
         if y is not None:
             if y.shape[0] != rows:
                 raise ValueError(f"y has {y.shape[0]} rows, x gave {rows}")
-            if y[0].numel() != row.numel():
+            one_column = row == () and y.shape[1:] == (1,)  # (B, 1) for one number per row
+            if y.shape[1:] != row and not one_column:
                 raise ValueError(
-                    f"{type(self).__name__} likelihood: y has shape {tuple(y.shape)}, "
-                    f"{y[0].numel()} value(s) per row, but the network's outputs observe "
-                    f"{row.numel()} per row (shape {tuple(row)}); make the net's output size "
-                    "match y"
+                    f"{type(self).__name__} likelihood: y has shape {tuple(y.shape)}, but the "
+                    f"network's outputs observe rows of shape {tuple(row)}: y must be "
+                    f"{(rows, *row)}. Make the net's outputs match y's layout (a y of the same "
+                    "size in another layout would pair values with the wrong outputs)"
                 )
             y = self.observation(y.reshape((rows, *row)), outputs)
         fn = self.distribution(outputs, latents, len(row))

@@ -21,9 +21,11 @@ deterministic and ``g ~ N(0, prior_scale^2)`` (Rossi et al. 2020, Sec. 2).
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import fields
 from types import MappingProxyType
 
 import pyro
@@ -35,6 +37,7 @@ from torch.distributions import Distribution, constraints
 from torch.func import functional_call, vmap
 
 from ..infer.batched import first_line, is_vmap_refusal
+from ..optim.qnvb_functional import QNVBHyperparameters
 from .likelihoods import Likelihood
 from .priors import LayerwiseNormal
 
@@ -125,10 +128,19 @@ class BayesianModule(PyroModule):
         settings = NETWORK_QNVB_SETTINGS if qnvb_settings is None else qnvb_settings
         if not isinstance(settings, Mapping):
             raise TypeError(f"qnvb_settings must be a dict of QNVB settings, got {settings!r}")
+        unknown = sorted(set(settings) - {f.name for f in fields(QNVBHyperparameters)})
+        if unknown:
+            raise TypeError(
+                f"qnvb_settings names unknown QNVB settings {unknown}; QNVB takes "
+                f"{[f.name for f in fields(QNVBHyperparameters)]}"
+            )
+        QNVBHyperparameters(**settings)  # the values: checked now, not at the first step
         self.qnvb_settings = dict(settings)
         # latent parameter name -> (module path, name in the module) of its declared prior
         self._declared = {n: where for n, where in declared_priors.items() if n not in hide}
-        if isinstance(prior, LayerwiseNormal):
+        if isinstance(prior, LayerwiseNormal):  # bound to this net: a copy, so that the
+            # same prior object can serve another network with other shapes
+            self.prior = prior = copy.copy(prior)
             prior.bind(net.named_parameters(), net.named_modules())
 
     def __setstate__(self, state: dict) -> None:
@@ -151,8 +163,16 @@ class BayesianModule(PyroModule):
         return self
 
     def latent_parameters(self) -> dict[str, nn.Parameter]:
-        """The net's parameters that are latent sites, by name, in the net's order."""
-        return {n: p for n, p in self._net.named_parameters() if n not in self.hide}
+        """The net's parameters that are latent sites, by name, in the net's order: all but the
+        hidden and the frozen ones (``requires_grad=False``)."""
+        return {
+            n: p for n, p in self._net.named_parameters() if n not in self.hide and p.requires_grad
+        }
+
+    def frozen_parameters(self) -> dict[str, nn.Parameter]:
+        """The net's frozen parameters (``requires_grad=False``), by name: constants, passed to
+        the net as they are, like buffers; neither latent nor trained, hidden or not."""
+        return {n: p for n, p in self._net.named_parameters() if not p.requires_grad}
 
     def init_to_net(self, fallback: Callable | None = init_to_feasible) -> Callable:
         """An ``init_loc_fn`` that starts a guide at the net's current parameters.
@@ -188,6 +208,8 @@ class BayesianModule(PyroModule):
         params = dict(self._net.named_parameters())
         for name in self.hide:
             param = params[name]
+            if not param.requires_grad:  # frozen: a constant (pyro.param would unfreeze it)
+                continue
             fullname = f"net.{name}" if not self._pyro_name else f"{self._pyro_name}.net.{name}"
             if pyro.settings.get("module_local_params"):
                 # no param store: a param statement for the handlers (SVI collects the leaf
@@ -221,8 +243,17 @@ class BayesianModule(PyroModule):
         missing = sorted(set(params) - set(values))
         if missing:
             raise ValueError(f"no values for the latent parameters {missing}")
+        training = next(((path, m) for path, m in self._net.named_modules() if m.training), None)
+        if training is not None:
+            path, module = training
+            raise ValueError(
+                f"BayesianModule: {_where(module, path)} of the network is in training mode; "
+                "the net runs in eval mode (batch norm with its running statistics as they are, "
+                "no dropout), which net.train() undid. Call bnn.net.eval() (bnn.train() keeps "
+                "the net in eval mode)"
+            )
         hidden = self.hidden_values()
-        fixed = {**hidden, **dict(self._net.named_buffers())}
+        fixed = {**self.frozen_parameters(), **hidden, **dict(self._net.named_buffers())}
         leads = {name: _lead(name, value, params[name]) for name, value in values.items()}
         lead = torch.broadcast_shapes(*leads.values()) if leads else torch.Size()
 
@@ -269,6 +300,13 @@ class BayesianModule(PyroModule):
         for name, param in self.latent_parameters().items():
             infer = {"qnvb": self.qnvb_settings} if self.qnvb_settings else {}
             values[name] = pyro.sample(name, self.prior_of(name, param), infer=infer)
+            if values[name].dtype != param.dtype:
+                raise ValueError(
+                    f"the prior of {name!r} draws {values[name].dtype} values, but the parameter "
+                    f"is {param.dtype}: build the prior in the parameter's dtype (a scalar "
+                    "prior from tensors of that dtype, e.g. dist.Normal(torch.tensor(0.0, "
+                    "dtype=param.dtype), 1.0))"
+                )
         outputs, batch_dims = self._evaluate(values, x)
         self.likelihood(outputs, y, batch_dims)
         return outputs

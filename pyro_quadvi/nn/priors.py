@@ -77,9 +77,11 @@ class LayerwiseNormal(Prior):
     ``torch.nn.init._calculate_fan_in_and_fan_out``).
 
     **Biases and other parameters of fewer than 2 dims** take the fans of their layer's weight:
-    the parameter of the same module path ending in ``weight`` (``"0.bias"`` -> ``"0.weight"``),
-    found in the network the prior is bound to by
-    :class:`~pyro_quadvi.nn.BayesianModule` (:meth:`bind`), or, for a layer that stores no
+    the parameter of the same module named with ``weight`` for ``bias`` (``"0.bias"`` ->
+    ``"0.weight"``, an ``nn.GRU``'s ``"bias_ih_l0"`` -> ``"weight_ih_l0"``), else the module's
+    ``weight``, found in the network the prior is bound to by
+    :class:`~pyro_quadvi.nn.BayesianModule` (:meth:`bind`, on its own copy of the prior, so that
+    one prior object may serve several networks), or, for a layer that stores no
     ``weight`` but has ``in_features`` and ``out_features`` (a WHVI layer), the dense
     ``(out_features, in_features)`` weight it stands for. A 1-d parameter without such a weight
     (a layer-norm's gain, say) falls back to ``fan_in = fan_out = 1`` (a standard normal for
@@ -99,7 +101,7 @@ class LayerwiseNormal(Prior):
             raise ValueError(f"scale must be > 0, got {scale!r}")
         self.method = method
         self.scale = float(scale)
-        self._shapes: dict[str, torch.Size] = {}
+        self._shapes: dict[str, torch.Size] | None = None  # None: not bound to a network yet
 
     def bind(self, named_parameters, named_modules=()) -> None:
         """Remember the shapes of a network's weights (to find a bias's fans).
@@ -119,14 +121,29 @@ class LayerwiseNormal(Prior):
                 self._shapes[weight] = torch.Size(sizes)
 
     def fans(self, name: str, param: torch.Tensor) -> tuple[int, int]:
-        """``(fan_in, fan_out)`` used for the parameter ``name``."""
+        """``(fan_in, fan_out)`` used for the parameter ``name``.
+
+        Raises:
+            ValueError: for a parameter of fewer than 2 dims when the prior was never bound to a
+                network (:meth:`bind`), which its layer's weight would have to come from.
+        """
         if param.dim() >= 2:
             return fan_in_and_fan_out(param.shape)
-        module, _, _ = name.rpartition(".")
-        weight = f"{module}.weight" if module else "weight"
-        shape = self._shapes.get(weight)
-        if shape is not None and len(shape) >= 2:
-            return fan_in_and_fan_out(shape)
+        if self._shapes is None:
+            raise ValueError(
+                f"LayerwiseNormal: the prior of {name!r} ({param.dim()}-d) takes its layer "
+                "weight's fans, but this prior was never bound to a network. Pass it to "
+                "BayesianModule as prior=..., or call prior.bind(net.named_parameters(), "
+                "net.named_modules()) before wrapping it in a function"
+            )
+        module, _, local = name.rpartition(".")
+        prefix = f"{module}." if module else ""
+        # "0.bias" -> "0.weight"; a layer of several weights names them alike: nn.GRU's
+        # "bias_ih_l0" -> "weight_ih_l0", nn.MultiheadAttention's "in_proj_bias" -> "in_proj_weight"
+        for weight in dict.fromkeys((local.replace("bias", "weight"), "weight")):
+            shape = self._shapes.get(prefix + weight)
+            if shape is not None and len(shape) >= 2:
+                return fan_in_and_fan_out(shape)
         return 1, 1
 
     def std(self, name: str, param: torch.Tensor) -> float:
