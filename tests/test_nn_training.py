@@ -60,3 +60,14 @@ def test_fit_refuses_what_it_cannot_run():
         fit(_svi(), (X, Y), 3, every=0)
     with pytest.raises(ValueError, match="yielded no batch"):
         fit(_svi(), [], 3)
+
+
+def test_a_one_shot_iterator_that_runs_out_is_named_as_such():
+    def three():
+        for k in range(3):
+            yield X[4 * k : 4 * k + 4], Y[4 * k : 4 * k + 4]
+
+    assert len(fit(_svi(), three(), 3, progress=False).loss) == 3  # as many steps as it yields
+    pyro.clear_param_store()
+    with pytest.raises(ValueError, match=r"one-shot iterator .* cannot be cycled"):
+        fit(_svi(), three(), 5, progress=False)

@@ -35,13 +35,20 @@ def _batches(data: tuple | Iterable) -> Iterator[tuple]:
     if isinstance(data, tuple):
         while True:
             yield data
+    passes = 0
     while True:
-        empty = True
+        count = 0
         for batch in data:
-            empty = False
+            count += 1
             yield batch if isinstance(batch, tuple | list) else (batch,)
-        if empty:
+        if count == 0 and passes == 0:
             raise ValueError("fit: the data iterable yielded no batch")
+        if count == 0:
+            raise ValueError(
+                "fit: the data ran out: a one-shot iterator (a generator, say) cannot be cycled. "
+                "Pass a list of batches or a DataLoader, or at most as many num_steps as it yields"
+            )
+        passes += 1
 
 
 def fit(
@@ -59,7 +66,9 @@ def fit(
     Args:
         svi: a ``pyro.infer.SVI`` (any guide, optimizer and ELBO).
         data: the arguments of every step (a tuple, e.g. ``(x, y)``: the full batch), or an
-            iterable of such tuples (minibatches, e.g. a ``DataLoader``), cycled.
+            iterable of such tuples (minibatches, e.g. a ``DataLoader``), cycled: each call starts
+            at its first batch (``fit`` keeps no position between calls; two calls of 4 steps over
+            a list of batches are not one of 8).
         num_steps: how many steps.
         metrics: name -> a function of nothing returning a number (e.g. a test NLL), evaluated
             every ``every`` steps and after the last one.
@@ -68,7 +77,8 @@ def fit(
         desc: the bar's label.
 
     Raises:
-        ValueError: for ``num_steps < 0``, ``every < 1``, or an empty iterable.
+        ValueError: for ``num_steps < 0``, ``every < 1``, an empty iterable, or a one-shot
+            iterator that runs out before ``num_steps``.
     """
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
         raise ValueError(f"fit: num_steps must be an integer >= 0, got {num_steps!r}")
