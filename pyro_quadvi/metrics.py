@@ -20,6 +20,7 @@ binning used by both :func:`expected_calibration_error` and :func:`reliability_d
 from __future__ import annotations
 
 import math
+import operator
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -76,13 +77,24 @@ def _check_probs(probs: object) -> torch.Tensor:
         raise ValueError(
             f"probs must have shape (n, C) (cases, classes), got shape {tuple(probs.shape)}"
         )
+    if probs.shape[1] == 0:
+        raise ValueError(
+            f"probs has no classes (shape {tuple(probs.shape)}); pass one column of "
+            "probabilities per class, shape (n, C)"
+        )
     if ((probs < 0) | (probs > 1)).any():
         raise ValueError("probs must lie in [0, 1] (pass probabilities, not logits)")
     worst = (probs.sum(-1) - 1).abs().max().item()
     if worst > PROB_SUM_ATOL:
+        hint = (
+            "for a binary classifier's probability p of class 1, pass both columns, "
+            "torch.cat([1 - p, p], dim=1), of shape (n, 2)"
+            if probs.shape[1] == 1
+            else "pass probabilities, not logits"
+        )
         raise ValueError(
             f"every row of probs must sum to 1 within {PROB_SUM_ATOL}; the worst row is off "
-            f"by {worst:.3g} (pass probabilities, not logits)"
+            f"by {worst:.3g} ({hint})"
         )
     return probs
 
@@ -115,9 +127,15 @@ def _check_same_shape(name: str, value: object, ref_name: str, ref: torch.Tensor
 
 
 def _check_num_bins(num_bins: object) -> int:
-    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
+    """``num_bins`` as an ``int``: any integral (``int``, ``numpy.int64``, an integer 0-d
+    tensor, through ``operator.index``) that is positive; not a ``bool``."""
+    try:
+        value = None if isinstance(num_bins, bool) else operator.index(num_bins)
+    except TypeError:
+        value = None
+    if value is None or value < 1:
         raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
-    return num_bins
+    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,8 +157,12 @@ def gaussian_nll(mean: torch.Tensor, scale: torch.Tensor | float, y: torch.Tenso
 
     Args:
         mean: Predictive means, shape ``(n, ...)``.
-        scale: Predictive standard deviations (> 0): a tensor broadcastable to ``mean``'s shape
-            (e.g. shape ``(n, ...)``, or a scalar for a fixed noise level) or a positive float.
+        scale: Predictive standard deviations (> 0): a positive float or 0-dim tensor (one
+            noise level for all), or a tensor with ``mean``'s number of dims that broadcasts to
+            its shape: for ``mean`` of shape ``(n, D)``, ``(n, 1)`` is one scale per case,
+            ``(1, D)`` one per output, ``(n, D)`` one per entry. A scale with fewer dims (but
+            not 0) is refused when ``mean`` has 2 or more: broadcasting aligns it from the
+            right, so ``(n,)`` would be read as one scale per *column*.
         y: Observed targets, the shape of ``mean``.
 
     Returns:
@@ -166,6 +188,16 @@ def gaussian_nll(mean: torch.Tensor, scale: torch.Tensor | float, y: torch.Tenso
         raise ValueError(
             f"scale of shape {tuple(scale.shape)} broadcasts beyond mean's shape "
             f"{tuple(mean.shape)}"
+        )
+    if 0 < scale.dim() < mean.dim():  # aligned from the right: (n,) would be read per column
+        n, rest = mean.shape[0], mean.shape[1:]
+        ones = (1,) * len(rest)
+        raise ValueError(
+            f"scale of shape {tuple(scale.shape)} is ambiguous for mean of shape "
+            f"{tuple(mean.shape)}: give it mean's {mean.dim()} dims, {(n, *ones)} for one "
+            f"scale per case, {(1, *rest)} for one per output or {tuple(mean.shape)} for one "
+            "per entry (e.g. scale[:, None] for one scale per case of a mean of shape (n, D)); "
+            "or a scalar for one in all"
         )
     if not (torch.isfinite(scale) & (scale > 0)).all():
         raise ValueError("scale must be finite and positive (a standard deviation, not a variance)")

@@ -267,8 +267,13 @@ class QNVB(PyroOptim):
                 f"the block of {name!r}; the update takes {list(_HP_NAMES)}"
             )
         args = {**(hints or {}), **self.defaults}
+        sources = [f"the model's infer['qnvb'] = {hints!r}"] if hints else []
+        if self.defaults:
+            sources.append(f"QNVB's keyword arguments {self.defaults!r}")
         if isinstance(self.optim_args, dict):
             args.update(self.optim_args)
+            if self.optim_args:
+                sources.append(f"optim_args {self.optim_args!r}")
         elif callable(self.optim_args) and name is not None:
             extra = self.optim_args(name)
             if not isinstance(extra, dict):
@@ -276,12 +281,21 @@ class QNVB(PyroOptim):
                     f"QNVB's optim_args callable must return a dict for {name!r}, got {extra!r}"
                 )
             args.update(extra)
+            sources.append(f"optim_args({name!r}) = {extra!r}")
+        # a block's settings are refused naming the block and where they came from
+        where = "" if name is None else f" for the block of {name!r} (from {', '.join(sources)})"
         unknown = sorted(set(args) - set(_HP_NAMES))
         if unknown:
             raise TypeError(
-                f"QNVB got unknown hyperparameters {unknown}; the update takes {list(_HP_NAMES)}"
+                f"QNVB got unknown hyperparameters {unknown}{where}; the update takes "
+                f"{list(_HP_NAMES)}"
             )
-        return QNVBHyperparameters(**args)
+        try:
+            return QNVBHyperparameters(**args)
+        except (TypeError, ValueError) as error:
+            if name is None:
+                raise
+            raise type(error)(f"QNVB: {error}{where}") from error
 
     def _block_hyperparameters(self, name: str, hints: dict) -> QNVBHyperparameters:
         """The block's hyperparameters: its model's hints (:attr:`MeanFieldSite.hints`) under

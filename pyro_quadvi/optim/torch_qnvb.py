@@ -35,7 +35,13 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from ..infer.batched import BatchMismatch, DecisionCache, evaluate_batch, first_line
+from ..infer.batched import (
+    BatchMismatch,
+    DecisionCache,
+    evaluate_batch,
+    first_line,
+    is_vmap_refusal,
+)
 from ..quadrature import NodeSet, make_rule
 from .annealing import check_schedule
 from .qnvb_functional import (
@@ -48,27 +54,70 @@ from .qnvb_functional import (
     result_counts,
 )
 
-__all__ = ["QNVBOptimizer", "module_loss"]
+__all__ = ["ModuleLoss", "QNVBOptimizer", "module_loss"]
 
 LossFunction = Callable[..., torch.Tensor]
 """``loss_fn(params: dict[str, Tensor], *batch) -> Tensor``: the mean loss per case (a scalar)."""
 
 
-def module_loss(module: nn.Module, criterion: Callable) -> LossFunction:
+class ModuleLoss:
+    """``loss_fn(params, x, y) = criterion(functional_call(module, params, (x,)), y)``, the
+    ``loss_fn`` that :func:`module_loss` makes.
+
+    It carries ``module`` and ``criterion``: :meth:`QNVBOptimizer.step` keeps its ``vectorize``
+    decision per module and criterion (not per ``ModuleLoss`` object), so
+    ``step(loss_fn=module_loss(net, criterion), ...)`` written inside the training loop decides
+    once, and restores the module's buffers after a vectorized pass it tried and abandoned.
+
+    Attributes:
+        module: the network; its parameters and buffers not in ``params`` are used as they are.
+        criterion: ``(outputs, targets) -> mean loss per case``.
+    """
+
+    def __init__(self, module: nn.Module, criterion: Callable):
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"module_loss: module must be a torch.nn.Module, got {type(module).__name__}"
+            )
+        if not callable(criterion):
+            raise TypeError(
+                "module_loss: criterion must be callable (outputs, targets) -> mean loss per "
+                f"case, e.g. torch.nn.functional.cross_entropy; got {criterion!r}"
+            )
+        self.module = module
+        self.criterion = criterion
+
+    def __call__(
+        self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
+        outputs = functional_call(self.module, params, (x,))
+        if not isinstance(outputs, torch.Tensor):
+            raise TypeError(
+                f"module_loss: the network {type(self.module).__name__} returned a "
+                f"{type(outputs).__name__}; the criterion needs one tensor of outputs. Wrap the "
+                "net in a module whose forward returns that tensor (for an RNN: "
+                "out, _ = rnn(x); return head(out[:, -1]))."
+            )
+        return self.criterion(outputs, y)
+
+    def __repr__(self) -> str:
+        return f"module_loss({type(self.module).__name__}, {self.criterion!r})"
+
+
+def module_loss(module: nn.Module, criterion: Callable) -> ModuleLoss:
     """A ``loss_fn`` for :meth:`QNVBOptimizer.step`: ``criterion(module(x), y)`` at ``params``.
 
     Args:
         module: the network; its parameters and buffers not in ``params`` are used as they are.
+            Its forward must return one tensor (a ``TypeError`` names the net otherwise).
         criterion: ``(outputs, targets) -> mean loss per case``, e.g. ``F.cross_entropy``.
 
     Returns:
-        ``loss_fn(params, x, y) = criterion(functional_call(module, params, (x,)), y)``.
+        A :class:`ModuleLoss`, ``loss_fn(params, x, y) = criterion(functional_call(module,
+        params, (x,)), y)``. Calling ``module_loss`` again with the same module and criterion
+        gives a loss with which the optimizer reuses its ``vectorize`` decision.
     """
-
-    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
-        return criterion(functional_call(module, params, (x,)), y)
-
-    return loss_fn
+    return ModuleLoss(module, criterion)
 
 
 _HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
@@ -169,6 +218,66 @@ class _NodeStack:
 
     def __getitem__(self, k: int) -> list[torch.Tensor]:
         return [t[k] for t in self.tensors]
+
+
+def _decision_key(loss_fn: LossFunction) -> tuple[tuple, tuple[bool, ...] | None]:
+    """The objects a ``vectorize`` decision is kept for, and the modes it holds in.
+
+    A :class:`ModuleLoss` counts as its module and criterion (a new ``module_loss(net,
+    criterion)`` each step reuses the decision), in the training flags of the module's
+    submodules (a net in ``eval()`` may run under ``vmap`` and fail in ``train()``, e.g. with
+    dropout); any other ``loss_fn`` as itself.
+    """
+    if isinstance(loss_fn, ModuleLoss):
+        flags = tuple(m.training for m in loss_fn.module.modules())
+        return (loss_fn.module, loss_fn.criterion), flags
+    return (loss_fn,), None
+
+
+class _BufferSnapshot:
+    """A :class:`ModuleLoss`'s module buffers around a vectorized pass that is tried
+    (``vectorize=None`` before the decision), so that the pass leaves them as one evaluation of
+    the chosen kind would: abandoned (an error, or values that differ from single evaluations),
+    its changes are undone (BatchNorm in train mode updates ``num_batches_tracked`` before
+    ``vmap`` refuses its running statistics); kept, the probes' single evaluations are undone.
+    Nothing is saved for any other ``loss_fn`` or a decided step."""
+
+    def __init__(self, loss_fn: LossFunction | None):
+        module = loss_fn.module if isinstance(loss_fn, ModuleLoss) else None
+        self.module = module
+        self.before = None if module is None else self._save()
+        self.after: dict[str, torch.Tensor] | None = None
+
+    def _save(self) -> dict[str, torch.Tensor]:
+        return {name: b.detach().clone() for name, b in self.module.named_buffers()}
+
+    def _restore(self, saved: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, b in self.module.named_buffers():
+                if name in saved:
+                    b.copy_(saved[name])
+
+    def tried(self, batched: Callable) -> Callable:
+        """``batched``, leaving the buffers as they were before it (its own result saved)."""
+        if self.before is None:
+            return batched
+
+        def run(points):
+            try:
+                values = batched(points)
+            except BaseException:
+                self._restore(self.before)
+                raise
+            self.after = self._save()
+            self._restore(self.before)  # the probes (and a fallback loop) start from here
+            return values
+
+        return run
+
+    def settle(self, vectorized: bool) -> None:
+        """The buffers the vectorized pass left, if it was kept."""
+        if vectorized and self.after is not None:
+            self._restore(self.after)
 
 
 class QNVBOptimizer(torch.optim.Optimizer):
@@ -278,7 +387,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
         self.num_steps = 0
         self.compile = compile
         self._warned: set[str] = set()
-        self._decisions = DecisionCache()  # vectorize=None: decided once per loss_fn
+        self._decisions = DecisionCache()  # vectorize=None: decided once (_decision_key)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch's rule), refusing a bad hyperparameter at once, by name."""
@@ -339,7 +448,11 @@ class QNVBOptimizer(torch.optim.Optimizer):
                 nodes (one backward still), ``None`` (default) the pass checked against single
                 evaluations at three nodes on the first step with this ``loss_fn``, and the loop
                 with one warning if they disagree or the loss does not run under ``vmap``; the
-                decision is kept for later steps with the same ``loss_fn``.
+                decision is kept for later steps with the same ``loss_fn`` (for a
+                :func:`module_loss`: the same module and criterion, in the same ``train()`` /
+                ``eval()`` modes). A tried pass that is abandoned leaves a
+                :func:`module_loss`'s module buffers (BatchNorm's running statistics) as it
+                found them.
 
         Returns:
             The quadrature average of the loss.
@@ -427,7 +540,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
             try:
                 losses = vmap(single)(points.tensors)
             except RuntimeError as error:
-                if "vmap" not in str(error):
+                if not (is_vmap_refusal(error) or "vmap" in str(error)):
                     raise
                 raise BatchMismatch(
                     f"QNVBOptimizer: loss_fn does not run under torch.func.vmap over the {K} "
@@ -436,11 +549,13 @@ class QNVBOptimizer(torch.optim.Optimizer):
                 ) from error
             return losses
 
-        decided = self._decisions.get(loss_fn) if vectorize is None else None
-        mode = vectorize if decided is None else decided
+        key, flags = _decision_key(loss_fn)
+        known = self._decisions.get(*key) or {}  # the modules' training flags -> vectorized
+        mode = known.get(flags) if vectorize is None else vectorize
+        buffers = _BufferSnapshot(loss_fn if mode is None else None)
         with torch.enable_grad():
             losses, decision = evaluate_batch(
-                batched,
+                buffers.tried(batched),
                 single,
                 _NodeStack(stacked),
                 mode,
@@ -448,6 +563,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
                 atol=1e-6,
                 what="QNVBOptimizer",
             )
+            buffers.settle(decision.vectorized)
             weights = nodes.weights.to(losses.dtype)
             total = (weights * losses).sum()
             if not total.requires_grad:
@@ -460,7 +576,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
                 "loss_fn must use the params it is given (by the names of named_parameters())"
             )
         if vectorize is None:
-            self._decisions.set(loss_fn, decision=decision.vectorized)
+            self._decisions.set(*key, decision={**known, flags: decision.vectorized})
         moments = []
         for grad, x_p in zip(grads, offsets):
             if grad is None:

@@ -1,0 +1,106 @@
+"""Fixes of faults users found in ``pyro_quadvi.metrics``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pyro_quadvi.metrics import (
+    accuracy,
+    calibration_bins,
+    categorical_nll,
+    expected_calibration_error,
+    gaussian_nll,
+)
+
+DTYPE = torch.float64
+_MEAN = torch.zeros(3, 3, dtype=DTYPE)
+_Y = torch.arange(9.0, dtype=DTYPE).reshape(3, 3)
+_SCALE = torch.tensor([1.0, 2.0, 3.0], dtype=DTYPE)
+
+
+def _by_hand(scale_of) -> float:
+    """mean_i sum_d [log s + log(2 pi) / 2 + y_id^2 / (2 s^2)] with s = scale_of(i, d)."""
+    total = 0.0
+    for i in range(3):
+        for d in range(3):
+            s = scale_of(i, d)
+            total += math.log(s) + 0.5 * math.log(2 * math.pi) + (3 * i + d) ** 2 / (2 * s * s)
+    return total / 3
+
+
+def test_a_one_dim_scale_for_a_two_dim_mean_is_refused_as_ambiguous():
+    with pytest.raises(ValueError) as info:
+        gaussian_nll(_MEAN, _SCALE, _Y)
+    assert str(info.value) == (
+        "scale of shape (3,) is ambiguous for mean of shape (3, 3): give it mean's 2 dims, "
+        "(3, 1) for one scale per case, (1, 3) for one per output or (3, 3) for one per entry "
+        "(e.g. scale[:, None] for one scale per case of a mean of shape (n, D)); or a scalar for "
+        "one in all"
+    )
+    # the fixes it names give the two readings, each equal to the hand computation
+    per_case = gaussian_nll(_MEAN, _SCALE[:, None], _Y).item()
+    per_output = gaussian_nll(_MEAN, _SCALE[None], _Y).item()
+    assert per_case == pytest.approx(_by_hand(lambda i, d: float(_SCALE[i])), abs=1e-12)
+    assert per_output == pytest.approx(_by_hand(lambda i, d: float(_SCALE[d])), abs=1e-12)
+    assert per_case == pytest.approx(10.224500994767999, abs=1e-12)
+    assert per_output == pytest.approx(16.520797291064294, abs=1e-12)
+
+
+def test_scales_that_are_not_ambiguous_are_still_taken():
+    # a scalar, a 0-dim tensor, and a (n,) scale for a (n,) mean
+    expected = _by_hand(lambda i, d: 2.0)
+    assert gaussian_nll(_MEAN, 2.0, _Y).item() == pytest.approx(expected, abs=1e-12)
+    scalar = torch.tensor(2.0, dtype=DTYPE)
+    assert gaussian_nll(_MEAN, scalar, _Y).item() == pytest.approx(expected, abs=1e-12)
+    one_dim = gaussian_nll(_MEAN[:, 0], _SCALE, _Y[:, 0]).item()
+    hand = sum(math.log(s) + 0.5 * math.log(2 * math.pi) + (3 * i) ** 2 / (2 * s * s)
+               for i, s in enumerate((1.0, 2.0, 3.0))) / 3  # fmt: skip
+    assert one_dim == pytest.approx(hand, abs=1e-12)
+
+
+_PROBS = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.65, 0.35]], dtype=DTYPE)
+_LABELS = torch.tensor([0, 0, 1])
+
+
+@pytest.mark.parametrize("num_bins", [np.int64(10), np.int32(10), torch.tensor(10)])
+def test_num_bins_takes_any_integral(num_bins):
+    bins = calibration_bins(_PROBS, _LABELS, num_bins=num_bins)
+    # confidences 0.9, 0.8, 0.65 fall in (0.8, 0.9], (0.7, 0.8], (0.6, 0.7]
+    assert bins.count.tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 1, 0]
+    # |acc - conf| per case: |1 - 0.9|, |0 - 0.8|, |0 - 0.65|, each with weight 1/3
+    ece = expected_calibration_error(_PROBS, _LABELS, num_bins=num_bins)
+    assert ece.item() == pytest.approx((0.1 + 0.8 + 0.65) / 3, abs=1e-12)
+
+
+@pytest.mark.parametrize("num_bins", [10.0, True, 0, "10", np.float64(10)])
+def test_num_bins_that_are_not_positive_integers_are_refused(num_bins):
+    with pytest.raises(ValueError) as info:
+        calibration_bins(_PROBS, _LABELS, num_bins=num_bins)
+    assert str(info.value) == f"num_bins must be a positive integer, got {num_bins!r}"
+
+
+def test_probs_without_classes_are_refused_saying_so():
+    with pytest.raises(ValueError) as info:
+        accuracy(torch.zeros(3, 0, dtype=DTYPE), torch.zeros(3, dtype=torch.long))
+    assert str(info.value) == (
+        "probs has no classes (shape (3, 0)); pass one column of probabilities per class, "
+        "shape (n, C)"
+    )
+
+
+def test_a_single_column_of_binary_probabilities_gets_the_two_column_hint():
+    p = torch.tensor([[0.3], [0.9]], dtype=DTYPE)
+    with pytest.raises(ValueError) as info:
+        categorical_nll(p, torch.tensor([0, 1]))
+    assert str(info.value) == (
+        "every row of probs must sum to 1 within 0.0001; the worst row is off by 0.7 (for a "
+        "binary classifier's probability p of class 1, pass both columns, "
+        "torch.cat([1 - p, p], dim=1), of shape (n, 2))"
+    )
+    # the hint's fix: -(log(1 - 0.3) + log(0.9)) / 2
+    nll = categorical_nll(torch.cat([1 - p, p], dim=1), torch.tensor([0, 1]))
+    assert nll.item() == pytest.approx(-(math.log(0.7) + math.log(0.9)) / 2, abs=1e-12)

@@ -1,0 +1,303 @@
+"""Fixes of faults users found in ``QNVBOptimizer`` / ``module_loss``, ``QNVB``'s per-block
+settings and the local-mode checkpoint recipe of ``docs/qnvb.md``."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro.infer import SVI
+from torch import nn
+
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.infer.batched import BatchMismatch
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi.optim import QNVBOptimizer, module_loss
+
+DTYPE = torch.float64
+
+
+def _data(n=32, d=4, classes=3):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(n, d, generator=generator, dtype=DTYPE)
+    y = torch.randint(0, classes, (n,), generator=generator)
+    return x, y
+
+
+class _Counted(nn.Module):
+    """A linear layer that counts its forward calls (a vmap pass counts once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 3).to(DTYPE)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.layer(x)
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_new_module_loss_each_step_reuses_the_vectorize_decision(fresh):
+    # K = 3 (rasp_simplex in 15 dims): the first step is one vmap pass and 3 probes, each later
+    # step one pass: 4 + 4 = 8 forward calls in 5 steps, with the loss made anew each step or not.
+    x, y = _data()
+    torch.manual_seed(0)
+    net = _Counted()
+    optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=100)
+    reused = module_loss(net, F.cross_entropy)
+    for _ in range(5):
+        loss_fn = module_loss(net, F.cross_entropy) if fresh else reused
+        optimizer.step(loss_fn=loss_fn, batch=(x, y))
+    assert len(optimizer.rule.draw(15, step=0)) == 3
+    assert net.calls == 8
+
+
+def _batchnorm_net(momentum=None):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=momentum), nn.Tanh(), nn.Linear(8, 3)
+    ).to(DTYPE)
+
+
+def _batchnorm_run(vectorize, fresh, steps=3, momentum=None):
+    x, y = _data()
+    net = _batchnorm_net(momentum)
+    optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=100)
+    reused = module_loss(net, F.cross_entropy)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the fallback's warning
+        for _ in range(steps):
+            loss_fn = module_loss(net, F.cross_entropy) if fresh else reused
+            losses.append(optimizer.step(loss_fn=loss_fn, batch=(x, y), vectorize=vectorize))
+    mu = torch.cat([optimizer.state[p]["mu"].reshape(-1) for p in net.parameters()])
+    return net, torch.stack(losses), mu
+
+
+@pytest.mark.parametrize("momentum", [None, 0.1])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_an_abandoned_vmap_pass_leaves_batchnorm_buffers_as_the_loop_does(fresh, momentum):
+    # BatchNorm in train mode cannot run under vmap: vectorize=None falls back to the loop, and
+    # the tried pass must not count a batch (nor, with momentum=None, move the running mean).
+    tried, tried_losses, tried_mu = _batchnorm_run(None, fresh, momentum=momentum)
+    looped, looped_losses, looped_mu = _batchnorm_run(False, fresh, momentum=momentum)
+    assert int(tried[1].num_batches_tracked) == 3 * 3  # 3 steps of K = 3 single evaluations
+    for (name, got), (_, want) in zip(tried.named_buffers(), looped.named_buffers()):
+        assert torch.equal(got, want), name
+    assert torch.equal(tried_losses, looped_losses)
+    assert torch.equal(tried_mu, looped_mu)
+
+
+class _Tally(nn.Module):
+    """A linear layer with a buffer counting its evaluations (one for a whole vmap pass)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 3).to(DTYPE)
+        self.register_buffer("tally", torch.zeros((), dtype=DTYPE))
+
+    def forward(self, x):
+        self.tally.add_(1.0)
+        return self.layer(x)
+
+
+@pytest.mark.parametrize("vectorize, expected", [(True, 2.0), (None, 2.0), (False, 6.0)])
+def test_a_kept_vmap_pass_leaves_the_buffers_as_the_pass_did(vectorize, expected):
+    # Two steps at K = 3: one pass each (2), or 3 single evaluations each (6); the probes that
+    # check the tried pass on the first step do not count.
+    x, y = _data()
+    torch.manual_seed(0)
+    net = _Tally()
+    optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=100)
+    for _ in range(2):
+        optimizer.step(loss_fn=module_loss(net, F.cross_entropy), batch=(x, y), vectorize=vectorize)
+    assert float(net.tally) == expected
+
+
+def test_the_decision_is_kept_per_train_and_eval_mode():
+    # Decided in eval() (one pass), a train() step with a BatchNorm net must decide again and fall
+    # back to the loop instead of forcing the pass that vmap refuses: its loss is the loop's.
+    x, y = _data()
+    net, twin = _batchnorm_net(), _batchnorm_net()
+    optimizer, reference = (
+        QNVBOptimizer(
+            model.named_parameters(),
+            likelihood_weight=100,
+            generator=torch.Generator().manual_seed(3),  # the same random nodes for both
+        )
+        for model in (net, twin)
+    )
+    for model, opt in ((net, optimizer), (twin, reference)):
+        model.eval()
+        opt.step(loss_fn=module_loss(model, F.cross_entropy), batch=(x, y))
+        model.train()
+    with pytest.warns(UserWarning, match="Batch norm got a batched tensor"):
+        got = optimizer.step(loss_fn=module_loss(net, F.cross_entropy), batch=(x, y))
+    want = reference.step(loss_fn=module_loss(twin, F.cross_entropy), batch=(x, y), vectorize=False)
+    assert torch.equal(got, want)
+    assert int(net[1].num_batches_tracked) == int(twin[1].num_batches_tracked) == 3
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(2, 3, batch_first=True)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+def test_a_gru_under_vectorize_true_is_refused_with_the_hint():
+    torch.manual_seed(0)
+    net = _Recurrent()
+    x, y = torch.randn(4, 5, 2), torch.randint(0, 2, (4,))
+    optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=10)
+    with pytest.raises(BatchMismatch) as info:
+        optimizer.step(loss_fn=module_loss(net, F.cross_entropy), batch=(x, y), vectorize=True)
+    message = str(info.value)
+    assert message.startswith(
+        "QNVBOptimizer: loss_fn does not run under torch.func.vmap over the 3 nodes "
+        "(Batching rule not implemented for aten::gru.input"
+    )
+    assert message.endswith(
+        "pass vectorize=False to loop over the nodes, or vectorize=None to try the pass and "
+        "fall back"
+    )
+    assert optimizer.num_steps == 0
+
+
+class _TupleNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 3).to(DTYPE)
+
+    def forward(self, x):
+        out = self.layer(x)
+        return out, out.sum()
+
+
+@pytest.mark.parametrize("vectorize", [None, True, False])
+def test_a_net_returning_a_tuple_is_refused_naming_it(vectorize):
+    x, y = _data()
+    net = _TupleNet()
+    optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=10)
+    expected = (
+        "module_loss: the network _TupleNet returned a tuple; the criterion needs one tensor of "
+        "outputs. Wrap the net in a module whose forward returns that tensor (for an RNN: "
+        "out, _ = rnn(x); return head(out[:, -1]))."
+    )
+    with pytest.raises(TypeError) as info:
+        optimizer.step(loss_fn=module_loss(net, F.cross_entropy), batch=(x, y), vectorize=vectorize)
+    assert str(info.value) == expected
+    assert optimizer.num_steps == 0
+
+
+def test_module_loss_refuses_what_is_not_a_module_or_a_criterion():
+    with pytest.raises(TypeError) as info:
+        module_loss(F.relu, F.cross_entropy)
+    assert str(info.value) == "module_loss: module must be a torch.nn.Module, got function"
+    with pytest.raises(TypeError) as info:
+        module_loss(nn.Linear(2, 2), "cross_entropy")
+    assert str(info.value) == (
+        "module_loss: criterion must be callable (outputs, targets) -> mean loss per case, e.g. "
+        "torch.nn.functional.cross_entropy; got 'cross_entropy'"
+    )
+
+
+# -- QNVB (Pyro): per-block settings -----------------------------------------------------------
+
+
+def _model(x, y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=DTYPE), 1.0).to_event(1))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(x @ w, 0.5), obs=y)
+
+
+def _svi_step(optim):
+    pyro.clear_param_store()
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=DTYPE)
+    y = torch.tensor([0.5, -0.5, 0.0], dtype=DTYPE)
+    guide = AutoMeanFieldNormal(_model)
+    SVI(_model, guide, optim, QuadratureELBO(vectorize=False)).step(x, y)
+
+
+def test_a_bad_per_block_value_names_the_block_and_its_source():
+    with pytest.raises(ValueError) as info:
+        _svi_step(QNVB(lambda name: {"lr": -1}))
+    assert str(info.value) == (
+        "QNVB: lr must be > 0, got -1 for the block of 'AutoMeanFieldNormal.locs.w' "
+        "(from optim_args('AutoMeanFieldNormal.locs.w') = {'lr': -1})"
+    )
+    with pytest.raises(TypeError) as info:
+        _svi_step(QNVB(lambda name: {"lrr": 1.0}, sigma_min=1e-7))
+    assert str(info.value).startswith(
+        "QNVB got unknown hyperparameters ['lrr'] for the block of 'AutoMeanFieldNormal.locs.w' "
+        "(from QNVB's keyword arguments {'sigma_min': 1e-07}, "
+        "optim_args('AutoMeanFieldNormal.locs.w') = {'lrr': 1.0}); the update takes ['lr', "
+    )
+
+
+def test_settings_for_all_blocks_are_still_refused_at_construction():
+    with pytest.raises(ValueError) as info:
+        QNVB({"lr": -1.0})
+    assert str(info.value) == "lr must be > 0, got -1.0"
+
+
+# -- the local-mode checkpoint recipe of docs/qnvb.md ------------------------------------------
+
+
+def _local_problem():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 3, generator=generator, dtype=DTYPE)
+    y = torch.sin(x.sum(-1, keepdim=True)) + 0.1 * torch.randn(
+        40, 1, generator=generator, dtype=DTYPE
+    )
+    return x, y
+
+
+def _local_build():
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(40))
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
+    optim = QNVB()
+    return guide, optim, SVI(bnn, guide, optim, QuadratureELBO(rule="hadamard"))
+
+
+def test_the_local_mode_checkpoint_recipe_resumes_bit_for_bit():
+    x, y = _local_problem()
+    with pyro.settings.context(module_local_params=True):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        _, _, svi = _local_build()
+        expected = [svi.step(x, y) for _ in range(8)]
+
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide, optim, svi = _local_build()
+        got = [svi.step(x, y) for _ in range(4)]
+        # the recipe: the guide's state_dict, QNVB's state, the random state and the param
+        # store, which keeps the Hadamard sequence's position even in local mode
+        guide_state = copy.deepcopy(guide.state_dict())
+        optim_state = optim.get_state()
+        rng_state = pyro.util.get_rng_state()
+        store_state = copy.deepcopy(pyro.get_param_store().get_state())
+        assert list(store_state["params"]) == ["QuadratureELBO.AutoMeanFieldNormal.0.weight.step"]
+
+        pyro.clear_param_store()
+        guide, optim, svi = _local_build()
+        guide(x, y)
+        guide.load_state_dict(guide_state)
+        optim.set_state(optim_state)
+        pyro.get_param_store().set_state(copy.deepcopy(store_state))
+        pyro.util.set_rng_state(rng_state)
+        got += [svi.step(x, y) for _ in range(4)]
+    assert got == expected
