@@ -29,11 +29,12 @@ from .sparse_functional import (
 )
 from .sparse_qnvb import SparseQNVB
 from .sparse_torch import SparseQNVBOptimizer
-from .torch_qnvb import QNVBOptimizer, module_loss
+from .torch_qnvb import ModuleLoss, QNVBOptimizer, module_loss
 
 __all__ = [
     "QNVB",
     "AnnealLikelihoodMessenger",
+    "ModuleLoss",
     "QNVBHyperparameters",
     "QNVBOptimizer",
     "QNVBResult",
