@@ -702,3 +702,11 @@ def test_misspelt_qnvb_settings_are_refused_when_the_module_is_built():
         linear_bnn(qnvb_settings={"trustregion": 0.3})
     with pytest.raises(ValueError, match="trust_region"):
         linear_bnn(qnvb_settings={"trust_region": -1.0})
+
+
+def test_an_explicit_vectorize_in_predict_does_not_become_the_default():
+    bnn = gru_bnn()
+    guide = perturbed_guide(bnn, X_NET, Y_REG)
+    bnn.predict(guide, X_NET, quadrature="hadamard", vectorize=False)  # decides nothing
+    with pytest.warns(UserWarning, match="predict: .*Batching rule not implemented"):
+        bnn.predict(guide, X_NET, quadrature="hadamard")  # the default still tries, and warns

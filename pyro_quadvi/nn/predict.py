@@ -118,21 +118,19 @@ def predict(
             values, noise_scales, weights = _quadrature_nodes(
                 bnn, guide, x, quadrature, num_points, noise
             )
-        if vectorize is None:
-            known = _DECISIONS.get(bnn)
-            vectorize = None if known is None else known.vectorized
-        tolerance = torch.finfo(next(iter(values.values()), x).dtype).eps ** 0.5
+        known = _DECISIONS.get(bnn) if vectorize is None else None
+        tolerance = torch.finfo(weights.dtype).eps ** 0.5
         outputs, decision = evaluate_batch(
             lambda _: bnn.evaluate(values, x),
             lambda k: bnn.evaluate({name: value[k] for name, value in values.items()}, x),
             torch.arange(len(weights)),
-            vectorize,
+            vectorize if known is None else known.vectorized,
             probe=(0, len(weights) - 1),
             rtol=tolerance,
             atol=tolerance,
             what="predict",
         )
-        if _DECISIONS.get(bnn) is None:
+        if vectorize is None and known is None:  # an explicit True or False decides nothing
             _DECISIONS.set(bnn, decision=decision)
         weights = weights.to(outputs.dtype)
         mean = _average(outputs, weights)
