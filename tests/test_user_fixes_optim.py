@@ -301,3 +301,33 @@ def test_the_local_mode_checkpoint_recipe_resumes_bit_for_bit():
         pyro.util.set_rng_state(rng_state)
         got += [svi.step(x, y) for _ in range(4)]
     assert got == expected
+
+
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_a_loss_that_is_not_finite_is_refused_and_the_parameters_stay_at_their_means(one_pass):
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1).double()
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    opt = QNVBOptimizer(net.named_parameters(), likelihood_weight=8.0, prior_precision=1.0)
+    loss_fn = module_loss(net, nn.functional.mse_loss)
+
+    def step(xs):
+        if one_pass:
+            return opt.step(loss_fn=loss_fn, batch=(xs, y), vectorize=True)
+
+        def closure():
+            loss = nn.functional.mse_loss(net(xs), y)
+            loss.backward()
+            return loss
+
+        return opt.step(closure)
+
+    step(x)
+    means = [opt.state[p]["mu"].clone() for p in net.parameters()]
+    bad = x.clone()
+    bad[3, 1] = float("nan")  # one NaN in the batch: the loss is NaN at every node
+    with pytest.raises(ValueError, match=r"loss averaged over the quadrature nodes is nan"):
+        step(bad)
+    for p, mu in zip(net.parameters(), means):
+        assert torch.equal(p, mu) and torch.equal(opt.state[p]["mu"], mu)
+    step(x)  # and training goes on from there

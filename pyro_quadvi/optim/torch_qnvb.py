@@ -199,6 +199,27 @@ def closure_moments(
     return loss_avg, moments
 
 
+def check_finite_loss(
+    loss_avg: torch.Tensor, params: list[torch.Tensor], mus: list[torch.Tensor], owner: str
+) -> None:
+    """Refuse a step whose quadrature average of the loss is not finite (one host sync).
+
+    A node's NaN or infinite loss makes its gradients so at nearly every coordinate, which the
+    update's guard would leave unchanged: a step that learns nothing, told by a warning only.
+    The parameters go back to their means (``mus``) before the error.
+    """
+    if bool(torch.isfinite(loss_avg)):
+        return
+    for p, mu in zip(params, mus):
+        p.copy_(mu)
+        p.grad = None
+    raise ValueError(
+        f"{owner}: the loss averaged over the quadrature nodes is {loss_avg.item()}: the loss is "
+        "not finite at some node (a NaN or infinity in the batch, or a model that overflows "
+        "there). The parameters are left at their means; check the data, or use float64"
+    )
+
+
 def _scalar_loss(loss: object) -> torch.Tensor:
     """``loss_fn``'s value as a 0-d tensor (still differentiable), or a clear error."""
     return _scalar_tensor(
@@ -493,6 +514,10 @@ class QNVBOptimizer(torch.optim.Optimizer):
         else:
             loss_avg, moments = self._one_pass_moments(params, nodes, loss_fn, batch, vectorize)
         loss_avg, moments = self._combine(params, loss_avg, moments)
+        tensors = [p for p, _ in params]
+        check_finite_loss(
+            loss_avg, tensors, [self.state[p]["mu"] for p in tensors], "QNVBOptimizer"
+        )
         self._update(params, moments)
         return loss_avg
 
