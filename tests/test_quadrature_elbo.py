@@ -529,3 +529,49 @@ def test_median_quantiles_and_site_constraints_of_the_mean_field_guide():
     site = guide.mean_field_sites()[0]
     assert site.constraint.check(torch.tensor([1.0, -1.0])).tolist() == [True, False]
     assert site.shape == () and site.event_dim == 0
+
+
+# ------------------------------------------- poutine.scale on one side: the Jacobian's factor
+_SCALE_DATA = torch.tensor([0.3, -1.2, 2.0, 0.7], dtype=torch.float64)
+
+
+def _half_cauchy_model(scale_model: float):
+    def model():
+        with poutine.scale(scale=scale_model):
+            s = pyro.sample("s", dist.HalfCauchy(torch.tensor(1.0, dtype=torch.float64)))
+        with pyro.plate("d", 4):
+            pyro.sample("y", dist.Normal(0.0, s), obs=_SCALE_DATA)
+
+    return model
+
+
+def _exact_loss(loc: float, sd: float, scale_model: float, scale_guide: float) -> float:
+    """-ELBO by a 200-point Gauss-Hermite rule in u = log s: the prior term scaled by the model's
+    factor, the guide's log density (its entropy and the log-Jacobian u) by the guide's."""
+    x, w = np.polynomial.hermite_e.hermegauss(200)
+    u = torch.tensor(loc + sd * x, dtype=torch.float64)
+    prior = dist.HalfCauchy(torch.tensor(1.0, dtype=torch.float64)).log_prob(u.exp())
+    lik = dist.Normal(0.0, u.exp()[:, None]).log_prob(_SCALE_DATA).sum(-1)
+    entropy = 0.5 * math.log(2 * math.pi * math.e * sd**2)
+    expected = torch.tensor(w / w.sum()) @ (scale_model * prior + scale_guide * u + lik)
+    return -expected.item() - scale_guide * entropy
+
+
+@pytest.mark.parametrize("scale_model, scale_guide", [(3.0, 1.0), (1.0, 3.0), (3.0, 3.0)])
+@pytest.mark.parametrize("guide_class", [AutoNormal, AutoDiagonalNormal])
+def test_a_scale_on_one_side_puts_the_jacobian_with_the_guide_as_pyro_does(
+    scale_model, scale_guide, guide_class
+):
+    model = _half_cauchy_model(scale_model)
+    guide = guide_class(model, init_scale=0.3)
+    guide()
+    with torch.no_grad():
+        for p in guide.parameters():
+            p.add_(0.2)
+    if guide_class is AutoDiagonalNormal:
+        loc, sd = guide.loc.item(), guide.scale.item()
+    else:
+        loc, sd = guide.locs.s.item(), guide.scales.s.item()
+    scaled_guide = poutine.scale(guide, scale=scale_guide)
+    loss = QuadratureELBO("gauss_hermite", num_points=20).loss(model, scaled_guide)
+    assert loss == pytest.approx(_exact_loss(loc, sd, scale_model, scale_guide), abs=1e-9)

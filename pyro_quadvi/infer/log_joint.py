@@ -363,7 +363,7 @@ class LogJoint:
         for name, kl in self.closed_form.items():
             terms[name] = -_scaled(kl(trace.nodes[name]["fn"]), trace.nodes[name]).sum()
         for name, ladj in log_jac.items():
-            scale = trace.nodes[name]["scale"]
+            scale = _jacobian_scale(name, trace, replay_trace)
             terms[name] = terms[name] + (scale * ladj).sum()
         return terms, trace
 
@@ -390,9 +390,19 @@ class LogJoint:
             site = trace.nodes[name]
             terms[name] = -_per_particle(_scaled(kl(site["fn"]), site), K, mpn + 1)
         for name, ladj in log_jac.items():
-            scale = trace.nodes[name]["scale"]
+            scale = _jacobian_scale(name, trace, replay_trace)
             terms[name] = terms[name] + _per_particle(scale * ladj, K, mpn + 1)
         return terms, trace
+
+
+def _jacobian_scale(name: str, trace: Trace, replay_trace: Trace | None):
+    """The factor on a latent's log-Jacobian: its guide site's scale, as in Pyro's ELBOs, where
+    the Jacobian is part of the guide's density (an AutoGuide's ``log_density``). It differs from
+    the model site's under a ``poutine.scale`` of the model alone or of the guide alone; without a
+    guide trace, the model site's."""
+    if replay_trace is not None and name in replay_trace.nodes:
+        return replay_trace.nodes[name]["scale"]
+    return trace.nodes[name]["scale"]
 
 
 def _is_identity(transform: Transform) -> bool:
