@@ -575,3 +575,27 @@ def test_a_scale_on_one_side_puts_the_jacobian_with_the_guide_as_pyro_does(
     scaled_guide = poutine.scale(guide, scale=scale_guide)
     loss = QuadratureELBO("gauss_hermite", num_points=20).loss(model, scaled_guide)
     assert loss == pytest.approx(_exact_loss(loc, sd, scale_model, scale_guide), abs=1e-9)
+
+
+def _nested_plates():
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("g", 3, dim=-1):
+        a = pyro.sample("a", dist.Normal(mu, 1.0))
+        with pyro.plate("i", 4, dim=-2):
+            pyro.sample("y", dist.Normal(a, 0.5), obs=torch.ones(4, 3))
+
+
+@pytest.mark.parametrize("given", [0, 1])
+def test_a_max_plate_nesting_below_the_models_is_refused_naming_both(given):
+    guide = AutoNormal(_nested_plates)
+    guide()
+    with pytest.raises(
+        ValueError, match=rf"max_plate_nesting={given}, but the model nests .* 2 deep"
+    ):
+        QuadratureELBO(max_plate_nesting=given).loss(_nested_plates, guide)
+    # enough, or found: the same loss (the same random rotation of the rule)
+    losses = []
+    for elbo in (QuadratureELBO(max_plate_nesting=2), QuadratureELBO()):
+        pyro.set_rng_seed(0)
+        losses.append(elbo.loss(_nested_plates, guide))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-12)

@@ -254,6 +254,27 @@ class LogJoint:
             "data), or rescale the data"
         )
 
+    def check_plate_nesting(
+        self, z: torch.Tensor, args=(), kwargs=None, replay_trace: Trace | None = None
+    ) -> None:
+        """Refuse a given ``max_plate_nesting`` below the model's plates (one run of the model
+        at ``z[0]``): under it the points' plate would collide with the model's own.
+
+        Raises:
+            ValueError: naming both numbers and the fix.
+        """
+        if self.max_plate_nesting is None:
+            return
+        where = _where(z, 0)
+        found = self._find_plate_nesting(self.split(z), args, kwargs or {}, replay_trace, where)
+        if found > self.max_plate_nesting:
+            raise ValueError(
+                f"max_plate_nesting={self.max_plate_nesting}, but the model nests its plates "
+                f"{found} deep (a plate at dim -{found}): the quadrature points' plate goes left "
+                f"of the model's. Pass max_plate_nesting={found} (or more), or leave it out to "
+                "have it found from a run of the model"
+            )
+
     def _find_plate_nesting(self, unconstrained, args, kwargs, replay_trace, where) -> int:
         constrained, _ = self._constrain({name: value[0] for name, value in unconstrained.items()})
         trace = self._trace(constrained, args, kwargs, replay_trace, where=where)

@@ -162,6 +162,8 @@ class PointsELBO(ELBO):
             closed_form=description.closed_form_kls(),
             expected_log_priors=expected_log_priors,
         )
+        if fit.decision is None and not math.isinf(self.max_plate_nesting):
+            log_joint.check_plate_nesting(z, args, kwargs, guide_trace)  # a given one, once
         vectorize = self.vectorize
         if vectorize is None and fit.decision is not None:
             vectorize = fit.decision.vectorized
