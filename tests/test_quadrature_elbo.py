@@ -13,6 +13,7 @@ from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import (
     AutoDelta,
     AutoDiagonalNormal,
+    AutoGuideList,
     AutoLowRankMultivariateNormal,
     AutoMultivariateNormal,
     AutoNormal,
@@ -599,3 +600,27 @@ def test_a_max_plate_nesting_below_the_models_is_refused_naming_both(given):
         pyro.set_rng_seed(0)
         losses.append(elbo.loss(_nested_plates, guide))
     assert losses[0] == pytest.approx(losses[1], rel=1e-12)
+
+
+def test_guides_it_cannot_read_are_named_with_what_it_can():
+    def model():
+        pyro.sample("a", dist.Normal(0.0, 1.0))
+        pyro.sample("b", dist.Normal(0.0, 1.0))
+
+    def my_guide():
+        loc = pyro.param("loc", torch.tensor(0.0))
+        pyro.sample("a", dist.Normal(loc, 1.0))
+        pyro.sample("b", dist.Normal(loc, 1.0))
+
+    with pytest.raises(
+        TypeError,
+        match=r"guide function 'test_guides_it_cannot.*my_guide'.*"
+        r"AutoMeanFieldNormal, or Pyro's .*AutoNormal",
+    ):
+        QuadratureELBO().loss(model, my_guide)
+    parts = AutoGuideList(model)
+    parts.append(AutoNormal(poutine.block(model, expose=["a"])))
+    parts.append(AutoNormal(poutine.block(model, expose=["b"])))
+    parts()
+    with pytest.raises(TypeError, match="An AutoGuideList is not read part by part"):
+        QuadratureELBO().loss(model, parts)

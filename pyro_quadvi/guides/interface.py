@@ -370,11 +370,21 @@ def describe_guide(guide: Callable, trace: Trace | None = None) -> GuideDescript
         return target.quadrature_description(trace)
     adapter = _adapter(type(target))
     if adapter is None:
+        if isinstance(target, type(describe_guide)):
+            what = f"the guide function {target.__qualname__!r} (its pyro.param sites)"
+        else:
+            what = type(target).__name__
+        aside = ""
+        if type(target).__name__ == "AutoGuideList":
+            aside = (
+                " An AutoGuideList is not read part by part: use one guide over all the latents "
+                "(AutoMeanFieldNormal or AutoNormal give each site its own block)."
+            )
         raise TypeError(
-            f"pyro-quadvi cannot read the posterior of {type(target).__name__}: quadrature needs a "
-            f"Gaussian guide ({', '.join(supported_guides())}) or a guide implementing "
-            "quadrature_description(trace) (see the page 'Writing a guide for QuadratureELBO and "
-            "QNVB')"
+            f"pyro-quadvi cannot read the posterior of {what}: quadrature needs a Gaussian guide "
+            f"(pyro_quadvi's AutoMeanFieldNormal, or Pyro's {', '.join(supported_guides())}) or "
+            "a guide implementing quadrature_description(trace) (see the page 'Writing a guide "
+            f"for QuadratureELBO and QNVB').{aside}"
         )
     return adapter(target, trace)
 
