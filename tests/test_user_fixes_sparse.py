@@ -1,0 +1,102 @@
+"""Fixes of user-found bugs in the spike-and-slab, sparsifying QNVB and WHVI features."""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI
+from torch import nn
+
+from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
+from pyro_quadvi.distributions import SpikeSlab
+from pyro_quadvi.optim import SparseQNVBOptimizer
+from pyro_quadvi.optim.sparse_functional import (
+    SparseQNVBHyperparameters,
+    sieve_boundaries,
+    sieve_map,
+)
+
+# ------------------------------------------------------------- 1. at least one weight nonzero
+
+
+def test_the_sieve_holds_one_coordinate_nonzero_when_round_s0_d_is_d():
+    """5 coordinates at the default s0 = 0.97: round(4.85) = 5 would hold all near zero; the
+    sieve holds the smallest logit at exactly zeta_hat^(1) (p_nonzero = p_high) and the 4 others
+    at zeta - zeta^(0) + zeta_hat^(0), zeta^(0) = 2 the second smallest."""
+    hp = SparseQNVBHyperparameters()
+    zeta = torch.tensor([3.0, 1.0, 5.0, 2.0, 4.0], dtype=torch.float64)
+    upper, lower = sieve_boundaries(zeta, 0.97, 0.01)
+    assert (upper.item(), lower.item()) == (2.0, 1.0)
+    zeta_hat0, zeta_hat1 = hp.sieve_logits
+    mapped = sieve_map(zeta, upper, lower, hp)
+    expected = torch.tensor(
+        [1.0 + zeta_hat0, zeta_hat1, 3.0 + zeta_hat0, zeta_hat0, 2.0 + zeta_hat0]
+    )
+    torch.testing.assert_close(mapped, expected.double())
+    torch.testing.assert_close(torch.sigmoid(-mapped[1]), torch.tensor(0.999, dtype=torch.float64))
+
+
+def _linear_data():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 4, generator=generator)
+    y = 2.0 * x[:, :1] + 0.1 * torch.randn(16, 1, generator=generator)
+    return x, y
+
+
+def test_a_five_weight_net_keeps_its_one_weight_plain_torch():
+    """``nn.Linear(4, 1)`` at the default target_sparsity: the realized pattern keeps one weight
+    (the one of the input y depends on), not none (the loss went from 0.395 to 2.82)."""
+    x, y = _linear_data()
+    torch.manual_seed(1)
+    net = nn.Linear(4, 1)
+    optimizer = SparseQNVBOptimizer(
+        net.parameters(),
+        num_cases=16,
+        steps_per_epoch=2,
+        num_epochs=3,
+        generator=torch.Generator().manual_seed(0),
+    )
+
+    def closure():
+        loss = ((net(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    for _ in range(8):
+        loss = optimizer.step(closure)
+    patterns = [optimizer.state[p]["pattern"] for p in net.parameters()]
+    assert torch.equal(patterns[0], torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    assert torch.equal(patterns[1], torch.tensor([0.0]))
+    assert optimizer.sparsity() == 0.8
+    assert net.weight[0, 0].item() == pytest.approx(2.0, abs=0.7)
+    assert float(loss) < 1.0  # all zeros: the mean of y^2, about 4
+
+
+def _five_weight_model(x, y):
+    w = pyro.sample("w", SpikeSlab(0.5, 1.0).expand([4]).to_event(1))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Normal(x @ w, 0.1), obs=y)
+
+
+def test_a_five_weight_model_keeps_its_one_weight_pyro(fresh_param_store):
+    x, y = _linear_data()
+    y = y[:, 0]
+    guide = AutoSpikeSlab(_five_weight_model, init_scale=1e-5**0.5, init_inclusion=1 - 1e-9)
+    optim = SparseQNVB(num_epochs=3, steps_per_epoch=2, num_cases=16)
+    svi = SVI(
+        _five_weight_model,
+        guide,
+        optim,
+        QuadratureELBO(rule="hadamard", num_points=4, vectorize=False),
+    )
+    for _ in range(6):
+        svi.step(x, y)
+    pattern = optim.pattern()["AutoSpikeSlab.locs.w"]
+    assert torch.equal(pattern, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    median = guide.median()["w"]
+    assert torch.equal(median[1:], torch.zeros(3))
+    assert median[0].item() == pytest.approx(2.0, abs=0.5)
