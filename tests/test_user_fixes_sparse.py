@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import math
-
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer import SVI
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoDelta, AutoMultivariateNormal, AutoNormal
 from torch import nn
 
-from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
+from pyro_quadvi import AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO, SparseQNVB
 from pyro_quadvi.distributions import SpikeSlab
+from pyro_quadvi.infer import GumbelSpikeSlabELBO
 from pyro_quadvi.optim import SparseQNVBOptimizer
 from pyro_quadvi.optim.sparse_functional import (
     SparseQNVBHyperparameters,
@@ -100,3 +100,52 @@ def test_a_five_weight_model_keeps_its_one_weight_pyro(fresh_param_store):
     median = guide.median()["w"]
     assert torch.equal(median[1:], torch.zeros(3))
     assert median[0].item() == pytest.approx(2.0, abs=0.5)
+
+
+# --------------------------------------- 2. no silent fallback for a guide it cannot sparsify
+
+
+@pytest.mark.parametrize(
+    "guide_class, elbo, found",
+    [
+        (AutoMeanFieldNormal, QuadratureELBO(vectorize=False), r"blocks are \['gaussian'\]"),
+        (AutoNormal, Trace_ELBO(), "no block came with the moments"),
+        (AutoDelta, Trace_ELBO(), "no block came with the moments"),
+        (AutoMultivariateNormal, QuadratureELBO(vectorize=False), "no block came with the moments"),
+        (AutoSpikeSlab, Trace_ELBO(), "no block came with the moments"),
+        (AutoSpikeSlab, GumbelSpikeSlabELBO(vectorize=False), "no block came with the moments"),
+    ],
+)
+def test_sparse_qnvb_refuses_a_step_with_nothing_to_sparsify(
+    fresh_param_store, guide_class, elbo, found
+):
+    x, y = _linear_data()
+    y = y[:, 0]
+    guide = guide_class(_five_weight_model)
+    guide(x, y)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    svi = SVI(_five_weight_model, guide, SparseQNVB(steps_per_epoch=1, num_cases=16), elbo)
+    with pytest.raises(TypeError, match=found + r".*AutoSpikeSlab\(model\).*QuadratureELBO"):
+        svi.step(x, y)
+    for name, value in before.items():  # nothing was trained
+        assert torch.equal(pyro.param(name).detach(), value)
+
+
+def _model_with_a_param(x, y):
+    shift = pyro.param("shift", torch.tensor(0.5))
+    w = pyro.sample("w", SpikeSlab(0.5, 1.0).expand([4]).to_event(1))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Normal(x @ w + shift, 0.1), obs=y)
+
+
+def test_sparse_qnvb_keeps_the_fallback_beside_a_sparsified_block(fresh_param_store):
+    """A model's ``pyro.param`` beside the spike-and-slab site goes to Adam(lr=0.01), whose first
+    step moves it by 0.01 against its gradient's sign (y has mean about 0, the shift 0.5)."""
+    x, y = _linear_data()
+    guide = AutoSpikeSlab(_model_with_a_param)
+    optim = SparseQNVB(num_epochs=3, steps_per_epoch=2, num_cases=16)
+    elbo = QuadratureELBO(rule="hadamard", num_points=4, vectorize=False)
+    svi = SVI(_model_with_a_param, guide, optim, elbo)
+    svi.step(x, y[:, 0] - y[:, 0].mean())
+    assert pyro.param("shift").item() == pytest.approx(0.49, abs=1e-6)
+    assert list(optim.blocks) == ["AutoSpikeSlab.locs.w"]
