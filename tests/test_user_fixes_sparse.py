@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -13,6 +15,8 @@ from torch import nn
 from pyro_quadvi import AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO, SparseQNVB
 from pyro_quadvi.distributions import SpikeSlab
 from pyro_quadvi.infer import GumbelSpikeSlabELBO
+from pyro_quadvi.linalg import fwht
+from pyro_quadvi.nn import WHVILinear, priors
 from pyro_quadvi.optim import SparseQNVBOptimizer
 from pyro_quadvi.optim.sparse_functional import (
     SparseQNVBHyperparameters,
@@ -149,3 +153,33 @@ def test_sparse_qnvb_keeps_the_fallback_beside_a_sparsified_block(fresh_param_st
     svi.step(x, y[:, 0] - y[:, 0].mean())
     assert pyro.param("shift").item() == pytest.approx(0.49, abs=1e-6)
     assert list(optim.blocks) == ["AutoSpikeSlab.locs.w"]
+
+
+# ------------------------------------------------------------------------ 6. minor input checks
+
+
+def test_infinite_or_boolean_scales_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"slab_scale must be finite and > 0, got inf"):
+        priors.SpikeSlab(0.5, slab_scale=math.inf)
+    for bad in (math.inf, True):
+        with pytest.raises(
+            ValueError, match=r"prior_scale must be > 0 and finite \(a number, not a bool\)"
+        ):
+            WHVILinear(4, 4, prior_scale=bad)
+    assert WHVILinear(4, 4, prior_scale=2).prior_scale == 2.0
+
+
+def test_init_inclusion_takes_a_0d_tensor(fresh_param_store):
+    x, y = _linear_data()
+    guide = AutoSpikeSlab(_five_weight_model, init_inclusion=torch.tensor(0.25))
+    guide(x, y[:, 0])
+    torch.testing.assert_close(guide.inclusion_probs()["w"], torch.full((4,), 0.25))
+    with pytest.raises(ValueError, match=r"init_inclusion must be a float in \(0, 1\).*got 1.5"):
+        AutoSpikeSlab(_five_weight_model, init_inclusion=torch.tensor(1.5))
+
+
+def test_fwht_of_an_empty_last_dim_says_it_is_empty():
+    with pytest.raises(ValueError, match=r"the last dim of x is empty \(shape \(3, 0\)\)"):
+        fwht(torch.zeros(3, 0))
+    with pytest.raises(ValueError, match="power of two, got 3; pad it with zeros to 4"):
+        fwht(torch.zeros(3))

@@ -18,6 +18,7 @@ are where :class:`~pyro_quadvi.infer.QuadratureELBO` places its nodes; its exact
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from contextlib import ExitStack
 from operator import attrgetter
@@ -60,7 +61,8 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
         init_loc_fn: initial slab means (constrained), as in Pyro; the sparse-VI paper draws them
             uniformly in ``(-0.6, 0.6)``: ``init_to_uniform(radius=0.6)``.
         init_scale: the initial slab scale ``tau``.
-        init_inclusion: the initial probability of a nonzero, ``q(not z)``, in ``(0, 1)``.
+        init_inclusion: the initial probability of a nonzero, ``q(not z)``, in ``(0, 1)`` (a
+            number or a 0-d tensor).
         create_plates: as in Pyro's AutoGuides, to subsample local latents.
     """
 
@@ -73,12 +75,18 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
         init_inclusion: float = 0.99,
         create_plates: Callable | None = None,
     ):
-        if not isinstance(init_inclusion, float) or not 0.0 < init_inclusion < 1.0:
+        if isinstance(init_inclusion, torch.Tensor) and init_inclusion.dim() == 0:
+            init_inclusion = init_inclusion.item()
+        if (
+            isinstance(init_inclusion, bool)
+            or not isinstance(init_inclusion, numbers.Real)
+            or not 0.0 < init_inclusion < 1.0
+        ):
             raise ValueError(
-                f"init_inclusion must be a float in (0, 1), the initial probability of a "
-                f"nonzero; got {init_inclusion!r}"
+                "init_inclusion must be a float in (0, 1) (or a 0-d tensor), the initial "
+                f"probability of a nonzero; got {init_inclusion!r}"
             )
-        self._init_inclusion = init_inclusion
+        self._init_inclusion = float(init_inclusion)
         super().__init__(
             model, init_loc_fn=init_loc_fn, init_scale=init_scale, create_plates=create_plates
         )
