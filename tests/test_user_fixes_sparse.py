@@ -16,7 +16,7 @@ from pyro_quadvi import AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO, Spar
 from pyro_quadvi.distributions import SpikeSlab
 from pyro_quadvi.infer import GumbelSpikeSlabELBO
 from pyro_quadvi.linalg import fwht
-from pyro_quadvi.nn import WHVILinear, priors
+from pyro_quadvi.nn import BayesianModule, WHVILinear, likelihoods, priors, whvi
 from pyro_quadvi.optim import SparseQNVBOptimizer
 from pyro_quadvi.optim.sparse_functional import (
     SparseQNVBHyperparameters,
@@ -183,3 +183,51 @@ def test_fwht_of_an_empty_last_dim_says_it_is_empty():
         fwht(torch.zeros(3, 0))
     with pytest.raises(ValueError, match="power of two, got 3; pad it with zeros to 4"):
         fwht(torch.zeros(3))
+
+
+# ----------------------------------------- 4. a learned noise scale beside spike-and-slab weights
+
+
+def _bnn(net, likelihood_scale=0.1, **kwargs):
+    likelihood = likelihoods.Gaussian(dataset_size=16, scale=likelihood_scale)
+    return BayesianModule(net, priors.SpikeSlab(0.5), likelihood, qnvb_settings={}, **kwargs)
+
+
+def test_a_learned_noise_scale_gets_a_gaussian_factor(fresh_param_store):
+    """The positive ``noise_scale`` cannot carry a SpikeSlab prior (its support is the real
+    line): AutoSpikeSlab fits it with AutoNormal's Gaussian, whose exact median and 84% quantile
+    are ``exp(loc)`` and ``exp(loc + scale)``; SparseQNVB sparsifies the weights beside it."""
+    x, y = _linear_data()
+    bnn = _bnn(nn.Linear(4, 1), likelihood_scale=None)
+    guide = AutoSpikeSlab(bnn)
+    optim = SparseQNVB(num_epochs=3, steps_per_epoch=2, num_cases=16)
+    elbo = QuadratureELBO(rule="hadamard", num_points=4, vectorize=False)
+    svi = SVI(bnn, guide, optim, elbo)
+    for _ in range(2):
+        assert math.isfinite(svi.step(x, y[:, 0]))
+    loc = pyro.param("AutoSpikeSlab.locs.noise_scale").detach()
+    scale = pyro.param("AutoSpikeSlab.scales.noise_scale").detach()
+    quantiles = guide.quantiles([0.5, 0.8413447460685429])["noise_scale"]
+    torch.testing.assert_close(quantiles, torch.stack([loc.exp(), (loc + scale).exp()]))
+    assert set(guide.inclusion_probs()) == {"weight", "bias"}
+    families = {s.name: s.family for s in guide.quadrature_description().sites}
+    assert families == {"weight": "dirac_gauss", "bias": "dirac_gauss", "noise_scale": "gaussian"}
+    assert sorted(optim.blocks) == ["AutoSpikeSlab.locs.bias", "AutoSpikeSlab.locs.weight"]
+
+
+# ------------------------------------------ 5. a WHVI layer's declared prior under AutoSpikeSlab
+
+
+def test_a_declared_gaussian_prior_names_its_layer_and_the_way_out(fresh_param_store):
+    x, y = _linear_data()
+    net = whvi(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), skip_last=True)
+    with pytest.raises(
+        ValueError,
+        match=r"site '0.g'.*prior Normal has none.*the WHVILinear at '0', declares in "
+        r"bayesian_parameters\(\).*declarations=False and hide=\('0.s1', '0.s2'\)",
+    ):
+        AutoSpikeSlab(_bnn(net))(x, y[:, 0])
+    # the way out: every latent weight under the network's spike-and-slab prior
+    guide = AutoSpikeSlab(_bnn(net, declarations=False, hide=("0.s1", "0.s2")))
+    guide(x, y[:, 0])
+    assert set(guide.inclusion_probs()) == {"0.g", "0.bias", "2.weight", "2.bias"}
