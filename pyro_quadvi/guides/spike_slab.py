@@ -52,7 +52,11 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
     :class:`~pyro_quadvi.distributions.SpikeSlab`: a draw is exactly zero with probability
     ``q(z)``. The point mass sits at zero of the *unconstrained* space, i.e. at
     ``biject_to(support)(0)`` of a constrained site (1 for a positive one); spike-and-slab
-    models put it on real-valued sites.
+    models put it on real-valued sites. A constrained site (a learned noise scale), which cannot
+    carry a :class:`~pyro_quadvi.distributions.SpikeSlab` prior, gets AutoNormal's Gaussian
+    factor (family ``"gaussian"``); a real-valued site whose prior has no point mass at zero is
+    refused when the guide is set up (its KL would be infinite), naming the layer that declared
+    the prior under a :class:`~pyro_quadvi.nn.BayesianModule`.
 
     Like :class:`~pyro_quadvi.guides.AutoMeanFieldNormal` it remembers the rows and minibatch
     scale of its last run for :meth:`quadrature_description`, whose family is ``"dirac_gauss"``.
