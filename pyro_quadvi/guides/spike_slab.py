@@ -17,7 +17,9 @@ are where :class:`~pyro_quadvi.infer.QuadratureELBO` places its nodes; its exact
 
 from __future__ import annotations
 
+import functools
 import math
+import numbers
 from collections.abc import Callable
 from contextlib import ExitStack
 from operator import attrgetter
@@ -34,7 +36,7 @@ from pyro.poutine import Trace
 from torch.distributions import biject_to, constraints, transform_to
 
 from ..distributions import SpikeSlab
-from ..infer.log_joint import LatentSite
+from ..infer.log_joint import LatentSite, look_through
 from .adapters import _leaf, _select, check_set_up, site_run
 from .interface import GuideDescription, MeanFieldSite
 from .mean_field import AutoMeanFieldNormal
@@ -50,7 +52,11 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
     :class:`~pyro_quadvi.distributions.SpikeSlab`: a draw is exactly zero with probability
     ``q(z)``. The point mass sits at zero of the *unconstrained* space, i.e. at
     ``biject_to(support)(0)`` of a constrained site (1 for a positive one); spike-and-slab
-    models put it on real-valued sites.
+    models put it on real-valued sites. A constrained site (a learned noise scale), which cannot
+    carry a :class:`~pyro_quadvi.distributions.SpikeSlab` prior, gets AutoNormal's Gaussian
+    factor (family ``"gaussian"``); a real-valued site whose prior has no point mass at zero is
+    refused when the guide is set up (its KL would be infinite), naming the layer that declared
+    the prior under a :class:`~pyro_quadvi.nn.BayesianModule`.
 
     Like :class:`~pyro_quadvi.guides.AutoMeanFieldNormal` it remembers the rows and minibatch
     scale of its last run for :meth:`quadrature_description`, whose family is ``"dirac_gauss"``.
@@ -60,7 +66,8 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
         init_loc_fn: initial slab means (constrained), as in Pyro; the sparse-VI paper draws them
             uniformly in ``(-0.6, 0.6)``: ``init_to_uniform(radius=0.6)``.
         init_scale: the initial slab scale ``tau``.
-        init_inclusion: the initial probability of a nonzero, ``q(not z)``, in ``(0, 1)``.
+        init_inclusion: the initial probability of a nonzero, ``q(not z)``, in ``(0, 1)`` (a
+            number or a 0-d tensor).
         create_plates: as in Pyro's AutoGuides, to subsample local latents.
     """
 
@@ -73,12 +80,19 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
         init_inclusion: float = 0.99,
         create_plates: Callable | None = None,
     ):
-        if not isinstance(init_inclusion, float) or not 0.0 < init_inclusion < 1.0:
+        if isinstance(init_inclusion, torch.Tensor) and init_inclusion.dim() == 0:
+            init_inclusion = init_inclusion.item()
+        if (
+            isinstance(init_inclusion, bool)
+            or not isinstance(init_inclusion, numbers.Real)
+            or not 0.0 < init_inclusion < 1.0
+        ):
             raise ValueError(
-                f"init_inclusion must be a float in (0, 1), the initial probability of a "
-                f"nonzero; got {init_inclusion!r}"
+                "init_inclusion must be a float in (0, 1) (or a 0-d tensor), the initial "
+                f"probability of a nonzero; got {init_inclusion!r}"
             )
-        self._init_inclusion = init_inclusion
+        self._init_inclusion = float(init_inclusion)
+        self._gaussian_sites: set[str] = set()
         super().__init__(
             model, init_loc_fn=init_loc_fn, init_scale=init_scale, create_plates=create_plates
         )
@@ -87,16 +101,60 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
         super()._setup_prototype(*args, **kwargs)
         self.logits = PyroModule()
         zero_logit = math.log((1.0 - self._init_inclusion) / self._init_inclusion)
-        for name, _ in self.prototype_trace.iter_stochastic_nodes():
+        self._gaussian_sites = set()
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            if not isinstance(look_through(site["fn"]), SpikeSlab):
+                if _is_real(site["fn"].support):
+                    raise ValueError(self._no_point_mass_message(name, site["fn"]))
+                # a constrained site (a learned noise scale) cannot carry a SpikeSlab prior,
+                # whose support is the real line: it gets AutoNormal's Gaussian factor
+                self._gaussian_sites.add(name)
+                continue
             loc = attrgetter(name)(self.locs)
             init = torch.full_like(loc.detach(), zero_logit)
             deep_setattr(
                 self.logits, name, PyroParam(init, constraints.real, self._event_dims[name])
             )
 
-    def _get_mixture(self, name: str) -> SpikeSlab:
-        """The site's factor at its current parameters (rows of the enclosing subsampled plates)."""
+    def _no_point_mass_message(self, name: str, prior) -> str:
+        """Why a real-valued site whose prior has no point mass at zero cannot be fit, and, for a
+        :class:`~pyro_quadvi.nn.BayesianModule` whose layer declared that prior, the way out."""
+        message = (
+            f"site {name!r}: AutoSpikeSlab's factor has a point mass at zero but the model's "
+            f"prior {type(look_through(prior)).__name__} has none, so KL(q || prior) is "
+            "infinite. Give the site a spike-and-slab prior, "
+            "pyro_quadvi.distributions.SpikeSlab(inclusion, slab_scale), or fit the model with "
+            "a Gaussian guide (AutoMeanFieldNormal)"
+        )
+        model = self.model
+        while isinstance(model, functools.partial) and model.args:  # Pyro's InitMessenger wrap
+            model = model.args[-1]
+        if not isinstance(model, torch.nn.Module):
+            return message
+        network_prior = getattr(model, "prior", None)
+        path, _, local = name.rpartition(".")
+        layer = dict(model.named_modules()).get(f"net.{path}" if path else "net")
+        declare = getattr(layer, "bayesian_parameters", None)
+        if not (callable(network_prior) and callable(declare) and local in declare()):
+            return message
+        param = dict(layer.named_parameters(recurse=False))[local]
+        if isinstance(look_through(network_prior(name, param)), SpikeSlab):
+            message += (
+                f". The prior of {name!r} is the one its layer, the {type(layer).__name__} at "
+                f"{path!r}, declares in bayesian_parameters(), not the network's spike-and-slab "
+                "prior: to give every weight the network's prior, build the BayesianModule with "
+                f"declarations=False and hide={tuple(getattr(model, 'hide', ()))!r} (the "
+                "parameters the layers "
+                "declare deterministic)"
+            )
+        return message
+
+    def _get_mixture(self, name: str) -> SpikeSlab | dist.Normal:
+        """The site's factor at its current parameters (rows of the enclosing subsampled plates):
+        a Gaussian for a site of :attr:`_gaussian_sites`."""
         loc, scale = self._get_loc_and_scale(name)
+        if name in self._gaussian_sites:
+            return dist.Normal(loc, scale)
         logit = attrgetter(name)(self.logits)
         return SpikeSlab(zero_logits=logit, slab_scale=scale, slab_loc=loc, validate_args=False)
 
@@ -142,8 +200,8 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
         results = {}
         for name, site in self.prototype_trace.iter_stochastic_nodes():
             mixture = self._full_mixture(name)
-            probs = torch.as_tensor(quantiles, dtype=mixture.slab_loc.dtype)
-            probs = probs.reshape((-1,) + (1,) * mixture.slab_loc.dim())
+            probs = torch.as_tensor(quantiles, dtype=mixture.mean.dtype)
+            probs = probs.reshape((-1,) + (1,) * mixture.mean.dim())
             results[name] = biject_to(site["fn"].support)(mixture.icdf(probs))
         return results
 
@@ -152,10 +210,14 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
         """Each site's exact median: 0 wherever the point mass covers the middle of the mixture."""
         return {name: value[0] for name, value in self.quantiles([0.5]).items()}
 
-    def _full_mixture(self, name: str, rows: dict[int, torch.Tensor] | None = None) -> SpikeSlab:
+    def _full_mixture(
+        self, name: str, rows: dict[int, torch.Tensor] | None = None
+    ) -> SpikeSlab | dist.Normal:
         """The site's factor over all rows, or over ``rows`` of its subsampled plates."""
         loc = _leaf(self.locs, name)[0]
         scale_leaf, scale_constraint, _ = _leaf(self.scales, name)
+        if name in self._gaussian_sites:
+            return dist.Normal(loc, transform_to(scale_constraint)(scale_leaf))
         logit = _leaf(self.logits, name)[0]
         return SpikeSlab(
             zero_logits=_select(logit, rows),
@@ -166,9 +228,14 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
 
     @torch.no_grad()
     def inclusion_probs(self) -> dict[str, torch.Tensor]:
-        """Per site, ``q(not z)``: the probability that each coordinate is nonzero."""
+        """Per spike-and-slab site, ``q(not z)``: the probability that each coordinate is nonzero
+        (a Gaussian site, see :attr:`_gaussian_sites`, is never zero and not listed)."""
         check_set_up(self)
-        return {name: self._full_mixture(name).inclusion for name in self._event_dims}
+        return {
+            name: self._full_mixture(name).inclusion
+            for name in self._event_dims
+            if name not in self._gaussian_sites
+        }
 
     @torch.no_grad()
     def sparsity(self) -> float:
@@ -194,6 +261,9 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
         estimate = {}
         for name, site in self.prototype_trace.iter_stochastic_nodes():
             mixture = self._full_mixture(name)
+            if name in self._gaussian_sites:
+                estimate[name] = biject_to(site["fn"].support)(mixture.loc)
+                continue
             kept = mixture.inclusion > threshold
             value = torch.where(kept, mixture.slab_loc, torch.zeros_like(mixture.slab_loc))
             estimate[name] = biject_to(site["fn"].support)(value)
@@ -213,12 +283,31 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
         for name, proto in self.prototype_trace.iter_stochastic_nodes():
             loc_leaf, _, loc_name = _leaf(self.locs, name)
             scale_leaf, scale_constraint, scale_name = _leaf(self.scales, name)
-            logit_leaf, _, logit_name = _leaf(self.logits, name)
             event_dim = self._event_dims[name]
             mixture, factor, rows = site_run(name, event_dim, trace, self._last_run)
             if mixture is None:
                 mixture = self._full_mixture(name, rows)
             transform = biject_to(proto["fn"].support)
+            if name in self._gaussian_sites:  # AutoNormal's "gaussian" block
+                sites.append(
+                    MeanFieldSite(
+                        name=name,
+                        family="gaussian",
+                        loc=mixture.loc,
+                        scale=mixture.scale,
+                        params={"loc": loc_leaf, "scale": scale_leaf},
+                        param_constraints={"loc": constraints.real, "scale": scale_constraint},
+                        param_names={"loc": loc_name, "scale": scale_name},
+                        transform=transform,
+                        event_dim=event_dim,
+                        scale_factor=factor,
+                        rows=rows,
+                        constraint=proto["fn"].support,
+                    )
+                )
+                latent.append(LatentSite(name, mixture.loc.shape, event_dim, transform))
+                continue
+            logit_leaf, _, logit_name = _leaf(self.logits, name)
             sites.append(
                 MeanFieldSite(
                     name=name,
@@ -246,6 +335,13 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
             )
             latent.append(LatentSite(name, mixture.slab_loc.shape, event_dim, transform))
         return GuideDescription(self._pyro_name, latent, sites=sites)
+
+
+def _is_real(support) -> bool:
+    """Whether a site's support is the real line (``to_event`` included)."""
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    return support is constraints.real
 
 
 def _std(mixture: SpikeSlab) -> torch.Tensor:

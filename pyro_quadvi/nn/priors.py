@@ -178,8 +178,8 @@ class SpikeSlab(Prior):
     def __init__(self, inclusion: float, slab_scale: float = 1.0):
         if not 0.0 < inclusion < 1.0:
             raise ValueError(f"inclusion must lie in (0, 1), got {inclusion!r}")
-        if not slab_scale > 0:
-            raise ValueError(f"slab_scale must be > 0, got {slab_scale!r}")
+        if not 0 < slab_scale < math.inf:
+            raise ValueError(f"slab_scale must be finite and > 0, got {slab_scale!r}")
         self.inclusion = float(inclusion)
         self.slab_scale = float(slab_scale)
 

@@ -96,8 +96,15 @@ class WHVILinear(nn.Module):
     ):
         super().__init__()
         size, padding, stack = setup_dimensions(in_features, out_features)
-        if not (isinstance(prior_scale, int | float) and prior_scale > 0):
-            raise ValueError(f"WHVILinear: prior_scale must be > 0, got {prior_scale!r}")
+        if (
+            isinstance(prior_scale, bool)
+            or not isinstance(prior_scale, int | float)
+            or not 0 < prior_scale < math.inf
+        ):
+            raise ValueError(
+                f"WHVILinear: prior_scale must be > 0 and finite (a number, not a bool), got "
+                f"{prior_scale!r}"
+            )
         self.in_features = in_features
         self.out_features = out_features
         self.prior_scale = float(prior_scale)

@@ -328,10 +328,11 @@ def sieve_fractions(t: float, hp: SparseQNVBHyperparameters) -> tuple[float, flo
 
 
 def _counts(s0: float, s1: float, dim: int) -> tuple[int, int]:
-    """Numbers of coordinates held near zero and held nonzero: ``round(s d)`` each, at least one
-    held nonzero, and no more than ``d`` in all."""
-    k0 = min(dim, math.floor(s0 * dim + 0.5))
-    k1 = min(dim - k0, max(1, math.floor(s1 * dim + 0.5)))
+    """Numbers of coordinates held near zero and held nonzero: ``round(s d)`` each, no more than
+    ``d`` in all, and at least one held nonzero, which the held-near-zero count yields to (with
+    ``round(s0 d) = d``, e.g. 5 weights at ``s0 = 0.97``, it would otherwise leave none)."""
+    k1 = min(dim, max(1, math.floor(s1 * dim + 0.5)))
+    k0 = min(dim - k1, math.floor(s0 * dim + 0.5))
     return k0, k1
 
 

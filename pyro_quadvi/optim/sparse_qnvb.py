@@ -12,7 +12,9 @@ SVI step is one term of ``1 / steps_per_epoch`` of the data, so the term handed 
 with ``h_p`` the slab's prior precision (the spike-and-slab prior itself enters ``QuadratureELBO``
 as a closed-form KL, so its continuous part is added here, Section 5.1.2). Everything else (other
 families, a model's ``pyro.param``, blocks without published moments) goes to the fallback
-optimizer of :class:`~pyro_quadvi.optim.qnvb.QNVB`.
+optimizer of :class:`~pyro_quadvi.optim.qnvb.QNVB`, beside the spike-and-slab blocks; a step
+with no spike-and-slab block at all (another guide, or another ELBO) is refused with a
+``TypeError``: the fallback would train everything and nothing would be sparsified.
 """
 
 from __future__ import annotations
@@ -151,12 +153,21 @@ class SparseQNVB(QNVB):
         return torch.cat([b.p_nonzero.reshape(-1) for b in self.blocks.values()])
 
     def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
-        """Update the ``"dirac_gauss"`` blocks among ``params`` together; the rest: fallback."""
+        """Update the ``"dirac_gauss"`` blocks among ``params`` together; the rest: fallback.
+
+        Raises:
+            TypeError: when no ``"dirac_gauss"`` block came with moments in this step (a guide
+                other than ``AutoSpikeSlab``, or an ELBO other than ``QuadratureELBO``); the
+                message says which, and nothing is updated.
+        """
         params = list(params)
         received = {id(p) for p in params}
         sites: list[tuple[MeanFieldSite, torch.Tensor, torch.Tensor]] = []
+        families: set[str] = set()  # of the blocks published in this step
         for p in params:
             moments = published_moments(p)
+            if moments is not None:
+                families.add(moments.site.family)
             if moments is None or moments.site.family != "dirac_gauss":
                 continue
             site = moments.site
@@ -174,17 +185,12 @@ class SparseQNVB(QNVB):
                     "local latents with another guide (e.g. AutoMeanFieldNormal on a sub-model)"
                 )
             sites.append((site, moments.g, moments.h))
+        if params and "dirac_gauss" not in families:
+            _refuse_unpaired(len(params), families)
         paired = {id(leaf) for site, _, _ in sites for leaf in site.params.values()}
         if sites:
             self._update(sites)
         rest = [p for p in params if id(p) not in paired]
-        if params and not sites:
-            self._warn_once(
-                "nothing paired",
-                "SparseQNVB: no spike-and-slab block with moments published by QuadratureELBO "
-                "among the parameters; all go to the fallback optimizer. Use AutoSpikeSlab with "
-                "QuadratureELBO",
-            )
         if rest:
             self._guarded_fallback(rest, *args, **kwargs)
         self.num_steps += 1
@@ -279,3 +285,24 @@ class SparseQNVB(QNVB):
             for name, b in state["blocks"].items()
         }
         PyroOptim.set_state(self, copy.deepcopy(state_dict["fallback"]))
+
+
+def _refuse_unpaired(num_params: int, families: set[str]) -> None:
+    """Raise the ``TypeError`` of a step in which no spike-and-slab block came with moments: the
+    fallback would train every parameter and nothing would be sparsified."""
+    if families:
+        found = (
+            f"the guide's blocks are {sorted(families)}, not 'dirac_gauss' (a spike-and-slab guide)"
+        )
+    else:
+        found = (
+            "no block came with the moments QuadratureELBO publishes (the ELBO is not "
+            "QuadratureELBO, e.g. Trace_ELBO or GumbelSpikeSlabELBO, or the guide is not a mean "
+            "field, e.g. AutoDelta or AutoMultivariateNormal)"
+        )
+    raise TypeError(
+        f"SparseQNVB: none of the {num_params} parameters it received belongs to a spike-and-slab "
+        f"block it can sparsify: {found}. SparseQNVB needs the guide AutoSpikeSlab(model) and the "
+        "ELBO QuadratureELBO(rule='hadamard', num_points=4); for another guide or ELBO use QNVB "
+        "or a Pyro optimizer such as pyro.optim.Adam"
+    )

@@ -73,6 +73,12 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
     ``optimizer.state[p]`` holds the mixture's state (:class:`SparseQNVBBlock` fields:
     ``nu``, ``tau``, ``p_nonzero``, ``mu``, ``sigma``, the sums, ``pattern``).
 
+    The closure runs once per node, at perturbed weights: a ``BatchNorm`` (any layer with running
+    state) in train mode updates its running statistics ``2 num_pairs`` times per step at those
+    weights, and its own ``weight`` and ``bias``, if passed here, enter the sieve and can be
+    zeroed. Keep such layers in eval mode while training, or leave their parameters out of
+    ``params`` (and train them with another optimizer).
+
     Example::
 
         optimizer = SparseQNVBOptimizer(

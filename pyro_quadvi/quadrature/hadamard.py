@@ -150,7 +150,12 @@ def fwht(x: torch.Tensor, normalized: bool = False) -> torch.Tensor:
     if x.dim() == 0:
         raise ValueError("fwht: x must have at least one dim (the transformed last dim)")
     size = x.shape[-1]
-    if size < 1 or size & (size - 1):
+    if size == 0:
+        raise ValueError(
+            f"fwht: the last dim of x is empty (shape {tuple(x.shape)}); it must hold a power of "
+            "two >= 1 of entries"
+        )
+    if size & (size - 1):
         raise ValueError(
             f"fwht: the last dim of x must be a power of two, got {size}; pad it with zeros to "
             f"{1 << max(size - 1, 0).bit_length()}"

@@ -1,0 +1,233 @@
+"""Fixes of user-found bugs in the spike-and-slab, sparsifying QNVB and WHVI features."""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoDelta, AutoMultivariateNormal, AutoNormal
+from torch import nn
+
+from pyro_quadvi import AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO, SparseQNVB
+from pyro_quadvi.distributions import SpikeSlab
+from pyro_quadvi.infer import GumbelSpikeSlabELBO
+from pyro_quadvi.linalg import fwht
+from pyro_quadvi.nn import BayesianModule, WHVILinear, likelihoods, priors, whvi
+from pyro_quadvi.optim import SparseQNVBOptimizer
+from pyro_quadvi.optim.sparse_functional import (
+    SparseQNVBHyperparameters,
+    sieve_boundaries,
+    sieve_map,
+)
+
+# ------------------------------------------------------------- 1. at least one weight nonzero
+
+
+def test_the_sieve_holds_one_coordinate_nonzero_when_round_s0_d_is_d():
+    """5 coordinates at the default s0 = 0.97: round(4.85) = 5 would hold all near zero; the
+    sieve holds the smallest logit at exactly zeta_hat^(1) (p_nonzero = p_high) and the 4 others
+    at zeta - zeta^(0) + zeta_hat^(0), zeta^(0) = 2 the second smallest."""
+    hp = SparseQNVBHyperparameters()
+    zeta = torch.tensor([3.0, 1.0, 5.0, 2.0, 4.0], dtype=torch.float64)
+    upper, lower = sieve_boundaries(zeta, 0.97, 0.01)
+    assert (upper.item(), lower.item()) == (2.0, 1.0)
+    zeta_hat0, zeta_hat1 = hp.sieve_logits
+    mapped = sieve_map(zeta, upper, lower, hp)
+    expected = torch.tensor(
+        [1.0 + zeta_hat0, zeta_hat1, 3.0 + zeta_hat0, zeta_hat0, 2.0 + zeta_hat0]
+    )
+    torch.testing.assert_close(mapped, expected.double())
+    torch.testing.assert_close(torch.sigmoid(-mapped[1]), torch.tensor(0.999, dtype=torch.float64))
+
+
+def _linear_data():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 4, generator=generator)
+    y = 2.0 * x[:, :1] + 0.1 * torch.randn(16, 1, generator=generator)
+    return x, y
+
+
+def test_a_five_weight_net_keeps_its_one_weight_plain_torch():
+    """``nn.Linear(4, 1)`` at the default target_sparsity: the realized pattern keeps one weight
+    (the one of the input y depends on), not none (the loss went from 0.395 to 2.82)."""
+    x, y = _linear_data()
+    torch.manual_seed(1)
+    net = nn.Linear(4, 1)
+    optimizer = SparseQNVBOptimizer(
+        net.parameters(),
+        num_cases=16,
+        steps_per_epoch=2,
+        num_epochs=3,
+        generator=torch.Generator().manual_seed(0),
+    )
+
+    def closure():
+        loss = ((net(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    for _ in range(8):
+        loss = optimizer.step(closure)
+    patterns = [optimizer.state[p]["pattern"] for p in net.parameters()]
+    assert torch.equal(patterns[0], torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    assert torch.equal(patterns[1], torch.tensor([0.0]))
+    assert optimizer.sparsity() == 0.8
+    assert net.weight[0, 0].item() == pytest.approx(2.0, abs=0.7)
+    assert float(loss) < 1.0  # all zeros: the mean of y^2, about 4
+
+
+def _five_weight_model(x, y):
+    w = pyro.sample("w", SpikeSlab(0.5, 1.0).expand([4]).to_event(1))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Normal(x @ w, 0.1), obs=y)
+
+
+def test_a_five_weight_model_keeps_its_one_weight_pyro(fresh_param_store):
+    x, y = _linear_data()
+    y = y[:, 0]
+    guide = AutoSpikeSlab(_five_weight_model, init_scale=1e-5**0.5, init_inclusion=1 - 1e-9)
+    optim = SparseQNVB(num_epochs=3, steps_per_epoch=2, num_cases=16)
+    svi = SVI(
+        _five_weight_model,
+        guide,
+        optim,
+        QuadratureELBO(rule="hadamard", num_points=4, vectorize=False),
+    )
+    for _ in range(6):
+        svi.step(x, y)
+    pattern = optim.pattern()["AutoSpikeSlab.locs.w"]
+    assert torch.equal(pattern, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    median = guide.median()["w"]
+    assert torch.equal(median[1:], torch.zeros(3))
+    assert median[0].item() == pytest.approx(2.0, abs=0.5)
+
+
+# --------------------------------------- 2. no silent fallback for a guide it cannot sparsify
+
+
+@pytest.mark.parametrize(
+    "guide_class, elbo, found",
+    [
+        (AutoMeanFieldNormal, QuadratureELBO(vectorize=False), r"blocks are \['gaussian'\]"),
+        (AutoNormal, Trace_ELBO(), "no block came with the moments"),
+        (AutoDelta, Trace_ELBO(), "no block came with the moments"),
+        (AutoMultivariateNormal, QuadratureELBO(vectorize=False), "no block came with the moments"),
+        (AutoSpikeSlab, Trace_ELBO(), "no block came with the moments"),
+        (AutoSpikeSlab, GumbelSpikeSlabELBO(vectorize=False), "no block came with the moments"),
+    ],
+)
+def test_sparse_qnvb_refuses_a_step_with_nothing_to_sparsify(
+    fresh_param_store, guide_class, elbo, found
+):
+    x, y = _linear_data()
+    y = y[:, 0]
+    guide = guide_class(_five_weight_model)
+    guide(x, y)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    svi = SVI(_five_weight_model, guide, SparseQNVB(steps_per_epoch=1, num_cases=16), elbo)
+    with pytest.raises(TypeError, match=found + r".*AutoSpikeSlab\(model\).*QuadratureELBO"):
+        svi.step(x, y)
+    for name, value in before.items():  # nothing was trained
+        assert torch.equal(pyro.param(name).detach(), value)
+
+
+def _model_with_a_param(x, y):
+    shift = pyro.param("shift", torch.tensor(0.5))
+    w = pyro.sample("w", SpikeSlab(0.5, 1.0).expand([4]).to_event(1))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Normal(x @ w + shift, 0.1), obs=y)
+
+
+def test_sparse_qnvb_keeps_the_fallback_beside_a_sparsified_block(fresh_param_store):
+    """A model's ``pyro.param`` beside the spike-and-slab site goes to Adam(lr=0.01), whose first
+    step moves it by 0.01 against its gradient's sign (y has mean about 0, the shift 0.5)."""
+    x, y = _linear_data()
+    guide = AutoSpikeSlab(_model_with_a_param)
+    optim = SparseQNVB(num_epochs=3, steps_per_epoch=2, num_cases=16)
+    elbo = QuadratureELBO(rule="hadamard", num_points=4, vectorize=False)
+    svi = SVI(_model_with_a_param, guide, optim, elbo)
+    svi.step(x, y[:, 0] - y[:, 0].mean())
+    assert pyro.param("shift").item() == pytest.approx(0.49, abs=1e-6)
+    assert list(optim.blocks) == ["AutoSpikeSlab.locs.w"]
+
+
+# ------------------------------------------------------------------------ 6. minor input checks
+
+
+def test_infinite_or_boolean_scales_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"slab_scale must be finite and > 0, got inf"):
+        priors.SpikeSlab(0.5, slab_scale=math.inf)
+    for bad in (math.inf, True):
+        with pytest.raises(
+            ValueError, match=r"prior_scale must be > 0 and finite \(a number, not a bool\)"
+        ):
+            WHVILinear(4, 4, prior_scale=bad)
+    assert WHVILinear(4, 4, prior_scale=2).prior_scale == 2.0
+
+
+def test_init_inclusion_takes_a_0d_tensor(fresh_param_store):
+    x, y = _linear_data()
+    guide = AutoSpikeSlab(_five_weight_model, init_inclusion=torch.tensor(0.25))
+    guide(x, y[:, 0])
+    torch.testing.assert_close(guide.inclusion_probs()["w"], torch.full((4,), 0.25))
+    with pytest.raises(ValueError, match=r"init_inclusion must be a float in \(0, 1\).*got 1.5"):
+        AutoSpikeSlab(_five_weight_model, init_inclusion=torch.tensor(1.5))
+
+
+def test_fwht_of_an_empty_last_dim_says_it_is_empty():
+    with pytest.raises(ValueError, match=r"the last dim of x is empty \(shape \(3, 0\)\)"):
+        fwht(torch.zeros(3, 0))
+    with pytest.raises(ValueError, match="power of two, got 3; pad it with zeros to 4"):
+        fwht(torch.zeros(3))
+
+
+# ----------------------------------------- 4. a learned noise scale beside spike-and-slab weights
+
+
+def _bnn(net, likelihood_scale=0.1, **kwargs):
+    likelihood = likelihoods.Gaussian(dataset_size=16, scale=likelihood_scale)
+    return BayesianModule(net, priors.SpikeSlab(0.5), likelihood, qnvb_settings={}, **kwargs)
+
+
+def test_a_learned_noise_scale_gets_a_gaussian_factor(fresh_param_store):
+    """The positive ``noise_scale`` cannot carry a SpikeSlab prior (its support is the real
+    line): AutoSpikeSlab fits it with AutoNormal's Gaussian, whose exact median and 84% quantile
+    are ``exp(loc)`` and ``exp(loc + scale)``; SparseQNVB sparsifies the weights beside it."""
+    x, y = _linear_data()
+    bnn = _bnn(nn.Linear(4, 1), likelihood_scale=None)
+    guide = AutoSpikeSlab(bnn)
+    optim = SparseQNVB(num_epochs=3, steps_per_epoch=2, num_cases=16)
+    elbo = QuadratureELBO(rule="hadamard", num_points=4, vectorize=False)
+    svi = SVI(bnn, guide, optim, elbo)
+    for _ in range(2):
+        assert math.isfinite(svi.step(x, y[:, 0]))
+    loc = pyro.param("AutoSpikeSlab.locs.noise_scale").detach()
+    scale = pyro.param("AutoSpikeSlab.scales.noise_scale").detach()
+    quantiles = guide.quantiles([0.5, 0.8413447460685429])["noise_scale"]
+    torch.testing.assert_close(quantiles, torch.stack([loc.exp(), (loc + scale).exp()]))
+    assert set(guide.inclusion_probs()) == {"weight", "bias"}
+    families = {s.name: s.family for s in guide.quadrature_description().sites}
+    assert families == {"weight": "dirac_gauss", "bias": "dirac_gauss", "noise_scale": "gaussian"}
+    assert sorted(optim.blocks) == ["AutoSpikeSlab.locs.bias", "AutoSpikeSlab.locs.weight"]
+
+
+# ------------------------------------------ 5. a WHVI layer's declared prior under AutoSpikeSlab
+
+
+def test_a_declared_gaussian_prior_names_its_layer_and_the_way_out(fresh_param_store):
+    x, y = _linear_data()
+    net = whvi(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), skip_last=True)
+    with pytest.raises(
+        ValueError,
+        match=r"site '0.g'.*prior Normal has none.*the WHVILinear at '0', declares in "
+        r"bayesian_parameters\(\).*declarations=False and hide=\('0.s1', '0.s2'\)",
+    ):
+        AutoSpikeSlab(_bnn(net))(x, y[:, 0])
+    # the way out: every latent weight under the network's spike-and-slab prior
+    guide = AutoSpikeSlab(_bnn(net, declarations=False, hide=("0.s1", "0.s2")))
+    guide(x, y[:, 0])
+    assert set(guide.inclusion_probs()) == {"0.g", "0.bias", "2.weight", "2.bias"}
