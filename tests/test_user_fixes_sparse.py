@@ -231,3 +231,32 @@ def test_a_declared_gaussian_prior_names_its_layer_and_the_way_out(fresh_param_s
     guide = AutoSpikeSlab(_bnn(net, declarations=False, hide=("0.s1", "0.s2")))
     guide(x, y[:, 0])
     assert set(guide.inclusion_probs()) == {"0.g", "0.bias", "2.weight", "2.bias"}
+
+
+def test_a_loss_that_is_not_finite_is_refused_by_the_sparse_optimizer():
+    """A NaN in the batch made every node's loss NaN; the sieve still moved the weights, with
+    one warning. Now the step is refused and the parameters are back at their means."""
+    x, y = _linear_data()
+    torch.manual_seed(1)
+    net = nn.Linear(4, 1)
+    optimizer = SparseQNVBOptimizer(
+        net.parameters(),
+        num_cases=16,
+        steps_per_epoch=2,
+        num_epochs=3,
+        generator=torch.Generator().manual_seed(0),
+    )
+
+    def closure(xs=x):
+        loss = ((net(xs) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    means = [optimizer.state[p]["mu"].clone() for p in net.parameters()]
+    bad = x.clone()
+    bad[5, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"SparseQNVBOptimizer: the loss averaged .* is nan"):
+        optimizer.step(lambda: closure(bad))
+    for p, mu in zip(net.parameters(), means):
+        assert torch.equal(p.detach(), mu) and torch.equal(optimizer.state[p]["mu"], mu)

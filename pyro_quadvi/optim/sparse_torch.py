@@ -38,7 +38,7 @@ from .sparse_functional import (
     run_settings,
     sparse_qnvb_update,
 )
-from .torch_qnvb import closure_moments
+from .torch_qnvb import check_finite_loss, closure_moments
 
 __all__ = ["SparseQNVBOptimizer"]
 
@@ -206,6 +206,7 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
         loss_avg, moments = closure_moments(
             params, mus, sigmas, nodes, closure, "SparseQNVBOptimizer"
         )
+        check_finite_loss(loss_avg, params, mus, "SparseQNVBOptimizer")
         scale = self.num_cases / self.steps_per_epoch
         prior = self.prior_precision / self.steps_per_epoch
         g_terms, h_terms = [], []
