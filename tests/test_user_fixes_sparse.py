@@ -51,10 +51,8 @@ def _linear_data():
     return x, y
 
 
-def test_a_five_weight_net_keeps_its_one_weight_plain_torch():
-    """``nn.Linear(4, 1)`` at the default target_sparsity: the realized pattern keeps one weight
-    (the one of the input y depends on), not none (the loss went from 0.395 to 2.82)."""
-    x, y = _linear_data()
+def _five_weight_net():
+    """``nn.Linear(4, 1)`` (seeded) and its SparseQNVBOptimizer over 16 cases, 2 steps an epoch."""
     torch.manual_seed(1)
     net = nn.Linear(4, 1)
     optimizer = SparseQNVBOptimizer(
@@ -64,6 +62,14 @@ def test_a_five_weight_net_keeps_its_one_weight_plain_torch():
         num_epochs=3,
         generator=torch.Generator().manual_seed(0),
     )
+    return net, optimizer
+
+
+def test_a_five_weight_net_keeps_its_one_weight_plain_torch():
+    """``nn.Linear(4, 1)`` at the default target_sparsity: the realized pattern keeps one weight
+    (the one of the input y depends on), not none (the loss went from 0.395 to 2.82)."""
+    x, y = _linear_data()
+    net, optimizer = _five_weight_net()
 
     def closure():
         loss = ((net(x) - y) ** 2).mean()
@@ -237,15 +243,7 @@ def test_a_loss_that_is_not_finite_is_refused_by_the_sparse_optimizer():
     """A NaN in the batch made every node's loss NaN; the sieve still moved the weights, with
     one warning. Now the step is refused and the parameters are back at their means."""
     x, y = _linear_data()
-    torch.manual_seed(1)
-    net = nn.Linear(4, 1)
-    optimizer = SparseQNVBOptimizer(
-        net.parameters(),
-        num_cases=16,
-        steps_per_epoch=2,
-        num_epochs=3,
-        generator=torch.Generator().manual_seed(0),
-    )
+    net, optimizer = _five_weight_net()
 
     def closure(xs=x):
         loss = ((net(xs) - y) ** 2).mean()

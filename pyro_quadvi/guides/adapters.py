@@ -111,35 +111,44 @@ def describe_auto_normal(
     check_set_up(guide)
     sites, latent = [], []
     for name, proto in guide.prototype_trace.iter_stochastic_nodes():
-        loc_leaf, _, loc_name = _leaf(guide.locs, name)
-        scale_leaf, scale_constraint, scale_name = _leaf(guide.scales, name)
-        event_dim = guide._event_dims[name]
-        normal, factor, rows = site_run(name, event_dim, trace, last_run)
-        if normal is not None:
-            loc, scale = normal.loc, normal.scale
-        else:
-            loc = _select(loc_leaf, rows)
-            scale = _select(transform_to(scale_constraint)(scale_leaf), rows)
-        transform = biject_to(proto["fn"].support)
-        sites.append(
-            MeanFieldSite(
-                name=name,
-                family="gaussian",
-                loc=loc,
-                scale=scale,
-                params={"loc": loc_leaf, "scale": scale_leaf},
-                param_constraints={"loc": constraints.real, "scale": scale_constraint},
-                param_names={"loc": loc_name, "scale": scale_name},
-                transform=transform,
-                event_dim=event_dim,
-                scale_factor=factor,
-                rows=rows,
-                constraint=proto["fn"].support,
-                hints=dict(proto["infer"].get("qnvb", {})),
-            )
-        )
-        latent.append(LatentSite(name, loc.shape, event_dim, transform))
+        site, latent_site = gaussian_block(guide, name, proto, trace, last_run)
+        sites.append(site)
+        latent.append(latent_site)
     return GuideDescription(guide._pyro_name, latent, sites=sites)
+
+
+def gaussian_block(
+    guide, name: str, proto: dict, trace: Trace | None, last_run: dict | None
+) -> tuple[MeanFieldSite, LatentSite]:
+    """The ``"gaussian"`` block of one site of a guide holding ``locs`` and ``scales`` modules as
+    ``AutoNormal`` does (the run's rows and scale factor from ``trace``, else ``last_run``), and
+    its latent site."""
+    loc_leaf, _, loc_name = _leaf(guide.locs, name)
+    scale_leaf, scale_constraint, scale_name = _leaf(guide.scales, name)
+    event_dim = guide._event_dims[name]
+    normal, factor, rows = site_run(name, event_dim, trace, last_run)
+    if normal is not None:
+        loc, scale = normal.loc, normal.scale
+    else:
+        loc = _select(loc_leaf, rows)
+        scale = _select(transform_to(scale_constraint)(scale_leaf), rows)
+    transform = biject_to(proto["fn"].support)
+    site = MeanFieldSite(
+        name=name,
+        family="gaussian",
+        loc=loc,
+        scale=scale,
+        params={"loc": loc_leaf, "scale": scale_leaf},
+        param_constraints={"loc": constraints.real, "scale": scale_constraint},
+        param_names={"loc": loc_name, "scale": scale_name},
+        transform=transform,
+        event_dim=event_dim,
+        scale_factor=factor,
+        rows=rows,
+        constraint=proto["fn"].support,
+        hints=dict(proto["infer"].get("qnvb", {})),
+    )
+    return site, LatentSite(name, loc.shape, event_dim, transform)
 
 
 register_adapter(AutoNormal)(describe_auto_normal)

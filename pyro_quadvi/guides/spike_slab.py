@@ -37,7 +37,7 @@ from torch.distributions import biject_to, constraints, transform_to
 
 from ..distributions import SpikeSlab
 from ..infer.log_joint import LatentSite, look_through
-from .adapters import _leaf, _select, check_set_up, site_run
+from .adapters import _leaf, _select, check_set_up, gaussian_block, site_run
 from .interface import GuideDescription, MeanFieldSite
 from .mean_field import AutoMeanFieldNormal
 
@@ -281,6 +281,11 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
         check_set_up(self)
         sites, latent = [], []
         for name, proto in self.prototype_trace.iter_stochastic_nodes():
+            if name in self._gaussian_sites:  # AutoNormal's "gaussian" block
+                site, latent_site = gaussian_block(self, name, proto, trace, self._last_run)
+                sites.append(site)
+                latent.append(latent_site)
+                continue
             loc_leaf, _, loc_name = _leaf(self.locs, name)
             scale_leaf, scale_constraint, scale_name = _leaf(self.scales, name)
             event_dim = self._event_dims[name]
@@ -288,25 +293,6 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
             if mixture is None:
                 mixture = self._full_mixture(name, rows)
             transform = biject_to(proto["fn"].support)
-            if name in self._gaussian_sites:  # AutoNormal's "gaussian" block
-                sites.append(
-                    MeanFieldSite(
-                        name=name,
-                        family="gaussian",
-                        loc=mixture.loc,
-                        scale=mixture.scale,
-                        params={"loc": loc_leaf, "scale": scale_leaf},
-                        param_constraints={"loc": constraints.real, "scale": scale_constraint},
-                        param_names={"loc": loc_name, "scale": scale_name},
-                        transform=transform,
-                        event_dim=event_dim,
-                        scale_factor=factor,
-                        rows=rows,
-                        constraint=proto["fn"].support,
-                    )
-                )
-                latent.append(LatentSite(name, mixture.loc.shape, event_dim, transform))
-                continue
             logit_leaf, _, logit_name = _leaf(self.logits, name)
             sites.append(
                 MeanFieldSite(
