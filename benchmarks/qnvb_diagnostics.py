@@ -32,8 +32,8 @@ from pyro.infer import SVI, Trace_ELBO
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_qnvb import make_metric, mean_field, problems, qnvb
-from pyro_quadvi import QuadratureELBO
+from benchmarks.bench_qnvb import make_metric, mean_field, problems
+from pyro_quadvi import QNVB, QuadratureELBO
 from pyro_quadvi.guides import AutoMeanFieldNormal
 
 CHECKPOINTS = (10, 30, 100, 300, 1000, 2000, 3000, 6000, 10000, 20000)
@@ -60,7 +60,7 @@ def main(argv=None) -> None:
         overrides = {}
         if args.damping_recovery is not None:
             overrides["damping_recovery"] = args.damping_recovery
-        optimizer = qnvb(**overrides)
+        optimizer = QNVB(**overrides)
     else:
         optimizer = pyro.optim.ClippedAdam({"lr": args.adam, "lrd": args.lrd})
     svi = SVI(problem.model, guide, optimizer, loss)
