@@ -160,9 +160,10 @@ def gaussian_nll(mean: torch.Tensor, scale: torch.Tensor | float, y: torch.Tenso
         scale: Predictive standard deviations (> 0): a positive float or 0-dim tensor (one
             noise level for all), or a tensor with ``mean``'s number of dims that broadcasts to
             its shape: for ``mean`` of shape ``(n, D)``, ``(n, 1)`` is one scale per case,
-            ``(1, D)`` one per output, ``(n, D)`` one per entry. A scale with fewer dims (but
-            not 0) is refused when ``mean`` has 2 or more: broadcasting aligns it from the
-            right, so ``(n,)`` would be read as one scale per *column*.
+            ``(1, D)`` one per output, ``(n, D)`` one per entry. A scale with fewer dims
+            broadcasts from the right (``(D,)``: one per output), except that one whose first
+            size is ``n`` is refused: it reads as one scale per case, which broadcasting would
+            apply per *column*.
         y: Observed targets, the shape of ``mean``.
 
     Returns:
@@ -177,6 +178,17 @@ def gaussian_nll(mean: torch.Tensor, scale: torch.Tensor | float, y: torch.Tenso
         scale = torch.as_tensor(scale, dtype=mean.dtype, device=mean.device)
     if not scale.is_floating_point():
         raise ValueError(f"scale must have a floating dtype, got {scale.dtype}")
+    if 0 < scale.dim() < mean.dim() and scale.shape[0] == mean.shape[0]:
+        # aligned from the right, a scale of n rows would be read per column, not per case
+        n, rest = mean.shape[0], mean.shape[1:]
+        ones = (1,) * len(rest)
+        raise ValueError(
+            f"scale of shape {tuple(scale.shape)} is ambiguous for mean of shape "
+            f"{tuple(mean.shape)}: give it mean's {mean.dim()} dims, {(n, *ones)} for one "
+            f"scale per case, {(1, *rest)} for one per output or {tuple(mean.shape)} for one "
+            "per entry (e.g. scale[:, None] for one scale per case of a mean of shape (n, D)); "
+            "or a scalar for one in all"
+        )
     try:
         torch.broadcast_shapes(scale.shape, mean.shape)
     except RuntimeError:
@@ -188,16 +200,6 @@ def gaussian_nll(mean: torch.Tensor, scale: torch.Tensor | float, y: torch.Tenso
         raise ValueError(
             f"scale of shape {tuple(scale.shape)} broadcasts beyond mean's shape "
             f"{tuple(mean.shape)}"
-        )
-    if 0 < scale.dim() < mean.dim():  # aligned from the right: (n,) would be read per column
-        n, rest = mean.shape[0], mean.shape[1:]
-        ones = (1,) * len(rest)
-        raise ValueError(
-            f"scale of shape {tuple(scale.shape)} is ambiguous for mean of shape "
-            f"{tuple(mean.shape)}: give it mean's {mean.dim()} dims, {(n, *ones)} for one "
-            f"scale per case, {(1, *rest)} for one per output or {tuple(mean.shape)} for one "
-            "per entry (e.g. scale[:, None] for one scale per case of a mean of shape (n, D)); "
-            "or a scalar for one in all"
         )
     if not (torch.isfinite(scale) & (scale > 0)).all():
         raise ValueError("scale must be finite and positive (a standard deviation, not a variance)")

@@ -599,6 +599,20 @@ def test_y_of_the_right_size_in_another_layout_is_refused():
     bnn(X_NET, labels)  # the layout of the outputs: accepted
     with pytest.raises(ValueError, match=r"y has shape \(5, 3, 4\).*y must be \(5, 4, 3\)"):
         bnn(X_NET, labels.transpose(1, 2))
+
+    # size-1 dims aside, the layouts agree: outputs (B, 1, 2) observe y (B, 2) value by value
+    class Channel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.linear(x)[:, None, :]
+
+    channel = BayesianModule(Channel().double(), priors.Normal(1.0), likelihoods.Gaussian(20))
+    pair = torch.stack([Y_REG, -Y_REG], dim=-1)
+    trace = poutine.trace(channel).get_trace(X_NET, pair)
+    assert torch.equal(trace.nodes["obs"]["value"], pair[:, None, :])
     # one number per row: y may be (B,) or (B, 1), and both observe the same values
     single = BayesianModule(tanh_net(), priors.Normal(1.0), likelihoods.Gaussian(20, scale=0.3))
     trace = poutine.trace(single).get_trace(X_NET, Y_REG[:, None])
@@ -653,7 +667,7 @@ def test_a_prior_of_another_dtype_than_its_parameter_is_refused_naming_the_site(
     bnn = BayesianModule(
         nn.Linear(2, 1).double(), lambda n, p: dist.Normal(0.0, 1.0), likelihoods.Gaussian(10)
     )
-    with pytest.raises(ValueError, match=r"prior of 'weight' draws torch\.float32 values, but the"):
+    with pytest.raises(ValueError, match=r"value of 'weight' is torch\.float32, but the param"):
         bnn(X_NET, Y_REG)
 
 

@@ -104,3 +104,18 @@ def test_a_single_column_of_binary_probabilities_gets_the_two_column_hint():
     # the hint's fix: -(log(1 - 0.3) + log(0.9)) / 2
     nll = categorical_nll(torch.cat([1 - p, p], dim=1), torch.tensor([0, 1]))
     assert nll.item() == pytest.approx(-(math.log(0.7) + math.log(0.9)) / 2, abs=1e-12)
+
+
+def test_a_one_dim_scale_of_one_per_output_is_taken():
+    # (D,) against a (n, D) mean with n != D: per output by broadcasting, not ambiguous
+    mean, y = _MEAN[:2], _Y[:2]  # (2, 3)
+    per_output = gaussian_nll(mean, _SCALE, y).item()
+    assert per_output == pytest.approx(gaussian_nll(mean, _SCALE[None], y).item(), abs=1e-15)
+    hand = sum(
+        math.log(_SCALE[d]) + 0.5 * math.log(2 * math.pi)
+        + (y[i, d] - mean[i, d]).item() ** 2 / (2 * _SCALE[d].item() ** 2)
+        for i in range(2) for d in range(3)
+    ) / 2  # fmt: skip
+    assert per_output == pytest.approx(hand, abs=1e-12)
+    with pytest.raises(ValueError, match=r"scale of shape \(2,\) is ambiguous"):
+        gaussian_nll(mean, _SCALE[:2], y)  # n scales: meant per case, read per column

@@ -177,15 +177,22 @@ class MeanFieldSite:
         """
         base = look_through(prior)
         if not isinstance(base, SpikeSlab):
-            raise ValueError(
-                f"site {self.name!r}: the guide's factor has a point mass at zero ({self.family}) "
-                f"but the model's prior {type(base).__name__} has none, so KL(q || prior) is "
-                "infinite. Give the site a spike-and-slab prior, "
-                "pyro_quadvi.distributions.SpikeSlab(inclusion, slab_scale), or fit it with a "
-                "Gaussian guide (AutoMeanFieldNormal)"
-            )
+            raise ValueError(no_point_mass_message(self.name, base, f"({self.family})"))
         kl = kl_divergence(self.mixture(), base)
         return kl.sum(tuple(range(-self.event_dim, 0))) if self.event_dim else kl
+
+
+def no_point_mass_message(name: str, prior, family: str = "") -> str:
+    """Why a site whose guide factor has a point mass at zero cannot take ``prior``, which has
+    none (``family``: a note after "zero", e.g. ``"(dirac_gauss)"``)."""
+    note = f" {family}" if family else ""
+    return (
+        f"site {name!r}: the guide's factor has a point mass at zero{note} "
+        f"but the model's prior {type(look_through(prior)).__name__} has none, so KL(q || prior) "
+        "is infinite. Give the site a spike-and-slab prior, "
+        "pyro_quadvi.distributions.SpikeSlab(inclusion, slab_scale), or fit it with a Gaussian "
+        "guide (AutoMeanFieldNormal)"
+    )
 
 
 @dataclass

@@ -38,7 +38,7 @@ from torch.distributions import biject_to, constraints, transform_to
 from ..distributions import SpikeSlab
 from ..infer.log_joint import LatentSite, look_through
 from .adapters import _leaf, _select, check_set_up, gaussian_block, site_run
-from .interface import GuideDescription, MeanFieldSite
+from .interface import GuideDescription, MeanFieldSite, no_point_mass_message
 from .mean_field import AutoMeanFieldNormal
 
 __all__ = ["AutoSpikeSlab"]
@@ -119,13 +119,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
     def _no_point_mass_message(self, name: str, prior) -> str:
         """Why a real-valued site whose prior has no point mass at zero cannot be fit, and, for a
         :class:`~pyro_quadvi.nn.BayesianModule` whose layer declared that prior, the way out."""
-        message = (
-            f"site {name!r}: AutoSpikeSlab's factor has a point mass at zero but the model's "
-            f"prior {type(look_through(prior)).__name__} has none, so KL(q || prior) is "
-            "infinite. Give the site a spike-and-slab prior, "
-            "pyro_quadvi.distributions.SpikeSlab(inclusion, slab_scale), or fit the model with "
-            "a Gaussian guide (AutoMeanFieldNormal)"
-        )
+        message = no_point_mass_message(name, prior, "(AutoSpikeSlab)")
         model = self.model
         while isinstance(model, functools.partial) and model.args:  # Pyro's InitMessenger wrap
             model = model.args[-1]

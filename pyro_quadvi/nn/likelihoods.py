@@ -83,8 +83,9 @@ class Likelihood:
         if y is not None:
             if y.shape[0] != rows:
                 raise ValueError(f"y has {y.shape[0]} rows, x gave {rows}")
-            one_column = row == () and y.shape[1:] == (1,)  # (B, 1) for one number per row
-            if y.shape[1:] != row and not one_column:
+            # the same sizes in the same order, size-1 dims aside ((B, 1) for one number a row,
+            # (B, H, W) for outputs (B, 1, H, W)): a reshape pairs each value with its output
+            if [n for n in y.shape[1:] if n != 1] != [n for n in row if n != 1]:
                 raise ValueError(
                     f"{type(self).__name__} likelihood: y has shape {tuple(y.shape)}, but the "
                     f"network's outputs observe rows of shape {tuple(row)}: y must be "

@@ -302,10 +302,11 @@ class BayesianModule(PyroModule):
             values[name] = pyro.sample(name, self.prior_of(name, param), infer=infer)
             if values[name].dtype != param.dtype:
                 raise ValueError(
-                    f"the prior of {name!r} draws {values[name].dtype} values, but the parameter "
-                    f"is {param.dtype}: build the prior in the parameter's dtype (a scalar "
-                    "prior from tensors of that dtype, e.g. dist.Normal(torch.tensor(0.0, "
-                    "dtype=param.dtype), 1.0))"
+                    f"the value of {name!r} is {values[name].dtype}, but the parameter is "
+                    f"{param.dtype}: the prior draws it, or the guide replays it, in another "
+                    "dtype. Build both in the parameter's dtype (a scalar prior from tensors of "
+                    "that dtype, e.g. dist.Normal(torch.tensor(0.0, dtype=param.dtype), 1.0); a "
+                    "guide built for the net as it is now)"
                 )
         outputs, batch_dims = self._evaluate(values, x)
         self.likelihood(outputs, y, batch_dims)

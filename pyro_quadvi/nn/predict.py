@@ -103,7 +103,8 @@ def predict(
             # built from bnn(x) alone, an AutoGuide would take the observations for a latent
             raise ValueError(
                 "predict: the guide has not run yet, so it holds no posterior. Train it first "
-                "(svi.step(x, y)), or build it at its initialization with guide(x, y)"
+                "(svi.step(x, y)), or build it with guide(x, y) on any batch of training data "
+                "(at its initialization, or before loading a saved param store or state dict)"
             )
         noise = NOISE_SITE if _learned_noise(bnn) else None
         if quadrature is None:

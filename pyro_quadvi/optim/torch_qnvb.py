@@ -216,7 +216,8 @@ def check_finite_loss(
     raise ValueError(
         f"{owner}: the loss averaged over the quadrature nodes is {loss_avg.item()}: the loss is "
         "not finite at some node (a NaN or infinity in the batch, or a model that overflows "
-        "there). The parameters are left at their means; check the data, or use float64"
+        "there). The parameters are left at their means and the step was not taken: check the "
+        "data, or use float64; to skip such a step and go on, catch this ValueError"
     )
 
 
@@ -516,7 +517,7 @@ class QNVBOptimizer(torch.optim.Optimizer):
         loss_avg, moments = self._combine(params, loss_avg, moments)
         tensors = [p for p, _ in params]
         check_finite_loss(
-            loss_avg, tensors, [self.state[p]["mu"] for p in tensors], "QNVBOptimizer"
+            loss_avg, tensors, [self.state[p]["mu"] for p in tensors], type(self).__name__
         )
         self._update(params, moments)
         return loss_avg
