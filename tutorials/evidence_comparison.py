@@ -304,7 +304,9 @@ SETTINGS = {
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a reduced run (CI)")
-    parser.add_argument("--plot", default="evidence_comparison.png", help="where the plot goes")
+    parser.add_argument(
+        "--plot", default="docs/img/evidence_comparison.png", help="where the plot goes"
+    )
     parser.add_argument("--no-dynesty", action="store_true", help="skip the nested sampler")
     options = parser.parse_args(argv)
     torch.set_num_threads(1)  # small models: more threads only add synchronization overhead

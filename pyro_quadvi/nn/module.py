@@ -38,6 +38,7 @@ from torch.func import functional_call, vmap
 
 from ..infer.batched import first_line, is_vmap_refusal
 from ..optim.qnvb_functional import QNVBHyperparameters
+from ..quadrature import QuadratureRule
 from .likelihoods import Likelihood
 from .priors import LayerwiseNormal
 
@@ -312,11 +313,19 @@ class BayesianModule(PyroModule):
         self.likelihood(outputs, y, batch_dims)
         return outputs
 
-    def predict(self, guide: Callable, x: torch.Tensor, num_samples: int = 64, **kwargs):
+    def predict(
+        self,
+        guide: Callable,
+        x: torch.Tensor,
+        num_samples: int = 64,
+        quadrature: str | QuadratureRule | None = None,
+        num_points: int | None = None,
+        vectorize: bool | None = None,
+    ):
         """The Bayesian model average under ``guide``: :func:`~pyro_quadvi.nn.predict`."""
         from .predict import predict
 
-        return predict(self, guide, x, num_samples=num_samples, **kwargs)
+        return predict(self, guide, x, num_samples, quadrature, num_points, vectorize)
 
 
 def _where(module: nn.Module, path: str) -> str:
