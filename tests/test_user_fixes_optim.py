@@ -331,3 +331,18 @@ def test_a_loss_that_is_not_finite_is_refused_and_the_parameters_stay_at_their_m
     for p, mu in zip(net.parameters(), means):
         assert torch.equal(p, mu) and torch.equal(opt.state[p]["mu"], mu)
     step(x)  # and training goes on from there
+
+
+def test_module_loss_refuses_a_distributed_data_parallel_module(tmp_path):
+    import torch.distributed as torch_dist
+
+    torch_dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 1))
+        with pytest.raises(TypeError, match=r"DistributedDataParallel .* use the closure form"):
+            module_loss(ddp, F.mse_loss)
+        module_loss(ddp.module, F.mse_loss)  # the wrapped net itself is a plain module
+    finally:
+        torch_dist.destroy_process_group()

@@ -79,6 +79,13 @@ class ModuleLoss:
             raise TypeError(
                 f"module_loss: module must be a torch.nn.Module, got {type(module).__name__}"
             )
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                "module_loss: a DistributedDataParallel module averages gradients in hooks of its "
+                "own forward, which the one-pass step (functional_call on the wrapped net) "
+                "bypasses: each rank would step on its own gradients and the ranks drift apart. "
+                "With DDP use the closure form, step(closure); or NodeParallelQNVBOptimizer"
+            )
         if not callable(criterion):
             raise TypeError(
                 "module_loss: criterion must be callable (outputs, targets) -> mean loss per "
@@ -217,7 +224,8 @@ def check_finite_loss(
         f"{owner}: the loss averaged over the quadrature nodes is {loss_avg.item()}: the loss is "
         "not finite at some node (a NaN or infinity in the batch, or a model that overflows "
         "there). The parameters are left at their means and the step was not taken: check the "
-        "data, or use float64; to skip such a step and go on, catch this ValueError"
+        "data, or use float64. To skip such a step and go on, catch this ValueError, but not "
+        "under DistributedDataParallel, whose other ranks, finite, took the step"
     )
 
 
