@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 import torch
 import tqdm
 from pyro import poutine
+from pyro.infer.autoguide import AutoLowRankMultivariateNormal
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 from pyro.poutine.util import site_is_subsample
 
-from ..export.draws import check_guide_was_run
+from ..export.draws import check_guide_was_run, check_observed_not_nan
 from ..infer.batched import BatchDecision, evaluate_batch, first_line
 from ..infer.log_joint import LogJoint, latent_sites_of_model
 from ..quadrature.hermite import gauss_hermite, orthonormal_hermite
@@ -166,7 +167,7 @@ def opqa_evidence(
     _check_arguments(num_points, max_degree, center, guide, max_nodes, chunk_size, vectorize)
     args, kwargs = _to_float64(args), _to_float64(kwargs)
     sites = _latent_sites_in_float64(model, args, kwargs)
-    _check_not_subsampled(_Float64Prior()(model), args, kwargs)
+    _check_sample_sites(_Float64Prior()(model), args, kwargs)
     dim = sum(site.numel for site in sites)
     if dim == 0:
         raise ValueError(
@@ -321,7 +322,9 @@ def _latent_sites_in_float64(model: Callable, args: tuple, kwargs: dict):
         ) from None
 
 
-def _check_not_subsampled(model: Callable, args: tuple, kwargs: dict) -> None:
+def _check_sample_sites(model: Callable, args: tuple, kwargs: dict) -> None:
+    """Refuse what would change the integrand unseen: a subsampled plate, a sample site scaled by
+    ``poutine.scale`` (a tempered likelihood), observed data with NaN; each named."""
     trace = poutine.trace(poutine.block(model, hide_types=["param"])).get_trace(*args, **kwargs)
     for name, site in trace.nodes.items():
         if site["type"] == "sample" and site_is_subsample(site):
@@ -330,6 +333,25 @@ def _check_not_subsampled(model: Callable, args: tuple, kwargs: dict) -> None:
                     f"opqa_evidence: plate {name!r} is subsampled ({site['value'].numel()} of "
                     f"{site['fn'].size}); the evidence needs the full data, drop subsample_size"
                 )
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or site_is_subsample(site):
+            continue
+        scale = torch.as_tensor(site["scale"])
+        if (scale != 1).any():
+            shown = (
+                float(scale) if scale.numel() == 1 else f"a tensor of shape {tuple(scale.shape)}"
+            )
+            raise ValueError(
+                f"opqa_evidence: sample site {name!r} is scaled by {shown} (poutine.scale): the "
+                "evidence is the integral of the model's unscaled joint density, and a tempered "
+                "term would change it (the ArviZ export drops the scale too); remove the "
+                "poutine.scale, or write the tempering into the model's distributions"
+            )
+        if site["is_observed"]:
+            try:
+                check_observed_not_nan(site, before="computing the evidence (and the fit)")
+            except ValueError as error:
+                raise ValueError(f"opqa_evidence: {error}") from None
 
 
 def _build_weight(center, guide, log_joint, sites, dim, args, kwargs) -> GaussianWeight:
@@ -424,16 +446,28 @@ def _check_scales_moved(guide: Callable, weight: GaussianWeight) -> None:
     """Refuse a guide whose scales all still equal its ``init_scale`` (run, but never fitted).
 
     Only guides that record an ``init_scale`` (Pyro's AutoGuides, AutoMeanFieldNormal) are
-    checked; a low-rank guide starts from random factors and cannot be told from a fitted one.
+    checked. ``AutoLowRankMultivariateNormal`` starts its covariance factor at random, but its
+    diagonal ``scale`` at exactly ``init_scale / sqrt(2)`` in every coordinate: that ``scale``
+    is checked instead of the weight (a fit moves every coordinate of it).
     """
     init_scale = getattr(guide, "_init_scale", None)
     if not isinstance(init_scale, int | float):
         return
-    at_init = init_scale * torch.eye(len(weight.loc), dtype=weight.scale_tril.dtype)
-    if torch.allclose(weight.scale_tril, at_init, rtol=1e-6, atol=0.0):
+    if isinstance(guide, AutoLowRankMultivariateNormal):
+        with torch.no_grad():
+            scales = guide.scale.detach().to(torch.float64)
+        at_init = torch.full_like(scales, 0.5**0.5 * init_scale)
+        what = (
+            f"every entry of the diagonal scale of the {type(guide).__name__} still equals its "
+            f"start, init_scale / sqrt(2) with init_scale={init_scale}"
+        )
+    else:
+        scales = weight.scale_tril
+        at_init = init_scale * torch.eye(len(weight.loc), dtype=weight.scale_tril.dtype)
+        what = f"every scale of the {type(guide).__name__} still equals its init_scale={init_scale}"
+    if torch.allclose(scales, at_init, rtol=1e-6, atol=0.0):
         raise ValueError(
-            f"opqa_evidence(center='guide'): every scale of the {type(guide).__name__} still "
-            f"equals its init_scale={init_scale}: the guide was never fitted, and a weight that "
+            f"opqa_evidence(center='guide'): {what}: the guide was never fitted, and a weight that "
             "misses the posterior gives a wrong evidence. Fit it first (svi.step(*args, "
             "**kwargs) until the loss settles), or use center='laplace'"
         )

@@ -111,7 +111,8 @@ class OPQAPosterior:
                 with one latent site.
 
         Returns:
-            The log density of shape ``batch``, with the log-Jacobian of ``theta -> z``.
+            The log density of shape ``batch``, with the log-Jacobian of ``theta -> z``; ``-inf``
+            where a value lies outside its site's support (the codomain of the site's transform).
         """
         if isinstance(values, torch.Tensor):
             if len(self.sites) != 1:
@@ -120,7 +121,7 @@ class OPQAPosterior:
                     f"{[site.name for site in self.sites]}"
                 )
             values = {self.sites[0].name: values}
-        flats, log_jacobian, batch = [], 0.0, None
+        flats, log_jacobian, batch, inside = [], 0.0, None, True
         for site in self.sites:
             if site.name not in values:
                 raise ValueError(f"log_prob: no value for the latent site {site.name!r}")
@@ -138,11 +139,14 @@ class OPQAPosterior:
                     f"{tuple(site_batch)} at {site.name!r})"
                 )
             batch = site_batch
+            in_support = site.transform.codomain.check(value).reshape((*batch, -1)).all(-1)
+            inside = in_support & inside
             z = site.transform.inv(value)
             ladj = site.transform.log_abs_det_jacobian(z, value)
             log_jacobian = log_jacobian + ladj.reshape((*batch, -1)).sum(-1)
             flats.append(z.reshape((*batch, site.numel)))
-        return self.log_prob_unconstrained(torch.cat(flats, -1)) - log_jacobian
+        log_q = self.log_prob_unconstrained(torch.cat(flats, -1)) - log_jacobian
+        return torch.where(inside, log_q, -math.inf)
 
     def _x_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact mean and covariance of ``x`` under ``p_T^2 phi``.

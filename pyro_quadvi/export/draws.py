@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 from ..infer.batched import BatchMismatch, evaluate_batch
 from ..infer.log_joint import model_max_plate_nesting
 
-__all__ = ["Draws", "SiteSpec", "draw"]
+__all__ = ["Draws", "SiteSpec", "check_observed_not_nan", "draw"]
 
 _DRAW_PLATE = "_quadvi_draws"
 
@@ -213,17 +213,27 @@ class _Assembly:
         return self.value[self._index(rows)] if self.axes else self.value
 
 
-def _log_density(node: dict) -> torch.Tensor:
-    """The site's log density; refuses observed data with NaN, naming the site."""
+def check_observed_not_nan(node: dict, before: str = "the export (and the fit)") -> None:
+    """Refuse an observed site of a trace whose data hold NaN, naming the site and the first index.
+
+    Args:
+        node: a sample site of a Pyro trace.
+        before: what the rows must be dropped or imputed before, for the message.
+    """
     value = node["value"]
     if node["is_observed"] and value.is_floating_point() and torch.isnan(value).any():
         index = torch.isnan(value).nonzero()[0].tolist()
         raise ValueError(
             f"the observed data of site {node['name']!r} hold NaN (first at index {index} of its "
             "value in the model): its log likelihood is undefined there. Drop or impute those "
-            "rows before the export (and the fit)"
+            f"rows before {before}"
         )
-    return node["fn"].log_prob(value)
+
+
+def _log_density(node: dict) -> torch.Tensor:
+    """The site's log density; refuses observed data with NaN, naming the site."""
+    check_observed_not_nan(node)
+    return node["fn"].log_prob(node["value"])
 
 
 def _is_deterministic(node: dict) -> bool:

@@ -98,7 +98,9 @@ def label(
             leading names.
 
     Raises:
-        ValueError: if ``dims`` names a variable the export does not have, or too few dims.
+        ValueError: if ``dims`` names a variable the export does not have, too few dims, or more
+            dims than the variable has (a log likelihood takes the leading names of its site's
+            full dims, so only those count).
     """
     user_dims = dict(dims or {})
     unknown = sorted(set(user_dims) - set(draws.sites))
@@ -107,6 +109,14 @@ def label(
             f"dims names {unknown}, which are not sites of the model; its sites are "
             f"{sorted(draws.sites)}"
         )
+    for name, given in user_dims.items():
+        full = [dim for dim in site_dims(draws.sites[name], draws.full_sizes) if dim is not None]
+        if len(given) > len(full):
+            raise ValueError(
+                f"dims[{name!r}] names {len(given)} dims ({', '.join(map(str, given))}) but "
+                f"the exported {name!r} has {len(full)} after chain and draw "
+                f"({', '.join(full)}); drop {list(given[len(full) :])}"
+            )
     groups: dict[str, dict[str, Variable]] = {}
     plate_sizes: dict[str, int] = {}
     for group in GROUPS:

@@ -26,9 +26,19 @@ Two checks keep a rule usable:
   blind and the scales stay where they started: such a rule integrates, but cannot fit.
 * **memory** (``max_bytes``, :data:`DEFAULT_MAX_BYTES`): a rule refuses, before allocating, any
   array larger than ``max_bytes``: its own tables at construction (RASP keeps ``3 r K`` float64
-  entries, so ``K = 20000`` would need 9.6 GB) and the ``(K, dim)`` node matrix of
-  :meth:`NodeSet.matrix` (``K * dim * itemsize`` bytes). The node-at-a-time path
-  (:meth:`NodeSet.node`) needs ``dim * itemsize`` bytes per node and is not limited.
+  entries, so ``K = 20000`` would need 9.6 GB; Gauss-Hermite an ``m x m`` Jacobi matrix), its
+  ``num_points`` weights at construction (counted in float64, the widest dtype a draw gives), the
+  ``K`` weights of every draw (``K * itemsize``; ``K = m^dim`` for Gauss-Hermite) and the
+  ``(K, dim)`` node matrix of :meth:`NodeSet.matrix` (``K * dim * itemsize`` bytes). The
+  node-at-a-time path (:meth:`NodeSet.node`) needs ``dim * itemsize`` bytes per node and is not
+  limited.
+
+Every :meth:`QuadratureRule.draw` starts with :meth:`QuadratureRule.check_draw`, the one check of
+its arguments: ``dim`` and ``step`` integers (``dim >= 1``, ``step >= 0``), ``generator`` a
+``torch.Generator`` or ``None``, ``dtype`` a floating dtype or ``None`` (an integer dtype would
+round the weights ``1 / K`` to 0). float16 and bfloat16 are accepted: the nodes and weights are
+rounded to the dtype, so the exactness of a rule holds to its rounding (moments off by about
+``1e-3`` in float16, ``1e-2`` in bfloat16).
 """
 
 from __future__ import annotations
@@ -55,6 +65,11 @@ def check_max_bytes(max_bytes: int) -> int:
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"max_bytes must be an integer >= 1, got {max_bytes!r}")
     return max_bytes
+
+
+WEIGHT_ITEMSIZE = torch.float64.itemsize
+"""Bytes per weight counted at construction, before the dtype of a draw is known: float64's, the
+widest dtype a draw accepts."""
 
 
 def check_dim(dim: int) -> int:
@@ -169,14 +184,18 @@ class QuadratureRule(abc.ABC):
     def __init__(self, num_points: int, max_bytes: int = DEFAULT_MAX_BYTES):
         self.num_points = num_points
         self.max_bytes = check_max_bytes(max_bytes)
-        needed = self.table_bytes()
-        if needed > self.max_bytes:
-            raise ValueError(
-                f"{self.name} with num_points={num_points} needs {self._table_description()} "
-                f"= {format_bytes(needed)} at construction, more than "
-                f"max_bytes={format_bytes(self.max_bytes)}; use fewer points, "
-                "or pass a larger max_bytes"
-            )
+        weights = f"{num_points} float64 weights: {num_points} * {WEIGHT_ITEMSIZE}"
+        for description, needed in (
+            (self._table_description(), self.table_bytes()),
+            (weights, num_points * WEIGHT_ITEMSIZE),
+        ):
+            if needed > self.max_bytes:
+                raise ValueError(
+                    f"{self.name} with num_points={num_points} needs {description} "
+                    f"= {format_bytes(needed)} at construction, more than "
+                    f"max_bytes={format_bytes(self.max_bytes)}; use fewer points, "
+                    "or pass a larger max_bytes"
+                )
 
     def table_bytes(self) -> int:
         """Bytes of the tables the rule builds at construction (none unless overridden)."""
@@ -225,6 +244,53 @@ class QuadratureRule(abc.ABC):
         """The number of nodes ``K`` of one quadrature in ``dim`` dimensions."""
         return self.num_points
 
+    def check_draw(
+        self,
+        dim: int,
+        step: int,
+        generator: torch.Generator | None,
+        dtype: torch.dtype | None,
+    ) -> tuple[int, int, torch.dtype]:
+        """Validate the arguments of :meth:`draw`; every rule's ``draw`` calls it first.
+
+        Returns:
+            ``(dim, step, dtype)``, with ``dtype`` resolved to torch's default when ``None``.
+
+        Raises:
+            ValueError: naming the argument, for a ``dim`` that is not an integer >= 1, a
+                ``step`` that is not an integer >= 0, a ``generator`` that is not a
+                ``torch.Generator`` (nor ``None``), a ``dtype`` that is not a floating dtype
+                (integer weights would round ``1 / K`` to 0), or ``K`` weights of more than
+                ``max_bytes``.
+        """
+        dim = check_dim(dim)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"{self.name}: step must be >= 0 (an integer), got {step!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(
+                f"{self.name}: generator must be a torch.Generator or None, got {generator!r} "
+                f"({type(generator).__name__}); pass torch.Generator().manual_seed(seed), or "
+                "None for torch's global generator"
+            )
+        if dtype is None:
+            dtype = torch.get_default_dtype()
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(
+                f"{self.name}: dtype must be a floating torch.dtype (torch.float32, "
+                f"torch.float64, ...), got {dtype!r}: the weights 1 / K and the nodes are not "
+                "integers"
+            )
+        num = self.num_nodes(dim)
+        needed = num * dtype.itemsize
+        if needed > self.max_bytes:
+            raise ValueError(
+                f"the {num} weights of {self.name} in {dim} dimensions need K * itemsize = "
+                f"{num} * {dtype.itemsize} = {format_bytes(needed)}, more than "
+                f"max_bytes={format_bytes(self.max_bytes)}; use fewer nodes, or pass a larger "
+                "max_bytes to the rule"
+            )
+        return dim, step, dtype
+
     @abc.abstractmethod
     def draw(
         self,
@@ -236,9 +302,10 @@ class QuadratureRule(abc.ABC):
     ) -> NodeSet:
         """The quadrature at position ``step`` of the rule's sequence.
 
-        Random rules draw fresh random numbers from ``generator`` (torch's global generator when
-        ``None``, so that ``pyro.set_rng_seed`` makes runs reproducible); deterministic rules ignore
-        it. The result is a deterministic function of ``(dim, step, generator state)``.
+        Implementations start with :meth:`check_draw`. Random rules draw fresh random numbers
+        from ``generator`` (torch's global generator when ``None``, so that
+        ``pyro.set_rng_seed`` makes runs reproducible); deterministic rules ignore it (after
+        checking it). The result is a deterministic function of ``(dim, step, generator state)``.
         """
 
     def nodes(

@@ -230,11 +230,9 @@ class HadamardRule(QuadratureRule):
         return length // math.gcd(length, self.num_points // 2)
 
     def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
-        dim = check_dim(dim)
+        dim, step, dtype = self.check_draw(dim, step, generator, dtype)
         if dim > MAX_HADAMARD_DIM:
             raise ValueError(f"hadamard supports dim <= 2^31, got {dim}")
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
         weights = equal_weights(self.num_points, dtype, device)
         return _HadamardNodes(
             dim, step * (self.num_points // 2), weights, name=self.name, max_bytes=self.max_bytes

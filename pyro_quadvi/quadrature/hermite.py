@@ -11,13 +11,21 @@ from typing import Any
 
 import torch
 
-from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, check_dim
+from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, check_dim, format_bytes
 
-__all__ = ["GaussHermiteRule", "gauss_hermite", "orthonormal_hermite"]
+__all__ = ["GaussHermiteRule", "gauss_hermite", "gauss_hermite_bytes", "orthonormal_hermite"]
+
+_JACOBI_DESCRIPTION = "an m x m float64 Jacobi matrix (and an m x m table of Hermite values)"
+
+
+def gauss_hermite_bytes(num_points: int) -> int:
+    """Bytes of the largest array :func:`gauss_hermite` builds: the ``m x m`` float64 Jacobi
+    matrix (the ``m x m`` table of Hermite values at the nodes is as large)."""
+    return num_points * num_points * 8
 
 
 def gauss_hermite(
-    num_points: int, dtype: torch.dtype = torch.float64
+    num_points: int, dtype: torch.dtype = torch.float64, max_bytes: int = DEFAULT_MAX_BYTES
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Nodes and weights of the ``num_points``-point Gauss-Hermite rule for ``N(0, 1)``.
 
@@ -28,9 +36,22 @@ def gauss_hermite(
     eigenvector components would only be accurate to about ``1e-16`` absolute (their tail weights
     were off by a factor of ``10^2`` at ``m = 60``). Exact for polynomials of degree
     ``<= 2m - 1``; the weights sum to 1. Computed in float64 and cast to ``dtype``.
+
+    The Jacobi matrix and the table of Hermite values are dense ``m x m`` (``8 m^2`` bytes each,
+    :func:`gauss_hermite_bytes`): an ``m`` above ``max_bytes`` (about 11,585 under the default
+    1 GiB) is refused before allocating. The eigenvalues take ``O(m^3)`` time, so such an ``m``
+    would not finish anyway.
     """
     if num_points < 1:
         raise ValueError(f"Gauss-Hermite needs num_points >= 1, got {num_points}")
+    needed = gauss_hermite_bytes(num_points)
+    if needed > max_bytes:
+        raise ValueError(
+            f"Gauss-Hermite with num_points={num_points} needs {_JACOBI_DESCRIPTION} "
+            f"(m = {num_points}): {num_points} * {num_points} * 8 = {format_bytes(needed)}, more "
+            f"than max_bytes={format_bytes(max_bytes)}; use fewer points (a few dozen integrate "
+            "any smooth integrand to rounding), or pass a larger max_bytes"
+        )
     off = torch.arange(1, num_points, dtype=torch.float64).sqrt()
     jacobi = torch.diag(off, 1) + torch.diag(off, -1)
     nodes = torch.linalg.eigvalsh(jacobi)
@@ -103,6 +124,16 @@ class GaussHermiteRule(QuadratureRule):
         self.max_nodes = max_nodes
         self.exact_coordinate_quadratics = num_points >= 2  # one point: x = 0, so E[x^2] = 0
 
+    def table_bytes(self) -> int:
+        """The ``m x m`` Jacobi matrix of :func:`gauss_hermite` (:func:`gauss_hermite_bytes`)."""
+        return gauss_hermite_bytes(self.num_points)
+
+    def _table_description(self) -> str:
+        return (
+            f"{_JACOBI_DESCRIPTION} (m = {self.num_points}): "
+            f"{self.num_points} * {self.num_points} * 8"
+        )
+
     def num_nodes(self, dim: int) -> int:
         return self.num_points ** check_dim(dim)
 
@@ -116,8 +147,8 @@ class GaussHermiteRule(QuadratureRule):
                 "use fewer points per dimension, raise max_nodes, or a sigma-point rule "
                 "(rasp_simplex, hadamard) for many dimensions"
             )
-        points, weights = gauss_hermite(self.num_points)
-        dtype = dtype or torch.get_default_dtype()
+        dim, step, dtype = self.check_draw(dim, step, generator, dtype)
+        points, weights = gauss_hermite(self.num_points, max_bytes=self.max_bytes)
         return _TensorGridNodes(
             points.to(dtype=dtype, device=device),
             weights.to(dtype=dtype, device=device),

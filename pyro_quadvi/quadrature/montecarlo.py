@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, check_dim, equal_weights
+from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, equal_weights
 
 __all__ = ["MonteCarloRule"]
 
@@ -88,7 +88,7 @@ class MonteCarloRule(QuadratureRule):
         super().__init__(num_points, max_bytes=max_bytes)
 
     def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
-        dim = check_dim(dim)
+        dim, step, dtype = self.check_draw(dim, step, generator, dtype)
         seed_device = generator.device if generator is not None else None
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=seed_device).item())
         weights = equal_weights(self.num_points, dtype, device)

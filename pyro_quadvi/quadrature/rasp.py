@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, check_dim, equal_weights
+from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, equal_weights
 
 __all__ = ["BlockedSimplexRule", "RASPRule", "cross_reference", "simplex_reference"]
 
@@ -137,7 +137,7 @@ class RASPRule(QuadratureRule):
         self._signed = torch.cat([self._reference, -self._reference], dim=0)  # (2r, K)
 
     def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
-        dim = check_dim(dim)
+        dim, step, dtype = self.check_draw(dim, step, generator, dtype)
         num_rows = 2 * self.r
         index = torch.randint(
             0, num_rows, (dim,), generator=generator, dtype=_index_dtype(num_rows), device=device
@@ -204,7 +204,7 @@ class BlockedSimplexRule(QuadratureRule):
         self._reference = simplex_reference(self.block_size)
 
     def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
-        dim = check_dim(dim)
+        dim, step, dtype = self.check_draw(dim, step, generator, dtype)
         num_blocks = -(-dim // self.block_size)
         perms = torch.empty(
             num_blocks, self.num_points, dtype=_index_dtype(self.num_points), device=device
