@@ -56,11 +56,13 @@ class DistributedOptimizer(PyroOptim):
     (:func:`~pyro_quadvi.distributed.save_checkpoint`).
 
     Raises (on every rank together):
-        RuntimeError: when the ranks received different parameters, disagree on which
-            parameters have moments, or on the rows of a block in a subsampled plate (a local
-            latent, data parallel: a mean cannot combine different rows; node parallel, where
-            every rank has the whole minibatch, fits local latents), or for a parameter without a
-            name in Pyro's param store (``module_local_params=True``): names order the reduction.
+        RuntimeError: when the ranks received different parameters or different values of
+            them (ranks seeded differently: a projection of the values is compared), disagree
+            on which parameters have moments, or on the rows of a block in a subsampled plate
+            (a local latent, data parallel: a mean cannot combine different rows; node
+            parallel, where every rank has the whole minibatch, fits local latents), or for a
+            parameter without a name in Pyro's param store (``module_local_params=True``):
+            names order the reduction.
     """
 
     def __init__(
