@@ -7,17 +7,12 @@ the test process itself, through the same classes with no process group (a world
 
 from __future__ import annotations
 
-import os
-import socket
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import pyro
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from pyro.infer import SVI
 from pyro.infer.autoguide import init_to_sample
 
@@ -34,6 +29,7 @@ from pyro_quadvi.distributed import (
 )
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import QNVBOptimizer, module_loss
+from pyro_quadvi.testing.ranks import RanksFailed, run_ranks
 
 WORLD = 2
 STEPS = 6
@@ -342,56 +338,14 @@ def _scenarios(outdir: Path) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
-    try:
-        results = _scenarios(Path(outdir))
-    finally:
-        dist.destroy_process_group()
-    torch.save(results, Path(outdir) / f"rank{rank}.pt")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """What each of the two ranks returned; the processes end (or are killed) before the tests."""
     outdir = tmp_path_factory.mktemp("distributed")
-    env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        context = mp.start_processes(
-            _worker,
-            args=(_free_port(), str(outdir)),
-            nprocs=WORLD,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + TIMEOUT_S
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"the two processes did not finish in {TIMEOUT_S} s")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    results = [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+        results = run_ranks(_scenarios, outdir, world_size=WORLD, timeout_s=TIMEOUT_S)
+    except RanksFailed as error:
+        pytest.fail(str(error))
     results[0]["outdir"] = outdir
     return results
 

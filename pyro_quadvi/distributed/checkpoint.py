@@ -34,7 +34,9 @@ def save_checkpoint(
     """Write Pyro's param store (with the ELBO's sequence position), ``optim``'s state and the
     random state to ``path``, from rank 0 only; every rank returns once the file is complete.
 
-    A collective call: every rank makes it (the optimizer's state may be gathered first).
+    A collective call: every rank makes it (the optimizer's state may be gathered first, then a
+    barrier), never under ``if rank == 0:``, where rank 0 would wait for the others until the
+    process group's timeout.
 
     Args:
         path: the file; written to ``path + ".tmp"`` first, then renamed, so a crash never leaves
@@ -71,7 +73,8 @@ def load_checkpoint(
 ) -> dict:
     """Restore what :func:`save_checkpoint` wrote, on every rank (rank 0 reads, then broadcasts).
 
-    Only rank 0 needs to see the file. Restore before the first step, into a fresh param store.
+    Only rank 0 needs to see the file, but every rank makes the call (a collective: a
+    broadcast). Restore before the first step, into a fresh param store.
 
     Returns:
         The checkpoint's metadata: ``{"world_size": the world size it was saved from}``.

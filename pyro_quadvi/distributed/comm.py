@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -18,7 +19,10 @@ __all__ = [
     "all_reduce_sum_",
     "broadcast_generator",
     "check_agreement",
+    "check_sections",
     "collective_device",
+    "gather_rows",
+    "refuse_disagreement",
     "shard",
     "world",
 ]
@@ -59,44 +63,79 @@ def shard(num_rows: int, group: dist.ProcessGroup | None = None) -> slice:
     return slice(start, start + base + (rank < extra))
 
 
-def _as_bits(values: torch.Tensor) -> torch.Tensor:
-    """Integers that are equal exactly when the float64 values are equal bit for bit."""
-    return values.detach().to(torch.float64).reshape(-1).view(torch.int64)
+SEED_FIX = (
+    "every rank must start from the same parameters, random state and sequence position: "
+    "seed every rank identically (pyro.set_rng_seed) or call broadcast_generator()"
+)
+MODEL_FIX = "the models differ: every rank must build the same model (and guide)"
+
+Section = tuple[torch.Tensor, str, str]
+"""``(values, what they are, how to fix a disagreement)``: one part of an agreement check."""
 
 
 def check_agreement(
-    values: torch.Tensor, what: str, group: dist.ProcessGroup | None = None
+    values: torch.Tensor,
+    what: str,
+    group: dist.ProcessGroup | None = None,
+    *,
+    fix: str = SEED_FIX,
 ) -> None:
     """Raise on every rank unless all ranks hold the same ``values`` bit for bit.
 
-    One all-reduce of ``2 n`` integers (``max`` of the bits and of their complements, that is the
-    largest and the smallest bit pattern): every rank sees the same result, so every rank raises
+    One ``all_gather`` of the ``n`` values: every rank sees every rank's, so every rank raises
     together and none waits forever in a later collective.
 
     Args:
-        values: a small tensor (a fingerprint), same shape on every rank.
+        values: a small tensor (a fingerprint), the same number of entries on every rank.
         what: what the values are, for the message.
+        fix: what to do about a disagreement, for the message.
 
     Raises:
-        RuntimeError: naming ``what`` and the first differing entry.
+        RuntimeError: naming ``what``, the first differing entry and ``fix``.
     """
+    check_sections([(values, what, fix)], group)
+
+
+def check_sections(sections: Sequence[Section], group: dist.ProcessGroup | None = None) -> None:
+    """:func:`check_agreement` of several fingerprints in one collective; the first section that
+    differs names the error. Every rank must pass the same number of entries in each section."""
     _, size = world(group)
     if size == 1:
         return
-    bits = _as_bits(values)
-    both = torch.cat([bits, ~bits])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    n = bits.numel()
-    largest, smallest = both[:n], ~both[n:]
-    differ = (largest != smallest).nonzero()
-    if differ.numel():
-        i = int(differ[0])
-        low, high = (t.view(torch.float64)[i].item() for t in (smallest, largest))
-        raise RuntimeError(
-            f"the ranks disagree on {what} (entry {i}: from {low!r} to {high!r} across ranks); "
-            "every rank must start from the same parameters, random state and sequence position: "
-            "seed every rank identically (pyro.set_rng_seed) or call broadcast_generator()"
-        )
+    values = torch.cat([v.detach().reshape(-1).cpu() for v, _, _ in sections])
+    refuse_disagreement(gather_rows(values, group), sections)
+
+
+def gather_rows(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's ``values`` (``n`` numbers, the same ``n`` on every rank) as the rows of a
+    ``(W, n)`` float64 tensor on the CPU, the same on every rank: one ``all_gather``."""
+    _, size = world(group)
+    values = values.detach().to(torch.float64).reshape(1, -1)
+    if size == 1:
+        return values.cpu()
+    values = values.to(collective_device(group))
+    rows = [torch.empty_like(values) for _ in range(size)]
+    dist.all_gather(rows, values, group=group)
+    return torch.cat(rows).cpu()
+
+
+def refuse_disagreement(rows: torch.Tensor, sections: Sequence[Section]) -> None:
+    """Raise unless the rows of :func:`gather_rows` agree bit for bit on the entries of
+    ``sections`` (their columns, in order, from the first)."""
+    start = 0
+    for values, what, fix in sections:
+        stop = start + values.numel()
+        bits = rows[:, start:stop].contiguous().view(torch.int64)
+        differ = (bits != bits[:1]).any(0).nonzero()
+        if differ.numel():
+            i = int(differ[0])
+            column = rows[:, start + i]
+            low, high = column.min().item(), column.max().item()
+            raise RuntimeError(
+                f"the ranks disagree on {what} (entry {i}: from {low!r} to {high!r} across "
+                f"ranks); {fix}"
+            )
+        start = stop
 
 
 def broadcast_generator(
@@ -158,24 +197,55 @@ def _fused_all_reduce_(
             start = stop
 
 
-def node_fingerprint(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """A few numbers that change when the nodes ``x`` ``(K, dim)`` or their weights change.
-
-    ``x`` projected on a fixed irregular direction (one number per node), the weights, and the
-    shape: ``O(K dim)`` work, a little less than one matrix-vector product with the nodes.
-    """
-    k, d = x.shape
-    direction = _direction(d, x.device)
-    return torch.cat(
+def node_sections(x: torch.Tensor, weights: torch.Tensor) -> list[Section]:
+    """The agreement sections of a step's nodes ``x`` ``(K, dim)`` (or a few of them) and the
+    ``K`` weights: the dimension (a different one means different models), then the number of
+    nodes and a projection of nodes and weights. A fixed number of entries whatever ``K`` and
+    ``dim``, so ranks that disagree meet in the same all-reduce; ``O(K dim)`` work."""
+    _, d = x.shape
+    dimension = torch.tensor([float(d)], dtype=torch.float64, device=x.device)
+    nodes = torch.stack(
         [
-            x.detach().to(torch.float64) @ direction,
-            weights.detach().to(torch.float64),
-            torch.tensor([float(k), float(d)], dtype=torch.float64, device=x.device),
+            torch.tensor(float(weights.numel()), dtype=torch.float64, device=x.device),
+            projection(x),
+            projection(weights),
         ]
     )
+    return [
+        (dimension, "the dimension of the latent space (the number of parameters)", MODEL_FIX),
+        (nodes, "the quadrature nodes", SEED_FIX),
+    ]
 
 
-@functools.lru_cache(maxsize=8)
+def projection(values: torch.Tensor) -> torch.Tensor:
+    """One float64 number that changes (almost surely) when any entry of ``values`` does, or its
+    position: the rows of ``values`` (its last axis) projected on a fixed irregular direction,
+    those numbers on another. ``O(numel)`` work; a 0-d float64 tensor on ``values``' device."""
+    flat = values.detach().to(torch.float64)
+    flat = flat.reshape(-1, flat.shape[-1] if flat.dim() and flat.shape[-1] else 1)
+    if flat.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=values.device)
+    rows = flat @ _direction(flat.shape[1], flat.device)
+    return rows @ _direction(rows.numel(), flat.device)
+
+
+def arguments_section(args: Sequence, what: str, fix: str) -> Section:
+    """An agreement section of the tensors among ``args`` (a step's batch): their number, a
+    checksum of their shapes, and the sum of their :func:`projection` times their position. Three
+    entries whatever the batch."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    shapes = repr([tuple(t.shape) for t in tensors]).encode()
+    total = sum(
+        (projection(t).cpu() * (i + 1) for i, t in enumerate(tensors)),
+        torch.zeros((), dtype=torch.float64),
+    )
+    values = torch.stack(
+        [torch.tensor(float(len(tensors))), torch.tensor(float(zlib.crc32(shapes))), total]
+    ).to(torch.float64)
+    return values, what, fix
+
+
+@functools.lru_cache(maxsize=32)
 def _direction(dim: int, device: torch.device) -> torch.Tensor:
     """``cos((sqrt(2) - 1) i)`` for ``i < dim``: a fixed, irregular direction (cached)."""
     return torch.cos(torch.arange(dim, dtype=torch.float64, device=device) * (math.sqrt(2.0) - 1.0))

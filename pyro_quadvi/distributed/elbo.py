@@ -20,6 +20,7 @@ averages gradients and moments, and :meth:`loss_and_grads` reports the averaged 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from ..infer import QuadratureELBO
 from ..quadrature import QuadratureRule
-from .comm import check_agreement, collective_device, node_fingerprint, world
+from .comm import arguments_section, gather_rows, node_sections, refuse_disagreement, world
 
 __all__ = ["PARALLEL_MODES", "DistributedQuadratureELBO"]
 
@@ -45,8 +46,9 @@ class DistributedQuadratureELBO(QuadratureELBO):
             (:func:`~pyro_quadvi.distributed.broadcast_generator`).
         parallel: ``"data"`` (each rank passes its shard of the minibatch to ``svi.step``) or
             ``"nodes"`` (each rank passes the whole minibatch and evaluates every ``W``-th node).
-        check_nodes: compare a fingerprint of the step's nodes and weights across ranks every step
-            (one small all-reduce) and raise on every rank if they differ.
+        check_nodes: compare fingerprints of the step's nodes and weights (and, with
+            ``parallel="nodes"``, of the minibatch) across ranks every step, in the step's one
+            small collective, and raise on every rank if they differ.
         group: the process group (``None``: the default group).
 
     Attributes:
@@ -80,6 +82,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
         self.check_nodes = check_nodes
         self.group = group
         self.share: float | None = None
+        self._node_sections: list | None = None
 
     def _factor(self) -> float:
         """What this rank's loss is multiplied by so that the plain mean over ranks is right."""
@@ -102,17 +105,17 @@ class DistributedQuadratureELBO(QuadratureELBO):
     def local_nodes(
         self, x: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's nodes and weights (all of them, or every ``W``-th times ``W``).
+        """This rank's nodes and weights (all of them, or every ``W``-th times ``W``); with
+        ``check_nodes``, keeps their fingerprint for the step's one collective.
 
         Raises:
-            RuntimeError: on every rank, when the ranks drew different nodes (``check_nodes``).
             ValueError: in node mode, when there are fewer nodes than ranks.
         """
         rank, size = world(self.group)
         if size == 1:
             return x, weights
         if self.check_nodes:
-            check_agreement(node_fingerprint(x, weights), "the quadrature nodes", self.group)
+            self._node_sections = node_sections(x, weights)
         if self.parallel == "data":
             return x, weights
         if x.shape[0] < size:
@@ -123,29 +126,121 @@ class DistributedQuadratureELBO(QuadratureELBO):
             )
         return x[rank::size], weights[rank::size] * size
 
-    def _mean(self, value: float, device: torch.device) -> float:
+    def _refuse_empty(self, args: tuple, kwargs: dict) -> None:
+        if self.parallel != "data":
+            return
+        for where, value in [*enumerate(args), *kwargs.items()]:
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == 0:
+                argument = f"argument {where}" if isinstance(where, int) else f"{where}="
+                raise ValueError(
+                    f"DistributedQuadratureELBO(parallel='data'): this rank's shard is empty "
+                    f"({argument} of svi.step has 0 rows); give every rank at least one row "
+                    "(shard(num_rows) does) and set share to its fraction of the rows"
+                )
+
+    def _evaluate(self, model: Callable, guide: Callable, args: tuple, kwargs: dict, grad: bool):
+        """This rank's loss ``L_r`` (and the guide's description) and the mean over ranks, after
+        one collective that every rank reaches whatever happened locally: it carries the loss,
+        the share, whether this rank's evaluation raised, and (``check_nodes``) the fingerprints
+        of the nodes and, in node mode, of the minibatch. An error on any rank is raised on every
+        rank (the local error where it happened), before anything is accumulated or advanced."""
         _, size = world(self.group)
+        self._node_sections = None
+        sections = []
+        if self.check_nodes and size > 1 and self.parallel == "nodes":
+            sections.append(
+                arguments_section(
+                    [*args, *kwargs.values()],
+                    "the minibatch (the shapes and values of the tensors passed to svi.step)",
+                    "with parallel='nodes' every rank passes the whole minibatch, the same on "
+                    "every rank; to give each rank its own rows use parallel='data'",
+                )
+            )
+        error, loss, description, share = None, None, None, 1.0 / size
+        try:
+            self._refuse_empty(args, kwargs)
+            factor = self._factor()
+            share = factor / size
+            with contextlib.nullcontext() if grad else torch.no_grad():
+                loss, description = self._quadrature_loss(model, guide, args, kwargs)
+            if factor != 1.0:
+                loss = loss * factor
+            value = loss.item()
+        except Exception as caught:  # raised below, after every rank has heard of it
+            error, value = caught, 0.0
         if size == 1:
-            return value
-        total = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(total, group=self.group)
-        return (total / size).item()
+            if error is not None:
+                raise error
+            return loss, description, value
+        if self.check_nodes:
+            nan = torch.full((1, 1), float("nan"), dtype=torch.float64)
+            sections = (self._node_sections or node_sections(nan, nan[0])) + sections
+        status = torch.tensor(
+            [value, share, isinstance(error, ValueError), error is not None], dtype=torch.float64
+        )
+        rows = gather_rows(torch.cat([status, *(v.reshape(-1).cpu() for v, _, _ in sections)]))
+        if error is not None:
+            raise error
+        failed = rows[:, 3].nonzero().reshape(-1).tolist()
+        if failed:
+            kind = ValueError if bool(rows[:, 2].any()) else RuntimeError
+            raise kind(
+                f"DistributedQuadratureELBO: the evaluation raised on rank(s) {failed} (see their "
+                "error); no rank accumulated gradients or advanced, so catching the error on every "
+                "rank skips the step everywhere"
+            )
+        refuse_disagreement(rows[:, 4:], sections)
+        total = rows[:, 1].sum().item()
+        if abs(total - 1.0) > 1e-9:
+            raise ValueError(
+                f"DistributedQuadratureELBO.share: the ranks' shares add up to {total!r}, not 1 "
+                f"(shares by rank: {rows[:, 1].tolist()}); set each rank's share to its rows / the "
+                "minibatch's rows, or None on every rank for equal shards"
+            )
+        return loss, description, rows[:, 0].sum().item() / size
 
     def differentiable_loss(self, model: Callable, guide: Callable, *args, **kwargs):
-        """This rank's term ``L_r`` (differentiable); the mean over ranks is the negative ELBO."""
-        loss = super().differentiable_loss(model, guide, *args, **kwargs)
-        factor = self._factor()
-        return loss if factor == 1.0 else loss * factor
+        """This rank's term ``L_r`` (differentiable); the mean over ranks is the negative ELBO.
+
+        A collective call (every rank makes it): the ranks check their nodes, shares and errors
+        together (see :meth:`loss_and_grads`).
+        """
+        loss, description, _ = self._evaluate(model, guide, args, kwargs, grad=True)
+        self._advance(description)
+        return loss
 
     def loss(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
-        """The negative ELBO (the mean over ranks), without gradients; a collective call."""
-        value = super().loss(model, guide, *args, **kwargs) * self._factor()
-        return self._mean(value, collective_device(self.group))
+        """The negative ELBO (the mean over ranks), without gradients.
+
+        A collective call: **every** rank must make it, with its own shard (data parallel) or the
+        same batch (node parallel); called under ``if rank == 0`` it waits for the others until
+        the process group's timeout. To evaluate on one rank only, use a plain
+        :class:`~pyro_quadvi.infer.QuadratureELBO` with the same rule there: it communicates
+        nothing.
+        """
+        return self._evaluate(model, guide, args, kwargs, grad=False)[2]
 
     def loss_and_grads(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
-        """Accumulate this rank's gradients; return the negative ELBO (mean over ranks)."""
-        value = super().loss_and_grads(model, guide, *args, **kwargs)
-        return self._mean(value, collective_device(self.group))
+        """Accumulate this rank's gradients; return the negative ELBO (mean over ranks).
+
+        One collective per step (an ``all_gather`` of a few numbers) carries the rank's loss, its
+        share, whether its evaluation raised and, with ``check_nodes``, fingerprints of the nodes
+        (and of the minibatch with ``parallel="nodes"``). Before any gradient is accumulated or
+        the sequence advanced, every rank raises together when
+
+        * the evaluation raised on some rank (a non-finite loss there, an empty shard): that rank
+          raises its own error, the others a ``ValueError`` (``RuntimeError`` if no failing rank's
+          error was one) saying so, so ``except ValueError`` on every rank skips the step
+          everywhere;
+        * the ranks drew different nodes, or have models of different dimensions, or (node
+          parallel) were given different minibatches (``RuntimeError``);
+        * the shares do not add up to 1 (``ValueError``).
+        """
+        loss, description, mean = self._evaluate(model, guide, args, kwargs, grad=True)
+        self._advance(description)
+        if loss.requires_grad:
+            loss.backward()
+        return mean
 
     def __repr__(self) -> str:
         return (

@@ -20,7 +20,7 @@ from pyro.optim import PyroOptim
 
 from ..guides.interface import PublishedMoments, publish_moments, published_moments
 from ..optim import QNVB
-from .comm import all_reduce_mean_, check_agreement, world
+from .comm import all_reduce_mean_, check_sections, projection, world
 
 __all__ = ["DistributedOptimizer"]
 
@@ -42,8 +42,9 @@ class DistributedOptimizer(PyroOptim):
             on its rank only, and :meth:`get_state` gathers it.
         group: the process group (``None``: the default group).
 
-    Each step makes three all-reduces: one that checks that every rank received the same
-    parameters (their number and names), one of two flags per parameter (has a gradient, has
+    Each step makes three collectives: one that checks that every rank received the same
+    parameters (their number and names, and a projection of their values: ranks seeded
+    differently start from different values), one of two flags per parameter (has a gradient, has
     published moments), and one fused sum per dtype of every gradient and moment. A parameter
     without a gradient on some rank (its shard did not touch it) counts as a zero gradient there;
     moments must be published on all ranks or none (they are, when every rank runs the same model
@@ -55,11 +56,13 @@ class DistributedOptimizer(PyroOptim):
     (:func:`~pyro_quadvi.distributed.save_checkpoint`).
 
     Raises (on every rank together):
-        RuntimeError: when the ranks received different parameters, disagree on which
-            parameters have moments, or on the rows of a block in a subsampled plate (a local
-            latent, data parallel: a mean cannot combine different rows; node parallel, where
-            every rank has the whole minibatch, fits local latents), or for a parameter without a
-            name in Pyro's param store (``module_local_params=True``): names order the reduction.
+        RuntimeError: when the ranks received different parameters or different values of
+            them (ranks seeded differently: a projection of the values is compared), disagree
+            on which parameters have moments, or on the rows of a block in a subsampled plate
+            (a local latent, data parallel: a mean cannot combine different rows; node
+            parallel, where every rank has the whole minibatch, fits local latents), or for a
+            parameter without a name in Pyro's param store (``module_local_params=True``):
+            names order the reduction.
     """
 
     def __init__(
@@ -145,16 +148,28 @@ class DistributedOptimizer(PyroOptim):
         device = params[0].device
         moments = [published_moments(p) for _, p in named]
         names = "\n".join(name for name, _ in named).encode()
-        check_agreement(
-            torch.cat(
-                [
-                    torch.tensor([len(named), zlib.crc32(names)], dtype=torch.float64),
-                    _rows_fingerprint(moments),
-                ]
-            ).to(device),
-            "the parameters to update (their number and names) or the rows of their local "
-            "latents (sites in subsampled plates: a data-parallel run gives each rank other rows, "
-            "which a mean cannot combine; fit them with parallel='nodes' or in one process)",
+        check_sections(
+            [
+                (
+                    torch.cat(
+                        [
+                            torch.tensor([len(named), zlib.crc32(names)], dtype=torch.float64),
+                            _rows_fingerprint(moments),
+                        ]
+                    ),
+                    "the parameters to update (their number and names) or the rows of their "
+                    "local latents (sites in subsampled plates: a data-parallel run gives each "
+                    "rank other rows, which a mean cannot combine; fit them with "
+                    "parallel='nodes' or in one process)",
+                    "every rank must run the same model and guide",
+                ),
+                (
+                    sum(projection(p).cpu() * (i + 1) for i, (_, p) in enumerate(named))[None],
+                    "the values of the parameters to update",
+                    "every rank must start from the same values: seed every rank identically "
+                    "(pyro.set_rng_seed) before the guide's first run, or load one checkpoint",
+                ),
+            ],
             self.group,
         )
         flags = torch.tensor(

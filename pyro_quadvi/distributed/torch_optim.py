@@ -14,15 +14,26 @@ one all-reduce adds them up, ``g = sum_r g_r`` and ``h = sum_r gx_r / sigma``, t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import zlib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..optim import QNVBOptimizer
+from ..optim.torch_qnvb import LossFunction
 from ..quadrature import NodeSet
-from .comm import all_reduce_sum_, broadcast_generator, check_agreement, node_fingerprint, world
+from .comm import (
+    MODEL_FIX,
+    SEED_FIX,
+    all_reduce_sum_,
+    arguments_section,
+    broadcast_generator,
+    check_sections,
+    node_sections,
+    world,
+)
 
 __all__ = ["NodeParallelQNVBOptimizer"]
 
@@ -56,9 +67,9 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         params: as for ``QNVBOptimizer`` (``net.named_parameters()`` for ``step(loss_fn=...)``).
             The network is a plain module on every rank, **not** wrapped in
             ``DistributedDataParallel`` (which would average the gradients of different nodes).
-        check_nodes: compare the step's count, number of nodes, weights and the first node (a
-            projection of it) across the ranks every step (one small all-reduce), and raise on
-            every rank if they differ.
+        check_nodes: compare the step's count, the dimension, number of nodes, weights, the first
+            node and a one-pass step's batch (projections of them) across the ranks every step
+            (one small collective), and raise on every rank if they differ.
         group: the process group (``None``: the default group).
         **kwargs: the keyword arguments of ``QNVBOptimizer`` (``likelihood_weight``,
             ``quadrature``, ``num_eval``, ``generator``, the hyperparameters).
@@ -71,9 +82,11 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
     rank: rank 0 saves it, every rank loads it, and the run continues bit for bit.
 
     Raises:
+        RuntimeError: in the constructor, on every rank, when the ranks' parameters differ in
+            number, shapes or names ("the models differ").
         ValueError: at a step, on every rank, when the rule has fewer nodes than ranks.
-        RuntimeError: at a step, on every rank, when the ranks drew different nodes
-            (``check_nodes``).
+        RuntimeError: at a step, on every rank, when the ranks drew different nodes or were given
+            different batches (``check_nodes``).
     """
 
     def __init__(
@@ -89,7 +102,9 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         super().__init__(params, **kwargs)
         self.check_nodes = check_nodes
         self.group = group
+        self._batch: tuple | None = None
         if world(group)[1] > 1:
+            self._check_model()
             with torch.no_grad():
                 for param_group in self.param_groups:
                     for p in param_group["params"]:
@@ -97,15 +112,66 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
             if self.generator is not None:
                 broadcast_generator(self.generator, group=group)
 
+    def _check_model(self) -> None:
+        """Every rank holds parameters of the same number, shapes (and names, when given): checked
+        before the constructor's broadcasts, which would otherwise fail or mix unlike tensors."""
+        tensors = [p for group in self.param_groups for p in group["params"]]
+        names = [group.get("param_names") for group in self.param_groups]
+        layout = repr(([tuple(p.shape) for p in tensors], names)).encode()
+        numel = sum(p.numel() for p in tensors)
+        numbers = torch.tensor(
+            [float(len(tensors)), float(numel), float(zlib.crc32(layout))],
+            dtype=torch.float64,
+        )
+        check_sections(
+            [(numbers, "the parameters (their number, sizes, shapes and names)", MODEL_FIX)],
+            self.group,
+        )
+
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], torch.Tensor] | None = None,
+        *,
+        loss_fn: LossFunction | None = None,
+        batch: tuple = (),
+        vectorize: bool | None = None,
+    ) -> torch.Tensor:
+        """:meth:`QNVBOptimizer.step <pyro_quadvi.optim.QNVBOptimizer.step>`, this rank's nodes.
+
+        With ``check_nodes``, a one-pass step's ``batch`` is part of the step's agreement check
+        (its tensors' shapes and a projection of their values): node parallel needs the same
+        whole minibatch on every rank. A closure reads its data itself, unchecked.
+        """
+        if loss_fn is not None:
+            self._batch = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
+        try:
+            return super().step(closure, loss_fn=loss_fn, batch=batch, vectorize=vectorize)
+        finally:
+            self._batch = None
+
     def _local_nodes(self, nodes: NodeSet) -> NodeSet:
-        """Nodes ``r, r + W, ...`` of the step (checked to be the same step on every rank)."""
+        """Nodes ``r, r + W, ...`` of the step (checked to be the same step, on the same batch,
+        on every rank)."""
         rank, size = world(self.group)
         if size == 1:
             return nodes
         if self.check_nodes:
-            step = torch.tensor([float(self.num_steps)], dtype=torch.float64, device=nodes.device)
-            fingerprint = node_fingerprint(nodes.node(0)[None], nodes.weights)
-            check_agreement(torch.cat([step, fingerprint]), "the quadrature nodes", self.group)
+            step = torch.tensor([float(self.num_steps)], dtype=torch.float64)
+            check_sections(
+                [
+                    (step, "the step count", SEED_FIX),
+                    *node_sections(nodes.node(0)[None], nodes.weights),
+                    arguments_section(
+                        self._batch or (),
+                        "the batch of step(loss_fn=..., batch=...) (the shapes and values of its "
+                        "tensors)",
+                        "NodeParallelQNVBOptimizer divides the nodes, not the data: pass the same "
+                        "whole minibatch on every rank (for shards of the data use "
+                        "DistributedDataParallel and QNVBOptimizer)",
+                    ),
+                ],
+                self.group,
+            )
         if len(nodes) < size:
             raise ValueError(
                 f"NodeParallelQNVBOptimizer: the rule has {len(nodes)} nodes for {size} ranks; "
