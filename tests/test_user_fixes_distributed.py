@@ -123,6 +123,8 @@ def _scenarios(outdir: Path) -> dict:
         "nodes_batches": _outcome(lambda: _fit("nodes", part=shard(ROWS))),
         "torch_batches": _outcome(lambda: _node_parallel(rows=shard(ROWS))),
         "share": _outcome(lambda: _fit(rows=11, share=[6 / 12, 5 / 12][rank])),
+        "unequal": _outcome(lambda: _fit(rows=11)),  # shards of 6 and 5 rows, no share
+        "unequal_shared": _outcome(lambda: _fit(rows=11, share=[6 / 11, 5 / 11][rank])),
         "nan": _outcome(lambda: _fit(nan_at=2 if rank == 1 else None, catch=True, steps=5)),
         "hidden": _outcome(lambda: _fit(hidden=4 + rank)),
         "torch_hidden": _outcome(lambda: _node_parallel(extra_layer=rank == 1)),
@@ -156,6 +158,18 @@ def test_different_batches_in_node_parallel_refused(ranks):
 
 def test_shares_that_do_not_add_up_to_one_refused(ranks):
     _both(ranks, "share", "ValueError", f"shares add up to {6 / 12 + 5 / 12!r}, not 1")
+
+
+def test_unequal_shards_without_shares_refused(ranks):
+    """6 and 5 rows with no share: the plain mean would weight the ranks' rows wrongly."""
+    _both(ranks, "unequal", "ValueError", "shards hold different numbers of rows ([6, 5]")
+    # with the shares set, the run is one process's on the 11 rows, to rounding
+    alone = _fit(rows=11, part=slice(None))
+    for rank in ranks:
+        assert rank["unequal_shared"][0] == "ok", rank["unequal_shared"]
+        for name, value in alone["params"].items():
+            got = rank["unequal_shared"][1]["params"][name]
+            torch.testing.assert_close(got, value, rtol=0, atol=1e-10)
 
 
 def test_error_on_one_rank_skips_the_step_on_every_rank(ranks):

@@ -21,6 +21,7 @@ averages gradients and moments, and :meth:`loss_and_grads` reports the averaged 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -176,7 +177,15 @@ class DistributedQuadratureELBO(QuadratureELBO):
             nan = torch.full((1, 1), float("nan"), dtype=torch.float64)
             sections = (self._node_sections or node_sections(nan, nan[0])) + sections
         status = torch.tensor(
-            [value, share, isinstance(error, ValueError), error is not None], dtype=torch.float64
+            [
+                value,
+                share,
+                isinstance(error, ValueError),
+                error is not None,
+                _leading_rows(args, kwargs),
+                self.share is not None,
+            ],
+            dtype=torch.float64,
         )
         rows = gather_rows(torch.cat([status, *(v.reshape(-1).cpu() for v, _, _ in sections)]))
         if error is not None:
@@ -189,7 +198,17 @@ class DistributedQuadratureELBO(QuadratureELBO):
                 "error); no rank accumulated gradients or advanced, so catching the error on every "
                 "rank skips the step everywhere"
             )
-        refuse_disagreement(rows[:, 4:], sections)
+        refuse_disagreement(rows[:, 6:], sections)
+        counts = rows[:, 4]
+        unequal = bool((counts != counts[0]).any()) and not bool(counts.isnan().any())
+        if self.parallel == "data" and unequal and not bool(rows[:, 5].any()):
+            raise ValueError(
+                "DistributedQuadratureELBO(parallel='data'): the ranks' shards hold different "
+                f"numbers of rows ({[int(c) for c in counts.tolist()]}, the first tensor argument "
+                "of svi.step) and no share is set, so the plain mean over ranks would weight each "
+                "rank's rows wrongly. Set elbo.share = this rank's rows / the minibatch's rows "
+                "on every rank before the step"
+            )
         total = rows[:, 1].sum().item()
         if abs(total - 1.0) > 1e-9:
             raise ValueError(
@@ -247,3 +266,12 @@ class DistributedQuadratureELBO(QuadratureELBO):
             f"DistributedQuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize}, "
             f"parallel={self.parallel!r})"
         )
+
+
+def _leading_rows(args: tuple, kwargs: dict) -> float:
+    """The number of rows (dim 0) of the first tensor argument of ``svi.step`` with a dim, the
+    shard's size in data parallel; NaN without one."""
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, torch.Tensor) and value.dim():
+            return float(value.shape[0])
+    return math.nan
