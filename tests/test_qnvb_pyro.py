@@ -24,6 +24,7 @@ from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro_quadvi import QNVB
 from pyro_quadvi.guides import AutoMeanFieldNormal
 from pyro_quadvi.infer import LatentSite, LogJoint, QuadratureELBO, latent_sites_of_model
+from pyro_quadvi.optim import geometric_annealing
 from pyro_quadvi.quadrature import make_rule
 from pyro_quadvi.testing import eight_schools, linear_regression, logistic_regression
 
@@ -471,3 +472,31 @@ def test_guides_carry_the_declared_settings(guide_class):
     # one block per site, or one block over sites that all declare the same settings
     assert _first_block_hyperparameters(guide_class).trust_region == 0.3
     assert _first_block_hyperparameters(guide_class, {}).trust_region == math.inf
+
+
+def _annealed_mean(num_anneal: int, after: int, **settings) -> float:
+    """Fitted scale / exact posterior sd ``after`` steps past a geometric schedule's end (the
+    model of ``benchmarks/bench_anneal_lag.py``, smaller)."""
+    x = torch.linspace(-1.0, 5.0, 40, dtype=torch.float64)
+
+    def model():
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 10.0))
+        with pyro.plate("data", 40):
+            pyro.sample("x", dist.Normal(mu, 2.0), obs=x)
+
+    pyro.clear_param_store()
+    qnvb = QNVB(annealing=geometric_annealing(0.01, num_steps=num_anneal), **settings)
+    guide = AutoMeanFieldNormal(model)
+    svi = SVI(qnvb.anneal(model), guide, qnvb, QuadratureELBO("gauss_hermite", num_points=4))
+    for _ in range(num_anneal + after + 1):
+        svi.step()
+    return guide.scales.mu.item() / (1 / 100 + 40 / 4.0) ** -0.5
+
+
+def test_after_annealing_the_scale_reaches_the_posterior_within_tens_of_steps():
+    # the curvature averaged under the small early factors used to keep the scale wide for
+    # hundreds of steps (2x at the schedule's end, 1.39x ten steps later)
+    assert _annealed_mean(20, 10) == pytest.approx(1.0, abs=0.01)
+    assert _annealed_mean(200, 100) == pytest.approx(1.0, abs=0.01)
+    # a setting given wins over the default under annealing: the plain window lags
+    assert _annealed_mean(20, 10, recent_fraction=1.0) > 1.2

@@ -193,6 +193,14 @@ def _row_index(shape: torch.Size, rows: dict[int, torch.Tensor] | None) -> tuple
     return tuple(index)
 
 
+ANNEALED_RECENT_FRACTION = 0.1
+"""QNVB's default ``recent_fraction`` under an ``annealing`` schedule. The annealed likelihood is
+inside the model, so the curvature QNVB averages grows with the factor; with the plain window
+(``1 / (1 - beta2)`` steps) the scales stayed up to twice too wide for hundreds of steps after the
+schedule ended, with a tenth of the updates they are right within 10 to 100 (``docs/qnvb.md``,
+"Annealing the likelihood"; ``benchmarks/bench_anneal_lag.py``)."""
+
+
 class QNVB(PyroOptim):
     """Quasi-Newton variational Bayes for Pyro mean-field guides (rasp paper, eq. 4-8).
 
@@ -205,7 +213,8 @@ class QNVB(PyroOptim):
             QNVB's defaults for it; keyword arguments below set the same names for every block,
             and the dict or callable overrides them.
         annealing: optional schedule ``step -> factor`` of the likelihood; it takes effect through
-            the model returned by :meth:`anneal`.
+            the model returned by :meth:`anneal`. Under a schedule QNVB's own default
+            ``recent_fraction`` is :data:`ANNEALED_RECENT_FRACTION` (any setting given wins).
         fallback: the optimizer of every parameter QNVB does not update: a ``pyro.optim``
             optimizer such as ``pyro.optim.Adam({"lr": 1e-2})`` (its constructor and arguments
             are used), or a pair ``(torch optimizer class, arguments dict)``. Default: Adam with
@@ -246,11 +255,11 @@ class QNVB(PyroOptim):
         self.compile = compile
         self.defaults = dict(hyperparameters)
         self.optim_args = optim_args
+        self.annealing = annealing
         self.hyperparameters = self._hyperparameters_for(None)  # validates what applies to all
         self._by_block: dict[tuple, QNVBHyperparameters] = {}
         # PyroOptim's own machinery (one torch optimizer per parameter) is the fallback
         super().__init__(*self._fallback_arguments(fallback))
-        self.annealing = annealing
         self.num_steps = 0
         self._bound: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -267,6 +276,8 @@ class QNVB(PyroOptim):
                 f"the block of {name!r}; the update takes {list(_HP_NAMES)}"
             )
         args = {**(hints or {}), **self.defaults}
+        if self.annealing is not None:  # under it, QNVB's own default; any setting given wins
+            args = {"recent_fraction": ANNEALED_RECENT_FRACTION, **args}
         sources = [f"the model's infer['qnvb'] = {hints!r}"] if hints else []
         if self.defaults:
             sources.append(f"QNVB's keyword arguments {self.defaults!r}")
