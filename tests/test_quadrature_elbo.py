@@ -19,7 +19,7 @@ from pyro.infer.autoguide import (
     AutoNormal,
 )
 
-from pyro_quadvi import AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.quadrature import make_rule
 from pyro_quadvi.testing import TinyNet
 
@@ -624,3 +624,13 @@ def test_guides_it_cannot_read_are_named_with_what_it_can():
     parts()
     with pytest.raises(TypeError, match="An AutoGuideList is not read part by part"):
         QuadratureELBO().loss(model, parts)
+
+
+def test_num_particles_and_a_scheduler_fallback_are_refused_saying_what_to_use():
+    with pytest.raises(TypeError, match=r"takes no num_particles: .* num_points"):
+        QuadratureELBO(num_particles=4)
+    scheduler = pyro.optim.ExponentialLR(
+        {"optimizer": torch.optim.Adam, "optim_args": {"lr": 0.01}, "gamma": 0.99}
+    )
+    with pytest.raises(ValueError, match="a learning-rate scheduler is not supported"):
+        QNVB(fallback=scheduler)

@@ -228,7 +228,14 @@ class QuadratureELBO(PointsELBO):
         max_plate_nesting: float = float("inf"),
         generator: torch.Generator | None = None,
         name: str | None = None,
+        num_particles: None = None,
     ):
+        if num_particles is not None:  # Trace_ELBO's argument, as a user porting code passes it
+            raise TypeError(
+                "QuadratureELBO takes no num_particles: its points are the rule's nodes. Set "
+                "their number with num_points (e.g. QuadratureELBO('hadamard', num_points=8)), "
+                "or draw Monte Carlo points with rule='mc' (or 'vrmc2')"
+            )
         super().__init__(1, vectorize, max_plate_nesting)
         if isinstance(rule, str):
             rule = make_rule(rule, num_points)

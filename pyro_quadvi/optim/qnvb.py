@@ -326,9 +326,12 @@ class QNVB(PyroOptim):
             return fallback.pt_optim_constructor, fallback.pt_optim_args, fallback.pt_clip_args
         if isinstance(fallback, tuple) and len(fallback) == 2 and isinstance(fallback[1], dict):
             return fallback
+        scheduler = ""
+        if isinstance(fallback, PyroOptim):  # Pyro's schedulers subclass PyroOptim
+            scheduler = " (a learning-rate scheduler is not supported as the fallback)"
         raise ValueError(
             "fallback must be a pyro.optim optimizer such as pyro.optim.Adam({'lr': 0.01}) or a "
-            f"pair (torch.optim class, arguments dict), got {fallback!r}"
+            f"pair (torch.optim class, arguments dict), got {fallback!r}{scheduler}"
         )
 
     # ----------------------------------------------------------------------------- annealing
