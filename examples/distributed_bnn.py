@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> float:
     for step in range(args.steps):
         rows = torch.randperm(n, generator=batches)[: args.batch]
         if args.parallel == "data":
-            rows = rows[shard(len(rows))]
+            part = rows[shard(len(rows))]
+            elbo.share = len(part) / len(rows)  # shards differ by a row when W does not divide
+            rows = part
         loss = svi.step(data.x_train[rows], data.y_train[rows])
         if rank == 0 and (step + 1) % 50 == 0:
             print(f"step {step + 1}: loss {loss:.2f}", flush=True)

@@ -163,7 +163,7 @@ def gaussian_nll(mean: torch.Tensor, scale: torch.Tensor | float, y: torch.Tenso
             ``(1, D)`` one per output, ``(n, D)`` one per entry. A scale with fewer dims
             broadcasts from the right (``(D,)``: one per output), except that one whose first
             size is ``n`` is refused: it reads as one scale per case, which broadcasting would
-            apply per *column*.
+            apply per *column* (so for ``n = D`` pass a per-output scale as ``(1, D)``).
         y: Observed targets, the shape of ``mean``.
 
     Returns:

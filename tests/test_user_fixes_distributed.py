@@ -203,3 +203,12 @@ def test_empty_shard_refused_by_name(ranks):
         "svi.step has 0 rows); give every rank at least one row (shard(num_rows) does) and set "
         "share to its fraction of the rows",
     )
+
+
+def test_only_the_data_argument_counts_as_the_shard():
+    """An optional empty tensor beside the data is not an empty shard; empty data is."""
+    elbo = DistributedQuadratureELBO("hadamard", 4, parallel="data")
+    x, y = _data()
+    elbo._refuse_empty((x, y), {"covariates": torch.empty(0)})
+    with pytest.raises(ValueError, match=r"shard is empty \(argument 0 of svi.step has 0 rows\)"):
+        elbo._refuse_empty((x[:0], y[:0]), {})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -202,3 +203,13 @@ def test_dims_with_more_names_than_the_variable_are_refused_naming_the_site():
     idata = to_inference_data(_line, guide, x, x, num_samples=4, dims={"y": ["obs"]})
     assert idata.log_likelihood["y"].dims == ("chain", "draw", "obs")
     assert idata.observed_data["y"].dims == ("obs",)
+
+
+def test_numpy_and_tensor_integers_are_taken_as_dim_and_step():
+    rule = make_rule("hadamard", 8)
+    expected = rule.draw(3, step=2).matrix()
+    assert torch.equal(rule.draw(np.int32(3), step=np.int64(2)).matrix(), expected)
+    assert torch.equal(rule.draw(3, step=torch.tensor(2)).matrix(), expected)
+    for step in (1.0, torch.tensor(2.0), True):
+        with pytest.raises(ValueError, match="step must be >= 0"):
+            rule.draw(3, step=step)

@@ -130,14 +130,14 @@ class DistributedQuadratureELBO(QuadratureELBO):
     def _refuse_empty(self, args: tuple, kwargs: dict) -> None:
         if self.parallel != "data":
             return
-        for where, value in [*enumerate(args), *kwargs.items()]:
-            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == 0:
-                argument = f"argument {where}" if isinstance(where, int) else f"{where}="
-                raise ValueError(
-                    f"DistributedQuadratureELBO(parallel='data'): this rank's shard is empty "
-                    f"({argument} of svi.step has 0 rows); give every rank at least one row "
-                    "(shard(num_rows) does) and set share to its fraction of the rows"
-                )
+        where, rows = _first_rows(args, kwargs)
+        if rows == 0:
+            argument = f"argument {where}" if isinstance(where, int) else f"{where}="
+            raise ValueError(
+                f"DistributedQuadratureELBO(parallel='data'): this rank's shard is empty "
+                f"({argument} of svi.step has 0 rows); give every rank at least one row "
+                "(shard(num_rows) does) and set share to its fraction of the rows"
+            )
 
     def _evaluate(self, model: Callable, guide: Callable, args: tuple, kwargs: dict, grad: bool):
         """This rank's loss ``L_r`` (and the guide's description) and the mean over ranks, after
@@ -182,7 +182,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
                 share,
                 isinstance(error, ValueError),
                 error is not None,
-                _leading_rows(args, kwargs),
+                _first_rows(args, kwargs)[1],
                 self.share is not None,
             ],
             dtype=torch.float64,
@@ -268,10 +268,11 @@ class DistributedQuadratureELBO(QuadratureELBO):
         )
 
 
-def _leading_rows(args: tuple, kwargs: dict) -> float:
-    """The number of rows (dim 0) of the first tensor argument of ``svi.step`` with a dim, the
-    shard's size in data parallel; NaN without one."""
-    for value in [*args, *kwargs.values()]:
+def _first_rows(args: tuple, kwargs: dict) -> tuple[int | str | None, float]:
+    """Where the first tensor argument of ``svi.step`` with a dim is (its position or keyword)
+    and its number of rows (dim 0): the shard's size in data parallel; ``(None, nan)`` without
+    one."""
+    for where, value in [*enumerate(args), *kwargs.items()]:
         if isinstance(value, torch.Tensor) and value.dim():
-            return float(value.shape[0])
-    return math.nan
+            return where, float(value.shape[0])
+    return None, math.nan

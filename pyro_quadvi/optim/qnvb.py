@@ -45,6 +45,7 @@ from dataclasses import dataclass, fields
 import pyro
 import torch
 from pyro.optim import PyroOptim
+from pyro.optim.lr_scheduler import PyroLRScheduler
 from torch.distributions import transform_to
 
 from ..guides.interface import (
@@ -327,8 +328,11 @@ class QNVB(PyroOptim):
         if isinstance(fallback, tuple) and len(fallback) == 2 and isinstance(fallback[1], dict):
             return fallback
         scheduler = ""
-        if isinstance(fallback, PyroOptim):  # Pyro's schedulers subclass PyroOptim
-            scheduler = " (a learning-rate scheduler is not supported as the fallback)"
+        if isinstance(fallback, PyroLRScheduler):
+            scheduler = (
+                " (a learning-rate scheduler is not supported as the fallback: pass its optimizer, "
+                "e.g. (torch.optim.Adam, {'lr': 1e-2}))"
+            )
         raise ValueError(
             "fallback must be a pyro.optim optimizer such as pyro.optim.Adam({'lr': 0.01}) or a "
             f"pair (torch.optim class, arguments dict), got {fallback!r}{scheduler}"

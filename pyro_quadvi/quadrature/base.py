@@ -30,8 +30,8 @@ Two checks keep a rule usable:
   ``num_points`` weights at construction (counted in float64, the widest dtype a draw gives), the
   ``K`` weights of every draw (``K * itemsize``; ``K = m^dim`` for Gauss-Hermite) and the
   ``(K, dim)`` node matrix of :meth:`NodeSet.matrix` (``K * dim * itemsize`` bytes). The
-  node-at-a-time path (:meth:`NodeSet.node`) needs ``dim * itemsize`` bytes per node and is not
-  limited.
+  node-at-a-time path (:meth:`NodeSet.node`) needs ``dim * itemsize`` bytes per node beyond the
+  weights, and its nodes are not limited.
 
 Every :meth:`QuadratureRule.draw` starts with :meth:`QuadratureRule.check_draw`, the one check of
 its arguments: ``dim`` and ``step`` integers (``dim >= 1``, ``step >= 0``), ``generator`` a
@@ -44,6 +44,7 @@ rounded to the dtype, so the exactness of a rule holds to its rounding (moments 
 from __future__ import annotations
 
 import abc
+import operator
 
 import torch
 
@@ -72,11 +73,23 @@ WEIGHT_ITEMSIZE = torch.float64.itemsize
 widest dtype a draw accepts."""
 
 
+def as_index(value: object) -> int | None:
+    """``value`` as a Python ``int`` if it is an integer (numpy's, a 0-d integer tensor), else
+    ``None`` (a bool is not one)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def check_dim(dim: int) -> int:
     """Validate a dimension argument and return it as an ``int``."""
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+    index = as_index(dim)
+    if index is None or index < 1:
         raise ValueError(f"dim must be an integer >= 1, got {dim!r}")
-    return dim
+    return index
 
 
 class NodeSet(abc.ABC):
@@ -264,8 +277,10 @@ class QuadratureRule(abc.ABC):
                 ``max_bytes``.
         """
         dim = check_dim(dim)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        index = as_index(step)
+        if index is None or index < 0:
             raise ValueError(f"{self.name}: step must be >= 0 (an integer), got {step!r}")
+        step = index
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(
                 f"{self.name}: generator must be a torch.Generator or None, got {generator!r} "
