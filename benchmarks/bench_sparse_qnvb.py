@@ -238,7 +238,7 @@ def run_torch(method, data, args):
             generator=torch.Generator().manual_seed(seed),
         )  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
-    record = {"accuracy": [], "zeros": [], "histograms": [], "train_loss": []}
+    record = {"accuracy": [], "zeros": [], "histograms": [], "train_loss": [], "skipped_steps": 0}
     bins = np.linspace(0, 1, 21)
     start = time.perf_counter()
     for _ in tqdm(range(epochs), desc=method, leave=False):
@@ -255,7 +255,12 @@ def run_torch(method, data, args):
                 total += float(closure().detach())
                 optimizer.step()
             else:
-                total += float(optimizer.step(closure))
+                try:
+                    total += float(optimizer.step(closure))
+                except ValueError as error:  # the loss not finite at some node: step not taken
+                    if "is not finite at some node" not in str(error):
+                        raise
+                    record["skipped_steps"] += 1
         record["train_loss"].append(total / steps)
         record["accuracy"].append(accuracy(net, x_te, y_te))
         record["zeros"].append(zeros_of(net.named_parameters())[0])
@@ -601,7 +606,12 @@ def main(argv=None) -> dict:
         print(
             f"{method:10s} acc {record['accuracy'][-1]:.4f} zeros {record['zeros'][-1]:.4f} "
             f"wall {record['wall_s']:.1f}s nonzeros {record['nonzeros_per_layer']} "
-            f"bytes dense {record['bytes_dense']} sparse {record['bytes_sparse']}",
+            f"bytes dense {record['bytes_dense']} sparse {record['bytes_sparse']}"
+            + (
+                f" skipped steps (loss not finite) {record['skipped_steps']}"
+                if record.get("skipped_steps")
+                else ""
+            ),
             flush=True,
         )
     results["figures"] = figures(
