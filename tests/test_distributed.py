@@ -529,6 +529,11 @@ def test_bad_arguments_are_refused_by_name():
         DistributedOptimizer(pyro.optim.Adam({"lr": 0.1}), shard_update=True)
     with pytest.raises(TypeError, match="sieve ranks all blocks together"):
         DistributedOptimizer(SparseQNVB(num_epochs=3, steps_per_epoch=3), shard_update=True)
+
+    class TimedQNVB(QNVB):  # a subclass of QNVB (the benchmarks time the update through one)
+        pass
+
+    assert DistributedOptimizer(TimedQNVB(), shard_update=True).shard_update
     elbo = DistributedQuadratureELBO()
     elbo.share = 1.5
     with pytest.raises(ValueError, match=r"share must be a number in \(0, 1\]"):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pyro.optim import PyroOptim
 
 from ..guides.interface import PublishedMoments, publish_moments, published_moments
-from ..optim import QNVB
+from ..optim import QNVB, SparseQNVB
 from .comm import all_reduce_mean_, check_sections, projection, world
 
 __all__ = ["DistributedOptimizer"]
@@ -79,7 +79,7 @@ class DistributedOptimizer(PyroOptim):
             )
         if not isinstance(shard_update, bool):
             raise TypeError(f"shard_update must be True or False, got {shard_update!r}")
-        if shard_update and type(optim) is not QNVB:
+        if shard_update and (not isinstance(optim, QNVB) or isinstance(optim, SparseQNVB)):
             raise TypeError(
                 "shard_update=True divides QNVB's block updates between the ranks; it needs a QNVB "
                 f"optimizer, got {type(optim).__name__}"
