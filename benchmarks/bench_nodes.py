@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"| {r['name']} | {r['K']} | {r['draw']:.2f} | "
             f"{r['node']:.2f} | {r['state'] / mb:.0f} | {r['peak'] / mb:.0f} | "
-            f"{r['peak'] / baseline['peak']:.2f} |"
+            + (f"{r['peak'] / baseline['peak']:.2f} |" if baseline["peak"] else "- |")
         )
 
 

@@ -45,10 +45,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--evals", type=int, default=1000)
     parser.add_argument("--draws", type=int, default=32)
     parser.add_argument("--candidates", nargs="+", default=["none"], choices=sorted(ABLATIONS))
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="the run cache (default: the recorded one)"
+    )
     options = parser.parse_args(argv)
     torch.set_num_threads(1)
     pyro.enable_validation(False)
-    cache = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results = options.results
+    cache = json.loads(results.read_text()) if results.exists() else {}
     grid = eval_grid(options.evals, 12)
     bar = tqdm(total=len(options.cells) * options.splits * len(options.candidates))
     rows = []
@@ -65,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
                     args = ("qnvb", task, make, None, grid, options.draws)
                     qnvb_args = dict(ABLATIONS[candidate])
                     cache[key] = run(*args, seed=split, qnvb_args=qnvb_args)
-                    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-                    RESULTS.write_text(json.dumps(cache, indent=1, sort_keys=True))
+                    results.parent.mkdir(parents=True, exist_ok=True)
+                    results.write_text(json.dumps(cache, indent=1, sort_keys=True))
                 bar.update()
                 curves.append(cache[key]["curve"])
             evals = curves[0]["evals"]
