@@ -585,6 +585,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--integration", action="store_true", help="benchmark 3 (Fig. 7)")
     parser.add_argument("--trials", type=int, default=5000)
     args = parser.parse_args(argv)
+    if "sparse" in args.methods and args.epochs < 3:
+        parser.error(
+            f"--epochs must be >= 3 with the sparse method (its sieve's schedule), got "
+            f"{args.epochs}"
+        )
     torch.set_num_threads(1)
     fig_dir = Path(args.fig_dir)
     fig_dir.mkdir(parents=True, exist_ok=True)

@@ -103,6 +103,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--adam-on-pattern", action="store_true")
     parser.add_argument("--out", default=None, help="JSON file for the records")
     args = parser.parse_args(argv)
+    if args.epochs < 3:
+        parser.error(f"--epochs must be >= 3 (the sieve's schedule), got {args.epochs}")
     torch.set_num_threads(1)
     data = load(args.dataset, args.data_dir, "table2")
     x_tr, y_tr, x_te, y_te = data

@@ -270,6 +270,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", default=None, help="append results (JSON lines) to this file")
     parser.add_argument("--plot", default=None, help="figure from every line of --json's file")
     args = parser.parse_args(argv)
+    if min(args.sparse_epochs) < 3:
+        parser.error(
+            f"--sparse-epochs must be >= 3 (the sieve's schedule), got {args.sparse_epochs}"
+        )
     torch.set_num_threads(1)
     results = []
     for rep in range(args.first_rep, args.first_rep + args.reps):
