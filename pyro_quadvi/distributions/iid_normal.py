@@ -41,6 +41,8 @@ class IidNormal(dist.Normal):
         """The prior ``N(loc, scale^2)`` on every entry of a parameter shaped like ``like``."""
         if not (math.isfinite(loc) and 0 < scale < math.inf):
             raise ValueError(f"a Normal prior needs a finite loc and scale > 0, got {loc}, {scale}")
+        if not like.is_floating_point():
+            raise ValueError(f"a Normal prior is over a floating parameter, got {like.dtype}")
 
         def number(value: float) -> torch.Tensor:
             return torch.full((), value, dtype=like.dtype, device=like.device).expand(like.shape)

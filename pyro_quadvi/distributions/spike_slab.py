@@ -85,6 +85,11 @@ class SpikeSlab(TorchDistribution):
         self.zero_logits, self.slab_scale, self.slab_loc = broadcast_all(
             zero_logits, slab_scale, slab_loc
         )
+        if validate_args is not False and bool((self.zero_logits == math.inf).any()):
+            raise ValueError(  # inclusion 0, which `inclusion` refuses too: no slab at all
+                "SpikeSlab: zero_logits must be < +inf (an inclusion probability above 0); a "
+                "weight that is always zero is not a spike-and-slab factor"
+            )
         super().__init__(self.zero_logits.shape, validate_args=validate_args)
 
     # -- parameters --------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -10,7 +12,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.poutine import Trace
 
-from .adapters import describe_auto_normal, scale_factor, subsample_rows
+from .adapters import check_set_up, describe_auto_normal, scale_factor, subsample_rows
 from .interface import GuideDescription, MeanFieldSite
 
 __all__ = ["AutoMeanFieldNormal"]
@@ -46,7 +48,10 @@ class AutoMeanFieldNormal(AutoNormal):
         create_plates: Callable | None = None,
     ):
         super().__init__(
-            model, init_loc_fn=init_loc_fn, init_scale=init_scale, create_plates=create_plates
+            model,
+            init_loc_fn=init_loc_fn,
+            init_scale=_check_init_scale(init_scale),
+            create_plates=create_plates,
         )
         self._last_run: dict[str, tuple[float, dict[int, torch.Tensor]]] | None = None
 
@@ -69,6 +74,18 @@ class AutoMeanFieldNormal(AutoNormal):
             self._last_run[name] = (scale_factor(aux), rows)
         return result
 
+    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Pyro's ``AutoNormal.median``, after a check that the guide has run."""
+        check_set_up(self)
+        return super().median(*args, **kwargs)
+
+    def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Pyro's ``AutoNormal.quantiles``, after checks that the guide has run and that the
+        probabilities lie in ``[0, 1]``."""
+        check_set_up(self)
+        check_probabilities(quantiles)
+        return super().quantiles(quantiles, *args, **kwargs)
+
     def _draw(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """One draw of every latent site (Pyro's ``AutoNormal``); subclasses change the family."""
         return AutoNormal.forward(self, *args, **kwargs)
@@ -84,3 +101,20 @@ class AutoMeanFieldNormal(AutoNormal):
     def mean_field_sites(self) -> list[MeanFieldSite]:
         """The sites of :meth:`quadrature_description`: current parameters, last run's rows."""
         return self.quadrature_description().sites
+
+
+def _check_init_scale(init_scale: object) -> float:
+    """``init_scale`` as a float: a finite number > 0 (a 0-d tensor too), or a clear error."""
+    number = isinstance(init_scale, numbers.Real) and not isinstance(init_scale, bool)
+    tensor = isinstance(init_scale, torch.Tensor) and init_scale.numel() == 1
+    value = float(init_scale) if number or tensor else math.nan  # numpy numbers are Real
+    if not (0 < value < math.inf):
+        raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
+    return value
+
+
+def check_probabilities(quantiles: object) -> None:
+    """Refuse quantile probabilities outside ``[0, 1]`` (they would give NaN or infinity)."""
+    probs = torch.as_tensor(quantiles, dtype=torch.float64)
+    if not bool(((probs >= 0) & (probs <= 1)).all()):
+        raise ValueError(f"quantiles must be probabilities in [0, 1], got {quantiles!r}")

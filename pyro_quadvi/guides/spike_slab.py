@@ -39,7 +39,7 @@ from ..distributions import SpikeSlab
 from ..infer.log_joint import LatentSite, look_through
 from .adapters import _leaf, _select, check_set_up, gaussian_block, site_run
 from .interface import GuideDescription, MeanFieldSite, no_point_mass_message
-from .mean_field import AutoMeanFieldNormal
+from .mean_field import AutoMeanFieldNormal, check_probabilities
 
 __all__ = ["AutoSpikeSlab"]
 
@@ -191,6 +191,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
             quantiles: probabilities in ``[0, 1]``; the result has a leading dim of their number.
         """
         check_set_up(self)
+        check_probabilities(quantiles)
         results = {}
         for name, site in self.prototype_trace.iter_stochastic_nodes():
             mixture = self._full_mixture(name)
