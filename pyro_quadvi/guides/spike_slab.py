@@ -17,7 +17,6 @@ are where :class:`~pyro_quadvi.infer.QuadratureELBO` places its nodes; its exact
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from torch.distributions import biject_to, constraints, transform_to
 from ..distributions import SpikeSlab
 from ..infer.log_joint import LatentSite, look_through
 from .adapters import _leaf, _select, check_set_up, gaussian_block, site_run
-from .interface import GuideDescription, MeanFieldSite, no_point_mass_message
+from .interface import GuideDescription, MeanFieldSite, no_point_mass_message, unwrap_guide
 from .mean_field import AutoMeanFieldNormal, check_probabilities
 
 __all__ = ["AutoSpikeSlab"]
@@ -120,9 +119,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
         """Why a real-valued site whose prior has no point mass at zero cannot be fit, and, for a
         :class:`~pyro_quadvi.nn.BayesianModule` whose layer declared that prior, the way out."""
         message = no_point_mass_message(name, prior, "(AutoSpikeSlab)")
-        model = self.model
-        while isinstance(model, functools.partial) and model.args:  # Pyro's InitMessenger wrap
-            model = model.args[-1]
+        model = unwrap_guide(self.model)  # through Pyro's InitMessenger wrap
         if not isinstance(model, torch.nn.Module):
             return message
         network_prior = getattr(model, "prior", None)
