@@ -38,6 +38,7 @@ from torch.func import functional_call, vmap
 
 from ..infer.batched import first_line, is_vmap_refusal
 from ..optim.qnvb_functional import QNVBHyperparameters
+from ..optim.torch_qnvb import check_tensor_output
 from ..quadrature import QuadratureRule
 from .likelihoods import Likelihood
 from .priors import LayerwiseNormal
@@ -260,13 +261,7 @@ class BayesianModule(PyroModule):
 
         def one(weights):
             out = functional_call(self._net, {**weights, **fixed}, (x,))
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(
-                    f"BayesianModule: the network {type(self._net).__name__} returned a "
-                    f"{type(out).__name__}; the likelihood needs one tensor of outputs. Wrap the "
-                    "net in a module whose forward returns that tensor (for an RNN: "
-                    "out, _ = rnn(x); return head(out[:, -1]))."
-                )
+            check_tensor_output(out, self._net, "BayesianModule", "the likelihood")
             return out
 
         if len(lead) == 0:

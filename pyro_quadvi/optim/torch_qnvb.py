@@ -54,10 +54,21 @@ from .qnvb_functional import (
     result_counts,
 )
 
-__all__ = ["ModuleLoss", "QNVBOptimizer", "module_loss"]
+__all__ = ["ModuleLoss", "QNVBOptimizer", "check_tensor_output", "module_loss"]
 
 LossFunction = Callable[..., torch.Tensor]
 """``loss_fn(params: dict[str, Tensor], *batch) -> Tensor``: the mean loss per case (a scalar)."""
+
+
+def check_tensor_output(outputs: object, net: nn.Module, owner: str, reader: str) -> None:
+    """Refuse a network output that is not one tensor (an RNN's ``(output, state)``), naming the
+    net, who runs it (``owner``) and what reads its outputs (``reader``)."""
+    if not isinstance(outputs, torch.Tensor):
+        raise TypeError(
+            f"{owner}: the network {type(net).__name__} returned a {type(outputs).__name__}; "
+            f"{reader} needs one tensor of outputs. Wrap the net in a module whose forward "
+            "returns that tensor (for an RNN: out, _ = rnn(x); return head(out[:, -1]))."
+        )
 
 
 class ModuleLoss:
@@ -98,13 +109,7 @@ class ModuleLoss:
         self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
     ) -> torch.Tensor:
         outputs = functional_call(self.module, params, (x,))
-        if not isinstance(outputs, torch.Tensor):
-            raise TypeError(
-                f"module_loss: the network {type(self.module).__name__} returned a "
-                f"{type(outputs).__name__}; the criterion needs one tensor of outputs. Wrap the "
-                "net in a module whose forward returns that tensor (for an RNN: "
-                "out, _ = rnn(x); return head(out[:, -1]))."
-            )
+        check_tensor_output(outputs, self.module, "module_loss", "the criterion")
         return self.criterion(outputs, y)
 
     def __repr__(self) -> str:
