@@ -235,14 +235,23 @@ def arguments_section(args: Sequence, what: str, fix: str) -> Section:
     entries whatever the batch."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     shapes = repr([tuple(t.shape) for t in tensors]).encode()
-    total = sum(
+    values = torch.stack(
+        [
+            torch.tensor(float(len(tensors))),
+            torch.tensor(float(zlib.crc32(shapes))),
+            projections(tensors),
+        ]
+    ).to(torch.float64)
+    return values, what, fix
+
+
+def projections(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of the tensors' :func:`projection` times their position (from 1): one 0-d float64
+    number on the CPU that changes (almost surely) when any value, or the order, does."""
+    return sum(
         (projection(t).cpu() * (i + 1) for i, t in enumerate(tensors)),
         torch.zeros((), dtype=torch.float64),
     )
-    values = torch.stack(
-        [torch.tensor(float(len(tensors))), torch.tensor(float(zlib.crc32(shapes))), total]
-    ).to(torch.float64)
-    return values, what, fix
 
 
 @functools.lru_cache(maxsize=32)

@@ -20,7 +20,7 @@ from pyro.optim import PyroOptim
 
 from ..guides.interface import PublishedMoments, publish_moments, published_moments
 from ..optim import QNVB, SparseQNVB
-from .comm import all_reduce_mean_, check_sections, projection, world
+from .comm import all_reduce_mean_, check_sections, projections, world
 
 __all__ = ["DistributedOptimizer"]
 
@@ -164,7 +164,7 @@ class DistributedOptimizer(PyroOptim):
                     "every rank must run the same model and guide",
                 ),
                 (
-                    sum(projection(p).cpu() * (i + 1) for i, (_, p) in enumerate(named))[None],
+                    projections([p for _, p in named])[None],
                     "the values of the parameters to update",
                     "every rank must start from the same values: seed every rank identically "
                     "(pyro.set_rng_seed) before the guide's first run, or load one checkpoint",
