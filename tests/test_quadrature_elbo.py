@@ -20,6 +20,7 @@ from pyro.infer.autoguide import (
 )
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.guides import describe_guide
 from pyro_quadvi.quadrature import make_rule
 from pyro_quadvi.testing import TinyNet
 
@@ -327,6 +328,40 @@ def test_autonormal_and_autodiagonalnormal_match_the_closed_form():
             loc, scale = guide.loc, guide.scale
         expected = diagonal_closed_form(x, loc, scale).item()
         assert abs(QuadratureELBO("rasp_simplex").loss(diagonal_model, guide, x) - expected) < 1e-10
+
+
+def constrained_model(x):
+    s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("groups", x.shape[1]):
+        z = pyro.sample("z", dist.Normal(0.0, PRIOR_SD))
+        with pyro.plate("obs", x.shape[0], dim=-2):
+            pyro.sample("x", dist.Normal(z, s), obs=x)
+
+
+@pytest.mark.parametrize(
+    "guide_cls",
+    [AutoMeanFieldNormal, AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal],
+)
+def test_a_deterministic_rules_loss_draws_no_random_numbers(guide_cls):
+    # the ELBO reads the guide's parameters, never its draws: with the Hadamard rule a step
+    # leaves torch's random state as it found it, and the loss is the closed form's
+    x = torch.randn(4, 6)
+    guide = guide_cls(constrained_model, init_scale=0.4)
+    guide(x)
+    elbo = QuadratureELBO("hadamard", num_points=4)
+    state = torch.get_rng_state()
+    loss = elbo.loss_and_grads(constrained_model, guide, x)
+    assert torch.equal(torch.get_rng_state(), state)
+    pyro.clear_param_store()
+    guide = guide_cls(diagonal_model, init_scale=0.4)
+    guide(x)
+    state = torch.get_rng_state()
+    loss = elbo.loss(diagonal_model, guide, x)
+    assert torch.equal(torch.get_rng_state(), state)
+    description = describe_guide(guide)
+    if description.joint is None:  # a mean field: the closed form of diagonal_model
+        expected = diagonal_closed_form(x, description.loc, description.scale).item()
+        assert loss == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("guide_cls", [AutoMultivariateNormal, AutoLowRankMultivariateNormal])
