@@ -459,6 +459,37 @@ def test_non_finite_log_density_names_node_and_site():
         QuadratureELBO("hadamard", num_points=2, vectorize=False).loss(model, guide)
 
 
+def test_a_factor_not_finite_away_from_the_guide_fits_and_one_at_a_node_is_named_by_node():
+    # the sites are found from a draw of the prior, which nothing scores: a factor that is NaN
+    # for z > 0 must not stop a guide at z = -5 (Pyro's validation refused it at such a draw);
+    # where a node lands in the NaN region (loc -0.1, scale 0.1: node 0 at 0.0), the vectorized
+    # pass names the node's point as the loop does
+    def model(edge):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        pyro.factor("fac", torch.where(z > edge, torch.tensor(math.nan), -(z**2)))
+
+    for seed in range(4):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        guide = AutoMeanFieldNormal(model, init_loc_fn=lambda site: torch.tensor(-5.0))
+        loss = QuadratureELBO("hadamard", num_points=2).loss(model, guide, 0.0)
+        assert loss == pytest.approx(diagonal_loss_of_factor(-5.0, 0.1), rel=1e-12)
+    for vectorize in (True, False):
+        pyro.clear_param_store()
+        guide = AutoMeanFieldNormal(model, init_loc_fn=lambda site: torch.tensor(-0.1))
+        elbo = QuadratureELBO("hadamard", num_points=2, vectorize=vectorize)
+        with pytest.raises(ValueError, match=r"'fac' is not finite .*z = \[0.0\]"):
+            elbo.loss(model, guide, -0.05)
+
+
+def diagonal_loss_of_factor(loc: float, scale: float) -> float:
+    """-E_q[log N(z; 0, 1) - z^2] - H[q] for q = N(loc, scale^2), by hand."""
+    second_moment = loc**2 + scale**2
+    e_log_joint = -HALF_LOG_2PI - 1.5 * second_moment
+    entropy = math.log(scale) + HALF_LOG_2PI + 0.5
+    return -(e_log_joint + entropy)
+
+
 @pytest.mark.parametrize("rule", ["gauss_hermite", "mc"])
 def test_a_rule_that_cannot_fit_scales_is_refused(rule):
     # issue 10, fault 6: one node sees no curvature, and the scales would stay where they started

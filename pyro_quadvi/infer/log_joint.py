@@ -103,13 +103,16 @@ def _innermost(fn):
 
 
 def latent_sites_of_model(model: Callable, *args, **kwargs) -> list[LatentSite]:
-    """The continuous latent sites of one run of ``model``, in order, in unconstrained space."""
+    """The continuous latent sites of one run of ``model``, in order, in unconstrained space.
+
+    The run draws its values from the prior and only finds the sites: without Pyro's
+    validation, since nothing scores these values (a ``pyro.factor`` that is not finite somewhere
+    in the prior's range is the model's own business until a point lands there, where
+    :class:`LogJoint` names the site and the point).
+    """
     blocked = poutine.block(model, hide_types=["param"])
-    try:
+    with pyro.validation_enabled(False):
         trace = poutine.trace(blocked).get_trace(*args, **kwargs)
-    except ValueError as error:
-        _name_the_invalid_site(blocked, args, kwargs, error, "a draw of the prior")
-        raise
     sites = []
     for name, site in latent_nodes(trace):
         check_latent_site(site)
@@ -228,7 +231,7 @@ class LogJoint:
                 unconstrained, args, kwargs, replay_trace, _where(z, 0)
             )
         if vectorize:
-            terms, trace = self._vectorized(unconstrained, z.shape[0], args, kwargs, replay_trace)
+            terms, trace = self._vectorized(unconstrained, z, args, kwargs, replay_trace)
         else:
             rows = []
             for k in range(z.shape[0]):
@@ -286,7 +289,7 @@ class LogJoint:
         args,
         kwargs,
         replay_trace,
-        particles: int | None = None,
+        points: torch.Tensor | None = None,
         where: str = "the vectorized pass",
     ) -> Trace:
         conditioned = Trace()
@@ -302,15 +305,21 @@ class LogJoint:
                 name, type="sample", name=name, value=value, is_observed=False, infer={}
             )
         model = poutine.replay(self.model, trace=conditioned)
-        if particles is not None:
-            plate_dim = -self.max_plate_nesting - 1
-            model = _in_plate(model, particles, plate_dim)
+        locate = None
+        if points is not None:  # one pass over all points, under a plate of them
+            particle_dims = self.max_plate_nesting + 1
+            model = _in_plate(model, len(points), -particle_dims)
+
+            def locate(bad: torch.Tensor) -> str:  # the first point where a site is not finite
+                per_point = _per_particle(bad.to(points.dtype), len(points), particle_dims)
+                return _where(points, int(per_point.nonzero()[0, 0]))
+
         try:
             trace = poutine.trace(model).get_trace(*args, **kwargs)
         except ValueError as error:
             if is_broadcast_error(error):
                 raise
-            _name_the_invalid_site(model, args, kwargs, error, where)
+            _name_the_invalid_site(model, args, kwargs, error, where, locate)
             raise
         for name, site in latent_nodes(trace):
             check_latent_site(site)
@@ -388,8 +397,8 @@ class LogJoint:
             terms[name] = terms[name] + (scale * ladj).sum()
         return terms, trace
 
-    def _vectorized(self, unconstrained, K, args, kwargs, replay_trace):
-        mpn = self.max_plate_nesting
+    def _vectorized(self, unconstrained, z, args, kwargs, replay_trace):
+        K, mpn = z.shape[0], self.max_plate_nesting
         padded = {}
         for site in self.sites:
             value = unconstrained[site.name]  # (K, *shape)
@@ -401,7 +410,7 @@ class LogJoint:
                 )
             padded[site.name] = value.reshape((K,) + (1,) * pad + site.shape)
         constrained, log_jac = self._constrain(padded)
-        trace = self._trace(constrained, args, kwargs, replay_trace, particles=K)
+        trace = self._trace(constrained, args, kwargs, replay_trace, points=z)
         self._compute_log_prob(trace)
         terms = {}
         for name, site in trace.nodes.items():
@@ -496,12 +505,37 @@ def _not_finite(site: dict, value: float, where: str) -> str:
     )
 
 
-def _name_the_invalid_site(model, args, kwargs, error: ValueError, where: str) -> None:
+def name_the_invalid_initial_site(
+    guide, args, kwargs, error: ValueError, rng_state: torch.Tensor
+) -> None:
+    """Name the site behind ``error``, which Pyro's validation raised while an AutoGuide set
+    itself up: its set-up runs the model at the values of its ``init_loc_fn`` (``guide.model``,
+    Pyro's ``InitMessenger`` on the model), drawn from ``rng_state``. The same run, from the same
+    state, without validation, shows the site (:func:`_name_the_invalid_site`)."""
+    initialized = getattr(guide, "model", None)
+    if initialized is None:
+        return
+    blocked = poutine.block(initialized, hide_types=["param"])
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng_state)
+        where = "the guide's initial values (from its init_loc_fn)"
+        _name_the_invalid_site(blocked, args, kwargs, error, where)
+
+
+def _name_the_invalid_site(
+    model,
+    args,
+    kwargs,
+    error: ValueError,
+    where: str,
+    locate: Callable[[torch.Tensor], str] | None = None,
+) -> None:
     """Raise a ValueError naming the site whose argument validation raised ``error``, if found.
 
     Pyro validates a distribution's parameters and observed value where the model builds them
     (``pyro.factor("f", nan)`` raises before the site exists); a run without validation reaches
-    the site, and its log density shows which one it is.
+    the site, and its log density shows which one it is. ``locate`` names the point from the
+    site's mask of non-finite entries (a pass over several points), else ``where`` is the place.
     """
     with pyro.validation_enabled(False), torch.no_grad():
         try:
@@ -515,7 +549,8 @@ def _name_the_invalid_site(model, args, kwargs, error: ValueError, where: str) -
         bad = ~torch.isfinite(log_prob)
         if bad.any():
             value = log_prob[bad].reshape(-1)[0].item()
-            raise ValueError(f"{_not_finite(node, value, where)}. ({first_line(error)})") from None
+            at = where if locate is None else locate(bad)
+            raise ValueError(f"{_not_finite(node, value, at)}. ({first_line(error)})") from None
 
 
 def _per_particle(log_prob: torch.Tensor, K: int, particle_dims: int) -> torch.Tensor:

@@ -72,8 +72,8 @@ from ..guides.interface import (
     unwrap_guide,
 )
 from ..quadrature import QuadratureRule, make_rule
-from .batched import BatchDecision, DecisionCache, evaluate_batch
-from .log_joint import LogJoint, latent_sites_of_model
+from .batched import BatchDecision, DecisionCache, evaluate_batch, is_broadcast_error
+from .log_joint import LogJoint, latent_sites_of_model, name_the_invalid_initial_site
 
 __all__ = ["PointsELBO", "QuadratureELBO"]
 
@@ -137,12 +137,20 @@ class PointsELBO(ELBO):
         self, model: Callable, guide: Callable, args, kwargs
     ) -> tuple[Trace, GuideDescription]:
         """One run of the guide, traced, and its description."""
-        if getattr(unwrap_guide(guide), "prototype_trace", True) is None:
+        auto_guide = unwrap_guide(guide)
+        set_up = getattr(auto_guide, "prototype_trace", True) is None
+        if set_up:
             # Before an AutoGuide's first run: refuse discrete or enumerated latents by name,
             # without disturbing the random state a seeded run depends on.
             with torch.random.fork_rng(devices=[]):
                 latent_sites_of_model(model, *args, **kwargs)
-        guide_trace = poutine.trace(_UnreadDraws()(guide)).get_trace(*args, **kwargs)
+            state = torch.get_rng_state()
+        try:
+            guide_trace = poutine.trace(_UnreadDraws()(guide)).get_trace(*args, **kwargs)
+        except ValueError as error:  # Pyro's validation, at the set-up's initial values?
+            if set_up and not is_broadcast_error(error):
+                name_the_invalid_initial_site(auto_guide, args, kwargs, error, state)
+            raise
         description = describe_guide(guide, guide_trace)
         if description.dim == 0:
             raise ValueError(
