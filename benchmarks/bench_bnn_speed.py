@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_bnn_speed.py [--repeats 7] [--steps 10] [--profile]
         [--no-compile] [--update-only] [--nets 1-50-1 784-200-10 784-400-400-10 table2-cnn]
-        [--clock wall|cpu] [--batch 1024] [--floor] [--memory-split] [--memory-trace]
+        [--clock wall|cpu] [--batch 1024] [--floor] [--memory-split] [--memory-trace] [--guide-run]
 
 For four networks (1-50-1 with a Gaussian likelihood at batch 128; 784-200-10, 784-400-400-10 and
 the convolutional network of the sequence paper's Table 2 with a categorical likelihood at batch
@@ -56,6 +56,9 @@ one plain pass and the step's forward and backward hold at their peaks, by alloc
 the QNVB step and of the one-pass ``QNVBOptimizer`` step (cumulative times of their stages; eager
 updates) and the top operators of ``torch.profiler`` by self CPU time.
 
+``--guide-run`` prints only the time of the guide's traced run as ``QuadratureELBO`` makes it
+(every auxiliary draw given its mean) against the same run drawing every coordinate.
+
 ``--floor`` first times one elementwise pass, ``torch.add(a, b, out=c)``, over ``K x P`` and over
 ``P`` floats (``P`` the network's parameter count; median of ``repeats x steps`` blocks of 10
 passes, same clock): the unit of a bandwidth floor for the step's work on ``K x P`` entries (the
@@ -73,11 +76,13 @@ import math
 import pstats
 import statistics
 import time
+from functools import partial
 
 import pyro
 import torch
 import torch.nn.functional as F
 from bench_bnn_quality import table2_cnn
+from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
 from pyro.optim import PyroOptim
 from torch import nn
@@ -85,6 +90,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.infer.quadrature_elbo import _UnreadDraws
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import QNVBOptimizer, module_loss
 from pyro_quadvi.optim.qnvb_functional import (
@@ -472,6 +478,41 @@ def floor_table(cases, repeats: int) -> None:
         print(f"| {name} | {count:,} | " + " | ".join(cells) + " |", flush=True)
 
 
+def guide_run_table(cases, repeats: int) -> None:
+    """The guide's run as ``QuadratureELBO`` makes it (traced, each auxiliary draw given its mean:
+    ``_UnreadDraws``) against the same traced run drawing every coordinate, interleaved; median of
+    ``repeats`` blocks of 10 runs each, Pyro's validation on and off."""
+    print(
+        f"\nThe guide's traced run (ms, median of {repeats} blocks of 10, interleaved):\n\n"
+        "| network | validation | drawing | as the ELBO runs it (means) | saved |\n"
+        "|---|---|---:|---:|---:|"
+    )
+    for name, make, shape, batch, kind in cases:
+        net, x, y, likelihood, _ = make_case(make, shape, batch, kind)
+        bnn = BayesianModule(net, priors.Normal(1.0), likelihood, qnvb_settings={})
+        guide = AutoMeanFieldNormal(bnn)
+        guide(x, y)
+        runs = {
+            "drawing": partial(poutine.trace(guide).get_trace, x, y),
+            "means": partial(poutine.trace(_UnreadDraws()(guide)).get_trace, x, y),
+        }
+        for validation in (True, False):
+            times: dict[str, list[float]] = {label: [] for label in runs}
+            with pyro.validation_enabled(validation):
+                for _ in range(repeats + 1):  # one warm-up block
+                    for label, run in runs.items():
+                        start = clock()
+                        for _ in range(10):
+                            run()
+                        times[label].append((clock() - start) / 10)
+            drawing, means = (statistics.median(times[label][1:]) * 1e3 for label in runs)
+            print(
+                f"| {name}, B={batch} | {'on' if validation else 'off'} | {drawing:.2f} | "
+                f"{means:.2f} | {drawing - means:.2f} |",
+                flush=True,
+            )
+
+
 def memory_split_table(cases) -> None:
     """Where the QNVB step's peak is: the peak of ``loss_and_grads`` (the K nodes' forward and
     backward) and of the update alone (``QNVB.__call__`` on the step's parameters, gradients
@@ -639,6 +680,11 @@ def main() -> None:
         help="only the table of where the QNVB step's peak memory is (forward-backward, update)",
     )
     parser.add_argument(
+        "--guide-run",
+        action="store_true",
+        help="only the table of the guide's run with and without its draws",
+    )
+    parser.add_argument(
         "--memory-trace",
         action="store_true",
         help="only the tables of what the plain pass and the QNVB step hold at their peaks",
@@ -658,6 +704,9 @@ def main() -> None:
         f"torch {torch.__version__}, pyro {pyro.__version__}, threads {torch.get_num_threads()}, "
         f"clock {args.clock}"
     )
+    if args.guide_run:
+        guide_run_table(cases, args.repeats * args.steps)
+        return
     if args.floor:
         floor_table(cases, args.repeats * args.steps)
     if args.memory_split:
