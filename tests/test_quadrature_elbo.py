@@ -692,6 +692,45 @@ def test_guides_it_cannot_read_are_named_with_what_it_can():
         QuadratureELBO().loss(model, parts)
 
 
+def test_an_amortized_guide_method_is_named_with_the_way_to_train_it():
+    # a VAE's guide is a bound method: it is named as one, with what trains it (QNVB's fallback
+    # under Trace_ELBO), and that route gives the fallback's own steps exactly
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(3, 2)
+
+        def model(self, x):
+            with pyro.plate("rows", len(x)):
+                pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+
+        def guide(self, x):
+            pyro.module("encoder", self)
+            loc, log_scale = self.net(x).unbind(-1)
+            with pyro.plate("rows", len(x)):
+                stacked = torch.stack([loc, log_scale.exp()], -1)
+                pyro.sample("z", dist.Normal(stacked, 1.0).to_event(1))
+
+    x = torch.randn(5, 3)
+    vae = Encoder()
+    with pytest.raises(
+        TypeError, match=r"guide method '.*Encoder.guide'.*amortized.*Trace_ELBO.*fallback"
+    ):
+        QuadratureELBO().loss(vae.model, vae.guide, x)
+    finals = []
+    for optim in (QNVB(), pyro.optim.Adam({"lr": 1e-2})):  # QNVB's default fallback
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        vae = Encoder()
+        svi = SVI(vae.model, vae.guide, optim, Trace_ELBO())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "QNVB: none of the 2 parameters")
+            for _ in range(3):
+                svi.step(x)
+        finals.append(vae.net.weight.detach().clone())
+    assert torch.equal(finals[0], finals[1])
+
+
 def test_num_particles_and_a_scheduler_fallback_are_refused_saying_what_to_use():
     with pytest.raises(TypeError, match=r"takes no num_particles: .* num_points"):
         QuadratureELBO(num_particles=4)

@@ -35,6 +35,7 @@ them back with :func:`published_moments`.
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -377,11 +378,16 @@ def describe_guide(guide: Callable, trace: Trace | None = None) -> GuideDescript
         return target.quadrature_description(trace)
     adapter = _adapter(type(target))
     if adapter is None:
-        if isinstance(target, type(describe_guide)):
-            what = f"the guide function {target.__qualname__!r} (its pyro.param sites)"
+        aside = ""
+        if isinstance(target, types.FunctionType | types.MethodType):
+            kind = "method" if isinstance(target, types.MethodType) else "function"
+            what = f"the guide {kind} {target.__qualname__!r} (its pyro.param sites)"
+            aside = (
+                " A hand-written or amortized guide (an encoder network) trains with Pyro's "
+                "Trace_ELBO; QNVB() then hands all its parameters to its fallback optimizer."
+            )
         else:
             what = type(target).__name__
-        aside = ""
         if type(target).__name__ == "AutoGuideList":
             aside = (
                 " An AutoGuideList is not read part by part: use one guide over all the latents "
