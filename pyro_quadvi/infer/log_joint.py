@@ -472,7 +472,8 @@ def _sample_sites(trace: Trace) -> list[str]:
 def _where(z: torch.Tensor, k: int) -> str:
     """Where in the points a value was found, for messages."""
     point = z[k].detach()
-    coordinates = f"z = {[round(v, 6) for v in point.tolist()]}" if len(point) <= 8 else None
+    rounded = [round(v, 6) for v in point.tolist()]
+    coordinates = f"unconstrained z = {rounded}" if len(point) <= 8 else None
     if len(z) == 1:
         return f"the point {coordinates}" if coordinates else "the point evaluated"
     return f"quadrature node {k}" + (f" ({coordinates})" if coordinates else "")
@@ -500,8 +501,9 @@ def _not_finite(site: dict, value: float, where: str) -> str:
             "impute those rows, or mask them out (poutine.mask / obs_mask)"
         )
     return (
-        f"{head}; check the model's support and parameters, or start the guide from a smaller "
-        "init_scale"
+        f"{head}; check the model's support and parameters. Where a latent sets the support of "
+        "a site (x ~ Uniform(0, theta)), start the guide inside it (init_loc_fn=init_to_value("
+        "values={...}) in the guide), else from a smaller init_scale"
     )
 
 
