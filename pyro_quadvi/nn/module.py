@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributions import Distribution, constraints
 from torch.func import functional_call, vmap
 
-from ..infer.batched import first_line, is_vmap_refusal
+from ..infer.batched import first_line, is_vmap_refusal, vmap_safe_attention
 from ..optim.qnvb_functional import QNVBHyperparameters
 from ..optim.torch_qnvb import check_tensor_output
 from ..quadrature import QuadratureRule
@@ -274,7 +274,8 @@ class BayesianModule(PyroModule):
             value = value.reshape(leads[name] + shape)
             flat[name] = value.expand(lead + shape).reshape((n, *shape))
         try:
-            out = vmap(one)(flat)
+            with vmap_safe_attention():
+                out = vmap(one)(flat)
         except RuntimeError as error:
             if not is_vmap_refusal(error):
                 raise
