@@ -135,3 +135,76 @@ def test_the_fast_path_flag_is_restored_after_an_error(before):
         assert torch.backends.mha.get_fastpath_enabled() is before
     finally:
         torch.backends.mha.set_fastpath_enabled(saved)
+
+
+# -- 2. predict in pieces of batch_size rows ------------------------------------------------------
+
+
+class _Rows(nn.Module):
+    """A small MLP that records the number of rows of each input it is run on."""
+
+    def __init__(self, outputs):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, outputs))
+        self.rows: list[int] = []
+
+    def forward(self, x):
+        self.rows.append(x.shape[0])
+        return self.body(x)
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "categorical"])
+@pytest.mark.parametrize("quadrature", [None, "hadamard"])
+@pytest.mark.parametrize("vectorize", [True, False])
+def test_predict_in_pieces_equals_one_pass(kind, quadrature, vectorize):
+    pyro.clear_param_store()
+    torch.manual_seed(1)
+    if kind == "gaussian":  # a learned noise scale: its draws are taken once too
+        net, likelihood = _Rows(1), likelihoods.Gaussian(10, scale=None)
+        y = torch.randn(10)
+    else:
+        net, likelihood = _Rows(4), likelihoods.Categorical(10)
+        y = torch.randint(0, 4, (10,))
+    x = torch.randn(10, 3)
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihood)
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net(), init_scale=0.3)
+    guide(x, y)
+    results = []
+    for batch_size in (None, 4):
+        pyro.set_rng_seed(7)
+        net.rows.clear()
+        results.append(
+            bnn.predict(
+                guide,
+                x,
+                num_samples=5,
+                quadrature=quadrature,
+                vectorize=vectorize,
+                batch_size=batch_size,
+            )
+        )
+        rows = sorted(set(net.rows))
+        assert rows == ([10] if batch_size is None else [2, 4]), rows
+    whole, pieces = results
+    for field in ("outputs", "weights", "mean", "probs", "variance", "noise_variance"):
+        a, b = getattr(whole, field), getattr(pieces, field)
+        assert (a is None) == (b is None) == (field in _absent(kind)), field
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=field)
+    # the draws differ from one another (the comparison is not of one repeated net)
+    assert (whole.outputs[0] - whole.outputs[-1]).abs().max() > 1e-3
+
+
+def _absent(kind):
+    return ("variance", "noise_variance") if kind == "categorical" else ("probs",)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_predict_refuses_a_bad_batch_size_by_name(bad):
+    pyro.clear_param_store()
+    bnn = BayesianModule(nn.Linear(3, 2), priors.Normal(1.0), likelihoods.Categorical(4))
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    guide = AutoMeanFieldNormal(bnn)
+    guide(x, y)
+    with pytest.raises((TypeError, ValueError), match=rf"batch_size .*got {bad!r}"):
+        bnn.predict(guide, x, batch_size=bad)

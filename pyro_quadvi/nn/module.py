@@ -317,11 +317,16 @@ class BayesianModule(PyroModule):
         quadrature: str | QuadratureRule | None = None,
         num_points: int | None = None,
         vectorize: bool | None = None,
+        *,
+        batch_size: int | None = None,
     ):
-        """The Bayesian model average under ``guide``: :func:`~pyro_quadvi.nn.predict`."""
+        """The Bayesian model average under ``guide``: :func:`~pyro_quadvi.nn.predict`
+        (``batch_size``: rows of ``x`` per pass through the net, ``None`` all)."""
         from .predict import predict
 
-        return predict(self, guide, x, num_samples, quadrature, num_points, vectorize)
+        return predict(
+            self, guide, x, num_samples, quadrature, num_points, vectorize, batch_size=batch_size
+        )
 
 
 def _where(module: nn.Module, path: str) -> str:
