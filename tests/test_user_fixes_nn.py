@@ -6,9 +6,11 @@ from __future__ import annotations
 import copy
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 import torch.nn.functional as F
+from pyro import poutine
 from pyro.infer import SVI
 from torch import nn
 
@@ -208,3 +210,59 @@ def test_predict_refuses_a_bad_batch_size_by_name(bad):
     guide(x, y)
     with pytest.raises((TypeError, ValueError), match=rf"batch_size .*got {bad!r}"):
         bnn.predict(guide, x, batch_size=bad)
+
+
+# -- 3. a custom likelihood: heteroscedastic regression (the example of docs/nn.md) ----------------
+
+
+class Heteroscedastic(likelihoods.Likelihood):
+    """``y ~ Normal(out[..., 0], exp(out[..., 1]))``: the net outputs a mean and a log-scale."""
+
+    def row_shape(self, outputs, batch_dims):
+        return outputs.shape[batch_dims + 1 : -1]  # two outputs a row observe one number
+
+    def distribution(self, outputs, latents, row_dims):
+        return dist.Normal(outputs[..., 0], outputs[..., 1].exp()).to_event(row_dims)
+
+
+def _heteroscedastic_problem():
+    pyro.clear_param_store()
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    x = torch.linspace(-2, 2, 12, dtype=torch.float64).unsqueeze(-1)
+    y = torch.sin(2 * x[:, 0]) + 0.1 * torch.randn(12, dtype=torch.float64)
+    return BayesianModule(net, priors.Normal(1.0), Heteroscedastic(dataset_size=48)), x, y
+
+
+def test_a_heteroscedastic_likelihood_is_the_hand_computed_normal():
+    bnn, x, y = _heteroscedastic_problem()
+    weights = {name: p.detach() for name, p in bnn.latent_parameters().items()}
+    trace = poutine.trace(poutine.condition(bnn, data=weights)).get_trace(x, y)
+    trace.compute_log_prob()
+    site = trace.nodes["obs"]
+    with torch.no_grad():
+        out = bnn.net(x)
+    by_hand = torch.distributions.Normal(out[:, 0], out[:, 1].exp()).log_prob(y).sum()
+    assert site["log_prob"].shape == (12,)
+    assert site["scale"] == 4.0  # dataset_size / rows = 48 / 12, in the trace's log_prob already
+    torch.testing.assert_close(site["log_prob"].sum(), 4 * by_hand, rtol=1e-12, atol=0)
+
+
+def test_a_heteroscedastic_likelihood_runs_vectorized_as_the_loop():
+    bnn, x, y = _heteroscedastic_problem()
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net(), init_scale=0.1)
+    guide(x, y)
+    loss_v, grads_v = _elbo_loss_and_grads(bnn, guide, x, y, True)
+    loss_l, grads_l = _elbo_loss_and_grads(bnn, guide, x, y, False)
+    torch.testing.assert_close(loss_v, loss_l, rtol=1e-10, atol=0)
+    for g_v, g_l in zip(grads_v, grads_l):
+        torch.testing.assert_close(g_v, g_l, rtol=1e-10, atol=1e-10)
+    # predict: no variance for a likelihood it does not know; the docs' law of total variance
+    p = bnn.predict(guide, x, quadrature="hadamard")
+    assert p.variance is None and p.probs is None
+    mu, sigma2 = p.outputs[..., 0], (2 * p.outputs[..., 1]).exp()  # as docs/nn.md computes it
+    mean = p.mean[:, 0]
+    variance = p.weights @ (mu - mean) ** 2 + p.weights @ sigma2
+    # the same by a loop over the draws: E[Var(y | theta)] + Var(E[y | theta])
+    second = sum(w * (o[:, 0] ** 2 + (2 * o[:, 1]).exp()) for w, o in zip(p.weights, p.outputs))
+    torch.testing.assert_close(variance, second - mean**2, rtol=1e-9, atol=1e-12)
