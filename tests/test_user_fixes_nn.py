@@ -266,3 +266,31 @@ def test_a_heteroscedastic_likelihood_runs_vectorized_as_the_loop():
     # the same by a loop over the draws: E[Var(y | theta)] + Var(E[y | theta])
     second = sum(w * (o[:, 0] ** 2 + (2 * o[:, 1]).exp()) for w, o in zip(p.weights, p.outputs))
     torch.testing.assert_close(variance, second - mean**2, rtol=1e-9, atol=1e-12)
+
+
+# -- 4. (B, C, H, W) logits with Categorical ------------------------------------------------------
+
+
+def test_categorical_names_the_class_dim_and_the_permute_for_images():
+    bnn = BayesianModule(nn.Conv2d(2, 3, 1), priors.Normal(1.0), likelihoods.Categorical(60))
+    x, y = torch.randn(6, 2, 4, 5), torch.randint(0, 3, (6, 4, 5))
+    with pytest.raises(ValueError) as error:
+        bnn(x, y)
+    message = str(error.value)
+    assert "classes are the last dim of the network's outputs (6, 3, 4, 5)" in message
+    assert "logits.permute(0, 2, 3, 1)" in message
+    assert "(6, 4, 5, 3) logits observe y of shape (6, 4, 5)" in message
+    assert "y must be (6, 3, 4)" not in message  # the misleading fix of before
+
+    class Permuted(nn.Module):  # the fix the message gives
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 3, 1)
+
+        def forward(self, x):
+            return self.conv(x).permute(0, 2, 3, 1)
+
+    fixed = BayesianModule(Permuted(), priors.Normal(1.0), likelihoods.Categorical(60))
+    trace = poutine.trace(fixed).get_trace(x, y)
+    assert trace.nodes["obs"]["fn"].event_shape == (4, 5)
+    assert torch.equal(trace.nodes["obs"]["value"], y)
