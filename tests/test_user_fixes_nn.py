@@ -294,3 +294,25 @@ def test_categorical_names_the_class_dim_and_the_permute_for_images():
     trace = poutine.trace(fixed).get_trace(x, y)
     assert trace.nodes["obs"]["fn"].event_shape == (4, 5)
     assert torch.equal(trace.nodes["obs"]["value"], y)
+
+
+# -- 5. a prior callable that returns a tensor ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prior, got",
+    [
+        (lambda name, p: torch.zeros(1), r"a tensor of shape \(1,\)"),
+        (lambda name, p: 0.0, r"0.0 \(float\)"),
+    ],
+)
+def test_a_prior_that_is_not_a_distribution_is_refused_naming_the_parameter(prior, got):
+    pyro.clear_param_store()
+    bnn = BayesianModule(nn.Linear(3, 1), prior, likelihoods.Gaussian(4))
+    x, y = torch.randn(4, 3), torch.randn(4)
+    with pytest.raises(
+        TypeError, match=rf"returned {got} for the parameter 'weight'.*distribution"
+    ):
+        bnn(x, y)
+    with pytest.raises(TypeError, match=r"parameter 'weight'.*must return a distribution"):
+        AutoMeanFieldNormal(bnn)(x, y)

@@ -202,6 +202,12 @@ class BayesianModule(PyroModule):
                 )
         else:
             fn = self.prior(name, param)
+            if not isinstance(fn, Distribution):
+                raise TypeError(
+                    f"the prior callable returned {_brief(fn)} for the parameter {name!r}; it "
+                    "must return a distribution of the parameter's shape (or a scalar one), "
+                    "e.g. dist.Normal(torch.zeros_like(param), 1.0), not a tensor or a value"
+                )
         return _as_event(name, fn, param)
 
     def hidden_values(self) -> dict[str, torch.Tensor]:
@@ -327,6 +333,12 @@ class BayesianModule(PyroModule):
         return predict(
             self, guide, x, num_samples, quadrature, num_points, vectorize, batch_size=batch_size
         )
+
+
+def _brief(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{value!r} ({type(value).__name__})"
 
 
 def _where(module: nn.Module, path: str) -> str:
