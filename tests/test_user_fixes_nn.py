@@ -316,3 +316,44 @@ def test_a_prior_that_is_not_a_distribution_is_refused_naming_the_parameter(prio
         bnn(x, y)
     with pytest.raises(TypeError, match=r"parameter 'weight'.*must return a distribution"):
         AutoMeanFieldNormal(bnn)(x, y)
+
+
+# -- 6. the train-mode refusal names the layers --------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.linear(x))
+
+
+def test_the_train_mode_refusal_names_the_layers_by_path():
+    pyro.clear_param_store()
+    net = nn.Sequential()
+    net.add_module("block", _Block())
+    net.add_module("drop", nn.Dropout(0.5))
+    net.add_module("out", nn.Linear(4, 1))
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(4))
+    x, y = torch.randn(4, 3), torch.randn(4)
+    net.block.bn.train()  # one layer: the container above it stays in eval mode
+    with pytest.raises(
+        ValueError,
+        match=r"^BayesianModule: the BatchNorm1d at 'block\.bn' of the "
+        r"network is in training mode",
+    ):
+        bnn(x, y)
+    net.train()  # every module: the layers are named, not the containers
+    with pytest.raises(ValueError) as error:
+        bnn(x, y)
+    message = str(error.value)
+    assert message.startswith(
+        "BayesianModule: the Linear at 'block.linear', the BatchNorm1d at 'block.bn', the Dropout "
+        "at 'drop', the Linear at 'out' of the network are in training mode"
+    ), message
+    assert "Sequential" not in message and "_Block" not in message
+    net.eval()
+    bnn(x, y)  # accepted again

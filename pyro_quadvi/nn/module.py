@@ -251,11 +251,19 @@ class BayesianModule(PyroModule):
         missing = sorted(set(params) - set(values))
         if missing:
             raise ValueError(f"no values for the latent parameters {missing}")
-        training = next(((path, m) for path, m in self._net.named_modules() if m.training), None)
-        if training is not None:
-            path, module = training
+        # the innermost modules in training mode (the layers, not the containers above them)
+        training = [
+            _where(m, path)
+            for path, m in self._net.named_modules()
+            if m.training and not any(child.training for child in m.children())
+        ]
+        if training:
+            shown = ", ".join(training[:6]) + (
+                f" and {len(training) - 6} more" if len(training) > 6 else ""
+            )
             raise ValueError(
-                f"BayesianModule: {_where(module, path)} of the network is in training mode; "
+                f"BayesianModule: {shown} of the network {'is' if len(training) == 1 else 'are'} "
+                "in training mode; "
                 "the net runs in eval mode (batch norm with its running statistics as they are, "
                 "no dropout), which net.train() undid. Call bnn.net.eval() (bnn.train() keeps "
                 "the net in eval mode)"
