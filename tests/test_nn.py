@@ -703,7 +703,9 @@ def test_a_net_put_back_in_training_mode_is_refused_naming_the_layer():
     bnn.train()  # keeps the net in eval mode
     bnn(X_NET, Y_REG)
     net.train()  # undoes it: batch statistics, and running statistics updated at every node
-    with pytest.raises(ValueError, match=r"the Sequential of the network is in training mode"):
+    with pytest.raises(
+        ValueError, match=r"the BatchNorm1d at '1', .* of the network are in training"
+    ):
         bnn(X_NET, Y_REG)
     net[0].eval(), net[2].eval(), net[3].eval()
     net.training = False

@@ -23,7 +23,8 @@ from __future__ import annotations
 import re
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MethodType
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "evaluate_batch",
     "is_broadcast_error",
     "is_vmap_refusal",
+    "vmap_safe_attention",
 ]
 
 
@@ -130,6 +132,26 @@ def is_vmap_refusal(error: BaseException) -> bool:
     """Whether ``error`` is ``torch.func.vmap`` refusing to batch an operation (one of the
     refusals :func:`is_broadcast_error` recognises), which runs one point at a time."""
     return isinstance(error, RuntimeError) and _VMAP_REFUSAL.search(str(error)) is not None
+
+
+@contextmanager
+def vmap_safe_attention() -> Iterator[None]:
+    """Turns PyTorch's fused attention fast path off for the ``torch.func.vmap`` passes inside.
+
+    ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` in eval mode take a fused
+    inference kernel (``aten::_native_multi_head_attention``,
+    ``aten::_transformer_encoder_layer_fwd``) when none of their weights seems to require grad.
+    Weights batched by ``vmap`` do not seem to, so the forward takes the kernel, which has no
+    derivative, and the backward fails. Inside this context the layers run their composite
+    forward, which ``vmap`` and autograd both handle; the global flag
+    (``torch.backends.mha.get_fastpath_enabled()``) is restored on exit, also on an error.
+    """
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
 
 
 def evaluate_batch(

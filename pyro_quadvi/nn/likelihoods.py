@@ -65,6 +65,14 @@ class Likelihood:
             return torch.Size()
         return torch.Size(row)
 
+    def _layout(self, outputs: torch.Size, row: torch.Size, y: torch.Size) -> str:
+        """What the net's ``outputs`` (``(B,) + ...``, one draw) observe, for the message that
+        refuses a ``y`` of shape ``y``."""
+        return (
+            f"the network's outputs {tuple(outputs)} observe rows of shape {tuple(row)}: y must "
+            f"be {(outputs[0], *row)}"
+        )
+
     def __call__(
         self, outputs: torch.Tensor, y: torch.Tensor | None, batch_dims: int
     ) -> torch.Tensor:
@@ -86,11 +94,11 @@ class Likelihood:
             # the same sizes in the same order, size-1 dims aside ((B, 1) for one number a row,
             # (B, H, W) for outputs (B, 1, H, W)): a reshape pairs each value with its output
             if [n for n in y.shape[1:] if n != 1] != [n for n in row if n != 1]:
+                layout = self._layout(outputs.shape[batch_dims:], row, y.shape)
                 raise ValueError(
-                    f"{type(self).__name__} likelihood: y has shape {tuple(y.shape)}, but the "
-                    f"network's outputs observe rows of shape {tuple(row)}: y must be "
-                    f"{(rows, *row)}. Make the net's outputs match y's layout (a y of the same "
-                    "size in another layout would pair values with the wrong outputs)"
+                    f"{type(self).__name__} likelihood: y has shape {tuple(y.shape)}, but "
+                    f"{layout}. Make the net's outputs match y's layout (a y of the same size in "
+                    "another layout would pair values with the wrong outputs)"
                 )
             y = self.observation(y.reshape((rows, *row)), outputs)
         fn = self.distribution(outputs, latents, len(row))
@@ -156,6 +164,20 @@ class Categorical(Likelihood):
 
     def row_shape(self, outputs, batch_dims):
         return torch.Size(outputs.shape[batch_dims + 1 : -1])
+
+    def _layout(self, outputs, row, y):
+        classes = (
+            f"the classes are the last dim of the network's outputs {tuple(outputs)} "
+            f"({outputs[-1]} classes)"
+        )
+        if len(outputs) == 4 and tuple(y) == (outputs[0], *outputs[2:]):
+            B, C, H, W = outputs
+            return (
+                f"{classes}, and y looks like labels (B, H, W) for logits (B, C, H, W) with the "
+                f"classes in dim 1. Return logits.permute(0, 2, 3, 1) from the net: "
+                f"{(B, H, W, C)} logits observe y of shape {(B, H, W)}"
+            )
+        return f"{classes}, so y must be {(outputs[0], *row)}, one label per vector of logits"
 
     def distribution(self, outputs, latents, row_dims):
         return dist.Categorical(logits=outputs).to_event(row_dims)

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributions import Distribution, constraints
 from torch.func import functional_call, vmap
 
-from ..infer.batched import first_line, is_vmap_refusal
+from ..infer.batched import first_line, is_vmap_refusal, vmap_safe_attention
 from ..optim.qnvb_functional import QNVBHyperparameters
 from ..optim.torch_qnvb import check_tensor_output
 from ..quadrature import QuadratureRule
@@ -202,6 +202,12 @@ class BayesianModule(PyroModule):
                 )
         else:
             fn = self.prior(name, param)
+            if not isinstance(fn, Distribution):
+                raise TypeError(
+                    f"the prior callable returned {_brief(fn)} for the parameter {name!r}; it "
+                    "must return a distribution of the parameter's shape (or a scalar one), "
+                    "e.g. dist.Normal(torch.zeros_like(param), 1.0), not a tensor or a value"
+                )
         return _as_event(name, fn, param)
 
     def hidden_values(self) -> dict[str, torch.Tensor]:
@@ -245,11 +251,19 @@ class BayesianModule(PyroModule):
         missing = sorted(set(params) - set(values))
         if missing:
             raise ValueError(f"no values for the latent parameters {missing}")
-        training = next(((path, m) for path, m in self._net.named_modules() if m.training), None)
-        if training is not None:
-            path, module = training
+        # the innermost modules in training mode (the layers, not the containers above them)
+        training = [
+            _where(m, path)
+            for path, m in self._net.named_modules()
+            if m.training and not any(child.training for child in m.children())
+        ]
+        if training:
+            shown = ", ".join(training[:6]) + (
+                f" and {len(training) - 6} more" if len(training) > 6 else ""
+            )
             raise ValueError(
-                f"BayesianModule: {_where(module, path)} of the network is in training mode; "
+                f"BayesianModule: {shown} of the network {'is' if len(training) == 1 else 'are'} "
+                "in training mode; "
                 "the net runs in eval mode (batch norm with its running statistics as they are, "
                 "no dropout), which net.train() undid. Call bnn.net.eval() (bnn.train() keeps "
                 "the net in eval mode)"
@@ -274,7 +288,8 @@ class BayesianModule(PyroModule):
             value = value.reshape(leads[name] + shape)
             flat[name] = value.expand(lead + shape).reshape((n, *shape))
         try:
-            out = vmap(one)(flat)
+            with vmap_safe_attention():
+                out = vmap(one)(flat)
         except RuntimeError as error:
             if not is_vmap_refusal(error):
                 raise
@@ -316,11 +331,22 @@ class BayesianModule(PyroModule):
         quadrature: str | QuadratureRule | None = None,
         num_points: int | None = None,
         vectorize: bool | None = None,
+        *,
+        batch_size: int | None = None,
     ):
-        """The Bayesian model average under ``guide``: :func:`~pyro_quadvi.nn.predict`."""
+        """The Bayesian model average under ``guide``: :func:`~pyro_quadvi.nn.predict`
+        (``batch_size``: rows of ``x`` per pass through the net, ``None`` all)."""
         from .predict import predict
 
-        return predict(self, guide, x, num_samples, quadrature, num_points, vectorize)
+        return predict(
+            self, guide, x, num_samples, quadrature, num_points, vectorize, batch_size=batch_size
+        )
+
+
+def _brief(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"{value!r} ({type(value).__name__})"
 
 
 def _where(module: nn.Module, path: str) -> str:

@@ -65,6 +65,8 @@ def predict(
     quadrature: str | QuadratureRule | None = None,
     num_points: int | None = None,
     vectorize: bool | None = None,
+    *,
+    batch_size: int | None = None,
 ) -> Prediction:
     """The Bayesian model average of ``bnn``'s net on ``x`` under the posterior ``guide``.
 
@@ -88,6 +90,12 @@ def predict(
             absolute: a batched product rounds differently) and falls back to the loop, with one
             warning, where ``vmap`` cannot batch the net (an ``nn.GRU``, say). The decision is
             kept per ``bnn``.
+        batch_size: ``None``: all ``B`` rows of ``x`` go through the net in one pass. An int:
+            the draws or nodes are taken once, then ``x`` goes through the net ``batch_size``
+            rows at a time (each piece at all draws or nodes, vectorized or looped as
+            ``vectorize`` says), and the pieces' outputs are joined: the same prediction, in
+            memory for the activations of ``batch_size`` rows times the number of draws instead
+            of ``B`` rows times it. ``outputs`` (``(S, B, ...)``) is kept whole either way.
 
     Under ``torch.no_grad()``.
     With a rule of negative weights, ``probs`` is a signed average and may leave ``[0, 1]``, and
@@ -97,7 +105,15 @@ def predict(
         ValueError: for an AutoGuide that has not run yet (built from ``bnn(x)`` alone it would
             take the observations for a latent), for ``quadrature`` with a guide that has
             non-Gaussian (``"dirac_gauss"``) sites, or ``num_samples < 1`` without it.
+        TypeError, ValueError: for a ``batch_size`` that is not an int or ``None`` (a bool, a
+            float), or an int below 1.
     """
+    if batch_size is not None:
+        wanted = "a positive int (rows of x per pass through the net) or None (all rows at once)"
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise TypeError(f"predict: batch_size must be {wanted}, got {batch_size!r}")
+        if batch_size < 1:
+            raise ValueError(f"predict: batch_size must be {wanted}, got {batch_size!r}")
     with torch.no_grad():
         if getattr(guide, "prototype_trace", True) is None:
             # built from bnn(x) alone, an AutoGuide would take the observations for a latent
@@ -121,9 +137,17 @@ def predict(
             )
         known = _DECISIONS.get(bnn) if vectorize is None else None
         tolerance = torch.finfo(weights.dtype).eps ** 0.5
+        pieces = (x,) if batch_size is None else x.split(batch_size)
+        if len(pieces) <= 1:
+            pieces = (x,)  # one pass (also for an x of no rows)
+
+        def net_on(draws: dict[str, torch.Tensor], row_dim: int) -> torch.Tensor:
+            """The net at ``draws`` on every piece of ``x``, joined along the rows' dim."""
+            return torch.cat([bnn.evaluate(draws, piece) for piece in pieces], dim=row_dim)
+
         outputs, decision = evaluate_batch(
-            lambda _: bnn.evaluate(values, x),
-            lambda k: bnn.evaluate({name: value[k] for name, value in values.items()}, x),
+            lambda _: net_on(values, 1),
+            lambda k: net_on({name: value[k] for name, value in values.items()}, 0),
             torch.arange(len(weights)),
             vectorize if known is None else known.vectorized,
             probe=(0, len(weights) - 1),

@@ -41,6 +41,7 @@ from ..infer.batched import (
     evaluate_batch,
     first_line,
     is_vmap_refusal,
+    vmap_safe_attention,
 )
 from ..quadrature import NodeSet, make_rule
 from .annealing import check_schedule
@@ -577,7 +578,8 @@ class QNVBOptimizer(torch.optim.Optimizer):
 
         def batched(points) -> torch.Tensor:
             try:
-                losses = vmap(single)(points.tensors)
+                with vmap_safe_attention():
+                    losses = vmap(single)(points.tensors)
             except RuntimeError as error:
                 if not (is_vmap_refusal(error) or "vmap" in str(error)):
                     raise
