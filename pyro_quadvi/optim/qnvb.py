@@ -57,7 +57,6 @@ from ..guides.interface import (
     watch_guides,
 )
 from .annealing import anneal_likelihood, check_schedule
-from .sparse_functional import check_settings
 from .qnvb_functional import (
     QNVBHyperparameters,
     QNVBResult,
@@ -70,6 +69,7 @@ from .qnvb_functional import (
     qnvb_update_many,
     result_counts,
 )
+from .sparse_functional import check_settings
 
 __all__ = ["FAMILY_UPDATES", "QNVB"]
 
@@ -712,7 +712,9 @@ class QNVB(PyroOptim):
         for name, record in qnvb.get("settings", {}).items():
             hints = dict(record["hints"])
             hp = self._block_hyperparameters(name, hints)
-            check_settings(f"QNVB.set_state (block {name!r})", record["hyperparameters"], asdict(hp))
+            check_settings(
+                f"QNVB.set_state (block {name!r})", record["hyperparameters"], asdict(hp)
+            )
             settings[name] = (hp, hints)
         self.num_steps = qnvb["num_steps"]
         self._bound.clear()
