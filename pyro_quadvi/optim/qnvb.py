@@ -266,7 +266,7 @@ class QNVB(PyroOptim):
         self._bound: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         # name -> the hyperparameters a block was updated with and its model's hints (get_state)
-        self._settings: dict[str, tuple[QNVBHyperparameters, dict]] = {}
+        self._block_settings: dict[str, tuple[QNVBHyperparameters, dict]] = {}
         self._warned: set[str] = set()
         watch_guides()
 
@@ -512,7 +512,7 @@ class QNVB(PyroOptim):
         state = self._state_for(name, loc_leaf)
         old = QNVBState(*(select(state[key]) for key in QNVBState._fields))
         hp = self._block_hyperparameters(name, site.hints)
-        self._settings[name] = (hp, site.hints)
+        self._block_settings[name] = (hp, site.hints)
         return _Prepared(site, values, g, h, old, hp, state, index)
 
     @torch.no_grad()
@@ -691,7 +691,7 @@ class QNVB(PyroOptim):
                 },
                 "settings": {
                     name: {"hyperparameters": asdict(hp), "hints": dict(hints)}
-                    for name, (hp, hints) in self._settings.items()
+                    for name, (hp, hints) in self._block_settings.items()
                     if name in blocks
                 },
             },
@@ -722,5 +722,5 @@ class QNVB(PyroOptim):
             name: {key: value.clone() for key, value in state.items()}
             for name, state in qnvb["pairs"].items()
         }
-        self._settings = settings
+        self._block_settings = settings
         super().set_state(copy.deepcopy(state_dict["fallback"]))
