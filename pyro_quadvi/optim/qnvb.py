@@ -40,7 +40,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import pyro
 import torch
@@ -69,6 +69,7 @@ from .qnvb_functional import (
     qnvb_update_many,
     result_counts,
 )
+from .sparse_functional import check_settings
 
 __all__ = ["FAMILY_UPDATES", "QNVB"]
 
@@ -264,6 +265,8 @@ class QNVB(PyroOptim):
         self.num_steps = 0
         self._bound: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        # name -> the hyperparameters a block was updated with and its model's hints (get_state)
+        self._block_settings: dict[str, tuple[QNVBHyperparameters, dict]] = {}
         self._warned: set[str] = set()
         watch_guides()
 
@@ -450,8 +453,18 @@ class QNVB(PyroOptim):
         bound = self._bound.get(name)
         if bound is not None and bound[0] is loc_leaf:
             return bound[1]
-        state = self._pending.pop(name, None)
-        if state is None or state["g_avg"].shape != loc_leaf.shape:
+        state = self._pending.get(name)
+        if state is not None and state["g_avg"].shape != loc_leaf.shape:
+            raise ValueError(
+                f"QNVB: the restored state of the block {name!r} has shape "
+                f"{tuple(state['g_avg'].shape)}, but its parameter now has shape "
+                f"{tuple(loc_leaf.shape)}: the state (and its step count {self.num_steps}, the "
+                "annealing position) was saved for another model. Restore a state only into the "
+                "model it was saved from; fit a changed model with a new QNVB (no set_state) "
+                "after pyro.clear_param_store()"
+            )
+        self._pending.pop(name, None)
+        if state is None:
             state = init_qnvb_state(loc_leaf.detach())._asdict()
         self._bound[name] = (loc_leaf, state)
         return state
@@ -499,6 +512,7 @@ class QNVB(PyroOptim):
         state = self._state_for(name, loc_leaf)
         old = QNVBState(*(select(state[key]) for key in QNVBState._fields))
         hp = self._block_hyperparameters(name, site.hints)
+        self._block_settings[name] = (hp, site.hints)
         return _Prepared(site, values, g, h, old, hp, state, index)
 
     @torch.no_grad()
@@ -663,7 +677,8 @@ class QNVB(PyroOptim):
 
     # -------------------------------------------------------------------------------- state
     def get_state(self) -> dict:
-        """Deep copies of every block's state, the step count and the fallback's states."""
+        """Deep copies of every block's state, the step count and the fallback's states, and
+        each block's hyperparameters with its model's hints (checked by :meth:`set_state`)."""
         blocks = {name: dict(state) for name, state in self._pending.items()}
         for name, (_, state) in self._bound.items():
             blocks[name] = state
@@ -674,17 +689,38 @@ class QNVB(PyroOptim):
                     name: {key: value.clone() for key, value in state.items()}
                     for name, state in blocks.items()
                 },
+                "settings": {
+                    name: {"hyperparameters": asdict(hp), "hints": dict(hints)}
+                    for name, (hp, hints) in self._block_settings.items()
+                    if name in blocks
+                },
             },
             "fallback": copy.deepcopy(super().get_state()),
         }
 
     def set_state(self, state_dict: dict) -> None:
-        """Restore what :meth:`get_state` returned (block states bind at their next use)."""
+        """Restore what :meth:`get_state` returned (block states bind at their next use).
+
+        Each block's saved hyperparameters are compared with those this QNVB gives the block
+        under the same model hints: a ``ValueError`` names the block and every setting that
+        differs, and nothing is restored. A state saved without them (an earlier version) loads
+        unchecked. States of blocks not (yet) seen are kept and written out again by
+        :meth:`get_state`.
+        """
         qnvb = state_dict["qnvb"]
+        settings = {}
+        for name, record in qnvb.get("settings", {}).items():
+            hints = dict(record["hints"])
+            hp = self._block_hyperparameters(name, hints)
+            check_settings(
+                f"QNVB.set_state (block {name!r})", record["hyperparameters"], asdict(hp)
+            )
+            settings[name] = (hp, hints)
         self.num_steps = qnvb["num_steps"]
         self._bound.clear()
         self._pending = {
             name: {key: value.clone() for key, value in state.items()}
             for name, state in qnvb["pairs"].items()
         }
+        self._block_settings = settings
         super().set_state(copy.deepcopy(state_dict["fallback"]))

@@ -54,6 +54,7 @@ from .qnvb_functional import (
     qnvb_update_many,
     result_counts,
 )
+from .sparse_functional import check_settings
 
 __all__ = ["ModuleLoss", "QNVBOptimizer", "check_tensor_output", "module_loss"]
 
@@ -681,25 +682,68 @@ class QNVBOptimizer(torch.optim.Optimizer):
                 stacklevel=4,  # step -> _update -> _warn
             )
 
+    def _settings(self) -> dict:
+        """What fixes the run besides the per-group values: the rule and its number of nodes,
+        the likelihood weight, the prior precision given to the constructor and whether the
+        weight is annealed. Saved by :meth:`state_dict`, checked by :meth:`load_state_dict`."""
+        return {
+            "quadrature": self.rule.name,
+            "num_eval": self.rule.num_points,
+            "likelihood_weight": self.likelihood_weight,
+            "prior_precision": self.defaults["prior_precision"],
+            "annealing": self.annealing is not None,
+        }
+
+    def _check_shapes(self, state_dict: dict) -> None:
+        """Refuse a saved per-parameter state whose shape is not its parameter's (torch pairs
+        them by position), naming the parameter and both shapes."""
+        saved_state = state_dict["state"]
+        position = 0
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            names = group.get("param_names")
+            for k, (saved_id, p) in enumerate(zip(saved_group["params"], group["params"])):
+                mu = saved_state.get(saved_id, {}).get("mu")
+                if mu is not None and mu.shape != p.shape:
+                    label = f"parameter {position + k}" + (
+                        "" if names is None else f" ({names[k]!r})"
+                    )
+                    raise ValueError(
+                        f"QNVBOptimizer.load_state_dict: the saved state of {label} has shape "
+                        f"{tuple(mu.shape)}, but the parameter has shape {tuple(p.shape)}; load a "
+                        "state into an optimizer over the parameters it was saved with (same "
+                        "shapes, same order)"
+                    )
+            position += len(group["params"])
+
     def state_dict(self) -> dict:
-        """Torch's state dict plus the step count and the generator's state."""
+        """Torch's state dict plus the step count, the generator's state and the run's settings
+        (:meth:`_settings`)."""
         state = super().state_dict()
         state["qnvb"] = {
             "num_steps": self.num_steps,
             "generator": None if self.generator is None else self.generator.get_state(),
+            "settings": self._settings(),
         }
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore what :meth:`state_dict` saved."""
+        """Restore what :meth:`state_dict` saved, into an optimizer built with the same rule,
+        ``num_eval``, ``likelihood_weight``, ``prior_precision`` and with (or without) an
+        annealing schedule, over parameters of the saved shapes, and with a ``generator`` if one
+        was saved: anything else is refused by a ``ValueError`` before anything is loaded. The
+        per-group values (``lr``, ``betas``, ...) are the saved ones, as for torch's optimizers.
+        A state saved without the settings (an earlier version) loads without their check."""
         state_dict = dict(state_dict)
         extra = state_dict.pop("qnvb")
+        if "settings" in extra:
+            check_settings("QNVBOptimizer.load_state_dict", extra["settings"], self._settings())
+        if extra["generator"] is not None and self.generator is None:
+            raise ValueError(
+                "QNVBOptimizer.load_state_dict: the saved state holds a generator state; "
+                "construct the optimizer with a generator to restore it"
+            )
+        self._check_shapes(state_dict)
         super().load_state_dict(state_dict)
         self.num_steps = extra["num_steps"]
         if extra["generator"] is not None:
-            if self.generator is None:
-                raise ValueError(
-                    "the saved state holds a generator state; construct the optimizer with a "
-                    "generator to restore it"
-                )
             self.generator.set_state(extra["generator"])
