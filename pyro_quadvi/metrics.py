@@ -123,6 +123,11 @@ def _check_same_shape(name: str, value: object, ref_name: str, ref: torch.Tensor
             f"{name} must have the shape of {ref_name}, {tuple(ref.shape)}, got "
             f"{tuple(value.shape)}"
         )
+    if value.device != ref.device:
+        raise ValueError(
+            f"{name} is on {value.device} but {ref_name} is on {ref.device}; move it there "
+            f"({name}.to({ref_name}.device))"
+        )
     return value
 
 
@@ -158,19 +163,21 @@ def gaussian_nll(mean: torch.Tensor, scale: torch.Tensor | float, y: torch.Tenso
     Args:
         mean: Predictive means, shape ``(n, ...)``.
         scale: Predictive standard deviations (> 0): a positive float or 0-dim tensor (one
-            noise level for all), or a tensor with ``mean``'s number of dims that broadcasts to
-            its shape: for ``mean`` of shape ``(n, D)``, ``(n, 1)`` is one scale per case,
-            ``(1, D)`` one per output, ``(n, D)`` one per entry. A scale with fewer dims
-            broadcasts from the right (``(D,)``: one per output), except that one whose first
-            size is ``n`` is refused: it reads as one scale per case, which broadcasting would
-            apply per *column* (so for ``n = D`` pass a per-output scale as ``(1, D)``).
+            noise level for all, moved to ``mean``'s device), or a tensor on ``mean``'s device
+            with its number of dims that broadcasts to its shape: for ``mean`` of shape
+            ``(n, D)``, ``(n, 1)`` is one scale per case, ``(1, D)`` one per output, ``(n, D)``
+            one per entry. A scale with fewer dims broadcasts from the right (``(D,)``: one per
+            output), except that one whose first size is ``n`` is refused: it reads as one scale
+            per case, which broadcasting would apply per *column* (so for ``n = D`` pass a
+            per-output scale as ``(1, D)``).
         y: Observed targets, the shape of ``mean``.
 
     Returns:
         The per-case average NLL, a 0-dim tensor.
 
     Raises:
-        ValueError: On mismatched shapes, non-finite values or a non-positive ``scale``.
+        ValueError: On mismatched shapes or devices (but a 0-dim ``scale``), non-finite values
+            or a non-positive ``scale``.
     """
     mean = _check_float("mean", mean)
     y = _check_same_shape("y", y, "mean", mean)
@@ -178,6 +185,13 @@ def gaussian_nll(mean: torch.Tensor, scale: torch.Tensor | float, y: torch.Tenso
         scale = torch.as_tensor(scale, dtype=mean.dtype, device=mean.device)
     if not scale.is_floating_point():
         raise ValueError(f"scale must have a floating dtype, got {scale.dtype}")
+    if scale.device != mean.device:
+        if scale.dim():
+            raise ValueError(
+                f"scale is on {scale.device} but mean is on {mean.device}; move it there "
+                "(scale.to(mean.device))"
+            )
+        scale = scale.to(mean.device)  # one noise level, as a float would be
     if 0 < scale.dim() < mean.dim() and scale.shape[0] == mean.shape[0]:
         # aligned from the right, a scale of n rows would be read per column, not per case
         n, rest = mean.shape[0], mean.shape[1:]
@@ -365,9 +379,10 @@ def expected_calibration_error(
         The ECE in ``[0, 1]``, a 0-dim tensor.
     """
     bins = calibration_bins(probs, y, num_bins)
-    filled = bins.count > 0
-    weight = bins.count[filled].to(bins.confidence.dtype) / bins.count.sum()
-    gap = (bins.accuracy[filled] - bins.confidence[filled]).abs()
+    # empty bins weigh 0 (their accuracy is 0/0): a where, not a mask, whose index would read
+    # the mask back to the host (a sync on a GPU)
+    weight = bins.count.to(bins.confidence.dtype) / bins.count.sum()
+    gap = torch.where(bins.count > 0, (bins.accuracy - bins.confidence).abs(), 0.0)
     return (weight * gap).sum()
 
 

@@ -32,7 +32,8 @@ def save_checkpoint(
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Write Pyro's param store (with the ELBO's sequence position), ``optim``'s state and the
-    random state to ``path``, from rank 0 only; every rank returns once the file is complete.
+    random state (the CPU's, and each CUDA device's where CUDA has started) to ``path``, from
+    rank 0 only; every rank returns once the file is complete.
 
     A collective call: every rank makes it (the optimizer's state may be gathered first, then a
     barrier), never under ``if rank == 0:``, where rank 0 would wait for the others until the
@@ -55,6 +56,7 @@ def save_checkpoint(
             "param_store": pyro.get_param_store().get_state(),
             "optim": optim_state,
             "rng": get_rng_state(),
+            "cuda_rng": _cuda_rng_state(),
             "generator": None if generator is None else generator.get_state(),
         }
         tmp = Path(f"{os.fspath(path)}.tmp")
@@ -62,6 +64,13 @@ def save_checkpoint(
         os.replace(tmp, path)
     if size > 1:
         dist.barrier(group=group)
+
+
+def _cuda_rng_state() -> list[torch.Tensor] | None:
+    """Every CUDA device's random state where CUDA has started (else ``None``)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_rng_state_all()
+    return None
 
 
 def load_checkpoint(
@@ -99,6 +108,10 @@ def load_checkpoint(
     pyro.get_param_store().set_state(state["param_store"])
     optim.set_state(state["optim"])
     set_rng_state(state["rng"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        # (each device's; a checkpoint of a GPU fit resumed on the CPU has no use for them)
+        for index, device_state in enumerate(state["cuda_rng"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state, index)
     if generator is not None:
         generator.set_state(state["generator"])
     return {"world_size": state["world_size"]}

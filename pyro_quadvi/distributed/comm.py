@@ -144,19 +144,31 @@ def broadcast_generator(
     """Give every rank the state of rank ``src``'s ``generator`` (torch's global one if ``None``).
 
     Random rules (``blocked_simplex``, ``rasp_simplex``, ``mc``) draw their nodes from it: ranks
-    that share its state draw the same nodes.
+    that share its state draw the same nodes. With ``None``, on a rank ``src`` that has started
+    CUDA, the current CUDA device's state goes too (a rule on a CUDA device draws from it), into
+    each rank's current device.
     """
     _, size = world(group)
     if size == 1:
         return
-    state = torch.get_rng_state() if generator is None else generator.get_state()
-    state = state.to(collective_device(group), copy=True)
-    dist.broadcast(state, src=src, group=group)
-    state = state.cpu()
-    if generator is None:
-        torch.set_rng_state(state)
-    else:
-        generator.set_state(state)
+    if generator is not None:
+        state = generator.get_state().to(collective_device(group), copy=True)
+        dist.broadcast(state, src=src, group=group)
+        generator.set_state(state.cpu())
+        return
+    box = [_global_states() if dist.get_rank() == src else None]  # (src: a global rank)
+    dist.broadcast_object_list(box, src=src, group=group)
+    cpu, cuda = box[0]
+    torch.set_rng_state(cpu)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
+
+
+def _global_states() -> tuple[torch.Tensor, torch.Tensor | None]:
+    """torch's global random states: the CPU's, and the current CUDA device's where CUDA has
+    started (``None`` otherwise: reading it would start CUDA)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
 
 
 def all_reduce_mean_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None):

@@ -25,6 +25,7 @@ other prior at such a site is evaluated at the points as usual.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +44,14 @@ from torch.distributions.transforms import ComposeTransform, IndependentTransfor
 from ..distributions.iid_normal import IidNormal
 from .batched import BatchMismatch, first_line, is_broadcast_error
 
-__all__ = ["LatentSite", "LogJoint", "latent_sites_of_model", "model_max_plate_nesting"]
+__all__ = [
+    "LatentSite",
+    "LogJoint",
+    "RandomState",
+    "cuda_devices",
+    "latent_sites_of_model",
+    "model_max_plate_nesting",
+]
 
 _NODE_PLATE = "_quadvi_nodes"
 
@@ -228,7 +236,7 @@ class LogJoint:
         unconstrained = self.split(z)
         if self.max_plate_nesting is None:
             self.max_plate_nesting = self._find_plate_nesting(
-                unconstrained, args, kwargs, replay_trace, _where(z, 0)
+                unconstrained, args, kwargs, replay_trace, functools.partial(_where, z, 0)
             )
         if vectorize:
             terms, trace = self._vectorized(unconstrained, z, args, kwargs, replay_trace)
@@ -236,7 +244,9 @@ class LogJoint:
             rows = []
             for k in range(z.shape[0]):
                 values = {name: value[k] for name, value in unconstrained.items()}
-                rows.append(self._single(values, args, kwargs, replay_trace, _where(z, k)))
+                # (the place is written only for a message: no copy to the host per node)
+                where = functools.partial(_where, z, k)
+                rows.append(self._single(values, args, kwargs, replay_trace, where))
             terms = {name: torch.stack([row[0][name] for row in rows]) for name in rows[0][0]}
             trace = rows[-1][1]
         # (a model whose every term is left to the caller has none)
@@ -268,7 +278,7 @@ class LogJoint:
         """
         if self.max_plate_nesting is None:
             return
-        where = _where(z, 0)
+        where = functools.partial(_where, z, 0)
         found = self._find_plate_nesting(self.split(z), args, kwargs or {}, replay_trace, where)
         if found > self.max_plate_nesting:
             raise ValueError(
@@ -290,7 +300,7 @@ class LogJoint:
         kwargs,
         replay_trace,
         points: torch.Tensor | None = None,
-        where: str = "the vectorized pass",
+        where: Callable[[], str] = lambda: "the vectorized pass",
     ) -> Trace:
         conditioned = Trace()
         if replay_trace is not None:
@@ -308,7 +318,7 @@ class LogJoint:
         locate = None
         if points is not None:  # one pass over all points, under a plate of them
             particle_dims = self.max_plate_nesting + 1
-            model = _in_plate(model, len(points), -particle_dims)
+            model = _in_plate(model, len(points), -particle_dims, points.device)
 
             def locate(bad: torch.Tensor) -> str:  # the first point where a site is not finite
                 per_point = _per_particle(bad.to(points.dtype), len(points), particle_dims)
@@ -371,7 +381,8 @@ class LogJoint:
 
     def _compute_log_prob(self, trace: Trace) -> None:
         """The log densities of the trace's sites but those left to the caller
-        (:attr:`closed_priors`, recorded here)."""
+        (:attr:`closed_priors`, recorded here) and the plates' subsample sites: theirs is a zero
+        that Pyro makes on the CPU, whatever the device of the model."""
         self.closed_priors = {}
         for site in self.sites:
             if site.name in self.expected_log_priors and _is_identity(site.transform):
@@ -380,9 +391,11 @@ class LogJoint:
                 scale = node["scale"]
                 if prior is not None and node["mask"] is None and isinstance(scale, float | int):
                     self.closed_priors[site.name] = (*prior, float(scale))
-        trace.compute_log_prob(lambda name, _: name not in self.closed_priors)
+        trace.compute_log_prob(
+            lambda name, site: name not in self.closed_priors and not site_is_subsample(site)
+        )
 
-    def _single(self, values, args, kwargs, replay_trace, where: str):
+    def _single(self, values, args, kwargs, replay_trace, where: Callable[[], str]):
         constrained, log_jac = self._constrain(values)
         trace = self._trace(constrained, args, kwargs, replay_trace, where=where)
         self._compute_log_prob(trace)
@@ -507,21 +520,70 @@ def _not_finite(site: dict, value: float, where: str) -> str:
     )
 
 
+def cuda_devices(*objects) -> list[int]:
+    """The indices of the CUDA devices that hold the tensors among ``objects``: tensors, the
+    parameters and buffers of ``torch.nn.Module`` s, and those inside lists, tuples and dicts (a
+    model's arguments). Empty on a machine without CUDA: what
+    ``torch.random.fork_rng(devices=...)`` takes to fork the random states a model's run draws
+    from, the CPU's and those of the devices its tensors live on."""
+    found: set[int] = set()
+    pending = list(objects)
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            if item.device.type == "cuda":
+                found.add(item.device.index)
+        elif isinstance(item, torch.nn.Module):
+            pending.extend(item.parameters())
+            pending.extend(item.buffers())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+    return sorted(found)
+
+
+@dataclass(frozen=True)
+class RandomState:
+    """torch's random state: the CPU's, and that of each CUDA device in ``cuda`` (index ->
+    state), which ``torch.get_rng_state`` leaves out.
+
+    Args:
+        cpu: ``torch.get_rng_state()``.
+        cuda: ``torch.cuda.get_rng_state(index)`` for each device index.
+    """
+
+    cpu: torch.Tensor
+    cuda: dict[int, torch.Tensor]
+
+    @classmethod
+    def get(cls, devices: Sequence[int] = ()) -> RandomState:
+        """The current states of the CPU and of the CUDA ``devices`` (:func:`cuda_devices`)."""
+        return cls(torch.get_rng_state(), {i: torch.cuda.get_rng_state(i) for i in devices})
+
+    def restore(self) -> None:
+        """Set the states back, the CPU's and each CUDA device's."""
+        torch.set_rng_state(self.cpu)
+        for index, state in self.cuda.items():
+            torch.cuda.set_rng_state(state, index)
+
+
 def name_the_invalid_initial_site(
-    guide, args, kwargs, error: ValueError, rng_state: torch.Tensor
+    guide, args, kwargs, error: ValueError, rng_state: RandomState
 ) -> None:
     """Name the site behind ``error``, which Pyro's validation raised while an AutoGuide set
     itself up: its set-up runs the model at the values of its ``init_loc_fn`` (``guide.model``,
-    Pyro's ``InitMessenger`` on the model), drawn from ``rng_state``. The same run, from the same
+    Pyro's ``InitMessenger`` on the model), drawn from ``rng_state`` (the CPU's and the model's
+    CUDA devices'). The same run, from the same
     state, without validation, shows the site (:func:`_name_the_invalid_site`)."""
     initialized = getattr(guide, "model", None)
     if initialized is None:
         return
     blocked = poutine.block(initialized, hide_types=["param"])
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(rng_state)
+    with torch.random.fork_rng(devices=list(rng_state.cuda)):
+        rng_state.restore()
         where = "the guide's initial values (from its init_loc_fn)"
-        _name_the_invalid_site(blocked, args, kwargs, error, where)
+        _name_the_invalid_site(blocked, args, kwargs, error, lambda: where)
 
 
 def _name_the_invalid_site(
@@ -529,7 +591,7 @@ def _name_the_invalid_site(
     args,
     kwargs,
     error: ValueError,
-    where: str,
+    where: Callable[[], str],
     locate: Callable[[torch.Tensor], str] | None = None,
 ) -> None:
     """Raise a ValueError naming the site whose argument validation raised ``error``, if found.
@@ -537,7 +599,8 @@ def _name_the_invalid_site(
     Pyro validates a distribution's parameters and observed value where the model builds them
     (``pyro.factor("f", nan)`` raises before the site exists); a run without validation reaches
     the site, and its log density shows which one it is. ``locate`` names the point from the
-    site's mask of non-finite entries (a pass over several points), else ``where`` is the place.
+    site's mask of non-finite entries (a pass over several points), else ``where()`` is the place
+    (written only here, on an error: it reads the point back from its device).
     """
     with pyro.validation_enabled(False), torch.no_grad():
         try:
@@ -551,7 +614,7 @@ def _name_the_invalid_site(
         bad = ~torch.isfinite(log_prob)
         if bad.any():
             value = log_prob[bad].reshape(-1)[0].item()
-            at = where if locate is None else locate(bad)
+            at = where() if locate is None else locate(bad)
             raise ValueError(f"{_not_finite(node, value, at)}. ({first_line(error)})") from None
 
 
@@ -563,9 +626,9 @@ def _per_particle(log_prob: torch.Tensor, K: int, particle_dims: int) -> torch.T
     return moved.reshape(K, -1).sum(-1)
 
 
-def _in_plate(fn: Callable, size: int, dim: int) -> Callable:
+def _in_plate(fn: Callable, size: int, dim: int, device: torch.device) -> Callable:
     def wrapped(*args, **kwargs):
-        with pyro.plate(_NODE_PLATE, size, dim=dim):
+        with pyro.plate(_NODE_PLATE, size, dim=dim, device=device):
             return fn(*args, **kwargs)
 
     return wrapped

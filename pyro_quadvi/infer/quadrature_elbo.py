@@ -73,7 +73,13 @@ from ..guides.interface import (
 )
 from ..quadrature import QuadratureRule, make_rule
 from .batched import BatchDecision, DecisionCache, evaluate_batch, is_broadcast_error
-from .log_joint import LogJoint, latent_sites_of_model, name_the_invalid_initial_site
+from .log_joint import (
+    LogJoint,
+    RandomState,
+    cuda_devices,
+    latent_sites_of_model,
+    name_the_invalid_initial_site,
+)
 
 __all__ = ["PointsELBO", "QuadratureELBO"]
 
@@ -142,9 +148,11 @@ class PointsELBO(ELBO):
         if set_up:
             # Before an AutoGuide's first run: refuse discrete or enumerated latents by name,
             # without disturbing the random state a seeded run depends on.
-            with torch.random.fork_rng(devices=[]):
+            # (the CPU's state, and the CUDA devices' that the model's tensors live on)
+            devices = cuda_devices(model, args, kwargs)
+            with torch.random.fork_rng(devices=devices):
                 latent_sites_of_model(model, *args, **kwargs)
-            state = torch.get_rng_state()
+            state = RandomState.get(devices)
         try:
             guide_trace = poutine.trace(_UnreadDraws()(guide)).get_trace(*args, **kwargs)
         except ValueError as error:  # Pyro's validation, at the set-up's initial values?

@@ -433,6 +433,20 @@ def qnvb_update(
 
 
 _COMPILED: list[Callable] = []
+_SCALARS: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _device_scalars(
+    like: torch.Tensor, weight: float, prior_precision: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` and ``prior_precision`` as 0-dim tensors of ``like``'s dtype and device: the
+    same cached tensors at every call, filled in place (``fill_`` takes a Python number as a
+    kernel argument: no copy from the host)."""
+    key = (like.dtype, like.device)
+    if key not in _SCALARS:
+        _SCALARS[key] = (like.new_zeros(()), like.new_zeros(()))
+    weight_t, prior_t = _SCALARS[key]
+    return weight_t.fill_(weight), prior_t.fill_(prior_precision)
 
 
 def _is_number(value: object, number: float) -> bool:
@@ -694,9 +708,9 @@ def _compiled_updates(mus, sigmas, gs, hs, states, hp, weight, prior_precision):
     outputs made the compiled update four times slower."""
     if not _COMPILED:
         _COMPILED.append(torch.compile(qnvb_update))
-    like = mus[0]  # the weight as a tensor: a new annealing factor needs no recompile
-    weight = torch.as_tensor(weight, dtype=like.dtype, device=like.device)
-    prior_precision = torch.as_tensor(prior_precision, dtype=like.dtype, device=like.device)
+    # the weight as a tensor: a new annealing factor needs no recompile; kept on the device and
+    # filled in place, a kernel argument rather than a copy from the host at every step
+    weight, prior_precision = _device_scalars(mus[0], weight, prior_precision)
     results = []
     for mu, sigma, g, h, state in zip(mus, sigmas, gs, hs, states):
         flat = QNVBState(*(t.reshape(-1) for t in state))

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..quadrature import make_rule
+from ..quadrature.base import draw_device
 from ..quadrature.hadamard import HadamardRule
 from .qnvb_functional import _check_number
 from .sparse_functional import (
@@ -194,7 +195,10 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
         dim = sum(p.numel() for p in params)
         if self.sequence_offset is None:  # Algorithm 5.1, line 2
             positions = max(1, HadamardRule.sequence_length(dim) // self.hyperparameters.num_pairs)
-            self.sequence_offset = int(torch.randint(positions, (), generator=self.generator))
+            at = draw_device(self.generator, None)  # the generator's device (a CUDA one too)
+            self.sequence_offset = int(
+                torch.randint(positions, (), generator=self.generator, device=at)
+            )
         nodes = self.rule.draw(
             dim,
             step=self.sequence_offset + self.counters.step,

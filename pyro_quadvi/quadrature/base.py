@@ -342,3 +342,11 @@ class QuadratureRule(abc.ABC):
 def equal_weights(num: int, dtype: torch.dtype | None, device) -> torch.Tensor:
     """``num`` weights of ``1 / num``."""
     return torch.full((num,), 1.0 / num, dtype=dtype or torch.get_default_dtype(), device=device)
+
+
+def draw_device(generator: torch.Generator | None, device) -> torch.device | str | None:
+    """Where to draw random numbers from ``generator``: on its own device (torch refuses a CPU
+    generator for a CUDA tensor), else, for torch's global generators, on ``device``. The caller
+    moves the draw to ``device``: a CPU generator then serves a rule on any device, and its draws
+    are the same numbers whatever the device."""
+    return generator.device if generator is not None else device

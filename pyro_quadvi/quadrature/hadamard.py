@@ -48,10 +48,8 @@ def hadamard_signs(
             ``index``). Only its low 31 bits matter for indices below ``2^31``.
         dtype: floating dtype of the result (default dtype when ``None``).
     """
-    if isinstance(iterate, int):
-        iterate = torch.tensor(iterate & _INDEX_MASK, dtype=index.dtype, device=index.device)
-    else:
-        iterate = iterate & _INDEX_MASK
+    # a Python int stays one: an operand of the bit operations, never copied to index's device
+    iterate = iterate & _INDEX_MASK
     parity = _parity(index & iterate)
     return (1 - 2 * parity).to(dtype or torch.get_default_dtype())
 

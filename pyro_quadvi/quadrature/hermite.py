@@ -94,12 +94,10 @@ class _TensorGridNodes(NodeSet):
             weights = torch.outer(weights, point_weights).reshape(-1)
         super().__init__(dim, weights, **limits)
 
-    def _digits(self, k: torch.Tensor) -> torch.Tensor:
-        return torch.div(k[..., None], self._powers, rounding_mode="floor") % self._points.shape[0]
-
     def node(self, k: int) -> torch.Tensor:
-        k = self._check_index(k)
-        return self._points[self._digits(torch.tensor(k, device=self.device))]
+        # k's base-m digits: a Python int against the device's powers, no copy of k to the device
+        digits = torch.floor_divide(self._check_index(k), self._powers) % self._points.shape[0]
+        return self._points[digits]
 
     def _matrix(self) -> torch.Tensor:
         grids = [self._points] * self.dim

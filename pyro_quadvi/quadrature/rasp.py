@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, equal_weights
+from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, draw_device, equal_weights
 
 __all__ = ["BlockedSimplexRule", "RASPRule", "cross_reference", "simplex_reference"]
 
@@ -139,9 +139,15 @@ class RASPRule(QuadratureRule):
     def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
         dim, step, dtype = self.check_draw(dim, step, generator, dtype)
         num_rows = 2 * self.r
+        # drawn where the generator lives (a CPU generator serves any device), then moved
         index = torch.randint(
-            0, num_rows, (dim,), generator=generator, dtype=_index_dtype(num_rows), device=device
-        )
+            0,
+            num_rows,
+            (dim,),
+            generator=generator,
+            dtype=_index_dtype(num_rows),
+            device=draw_device(generator, device),
+        ).to(device)
         weights = equal_weights(self.num_points, dtype, device)
         table = self._signed.to(dtype=weights.dtype, device=weights.device)
         return _AffinityNodes(table, index, dim, weights, name=self.name, max_bytes=self.max_bytes)
@@ -206,14 +212,17 @@ class BlockedSimplexRule(QuadratureRule):
     def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
         dim, step, dtype = self.check_draw(dim, step, generator, dtype)
         num_blocks = -(-dim // self.block_size)
+        # drawn where the generator lives (a CPU generator serves any device), then moved
+        at = draw_device(generator, device)
         perms = torch.empty(
-            num_blocks, self.num_points, dtype=_index_dtype(self.num_points), device=device
+            num_blocks, self.num_points, dtype=_index_dtype(self.num_points), device=at
         )
         # Random keys sorted per block, a chunk of blocks at a time: O(chunk) scratch memory.
         for start in range(0, num_blocks, _GATHER_CHUNK):
             stop = min(start + _GATHER_CHUNK, num_blocks)
-            keys = torch.rand(stop - start, self.num_points, generator=generator, device=device)
+            keys = torch.rand(stop - start, self.num_points, generator=generator, device=at)
             perms[start:stop] = keys.argsort(dim=1)
+        perms = perms.to(device)
         weights = equal_weights(self.num_points, dtype, device)
         reference = self._reference.to(dtype=weights.dtype, device=weights.device)
         return _BlockedNodes(

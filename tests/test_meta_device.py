@@ -1,0 +1,317 @@
+"""The package on a device other than the CPU, checked on PyTorch's ``meta`` device.
+
+No GPU is lent to the test machine. On ``meta`` (:mod:`pyro_quadvi.testing.meta`), a tensor
+left on the CPU among device tensors raises as it would on CUDA, and :class:`FakeSync` fakes and
+counts the host syncs. Data, network and guide live on ``meta``; every result and every parameter
+must stay there.
+"""
+
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI
+from torch import nn
+
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, metrics
+from pyro_quadvi.distributed import checkpoint, comm
+from pyro_quadvi.infer.log_joint import RandomState, cuda_devices
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi.optim import QNVBOptimizer
+from pyro_quadvi.optim.qnvb_functional import _device_scalars
+from pyro_quadvi.optim.torch_qnvb import module_loss
+from pyro_quadvi.quadrature import make_rule
+from pyro_quadvi.quadrature.hadamard import fwht
+from pyro_quadvi.testing.meta import FakeSync
+
+META = torch.device("meta")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    pyro.clear_param_store()
+    with pyro.validation_enabled(True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    pyro.clear_param_store()
+
+
+def _data():
+    return torch.randn(32, 3, device=META), torch.randn(32, 1, device=META)
+
+
+def _all_on_meta():
+    store = pyro.get_param_store()
+    assert len(store.keys()) > 0
+    for name, value in store.items():
+        # the ELBO's position in its rule's sequence is a host counter, read without a sync
+        assert value.device == (torch.device("cpu") if name.endswith(".step") else META), name
+
+
+def _network(out: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, out)).to(META)
+
+
+@pytest.mark.parametrize(
+    "likelihood, prior, classes",
+    [
+        (likelihoods.Gaussian(32, scale=0.3), priors.Normal(1.0), None),
+        (likelihoods.Gaussian(32), priors.Normal(1.0), None),  # learned noise
+        (likelihoods.Categorical(32), priors.LayerwiseNormal("radford"), 4),
+    ],
+    ids=["gaussian", "gaussian-learned-noise", "categorical"],
+)
+def test_bayesian_module_trains_on_meta(likelihood, prior, classes):
+    """Guide set-up, the loss and two QNVB steps: Pyro's plate bookkeeping sites made their zero
+    log density on the CPU, which was added to the device's total (log_joint.py)."""
+    x, y = _data()
+    if classes:
+        y = torch.zeros(32, dtype=torch.long, device=META)
+    bnn = BayesianModule(_network(classes or 1), prior, likelihood)
+    guide = AutoMeanFieldNormal(bnn, init_scale=0.05)
+    elbo = QuadratureELBO("blocked_simplex")
+    with FakeSync():
+        guide(x, y)
+        _all_on_meta()
+        assert elbo.differentiable_loss(bnn, guide, x, y).device == META
+        svi = SVI(bnn, guide, QNVB(lr=0.5), elbo)
+        svi.step(x, y)
+        svi.step(x, y)
+    _all_on_meta()
+    assert elbo.vectorized(bnn, guide)
+
+
+def test_plain_model_with_subsampled_latents_on_meta():
+    """A global latent and local latents in a subsampled plate, in one vectorized pass."""
+    x, y = _data()
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, device=META), 1.0).to_event(1))
+        with pyro.plate("data", 32, subsample_size=8, device=META) as idx:
+            z = pyro.sample("z", dist.Normal(torch.zeros((), device=META), 1.0))
+            mean = (x[idx] * w.unsqueeze(-2)).sum(-1) + z
+            pyro.sample("obs", dist.Normal(mean, 0.5), obs=y[idx, 0])
+
+    guide = AutoMeanFieldNormal(model)
+    elbo = QuadratureELBO("rasp_simplex", vectorize=True)
+    with FakeSync():
+        svi = SVI(model, guide, QNVB(), elbo)
+        svi.step(x, y)
+        svi.step(x, y)
+        assert elbo.differentiable_loss(model, guide, x, y).device == META
+    _all_on_meta()
+
+
+def test_predict_on_meta():
+    x, y = _data()
+    bnn = BayesianModule(_network(1), priors.Normal(1.0), likelihoods.Gaussian(32))
+    guide = AutoMeanFieldNormal(bnn)
+    with FakeSync():
+        guide(x, y)
+        by_samples = bnn.predict(guide, x, num_samples=4)
+        by_rule = bnn.predict(guide, x, quadrature="hadamard")
+    for prediction in (by_samples, by_rule):
+        assert prediction.mean.device == META
+        assert prediction.mean.shape[-2:] == (32, 1)
+
+
+@pytest.mark.parametrize("rule", ["blocked_simplex", "hadamard", "rasp_simplex"])
+def test_qnvb_optimizer_on_meta(rule):
+    x, y = _data()
+    for use_closure in (False, True):
+        net = _network(1)
+        opt = QNVBOptimizer(net.named_parameters(), quadrature=rule, likelihood_weight=32)
+        with FakeSync():
+            if use_closure:
+
+                def closure(net=net):
+                    loss = nn.functional.mse_loss(net(x), y)
+                    loss.backward()
+                    return loss
+
+                loss = opt.step(closure)
+            else:
+                loss = opt.step(loss_fn=module_loss(net, nn.functional.mse_loss), batch=(x, y))
+        assert loss.device == META
+        assert all(p.device == META for p in net.parameters())
+        for state in opt.state.values():
+            assert all(v.device == META for v in state.values() if isinstance(v, torch.Tensor))
+
+
+RULES = ["rasp_simplex", "rasp_cross", "hadamard", "blocked_simplex", "gauss_hermite"]
+META_RULES = RULES[:]
+RULES += ["mc", "vrmc1", "vrmc2"]
+# Each rule's CPU nodes from torch.Generator().manual_seed(3), dim 10 (3 for gauss_hermite), step
+# 2, float64, computed before the device changes: (shape, sum of matrix * sin(1..K*dim), the next
+# randint(0, 1000) from the generator). The changes leave the CPU draws bit for bit as they were.
+CPU_DRAWS = {
+    "rasp_simplex": ((3, 10), -5.935834298275, 514),
+    "rasp_cross": ((6, 10), 13.160357933652, 514),
+    "hadamard": ((4, 10), -0.36351061259, 986),
+    "blocked_simplex": ((3, 10), 0.827099233154, 149),
+    "gauss_hermite": ((27, 3), -1.139374549074, 986),
+    "mc": ((3, 10), 5.955429589281, 737),
+    "vrmc1": ((3, 10), 5.355711962665, 737),
+    "vrmc2": ((3, 10), 6.214056366748, 737),
+}
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_rules_draw_on_meta_from_a_cpu_generator(name):
+    """A CPU generator serves a device rule (rasp_* and blocked_simplex drew on the rule's device
+    with it: torch refuses a CPU generator for a CUDA tensor; so does meta's randint/rand)."""
+    dim = 3 if name == "gauss_hermite" else 10
+    shape, checksum, after = CPU_DRAWS[name]
+    rule = make_rule(name, None)
+    # mc and vrmc draw each node from its own generator on the rule's device, and there is no
+    # meta generator (torch.Generator(device="meta") raises): their nodes are checked on the CPU
+    for generator in (None, torch.Generator().manual_seed(3)) if name in META_RULES else ():
+        with FakeSync():
+            nodes = rule.draw(dim, step=2, generator=generator, dtype=torch.float32, device=META)
+            matrix = nodes.matrix()
+            node = nodes.node(1)
+        assert matrix.device == node.device == nodes.weights.device == META
+        assert matrix.shape == shape and node.shape == (dim,)
+    generator = torch.Generator().manual_seed(3)
+    cpu = rule.draw(dim, step=2, generator=generator, dtype=torch.float64).matrix()
+    weights = torch.arange(1, cpu.numel() + 1, dtype=torch.float64).reshape(cpu.shape).sin()
+    assert round(float((cpu * weights).sum()), 12) == checksum
+    assert int(torch.randint(0, 1000, (), generator=generator)) == after
+
+
+@pytest.mark.parametrize("name", ["hadamard", "gauss_hermite"])
+def test_nodes_are_built_without_host_tensors(name, monkeypatch):
+    """A node of a deterministic rule takes no ``torch.tensor(int, device=...)`` (a copy from
+    the host on CUDA, twice per Hadamard pair, once per Gauss-Hermite node)."""
+    rule = make_rule(name, None)
+    nodes = rule.draw(3, step=5, dtype=torch.float64)
+    expected = nodes.matrix()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.tensor called while building a node")
+
+    monkeypatch.setattr(torch, "tensor", refuse)
+    for k in range(len(nodes)):
+        assert torch.equal(nodes.node(k), expected[k])
+    meta_nodes = rule.draw(3, step=5, dtype=torch.float64, device=META)
+    assert meta_nodes.node(1).device == META
+
+
+def test_fwht_on_meta():
+    for shape in [(4, 64), (3, 2048)]:
+        x = torch.ones(shape, device=META, requires_grad=True)
+        with FakeSync() as syncs:
+            y = fwht(x)
+            y.sum().backward()
+        assert y.device == x.grad.device == META and y.shape == shape
+        assert syncs.total == 0
+
+
+def test_metrics_on_meta_and_device_errors():
+    probs = torch.full((8, 3), 1 / 3, device=META)
+    labels = torch.zeros(8, dtype=torch.long, device=META)
+    mean = torch.zeros(10, device=META)
+    with FakeSync():
+        results = [
+            metrics.categorical_nll(probs, labels),
+            metrics.accuracy(probs, labels),
+            metrics.brier_score(probs, labels),
+            metrics.expected_calibration_error(probs, labels),
+            metrics.gaussian_nll(mean, 0.5, mean),
+            metrics.gaussian_nll(mean, torch.tensor(0.5), mean),  # one level, moved
+            metrics.rmse(mean, mean),
+        ]
+        assert metrics.calibration_bins(probs, labels).edges.device == META
+    assert all(r.device == META and r.dim() == 0 for r in results)
+    with FakeSync():  # (the finiteness checks read meta values)
+        with pytest.raises(ValueError, match=r"y is on cpu but pred is on meta; move it there"):
+            metrics.rmse(mean, torch.zeros(10))
+        with pytest.raises(ValueError, match=r"y is on cpu but mean is on meta"):
+            metrics.gaussian_nll(mean, 0.5, torch.zeros(10))
+        with pytest.raises(ValueError, match=r"scale is on cpu but mean is on meta"):
+            metrics.gaussian_nll(mean, torch.full((10,), 0.5), mean)
+
+
+def test_cuda_devices_are_found_in_models_and_arguments():
+    net = nn.Linear(2, 1)
+    assert cuda_devices(net, (torch.zeros(2),), {"x": [torch.zeros(1, device=META)]}) == []
+    # without CUDA, a CUDA tensor cannot be made: the devices are read from tensors' .device
+    fake = type("T", (torch.Tensor,), {"device": torch.device("cuda", 1)})
+    one = torch.zeros(1).as_subclass(fake)
+    assert cuda_devices((3, [one]), {"y": one}) == [1]
+
+
+def test_random_state_restores_cpu_and_cuda_states(monkeypatch):
+    """The state replayed for a failing guide set-up holds each CUDA device's state too."""
+    cuda_states = {0: torch.tensor([7], dtype=torch.uint8), 2: torch.tensor([9], dtype=torch.uint8)}
+    restored = {}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda i: cuda_states[i].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: restored.__setitem__(i, s))
+    torch.manual_seed(5)
+    state = RandomState.get([0, 2])
+    first = torch.rand(3)
+    state.restore()
+    assert torch.equal(torch.rand(3), first)
+    assert {i: int(s) for i, s in restored.items()} == {0: 7, 2: 9}
+
+
+def test_checkpoint_and_broadcast_carry_the_cuda_state(tmp_path, monkeypatch):
+    """Where CUDA has started, the checkpoint saves every device's random state and restores it;
+    broadcast_generator() sends the current device's (faked: no GPU here)."""
+    saved = [torch.tensor([1, 2], dtype=torch.uint8), torch.tensor([3, 4], dtype=torch.uint8)]
+    restored = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in saved])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: saved[0].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i=0: restored.__setitem__(i, s))
+    optim = pyro.optim.Adam({"lr": 0.1})
+    path = tmp_path / "fit.pt"
+    checkpoint.save_checkpoint(path, optim)
+    checkpoint.load_checkpoint(path, optim)
+    assert {i: s.tolist() for i, s in restored.items()} == {0: [1, 2], 1: [3, 4]}
+    cpu, cuda = comm._global_states()
+    assert torch.equal(cpu, torch.get_rng_state()) and cuda.tolist() == [1, 2]
+
+
+def test_device_scalars_are_filled_in_place():
+    like = torch.zeros(3, dtype=torch.float64, device=META)
+    first = _device_scalars(like, 2.0, 0.5)
+    again = _device_scalars(like, 3.0, 0.0)
+    assert all(a is b for a, b in zip(first, again))
+    assert all(t.device == META and t.dtype == torch.float64 for t in again)
+    cpu = _device_scalars(torch.zeros(3, dtype=torch.float64), 3.0, 0.25)
+    assert cpu[0].item() == 3.0 and cpu[1].item() == 0.25
+
+
+def test_host_syncs_of_a_steady_state_step():
+    """Host syncs per step on a GPU, validation off, after the first steps have decided how to
+    evaluate the model (vectorized)."""
+    x, y = _data()
+    bnn = BayesianModule(_network(1), priors.Normal(1.0), likelihoods.Gaussian(32, scale=0.3))
+    guide = AutoMeanFieldNormal(bnn, init_scale=0.05)
+    svi = SVI(bnn, guide, QNVB(lr=0.5), QuadratureELBO("blocked_simplex"))
+    net = _network(1)
+    opt = QNVBOptimizer(net.named_parameters(), quadrature="blocked_simplex", likelihood_weight=32)
+    loss_fn = module_loss(net, nn.functional.mse_loss)
+    with pyro.validation_enabled(False), FakeSync():
+        for _ in range(2):
+            svi.step(x, y)
+            opt.step(loss_fn=loss_fn, batch=(x, y))
+    with pyro.validation_enabled(False), FakeSync() as pyro_step:
+        svi.step(x, y)
+    # infer/log_joint.py: bool(isfinite(total).all()), the one finiteness check of the nodes;
+    # infer/quadrature_elbo.py: `if not torch.isfinite(loss)` and SVI's loss.item();
+    # optim/qnvb_functional.py: the counts' .tolist() (a copy to the host) and the
+    # bool(updated.all()) that spares the passes of a full update
+    assert pyro_step.by_file() == {
+        "infer/log_joint.py": 1,
+        "infer/quadrature_elbo.py": 2,
+        "optim/qnvb_functional.py": 2,
+    }
+    with pyro.validation_enabled(False), FakeSync() as torch_step:
+        opt.step(loss_fn=loss_fn, batch=(x, y))
+    assert torch_step.total == 3, torch_step.counts
