@@ -315,3 +315,25 @@ def test_host_syncs_of_a_steady_state_step():
     with pyro.validation_enabled(False), FakeSync() as torch_step:
         opt.step(loss_fn=loss_fn, batch=(x, y))
     assert torch_step.total == 3, torch_step.counts
+
+
+def test_fit_moves_cpu_batches_to_the_device_and_subsampled_2d_rows_stay_there():
+    """``fit(device=)`` moves a DataLoader's CPU batches to the model's device (without it the
+    step mixes devices); QNVB's row index of a subsampled parameter is made on its device."""
+    from pyro_quadvi.nn import fit
+
+    bnn = BayesianModule(_network(1), priors.Normal(1.0), likelihoods.Gaussian(64, scale=0.3))
+    guide = AutoMeanFieldNormal(bnn, init_scale=0.05)
+    x, y = torch.randn(16, 3), torch.randn(16, 1)  # on the CPU, as a DataLoader yields them
+    svi = SVI(bnn, guide, QNVB(lr=0.5), QuadratureELBO("hadamard", num_points=4))
+    with FakeSync():
+        with pytest.raises(RuntimeError, match="device"):
+            fit(svi, [(x, y)], 1, progress=False)
+        history = fit(svi, [(x, y)], 2, progress=False, device=META)
+    assert len(history.loss) == 2
+    _all_on_meta()
+    from pyro_quadvi.optim.qnvb import _row_index
+
+    index = _row_index(torch.Size([5, 3]), {0: torch.tensor([1, 3], device=META)})
+    assert [t.device for t in index] == [META, META]
+    assert [tuple(t.shape) for t in index] == [(2, 1), (1, 3)]

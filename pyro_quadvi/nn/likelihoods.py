@@ -44,7 +44,8 @@ class Likelihood:
         size = rows if self.dataset_size is None else self.dataset_size
         if rows > size:
             raise ValueError(f"a minibatch of {rows} rows is larger than dataset_size={size}")
-        return pyro.plate("data", size, subsample=torch.arange(rows, device=device), dim=-1)
+        index = torch.arange(rows, device=device)
+        return pyro.plate("data", size, subsample=index, dim=-1, device=device)
 
     def sample_latents(self, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         """The likelihood's own latent sites (sampled before the data plate); none by default."""

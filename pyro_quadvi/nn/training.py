@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+import torch
 from pyro.infer import SVI
 from tqdm.auto import tqdm
 
@@ -29,6 +30,13 @@ class History:
 
     loss: list[float] = field(default_factory=list)
     metrics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+
+def _on(batch: tuple, device: torch.device | str | None) -> tuple:
+    """The batch with its tensors moved to ``device`` (unchanged without one)."""
+    if device is None:
+        return batch
+    return tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in batch)
 
 
 def _batches(data: tuple | Iterable) -> Iterator[tuple]:
@@ -60,6 +68,7 @@ def fit(
     every: int = 100,
     progress: bool = True,
     desc: str = "SVI",
+    device: torch.device | str | None = None,
 ) -> History:
     """Run ``num_steps`` of ``svi.step`` and record the loss and ``metrics``.
 
@@ -75,6 +84,8 @@ def fit(
         every: the spacing of the metric evaluations, in steps.
         progress: show a tqdm bar with the latest loss.
         desc: the bar's label.
+        device: where to move each batch's tensors before its step (the model's device, e.g.
+            ``"cuda"``, for a ``DataLoader`` of CPU tensors); ``None`` leaves them where they are.
 
     Raises:
         ValueError: for ``num_steps < 0``, ``every < 1``, an empty iterable, or a one-shot
@@ -88,7 +99,7 @@ def fit(
     batches = _batches(data)
     bar = tqdm(range(num_steps), disable=not progress, desc=desc)
     for step in bar:
-        history.loss.append(svi.step(*next(batches)))
+        history.loss.append(svi.step(*_on(next(batches), device)))
         bar.set_postfix(loss=f"{history.loss[-1]:.4g}", refresh=False)
         done = step + 1
         if metrics and (done % every == 0 or done == num_steps):

@@ -187,8 +187,8 @@ def _row_index(shape: torch.Size, rows: dict[int, torch.Tensor] | None) -> tuple
     index = []
     for d in range(ndim):
         picked = rows.get(d - ndim, rows.get(d))
-        if picked is None:
-            picked = torch.arange(shape[d])
+        if picked is None:  # on the device of the rows given (the parameter's)
+            picked = torch.arange(shape[d], device=next(iter(rows.values())).device)
         view = [1] * ndim
         view[d] = -1
         index.append(picked.reshape(view))
