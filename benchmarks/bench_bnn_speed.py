@@ -90,7 +90,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
-from pyro_quadvi.infer.quadrature_elbo import _UnreadDraws
+from pyro_quadvi.guides.interface import trace_for_description
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import QNVBOptimizer, module_loss
 from pyro_quadvi.optim.qnvb_functional import (
@@ -479,9 +479,9 @@ def floor_table(cases, repeats: int) -> None:
 
 
 def guide_run_table(cases, repeats: int) -> None:
-    """The guide's run as ``QuadratureELBO`` makes it (traced, each auxiliary draw given its mean:
-    ``_UnreadDraws``) against the same traced run drawing every coordinate, interleaved; median of
-    ``repeats`` blocks of 10 runs each, Pyro's validation on and off."""
+    """The guide's run as ``QuadratureELBO`` makes it (``trace_for_description``: each auxiliary
+    draw given its mean) against the same traced run drawing every coordinate, interleaved;
+    median of ``repeats`` blocks of 10 runs each, Pyro's validation on and off."""
     print(
         f"\nThe guide's traced run (ms, median of {repeats} blocks of 10, interleaved):\n\n"
         "| network | validation | drawing | as the ELBO runs it (means) | saved |\n"
@@ -494,7 +494,7 @@ def guide_run_table(cases, repeats: int) -> None:
         guide(x, y)
         runs = {
             "drawing": partial(poutine.trace(guide).get_trace, x, y),
-            "means": partial(poutine.trace(_UnreadDraws()(guide)).get_trace, x, y),
+            "means": partial(trace_for_description, guide, x, y),
         }
         for validation in (True, False):
             times: dict[str, list[float]] = {label: [] for label in runs}

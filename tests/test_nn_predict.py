@@ -50,6 +50,18 @@ def test_fixed_noise_predictive_variance_is_the_closed_form():
     torch.testing.assert_close(pred.variance[:, 0], expected, rtol=0, atol=1e-13)
 
 
+def test_a_prediction_at_quadrature_nodes_draws_no_random_numbers():
+    # the guide runs for its description only (trace_for_description): the closed form as above,
+    # and torch's random state as it was
+    bnn, guide = _linear(likelihoods.Gaussian(len(X), scale=0.5))
+    state = torch.get_rng_state()
+    pred = bnn.predict(guide, X, quadrature="gauss_hermite", num_points=2)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.testing.assert_close(pred.mean[:, 0], DESIGN @ MU, rtol=0, atol=1e-13)
+    expected = (DESIGN**2) @ S**2 + 0.25
+    torch.testing.assert_close(pred.variance[:, 0], expected, rtol=0, atol=1e-13)
+
+
 def test_learned_noise_variance_is_the_mean_of_the_squared_noise_scale():
     # noise_scale = exp(z), z ~ N(m, t^2) (the guide's transform onto the positive reals), so
     # E[noise_scale^2] = exp(2 m + 2 t^2), the mean of a log-normal

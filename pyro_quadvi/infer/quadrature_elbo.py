@@ -54,14 +54,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyro
-import pyro.distributions as dist
 import torch
-from pyro import poutine
 from pyro.infer import ELBO
 from pyro.poutine import Trace
-from pyro.poutine.messenger import Messenger
 
-from ..distributions import SpikeSlab
 from ..distributions.iid_normal import expected_log_density
 from ..guides.interface import (
     ELEMENTWISE_FAMILIES,
@@ -69,6 +65,7 @@ from ..guides.interface import (
     PublishedMoments,
     describe_guide,
     publish_moments,
+    trace_for_description,
     unwrap_guide,
 )
 from ..quadrature import QuadratureRule, make_rule
@@ -90,30 +87,6 @@ class _Fit:
 
     max_plate_nesting: int | None
     decision: BatchDecision | None = None
-
-
-#: Auxiliary draws that :class:`_UnreadDraws` replaces by their (finite) means.
-_MEAN_DRAWN = (dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNormal, SpikeSlab)
-
-
-class _UnreadDraws(Messenger):
-    """Gives each auxiliary draw of the package's families (the ``"..._unconstrained"`` sites of
-    AutoNormal's kind, the ``"_..._latent"`` site of an AutoContinuous) its mean instead of a
-    random draw.
-
-    The package's ELBOs read a guide's parameters through its description and evaluate the model
-    at their own points; the values its run draws are never read. Skipping them saves the random
-    numbers (one per coordinate, a tenth of the guide's run on a network) and leaves torch's
-    random state as it was, so that a deterministic rule's loss draws nothing at all.
-    """
-
-    def _pyro_sample(self, msg) -> None:
-        if msg["value"] is not None or msg["is_observed"] or not msg["infer"].get("is_auxiliary"):
-            return
-        fn = msg["fn"]
-        base = fn.base_dist if isinstance(fn, dist.Independent) else fn
-        if type(base) in _MEAN_DRAWN:
-            msg["value"] = fn.mean.detach()
 
 
 class PointsELBO(ELBO):
@@ -154,7 +127,7 @@ class PointsELBO(ELBO):
                 latent_sites_of_model(model, *args, **kwargs)
             state = RandomState.get(devices)
         try:
-            guide_trace = poutine.trace(_UnreadDraws()(guide)).get_trace(*args, **kwargs)
+            guide_trace = trace_for_description(guide, *args, **kwargs)
         except ValueError as error:  # Pyro's validation, at the set-up's initial values?
             if set_up and not is_broadcast_error(error):
                 name_the_invalid_initial_site(auto_guide, args, kwargs, error, state)

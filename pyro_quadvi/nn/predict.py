@@ -19,6 +19,7 @@ import torch
 from pyro import poutine
 
 from ..guides import describe_guide
+from ..guides.interface import trace_for_description
 from ..infer.batched import DecisionCache, evaluate_batch
 from ..quadrature import QuadratureRule, make_rule
 from .likelihoods import NOISE_SITE, Bernoulli, Categorical, Gaussian
@@ -209,7 +210,7 @@ def _quadrature_nodes(bnn, guide, x, quadrature, num_points, noise: str | None):
     rule = make_rule(quadrature, num_points) if isinstance(quadrature, str) else quadrature
     if not isinstance(rule, QuadratureRule):
         raise TypeError(f"quadrature must be a rule name or a QuadratureRule, got {quadrature!r}")
-    trace = poutine.trace(guide).get_trace(x)
+    trace = trace_for_description(guide, x)
     description = describe_guide(guide, trace)
     mixtures = [site.name for site in description.sites if site.family != "gaussian"]
     if mixtures:
