@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -39,20 +40,41 @@ from .sparse_functional import (
     run_settings,
     sparse_qnvb_update,
 )
-from .torch_qnvb import check_finite_loss, closure_moments
+from .torch_qnvb import (
+    CopyableOptimizerState,
+    check_finite_loss,
+    closure_moments,
+    group_params,
+    refuse_half_precision,
+    sampled_values,
+    standard_normal,
+)
 
 __all__ = ["SparseQNVBOptimizer"]
 
 _BLOCK_NAMES = SparseQNVBBlock._fields
 
 
-class SparseQNVBOptimizer(torch.optim.Optimizer):
+class _SparseGroup(dict):
+    """A parameter group of :class:`SparseQNVBOptimizer`: it holds only ``params``, and reading
+    any setting (torch's lr schedulers read ``"lr"``) is a ``KeyError`` that says why."""
+
+    def __missing__(self, key: object):
+        raise KeyError(
+            f"SparseQNVBOptimizer's parameter groups hold no {key!r}: the optimizer runs its own "
+            "learning-rate schedule (initial_lr up to max_lr, Algorithm 5.3), so torch's lr "
+            "schedulers do not apply; set max_lr, initial_lr and num_epochs in the constructor"
+        )
+
+
+class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
     """Sparsifying quasi-Newton variational Bayes for ``torch.nn`` parameters (sequence paper,
     Algorithms 5.1-5.3).
 
     Args:
         params: the network's parameters (one group: the sieve ranks all of them together, so no
-            hyperparameter is set per group).
+            hyperparameter is set per group), in float32 or float64 (half precision is refused:
+            keep the parameters in float32 and use ``torch.autocast`` for the forward).
         num_cases: ``n_c``, the number of training cases: the closure returns a mean per case.
         steps_per_epoch: ``S``, steps (minibatches) per epoch, e.g. ``len(loader)``.
         num_epochs, target_sparsity, target_free, max_lr, initial_lr, tau_max, p_nonzero_low,
@@ -79,6 +101,12 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
     weights, and its own ``weight`` and ``bias``, if passed here, enter the sieve and can be
     zeroed. Keep such layers in eval mode while training, or leave their parameters out of
     ``params`` (and train them with another optimizer).
+
+    The learning rate follows the optimizer's own schedule (``initial_lr`` rising to
+    ``max_lr``, Algorithm 5.3): its groups hold no ``"lr"``, and torch's lr schedulers
+    (``StepLR``, ``OneCycleLR``, ...) are refused with a ``KeyError`` that says so.
+    :meth:`sampled_params` sets the weights to a draw of the mixtures (predictions);
+    ``copy.deepcopy`` and ``pickle`` keep the whole optimizer (not its hooks).
 
     Example::
 
@@ -142,15 +170,21 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
         self._warned: set[str] = set()
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group; hyperparameters cannot differ per group (the sieve is global)."""
-        extra = sorted(set(param_group) - {"params"})
-        if extra:
-            raise ValueError(
-                f"SparseQNVBOptimizer: parameter groups take no options ({extra} given): the "
-                "sieve ranks all parameters together, so every hyperparameter is global; pass "
-                "them to the constructor"
-            )
-        super().add_param_group(param_group)
+        """Add a group; hyperparameters cannot differ per group (the sieve is global), and a
+        half-precision parameter is refused by name. A refused group is not added."""
+        group = group_params(param_group)
+        if isinstance(group, dict):
+            extra = sorted(set(group) - {"params", "param_names"})
+            if extra:
+                raise ValueError(
+                    f"SparseQNVBOptimizer: parameter groups take no options ({extra} given): the "
+                    "sieve ranks all parameters together, so every hyperparameter is global; "
+                    "pass them to the constructor"
+                )
+            group = _SparseGroup(group)
+        position = sum(len(g["params"]) for g in self.param_groups)
+        refuse_half_precision(group, position, "SparseQNVBOptimizer")
+        super().add_param_group(group)
 
     @property
     def epoch(self) -> int:
@@ -178,6 +212,30 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
         params = self._params()
         zeros = sum(int((p == 0).sum()) for p in params)
         return zeros / sum(p.numel() for p in params)
+
+    @contextmanager
+    def sampled_params(self, generator: torch.Generator | None = None) -> Iterator[None]:
+        """Set every weight to one draw of its Dirac-Gauss mixture (sequence paper, eq. 4.1):
+        exactly zero with probability ``1 - p_nonzero``, else ``nu + tau * eps`` with
+        ``eps ~ N(0, 1)``; back to the mixture means ``mu`` on exit (also when the block raises).
+
+        Args:
+            generator: the random generator of the draw (torch's global one when ``None``).
+
+        Once the final epoch has realized the pattern, its zeros are drawn as zeros. See
+        :meth:`QNVBOptimizer.sampled_params <pyro_quadvi.optim.QNVBOptimizer.sampled_params>`
+        for a Bayesian model average.
+        """
+        params = self._params()
+        draws = []
+        for p in params:
+            block = self._block(p)
+            at = draw_device(generator, p.device)
+            u = torch.rand(p.shape, generator=generator, dtype=p.dtype, device=at).to(p.device)
+            gauss = block.nu + block.tau * standard_normal(p, generator)
+            draws.append(torch.where(u < block.p_nonzero, gauss, torch.zeros_like(gauss)))
+        with sampled_values(params, draws, [self.state[p]["mu"] for p in params]):
+            yield
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
@@ -271,6 +329,7 @@ class SparseQNVBOptimizer(torch.optim.Optimizer):
                 "generator to restore it"
             )
         super().load_state_dict(state_dict)
+        self.param_groups = [_SparseGroup(group) for group in self.param_groups]
         self.counters = SparseQNVBCounters(*extra["counters"])
         self.sequence_offset = extra["sequence_offset"]
         if extra["generator"] is not None:

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 
 import torch
@@ -44,6 +45,7 @@ from ..infer.batched import (
     vmap_safe_attention,
 )
 from ..quadrature import NodeSet, make_rule
+from ..quadrature.base import draw_device
 from .annealing import check_schedule
 from .qnvb_functional import (
     QNVBHyperparameters,
@@ -125,6 +127,11 @@ def module_loss(module: nn.Module, criterion: Callable) -> ModuleLoss:
         module: the network; its parameters and buffers not in ``params`` are used as they are.
             Its forward must return one tensor (a ``TypeError`` names the net otherwise).
         criterion: ``(outputs, targets) -> mean loss per case``, e.g. ``F.cross_entropy``.
+            The optimizer's ``likelihood_weight`` multiplies this mean: with
+            ``reduction="sum"`` over batches of ``B`` of ``N`` cases set ``likelihood_weight =
+            N / B`` (else ``sigma`` is ``sqrt(B)`` too small). ``nn.MSELoss()`` is the negative
+            log likelihood of a Gaussian noise of variance ``1/2`` (use ``0.5 * mse`` for
+            variance 1); ``nn.GaussianNLLLoss()`` that of the ``var`` it is given.
 
     Returns:
         A :class:`ModuleLoss`, ``loss_fn(params, x, y) = criterion(functional_call(module,
@@ -136,6 +143,92 @@ def module_loss(module: nn.Module, criterion: Callable) -> ModuleLoss:
 
 _HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
 _STATE_NAMES = QNVBState._fields
+_GROUP_KEYS = (*_HP_NAMES, "prior_precision", "init_sigma")
+"""The settings a parameter group may hold (besides ``params`` and ``param_names``)."""
+
+
+def group_params(param_group: object) -> object:
+    """A shallow copy of ``param_group`` whose ``params`` is a list, so that an iterator
+    (``net.parameters()``) can be checked before torch's ``add_param_group`` reads it; anything
+    torch refuses (not a dict, a tensor, a set) is passed on for torch's own error."""
+    if not isinstance(param_group, dict):
+        return param_group
+    group = dict(param_group)
+    params = group.get("params")
+    if params is not None and not isinstance(params, (torch.Tensor, set)):
+        group["params"] = list(params)
+    return group
+
+
+def refuse_half_precision(param_group: object, first_position: int, owner: str) -> None:
+    """Refuse a parameter in float16, bfloat16 (or any float narrower than float32), naming it
+    by position among the optimizer's parameters (``first_position`` is the group's first) and
+    by name where ``named_parameters()`` gave one.
+
+    The quadrature nodes ``mu + sigma * x_k`` lie ``sigma`` (``1e-3`` at first) from the mean:
+    in bfloat16 (8 bits of mantissa) such a move is lost next to a mean of order one, and the
+    curvature ``h`` (a difference of gradients over ``sigma``) is rounding noise; the update's
+    sums lose the rest in float16.
+    """
+    if not isinstance(param_group, dict) or not isinstance(param_group.get("params"), list):
+        return
+    for k, item in enumerate(param_group["params"]):
+        name, p = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
+        if isinstance(p, torch.Tensor) and p.is_floating_point() and torch.finfo(p.dtype).bits < 32:
+            label = f"parameter {first_position + k}" + ("" if name is None else f" ({name!r})")
+            raise TypeError(
+                f"{owner}: {label} is {p.dtype}; the quadrature nodes mu + sigma * x_k and the "
+                "curvature from them need at least float32 (in half precision the means and "
+                "sigma come out silently wrong). Keep the parameters in float32 (net.float()) "
+                "and run the forward pass in half precision under torch.autocast"
+            )
+
+
+def standard_normal(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Standard normal draws of ``p``'s shape, dtype and device, drawn on ``generator``'s
+    device (:func:`~pyro_quadvi.quadrature.base.draw_device`)."""
+    at = draw_device(generator, p.device)
+    return torch.randn(p.shape, generator=generator, dtype=p.dtype, device=at).to(p.device)
+
+
+@contextmanager
+def sampled_values(
+    params: list[torch.Tensor], draws: list[torch.Tensor], means: list[torch.Tensor]
+) -> Iterator[None]:
+    """The parameters set to ``draws`` for the block and to ``means`` after it (also when it
+    raises); the block itself runs in the caller's grad mode."""
+    try:
+        with torch.no_grad():
+            for p, draw in zip(params, draws):
+                p.copy_(draw)
+        yield
+    finally:
+        with torch.no_grad():
+            for p, mean in zip(params, means):
+                p.copy_(mean)
+
+
+class CopyableOptimizerState:
+    """``copy.deepcopy`` and ``pickle`` of an optimizer that keep its own attributes.
+
+    Torch's ``Optimizer.__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``,
+    so a copy of an optimizer with further attributes (the rule, the step count, the generator)
+    fails at its first step. Here everything is kept but torch's hooks, which torch leaves out
+    of a copy too (they are closures of the original); ``torch.optim.Optimizer.__setstate__``
+    makes them anew and re-patches ``step``. A copied generator continues from the original's
+    state, so the copy takes the original's next steps bit for bit.
+    """
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
+
+    def __setstate__(self, state: dict) -> None:
+        # an unpickled copy brings its defaults; load_state_dict calls this with none
+        defaults = state["defaults"] if "defaults" in state else self.defaults
+        had_differentiable = "differentiable" in defaults
+        super().__setstate__(state)  # type: ignore[misc]
+        if not had_differentiable:  # torch adds it to the defaults; the original has none
+            self.defaults.pop("differentiable")
 
 
 def _scalar_tensor(loss: object, requirement: str) -> torch.Tensor:
@@ -317,13 +410,20 @@ class _BufferSnapshot:
             self._restore(self.after)
 
 
-class QNVBOptimizer(torch.optim.Optimizer):
+class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
     """Quasi-newton variational Bayes for ``torch.nn`` parameters (rasp paper, eq. 4-8).
 
     Args:
-        params: parameters or parameter groups; a group may override any hyperparameter below
-            but ``likelihood_weight``, ``annealing``, ``quadrature``, ``num_eval``, ``generator``.
-        likelihood_weight: the number of training cases: the closure returns a mean per case.
+        params: parameters or parameter groups, in float32 or float64 (half precision is
+            refused: keep the parameters in float32 and use ``torch.autocast`` for the
+            forward); a group may override ``lr``, ``betas``, ..., ``prior_precision`` and
+            ``init_sigma``; any other key (``likelihood_weight``, ``annealing``, ``quadrature``,
+            ``num_eval``, ``generator``, a typo) is refused.
+        likelihood_weight: the number of training cases ``N``: it multiplies the closure's
+            loss, which must be the mean loss per case of the batch (``reduction="mean"``).
+            With a summed loss over a batch of ``B`` cases (``reduction="sum"``) set
+            ``likelihood_weight = N / B``; left at ``N``, the likelihood counts ``B`` times and
+            ``sigma`` comes out ``sqrt(B)`` too small, silently.
         prior_precision: precision of a zero-mean Gaussian prior on every parameter (0: flat,
             like the reference).
         annealing: optional schedule ``step -> factor`` multiplying the likelihood weight
@@ -349,6 +449,17 @@ class QNVBOptimizer(torch.optim.Optimizer):
 
     The update of all the parameters of a group runs on one flat buffer
     (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`).
+
+    The loss is a negative log likelihood per case, up to a constant: ``nn.MSELoss()`` is that
+    of a Gaussian noise of variance ``1/2`` (``0.5 * mse`` for variance 1, ``0.5 * mse / s2``
+    for ``s2``), ``nn.GaussianNLLLoss()`` of the variance it is given (its ``var``), and
+    ``nn.CrossEntropyLoss()`` of a categorical.
+
+    Torch's learning-rate schedulers set ``param_groups[i]["lr"]``, which the next step uses
+    (``StepLR``, ``CosineAnnealingLR``, ``ReduceLROnPlateau``); ``OneCycleLR`` also cycles
+    ``betas[0]`` unless given ``cycle_momentum=False``. :meth:`sampled_params` sets the
+    parameters to a draw of the mean field (predictions); ``copy.deepcopy`` and ``pickle`` keep
+    the whole optimizer (not its hooks), so that a copy steps as the original.
 
     Example, with a closure evaluated once per node::
 
@@ -427,9 +538,23 @@ class QNVBOptimizer(torch.optim.Optimizer):
         self._decisions = DecisionCache()  # vectorize=None: decided once (_decision_key)
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group (torch's rule), refusing a bad hyperparameter at once, by name."""
-        super().add_param_group(param_group)
-        self._check_group(self.param_groups[-1])
+        """Add a group (torch's rule), after checking it: a key that is not a per-group setting
+        (:data:`_GROUP_KEYS`), a bad hyperparameter (of the group filled with the defaults) or a
+        half-precision parameter is refused by name, and ``param_groups`` is left as it was."""
+        group = group_params(param_group)
+        if isinstance(group, dict):
+            unknown = sorted(set(group) - {"params", "param_names", *_GROUP_KEYS})
+            if unknown:
+                raise ValueError(
+                    f"{type(self).__name__}: a parameter group does not take {unknown}; the "
+                    f"per-group settings are {list(_GROUP_KEYS)} (likelihood_weight, annealing, "
+                    "quadrature, num_eval and generator are the optimizer's, given to the "
+                    "constructor)"
+                )
+            self._check_group({**self.defaults, **group})
+        position = sum(len(g["params"]) for g in self.param_groups)
+        refuse_half_precision(group, position, type(self).__name__)
+        super().add_param_group(group)
 
     @staticmethod
     def _check_group(group: dict) -> QNVBHyperparameters:
@@ -445,6 +570,33 @@ class QNVBOptimizer(torch.optim.Optimizer):
         if self.annealing is None:
             return self.likelihood_weight
         return self.likelihood_weight * float(self.annealing(self.num_steps))
+
+    @contextmanager
+    def sampled_params(self, generator: torch.Generator | None = None) -> Iterator[None]:
+        """Set every parameter to one draw ``mu + sigma * eps``, ``eps ~ N(0, 1)``, of the mean
+        field (rasp paper, eq. 4) for the block, and back to the means ``mu`` on exit (also when
+        the block raises).
+
+        Args:
+            generator: the random generator of the draw (torch's global one when ``None``); a
+                CPU generator serves parameters on any device.
+
+        Before the first step the mean field is the parameters' values with ``init_sigma``.
+        A Bayesian model average of predictions::
+
+            with torch.no_grad():
+                probs = 0
+                for _ in range(32):
+                    with optimizer.sampled_params():
+                        probs = probs + net(x).softmax(-1) / 32
+        """
+        params = [p for p, _ in self._params()]
+        draws = [
+            self.state[p]["mu"] + self.state[p]["sigma"] * standard_normal(p, generator)
+            for p in params
+        ]
+        with sampled_values(params, draws, [self.state[p]["mu"] for p in params]):
+            yield
 
     def _params(self) -> list[tuple[torch.Tensor, dict]]:
         out = []

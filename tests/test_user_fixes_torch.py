@@ -1,0 +1,376 @@
+"""Fixes of the plain-torch optimizers found by a trial reader: half precision refused, copies
+that step as the original, checked parameter groups, summed criterions, lr schedulers, and
+draws of the posterior for predictions."""
+
+import copy
+import math
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import StepLR
+
+from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
+from pyro_quadvi.optim.sparse_functional import mixture_moments
+
+
+def _data(n: int = 64, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=g, dtype=dtype)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=dtype) + 0.1 * torch.randn(
+        n, generator=g, dtype=dtype
+    )
+    return x, y
+
+
+def _net(dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).to(dtype)
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.squeeze(-1) - y) ** 2).mean()
+
+
+def _closure(net: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    def closure():
+        loss = _mse(net(x), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def _qnvb(params, **kwargs) -> QNVBOptimizer:
+    kwargs = {
+        "likelihood_weight": 64,
+        "lr": 1e-2,
+        "quadrature": "hadamard",
+        "generator": torch.Generator().manual_seed(0),
+        **kwargs,
+    }
+    return QNVBOptimizer(params, **kwargs)
+
+
+def _sparse(params, **kwargs) -> SparseQNVBOptimizer:
+    kwargs = {
+        "num_cases": 64,
+        "steps_per_epoch": 4,
+        "num_epochs": 3,
+        "generator": torch.Generator().manual_seed(0),
+        **kwargs,
+    }
+    return SparseQNVBOptimizer(params, **kwargs)
+
+
+# 1. half precision
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_parameters_are_refused_by_position_and_name(dtype):
+    net = _net()
+    net[2].weight.data = net[2].weight.data.to(dtype)
+    with pytest.raises(TypeError, match=rf"parameter 2 is {dtype}.*torch.autocast"):
+        _qnvb(net.parameters())
+    with pytest.raises(TypeError, match=r"parameter 2 \('2.weight'\) is .*float32"):
+        _qnvb(net.named_parameters())
+    with pytest.raises(TypeError, match=rf"SparseQNVBOptimizer: parameter 2 is {dtype}"):
+        _sparse(net.parameters())
+    # added later: named by its position among all the optimizer's parameters, not added
+    optimizer = _qnvb(net[0].parameters())
+    groups = list(optimizer.param_groups)
+    with pytest.raises(TypeError, match=rf"parameter 2 is {dtype}"):
+        optimizer.add_param_group({"params": net[2].parameters()})
+    assert optimizer.param_groups == groups and len(optimizer.param_groups) == 1
+    sparse = _sparse(net[0].parameters())
+    with pytest.raises(TypeError, match=rf"parameter 2 is {dtype}"):
+        sparse.add_param_group({"params": net[2].parameters()})
+    assert len(sparse.param_groups) == 1
+
+
+def test_float32_and_float64_parameters_are_taken():
+    for dtype in (torch.float32, torch.float64):
+        net = _net(dtype)
+        x, y = _data(dtype=dtype)
+        optimizer = _qnvb(net.parameters())
+        loss = optimizer.step(_closure(net, x, y))
+        assert loss.dtype == dtype and optimizer.state[net[0].weight]["sigma"].dtype == dtype
+
+
+# 2. deepcopy and pickle
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _qnvb_state(optimizer, params) -> torch.Tensor:
+    return _flat([optimizer.state[p][k] for p in params for k in ("mu", "sigma", "h_avg")])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copy_of_net_and_qnvb_steps_as_the_original_bit_for_bit(how):
+    x, y = _data()
+    net = _net()
+    optimizer = _qnvb(net.parameters())
+    optimizer.step(_closure(net, x, y))
+    if how == "deepcopy":
+        net2, optimizer2 = copy.deepcopy((net, optimizer))
+    else:
+        net2, optimizer2 = pickle.loads(pickle.dumps((net, optimizer)))
+    assert optimizer2.num_steps == 1 and optimizer2.rule.name == "hadamard"
+    for _ in range(3):
+        loss = optimizer.step(_closure(net, x, y))
+        loss2 = optimizer2.step(_closure(net2, x, y))
+        assert torch.equal(loss, loss2)
+    assert torch.equal(_flat(net.parameters()), _flat(net2.parameters()))
+    assert torch.equal(
+        _qnvb_state(optimizer, list(net.parameters())),
+        _qnvb_state(optimizer2, list(net2.parameters())),
+    )
+    assert optimizer2.defaults == optimizer.defaults  # torch's "differentiable" not added
+    assert optimizer2.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+
+
+def test_deepcopy_of_qnvb_alone_steps_as_the_original_with_loss_fn():
+    x, y = _data()
+    net = _net()
+    optimizer = _qnvb(net.named_parameters())
+    loss_fn = module_loss(net, _mse)
+    optimizer.step(loss_fn=loss_fn, batch=(x, y), vectorize=True)
+    optimizer2 = copy.deepcopy(optimizer)  # its own copies of the parameters
+    params2 = optimizer2.param_groups[0]["params"]
+    assert not any(p is q for p, q in zip(net.parameters(), params2))
+    for _ in range(2):
+        optimizer.step(loss_fn=loss_fn, batch=(x, y), vectorize=True)
+        optimizer2.step(loss_fn=loss_fn, batch=(x, y), vectorize=True)
+    assert torch.equal(_flat(net.parameters()), _flat(params2))
+    assert torch.equal(
+        _qnvb_state(optimizer, list(net.parameters())), _qnvb_state(optimizer2, params2)
+    )
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copy_of_net_and_sparse_steps_as_the_original_bit_for_bit(how):
+    x, y = _data()
+    net = _net()
+    optimizer = _sparse(net.parameters())
+    optimizer.step(_closure(net, x, y))
+    if how == "deepcopy":
+        net2, optimizer2 = copy.deepcopy((net, optimizer))
+    else:
+        net2, optimizer2 = pickle.loads(pickle.dumps((net, optimizer)))
+    assert optimizer2.sequence_offset == optimizer.sequence_offset is not None
+    for _ in range(5):  # past the first epoch
+        optimizer.step(_closure(net, x, y))
+        optimizer2.step(_closure(net2, x, y))
+    assert optimizer2.counters == optimizer.counters
+    assert torch.equal(_flat(net.parameters()), _flat(net2.parameters()))
+    fields = ("nu", "tau", "p_nonzero", "sigma")
+    assert torch.equal(
+        _flat([optimizer.state[p][k] for p in net.parameters() for k in fields]),
+        _flat([optimizer2.state[p][k] for p in net2.parameters() for k in fields]),
+    )
+
+
+# 3. add_param_group
+
+
+def test_refused_group_leaves_param_groups_as_before():
+    x, y = _data()
+    net = _net()
+    optimizer = _qnvb(net[0].parameters())
+    before = [dict(g) for g in optimizer.param_groups]
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        optimizer.add_param_group({"params": net[2].parameters(), "lr": -1.0})
+    with pytest.raises(ValueError, match="init_sigma must be > 0"):
+        optimizer.add_param_group({"params": net[2].parameters(), "init_sigma": 0.0})
+    assert optimizer.param_groups == before
+    optimizer.step(_closure(net, x, y))  # steps as if nothing had been tried
+    optimizer.add_param_group({"params": net[2].parameters(), "lr": 1e-3})
+    assert optimizer.param_groups[1]["lr"] == 1e-3
+    assert optimizer.param_groups[1]["betas"] == optimizer.defaults["betas"]
+
+
+@pytest.mark.parametrize(
+    "key", ["likelihood_weight", "annealing", "quadrature", "num_eval", "generator", "lrr"]
+)
+def test_group_keys_that_are_not_per_group_settings_are_refused(key):
+    net = _net()
+    with pytest.raises(ValueError, match=rf"does not take \['{key}'\].*'init_sigma'"):
+        _qnvb([{"params": net.parameters(), key: 1.0}])
+    optimizer = _qnvb(net[0].parameters())
+    with pytest.raises(ValueError, match=rf"does not take \['{key}'\]"):
+        optimizer.add_param_group({"params": net[2].parameters(), key: 1.0})
+    assert len(optimizer.param_groups) == 1
+
+
+def test_scheduler_keys_on_existing_groups_keep_working():
+    x, y = _data()
+    net = _net()
+    optimizer = _qnvb(net.parameters())
+    scheduler = StepLR(optimizer, step_size=1, gamma=0.5)  # adds "initial_lr" to the group
+    assert optimizer.param_groups[0]["initial_lr"] == 1e-2
+    optimizer.step(_closure(net, x, y))
+    scheduler.step()
+    optimizer.step(_closure(net, x, y))
+    assert optimizer.param_groups[0]["lr"] == 5e-3
+
+
+# 4. criterions
+
+
+def _linear_fit(reduction: str, weight: float, batch_size: int, steps: int):
+    """(mean, sigma) of ``y = w x`` with unit noise after ``steps`` steps on batches of
+    ``batch_size`` of 100 cases in turn, and the exact posterior's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(100, 1, generator=g, dtype=torch.float64)
+    y = 2 * x[:, 0] + torch.randn(100, generator=g, dtype=torch.float64)
+    lin = nn.Linear(1, 1, bias=False).double()
+    nn.init.zeros_(lin.weight)
+    optimizer = _qnvb(lin.named_parameters(), likelihood_weight=weight, lr=1.0)
+    criterion = nn.GaussianNLLLoss(reduction=reduction)  # variance 1: 0.5 (y - f)^2 per case
+    loss_fn = module_loss(lin, lambda out, t: criterion(out.squeeze(-1), t, torch.ones_like(t)))
+    for step in range(steps):
+        rows = slice(step * batch_size % 100, step * batch_size % 100 + batch_size)
+        optimizer.step(loss_fn=loss_fn, batch=(x[rows], y[rows]), vectorize=True)
+    sxx = x.pow(2).sum()
+    exact = torch.stack([(x[:, 0] * y).sum() / sxx, sxx.rsqrt()])
+    fit = torch.stack([lin.weight[0, 0].detach(), optimizer.state[lin.weight]["sigma"][0, 0]])
+    return fit, exact
+
+
+def test_summed_loss_with_weight_n_over_b_fits_as_the_mean_loss():
+    mean, _ = _linear_fit("mean", weight=100, batch_size=25, steps=40)
+    summed, _ = _linear_fit("sum", weight=100 / 25, batch_size=25, steps=40)
+    torch.testing.assert_close(summed, mean, rtol=1e-12, atol=0)
+    # full batch: the closed form of the linear-Gaussian posterior, mean sum(xy)/sum(x^2) and
+    # standard deviation 1/sqrt(sum(x^2)); a summed loss left at weight N is sqrt(N) too tight
+    fit, exact = _linear_fit("sum", weight=1.0, batch_size=100, steps=100)
+    torch.testing.assert_close(fit, exact, rtol=1e-9, atol=0)
+    wrong, _ = _linear_fit("sum", weight=100.0, batch_size=100, steps=100)
+    torch.testing.assert_close(wrong[1], exact[1] / math.sqrt(100), rtol=1e-9, atol=0)
+
+
+# 5. schedulers
+
+
+def test_step_lr_equals_setting_the_lr_by_hand():
+    x, y = _data()
+    net, net2 = _net(), _net()
+    optimizer, optimizer2 = _qnvb(net.parameters()), _qnvb(net2.parameters())
+    scheduler = StepLR(optimizer, step_size=2, gamma=0.1)
+    for step in range(5):
+        optimizer2.param_groups[0]["lr"] = 1e-2 * 0.1 ** (step // 2)
+        optimizer.step(_closure(net, x, y))
+        optimizer2.step(_closure(net2, x, y))
+        scheduler.step()
+    assert torch.equal(_flat(net.parameters()), _flat(net2.parameters()))
+    # and the lr was used: a constant lr gives other parameters
+    net3 = _net()
+    optimizer3 = _qnvb(net3.parameters())
+    for _ in range(5):
+        optimizer3.step(_closure(net3, x, y))
+    assert not torch.equal(_flat(net.parameters()), _flat(net3.parameters()))
+
+
+def test_torch_schedulers_on_sparse_qnvb_fail_saying_why():
+    net = _net()
+    optimizer = _sparse(net.parameters())
+    with pytest.raises(KeyError, match="runs its own learning-rate schedule"):
+        StepLR(optimizer, step_size=1)
+    x, y = _data()
+    optimizer.step(_closure(net, x, y))
+    fresh = _sparse(_net().parameters())
+    fresh.load_state_dict(optimizer.state_dict())
+    for loaded in (fresh, copy.deepcopy(optimizer)):
+        with pytest.raises(KeyError, match="max_lr, initial_lr and num_epochs"):
+            StepLR(loaded, step_size=1)
+
+
+# 6. sampled_params
+
+
+def _check_draws(draws: torch.Tensor, mean: torch.Tensor, sd: torch.Tensor) -> None:
+    """Every coordinate's sample mean within 5 standard errors of ``mean``, its sample sd within
+    5 standard errors (``sd / sqrt(2 n)`` for a Gaussian) of ``sd``."""
+    n = draws.shape[0]
+    assert ((draws.mean(0) - mean).abs() < 5 * sd / math.sqrt(n)).all()
+    assert ((draws.std(0) - sd).abs() < 5 * sd / math.sqrt(2 * n)).all()
+
+
+def test_qnvb_sampled_params_draws_the_mean_field_and_restores_the_means():
+    x, y = _data()
+    net = _net()
+    optimizer = _qnvb(net.parameters(), lr=1.0)
+    for _ in range(5):
+        optimizer.step(_closure(net, x, y))
+    params = list(net.parameters())
+    mu = _flat(optimizer.state[p]["mu"] for p in params)
+    sigma = _flat(optimizer.state[p]["sigma"] for p in params)
+    assert sigma.min() > 0 and not torch.allclose(sigma, sigma[0])
+    assert torch.equal(_flat(params), mu)
+    generator = torch.Generator().manual_seed(3)
+    draws = []
+    for _ in range(4000):
+        with optimizer.sampled_params(generator=generator):
+            draws.append(_flat(params))
+    _check_draws(torch.stack(draws), mu, sigma)
+    assert torch.equal(_flat(params), mu)
+    with pytest.raises(RuntimeError, match="inside"):
+        with optimizer.sampled_params():
+            assert not torch.equal(_flat(params), mu)
+            raise RuntimeError("inside")
+    assert torch.equal(_flat(params), mu)
+    seeded = []
+    for _ in range(2):
+        with optimizer.sampled_params(generator=torch.Generator().manual_seed(7)):
+            seeded.append(_flat(params))
+            out = net(x)
+    assert torch.equal(seeded[0], seeded[1]) and not torch.equal(seeded[0], mu)
+    assert out.requires_grad  # the block runs in the caller's grad mode
+
+
+def test_sparse_sampled_params_draws_the_dirac_gauss_mixture():
+    x, y = _data()
+    net = _net()
+    optimizer = _sparse(net.parameters())
+    optimizer.step(_closure(net, x, y))
+    p = net[0].weight  # a known mixture per coordinate
+    state = optimizer.state[p]
+    state["p_nonzero"] = torch.linspace(0.1, 0.9, p.numel()).reshape(p.shape)
+    state["nu"] = torch.linspace(-1.0, 1.0, p.numel()).reshape(p.shape)
+    state["tau"] = torch.linspace(0.05, 0.5, p.numel()).reshape(p.shape)
+    state["mu"], state["sigma"] = mixture_moments(state["p_nonzero"], state["nu"], state["tau"])
+    with torch.no_grad():
+        p.copy_(state["mu"])
+    n = 20000
+    generator = torch.Generator().manual_seed(1)
+    draws = []
+    for _ in range(n):
+        with optimizer.sampled_params(generator=generator):
+            draws.append(p.detach().reshape(-1).clone())
+    draws = torch.stack(draws)
+    prob = state["p_nonzero"].reshape(-1)
+    zeros = (draws == 0).double().mean(0)
+    assert ((zeros - (1 - prob)).abs() < 5 * (prob * (1 - prob) / n).sqrt()).all()
+    nonzero = draws != 0  # the nonzero draws: N(nu, tau^2)
+    counts = nonzero.sum(0)
+    nz_mean = (draws * nonzero).sum(0) / counts
+    nz_var = ((draws - nz_mean) ** 2 * nonzero).sum(0) / (counts - 1)
+    nu, tau = state["nu"].reshape(-1), state["tau"].reshape(-1)
+    assert ((nz_mean - nu).abs() < 5 * tau / counts.sqrt()).all()
+    assert ((nz_var.sqrt() - tau).abs() < 5 * tau / (2 * counts).sqrt()).all()
+    mu, sigma = state["mu"].reshape(-1), state["sigma"].reshape(-1)
+    assert ((draws.mean(0) - mu).abs() < 5 * sigma / math.sqrt(n)).all()
+    assert torch.equal(p.detach(), state["mu"])
+    with pytest.raises(ValueError, match="inside"):
+        with optimizer.sampled_params():
+            raise ValueError("inside")
+    assert torch.equal(p.detach(), state["mu"])
+    seeded = []
+    for _ in range(2):
+        with optimizer.sampled_params(generator=torch.Generator().manual_seed(2)):
+            seeded.append(_flat(net.parameters()))
+    assert torch.equal(seeded[0], seeded[1])
