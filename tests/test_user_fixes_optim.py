@@ -346,3 +346,38 @@ def test_module_loss_refuses_a_distributed_data_parallel_module(tmp_path):
         module_loss(ddp.module, F.mse_loss)  # the wrapped net itself is a plain module
     finally:
         torch_dist.destroy_process_group()
+
+
+def _local_model(x, y, subsample_size=None):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(x), subsample_size=subsample_size) as i:
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        pyro.sample("y", dist.Normal(w * x[i] + z, 0.5), obs=y[i])
+
+
+def test_pyros_autonormal_on_a_minibatch_is_refused_and_the_recording_guide_fits_the_scales():
+    # Pyro's AutoNormal does not record its minibatch: under Trace_ELBO the gradients of a local
+    # site carry the plate's scale N / B = 4, which QNVB read as 1, so every local scale stayed at
+    # its init_scale (0.1 against the exact 0.447). Refused now, naming the site; the guide that
+    # records its minibatch fits them (mean-field sd 1 / sqrt(1 + 1 / 0.25), Monte Carlo noise)
+    from pyro.infer import Trace_ELBO
+    from pyro.infer.autoguide import AutoNormal
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(20, generator=generator, dtype=DTYPE)
+    y = 1.5 * x + 0.6 * torch.randn(20, generator=generator, dtype=DTYPE)
+    elbo = Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1)
+    pyro.set_rng_seed(0)
+    svi = SVI(_local_model, AutoNormal(_local_model), QNVB(), elbo)
+    with pytest.raises(ValueError, match=r"site 'z' was used on part of its entries"):
+        svi.step(x, y, 5)
+    pyro.clear_param_store()
+    svi = SVI(_local_model, AutoNormal(_local_model), QNVB(), elbo)
+    svi.step(x, y)  # the whole plate: nothing to take out, no refusal
+    pyro.clear_param_store()
+    guide = AutoMeanFieldNormal(_local_model)
+    svi = SVI(_local_model, guide, QNVB(), elbo)
+    for _ in range(300):
+        svi.step(x, y, 5)
+    ratio = guide.scales.z.detach() / (1 + 1 / 0.25) ** -0.5
+    assert 0.8 < float(ratio.min()) and float(ratio.max()) < 1.2

@@ -148,6 +148,24 @@ def _gaussian_identity(site: MeanFieldSite, values, grads) -> tuple[torch.Tensor
 _GRADIENT_IDENTITIES: dict[str, Callable] = {"gaussian": _gaussian_identity}
 
 
+def _refuse_an_unknown_minibatch(site: MeanFieldSite) -> None:
+    """Refuse a block whose guide does not record its minibatch (Pyro's ``AutoNormal``: rows
+    ``None``) when this step left some of its entries without any gradient: they were outside a
+    subsampled plate's minibatch, so the gradients carry the plate's scale ``s = N / B``, which
+    :func:`_gaussian_identity` must divide out and cannot know. Read with ``s = 1``, ``h`` is
+    ``s h - (s - 1) / sigma^2``, below zero from the start, and the scales never move. (Every
+    entry in the minibatch has a gradient: its entropy's ``-1 / sigma`` on the scale.)"""
+    loc_grad, scale_grad = site.params["loc"].grad, site.params["scale"].grad
+    if bool(((loc_grad == 0) & (scale_grad == 0)).any()):  # a sync, for such guides only
+        raise ValueError(
+            f"QNVB: site {site.name!r} was used on part of its entries (a subsampled plate), "
+            "but its guide does not record its minibatch, so QNVB cannot take the plate's scale "
+            "N / B out of the gradients (the scales would stay where they started). Use "
+            "pyro_quadvi's AutoMeanFieldNormal (Pyro's AutoNormal, recording its minibatch), or "
+            "fit with QuadratureELBO, which publishes the moments"
+        )
+
+
 def _not_finite_mask(t: torch.Tensor) -> torch.Tensor:
     """``~isfinite(t)`` in two passes (``isfinite`` is four kernels on the CPU): ``t * 0`` is 0
     for a finite entry and NaN for an infinite or NaN one."""
@@ -499,6 +517,8 @@ class QNVB(PyroOptim):
         if block.moments is not None:
             g, h = block.moments.g, block.moments.h
         elif site.family in _GRADIENT_IDENTITIES:
+            if rows is None:
+                _refuse_an_unknown_minibatch(site)
             grads = {"loc": select(loc_leaf.grad), "scale": select(scale_leaf.grad)}
             g, h = _GRADIENT_IDENTITIES[site.family](site, values, grads)
         else:
@@ -571,13 +591,9 @@ class QNVB(PyroOptim):
 
     @staticmethod
     def _whole(item: _Prepared) -> bool:
-        """Whether a block is updated on all its entries (no minibatch rows, no entries to keep
-        for want of a gradient): :meth:`_finish_together` can write it."""
-        loc_leaf, scale_leaf = item.site.params["loc"], item.site.params["scale"]
-        unknown_rows = item.site.rows is None
-        return item.index is None and not (
-            unknown_rows and loc_leaf.grad is not None and scale_leaf.grad is not None
-        )
+        """Whether a block is updated on all its entries (no minibatch rows):
+        :meth:`_finish_together` can write it."""
+        return item.index is None
 
     @staticmethod
     def _finish_together(picked: list, transform) -> bool:
@@ -614,18 +630,11 @@ class QNVB(PyroOptim):
 
     def _finish_block(self, item: _Prepared, new_values, result: QNVBResult, counts) -> None:
         """Write one block's update back into its parameters and state."""
-        site, values, old, index = item.site, item.values, item.old, item.index
+        site, values, index = item.site, item.values, item.index
         loc_leaf, scale_leaf = site.params["loc"], site.params["scale"]
-        rows = site.rows
         transform = transform_to(site.param_constraints["scale"])
         u = values["scale_leaf"]
         new_mu, new_sigma, new_state = new_values["loc"], new_values["scale"], result.state
-        if rows is None and loc_leaf.grad is not None and scale_leaf.grad is not None:
-            # the guide cannot tell its minibatch: the entries without a gradient were not in it
-            seen = (loc_leaf.grad != 0) | (scale_leaf.grad != 0)
-            new_mu = torch.where(seen, new_mu, values["loc"])
-            new_sigma = torch.where(seen, new_sigma, values["scale"])
-            new_state = QNVBState(*(torch.where(seen, a, b) for a, b in zip(new_state, old)))
         counts.append((f"site {site.name!r}", item.hp, result_counts(result)))
         # an unchanged sigma keeps its parameter bit for bit (no round trip through the transform);
         # sigma_min keeps the inverse finite, a coordinate it cannot represent stays unchanged
