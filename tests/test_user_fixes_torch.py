@@ -89,6 +89,41 @@ def test_half_precision_parameters_are_refused_by_position_and_name(dtype):
     assert len(sparse.param_groups) == 1
 
 
+def test_half_precision_given_as_one_tensor_or_cast_later_is_refused_at_the_step():
+    # a group of one bare tensor, and a net cast with .to(bfloat16) after the optimizer was
+    # built (in place: the same Parameters), both ran silently in half precision
+    optimizer = _qnvb(_net().parameters())
+    half = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(TypeError, match=r"parameter 4 is torch.bfloat16"):
+        optimizer.add_param_group({"params": half})
+    assert len(optimizer.param_groups) == 1
+    x, y = _data()
+    for make in (_qnvb, _sparse):
+        net = _net()
+        optimizer = make(net.named_parameters())
+        optimizer.step(_closure(net, x, y))
+        net.to(torch.bfloat16)
+        closure = _closure(net, x.to(torch.bfloat16), y.to(torch.bfloat16))
+        with pytest.raises(TypeError, match=r"parameter 0 \('0.weight'\) is torch.bfloat16"):
+            optimizer.step(closure)
+
+
+def test_a_group_may_carry_a_name_and_the_schedulers_keys():
+    # torch resumes a scheduler from a group's initial_lr (StepLR with last_epoch needs it);
+    # a "name" label is common bookkeeping: both are taken and never read
+    net, x, y = _net(), *_data()
+    lrs = []
+    for make in (_qnvb, lambda groups: torch.optim.Adam(groups, lr=1e-2)):  # as torch's Adam
+        optimizer = make([{"params": net.parameters(), "initial_lr": 1e-2, "name": "all"}])
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5, last_epoch=3)
+        lrs.append([optimizer.param_groups[0]["lr"]])
+        for _ in range(3):
+            optimizer.step(_closure(net, x, y))
+            scheduler.step()
+            lrs[-1].append(optimizer.param_groups[0]["lr"])
+    assert lrs[0] == lrs[1] == [5e-3, 5e-3, 2.5e-3, 2.5e-3]
+
+
 def test_float32_and_float64_parameters_are_taken():
     for dtype in (torch.float32, torch.float64):
         net = _net(dtype)

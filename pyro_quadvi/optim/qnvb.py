@@ -62,6 +62,7 @@ from .qnvb_functional import (
     QNVBResult,
     QNVBState,
     _flatten,
+    check_settings,
     consecutive_base,
     count_messages,
     init_qnvb_state,
@@ -69,7 +70,6 @@ from .qnvb_functional import (
     qnvb_update_many,
     result_counts,
 )
-from .sparse_functional import check_settings
 
 __all__ = ["FAMILY_UPDATES", "QNVB"]
 

@@ -82,6 +82,7 @@ __all__ = [
     "QNVBHyperparameters",
     "QNVBResult",
     "QNVBState",
+    "check_settings",
     "count_messages",
     "init_qnvb_state",
     "qnvb_update",
@@ -297,6 +298,23 @@ def count_messages(
         where = f"{total} coordinates (first: {label})"
         messages.append(_count_message(kind, hp, where))
     return messages
+
+
+def check_settings(owner: str, saved: dict, current: dict) -> None:
+    """Raise a ``ValueError`` naming every setting in which a saved state differs from the
+    optimizer it is loaded into (``owner`` names the loading method): its counters, sums and
+    averages would go on under other settings. ``saved`` and ``current`` map setting names to
+    plain values."""
+    differing = [
+        f"{name}={saved.get(name)!r} (this optimizer: {current.get(name)!r})"
+        for name in sorted(set(saved) | set(current))
+        if saved.get(name) != current.get(name)
+    ]
+    if differing:
+        raise ValueError(
+            f"{owner}: the state was saved with {', '.join(differing)}; construct the optimizer "
+            "with the saved settings to continue that run"
+        )
 
 
 def init_qnvb_state(mu: torch.Tensor) -> QNVBState:

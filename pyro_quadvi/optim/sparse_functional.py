@@ -74,7 +74,6 @@ __all__ = [
     "SparseQNVBCounters",
     "SparseQNVBHyperparameters",
     "SparseQNVBResult",
-    "check_settings",
     "epoch_progress",
     "hybrid_coefficients",
     "hybrid_sum",
@@ -271,29 +270,14 @@ def run_settings(
     prior_precision: float,
 ) -> dict:
     """Everything besides the state that fixes a run's schedule and terms: the hyperparameters,
-    ``S``, ``n_c`` and ``h_p``. Saved with a state, checked by :func:`check_settings` on load."""
+    ``S``, ``n_c`` and ``h_p``. Saved with a state, checked on load by
+    :func:`~pyro_quadvi.optim.qnvb_functional.check_settings`."""
     return {
         **asdict(hp),
         "steps_per_epoch": steps_per_epoch,
         "num_cases": num_cases,
         "prior_precision": prior_precision,
     }
-
-
-def check_settings(owner: str, saved: dict, current: dict) -> None:
-    """Raise a ``ValueError`` naming every setting of :func:`run_settings` in which a saved state
-    differs from the optimizer it is loaded into: the counters and sums would go on under another
-    schedule."""
-    differing = [
-        f"{name}={saved.get(name)!r} (this optimizer: {current.get(name)!r})"
-        for name in sorted(set(saved) | set(current))
-        if saved.get(name) != current.get(name)
-    ]
-    if differing:
-        raise ValueError(
-            f"{owner}: the state was saved with {', '.join(differing)}; construct the optimizer "
-            "with the saved settings to continue that run"
-        )
 
 
 def hybrid_coefficients(n0: float, n1: float) -> tuple[float, float]:

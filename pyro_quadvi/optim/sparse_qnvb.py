@@ -29,12 +29,11 @@ from torch.distributions import transform_to
 
 from ..guides.interface import MeanFieldSite, published_moments
 from .qnvb import QNVB
-from .qnvb_functional import _check_number
+from .qnvb_functional import _check_number, check_settings
 from .sparse_functional import (
     SparseQNVBBlock,
     SparseQNVBCounters,
     SparseQNVBHyperparameters,
-    check_settings,
     epoch_progress,
     init_sparse_counters,
     mixture_moments,

@@ -27,12 +27,11 @@ import torch
 from ..quadrature import make_rule
 from ..quadrature.base import draw_device
 from ..quadrature.hadamard import HadamardRule
-from .qnvb_functional import _check_number
+from .qnvb_functional import _check_number, check_settings
 from .sparse_functional import (
     SparseQNVBBlock,
     SparseQNVBCounters,
     SparseQNVBHyperparameters,
-    check_settings,
     epoch_progress,
     init_sparse_block,
     init_sparse_counters,
@@ -43,6 +42,7 @@ from .sparse_functional import (
 from .torch_qnvb import (
     CopyableOptimizerState,
     check_finite_loss,
+    checked_parameters,
     closure_moments,
     group_params,
     refuse_half_precision,
@@ -192,7 +192,7 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         return epoch_progress(self.counters.step, self.hyperparameters, self.steps_per_epoch)[0]
 
     def _params(self) -> list[torch.Tensor]:
-        out = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        out = [p for p, _ in checked_parameters(self, "SparseQNVBOptimizer")]
         if not out:
             raise ValueError("SparseQNVBOptimizer has no parameter that requires grad")
         for p in out:

@@ -51,12 +51,12 @@ from .qnvb_functional import (
     QNVBHyperparameters,
     QNVBState,
     _check_number,
+    check_settings,
     count_messages,
     init_qnvb_state,
     qnvb_update_many,
     result_counts,
 )
-from .sparse_functional import check_settings
 
 __all__ = ["ModuleLoss", "QNVBOptimizer", "check_tensor_output", "module_loss"]
 
@@ -145,6 +145,9 @@ _HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
 _STATE_NAMES = QNVBState._fields
 _GROUP_KEYS = (*_HP_NAMES, "prior_precision", "init_sigma")
 """The settings a parameter group may hold (besides ``params`` and ``param_names``)."""
+_INERT_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
+"""Keys torch's learning-rate schedulers keep in a group (``initial_lr`` given in a group
+resumes a scheduler with ``last_epoch``), and ``"name"``, a user's label: taken, never read."""
 
 
 def group_params(param_group: object) -> object:
@@ -155,33 +158,56 @@ def group_params(param_group: object) -> object:
         return param_group
     group = dict(param_group)
     params = group.get("params")
-    if params is not None and not isinstance(params, (torch.Tensor, set)):
+    if isinstance(params, torch.Tensor):  # torch takes one tensor as a group of one
+        group["params"] = [params]
+    elif params is not None and not isinstance(params, set):
         group["params"] = list(params)
     return group
 
 
 def refuse_half_precision(param_group: object, first_position: int, owner: str) -> None:
-    """Refuse a parameter in float16, bfloat16 (or any float narrower than float32), naming it
-    by position among the optimizer's parameters (``first_position`` is the group's first) and
-    by name where ``named_parameters()`` gave one.
+    """:func:`check_precision` of every parameter of a group, named by its position among the
+    optimizer's parameters (``first_position`` is the group's first) and by name where
+    ``named_parameters()`` gave one."""
+    if not isinstance(param_group, dict) or not isinstance(param_group.get("params"), list):
+        return
+    for k, item in enumerate(param_group["params"]):
+        name, p = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
+        if isinstance(p, torch.Tensor):
+            check_precision(p, first_position + k, name, owner)
+
+
+def check_precision(p: torch.Tensor, position: int, name: str | None, owner: str) -> None:
+    """Refuse a parameter in float16, bfloat16 (or any float narrower than float32), when it is
+    given and again at every step (a net cast with ``net.half()`` after the optimizer was built
+    changes its parameters in place).
 
     The quadrature nodes ``mu + sigma * x_k`` lie ``sigma`` (``1e-3`` at first) from the mean:
     in bfloat16 (8 bits of mantissa) such a move is lost next to a mean of order one, and the
     curvature ``h`` (a difference of gradients over ``sigma``) is rounding noise; the update's
     sums lose the rest in float16.
     """
-    if not isinstance(param_group, dict) or not isinstance(param_group.get("params"), list):
-        return
-    for k, item in enumerate(param_group["params"]):
-        name, p = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
-        if isinstance(p, torch.Tensor) and p.is_floating_point() and torch.finfo(p.dtype).bits < 32:
-            label = f"parameter {first_position + k}" + ("" if name is None else f" ({name!r})")
-            raise TypeError(
-                f"{owner}: {label} is {p.dtype}; the quadrature nodes mu + sigma * x_k and the "
-                "curvature from them need at least float32 (in half precision the means and "
-                "sigma come out silently wrong). Keep the parameters in float32 (net.float()) "
-                "and run the forward pass in half precision under torch.autocast"
-            )
+    if p.is_floating_point() and torch.finfo(p.dtype).bits < 32:
+        label = f"parameter {position}" + ("" if name is None else f" ({name!r})")
+        raise TypeError(
+            f"{owner}: {label} is {p.dtype}; the quadrature nodes mu + sigma * x_k and the "
+            "curvature from them need at least float32 (in half precision the means and "
+            "sigma come out silently wrong). Keep the parameters in float32 (net.float()) "
+            "and run the forward pass in half precision under torch.autocast"
+        )
+
+
+def checked_parameters(optimizer: torch.optim.Optimizer, owner: str):
+    """``(parameter, group)`` of every parameter that requires grad, each checked by
+    :func:`check_precision` (named by position, and by the group's ``param_names``)."""
+    position = 0
+    for group in optimizer.param_groups:
+        names = group.get("param_names")
+        for k, p in enumerate(group["params"]):
+            if p.requires_grad:
+                check_precision(p, position, None if names is None else names[k], owner)
+                yield p, group
+            position += 1
 
 
 def standard_normal(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -543,7 +569,9 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         half-precision parameter is refused by name, and ``param_groups`` is left as it was."""
         group = group_params(param_group)
         if isinstance(group, dict):
-            unknown = sorted(set(group) - {"params", "param_names", *_GROUP_KEYS})
+            unknown = sorted(
+                set(group) - {"params", "param_names", "name", *_GROUP_KEYS, *_INERT_GROUP_KEYS}
+            )
             if unknown:
                 raise ValueError(
                     f"{type(self).__name__}: a parameter group does not take {unknown}; the "
@@ -600,15 +628,13 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
 
     def _params(self) -> list[tuple[torch.Tensor, dict]]:
         out = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    state = self.state[p]
-                    if not state:
-                        state["mu"] = p.detach().clone()
-                        state["sigma"] = torch.full_like(state["mu"], group["init_sigma"])
-                        state.update(init_qnvb_state(state["mu"])._asdict())
-                    out.append((p, group))
+        for p, group in checked_parameters(self, type(self).__name__):
+            state = self.state[p]
+            if not state:
+                state["mu"] = p.detach().clone()
+                state["sigma"] = torch.full_like(state["mu"], group["init_sigma"])
+                state.update(init_qnvb_state(state["mu"])._asdict())
+            out.append((p, group))
         return out
 
     @torch.no_grad()
