@@ -53,6 +53,26 @@ def test_fit_cycles_minibatches_and_evaluates_metrics_on_schedule():
     assert history.metrics["w"][-1][1] == pyro.param("AutoMeanFieldNormal.locs.w").item()
 
 
+def test_a_metric_that_draws_leaves_the_fit_as_it_would_be_without_it():
+    # a random rule's nodes (and a shuffled DataLoader's order) come from torch's stream; a
+    # metric that draws (predict's samples) moved it, so recording a score changed the fit
+    import numpy as np
+
+    def draws() -> float:
+        # NumPy's global stream, the one pyro.set_rng_seed seeds and fit restores
+        return float(torch.randn(5).sum()) + float(np.random.rand())  # noqa: NPY002
+
+    batches = [(X[:6], Y[:6]), (X[6:], Y[6:])]
+    finals = []
+    for metrics in (None, {"draws": draws}):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        svi = SVI(model, AutoMeanFieldNormal(model), QNVB(), QuadratureELBO("rasp_simplex"))
+        history = fit(svi, batches, 9, metrics=metrics, every=2, progress=False)
+        finals.append((history.loss, pyro.param("AutoMeanFieldNormal.locs.w").item()))
+    assert finals[0] == finals[1]
+
+
 def test_fit_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="num_steps must be an integer >= 0"):
         fit(_svi(), (X, Y), -1)

@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+import pyro
 import torch
 from pyro.infer import SVI
 from tqdm.auto import tqdm
+
+from ..infer.log_joint import cuda_devices
 
 __all__ = ["History", "fit"]
 
@@ -80,7 +83,8 @@ def fit(
             a list of batches are not one of 8).
         num_steps: how many steps.
         metrics: name -> a function of nothing returning a number (e.g. a test NLL), evaluated
-            every ``every`` steps and after the last one.
+            every ``every`` steps and after the last one, with the random states (torch's,
+            Python's, NumPy's) restored after them: a metric that draws does not change the fit.
         every: the spacing of the metric evaluations, in steps.
         progress: show a tqdm bar with the latest loss.
         desc: the bar's label.
@@ -99,10 +103,17 @@ def fit(
     batches = _batches(data)
     bar = tqdm(range(num_steps), disable=not progress, desc=desc)
     for step in bar:
-        history.loss.append(svi.step(*_on(next(batches), device)))
+        batch = _on(next(batches), device)
+        history.loss.append(svi.step(*batch))
         bar.set_postfix(loss=f"{history.loss[-1]:.4g}", refresh=False)
         done = step + 1
         if metrics and (done % every == 0 or done == num_steps):
-            for name, metric in metrics.items():
-                history.metrics[name].append((done, float(metric())))
+            # a metric that draws (predict's samples) must not move the training's random
+            # streams (a shuffled DataLoader's order, a random rule's nodes): recording a score
+            # leaves the fit as it would be without it
+            state = pyro.util.get_rng_state()  # torch's (CPU), Python's and NumPy's
+            with torch.random.fork_rng(devices=cuda_devices(batch)):
+                for name, metric in metrics.items():
+                    history.metrics[name].append((done, float(metric())))
+            pyro.util.set_rng_state(state)
     return history
