@@ -213,3 +213,31 @@ def test_numpy_and_tensor_integers_are_taken_as_dim_and_step():
     for step in (1.0, torch.tensor(2.0), True):
         with pytest.raises(ValueError, match="step must be >= 0"):
             rule.draw(3, step=step)
+
+
+def test_a_float32_bayesian_module_gets_opqa_s_float64_advice_and_in_float64_the_exact_evidence():
+    # the BayesianModule's own dtype check fired first, pointing at the prior or the guide; the
+    # fix is the net in float64, where a linear layer's evidence is the Gaussian closed form
+    from torch import nn
+
+    from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 2, generator=generator, dtype=F64)
+    y = (
+        x @ torch.tensor([0.7, -1.2], dtype=F64)
+        + 0.3
+        + 0.4 * torch.randn(12, generator=generator, dtype=F64)
+    )
+    likelihood = likelihoods.Gaussian(len(x), scale=0.4)
+    bnn = BayesianModule(nn.Linear(2, 1), priors.Normal(1.0), likelihood)
+    with pytest.raises(
+        ValueError, match=r"does not run in float64 .*net.double\(\) before wrapping"
+    ):
+        opqa_evidence(bnn, x.float(), y.float())
+    bnn = BayesianModule(nn.Linear(2, 1).double(), priors.Normal(1.0), likelihood)
+    design = torch.cat([x, torch.ones(len(x), 1, dtype=F64)], dim=1)  # (weight, bias), N(0, 1)
+    covariance = design @ design.T + 0.4**2 * torch.eye(len(x), dtype=F64)
+    exact = torch.distributions.MultivariateNormal(torch.zeros(len(x), dtype=F64), covariance)
+    result = opqa_evidence(bnn, x, y)
+    assert result.log_evidence == pytest.approx(float(exact.log_prob(y)), abs=1e-8)

@@ -44,7 +44,7 @@ from pyro.poutine.subsample_messenger import _Subsample
 from pyro.poutine.util import site_is_subsample
 
 from ..export.draws import check_guide_was_run, check_observed_not_nan
-from ..infer.batched import BatchDecision, evaluate_batch, first_line
+from ..infer.batched import BatchDecision, DtypeMismatch, evaluate_batch, first_line
 from ..infer.log_joint import LogJoint, latent_sites_of_model
 from ..quadrature.hermite import gauss_hermite, orthonormal_hermite
 from .posterior import OPQAPosterior, multi_indices
@@ -311,14 +311,15 @@ def _latent_sites_in_float64(model: Callable, args: tuple, kwargs: dict):
     """The model's latent sites, from a run in float64; refuses a model that cannot run so."""
     try:
         return latent_sites_of_model(_Float64Prior()(model), *args, **kwargs)
-    except RuntimeError as error:
-        if not any(text in str(error) for text in _DTYPE_ERRORS):
+    except (RuntimeError, DtypeMismatch) as error:
+        if isinstance(error, RuntimeError) and not any(t in str(error) for t in _DTYPE_ERRORS):
             raise
         raise ValueError(
             f"opqa_evidence evaluates the model in float64 (its 1e-8 accuracy needs it), and the "
             f"model does not run in float64 ({first_line(error)}): it holds float32 tensors of its "
             "own. Build it in float64: torch.set_default_dtype(torch.float64) before creating the "
-            "model (or module.double() for a PyroModule's fixed parameters)"
+            "model (or module.double() for a PyroModule's fixed parameters; net.double() before "
+            "wrapping it in a BayesianModule)"
         ) from None
 
 

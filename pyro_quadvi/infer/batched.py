@@ -35,11 +35,18 @@ __all__ = [
     "BatchDecision",
     "BatchMismatch",
     "DecisionCache",
+    "DtypeMismatch",
     "evaluate_batch",
     "is_broadcast_error",
     "is_vmap_refusal",
     "vmap_safe_attention",
 ]
+
+
+class DtypeMismatch(ValueError):
+    """A model's value in another dtype than the tensor it stands for (a ``BayesianModule``'s
+    weight drawn or replayed in float64 for a float32 net): what ``opqa_evidence``, which runs a
+    model in float64, turns into its own advice."""
 
 
 class BatchMismatch(Exception):

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributions import Distribution, constraints
 from torch.func import functional_call, vmap
 
-from ..infer.batched import first_line, is_vmap_refusal, vmap_safe_attention
+from ..infer.batched import DtypeMismatch, first_line, is_vmap_refusal, vmap_safe_attention
 from ..optim.qnvb_functional import QNVBHyperparameters
 from ..optim.torch_qnvb import check_tensor_output
 from ..quadrature import QuadratureRule
@@ -312,7 +312,7 @@ class BayesianModule(PyroModule):
             infer = {"qnvb": self.qnvb_settings} if self.qnvb_settings else {}
             values[name] = pyro.sample(name, self.prior_of(name, param), infer=infer)
             if values[name].dtype != param.dtype:
-                raise ValueError(
+                raise DtypeMismatch(
                     f"the value of {name!r} is {values[name].dtype}, but the parameter is "
                     f"{param.dtype}: the prior draws it, or the guide replays it, in another "
                     "dtype. Build both in the parameter's dtype (a scalar prior from tensors of "
