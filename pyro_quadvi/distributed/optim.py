@@ -49,16 +49,19 @@ class DistributedOptimizer(PyroOptim):
             the least loaded rank): each rank updates its blocks and broadcasts their new values
             (one broadcast per rank), instead of every rank updating every block. The result is
             the same bit for bit (the update is elementwise); each block's QNVB state then lives
-            on its rank only, and :meth:`get_state` gathers it.
+            on its rank only, and :meth:`get_state` gathers it (with the settings each block
+            was updated with, which a restore checks).
         group: the process group (``None``: the default group).
 
-    Each step makes three collectives: one that checks that every rank received the same
-    parameters (their number and names, and a projection of their values: ranks seeded
-    differently start from different values), one of two flags per parameter (has a gradient, has
-    published moments), and one fused sum per dtype of every gradient and moment. A parameter
-    without a gradient on some rank (its shard did not touch it) counts as a zero gradient there;
-    moments must be published on all ranks or none (they are, when every rank runs the same model
-    and guide). With ``shard_update``, one broadcast per rank (and dtype) follows the update.
+    Each step makes three collectives: one that checks that every rank received the same parameters
+    (their number and names, and a projection of their values: ranks seeded differently start from
+    different values) and that their QNVBs give each block with moments the same hyperparameters (a
+    checksum), one of three flags per parameter (has a gradient, has published moments, is a block
+    QNVB refuses: see below), and one fused sum per dtype of every gradient and moment. A refusal
+    costs one more collective, to name its cause on every rank. A parameter without a gradient on
+    some rank (its shard did not touch it) counts as a zero gradient there; moments must be
+    published on all ranks or none (they are, when every rank runs the same model and guide). With
+    ``shard_update``, one broadcast per rank (and dtype) follows the update.
 
     Attribute look-ups it does not know go to ``optim`` (``num_steps``, ``anneal``, ...);
     ``get_state`` / ``set_state`` (and ``save`` / ``load``) are ``optim``'s, the same on every
@@ -66,13 +69,17 @@ class DistributedOptimizer(PyroOptim):
     (:func:`~pyro_quadvi.distributed.save_checkpoint`).
 
     Raises (on every rank together):
-        RuntimeError: when the ranks received different parameters or different values of
-            them (ranks seeded differently: a projection of the values is compared), disagree
-            on which parameters have moments, or on the rows of a block in a subsampled plate
-            (a local latent, data parallel: a mean cannot combine different rows; node
-            parallel, where every rank has the whole minibatch, fits local latents), or for a
-            parameter without a name in Pyro's param store (``module_local_params=True``):
-            names order the reduction.
+        ValueError: QNVB's refusal of a block it would update from gradients alone (Pyro's
+            ``AutoNormal`` under Pyro's ELBOs) whose guide does not record its minibatch, when
+            some of its entries have no gradient on some rank (checked before the mean, which
+            would give them the other ranks' gradients).
+        RuntimeError: when the ranks received different parameters or different values of them
+            (ranks seeded differently: a projection of the values is compared), when their QNVBs
+            give a block other hyperparameters (naming the block and the setting), disagree on which
+            parameters have moments, or on the rows of a block in a subsampled plate (a local
+            latent, data parallel: a mean cannot combine different rows; node parallel, where every
+            rank has the whole minibatch, fits local latents), or for a parameter without a name in
+            Pyro's param store (``module_local_params=True``): names order the reduction.
     """
 
     def __init__(
