@@ -17,7 +17,7 @@ import torch.distributed as dist
 from pyro.optim import PyroOptim
 from pyro.util import get_rng_state, set_rng_state
 
-from .comm import world
+from .comm import raise_together, world
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -91,6 +91,9 @@ def load_checkpoint(
     Raises:
         ValueError: for a file that is not such a checkpoint, or a generator state with no
             ``generator`` to restore it into (or the reverse).
+        Exception: whatever ``optim.set_state`` raised on any rank (a ``QNVB`` built with other
+            settings: a ``ValueError`` naming the block and the settings), on every rank
+            together; the param store and random states are then left as they were.
     """
     rank, size = world(group)
     box = [torch.load(path, weights_only=False) if rank == 0 else None]
@@ -105,8 +108,13 @@ def load_checkpoint(
             + ("without" if state["generator"] is None else "with")
             + " a generator; pass generator= exactly when the fit's ELBO has one"
         )
+    try:  # first: a refused state (other settings) leaves the param store as it was
+        optim.set_state(state["optim"])
+        refused = None
+    except Exception as error:  # raised below on every rank, after every rank has heard of it
+        refused = error
+    raise_together(refused, "load_checkpoint: restoring the optimizer's state", group)
     pyro.get_param_store().set_state(state["param_store"])
-    optim.set_state(state["optim"])
     set_rng_state(state["rng"])
     if state.get("cuda_rng") is not None and torch.cuda.is_available():
         # (each device's; a checkpoint of a GPU fit resumed on the CPU has no use for them)

@@ -22,6 +22,7 @@ __all__ = [
     "check_sections",
     "collective_device",
     "gather_rows",
+    "raise_together",
     "refuse_disagreement",
     "shard",
     "world",
@@ -136,6 +137,34 @@ def refuse_disagreement(rows: torch.Tensor, sections: Sequence[Section]) -> None
                 f"ranks); {fix}"
             )
         start = stop
+
+
+def raise_together(
+    error: Exception | None, what: str, group: dist.ProcessGroup | None = None
+) -> None:
+    """Raise on every rank if ``error`` is not ``None`` on any: one ``all_gather_object`` of the
+    ranks' messages, a collective every rank makes. A rank with an error raises it; the others
+    raise one of its type (a ``RuntimeError`` where that type cannot be built from a message)
+    with the first failing rank's message, saying ``what`` raised where."""
+    _, size = world(group)
+    if size > 1:
+        messages: list = [None] * size
+        mine = None if error is None else (type(error), str(error))
+        dist.all_gather_object(messages, mine, group=group)
+    else:
+        messages = [None if error is None else (type(error), str(error))]
+    if error is not None:
+        raise error
+    failed = [rank for rank, message in enumerate(messages) if message is not None]
+    if not failed:
+        return
+    kind, text = messages[failed[0]]
+    text = f"{what} raised on rank(s) {failed}; rank {failed[0]}: {text}"
+    try:
+        refusal = kind(text)
+    except Exception:  # an exception type that takes other arguments
+        refusal = RuntimeError(text)
+    raise refusal
 
 
 def broadcast_generator(

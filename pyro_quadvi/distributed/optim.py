@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable
+from dataclasses import asdict
 
 import pyro
 import torch
@@ -20,7 +21,16 @@ from pyro.optim import PyroOptim
 
 from ..guides.interface import PublishedMoments, publish_moments, published_moments
 from ..optim import QNVB, SparseQNVB
-from .comm import all_reduce_mean_, check_sections, projections, world
+from ..optim.qnvb import _GRADIENT_IDENTITIES, _refuse_an_unknown_minibatch
+from ..optim.qnvb_functional import QNVBHyperparameters
+from .comm import (
+    all_reduce_mean_,
+    gather_rows,
+    projections,
+    raise_together,
+    refuse_disagreement,
+    world,
+)
 
 __all__ = ["DistributedOptimizer"]
 
@@ -39,16 +49,19 @@ class DistributedOptimizer(PyroOptim):
             the least loaded rank): each rank updates its blocks and broadcasts their new values
             (one broadcast per rank), instead of every rank updating every block. The result is
             the same bit for bit (the update is elementwise); each block's QNVB state then lives
-            on its rank only, and :meth:`get_state` gathers it.
+            on its rank only, and :meth:`get_state` gathers it (with the settings each block
+            was updated with, which a restore checks).
         group: the process group (``None``: the default group).
 
-    Each step makes three collectives: one that checks that every rank received the same
-    parameters (their number and names, and a projection of their values: ranks seeded
-    differently start from different values), one of two flags per parameter (has a gradient, has
-    published moments), and one fused sum per dtype of every gradient and moment. A parameter
-    without a gradient on some rank (its shard did not touch it) counts as a zero gradient there;
-    moments must be published on all ranks or none (they are, when every rank runs the same model
-    and guide). With ``shard_update``, one broadcast per rank (and dtype) follows the update.
+    Each step makes three collectives: one that checks that every rank received the same parameters
+    (their number and names, and a projection of their values: ranks seeded differently start from
+    different values) and that their QNVBs give each block with moments the same hyperparameters (a
+    checksum), one of three flags per parameter (has a gradient, has published moments, is a block
+    QNVB refuses: see below), and one fused sum per dtype of every gradient and moment. A refusal
+    costs one more collective, to name its cause on every rank. A parameter without a gradient on
+    some rank (its shard did not touch it) counts as a zero gradient there; moments must be
+    published on all ranks or none (they are, when every rank runs the same model and guide). With
+    ``shard_update``, one broadcast per rank (and dtype) follows the update.
 
     Attribute look-ups it does not know go to ``optim`` (``num_steps``, ``anneal``, ...);
     ``get_state`` / ``set_state`` (and ``save`` / ``load``) are ``optim``'s, the same on every
@@ -56,13 +69,17 @@ class DistributedOptimizer(PyroOptim):
     (:func:`~pyro_quadvi.distributed.save_checkpoint`).
 
     Raises (on every rank together):
-        RuntimeError: when the ranks received different parameters or different values of
-            them (ranks seeded differently: a projection of the values is compared), disagree
-            on which parameters have moments, or on the rows of a block in a subsampled plate
-            (a local latent, data parallel: a mean cannot combine different rows; node
-            parallel, where every rank has the whole minibatch, fits local latents), or for a
-            parameter without a name in Pyro's param store (``module_local_params=True``):
-            names order the reduction.
+        ValueError: QNVB's refusal of a block it would update from gradients alone (Pyro's
+            ``AutoNormal`` under Pyro's ELBOs) whose guide does not record its minibatch, when
+            some of its entries have no gradient on some rank (checked before the mean, which
+            would give them the other ranks' gradients).
+        RuntimeError: when the ranks received different parameters or different values of them
+            (ranks seeded differently: a projection of the values is compared), when their QNVBs
+            give a block other hyperparameters (naming the block and the setting), disagree on which
+            parameters have moments, or on the rows of a block in a subsampled plate (a local
+            latent, data parallel: a mean cannot combine different rows; node parallel, where every
+            rank has the whole minibatch, fits local latents), or for a parameter without a name in
+            Pyro's param store (``module_local_params=True``): names order the reduction.
     """
 
     def __init__(
@@ -148,38 +165,47 @@ class DistributedOptimizer(PyroOptim):
         device = params[0].device
         moments = [published_moments(p) for _, p in named]
         names = "\n".join(name for name, _ in named).encode()
-        check_sections(
-            [
-                (
-                    torch.cat(
-                        [
-                            torch.tensor([len(named), zlib.crc32(names)], dtype=torch.float64),
-                            _rows_fingerprint(moments),
-                        ]
-                    ),
-                    "the parameters to update (their number and names) or the rows of their "
-                    "local latents (sites in subsampled plates: a data-parallel run gives each "
-                    "rank other rows, which a mean cannot combine; fit them with "
-                    "parallel='nodes' or in one process)",
-                    "every rank must run the same model and guide",
+        settings = self._block_settings(named, moments)
+        sections = [
+            (
+                torch.cat(
+                    [
+                        torch.tensor([len(named), zlib.crc32(names)], dtype=torch.float64),
+                        _rows_fingerprint(moments),
+                    ]
                 ),
-                (
-                    projections([p for _, p in named])[None],
-                    "the values of the parameters to update",
-                    "every rank must start from the same values: seed every rank identically "
-                    "(pyro.set_rng_seed) before the guide's first run, or load one checkpoint",
-                ),
-            ],
-            self.group,
-        )
+                "the parameters to update (their number and names) or the rows of their "
+                "local latents (sites in subsampled plates: a data-parallel run gives each "
+                "rank other rows, which a mean cannot combine; fit them with "
+                "parallel='nodes' or in one process)",
+                "every rank must run the same model and guide",
+            ),
+            (
+                projections([p for _, p in named])[None],
+                "the values of the parameters to update",
+                "every rank must start from the same values: seed every rank identically "
+                "(pyro.set_rng_seed) before the guide's first run, or load one checkpoint",
+            ),
+        ]
+        fingerprint = _settings_fingerprint(settings)
+        rows = gather_rows(torch.cat([v.reshape(-1) for v, _, _ in sections] + [fingerprint]))
+        refuse_disagreement(rows, sections)
+        if bool((rows[:, -1] != rows[0, -1]).any()):
+            self._refuse_settings(settings)  # (every rank: each sees every rank's fingerprint)
+        unknown = self._unknown_minibatches(named, moments)
         flags = torch.tensor(
-            [[p.grad is not None, m is not None] for (_, p), m in zip(named, moments)],
+            [
+                [p.grad is not None, m is not None, name in unknown]
+                for (name, p), m in zip(named, moments)
+            ],
             dtype=torch.int64,
             device=device,
-        ).reshape(-1, 2)
-        both = torch.cat([flags, -flags], dim=1)
+        ).reshape(-1, 3)
+        both = torch.cat([flags, -flags[:, 1:2]], dim=1)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         any_grad, any_moments, all_moments = both[:, 0], both[:, 1], -both[:, 3]
+        if bool(both[:, 2].any()):  # before the mean hides the entries no rank's rows reached
+            raise_together(next(iter(unknown.values()), None), "QNVB", self.group)
         mixed = (any_moments != all_moments).nonzero()
         if mixed.numel():
             raise RuntimeError(
@@ -209,25 +235,91 @@ class DistributedOptimizer(PyroOptim):
             blocks.append((owner, [m.site.params[role] for role in sorted(m.site.params)]))
         return blocks
 
+    def _block_settings(
+        self, named: list[tuple[str, torch.Tensor]], moments: list[PublishedMoments | None]
+    ) -> dict[str, QNVBHyperparameters]:
+        """The hyperparameters QNVB gives each block with moments this step (by loc name)."""
+        if not isinstance(self.optim, QNVB) or isinstance(self.optim, SparseQNVB):
+            return {}
+        return {
+            m.site.param_names["loc"]: self.optim._block_hyperparameters(
+                m.site.param_names["loc"], m.site.hints
+            )
+            for m in moments
+            if m is not None
+        }
+
+    def _refuse_settings(self, settings: dict[str, QNVBHyperparameters]) -> None:
+        """Name the first block and setting in which the ranks' QNVBs differ (one
+        ``all_gather_object``, made by every rank once the fingerprints differed)."""
+        _, size = world(self.group)
+        everyone: list = [None] * size
+        mine = {name: asdict(hp) for name, hp in settings.items()}
+        dist.all_gather_object(everyone, mine, group=self.group)
+        for name in sorted(set(everyone[0]).intersection(*everyone[1:])):
+            for field in sorted(everyone[0][name]):
+                values = [held[name][field] for held in everyone]
+                if any(value != values[0] for value in values):
+                    raise RuntimeError(
+                        f"DistributedOptimizer: the ranks' QNVBs give the block {name!r} other "
+                        f"settings: {field} = {values} on ranks 0..{size - 1}; every rank must "
+                        "build QNVB with the same settings (optim_args, keyword arguments, the "
+                        "model's infer['qnvb'])"
+                    )
+        # otherwise blocks have moments on some ranks only: the flags below name that
+
+    def _unknown_minibatches(
+        self, named: list[tuple[str, torch.Tensor]], moments: list[PublishedMoments | None]
+    ) -> dict[str, ValueError]:
+        """QNVB's refusal of each block it would update from gradients alone whose guide does not
+        record its minibatch and that has entries without gradients on this rank (by loc name):
+        the mean over the ranks would give those entries the other ranks' gradients, and QNVB's
+        own check (:func:`~pyro_quadvi.optim.qnvb._refuse_an_unknown_minibatch`) would pass."""
+        if not isinstance(self.optim, QNVB) or all(m is not None for m in moments):
+            return {}
+        received = {id(p) for _, p in named}
+        blocks, _ = self.optim._find_blocks([p for _, p in named], received)
+        refused = {}
+        for block in blocks:
+            site = block.site
+            loc, scale = site.params["loc"], site.params["scale"]
+            if (
+                block.moments is None
+                and site.rows is None
+                and site.family in _GRADIENT_IDENTITIES
+                and loc.grad is not None
+                and scale.grad is not None
+            ):
+                try:
+                    _refuse_an_unknown_minibatch(site)
+                except ValueError as error:
+                    refused[site.param_names["loc"]] = error
+        return refused
+
     def get_state(self) -> dict:
         """The wrapped optimizer's state, the same on every rank.
 
-        With ``shard_update`` each rank holds the QNVB state of its own blocks: this is then a
-        collective call (every rank must make it) that gathers them.
+        With ``shard_update`` each rank holds the QNVB state of its own blocks, and the settings
+        it updated them with: this is then a collective call (every rank must make it) that
+        gathers both, each block's from its owner.
         """
         state = self.optim.get_state()
         _, size = world(self.group)
         if not self.shard_update or size == 1:
             return state
         everyone: list = [None] * size
-        dist.all_gather_object(everyone, state["qnvb"]["pairs"], group=self.group)
-        pairs = {}
-        for rank, held in enumerate(everyone):
-            for name, block in held.items():
-                # the owner's copy; before the first step (a restore) every copy is the same
-                if name not in pairs or self._owners.get(name) == rank:
-                    pairs[name] = block
-        state["qnvb"]["pairs"] = pairs
+        qnvb = state["qnvb"]
+        dist.all_gather_object(
+            everyone, (qnvb["pairs"], qnvb.get("settings", {})), group=self.group
+        )
+        for part, key in enumerate(("pairs", "settings")):
+            gathered = {}
+            for rank, held in enumerate(everyone):
+                for name, record in held[part].items():
+                    # the owner's copy; before the first step (a restore) every copy is the same
+                    if name not in gathered or self._owners.get(name) == rank:
+                        gathered[name] = record
+            qnvb[key] = gathered
         return state
 
     def set_state(self, state_dict: dict) -> None:
@@ -236,6 +328,13 @@ class DistributedOptimizer(PyroOptim):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optim!r})"
+
+
+def _settings_fingerprint(settings: dict[str, QNVBHyperparameters]) -> torch.Tensor:
+    """A checksum of every block's hyperparameters (by name): one number, equal on every rank
+    when (almost surely only when) the settings are."""
+    records = sorted((name, asdict(hp)) for name, hp in settings.items())
+    return torch.tensor([float(zlib.crc32(repr(records).encode()))], dtype=torch.float64)
 
 
 def _rows_fingerprint(moments: list[PublishedMoments | None]) -> torch.Tensor:

@@ -895,7 +895,13 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """Torch's state dict plus the step count, the generator's state and the run's settings
-        (:meth:`_settings`)."""
+        (:meth:`_settings`).
+
+        With a random rule (``blocked_simplex``, ``rasp_simplex``, ``mc``) and no ``generator``,
+        the nodes come from torch's global random state, which this state dict does not hold:
+        for a bit-for-bit resume, save and restore it beside it (``pyro.util.get_rng_state()`` /
+        ``set_rng_state``), or build the optimizer with a ``generator``, whose state is saved
+        here."""
         state = super().state_dict()
         state["qnvb"] = {
             "num_steps": self.num_steps,
@@ -907,8 +913,9 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what :meth:`state_dict` saved, into an optimizer built with the same rule,
         ``num_eval``, ``likelihood_weight``, ``prior_precision`` and with (or without) an
-        annealing schedule, over parameters of the saved shapes, and with a ``generator`` if one
-        was saved: anything else is refused by a ``ValueError`` before anything is loaded. The
+        annealing schedule, over parameters of the saved shapes, and with a ``generator`` exactly
+        when one was saved: anything else is refused by a ``ValueError`` before anything is
+        loaded. The
         per-group values (``lr``, ``betas``, ...) are the saved ones, as for torch's optimizers.
         A state saved without the settings (an earlier version) loads without their check."""
         state_dict = dict(state_dict)
@@ -919,6 +926,14 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             raise ValueError(
                 "QNVBOptimizer.load_state_dict: the saved state holds a generator state; "
                 "construct the optimizer with a generator to restore it"
+            )
+        if extra["generator"] is None and self.generator is not None:
+            raise ValueError(
+                "QNVBOptimizer.load_state_dict: the saved state holds no generator state (its run "
+                "drew any random nodes from torch's global random state), but this optimizer has "
+                "a generator, which would go on from its own state; construct the optimizer "
+                "without a generator (and restore torch's random state, "
+                "pyro.util.set_rng_state) to continue that run"
             )
         self._check_shapes(state_dict)
         super().load_state_dict(state_dict)

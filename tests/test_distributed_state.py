@@ -1,0 +1,206 @@
+"""Settings across ranks and in checkpoints: ``DistributedOptimizer(shard_update=True)`` gathers
+every block's settings record from its owner; ranks whose QNVBs give a block other settings, a
+checkpoint refused on one rank, and a data-parallel ``AutoNormal`` minibatch QNVB cannot read are
+refused on every rank together (two gloo processes, one spawn, a few seconds). And
+``QNVBOptimizer.load_state_dict`` refuses a generator the saved run did not have."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal, init_to_sample
+
+from pyro_quadvi import QNVB, AutoMeanFieldNormal
+from pyro_quadvi.distributed import (
+    DistributedOptimizer,
+    DistributedQuadratureELBO,
+    load_checkpoint,
+    save_checkpoint,
+    shard,
+    world,
+)
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi.optim import QNVBOptimizer
+from pyro_quadvi.testing.ranks import RanksFailed, run_ranks
+
+ROWS = 8
+TIMEOUT_S = 60
+BLOCKS = [
+    f"AutoMeanFieldNormal.locs.{layer}.{kind}" for layer in (0, 2) for kind in ("bias", "weight")
+]
+RANK1_BLOCK = "AutoMeanFieldNormal.locs.2.weight"  # of 12, 4, 4, 1 entries: rank 1 updates it
+
+
+def _bnn_fit(
+    *, shard_update: bool, steps: int, optim_args=None, resume: Path | None = None, save=None
+) -> dict:
+    """QNVB on a 3-4-1 BayesianModule, data parallel, the deterministic Hadamard rule."""
+    pyro.clear_param_store()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(ROWS, 3, generator=g, dtype=torch.float64)
+    y = torch.sin(x.sum(-1, keepdim=True))
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    bnn = BayesianModule(net.double(), priors.Normal(1.0), likelihoods.Gaussian(ROWS, scale=0.3))
+    pyro.set_rng_seed(0)
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=init_to_sample, init_scale=0.05)
+    elbo = DistributedQuadratureELBO("hadamard", 4, vectorize=True, parallel="data")
+    optim = DistributedOptimizer(QNVB(optim_args, lr=0.5), shard_update=shard_update)
+    svi = SVI(bnn, guide, optim, elbo)
+    part = shard(ROWS)
+    if resume is not None:
+        guide(x[part], y[part])
+        load_checkpoint(resume, optim)
+    for _ in range(steps):
+        svi.step(x[part], y[part])
+    if save is not None:
+        save_checkpoint(save, optim)
+    return {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+
+
+def _z_model(rows):
+    with pyro.plate("data", ROWS, subsample=rows):
+        z = pyro.sample("z", dist.Normal(torch.zeros((), dtype=torch.float64), 1.0))
+        pyro.sample("obs", dist.Normal(z, 0.5), obs=torch.linspace(-1, 1, ROWS)[rows].double())
+
+
+def _autonormal_fit(rows: torch.Tensor, steps: int = 3) -> list[float]:
+    """Pyro's AutoNormal (no record of its minibatch) under Trace_ELBO with QNVB."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoNormal(
+        _z_model, create_plates=lambda rows: pyro.plate("data", ROWS, subsample=rows)
+    )
+    svi = SVI(_z_model, guide, DistributedOptimizer(QNVB()), Trace_ELBO())
+    for _ in range(steps):
+        svi.step(rows)
+    return pyro.param("AutoNormal.scales.z").detach().tolist()
+
+
+def _outcome(run) -> tuple:
+    try:
+        return ("ok", run())
+    except (ValueError, RuntimeError) as error:
+        return (type(error).__name__, str(error))
+
+
+def _slow(block: str):
+    return lambda name: {"lr": 0.1} if name == block else {}
+
+
+def _scenarios(outdir: Path) -> dict:
+    rank = world()[0]
+    sharded, plain = outdir / "sharded.pt", outdir / "plain.pt"
+    out = {
+        "save_sharded": _outcome(lambda: _bnn_fit(shard_update=True, steps=2, save=sharded)),
+        "save_plain": _outcome(lambda: _bnn_fit(shard_update=False, steps=2, save=plain)),
+        # both ranks: lr 0.1 for a block of rank 1's
+        "load_other_lr": _outcome(
+            lambda: _bnn_fit(
+                shard_update=True, steps=1, resume=sharded, optim_args=_slow(RANK1_BLOCK)
+            )
+        ),
+        # rank 1 only: lr 0.1 for its own block, in a fresh run
+        "fresh_sharded": _outcome(
+            lambda: _bnn_fit(
+                shard_update=True, steps=3, optim_args=_slow(RANK1_BLOCK) if rank == 1 else None
+            )
+        ),
+        "fresh_plain": _outcome(
+            lambda: _bnn_fit(shard_update=False, steps=3, optim_args={"lr": 0.3} if rank else None)
+        ),
+        "z_disjoint": _outcome(lambda: _autonormal_fit(torch.arange(4) + 4 * rank)),
+        "z_rank0_part": _outcome(lambda: _autonormal_fit(torch.arange(4 if rank == 0 else ROWS))),
+        "z_all": _outcome(lambda: _autonormal_fit(torch.arange(ROWS))),
+        # rank 1 only: other settings at load (last: a rank left behind would hang the rest)
+        "load_rank1_lr": _outcome(
+            lambda: _bnn_fit(
+                shard_update=False, steps=1, resume=plain, optim_args={"lr": 0.3} if rank else None
+            )
+        ),
+    }
+    out["settings"] = sorted(torch.load(sharded, weights_only=False)["optim"]["qnvb"]["settings"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    try:
+        return run_ranks(_scenarios, tmp_path_factory.mktemp("state"), timeout_s=TIMEOUT_S)
+    except RanksFailed as error:
+        pytest.fail(str(error))
+
+
+def test_sharded_checkpoint_holds_every_blocks_settings(ranks):
+    """Rank 0 updates locs.0.weight only; the checkpoint holds the settings of all four blocks,
+    so a changed lr for a block of rank 1's is refused at load, on both ranks."""
+    assert ranks[0]["save_sharded"][0] == "ok"
+    assert ranks[0]["settings"] == sorted(BLOCKS)
+    for rank in ranks:
+        kind, message = rank["load_other_lr"]
+        assert kind == "ValueError", message
+        assert f"(block {RANK1_BLOCK!r}): the state was saved with lr=0.5" in message
+
+
+def test_ranks_with_other_settings_refused_together(ranks):
+    """Rank 1's QNVB gives one block lr 0.1: refused at the first step on both ranks, naming
+    the block and the setting, with and without shard_update (which trained on silently)."""
+    for rank in ranks:
+        kind, message = rank["fresh_sharded"]
+        assert kind == "RuntimeError", message
+        assert f"give the block {RANK1_BLOCK!r} other settings: lr = [0.5, 0.1]" in message
+        kind, message = rank["fresh_plain"]
+        assert kind == "RuntimeError", message
+        assert f"give the block {BLOCKS[0]!r} other settings: lr = [0.5, 0.3]" in message
+
+
+def test_checkpoint_refused_on_one_rank_raises_on_every_rank(ranks):
+    """Rank 1 alone builds QNVB with lr 0.3: its refusal is raised on rank 0 too, in its words."""
+    assert ranks[0]["save_plain"][0] == "ok"
+    kind, message = ranks[1]["load_rank1_lr"]
+    assert kind == "ValueError"
+    assert re.fullmatch(
+        r"QNVB\.set_state \(block 'AutoMeanFieldNormal\.locs\.[02]\.(weight|bias)'\): the state "
+        r"was saved with lr=0\.5 \(this optimizer: 0\.3\); construct the optimizer with the "
+        r"saved settings to continue that run",
+        message,
+    )
+    assert ranks[0]["load_rank1_lr"] == (
+        "ValueError",
+        "load_checkpoint: restoring the optimizer's state raised on rank(s) [1]; rank 1: "
+        + message,
+    )
+
+
+def test_autonormal_minibatch_refused_on_every_rank_data_parallel(ranks):
+    """Disjoint rows per rank: the mean gave every entry a gradient, and QNVB read the plate's
+    scale 2 as 1. Now QNVB's refusal is made on every rank; with all rows everywhere the run
+    equals one process's."""
+    refusal = "QNVB: site 'z' was used on part of its entries (a subsampled plate)"
+    for rank in ranks:
+        assert rank["z_disjoint"][0] == "ValueError"
+        assert rank["z_disjoint"][1].startswith(refusal)
+    assert ranks[0]["z_rank0_part"][1].startswith(refusal)
+    assert ranks[1]["z_rank0_part"][0] == "ValueError"
+    assert ranks[1]["z_rank0_part"][1].startswith("QNVB raised on rank(s) [0]; rank 0: " + refusal)
+    alone = _autonormal_fit(torch.arange(ROWS))
+    for rank in ranks:
+        assert rank["z_all"] == ("ok", alone)
+
+
+def test_state_without_generator_refused_by_an_optimizer_with_one():
+    net = torch.nn.Linear(2, 1).double()
+    kwargs = {"likelihood_weight": 4, "quadrature": "blocked_simplex"}
+    saved = QNVBOptimizer(net.parameters(), **kwargs).state_dict()
+    generator = torch.Generator().manual_seed(5)
+    loading = QNVBOptimizer(net.parameters(), generator=generator, **kwargs)
+    before = generator.get_state()
+    with pytest.raises(ValueError, match=r"holds no generator state .* without a generator"):
+        loading.load_state_dict(saved)
+    assert torch.equal(generator.get_state(), before)
