@@ -19,7 +19,12 @@ import torch
 import torch.distributed as dist
 from pyro.optim import PyroOptim
 
-from ..guides.interface import PublishedMoments, publish_moments, published_moments
+from ..guides.interface import (
+    MeanFieldSite,
+    PublishedMoments,
+    publish_moments,
+    published_moments,
+)
 from ..optim import QNVB, SparseQNVB
 from ..optim.qnvb import _GRADIENT_IDENTITIES, _refuse_an_unknown_minibatch
 from ..optim.qnvb_functional import QNVBHyperparameters
@@ -166,12 +171,15 @@ class DistributedOptimizer(PyroOptim):
         moments = [published_moments(p) for _, p in named]
         names = "\n".join(name for name, _ in named).encode()
         settings = self._block_settings(named, moments)
+        read_from_gradients = self._gradient_sites(named, moments)
         sections = [
             (
                 torch.cat(
                     [
                         torch.tensor([len(named), zlib.crc32(names)], dtype=torch.float64),
-                        _rows_fingerprint(moments),
+                        _rows_fingerprint(
+                            [m.site for m in moments if m is not None] + read_from_gradients
+                        ),
                     ]
                 ),
                 "the parameters to update (their number and names) or the rows of their "
@@ -192,7 +200,7 @@ class DistributedOptimizer(PyroOptim):
         refuse_disagreement(rows, sections)
         if bool((rows[:, -1] != rows[0, -1]).any()):
             self._refuse_settings(settings)  # (every rank: each sees every rank's fingerprint)
-        unknown = self._unknown_minibatches(named, moments)
+        unknown = _unknown_minibatches(read_from_gradients)
         flags = torch.tensor(
             [
                 [p.grad is not None, m is not None, name in unknown]
@@ -268,33 +276,17 @@ class DistributedOptimizer(PyroOptim):
                     )
         # otherwise blocks have moments on some ranks only: the flags below name that
 
-    def _unknown_minibatches(
+    def _gradient_sites(
         self, named: list[tuple[str, torch.Tensor]], moments: list[PublishedMoments | None]
-    ) -> dict[str, ValueError]:
-        """QNVB's refusal of each block it would update from gradients alone whose guide does not
-        record its minibatch and that has entries without gradients on this rank (by loc name):
-        the mean over the ranks would give those entries the other ranks' gradients, and QNVB's
-        own check (:func:`~pyro_quadvi.optim.qnvb._refuse_an_unknown_minibatch`) would pass."""
+    ) -> list[MeanFieldSite]:
+        """The sites of the blocks QNVB would update from their gradients alone (no moments
+        published): their rows, where the guide records them (``AutoMeanFieldNormal``), join the
+        rows compared across the ranks; where it does not, :func:`_unknown_minibatches`."""
         if not isinstance(self.optim, QNVB) or all(m is not None for m in moments):
-            return {}
+            return []
         received = {id(p) for _, p in named}
         blocks, _ = self.optim._find_blocks([p for _, p in named], received)
-        refused = {}
-        for block in blocks:
-            site = block.site
-            loc, scale = site.params["loc"], site.params["scale"]
-            if (
-                block.moments is None
-                and site.rows is None
-                and site.family in _GRADIENT_IDENTITIES
-                and loc.grad is not None
-                and scale.grad is not None
-            ):
-                try:
-                    _refuse_an_unknown_minibatch(site)
-                except ValueError as error:
-                    refused[site.param_names["loc"]] = error
-        return refused
+        return [block.site for block in blocks if block.moments is None]
 
     def get_state(self) -> dict:
         """The wrapped optimizer's state, the same on every rank.
@@ -337,14 +329,36 @@ def _settings_fingerprint(settings: dict[str, QNVBHyperparameters]) -> torch.Ten
     return torch.tensor([float(zlib.crc32(repr(records).encode()))], dtype=torch.float64)
 
 
-def _rows_fingerprint(moments: list[PublishedMoments | None]) -> torch.Tensor:
-    """Count, sum, sum of squares and position-weighted sum of the subsampled rows of the blocks
-    with moments: equal on every rank when (almost surely only when) the rows are."""
+def _unknown_minibatches(sites: list[MeanFieldSite]) -> dict[str, ValueError]:
+    """QNVB's refusal of each block it would update from gradients alone whose guide does not
+    record its minibatch and that has entries without gradients on this rank (by loc name): the
+    mean over the ranks would give those entries the other ranks' gradients, and QNVB's own check
+    (:func:`~pyro_quadvi.optim.qnvb._refuse_an_unknown_minibatch`) would pass."""
+    refused = {}
+    for site in sites:
+        loc, scale = site.params["loc"], site.params["scale"]
+        if (
+            site.rows is None
+            and site.family in _GRADIENT_IDENTITIES
+            and loc.grad is not None
+            and scale.grad is not None
+        ):
+            try:
+                _refuse_an_unknown_minibatch(site)
+            except ValueError as error:
+                refused[site.param_names["loc"]] = error
+    return refused
+
+
+def _rows_fingerprint(sites: list[MeanFieldSite]) -> torch.Tensor:
+    """Count, sum, sum of squares and position-weighted sum of the subsampled rows of ``sites``
+    (those of the blocks with moments, and of the blocks read from gradients whose guide records
+    them): equal on every rank when (almost surely only when) the rows are."""
     indices = [
         index.reshape(-1).to(torch.float64)
-        for m in moments
-        if m is not None and m.site.rows
-        for _, index in sorted(m.site.rows.items())
+        for site in sites
+        if site.rows
+        for _, index in sorted(site.rows.items())
     ]
     flat = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.float64)
     position = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
