@@ -9,7 +9,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer import SVI
+from pyro.infer import SVI, Trace_ELBO
 from torch import nn
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
@@ -291,6 +291,30 @@ def test_qnvb_describes_no_guide_when_published_moments_cover_its_parameters(mon
     assert fast.keys() == slow.keys()
     for name in fast:
         assert torch.equal(fast[name], slow[name]), name
+
+
+@pytest.mark.usefixtures("fresh_param_store")
+def test_qnvb_describes_only_the_live_guides_holding_its_parameters(monkeypatch):
+    # reading the gradients (Trace_ELBO) QNVB describes live guides to pair its parameters; a
+    # guide of another model (or a stale one, whose parameters left the param store and whose
+    # description then failed with a KeyError) holds none of them and is not described
+    described = []
+
+    def recording(guide, *args, **kwargs):
+        described.append(guide)
+        return describe(guide, *args, **kwargs)
+
+    describe = qnvb_module.describe_guide
+    monkeypatch.setattr(qnvb_module, "describe_guide", recording)
+    optim = QNVB()  # from here on every describable guide that runs is live
+    other = AutoMeanFieldNormal(lambda: pyro.sample("q", dist.Normal(0.0, 1.0)))
+    other()
+    pyro.set_rng_seed(0)
+    guide = AutoMeanFieldNormal(_regression)
+    svi = SVI(_regression, guide, optim, Trace_ELBO())
+    for _ in range(3):
+        svi.step()
+    assert len(described) == 3 and all(d is guide for d in described)
 
 
 def test_not_finite_is_the_complement_of_isfinite():
