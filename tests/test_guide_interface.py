@@ -214,6 +214,34 @@ class FamilyGuide(torch.nn.Module):
         )
 
 
+class StoreGuide(torch.nn.Module):
+    """A described module guide holding no parameters of its own: its pyro.param sites live in
+    the param store (QNVB describes it though ``parameters()`` is empty)."""
+
+    def forward(self):
+        pyro.sample("z", dist.Normal(*self._pair()))
+
+    def _pair(self):
+        loc = pyro.param("store.loc", torch.tensor(0.0, dtype=DTYPE))
+        scale = pyro.param(
+            "store.scale", torch.tensor(1.0, dtype=DTYPE), constraint=dist.constraints.positive
+        )
+        return loc, scale
+
+    def quadrature_description(self, trace=None) -> GuideDescription:
+        loc, scale = self._pair()
+        leaves = (loc.unconstrained(), scale.unconstrained())
+        return scalar_description("StoreGuide", "gaussian", loc, scale, leaves, ("loc", "scale"))
+
+
+def test_a_module_guide_of_store_parameters_is_paired_under_trace_elbo():
+    qnvb = QNVB()
+    svi = SVI(conjugate_model, StoreGuide(), qnvb, Trace_ELBO())
+    svi.step()
+    assert set(qnvb.get_state()["qnvb"]["pairs"]) == {"loc"}
+    assert qnvb.get_state()["fallback"] == {}
+
+
 def test_a_family_without_an_update_goes_to_the_fallback_with_a_warning():
     qnvb = QNVB()
     svi = SVI(conjugate_model, FamilyGuide(), qnvb, Trace_ELBO())

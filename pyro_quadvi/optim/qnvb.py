@@ -419,12 +419,12 @@ class QNVB(PyroOptim):
             # guides (a transform of every scale each) could add no block and no warning
             return self._checked_blocks(blocks, received, explained)
         for guide in live_guides():
-            if isinstance(guide, torch.nn.Module) and not any(
-                id(p) in received for p in guide.parameters()
-            ):
+            held = list(guide.parameters()) if isinstance(guide, torch.nn.Module) else []
+            if held and not any(id(p) in received for p in held):
                 # none of this step's: a guide of another model, or a stale one whose
                 # parameters left the param store (pyro.clear_param_store), which a
-                # description would look up and not find
+                # description would look up and not find. (A module holding no parameters of
+                # its own, its pyro.param sites in the store, is described as before.)
                 continue
             try:
                 description = describe_guide(guide)
