@@ -70,30 +70,18 @@ def _z_model(rows):
         pyro.sample("obs", dist.Normal(z, 0.5), obs=torch.linspace(-1, 1, ROWS)[rows].double())
 
 
-def _autonormal_fit(rows: torch.Tensor, steps: int = 3) -> list[float]:
-    """Pyro's AutoNormal (no record of its minibatch) under Trace_ELBO with QNVB."""
+def _autonormal_fit(rows: torch.Tensor, guide_class=AutoNormal) -> list[float]:
+    """Three steps of ``guide_class`` under Trace_ELBO with QNVB: Pyro's AutoNormal records no
+    minibatch, AutoMeanFieldNormal records it."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    guide = AutoNormal(
-        _z_model, create_plates=lambda rows: pyro.plate("data", ROWS, subsample=rows)
-    )
-    svi = SVI(_z_model, guide, DistributedOptimizer(QNVB()), Trace_ELBO())
-    for _ in range(steps):
-        svi.step(rows)
-    return pyro.param("AutoNormal.scales.z").detach().tolist()
-
-
-def _recording_fit(rows: torch.Tensor) -> list[float]:
-    """The same with AutoMeanFieldNormal, which records its minibatch."""
-    pyro.clear_param_store()
-    pyro.set_rng_seed(0)
-    guide = AutoMeanFieldNormal(
+    guide = guide_class(
         _z_model, create_plates=lambda rows: pyro.plate("data", ROWS, subsample=rows)
     )
     svi = SVI(_z_model, guide, DistributedOptimizer(QNVB()), Trace_ELBO())
     for _ in range(3):
         svi.step(rows)
-    return pyro.param("AutoMeanFieldNormal.scales.z").detach().tolist()
+    return pyro.param(f"{guide_class.__name__}.scales.z").detach().tolist()
 
 
 def _outcome(run) -> tuple:
@@ -131,7 +119,9 @@ def _scenarios(outdir: Path) -> dict:
         "z_disjoint": _outcome(lambda: _autonormal_fit(torch.arange(4) + 4 * rank)),
         "z_rank0_part": _outcome(lambda: _autonormal_fit(torch.arange(4 if rank == 0 else ROWS))),
         "z_all": _outcome(lambda: _autonormal_fit(torch.arange(ROWS))),
-        "z_recorded_disjoint": _outcome(lambda: _recording_fit(torch.arange(4) + 4 * rank)),
+        "z_recorded_disjoint": _outcome(
+            lambda: _autonormal_fit(torch.arange(4) + 4 * rank, AutoMeanFieldNormal)
+        ),
         # rank 1 only: other settings at load (last: a rank left behind would hang the rest)
         "load_rank1_lr": _outcome(
             lambda: _bnn_fit(
