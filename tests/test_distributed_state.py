@@ -6,6 +6,7 @@ refused on every rank together (two gloo processes, one spawn, a few seconds). A
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -37,10 +38,28 @@ BLOCKS = [
 RANK1_BLOCK = "AutoMeanFieldNormal.locs.2.weight"  # of 12, 4, 4, 1 entries: rank 1 updates it
 
 
+def _same(a, b) -> bool:
+    """Nested dicts, lists and tensors equal, bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def _bnn_fit(
-    *, shard_update: bool, steps: int, optim_args=None, resume: Path | None = None, save=None
+    *,
+    shard_update: bool,
+    steps: int,
+    optim_args=None,
+    resume: Path | None = None,
+    save=None,
+    kept: list | None = None,
 ) -> dict:
-    """QNVB on a 3-4-1 BayesianModule, data parallel, the deterministic Hadamard rule."""
+    """QNVB on a 3-4-1 BayesianModule, data parallel, the deterministic Hadamard rule;
+    ``kept`` receives whether a refused load left the optimizer's state as it was."""
     pyro.clear_param_store()
     g = torch.Generator().manual_seed(7)
     x = torch.randn(ROWS, 3, generator=g, dtype=torch.float64)
@@ -56,7 +75,13 @@ def _bnn_fit(
     part = shard(ROWS)
     if resume is not None:
         guide(x[part], y[part])
-        load_checkpoint(resume, optim)
+        before = copy.deepcopy(optim.get_state())
+        try:
+            load_checkpoint(resume, optim)
+        except ValueError:
+            if kept is not None:
+                kept.append(_same(before, optim.get_state()))
+            raise
     for _ in range(steps):
         svi.step(x[part], y[part])
     if save is not None:
@@ -70,7 +95,7 @@ def _z_model(rows):
         pyro.sample("obs", dist.Normal(z, 0.5), obs=torch.linspace(-1, 1, ROWS)[rows].double())
 
 
-def _autonormal_fit(rows: torch.Tensor, guide_class=AutoNormal) -> list[float]:
+def _autonormal_fit(rows: torch.Tensor, guide_class=AutoNormal, **qnvb) -> list[float]:
     """Three steps of ``guide_class`` under Trace_ELBO with QNVB: Pyro's AutoNormal records no
     minibatch, AutoMeanFieldNormal records it."""
     pyro.clear_param_store()
@@ -78,7 +103,7 @@ def _autonormal_fit(rows: torch.Tensor, guide_class=AutoNormal) -> list[float]:
     guide = guide_class(
         _z_model, create_plates=lambda rows: pyro.plate("data", ROWS, subsample=rows)
     )
-    svi = SVI(_z_model, guide, DistributedOptimizer(QNVB()), Trace_ELBO())
+    svi = SVI(_z_model, guide, DistributedOptimizer(QNVB(**qnvb)), Trace_ELBO())
     for _ in range(3):
         svi.step(rows)
     return pyro.param(f"{guide_class.__name__}.scales.z").detach().tolist()
@@ -98,6 +123,7 @@ def _slow(block: str):
 def _scenarios(outdir: Path) -> dict:
     rank = world()[0]
     sharded, plain = outdir / "sharded.pt", outdir / "plain.pt"
+    kept: list[bool] = []
     out = {
         "save_sharded": _outcome(lambda: _bnn_fit(shard_update=True, steps=2, save=sharded)),
         "save_plain": _outcome(lambda: _bnn_fit(shard_update=False, steps=2, save=plain)),
@@ -119,16 +145,26 @@ def _scenarios(outdir: Path) -> dict:
         "z_disjoint": _outcome(lambda: _autonormal_fit(torch.arange(4) + 4 * rank)),
         "z_rank0_part": _outcome(lambda: _autonormal_fit(torch.arange(4 if rank == 0 else ROWS))),
         "z_all": _outcome(lambda: _autonormal_fit(torch.arange(ROWS))),
+        "z_recorded_other_lr": _outcome(
+            lambda: _autonormal_fit(
+                torch.arange(ROWS), AutoMeanFieldNormal, **({"lr": 0.3} if rank else {})
+            )
+        ),
         "z_recorded_disjoint": _outcome(
             lambda: _autonormal_fit(torch.arange(4) + 4 * rank, AutoMeanFieldNormal)
         ),
         # rank 1 only: other settings at load (last: a rank left behind would hang the rest)
         "load_rank1_lr": _outcome(
             lambda: _bnn_fit(
-                shard_update=False, steps=1, resume=plain, optim_args={"lr": 0.3} if rank else None
+                shard_update=False,
+                steps=1,
+                resume=plain,
+                optim_args={"lr": 0.3} if rank else None,
+                kept=kept,
             )
         ),
     }
+    out["kept"] = kept
     out["settings"] = sorted(torch.load(sharded, weights_only=False)["optim"]["qnvb"]["settings"])
     return out
 
@@ -180,6 +216,8 @@ def test_checkpoint_refused_on_one_rank_raises_on_every_rank(ranks):
         "load_checkpoint: restoring the optimizer's state raised on rank(s) [1]; rank 1: "
         + message,
     )
+    # rank 0 had taken the state: it is back to its own, as rank 1's never changed
+    assert ranks[0]["kept"] == ranks[1]["kept"] == [True]
 
 
 def test_autonormal_minibatch_refused_on_every_rank_data_parallel(ranks):
@@ -205,6 +243,15 @@ def test_recorded_rows_read_from_gradients_are_compared_across_ranks(ranks):
     for rank in ranks:
         assert rank["z_recorded_disjoint"][0] == "RuntimeError"
         assert "the rows of their local latents" in rank["z_recorded_disjoint"][1]
+
+
+def test_settings_of_blocks_read_from_gradients_are_compared_across_ranks(ranks):
+    """Under Trace_ELBO (no moments) the settings fingerprint covered nothing, and ranks with
+    another lr drifted apart until the values check blamed the seeding."""
+    for rank in ranks:
+        kind, message = rank["z_recorded_other_lr"]
+        assert kind == "RuntimeError"
+        assert "AutoMeanFieldNormal.locs.z" in message and "lr = [1.0, 0.3]" in message
 
 
 def test_state_without_generator_refused_by_an_optimizer_with_one():

@@ -264,16 +264,23 @@ def test_torch_load_takes_the_saved_per_group_values():
 
 
 def test_torch_refused_load_leaves_the_optimizer_exactly_as_it_was():
-    """A generator state into an optimizer without one is refused before anything is loaded."""
-    saved = _saved(likelihood_weight=32, quadrature="hadamard", generator=torch.Generator(), lr=0.5)
+    """A generator state into an optimizer without one is refused before anything is loaded (a
+    random rule: a deterministic one draws nothing, and either loads)."""
+    rule = "blocked_simplex"
+    saved = _saved(likelihood_weight=32, quadrature=rule, generator=torch.Generator(), lr=0.5)
     net = _net()
-    optimizer = QNVBOptimizer(net.parameters(), likelihood_weight=32, quadrature="hadamard")
+    optimizer = QNVBOptimizer(net.parameters(), likelihood_weight=32, quadrature=rule)
     _run(net, optimizer, 2)
     before = copy.deepcopy(optimizer.state_dict())
     with pytest.raises(ValueError, match="construct the optimizer with a generator"):
         optimizer.load_state_dict(saved)
     assert _equal_state_dicts(optimizer.state_dict(), before)
     assert optimizer.num_steps == 2 and optimizer.param_groups[0]["lr"] == 1.0
+    deterministic = QNVBOptimizer(_net().parameters(), likelihood_weight=32, quadrature="hadamard")
+    deterministic.load_state_dict(
+        _saved(likelihood_weight=32, quadrature="hadamard", generator=torch.Generator())
+    )
+    assert deterministic.generator is None
 
 
 @pytest.mark.parametrize("named", [False, True])

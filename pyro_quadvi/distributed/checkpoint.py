@@ -93,7 +93,8 @@ def load_checkpoint(
             ``generator`` to restore it into (or the reverse).
         Exception: whatever ``optim.set_state`` raised on any rank (a ``QNVB`` built with other
             settings: a ``ValueError`` naming the block and the settings), on every rank
-            together; the param store and random states are then left as they were.
+            together; the param store, the random states and every rank's optimizer state are
+            then left as they were.
     """
     rank, size = world(group)
     box = [torch.load(path, weights_only=False) if rank == 0 else None]
@@ -102,18 +103,24 @@ def load_checkpoint(
     state = box[0]
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise ValueError(f"{os.fspath(path)!r} is not a checkpoint written by save_checkpoint")
-    if (state["generator"] is None) != (generator is None):
-        raise ValueError(
-            "load_checkpoint: the checkpoint was saved "
-            + ("without" if state["generator"] is None else "with")
-            + " a generator; pass generator= exactly when the fit's ELBO has one"
-        )
+    before = optim.get_state()
+    refused = None
     try:  # first: a refused state (other settings) leaves the param store as it was
+        if (state["generator"] is None) != (generator is None):
+            raise ValueError(
+                "load_checkpoint: the checkpoint was saved "
+                + ("without" if state["generator"] is None else "with")
+                + " a generator; pass generator= exactly when the fit's ELBO has one"
+            )
         optim.set_state(state["optim"])
-        refused = None
     except Exception as error:  # raised below on every rank, after every rank has heard of it
         refused = error
-    raise_together(refused, "load_checkpoint: restoring the optimizer's state", group)
+    try:
+        raise_together(refused, "load_checkpoint: restoring the optimizer's state", group)
+    except Exception:
+        if refused is None:  # this rank took the state another refused: back to its own
+            optim.set_state(before)
+        raise
     pyro.get_param_store().set_state(state["param_store"])
     set_rng_state(state["rng"])
     if state.get("cuda_rng") is not None and torch.cuda.is_available():

@@ -170,8 +170,10 @@ class DistributedOptimizer(PyroOptim):
         device = params[0].device
         moments = [published_moments(p) for _, p in named]
         names = "\n".join(name for name, _ in named).encode()
-        settings = self._block_settings(named, moments)
         read_from_gradients = self._gradient_sites(named, moments)
+        settings = self._block_settings(
+            [m.site for m in moments if m is not None] + read_from_gradients
+        )
         sections = [
             (
                 torch.cat(
@@ -243,18 +245,16 @@ class DistributedOptimizer(PyroOptim):
             blocks.append((owner, [m.site.params[role] for role in sorted(m.site.params)]))
         return blocks
 
-    def _block_settings(
-        self, named: list[tuple[str, torch.Tensor]], moments: list[PublishedMoments | None]
-    ) -> dict[str, QNVBHyperparameters]:
-        """The hyperparameters QNVB gives each block with moments this step (by loc name)."""
+    def _block_settings(self, sites: list[MeanFieldSite]) -> dict[str, QNVBHyperparameters]:
+        """The hyperparameters QNVB gives each block this step (by loc name): those with
+        moments, and those read from gradients (:meth:`_gradient_sites`)."""
         if not isinstance(self.optim, QNVB) or isinstance(self.optim, SparseQNVB):
             return {}
         return {
-            m.site.param_names["loc"]: self.optim._block_hyperparameters(
-                m.site.param_names["loc"], m.site.hints
+            site.param_names["loc"]: self.optim._block_hyperparameters(
+                site.param_names["loc"], site.hints
             )
-            for m in moments
-            if m is not None
+            for site in sites
         }
 
     def _refuse_settings(self, settings: dict[str, QNVBHyperparameters]) -> None:

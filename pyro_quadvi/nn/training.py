@@ -112,7 +112,7 @@ def fit(
             # streams (a shuffled DataLoader's order, a random rule's nodes): recording a score
             # leaves the fit as it would be without it
             state = pyro.util.get_rng_state()  # torch's (CPU), Python's and NumPy's
-            with torch.random.fork_rng(devices=cuda_devices(batch)):
+            with torch.random.fork_rng(devices=cuda_devices(batch, svi.model, svi.guide)):
                 for name, metric in metrics.items():
                     history.metrics[name].append((done, float(metric())))
             pyro.util.set_rng_state(state)

@@ -922,12 +922,13 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         extra = state_dict.pop("qnvb")
         if "settings" in extra:
             check_settings("QNVBOptimizer.load_state_dict", extra["settings"], self._settings())
-        if extra["generator"] is not None and self.generator is None:
+        random = self.rule.is_random  # a deterministic rule never draws: no generator to match
+        if random and extra["generator"] is not None and self.generator is None:
             raise ValueError(
                 "QNVBOptimizer.load_state_dict: the saved state holds a generator state; "
                 "construct the optimizer with a generator to restore it"
             )
-        if extra["generator"] is None and self.generator is not None:
+        if random and extra["generator"] is None and self.generator is not None:
             raise ValueError(
                 "QNVBOptimizer.load_state_dict: the saved state holds no generator state (its run "
                 "drew any random nodes from torch's global random state), but this optimizer has "
@@ -938,5 +939,5 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         self._check_shapes(state_dict)
         super().load_state_dict(state_dict)
         self.num_steps = extra["num_steps"]
-        if extra["generator"] is not None:
+        if extra["generator"] is not None and self.generator is not None:
             self.generator.set_state(extra["generator"])
