@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_bnn_speed.py [--repeats 7] [--steps 10] [--profile]
         [--no-compile] [--update-only] [--nets 1-50-1 784-200-10 784-400-400-10 table2-cnn]
         [--clock wall|cpu] [--batch 1024] [--floor] [--memory-split] [--memory-trace] [--guide-run]
+        [--device cuda]
 
 For four networks (1-50-1 with a Gaussian likelihood at batch 128; 784-200-10, 784-400-400-10 and
 the convolutional network of the sequence paper's Table 2 with a categorical likelihood at batch
@@ -64,7 +65,16 @@ updates) and the top operators of ``torch.profiler`` by self CPU time.
 passes, same clock): the unit of a bandwidth floor for the step's work on ``K x P`` entries (the
 node points, the sums over the nodes) and the update's on ``P``.
 
-Pyro's validation is left as it is by default (on) for both SVI steps.
+``--profile`` on ``--device cuda`` adds, per step, the kernels' GPU time, the launches, the
+host's waits for the GPU and the copies between host and GPU, with the Python lines of the waits
+and copies. ``--validation off`` turns Pyro's validation off for the whole run.
+
+``--device cuda`` runs the networks, their data and every optimizer on the GPU: the clock then
+waits for the GPU's queue to drain before each reading (``torch.cuda.synchronize``, in the update
+shares too), and a peak is ``torch.cuda.max_memory_allocated`` during the step above what was
+allocated before it (least of 3).
+
+Pyro's validation is on by default (Pyro's own default) for both SVI steps.
 """
 
 from __future__ import annotations
@@ -103,7 +113,14 @@ from pyro_quadvi.optim.qnvb_functional import (
 K = 4
 DATASET_SIZE = 10_000
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-clock = CLOCKS["wall"]  # set by --clock
+clock = CLOCKS["wall"]  # set by --clock (and by --device cuda)
+DEVICE = torch.device("cpu")  # set by --device
+
+
+def synced_clock() -> float:
+    """``time.perf_counter`` after the GPU's queue has drained (the clock of ``--device cuda``)."""
+    torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 class TimedQNVB(QNVB):
@@ -168,10 +185,10 @@ def make_case(make, in_shape, batch, kind, seed=0):
     """The network ``make()`` (seeded), ``batch`` inputs of ``in_shape``, targets, likelihood and
     the plain loss; a categorical network's output size is the number of classes."""
     torch.manual_seed(seed)
-    net = make()
-    x = torch.randn(batch, *in_shape)
+    net = make().to(DEVICE)
+    x = torch.randn(batch, *in_shape, device=DEVICE)
     if kind == "gaussian":
-        y = torch.randn(batch)
+        y = torch.randn(batch, device=DEVICE)
         likelihood = likelihoods.Gaussian(DATASET_SIZE, scale=0.1)
 
         def criterion(out, target):
@@ -179,7 +196,7 @@ def make_case(make, in_shape, batch, kind, seed=0):
     else:
         with torch.no_grad():
             num_classes = net(x[:1]).shape[-1]
-        y = torch.randint(0, num_classes, (batch,))
+        y = torch.randint(0, num_classes, (batch,), device=DEVICE)
         likelihood = likelihoods.Categorical(DATASET_SIZE)
 
         criterion = F.cross_entropy
@@ -256,8 +273,22 @@ def live_at_peak(fn) -> tuple[int, dict[str, int]]:
     return peak, by_operator
 
 
+def cuda_peak(fn) -> int:
+    """The most bytes of CUDA memory held while ``fn()`` runs beyond what was held before it
+    (``torch.cuda.max_memory_allocated``: the caching allocator's peak of allocated blocks)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def peak_bytes(fn, tries: int = 3) -> int:
-    """The least over ``tries`` of :func:`live_at_peak`'s peak."""
+    """The least over ``tries`` of the step's peak: :func:`live_at_peak`'s on the CPU,
+    :func:`cuda_peak`'s on CUDA."""
+    if DEVICE.type == "cuda":
+        return min(cuda_peak(fn) for _ in range(tries))
     return min(live_at_peak(fn)[0] for _ in range(tries))
 
 
@@ -456,6 +487,82 @@ def run_profile(case, steps: int) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
+#: the CUDA runtime's calls that make the host wait for the GPU, and its copies (of a host value
+#: to the GPU, or of a GPU value back to the host)
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+COPIES = ("cudaMemcpyAsync", "cudaMemcpy")
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def python_caller(node) -> str:
+    """The innermost Python frames of Pyro and of ``pyro_quadvi`` above an event of
+    ``torch.profiler``'s tree (``with_stack=True``), as ``"file.py(line): function"`` (the line
+    where the function begins), the package's first; ``"(torch)"`` if there is neither."""
+    found: dict[str, str] = {}
+    while node is not None:
+        if node.tag == _EventType.PyCall:
+            for package in ("pyro_quadvi/", "pyro/"):
+                if package in node.name and package not in found:
+                    found[package] = node.name.split("site-packages/")[-1]
+                    break
+        node = node.parent
+    return " < ".join(found[p] for p in ("pyro_quadvi/", "pyro/") if p in found) or "(torch)"
+
+
+def cuda_profile(case, steps: int) -> None:
+    """Where a step's time goes on the GPU: for one plain pass, the QNVB step and the one-pass
+    ``QNVBOptimizer`` step, per step, the wall time, the kernels' own GPU time (busy share),
+    kernel launches, the host's waits for the GPU and the copies between host and GPU, and the
+    Python lines of the waits and copies (``torch.profiler`` with CPU and CUDA activities)."""
+    _, make, in_shape, batch, kind = case
+    _, _, _, fns = build(make, in_shape, batch, kind, compile=False)
+    print(
+        f"\nOn the GPU, per step, {row_name(case)} ({steps} steps under torch.profiler):\n\n"
+        "| variant | wall ms | kernels' GPU ms | GPU busy | launches | waits | copies |\n"
+        "|---|---:|---:|---:|---:|---:|---:|"
+    )
+    origins = {}
+    for label in ("plain", "qnvb", "opt pass"):
+        torch.cuda.synchronize()
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities, with_stack=True) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                fns[label]()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / steps
+        gpu = sum(
+            e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+        )
+        counts = {"launches": 0, "waits": 0, "copies": 0}
+        where: dict[str, int] = {}
+
+        def walk(node, counts=counts, where=where) -> None:
+            for kind_, names in (("launches", LAUNCHES), ("waits", WAITS), ("copies", COPIES)):
+                if node.name in names:
+                    counts[kind_] += 1
+                    if kind_ != "launches":
+                        key = f"{kind_[:-1]}: {python_caller(node)}"
+                        where[key] = where.get(key, 0) + 1
+            for child in node.children:
+                walk(child)
+
+        for root in prof.profiler.kineto_results.experimental_event_tree():
+            walk(root)
+        origins[label] = where
+        print(
+            f"| {label} | {wall * 1e3:.2f} | {gpu / 1e3 / steps:.2f} | "
+            f"{gpu / 1e6 / steps / wall:.0%} | "
+            + " | ".join(f"{counts[k] / steps:.1f}" for k in counts)
+            + " |",
+            flush=True,
+        )
+    for label, where in origins.items():
+        print(f"\nWaits and copies of '{label}' per step, by Python line:")
+        for key, n in sorted(where.items(), key=lambda kv: -kv[1]):
+            print(f"- {n / steps:.1f} {key}")
+
+
 def floor_table(cases, repeats: int) -> None:
     """One elementwise pass (``torch.add(a, b, out=c)``: two reads, one write) over ``K x P`` and
     over ``P`` floats, ``P`` each network's parameter count; median of ``repeats`` blocks of 10."""
@@ -467,7 +574,7 @@ def floor_table(cases, repeats: int) -> None:
         count = sum(p.numel() for p in make().parameters())
         cells = []
         for n in (K * count, count):
-            a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
+            a, b, c = (torch.rand(n, device=DEVICE) for _ in range(3))
             times = []
             for _ in range(repeats + 1):  # one warm-up block
                 start = clock()
@@ -607,7 +714,7 @@ def update_table(cases, repeats: int, compile: bool) -> None:
     hp = QNVBHyperparameters()
     for name, make, _, _, _ in cases:
         torch.manual_seed(0)
-        params = [p.detach() for p in make().parameters()]
+        params = [p.detach() for p in make().to(DEVICE).parameters()]
         gs = [torch.randn_like(p) for p in params]
         hs = [torch.rand_like(p) * 1e-3 for p in params]
 
@@ -685,24 +792,43 @@ def main() -> None:
         help="only the table of the guide's run with and without its draws",
     )
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="run the networks there (cuda: the clock then synchronizes before each reading, and "
+        "peaks are torch.cuda.max_memory_allocated's)",
+    )
+    parser.add_argument(
+        "--validation",
+        choices=["on", "off"],
+        default="on",
+        help="Pyro's validation during the SVI steps (default on, Pyro's own default)",
+    )
+    parser.add_argument(
         "--memory-trace",
         action="store_true",
         help="only the tables of what the plain pass and the QNVB step hold at their peaks",
     )
     args = parser.parse_args()
-    global clock
+    global clock, DEVICE
     clock = CLOCKS[args.clock]
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda":
+        if args.clock != "wall" or args.memory_split or args.memory_trace:
+            parser.error("--device cuda times with the wall clock and has no --memory-split/trace")
+        clock = synced_clock
     cases = [CASES[key] for key in args.nets or CASES]
     if args.batch is not None:
         if args.batch < 1:
             parser.error(f"--batch must be a positive integer, got {args.batch}")
         cases = [(name, make, shape, args.batch, kind) for name, make, shape, _, kind in cases]
     torch.set_num_threads(1)
+    pyro.enable_validation(args.validation == "on")
     pyro.settings.set(module_local_params=True)  # each guide holds its own parameters
     torch.set_default_dtype(torch.float32)
+    on = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu"
     print(
         f"torch {torch.__version__}, pyro {pyro.__version__}, threads {torch.get_num_threads()}, "
-        f"clock {args.clock}"
+        f"clock {args.clock}, device {on}, Pyro validation {args.validation}"
     )
     if args.guide_run:
         guide_run_table(cases, args.repeats * args.steps)
@@ -747,6 +873,8 @@ def main() -> None:
             profiled = [(n, make, shape, args.batch, kind) for n, make, shape, _, kind in profiled]
         for case in profiled:
             run_profile(case, args.steps * 2)
+            if DEVICE.type == "cuda":
+                cuda_profile(case, args.steps)
 
 
 if __name__ == "__main__":
