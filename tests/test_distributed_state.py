@@ -1,8 +1,9 @@
 """Settings across ranks and in checkpoints: ``DistributedOptimizer(shard_update=True)`` gathers
 every block's settings record from its owner; ranks whose QNVBs give a block other settings, a
 checkpoint refused on one rank, and a data-parallel ``AutoNormal`` minibatch QNVB cannot read are
-refused on every rank together (two gloo processes, one spawn, a few seconds). And
-``QNVBOptimizer.load_state_dict`` refuses a generator the saved run did not have."""
+refused on every rank together (two gloo processes, one spawn, a few seconds). A step reading
+blocks from gradients describes each live guide once. And ``QNVBOptimizer.load_state_dict``
+refuses a generator the saved run did not have."""
 
 from __future__ import annotations
 
@@ -95,16 +96,30 @@ def _z_model(rows):
         pyro.sample("obs", dist.Normal(z, 0.5), obs=torch.linspace(-1, 1, ROWS)[rows].double())
 
 
-def _autonormal_fit(rows: torch.Tensor, guide_class=AutoNormal, **qnvb) -> list[float]:
+def _autonormal_fit(
+    rows: torch.Tensor, guide_class=AutoNormal, described: list[int] | None = None, **qnvb
+) -> list[float]:
     """Three steps of ``guide_class`` under Trace_ELBO with QNVB: Pyro's AutoNormal records no
-    minibatch, AutoMeanFieldNormal records it."""
+    minibatch, AutoMeanFieldNormal records it. With ``described`` (AutoMeanFieldNormal), the
+    number of times each step describes the guide (every ``describe_guide`` of it, whichever
+    module calls it, goes through its ``quadrature_description``) is appended to it."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     guide = guide_class(
         _z_model, create_plates=lambda rows: pyro.plate("data", ROWS, subsample=rows)
     )
+    if described is not None:
+        describe = guide.quadrature_description
+
+        def counting(trace=None):
+            described[-1] += 1
+            return describe(trace)
+
+        guide.quadrature_description = counting
     svi = SVI(_z_model, guide, DistributedOptimizer(QNVB(**qnvb)), Trace_ELBO())
     for _ in range(3):
+        if described is not None:
+            described.append(0)
         svi.step(rows)
     return pyro.param(f"{guide_class.__name__}.scales.z").detach().tolist()
 
@@ -124,6 +139,7 @@ def _scenarios(outdir: Path) -> dict:
     rank = world()[0]
     sharded, plain = outdir / "sharded.pt", outdir / "plain.pt"
     kept: list[bool] = []
+    described: list[int] = []
     out = {
         "save_sharded": _outcome(lambda: _bnn_fit(shard_update=True, steps=2, save=sharded)),
         "save_plain": _outcome(lambda: _bnn_fit(shard_update=False, steps=2, save=plain)),
@@ -153,6 +169,9 @@ def _scenarios(outdir: Path) -> dict:
         "z_recorded_disjoint": _outcome(
             lambda: _autonormal_fit(torch.arange(4) + 4 * rank, AutoMeanFieldNormal)
         ),
+        "z_recorded_all": _outcome(
+            lambda: _autonormal_fit(torch.arange(ROWS), AutoMeanFieldNormal, described)
+        ),
         # rank 1 only: other settings at load (last: a rank left behind would hang the rest)
         "load_rank1_lr": _outcome(
             lambda: _bnn_fit(
@@ -165,6 +184,7 @@ def _scenarios(outdir: Path) -> dict:
         ),
     }
     out["kept"] = kept
+    out["described"] = described
     out["settings"] = sorted(torch.load(sharded, weights_only=False)["optim"]["qnvb"]["settings"])
     return out
 
@@ -252,6 +272,18 @@ def test_settings_of_blocks_read_from_gradients_are_compared_across_ranks(ranks)
         kind, message = rank["z_recorded_other_lr"]
         assert kind == "RuntimeError"
         assert "AutoMeanFieldNormal.locs.z" in message and "lr = [1.0, 0.3]" in message
+
+
+def test_a_step_reading_gradients_describes_each_guide_once(ranks):
+    """Under Trace_ELBO (no moments) the wrapper describes the live guides for its checks and
+    hands the descriptions to QNVB's step, which described them a second time before. The fit
+    is the one process's (every row on every rank), which describes the guide once a step too."""
+    alone_described: list[int] = []
+    alone = _autonormal_fit(torch.arange(ROWS), AutoMeanFieldNormal, alone_described)
+    assert alone_described == [1, 1, 1]
+    for rank in ranks:
+        assert rank["described"] == [1, 1, 1]
+        assert rank["z_recorded_all"] == ("ok", alone)
 
 
 def test_state_without_generator_refused_by_an_optimizer_with_one():
