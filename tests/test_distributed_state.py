@@ -17,6 +17,7 @@ import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal, init_to_sample
+from torch.distributions.constraints import positive
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal
 from pyro_quadvi.distributed import (
@@ -124,6 +125,30 @@ def _autonormal_fit(
     return pyro.param(f"{guide_class.__name__}.scales.z").detach().tolist()
 
 
+def _noise_model(rows):
+    """``_z_model`` with a learned noise: a ``pyro.param`` QuadratureELBO publishes no moments
+    for, which QNVB hands to its fallback."""
+    noise = pyro.param("noise", torch.tensor(0.5, dtype=torch.float64), constraint=positive)
+    with pyro.plate("data", ROWS, subsample=rows):
+        z = pyro.sample("z", dist.Normal(torch.zeros((), dtype=torch.float64), 1.0))
+        pyro.sample("obs", dist.Normal(z, noise), obs=torch.linspace(-1, 1, ROWS)[rows].double())
+
+
+def _published_minibatch_fit() -> list[float]:
+    """Three node-parallel steps of AutoNormal with QuadratureELBO on rows 0-3 of 8: the
+    moments of ``z`` are published (their rows from the run's trace), the noise has none."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoNormal(
+        _noise_model, create_plates=lambda rows: pyro.plate("data", ROWS, subsample=rows)
+    )
+    elbo = DistributedQuadratureELBO("hadamard", 4, parallel="nodes")
+    svi = SVI(_noise_model, guide, DistributedOptimizer(QNVB()), elbo)
+    for _ in range(3):
+        svi.step(torch.arange(4))
+    return [*pyro.param("AutoNormal.scales.z").detach().tolist(), pyro.param("noise").item()]
+
+
 def _outcome(run) -> tuple:
     try:
         return ("ok", run())
@@ -169,6 +194,7 @@ def _scenarios(outdir: Path) -> dict:
         "z_recorded_disjoint": _outcome(
             lambda: _autonormal_fit(torch.arange(4) + 4 * rank, AutoMeanFieldNormal)
         ),
+        "published_minibatch": _outcome(_published_minibatch_fit),
         "z_recorded_all": _outcome(
             lambda: _autonormal_fit(torch.arange(ROWS), AutoMeanFieldNormal, described)
         ),
@@ -284,6 +310,20 @@ def test_a_step_reading_gradients_describes_each_guide_once(ranks):
     for rank in ranks:
         assert rank["described"] == [1, 1, 1]
         assert rank["z_recorded_all"] == ("ok", alone)
+
+
+def test_blocks_with_moments_are_not_read_as_gradient_blocks(ranks):
+    """A parameter without moments (the noise) made the wrapper take every described block for
+    one read from gradients, AutoNormal's ``z`` too, whose description (no trace) knows no rows:
+    its minibatch was refused, though QuadratureELBO published its moments. Now it fits as one
+    process does: the four rows of the minibatch move, the other four keep their 0.1."""
+    alone = _published_minibatch_fit()
+    assert all(abs(s - 0.1) < 1e-15 for s in alone[4:8])
+    assert all(abs(s - 0.1) > 0.1 for s in alone[:4])
+    for rank in ranks:
+        kind, fitted = rank["published_minibatch"]
+        assert kind == "ok", fitted
+        assert torch.allclose(torch.tensor(fitted), torch.tensor(alone), rtol=1e-12, atol=0)
 
 
 def test_state_without_generator_refused_by_an_optimizer_with_one():

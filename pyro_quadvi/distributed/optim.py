@@ -305,8 +305,12 @@ class DistributedOptimizer(PyroOptim):
             return [], None
         params = [p for _, p in named]
         descriptions = describe_live_guides(params)
-        blocks, _ = qnvb.find_blocks(params, descriptions)  # the moments were taken: none left
-        return [block.site for block in blocks], descriptions
+        # the moments were taken (_reduce): every block found comes from the descriptions, those
+        # with moments too (QNVB's step takes the moments again, they are not read from gradients)
+        blocks, _ = qnvb.find_blocks(params, descriptions)
+        with_moments = {id(m.site.params["loc"]) for m in moments if m is not None}
+        sites = [block.site for block in blocks if id(block.site.params["loc"]) not in with_moments]
+        return sites, descriptions
 
     def get_state(self) -> dict:
         """The wrapped optimizer's state, the same on every rank.
