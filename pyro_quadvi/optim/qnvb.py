@@ -71,7 +71,14 @@ from .qnvb_functional import (
     result_counts,
 )
 
-__all__ = ["FAMILY_UPDATES", "GRADIENT_IDENTITIES", "QNVB", "QNVBBlock", "minibatch_refusal"]
+__all__ = [
+    "FAMILY_UPDATES",
+    "GRADIENT_IDENTITIES",
+    "QNVB",
+    "GradientIdentity",
+    "QNVBBlock",
+    "minibatch_refusal",
+]
 
 _DEFAULT_FALLBACK = (torch.optim.Adam, {"lr": 1e-2})
 _HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
