@@ -1,8 +1,9 @@
 """Settings across ranks and in checkpoints: ``DistributedOptimizer(shard_update=True)`` gathers
 every block's settings record from its owner; ranks whose QNVBs give a block other settings, a
 checkpoint refused on one rank, and a data-parallel ``AutoNormal`` minibatch QNVB cannot read are
-refused on every rank together (two gloo processes, one spawn, a few seconds). And
-``QNVBOptimizer.load_state_dict`` refuses a generator the saved run did not have."""
+refused on every rank together (two gloo processes, one spawn, a few seconds). A step reading
+blocks from gradients describes each live guide once. And ``QNVBOptimizer.load_state_dict``
+refuses a generator the saved run did not have."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal, init_to_sample
+from torch.distributions.constraints import positive
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal
 from pyro_quadvi.distributed import (
@@ -95,18 +97,56 @@ def _z_model(rows):
         pyro.sample("obs", dist.Normal(z, 0.5), obs=torch.linspace(-1, 1, ROWS)[rows].double())
 
 
-def _autonormal_fit(rows: torch.Tensor, guide_class=AutoNormal, **qnvb) -> list[float]:
+def _autonormal_fit(
+    rows: torch.Tensor, guide_class=AutoNormal, described: list[int] | None = None, **qnvb
+) -> list[float]:
     """Three steps of ``guide_class`` under Trace_ELBO with QNVB: Pyro's AutoNormal records no
-    minibatch, AutoMeanFieldNormal records it."""
+    minibatch, AutoMeanFieldNormal records it. With ``described`` (AutoMeanFieldNormal), the
+    number of times each step describes the guide (every ``describe_guide`` of it, whichever
+    module calls it, goes through its ``quadrature_description``) is appended to it."""
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     guide = guide_class(
         _z_model, create_plates=lambda rows: pyro.plate("data", ROWS, subsample=rows)
     )
+    if described is not None:
+        describe = guide.quadrature_description
+
+        def counting(trace=None):
+            described[-1] += 1
+            return describe(trace)
+
+        guide.quadrature_description = counting
     svi = SVI(_z_model, guide, DistributedOptimizer(QNVB(**qnvb)), Trace_ELBO())
     for _ in range(3):
+        if described is not None:
+            described.append(0)
         svi.step(rows)
     return pyro.param(f"{guide_class.__name__}.scales.z").detach().tolist()
+
+
+def _noise_model(rows):
+    """``_z_model`` with a learned noise: a ``pyro.param`` QuadratureELBO publishes no moments
+    for, which QNVB hands to its fallback."""
+    noise = pyro.param("noise", torch.tensor(0.5, dtype=torch.float64), constraint=positive)
+    with pyro.plate("data", ROWS, subsample=rows):
+        z = pyro.sample("z", dist.Normal(torch.zeros((), dtype=torch.float64), 1.0))
+        pyro.sample("obs", dist.Normal(z, noise), obs=torch.linspace(-1, 1, ROWS)[rows].double())
+
+
+def _published_minibatch_fit() -> list[float]:
+    """Three node-parallel steps of AutoNormal with QuadratureELBO on rows 0-3 of 8: the
+    moments of ``z`` are published (their rows from the run's trace), the noise has none."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoNormal(
+        _noise_model, create_plates=lambda rows: pyro.plate("data", ROWS, subsample=rows)
+    )
+    elbo = DistributedQuadratureELBO("hadamard", 4, parallel="nodes")
+    svi = SVI(_noise_model, guide, DistributedOptimizer(QNVB()), elbo)
+    for _ in range(3):
+        svi.step(torch.arange(4))
+    return [*pyro.param("AutoNormal.scales.z").detach().tolist(), pyro.param("noise").item()]
 
 
 def _outcome(run) -> tuple:
@@ -124,6 +164,7 @@ def _scenarios(outdir: Path) -> dict:
     rank = world()[0]
     sharded, plain = outdir / "sharded.pt", outdir / "plain.pt"
     kept: list[bool] = []
+    described: list[int] = []
     out = {
         "save_sharded": _outcome(lambda: _bnn_fit(shard_update=True, steps=2, save=sharded)),
         "save_plain": _outcome(lambda: _bnn_fit(shard_update=False, steps=2, save=plain)),
@@ -153,6 +194,10 @@ def _scenarios(outdir: Path) -> dict:
         "z_recorded_disjoint": _outcome(
             lambda: _autonormal_fit(torch.arange(4) + 4 * rank, AutoMeanFieldNormal)
         ),
+        "published_minibatch": _outcome(_published_minibatch_fit),
+        "z_recorded_all": _outcome(
+            lambda: _autonormal_fit(torch.arange(ROWS), AutoMeanFieldNormal, described)
+        ),
         # rank 1 only: other settings at load (last: a rank left behind would hang the rest)
         "load_rank1_lr": _outcome(
             lambda: _bnn_fit(
@@ -165,6 +210,7 @@ def _scenarios(outdir: Path) -> dict:
         ),
     }
     out["kept"] = kept
+    out["described"] = described
     out["settings"] = sorted(torch.load(sharded, weights_only=False)["optim"]["qnvb"]["settings"])
     return out
 
@@ -252,6 +298,32 @@ def test_settings_of_blocks_read_from_gradients_are_compared_across_ranks(ranks)
         kind, message = rank["z_recorded_other_lr"]
         assert kind == "RuntimeError"
         assert "AutoMeanFieldNormal.locs.z" in message and "lr = [1.0, 0.3]" in message
+
+
+def test_a_step_reading_gradients_describes_each_guide_once(ranks):
+    """Under Trace_ELBO (no moments) the wrapper describes the live guides for its checks and
+    hands the descriptions to QNVB's step, which described them a second time before. The fit
+    is the one process's (every row on every rank), which describes the guide once a step too."""
+    alone_described: list[int] = []
+    alone = _autonormal_fit(torch.arange(ROWS), AutoMeanFieldNormal, alone_described)
+    assert alone_described == [1, 1, 1]
+    for rank in ranks:
+        assert rank["described"] == [1, 1, 1]
+        assert rank["z_recorded_all"] == ("ok", alone)
+
+
+def test_blocks_with_moments_are_not_read_as_gradient_blocks(ranks):
+    """A parameter without moments (the noise) made the wrapper take every described block for
+    one read from gradients, AutoNormal's ``z`` too, whose description (no trace) knows no rows:
+    its minibatch was refused, though QuadratureELBO published its moments. Now it fits as one
+    process does: the four rows of the minibatch move, the other four keep their 0.1."""
+    alone = _published_minibatch_fit()
+    assert all(abs(s - 0.1) < 1e-15 for s in alone[4:8])
+    assert all(abs(s - 0.1) > 0.1 for s in alone[:4])
+    for rank in ranks:
+        kind, fitted = rank["published_minibatch"]
+        assert kind == "ok", fitted
+        assert torch.allclose(torch.tensor(fitted), torch.tensor(alone), rtol=1e-12, atol=0)
 
 
 def test_state_without_generator_refused_by_an_optimizer_with_one():

@@ -442,15 +442,15 @@ def test_a_bayesian_network_declares_the_network_settings_and_qnvb_arguments_ove
     move, _ = _bnn_first_steps(trust_region=1.0)
     assert 0.03 < move <= 0.1 * (1 + 1e-6)
     qnvb = QNVB(scale_max=3.0)
-    hp = qnvb._block_hyperparameters("w", {"trust_region": 0.3, "scale_max": 2.0})
+    hp = qnvb.block_hyperparameters("w", {"trust_region": 0.3, "scale_max": 2.0})
     assert (hp.trust_region, hp.scale_max, hp.lr) == (0.3, 3.0, 1.0)
     with pytest.raises(TypeError, match=r"declares .*\['trust'\] for the block of 'w'"):
-        QNVB()._block_hyperparameters("w", {"trust": 0.3})
+        QNVB().block_hyperparameters("w", {"trust": 0.3})
     # a QNVB reused on a module declaring other settings takes the new ones
-    assert QNVB()._block_hyperparameters("w", {"trust_region": 0.5}).trust_region == 0.5
+    assert QNVB().block_hyperparameters("w", {"trust_region": 0.5}).trust_region == 0.5
     reused = QNVB()
-    reused._block_hyperparameters("w", {"trust_region": 0.3})
-    assert reused._block_hyperparameters("w", {"trust_region": 0.5}).trust_region == 0.5
+    reused.block_hyperparameters("w", {"trust_region": 0.3})
+    assert reused.block_hyperparameters("w", {"trust_region": 0.5}).trust_region == 0.5
 
 
 def _first_block_hyperparameters(guide_class, qnvb_settings=None):

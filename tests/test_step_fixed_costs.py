@@ -14,6 +14,7 @@ from torch import nn
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.distributions import IidNormal
+from pyro_quadvi.guides import interface
 from pyro_quadvi.infer import LogJoint, latent_sites_of_model
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import qnvb as qnvb_module
@@ -247,7 +248,7 @@ def test_blocks_of_different_dtypes_are_not_updated_in_one_buffer(monkeypatch):
 
 
 class _Counting:
-    """``describe_guide`` of the QNVB module, counting its calls."""
+    """``describe_guide`` of the guide interface (QNVB describes through it), counting its calls."""
 
     def __init__(self, describe):
         self.describe, self.calls = describe, 0
@@ -262,8 +263,8 @@ def test_qnvb_describes_no_guide_when_published_moments_cover_its_parameters(mon
     # with QuadratureELBO's moments for every parameter QNVB describes no live guide; a parameter
     # they do not cover (here an extra tensor handed to the optimizer) makes it describe them,
     # and the guide's parameters come out the same either way
-    counter = _Counting(qnvb_module.describe_guide)
-    monkeypatch.setattr(qnvb_module, "describe_guide", counter)
+    counter = _Counting(interface.describe_guide)
+    monkeypatch.setattr(interface, "describe_guide", counter)
 
     def run(extra: bool):
         pyro.clear_param_store()
@@ -304,8 +305,8 @@ def test_qnvb_describes_only_the_live_guides_holding_its_parameters(monkeypatch)
         described.append(guide)
         return describe(guide, *args, **kwargs)
 
-    describe = qnvb_module.describe_guide
-    monkeypatch.setattr(qnvb_module, "describe_guide", recording)
+    describe = interface.describe_guide
+    monkeypatch.setattr(interface, "describe_guide", recording)
     optim = QNVB()  # from here on every describable guide that runs is live
     other = AutoMeanFieldNormal(lambda: pyro.sample("q", dist.Normal(0.0, 1.0)))
     other()

@@ -11,7 +11,7 @@ values (its module docstring says why), so every rank takes the same step.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 
 import pyro
@@ -20,13 +20,15 @@ import torch.distributed as dist
 from pyro.optim import PyroOptim
 
 from ..guides.interface import (
+    GuideDescription,
     MeanFieldSite,
     PublishedMoments,
+    describe_live_guides,
     publish_moments,
     published_moments,
 )
 from ..optim import QNVB, SparseQNVB
-from ..optim.qnvb import _GRADIENT_IDENTITIES, _refuse_an_unknown_minibatch
+from ..optim.qnvb import minibatch_refusal
 from ..optim.qnvb_functional import QNVBHyperparameters
 from .comm import (
     all_reduce_mean_,
@@ -129,7 +131,9 @@ class DistributedOptimizer(PyroOptim):
         if world(self.group)[1] == 1 or not params:
             self.optim(params, *args, **kwargs)
             return
-        blocks = self._reduce(params)
+        blocks, descriptions = self._reduce(params)
+        if descriptions is not None:  # described for the checks: QNVB pairs with them
+            kwargs = {**kwargs, "descriptions": descriptions}
         if not self.shard_update:
             self.optim(params, *args, **kwargs)
             return
@@ -157,8 +161,14 @@ class DistributedOptimizer(PyroOptim):
                     start = stop
 
     @torch.no_grad()
-    def _reduce(self, params: list[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
-        """Average gradients and moments; return the moment blocks as ``(owner, leaves)``."""
+    def _reduce(
+        self, params: list[torch.Tensor]
+    ) -> tuple[
+        list[tuple[int, list[torch.Tensor]]], list[tuple[Callable, GuideDescription]] | None
+    ]:
+        """Average gradients and moments; return the moment blocks as ``(owner, leaves)``, and
+        the descriptions of the live guides made for the checks (:meth:`_gradient_sites`;
+        ``None`` when none were needed)."""
         store = pyro.get_param_store()
         named = sorted(((store.param_name(p), p) for p in params), key=lambda n: n[0] or "")
         if any(name is None for name, _ in named):
@@ -170,7 +180,7 @@ class DistributedOptimizer(PyroOptim):
         device = params[0].device
         moments = [published_moments(p) for _, p in named]
         names = "\n".join(name for name, _ in named).encode()
-        read_from_gradients = self._gradient_sites(named, moments)
+        read_from_gradients, descriptions = self._gradient_sites(named, moments)
         settings = self._block_settings(
             [m.site for m in moments if m is not None] + read_from_gradients
         )
@@ -243,17 +253,23 @@ class DistributedOptimizer(PyroOptim):
             if owner == rank:  # moments a rank will not use are dropped, never left stale
                 publish_moments(PublishedMoments(m.site, m.g, m.h, m.version))
             blocks.append((owner, [m.site.params[role] for role in sorted(m.site.params)]))
-        return blocks
+        return blocks, descriptions
+
+    def _qnvb(self) -> QNVB | None:
+        """The wrapped optimizer if it is QNVB's block update (``SparseQNVB`` updates its blocks
+        by its own rules, only from published moments); else ``None``."""
+        if isinstance(self.optim, QNVB) and not isinstance(self.optim, SparseQNVB):
+            return self.optim
+        return None
 
     def _block_settings(self, sites: list[MeanFieldSite]) -> dict[str, QNVBHyperparameters]:
         """The hyperparameters QNVB gives each block this step (by loc name): those with
         moments, and those read from gradients (:meth:`_gradient_sites`)."""
-        if not isinstance(self.optim, QNVB) or isinstance(self.optim, SparseQNVB):
+        qnvb = self._qnvb()
+        if qnvb is None:
             return {}
         return {
-            site.param_names["loc"]: self.optim._block_hyperparameters(
-                site.param_names["loc"], site.hints
-            )
+            site.param_names["loc"]: qnvb.block_hyperparameters(site.param_names["loc"], site.hints)
             for site in sites
         }
 
@@ -278,15 +294,23 @@ class DistributedOptimizer(PyroOptim):
 
     def _gradient_sites(
         self, named: list[tuple[str, torch.Tensor]], moments: list[PublishedMoments | None]
-    ) -> list[MeanFieldSite]:
+    ) -> tuple[list[MeanFieldSite], list[tuple[Callable, GuideDescription]] | None]:
         """The sites of the blocks QNVB would update from their gradients alone (no moments
         published): their rows, where the guide records them (``AutoMeanFieldNormal``), join the
-        rows compared across the ranks; where it does not, :func:`_unknown_minibatches`."""
-        if not isinstance(self.optim, QNVB) or all(m is not None for m in moments):
-            return []
-        received = {id(p) for _, p in named}
-        blocks, _ = self.optim._find_blocks([p for _, p in named], received)
-        return [block.site for block in blocks if block.moments is None]
+        rows compared across the ranks; where it does not, :func:`_unknown_minibatches`. And the
+        descriptions of the live guides they came from, which QNVB's step then takes instead of
+        describing the guides again (``None``: none were made)."""
+        qnvb = self._qnvb()
+        if qnvb is None or all(m is not None for m in moments):
+            return [], None
+        params = [p for _, p in named]
+        descriptions = describe_live_guides(params)
+        # the moments were taken (_reduce): every block found comes from the descriptions, those
+        # with moments too (QNVB's step takes the moments again, they are not read from gradients)
+        blocks, _ = qnvb.find_blocks(params, descriptions)
+        with_moments = {id(m.site.params["loc"]) for m in moments if m is not None}
+        sites = [block.site for block in blocks if id(block.site.params["loc"]) not in with_moments]
+        return sites, descriptions
 
     def get_state(self) -> dict:
         """The wrapped optimizer's state, the same on every rank.
@@ -330,23 +354,15 @@ def _settings_fingerprint(settings: dict[str, QNVBHyperparameters]) -> torch.Ten
 
 
 def _unknown_minibatches(sites: list[MeanFieldSite]) -> dict[str, ValueError]:
-    """QNVB's refusal of each block it would update from gradients alone whose guide does not
-    record its minibatch and that has entries without gradients on this rank (by loc name): the
-    mean over the ranks would give those entries the other ranks' gradients, and QNVB's own check
-    (:func:`~pyro_quadvi.optim.qnvb._refuse_an_unknown_minibatch`) would pass."""
+    """QNVB's refusal (:func:`~pyro_quadvi.optim.qnvb.minibatch_refusal`) of each block it would
+    update from gradients alone whose guide does not record its minibatch and that has entries
+    without gradients on this rank (by loc name): the mean over the ranks would give those
+    entries the other ranks' gradients, and QNVB's own check would then pass."""
     refused = {}
     for site in sites:
-        loc, scale = site.params["loc"], site.params["scale"]
-        if (
-            site.rows is None
-            and site.family in _GRADIENT_IDENTITIES
-            and loc.grad is not None
-            and scale.grad is not None
-        ):
-            try:
-                _refuse_an_unknown_minibatch(site)
-            except ValueError as error:
-                refused[site.param_names["loc"]] = error
+        refusal = minibatch_refusal(site)
+        if refusal is not None:
+            refused[site.param_names["loc"]] = refusal
     return refused
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
@@ -64,6 +64,7 @@ __all__ = [
     "PublishedMoments",
     "QuadratureGuide",
     "describe_guide",
+    "describe_live_guides",
     "live_guides",
     "publish_moments",
     "published_moments",
@@ -462,6 +463,30 @@ def register_guide(guide: Callable) -> None:
 def live_guides() -> Iterator:
     """The registered or seen guides that are still alive."""
     return iter(list(_LIVE_GUIDES))
+
+
+def describe_live_guides(params: Iterable[torch.Tensor]) -> list[tuple[Callable, GuideDescription]]:
+    """Each live guide (:func:`live_guides`) that may hold one of ``params``, with its description
+    (:func:`describe_guide`, of its current parameters): what an optimizer pairs ``params`` with,
+    by identity.
+
+    A guide module holding parameters of its own, none of them among ``params``, is skipped
+    undescribed: it is a guide of another model, or a stale one whose parameters left the param
+    store (its description would look them up and fail). A module holding none of its own (its
+    ``pyro.param`` sites live in the store) and a guide that is not a module are described. A
+    guide that has not run yet (its description raises ``RuntimeError``) is skipped.
+    """
+    received = {id(p) for p in params}
+    described = []
+    for guide in live_guides():
+        held = list(guide.parameters()) if isinstance(guide, torch.nn.Module) else []
+        if held and not any(id(p) in received for p in held):
+            continue
+        try:
+            described.append((guide, describe_guide(guide)))
+        except RuntimeError:  # not run yet
+            continue
+    return described
 
 
 def _on_module_call(module: torch.nn.Module, args) -> None:

@@ -49,10 +49,10 @@ from pyro.optim.lr_scheduler import PyroLRScheduler
 from torch.distributions import transform_to
 
 from ..guides.interface import (
+    GuideDescription,
     MeanFieldSite,
     PublishedMoments,
-    describe_guide,
-    live_guides,
+    describe_live_guides,
     published_moments,
     watch_guides,
 )
@@ -71,7 +71,14 @@ from .qnvb_functional import (
     result_counts,
 )
 
-__all__ = ["FAMILY_UPDATES", "QNVB"]
+__all__ = [
+    "FAMILY_UPDATES",
+    "GRADIENT_IDENTITIES",
+    "QNVB",
+    "GradientIdentity",
+    "QNVBBlock",
+    "minibatch_refusal",
+]
 
 _DEFAULT_FALLBACK = (torch.optim.Adam, {"lr": 1e-2})
 _HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
@@ -134,8 +141,12 @@ class _Prepared:
     index: tuple | None
 
 
-def _gaussian_identity(site: MeanFieldSite, values, grads) -> tuple[torch.Tensor, torch.Tensor]:
-    """``g`` and ``h`` of a Gaussian block from its parameters' gradients (module docstring)."""
+def _gaussian_identity(
+    site: MeanFieldSite, values: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g`` and ``h`` (rasp paper, eq. 7 and 8) of a ``"gaussian"`` block from the gradients of
+    its loc and unconstrained scale: ``g = dL/dmu / s``, ``h = (dL/dsigma / s + 1/sigma) / sigma``
+    with ``s`` the minibatch scale (module docstring)."""
     transform = transform_to(site.param_constraints["scale"])
     sigma = values["scale"]
     dsigma_du = transform.log_abs_det_jacobian(values["scale_leaf"], sigma).exp()
@@ -145,25 +156,48 @@ def _gaussian_identity(site: MeanFieldSite, values, grads) -> tuple[torch.Tensor
     return g, h
 
 
-_GRADIENT_IDENTITIES: dict[str, Callable] = {"gaussian": _gaussian_identity}
+GradientIdentity = Callable[
+    [MeanFieldSite, dict[str, torch.Tensor], dict[str, torch.Tensor]],
+    tuple[torch.Tensor, torch.Tensor],
+]
+"""``(site, values by role, gradients by role) -> (g, h)``, the values and gradients at the rows
+of the step (``values`` holds ``"loc"``, ``"scale"`` and the unconstrained ``"scale_leaf"``)."""
+
+GRADIENT_IDENTITIES: dict[str, GradientIdentity] = {"gaussian": _gaussian_identity}
+"""family -> how QNVB reads a block's moments ``g``, ``h`` from its parameters' gradients when no
+moments were published (Pyro's ELBOs). The families QNVB reads from gradients are its keys; a
+block of another family needs :func:`~pyro_quadvi.guides.interface.published_moments`."""
 
 
-def _refuse_an_unknown_minibatch(site: MeanFieldSite) -> None:
-    """Refuse a block whose guide does not record its minibatch (Pyro's ``AutoNormal``: rows
-    ``None``) when this step left some of its entries without any gradient: they were outside a
-    subsampled plate's minibatch, so the gradients carry the plate's scale ``s = N / B``, which
-    :func:`_gaussian_identity` must divide out and cannot know. Read with ``s = 1``, ``h`` is
-    ``s h - (s - 1) / sigma^2``, below zero from the start, and the scales never move. (Every
-    entry in the minibatch has a gradient: its entropy's ``-1 / sigma`` on the scale.)"""
+def minibatch_refusal(site: MeanFieldSite) -> ValueError | None:
+    """QNVB's refusal of a block it reads from gradients (its family in
+    :data:`GRADIENT_IDENTITIES`, a gradient on loc and scale) whose guide does not record its
+    minibatch (Pyro's ``AutoNormal``: rows ``None``), when this step left some of its entries
+    without any gradient; ``None`` when there is none.
+
+    Such entries were outside a subsampled plate's minibatch, so the gradients carry the plate's
+    scale ``s = N / B``, which the identity (rasp paper, eq. 7-8) must divide out and cannot know.
+    Read with ``s = 1``, ``h`` is ``s h - (s - 1) / sigma^2``, below zero from the start, and the
+    scales never move. (Every entry in the minibatch has a gradient: its entropy's ``-1 / sigma``
+    on the scale.)
+    """
     loc_grad, scale_grad = site.params["loc"].grad, site.params["scale"].grad
+    if (
+        site.rows is not None
+        or site.family not in GRADIENT_IDENTITIES
+        or loc_grad is None
+        or scale_grad is None
+    ):
+        return None
     if bool(((loc_grad == 0) & (scale_grad == 0)).any()):  # a sync, for such guides only
-        raise ValueError(
+        return ValueError(
             f"QNVB: site {site.name!r} was used on part of its entries (a subsampled plate), "
             "but its guide does not record its minibatch, so QNVB cannot take the plate's scale "
             "N / B out of the gradients (the scales would stay where they started). Use "
             "pyro_quadvi's AutoMeanFieldNormal (Pyro's AutoNormal, recording its minibatch), or "
             "fit with QuadratureELBO, which publishes the moments"
         )
+    return None
 
 
 def _not_finite_mask(t: torch.Tensor) -> torch.Tensor:
@@ -192,7 +226,15 @@ def _constrain(items: list[_Prepared], transform) -> None:
 
 
 @dataclass
-class _Block:
+class QNVBBlock:
+    """A block QNVB updates in one step (:meth:`QNVB.find_blocks`).
+
+    Attributes:
+        site: the block, as its guide describes it.
+        moments: what ``QuadratureELBO`` published for it in this step; ``None``: QNVB reads
+            ``g`` and ``h`` from the gradients of its parameters (:data:`GRADIENT_IDENTITIES`).
+    """
+
     site: MeanFieldSite
     moments: PublishedMoments | None
 
@@ -330,9 +372,15 @@ class QNVB(PyroOptim):
                 raise
             raise type(error)(f"QNVB: {error}{where}") from error
 
-    def _block_hyperparameters(self, name: str, hints: dict) -> QNVBHyperparameters:
-        """The block's hyperparameters: its model's hints (:attr:`MeanFieldSite.hints`) under
-        the settings passed to QNVB, and the callable's per block."""
+    def block_hyperparameters(self, name: str, hints: dict) -> QNVBHyperparameters:
+        """The hyperparameters of the block whose loc parameter is ``name``: its model's hints
+        (:attr:`~pyro_quadvi.guides.MeanFieldSite.hints`) under the settings passed to QNVB, and
+        the callable's for ``name``.
+
+        Raises:
+            TypeError, ValueError: for unknown or invalid settings, naming the block and where
+                each setting came from.
+        """
         if not callable(self.optim_args) and not hints:
             return self.hyperparameters
         key = (name, repr(sorted(hints.items())))  # a new model may declare other settings
@@ -370,11 +418,22 @@ class QNVB(PyroOptim):
         return anneal_likelihood(model, lambda: self.annealing_factor)
 
     # ------------------------------------------------------------------------------- update
-    def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
-        """Update the blocks of described guides among ``params``; pass the rest to the fallback."""
+    def __call__(
+        self,
+        params: Iterable[torch.Tensor],
+        *args,
+        descriptions: list[tuple[Callable, GuideDescription]] | None = None,
+        **kwargs,
+    ) -> None:
+        """Update the blocks of described guides among ``params``; pass the rest to the fallback.
+
+        ``descriptions``: :func:`~pyro_quadvi.guides.interface.describe_live_guides` of this
+        step's parameters (or of more), for a caller that made them in this step already
+        (:class:`~pyro_quadvi.distributed.DistributedOptimizer`); ``None``: made here, where
+        needed (:meth:`find_blocks`). ``args`` and ``kwargs`` go to the fallback's step.
+        """
         params = list(params)
-        received = {id(p) for p in params}
-        blocks, explained = self._find_blocks(params, received)
+        blocks, explained = self.find_blocks(params, descriptions)
         paired: set[int] = set()
         counts: list[tuple[str, QNVBHyperparameters, torch.Tensor]] = []
         prepared = []
@@ -403,37 +462,42 @@ class QNVB(PyroOptim):
         self.num_steps += 1
 
     @torch.no_grad()
-    def _find_blocks(
-        self, params: list[torch.Tensor], received: set[int]
-    ) -> tuple[list[_Block], bool]:
-        """The blocks to update, and whether a warning explained why some guide was not paired."""
-        blocks: dict[int, _Block] = {}
+    def find_blocks(
+        self,
+        params: list[torch.Tensor],
+        descriptions: list[tuple[Callable, GuideDescription]] | None = None,
+    ) -> tuple[list[QNVBBlock], bool]:
+        """The blocks QNVB updates among ``params`` in this step, and whether a warning explained
+        why some guide was not paired (else a step pairing nothing warns that nothing was).
+
+        Takes the moments published for ``params``
+        (:func:`~pyro_quadvi.guides.interface.published_moments`: they are consumed); the
+        parameters they leave uncovered are paired by identity with the blocks of
+        ``descriptions`` (made here by
+        :func:`~pyro_quadvi.guides.interface.describe_live_guides` when ``None``), read from
+        their gradients. Warns once for each block it cannot update (a family without an update,
+        a parameter missing) and each joint Gaussian holding one of ``params``: they go to the
+        fallback.
+        """
+        received = {id(p) for p in params}
+        blocks: dict[int, QNVBBlock] = {}
         explained = False
         for p in params:
             moments = published_moments(p)
             if moments is not None:
-                blocks[id(p)] = _Block(moments.site, moments)
+                blocks[id(p)] = QNVBBlock(moments.site, moments)
         covered = {id(leaf) for block in blocks.values() for leaf in block.site.params.values()}
         if received <= covered:
             # every parameter belongs to a block with published moments: describing the live
             # guides (a transform of every scale each) could add no block and no warning
             return self._checked_blocks(blocks, received, explained)
-        for guide in live_guides():
-            held = list(guide.parameters()) if isinstance(guide, torch.nn.Module) else []
-            if held and not any(id(p) in received for p in held):
-                # none of this step's: a guide of another model, or a stale one whose
-                # parameters left the param store (pyro.clear_param_store), which a
-                # description would look up and not find. (A module holding no parameters of
-                # its own, its pyro.param sites in the store, is described as before.)
-                continue
-            try:
-                description = describe_guide(guide)
-            except RuntimeError:  # not run yet
-                continue
+        if descriptions is None:
+            descriptions = describe_live_guides(params)
+        for guide, description in descriptions:
             for site in description.sites:
                 key = id(site.params["loc"])
                 if key in received and key not in blocks:
-                    blocks[key] = _Block(site, None)
+                    blocks[key] = QNVBBlock(site, None)
             joint = description.joint
             if joint is not None and any(id(p) in received for p in joint.params.values()):
                 explained = True
@@ -447,8 +511,8 @@ class QNVB(PyroOptim):
         return self._checked_blocks(blocks, received, explained)
 
     def _checked_blocks(
-        self, blocks: dict[int, _Block], received: set[int], explained: bool
-    ) -> tuple[list[_Block], bool]:
+        self, blocks: dict[int, QNVBBlock], received: set[int], explained: bool
+    ) -> tuple[list[QNVBBlock], bool]:
         """The blocks QNVB can update (a family it knows, all parameters received); a warning
         for each other one, which then goes to the fallback."""
         found = []
@@ -495,7 +559,7 @@ class QNVB(PyroOptim):
         return state
 
     @torch.no_grad()
-    def _prepare_block(self, block: _Block) -> _Prepared | bool:
+    def _prepare_block(self, block: QNVBBlock) -> _Prepared | bool:
         """The block's values, moments and state for its family's update; ``True`` if it has
         nothing to do this step, ``False`` if it cannot step (it goes to the fallback)."""
         site = block.site
@@ -523,11 +587,12 @@ class QNVB(PyroOptim):
             values["scale"] = transform_to(site.param_constraints["scale"])(u)
         if block.moments is not None:
             g, h = block.moments.g, block.moments.h
-        elif site.family in _GRADIENT_IDENTITIES:
-            if rows is None:
-                _refuse_an_unknown_minibatch(site)
+        elif site.family in GRADIENT_IDENTITIES:
+            refusal = minibatch_refusal(site)
+            if refusal is not None:
+                raise refusal
             grads = {"loc": select(loc_leaf.grad), "scale": select(scale_leaf.grad)}
-            g, h = _GRADIENT_IDENTITIES[site.family](site, values, grads)
+            g, h = GRADIENT_IDENTITIES[site.family](site, values, grads)
         else:
             self._warn_once(
                 f"no moments {site.name}",
@@ -538,7 +603,7 @@ class QNVB(PyroOptim):
 
         state = self._state_for(name, loc_leaf)
         old = QNVBState(*(select(state[key]) for key in QNVBState._fields))
-        hp = self._block_hyperparameters(name, site.hints)
+        hp = self.block_hyperparameters(name, site.hints)
         self._block_settings[name] = (hp, site.hints)
         return _Prepared(site, values, g, h, old, hp, state, index)
 
@@ -727,7 +792,7 @@ class QNVB(PyroOptim):
         settings = {}
         for name, record in qnvb.get("settings", {}).items():
             hints = dict(record["hints"])
-            hp = self._block_hyperparameters(name, hints)
+            hp = self.block_hyperparameters(name, hints)
             check_settings(
                 f"QNVB.set_state (block {name!r})", record["hyperparameters"], asdict(hp)
             )
