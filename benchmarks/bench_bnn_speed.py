@@ -435,7 +435,7 @@ STAGES = {
         (("", "<method 'run_backward' of 'torch._C._EngineBase' objects>"), "  backward"),
         (("quadrature_elbo.py", "backward"), "    node sums, priors' parts, moments (_NodePoints)"),
         (("qnvb.py", "__call__"), "QNVB.__call__ (the update)"),
-        (("qnvb.py", "_find_blocks"), "  QNVB._find_blocks (pairing)"),
+        (("qnvb.py", "find_blocks"), "  QNVB.find_blocks (pairing)"),
         (("qnvb.py", "_prepare_block"), "  QNVB._prepare_block (scales, moments)"),
         (("qnvb_functional.py", "qnvb_update_many"), "  qnvb_update_many (the rules)"),
         (("qnvb.py", "_finish_block"), "  QNVB._finish_block (inverse softplus, writes)"),
@@ -487,10 +487,12 @@ def run_profile(case, steps: int) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
-#: the CUDA runtime's calls that make the host wait for the GPU, and its copies (of a host value
-#: to the GPU, or of a GPU value back to the host)
+#: the CUDA runtime's calls that make the host wait for the GPU, and its copies (any direction:
+#: a ``copy_`` between two GPU tensors is one too)
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 COPIES = ("cudaMemcpyAsync", "cudaMemcpy")
+#: the GPU's own copy events by direction (their names begin so)
+DIRECTIONS = {"host to GPU": "Memcpy HtoD", "GPU to host": "Memcpy DtoH"}
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
@@ -511,15 +513,16 @@ def python_caller(node) -> str:
 
 def cuda_profile(case, steps: int) -> None:
     """Where a step's time goes on the GPU: for one plain pass, the QNVB step and the one-pass
-    ``QNVBOptimizer`` step, per step, the wall time, the kernels' own GPU time (busy share),
-    kernel launches, the host's waits for the GPU and the copies between host and GPU, and the
-    Python lines of the waits and copies (``torch.profiler`` with CPU and CUDA activities)."""
+    ``QNVBOptimizer`` step, per step, the wall time, the GPU time of its kernels and copies (busy
+    share; annotations such as ``Optimizer.step`` left out), kernel launches, the host's waits for
+    the GPU, copies (any direction; those from host to GPU and back apart), and the Python lines
+    of the waits and copies (``torch.profiler`` with CPU and CUDA activities)."""
     _, make, in_shape, batch, kind = case
     _, _, _, fns = build(make, in_shape, batch, kind, compile=False)
     print(
         f"\nOn the GPU, per step, {row_name(case)} ({steps} steps under torch.profiler):\n\n"
-        "| variant | wall ms | kernels' GPU ms | GPU busy | launches | waits | copies |\n"
-        "|---|---:|---:|---:|---:|---:|---:|"
+        "| variant | wall ms | GPU ms | GPU busy | launches | waits | copies | host to GPU | "
+        "GPU to host |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     origins = {}
     for label in ("plain", "qnvb", "opt pass"):
@@ -531,9 +534,16 @@ def cuda_profile(case, steps: int) -> None:
                 fns[label]()
             torch.cuda.synchronize()
             wall = (time.perf_counter() - start) / steps
-        gpu = sum(
-            e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-        )
+        on_gpu = [
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
+        ]
+        gpu = sum(e.device_time for e in on_gpu)
+        directions = {
+            way: sum(e.name.startswith(prefix) for e in on_gpu) / steps
+            for way, prefix in DIRECTIONS.items()
+        }
         counts = {"launches": 0, "waits": 0, "copies": 0}
         where: dict[str, int] = {}
 
@@ -542,7 +552,7 @@ def cuda_profile(case, steps: int) -> None:
                 if node.name in names:
                     counts[kind_] += 1
                     if kind_ != "launches":
-                        key = f"{kind_[:-1]}: {python_caller(node)}"
+                        key = f"{'wait' if kind_ == 'waits' else 'copy'}: {python_caller(node)}"
                         where[key] = where.get(key, 0) + 1
             for child in node.children:
                 walk(child)
@@ -554,6 +564,8 @@ def cuda_profile(case, steps: int) -> None:
             f"| {label} | {wall * 1e3:.2f} | {gpu / 1e3 / steps:.2f} | "
             f"{gpu / 1e6 / steps / wall:.0%} | "
             + " | ".join(f"{counts[k] / steps:.1f}" for k in counts)
+            + " | "
+            + " | ".join(f"{n:.1f}" for n in directions.values())
             + " |",
             flush=True,
         )

@@ -58,7 +58,7 @@ def _network(out: int) -> nn.Module:
     "likelihood, prior, classes",
     [
         (likelihoods.Gaussian(32, scale=0.3), priors.Normal(1.0), None),
-        (likelihoods.Gaussian(32), priors.Normal(1.0), None),  # learned noise
+        (likelihoods.Gaussian(32, scale=None), priors.Normal(1.0), None),  # learned noise
         (likelihoods.Categorical(32), priors.LayerwiseNormal("radford"), 4),
     ],
     ids=["gaussian", "gaussian-learned-noise", "categorical"],
@@ -91,7 +91,7 @@ def test_plain_model_with_subsampled_latents_on_meta():
         w = pyro.sample("w", dist.Normal(torch.zeros(3, device=META), 1.0).to_event(1))
         with pyro.plate("data", 32, subsample_size=8, device=META) as idx:
             z = pyro.sample("z", dist.Normal(torch.zeros((), device=META), 1.0))
-            mean = (x[idx] * w.unsqueeze(-2)).sum(-1) + z
+            mean = (x[idx] * w).sum(-1) + z  # w: (nodes, 1, 3) in the vectorized pass
             pyro.sample("obs", dist.Normal(mean, 0.5), obs=y[idx, 0])
 
     guide = AutoMeanFieldNormal(model)

@@ -14,6 +14,7 @@ from pyro.infer.autoguide import AutoNormal
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.optim import qnvb as qnvb_module
+from pyro_quadvi.optim import qnvb_functional
 from pyro_quadvi.optim.qnvb_functional import (
     COUNT_KINDS,
     QNVBHyperparameters,
@@ -64,7 +65,7 @@ def _assert_same(fast: QNVBResult, reference: QNVBResult, exact: bool) -> None:
         assert int(getattr(fast, kind)) == int(getattr(reference, kind)), kind
 
 
-def _run(dtype, hp, weight, prior_precision, steps=6, compile=False):
+def _run(dtype, hp, weight, prior_precision, steps=6, compile=False, exact=None):
     generator = torch.Generator().manual_seed(1)
     mus = [torch.randn(s, generator=generator, dtype=dtype) for s in SHAPES]
     sigmas = [torch.rand(s, generator=generator, dtype=dtype) + 0.05 for s in SHAPES]
@@ -95,7 +96,7 @@ def _run(dtype, hp, weight, prior_precision, steps=6, compile=False):
         for a, b in zip(after, before):  # the arguments are never written
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
         for g_result, e_result in zip(got, expected):
-            _assert_same(g_result, e_result, exact=not compile)
+            _assert_same(g_result, e_result, exact=not compile if exact is None else exact)
             for kind in COUNT_KINDS:
                 totals[kind] += int(getattr(e_result, kind))
         ref = [(r.mu, r.sigma, r.state) for r in expected]
@@ -118,6 +119,49 @@ def test_the_compiled_update_equals_the_reference_to_rounding(dtype):
     # torch.compile fuses the flat update into one loop; exp and rsqrt may round differently
     totals = _run(dtype, QNVBHyperparameters(), 250.0, 0.5, steps=4, compile=True)
     assert totals["num_nonfinite"] > 0 and totals["num_overflow"] > 0, totals
+
+
+def _uncompiled(monkeypatch) -> list[int]:
+    """``torch.compile`` left out (the function itself runs), recording the size of each call's
+    first argument; a fresh cache of compiled updates."""
+    calls: list[int] = []
+
+    def compile(fn):
+        def run(*args):
+            calls.append(args[0].numel())
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile)
+    monkeypatch.setattr(qnvb_functional, "_COMPILED", {})
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_flat_compiled_update_is_the_reference_on_one_buffer(dtype, monkeypatch):
+    """Off the CPU, ``compile=True`` compiles the reference rules and runs them once on one flat
+    buffer, counted segment by segment: uncompiled, the reference's values and counts exactly."""
+    calls = _uncompiled(monkeypatch)
+    monkeypatch.setattr(qnvb_functional, "_PER_TENSOR_DEVICES", frozenset())
+    totals = _run(dtype, QNVBHyperparameters(), 250.0, 0.5, steps=4, compile=True, exact=True)
+    assert calls == [sum(math.prod(shape) for shape in SHAPES)] * 4
+    assert totals["num_nonfinite"] > 0 and totals["num_overflow"] > 0, totals
+
+
+def test_the_compiled_update_goes_per_tensor_on_the_cpu_and_flat_elsewhere(monkeypatch):
+    """On an H100 the per-tensor compiled update was slower than the eager flat one (each call's
+    overhead), one flat call nine times faster (docs/benchmarks.md): off the CPU, one call."""
+    calls = _uncompiled(monkeypatch)
+    hp = QNVBHyperparameters()
+    for device, expected in (("cpu", [15, 7, 8, 1]), ("meta", [31])):
+        calls.clear()
+        mus = [torch.zeros(shape, device=device) for shape in SHAPES]
+        states = [init_qnvb_state(mu) for mu in mus]
+        results = qnvb_update_many(mus, mus, mus, mus, states, hp, 2.0, 0.5, compile=True)
+        assert calls == expected, device
+        assert [r.mu.shape for r in results] == [mu.shape for mu in mus]
+        assert all(r.mu.device.type == device for r in results)
 
 
 def test_lists_of_different_lengths_are_refused():

@@ -283,7 +283,8 @@ class QNVB(PyroOptim):
             ``lr = 1e-2``.
         compile: run the update through ``torch.compile``
             (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`): an opt-in, it needs a
-            C++ compiler on the CPU and compiles on the first step (seconds to a minute).
+            C++ compiler on the CPU (Triton on a GPU) and compiles on the first step (seconds
+            to a minute).
         **hyperparameters: any field of
             :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters` (``lr``, ``betas``,
             ``sigma_min``, ...); see ``docs/qnvb.md`` for their defaults and why.

@@ -57,7 +57,8 @@ and without the work that cannot change a result (a multiplication by a weight o
 precision 0, the significance test at ``significance = 0``, twelve ``isfinite`` replaced by one
 probe; one boolean read on the host, whether the guard kept any coordinate, spares the guard's
 selections when it kept none); ``compile=True`` runs the reference :func:`qnvb_update` through
-``torch.compile``, tensor by tensor (a fused loop each; needs a C++ compiler on the CPU). Tests
+``torch.compile``, tensor by tensor on the CPU (a fused loop each; needs a C++ compiler), on one
+flat buffer elsewhere (fused kernels for every tensor at once, counted segment by segment). Tests
 hold the flat update equal to the reference value for value, and the compiled one to within
 rounding.
 
@@ -365,6 +366,25 @@ def qnvb_update(
     Returns:
         :class:`QNVBResult` with the new mean, scale and state.
     """
+    new_mu, new_sigma, new_state, masks = _reference_rules(
+        mu, sigma, g, h, state, hp, weight, prior_precision
+    )
+    return QNVBResult(new_mu, new_sigma, new_state, *(mask.sum() for mask in masks))
+
+
+def _reference_rules(
+    mu: torch.Tensor,
+    sigma: torch.Tensor,
+    g: torch.Tensor,
+    h: torch.Tensor,
+    state: QNVBState,
+    hp: QNVBHyperparameters,
+    weight: float | torch.Tensor,
+    prior_precision: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, QNVBState, tuple[torch.Tensor, ...]]:
+    """The rules of :func:`qnvb_update` as written there, returning the four boolean masks of
+    :data:`COUNT_KINDS` rather than their counts (so that one call on a flat buffer can be
+    counted segment by segment, :func:`_segment_counts`)."""
     beta1, beta2 = hp.betas
     finite_input = torch.isfinite(g) & torch.isfinite(h)  # the rest is elementwise: a NaN in g
     # or h spoils its own coordinate only, which the guard at the end leaves unchanged
@@ -439,18 +459,21 @@ def qnvb_update(
     new_mu = torch.where(updated, new_mu, mu)
     new_sigma = torch.where(updated, new_sigma, sigma)
     new_state = QNVBState(*(torch.where(updated, new, old) for new, old in zip(new_state, state)))
-    return QNVBResult(
-        new_mu,
-        new_sigma,
-        new_state,
-        num_nonfinite=(~finite_input).sum(),
-        num_overflow=(finite_input & ~updated).sum(),
-        num_sigma_min=(updated & (limited < hp.sigma_min)).sum(),
-        num_sigma_max=(updated & (limited > hp.sigma_max)).sum(),
+    masks = (
+        ~finite_input,
+        finite_input & ~updated,
+        updated & (limited < hp.sigma_min),
+        updated & (limited > hp.sigma_max),
     )
+    return new_mu, new_sigma, new_state, masks
 
 
-_COMPILED: list[Callable] = []
+#: the update through ``torch.compile``, made on first use: "per tensor" (:func:`qnvb_update`) and
+#: "flat" (:func:`_reference_rules` on one flat buffer)
+_COMPILED: dict[str, Callable] = {}
+#: devices whose compiled update goes tensor by tensor (:func:`_compiled_updates`); elsewhere it
+#: goes on one flat buffer
+_PER_TENSOR_DEVICES = frozenset({"cpu"})
 _SCALARS: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -686,11 +709,13 @@ def qnvb_update_many(
         mus, sigmas, gs, hs, states: per tensor, as for :func:`qnvb_update` (same dtype and
             device throughout).
         hp, weight, prior_precision: shared by all of them, as for :func:`qnvb_update`.
-        compile: run :func:`qnvb_update` through ``torch.compile`` tensor by tensor (a fused
-            loop each, several times faster than the eager flat update on large tensors; needs a
-            C++ compiler on the CPU and compiles on first use, seconds to a minute, once more
-            for new hyperparameters). Results equal the reference's to within rounding (a fused
-            ``exp`` or ``rsqrt`` may differ in the last bit).
+        compile: run the reference rules through ``torch.compile``: on the CPU tensor by tensor
+            (a fused C++ loop each, several times faster than the eager flat update on large
+            tensors; needs a C++ compiler), on any other device on one flat buffer (fused kernels
+            for all the tensors at once: per tensor, each call's overhead made it slower than the
+            eager flat update on an H100). It compiles on first use (seconds to a minute), once
+            more for new hyperparameters or a new total size. Results equal the reference's to
+            within rounding (a fused ``exp`` or ``rsqrt`` may differ in the last bit).
 
     Returns:
         One :class:`QNVBResult` per tensor (views into the flat results), its counts those of
@@ -704,12 +729,18 @@ def qnvb_update_many(
         )
     if not mus:
         return []
-    if compile:
+    if compile and mus[0].device.type in _PER_TENSOR_DEVICES:
         return _compiled_updates(mus, sigmas, gs, hs, states, hp, weight, prior_precision)
+    rules = _flat_update
+    if compile:
+        if "flat" not in _COMPILED:
+            _COMPILED["flat"] = torch.compile(_reference_rules)
+        rules = _COMPILED["flat"]
+        weight, prior_precision = _device_scalars(mus[0], weight, prior_precision)
     sizes = tuple(m.numel() for m in mus)
     flat_state = QNVBState(*(_flatten(list(field)) for field in zip(*states)))
     args = (_flatten(mus), _flatten(sigmas), _flatten(gs), _flatten(hs), flat_state, hp)
-    mu, sigma, state, masks = _flat_update(*args, weight, prior_precision)
+    mu, sigma, state, masks = rules(*args, weight, prior_precision)
     counts = _segment_counts(masks, sizes)
     pieces = [t.split(sizes) for t in (mu, sigma, *state)]
     results = []
@@ -721,18 +752,18 @@ def qnvb_update_many(
 
 def _compiled_updates(mus, sigmas, gs, hs, states, hp, weight, prior_precision):
     """:func:`qnvb_update` through ``torch.compile``, tensor by tensor (flattened, so that sizes
-    alone differ and one dynamic-shape compile serves them all). Per tensor rather than on a flat
-    buffer: the counts are then sums inside the fused loop, where per-segment boolean masks as
-    outputs made the compiled update four times slower."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(qnvb_update))
+    alone differ and one dynamic-shape compile serves them all): the CPU's compiled update. Per
+    tensor rather than on a flat buffer: the counts are then sums inside the fused loop, where
+    per-segment boolean masks as outputs made the compiled update four times slower on the CPU."""
+    if "per tensor" not in _COMPILED:
+        _COMPILED["per tensor"] = torch.compile(qnvb_update)
     # the weight as a tensor: a new annealing factor needs no recompile; kept on the device and
     # filled in place, a kernel argument rather than a copy from the host at every step
     weight, prior_precision = _device_scalars(mus[0], weight, prior_precision)
     results = []
     for mu, sigma, g, h, state in zip(mus, sigmas, gs, hs, states):
         flat = QNVBState(*(t.reshape(-1) for t in state))
-        result = _COMPILED[0](
+        result = _COMPILED["per tensor"](
             mu.reshape(-1),
             sigma.reshape(-1),
             g.reshape(-1),

@@ -461,7 +461,8 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             when given, its state is saved with :meth:`state_dict`.
         compile: run the update through ``torch.compile``
             (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`): an opt-in, it needs a
-            C++ compiler on the CPU and compiles on the first step (seconds to a minute).
+            C++ compiler on the CPU (Triton on a GPU) and compiles on the first step (seconds
+            to a minute).
         lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, significance,
             damping, damping_recovery, drift_forgetting, recent_fraction, trust_region: see
             :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
