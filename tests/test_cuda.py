@@ -408,21 +408,45 @@ def _device_linear_regression(X, y, prior_scale=1.5, noise=0.4):
         pyro.sample("y", dist.Normal((X * beta).sum(-1), noise), obs=y)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="opqa_evidence builds its weight and grid nodes on the CPU (evidence/opqa.py "
-    "_build_weight, _evaluate_grid) and never moves them to the model's device: a model with "
-    "CUDA data meets CPU latents (torch's 'Expected all tensors to be on the same device')",
-)
 def test_opqa_evidence_on_cuda_equals_the_cpu_value_and_the_closed_form():
+    """The model runs on CUDA (its latents, drawn on the data's device, meet CUDA data at every
+    point), the result comes back on the CPU, and the posterior takes values on either device."""
     X, y = regression_data()
-    _, _, log_evidence = linear_regression_posterior(X, y)
-    cpu = opqa_evidence(_device_linear_regression, X, y, num_points=4).log_evidence
-    assert abs(cpu - log_evidence) < 1e-8
+    mean, covariance, log_evidence = linear_regression_posterior(X, y)
+    cpu = opqa_evidence(_device_linear_regression, X, y, num_points=4)
+    assert abs(cpu.log_evidence - log_evidence) < 1e-8
     cuda = opqa_evidence(_device_linear_regression, X.to(CUDA), y.to(CUDA), num_points=4)
     assert abs(cuda.log_evidence - log_evidence) < 1e-8
-    assert math.isclose(cuda.log_evidence, cpu, rel_tol=1e-10)
+    assert math.isclose(cuda.log_evidence, cpu.log_evidence, rel_tol=1e-10)
+    assert cuda.num_evaluations == cpu.num_evaluations
+    for tensor in (cuda.normalized_coefficients, cuda.posterior.loc, cuda.diagnostics["loc"]):
+        assert tensor.device == CPU
+    # the log joint is quadratic: the mode found is off the exact one by H^-1 times the gradient
+    # where L-BFGS stopped
+    bound = covariance.abs().sum(1).max() * cuda.diagnostics["map_gradient_norm"]
+    assert (cuda.posterior.loc - mean).abs().max() <= bound + 1e-14
+    # the posterior takes the latents on the model's device; it is the exact N(mean, covariance)
+    beta = mean + 0.1
+    on_cuda = cuda.posterior.log_prob(beta.to(CUDA))
+    assert on_cuda.device == CPU
+    assert on_cuda == cuda.posterior.log_prob(beta)
+    exact = dist.MultivariateNormal(mean, covariance).log_prob(beta)
+    assert abs(on_cuda - exact) < 1e-6
+
+
+def test_opqa_evidence_refuses_a_latent_drawn_on_the_cpu_beside_cuda_data():
+    """``HalfNormal(0.5)`` is drawn on the CPU whatever the data: its 0-dim draw meets the CUDA
+    data in the run that finds the latents, but a grid of such points on the CPU would not.
+    Named, with the fix, rather than torch's device-mixing error from inside the model."""
+
+    def model(y):
+        noise = pyro.sample("noise", dist.HalfNormal(0.5))
+        with pyro.plate("data", len(y), device=y.device):
+            pyro.sample("y", dist.Normal(torch.zeros_like(y), noise), obs=y)
+
+    _, y = regression_data()
+    with pytest.raises(ValueError, match=r"on cuda:0, but its latents are drawn on cpu.*'noise'"):
+        opqa_evidence(model, y.to(CUDA), num_points=3)
 
 
 # --------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from pyro.poutine.util import site_is_subsample
 
 from ..export.draws import check_guide_was_run, check_observed_not_nan
 from ..infer.batched import BatchDecision, DtypeMismatch, evaluate_batch, first_line
-from ..infer.log_joint import LogJoint, latent_sites_of_model
+from ..infer.log_joint import LatentSite, LogJoint, cuda_devices, latent_sites_of_model
 from ..quadrature.hermite import gauss_hermite, orthonormal_hermite
 from .posterior import OPQAPosterior, multi_indices
 from .weight import GaussianWeight, fixed_weight, guide_weight, laplace_weight
@@ -145,6 +145,14 @@ def opqa_evidence(
     with float64 ones (an ``nn.Linear`` with fixed float32 weights) is refused with the fix:
     build it in float64.
 
+    Devices. The model is evaluated on the device of its latents, the one the prior draws them
+    on (where Pyro's AutoGuides put their parameters): the MAP search and its Hessian, the
+    weight, the Gauss-Hermite nodes and the grid points are made there, and a fitted guide's
+    loc and scale are moved there. The grid's log-joint values are then copied to the CPU once,
+    and the coefficients, the evidence and the posterior are computed and returned there (a
+    float and CPU tensors, as for a CPU model). Latents drawn on two devices, or away from the
+    CUDA device of the model's tensors, are refused, naming the sites.
+
     Returns:
         An :class:`OPQAResult`. Its ``diagnostics`` hold ``center``, ``dim``, ``num_points``,
         ``max_degree``, ``grid_size``, ``loc`` and ``scale_tril`` (the weight),
@@ -160,13 +168,13 @@ def opqa_evidence(
         ValueError: for discrete or enumerated latents, a subsampled plate, a model without
             latents, a grid above ``max_nodes`` (use fewer points), an unknown ``center``, a
             guide that was not fitted, a log joint that is not finite at the centre of the weight
-            or at a grid node, a model that does not run in float64, or a weight that cannot be
-            built.
+            or at a grid node, a model that does not run in float64, a model whose latents and
+            tensors are on different devices, or a weight that cannot be built.
     """
     start_time = time.perf_counter()
     _check_arguments(num_points, max_degree, center, guide, max_nodes, chunk_size, vectorize)
     args, kwargs = _to_float64(args), _to_float64(kwargs)
-    sites = _latent_sites_in_float64(model, args, kwargs)
+    sites, device = _latent_sites_and_device(model, args, kwargs)
     _check_sample_sites(_Float64Prior()(model), args, kwargs)
     dim = sum(site.numel for site in sites)
     if dim == 0:
@@ -185,14 +193,17 @@ def opqa_evidence(
         )
 
     log_joint = LogJoint(model, sites)
-    weight = _build_weight(center, guide, log_joint, sites, dim, args, kwargs)
+    weight = _build_weight(center, guide, log_joint, sites, dim, device, args, kwargs)
     log_joint_at_center = _log_joint_at_center(log_joint, weight, center, args, kwargs)
 
     nodes, weights = gauss_hermite(num_points)
     log_weights = weights.log()
     log_f, decision = _evaluate_grid(
-        log_joint, weight, nodes, dim, args, kwargs, vectorize, chunk_size, progress
+        log_joint, weight, nodes.to(device), dim, args, kwargs, vectorize, chunk_size, progress
     )
+    # the model's part is done: the coefficients are a few contractions of the grid's values,
+    # made on the CPU from one copy of them (and of the weight), as in a CPU run
+    log_f, weight = log_f.cpu(), weight.to("cpu")
 
     # log Pi_j = log w_j + (log|det L| + log f(z_j) - log phi(x_j)) / 2   (eq. 31)
     log_w = torch.zeros(grid_size, dtype=torch.float64)
@@ -294,7 +305,12 @@ def _to_float64(value):
 
 
 class _Float64Prior(Messenger):
-    """Draws the latent sites from the prior in float64 (a float32 prior's draws are cast)."""
+    """Draws the latent sites from the prior in float64 (a float32 prior's draws are cast), and
+    records the device of each draw in :attr:`devices` (site -> device, in the model's order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: dict[str, torch.device] = {}
 
     def _pyro_sample(self, msg) -> None:
         if msg["is_observed"] or msg["value"] is not None or isinstance(msg["fn"], _Subsample):
@@ -302,16 +318,44 @@ class _Float64Prior(Messenger):
         value = msg["fn"](*msg["args"], **msg["kwargs"])
         msg["value"] = value.to(torch.float64) if value.is_floating_point() else value
         msg["done"] = True
+        self.devices[msg["name"]] = value.device
 
 
 _DTYPE_ERRORS = ("dtype", "expected scalar type", "Double and Float", "Float and Double")
+# torch's words for an operation between tensors on two devices (CUDA's, and the meta device's)
+_DEVICE_ERRORS = ("same device", "expected device")
+_DEVICE_FIX = (
+    "opqa_evidence evaluates the latents on the device where the prior draws them, as Pyro's "
+    "AutoGuides place their parameters. Put the model's data and its priors' parameters on one "
+    "device: build each prior from tensors on the data's device, e.g. "
+    "dist.Normal(torch.zeros(3, device=X.device), 1.0) rather than dist.Normal(0.0, 1.0)"
+    ".expand([3]), or move the data (X.to(device))"
+)
 
 
-def _latent_sites_in_float64(model: Callable, args: tuple, kwargs: dict):
-    """The model's latent sites, from a run in float64; refuses a model that cannot run so."""
+def _latent_sites_and_device(
+    model: Callable, args: tuple, kwargs: dict
+) -> tuple[list[LatentSite], torch.device]:
+    """The model's latent sites, from a run in float64, and the device its latents live on.
+
+    The device is the one the prior draws its latents on, the device of the prototype values
+    from which Pyro's AutoGuides (and so :class:`~pyro_quadvi.infer.QuadratureELBO`'s nodes)
+    take theirs. Refuses a model that cannot run in float64, latents drawn on two devices, and
+    latents drawn away from the CUDA device holding the model's tensors
+    (:func:`~pyro_quadvi.infer.log_joint.cuda_devices` of the model and its arguments), each
+    named, with the fix.
+    """
+    prior = _Float64Prior()
     try:
-        return latent_sites_of_model(_Float64Prior()(model), *args, **kwargs)
+        sites = latent_sites_of_model(prior(model), *args, **kwargs)
     except (RuntimeError, DtypeMismatch) as error:
+        if isinstance(error, RuntimeError) and any(t in str(error) for t in _DEVICE_ERRORS):
+            if not prior.devices:  # the model mixes devices before any latent: its own business
+                raise
+            raise ValueError(
+                f"opqa_evidence: the model mixes devices ({first_line(error)}) after drawing "
+                f"{_drawn_on(prior.devices)}. {_DEVICE_FIX}"
+            ) from None
         if isinstance(error, RuntimeError) and not any(t in str(error) for t in _DTYPE_ERRORS):
             raise
         raise ValueError(
@@ -321,6 +365,30 @@ def _latent_sites_in_float64(model: Callable, args: tuple, kwargs: dict):
             "model (or module.double() for a PyroModule's fixed parameters; net.double() before "
             "wrapping it in a BayesianModule)"
         ) from None
+    devices = {prior.devices[site.name] for site in sites if site.name in prior.devices}
+    if len(devices) > 1:
+        raise ValueError(
+            f"opqa_evidence: the model's latents are drawn on {len(devices)} devices: "
+            f"{_drawn_on(prior.devices)}. {_DEVICE_FIX}"
+        )
+    device = devices.pop() if devices else torch.device("cpu")
+    elsewhere = [
+        torch.device("cuda", index)
+        for index in cuda_devices(model, args, kwargs)
+        if torch.device("cuda", index) != device
+    ]
+    if elsewhere:
+        raise ValueError(
+            f"opqa_evidence: the model's tensors (its arguments, or a module's parameters) are on "
+            f"{', '.join(map(str, elsewhere))}, but its latents are drawn on {device} "
+            f"({_drawn_on(prior.devices)}). {_DEVICE_FIX}"
+        )
+    return sites, device
+
+
+def _drawn_on(devices: dict[str, torch.device]) -> str:
+    """``'a' on cuda:0, 'b' on cpu``: the latent sites and where the prior drew them."""
+    return ", ".join(f"{name!r} on {device}" for name, device in devices.items())
 
 
 def _check_sample_sites(model: Callable, args: tuple, kwargs: dict) -> None:
@@ -355,18 +423,21 @@ def _check_sample_sites(model: Callable, args: tuple, kwargs: dict) -> None:
                 raise ValueError(f"opqa_evidence: {error}") from None
 
 
-def _build_weight(center, guide, log_joint, sites, dim, args, kwargs) -> GaussianWeight:
+def _build_weight(center, guide, log_joint, sites, dim, device, args, kwargs) -> GaussianWeight:
+    """The weight on ``device`` (the model's): the MAP search and the Hessian of
+    ``center="laplace"`` run there, since every step evaluates the model; a guide fitted on
+    another device gives its loc and scale, moved."""
     if center == "none":
-        return fixed_weight(dim)
+        return fixed_weight(dim, device)
     if center == "guide":
         _check_guide_was_fitted(guide, args, kwargs)
         weight = guide_weight(guide, sites, args, kwargs)
         _check_scales_moved(guide, weight)
-        return weight
-    start = torch.zeros(dim, dtype=torch.float64)
+        return weight.to(device)
+    start = torch.zeros(dim, dtype=torch.float64, device=device)
     if guide is not None:
-        start = guide_weight(guide, sites, args, kwargs).loc
-    start_weight = GaussianWeight(start, torch.eye(dim, dtype=torch.float64))
+        start = guide_weight(guide, sites, args, kwargs).loc.to(device)
+    start_weight = GaussianWeight(start, torch.eye(dim, dtype=torch.float64, device=device))
     _log_joint_at_center(log_joint, start_weight, "MAP start", args, kwargs)
     weight = laplace_weight(log_joint, start, args, kwargs)
     weight.evaluations += 1  # the check at the start
@@ -398,7 +469,8 @@ def _evaluate_grid(
     log_joint, weight, nodes, dim, args, kwargs, vectorize, chunk_size, progress
 ) -> tuple[torch.Tensor, BatchDecision]:
     """``log f(m + L x_j)`` on the tensor grid, in chunks; the first chunk decides ``vectorize``
-    (:func:`~pyro_quadvi.infer.batched.evaluate_batch`) for all of them."""
+    (:func:`~pyro_quadvi.infer.batched.evaluate_batch`) for all of them. The points are made on
+    the device of ``nodes`` and of the weight (the model's), and so are the values."""
     num_points = len(nodes)
     grid_size = num_points**dim
     starts = range(0, grid_size, chunk_size)
@@ -416,7 +488,9 @@ def _evaluate_grid(
     with torch.no_grad():
         for start in bar:
             digits = _grid_digits(
-                torch.arange(start, min(start + chunk_size, grid_size)), num_points, dim
+                torch.arange(start, min(start + chunk_size, grid_size), device=nodes.device),
+                num_points,
+                dim,
             )
             z = weight.loc + nodes[torch.stack(digits, -1)] @ weight.scale_tril.T
             mode = vectorize if decision is None else decision.vectorized
@@ -464,7 +538,9 @@ def _check_scales_moved(guide: Callable, weight: GaussianWeight) -> None:
         )
     else:
         scales = weight.scale_tril
-        at_init = init_scale * torch.eye(len(weight.loc), dtype=weight.scale_tril.dtype)
+        at_init = init_scale * torch.eye(
+            len(weight.loc), dtype=weight.scale_tril.dtype, device=weight.scale_tril.device
+        )
         what = f"every scale of the {type(guide).__name__} still equals its init_scale={init_scale}"
     if torch.allclose(scales, at_init, rtol=1e-6, atol=0.0):
         raise ValueError(

@@ -57,6 +57,10 @@ class OPQAPosterior:
         loc, scale_tril: the weight: ``z = loc + scale_tril @ x``.
         coefficients: the normalized coefficients ``b_tau``, shape ``(num_points,) * dim``,
             ``sum b^2 = 1``.
+
+    :func:`~pyro_quadvi.evidence.opqa_evidence` gives them on the CPU whatever the model's
+    device (the densities and moments are small computations). Values passed to the densities
+    may be on any device: they are copied to the device of ``loc``, where the result is.
     """
 
     def __init__(
@@ -75,9 +79,10 @@ class OPQAPosterior:
         self._moments: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def polynomial(self, x: torch.Tensor) -> torch.Tensor:
-        """``p_T(x)`` at standard offsets ``x`` of shape ``(..., dim)``."""
+        """``p_T(x)`` at standard offsets ``x`` of shape ``(..., dim)`` (on any device; the value
+        is on the posterior's)."""
         batch = x.shape[:-1]
-        flat = x.reshape(-1, self.dim).to(torch.float64)
+        flat = x.reshape(-1, self.dim).to(self.coefficients.device, torch.float64)
         step = max(1, _BATCH_ELEMENTS // self.num_points ** max(self.dim - 1, 1))
         return torch.cat([self._polynomial(chunk) for chunk in flat.split(step)]).reshape(batch)
 
@@ -89,8 +94,9 @@ class OPQAPosterior:
         return out
 
     def log_prob_unconstrained(self, z: torch.Tensor) -> torch.Tensor:
-        """Log density at flat unconstrained latents ``z`` of shape ``(..., dim)``."""
-        z = torch.as_tensor(z, dtype=torch.float64)
+        """Log density at flat unconstrained latents ``z`` of shape ``(..., dim)`` (on any
+        device; the density is on the posterior's)."""
+        z = torch.as_tensor(z, dtype=torch.float64, device=self.loc.device)
         if z.shape[-1:] != (self.dim,):
             raise ValueError(
                 f"expected unconstrained latents of shape (..., {self.dim}), got {tuple(z.shape)}"
@@ -125,7 +131,7 @@ class OPQAPosterior:
         for site in self.sites:
             if site.name not in values:
                 raise ValueError(f"log_prob: no value for the latent site {site.name!r}")
-            value = torch.as_tensor(values[site.name], dtype=torch.float64)
+            value = torch.as_tensor(values[site.name], dtype=torch.float64, device=self.loc.device)
             shape = tuple(site.transform.forward_shape(site.shape))
             if tuple(value.shape[value.dim() - len(shape) :]) != shape:
                 raise ValueError(

@@ -48,15 +48,23 @@ class GaussianWeight:
         """``log |det L|``, the log-Jacobian of ``x -> loc + L x``."""
         return float(self.scale_tril.diagonal().abs().log().sum())
 
+    def to(self, device: torch.device | str) -> GaussianWeight:
+        """The same weight with ``loc`` and ``scale_tril`` on ``device``."""
+        return GaussianWeight(
+            self.loc.to(device), self.scale_tril.to(device), self.evaluations, self.info
+        )
 
-def fixed_weight(dim: int) -> GaussianWeight:
+
+def fixed_weight(dim: int, device: torch.device | str | None = None) -> GaussianWeight:
     """The paper's fixed weight ``exp(-|theta|^2)`` (eq. 4): ``N(0, I / 2)``, ``L = I / sqrt(2)``.
 
     With ``theta = x / sqrt(2)`` the coefficients ``a_tau`` of the expansion are exactly the paper's
     eq. 9 (its normalized physicists' Hermite ``h_n(theta)`` is ``pi^(-1/4) psi_n(x)``).
     """
-    eye = torch.eye(dim, dtype=torch.float64)
-    return GaussianWeight(torch.zeros(dim, dtype=torch.float64), eye / math.sqrt(2.0))
+    eye = torch.eye(dim, dtype=torch.float64, device=device)
+    return GaussianWeight(
+        torch.zeros(dim, dtype=torch.float64, device=device), eye / math.sqrt(2.0)
+    )
 
 
 def laplace_weight(
@@ -71,7 +79,8 @@ def laplace_weight(
 
     The mode maximizes ``log p(x, T(z)) + log|J_T(z)|`` over the unconstrained ``z`` (L-BFGS with a
     strong Wolfe line search, from ``start``); ``H`` is the Hessian of its negative at the mode, by
-    autograd, and ``L`` the lower Cholesky factor of ``H^-1``.
+    autograd, and ``L`` the lower Cholesky factor of ``H^-1``; all on the device of ``start``
+    (the model's: each step of the search evaluates the model).
 
     Raises:
         ValueError: where the log joint is not finite along the search, or ``H`` is not positive
