@@ -191,7 +191,7 @@ class DistributedOptimizer(PyroOptim):
                         torch.tensor([len(named), zlib.crc32(names)], dtype=torch.float64),
                         _rows_fingerprint(
                             [m.site for m in moments if m is not None] + read_from_gradients
-                        ),
+                        ).cpu(),
                     ]
                 ),
                 "the parameters to update (their number and names) or the rows of their "
@@ -369,23 +369,20 @@ def _unknown_minibatches(sites: list[MeanFieldSite]) -> dict[str, ValueError]:
 def _rows_fingerprint(sites: list[MeanFieldSite]) -> torch.Tensor:
     """Count, sum, sum of squares and position-weighted sum of the subsampled rows of ``sites``
     (those of the blocks with moments, and of the blocks read from gradients whose guide records
-    them): equal on every rank when (almost surely only when) the rows are."""
+    them): equal on every rank when (almost surely only when) the rows are. Four float64 numbers
+    on the device of the first site's rows (a plate's indices on CUDA stay there), the CPU
+    without rows."""
     indices = [
-        index.reshape(-1).to(torch.float64)
-        for site in sites
-        if site.rows
-        for _, index in sorted(site.rows.items())
+        index.reshape(-1) for site in sites if site.rows for _, index in sorted(site.rows.items())
     ]
-    flat = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.float64)
-    position = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
-    return torch.stack(
-        [
-            torch.tensor(float(flat.numel())),
-            flat.sum(),
-            (flat * flat).sum(),
-            (flat * position).sum(),
-        ]
-    ).to(torch.float64)
+    device = indices[0].device if indices else torch.device("cpu")
+    flat = torch.cat(
+        [index.to(device, torch.float64) for index in indices]
+        or [torch.zeros(0, dtype=torch.float64)]
+    )
+    position = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=device)
+    count = torch.tensor(float(flat.numel()), dtype=torch.float64, device=device)
+    return torch.stack([count, flat.sum(), (flat * flat).sum(), (flat * position).sum()])
 
 
 def _balance(sizes: list[tuple[str, int]], size: int) -> dict[str, int]:
