@@ -34,3 +34,72 @@ def test_rows_fingerprint_stays_on_the_device_of_the_rows():
     got = _rows_fingerprint([site])
     assert got.device.type == "meta"
     assert got.shape == (4,) and got.dtype == torch.float64
+
+
+def test_checkpoint_storages_go_to_the_ranks_own_device():
+    """With one GPU per rank, ``load_checkpoint`` puts every CUDA storage of rank 0's file on the
+    loading rank's own device (rank 0's tensors were all on its device, cuda:0); CPU storages
+    stay."""
+    from pyro_quadvi.distributed.checkpoint import _onto_device
+
+    class Storage:
+        def __init__(self):
+            self.moved_to = None
+
+        def cuda(self, device):
+            self.moved_to = device
+            return self
+
+    place = _onto_device(3)
+    cuda, indexed, cpu = Storage(), Storage(), Storage()
+    assert place(cuda, "cuda") is cuda and cuda.moved_to == 3
+    assert place(indexed, "cuda:0") is indexed and indexed.moved_to == 3
+    assert place(cpu, "cpu") is cpu and cpu.moved_to is None
+
+
+def _fake_cuda_ranks(outdir):
+    """Each rank fakes two CUDA devices, its own current (rank r on cuda:r), with random states
+    [1, 1] and [2, 2] where rank 0 saves; rank 0 saves, every rank loads, and reports which
+    state went into which device."""
+    import pyro
+    import torch.distributed as dist
+    from pyro.optim import Adam
+
+    from pyro_quadvi.distributed import load_checkpoint, save_checkpoint
+
+    rank = dist.get_rank()
+    saved = [torch.tensor([1, 1], dtype=torch.uint8), torch.tensor([2, 2], dtype=torch.uint8)]
+    restored = {}
+    cuda = torch.cuda
+    fakes = {
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "device_count": lambda: 2,
+        "current_device": lambda: rank,
+        "get_rng_state_all": lambda: [s.clone() for s in saved],
+        "set_rng_state": lambda state, device="cuda": restored.__setitem__(device, state.tolist()),
+    }
+    originals = {name: getattr(cuda, name) for name in fakes}
+    for name, fake in fakes.items():
+        setattr(cuda, name, fake)
+    try:
+        pyro.clear_param_store()
+        pyro.param("w", torch.ones(2))
+        optim = Adam({"lr": 0.1})
+        save_checkpoint(outdir / "fake.pt", optim)
+        load_checkpoint(outdir / "fake.pt", optim)
+    finally:
+        for name, original in originals.items():
+            setattr(cuda, name, original)
+    return restored
+
+
+def test_each_rank_restores_rank_0s_cuda_state_into_its_own_device(tmp_path):
+    """Every rank draws the same nodes, so the ranks hold the same random state, each on its own
+    device: rank 0's device's state (cuda:0, [1, 1]) goes into cuda:0 on rank 0 and cuda:1 on
+    rank 1. Restoring every saved device's state on every rank gave rank 1's device rank 0's
+    copy of cuda:1's state ([2, 2]), which rank 0 never draws from."""
+    from pyro_quadvi.testing.ranks import run_ranks
+
+    results = run_ranks(_fake_cuda_ranks, tmp_path, world_size=2, timeout_s=60)
+    assert results == [{0: [1, 1]}, {1: [1, 1]}]

@@ -265,6 +265,7 @@ def test_checkpoint_and_broadcast_carry_the_cuda_state(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in saved])
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: saved[0].clone())
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i=0: restored.__setitem__(i, s))
