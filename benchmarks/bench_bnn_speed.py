@@ -512,7 +512,7 @@ def python_caller(node) -> str:
 
 
 def cuda_profile(case, steps: int) -> None:
-    """Where a step's time goes on the GPU: for one plain pass, the QNVB step and the one-pass
+    """Where a step's time goes on the GPU: for the plain K passes, the QNVB step and the one-pass
     ``QNVBOptimizer`` step, per step, the wall time, the GPU time of its kernels and copies (busy
     share; annotations such as ``Optimizer.step`` left out), kernel launches, the host's waits for
     the GPU, copies (any direction; those from host to GPU and back apart), and the Python lines

@@ -151,7 +151,7 @@ def test_the_flat_compiled_update_is_the_reference_on_one_buffer(dtype, monkeypa
 
 def test_the_compiled_update_goes_per_tensor_on_the_cpu_and_flat_elsewhere(monkeypatch):
     """On an H100 the per-tensor compiled update was slower than the eager flat one (each call's
-    overhead), one flat call nine times faster (docs/benchmarks.md): off the CPU, one call."""
+    overhead); on one flat buffer it is faster (docs/benchmarks.md): off the CPU, one call."""
     calls = _uncompiled(monkeypatch)
     hp = QNVBHyperparameters()
     for device, expected in (("cpu", [15, 7, 8, 1]), ("meta", [31])):

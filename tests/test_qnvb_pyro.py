@@ -504,3 +504,40 @@ def test_after_annealing_the_scale_reaches_the_posterior_within_tens_of_steps():
     assert _annealed_mean(200, 100) == pytest.approx(1.0, abs=0.01)
     # a setting given wins over the default under annealing: the plain window lags
     assert _annealed_mean(20, 10, recent_fraction=1.0) > 1.2
+
+
+def test_descriptions_are_taken_from_describe_in_the_same_step_only():
+    """``descriptions=`` spares a second description of the live guides: what ``describe`` made
+    for this step updates exactly as a step describing them itself; descriptions of another step
+    (they hold the rows of their guide's last run) or not made by ``describe`` are refused."""
+    model, *_ = _conjugate_normal()
+    runs = []
+    for hand_over in (False, True):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoMeanFieldNormal(model)
+        optim = QNVB(lr=0.5)
+        elbo = Trace_ELBO()
+        for _ in range(3):
+            with poutine.trace(param_only=True) as tr:
+                elbo.loss_and_grads(model, guide)
+            params = [site["value"].unconstrained() for site in tr.trace.nodes.values()]
+            if hand_over:
+                optim(params, descriptions=optim.describe(params))
+            else:
+                optim(params)
+            pyro.infer.util.zero_grads(params)
+        runs.append({k: v.detach().clone() for k, v in pyro.get_param_store().items()})
+        stale = optim.describe(params)
+    assert runs[0].keys() == runs[1].keys()
+    for name in runs[0]:
+        assert torch.equal(runs[0][name], runs[1][name]), name
+    elbo.loss_and_grads(model, guide)
+    optim(params)  # a step: the descriptions made before it are another step's
+    elbo.loss_and_grads(model, guide)
+    with pytest.raises(ValueError, match=r"QNVB.describe\(params\) returned in this same step"):
+        optim(params, descriptions=stale)
+    from pyro_quadvi.guides.interface import describe_live_guides
+
+    with pytest.raises(ValueError, match=r"descriptions= takes what QNVB\.describe"):
+        optim(params, descriptions=describe_live_guides(params))

@@ -23,7 +23,6 @@ from ..guides.interface import (
     GuideDescription,
     MeanFieldSite,
     PublishedMoments,
-    describe_live_guides,
     publish_moments,
     published_moments,
 )
@@ -304,7 +303,7 @@ class DistributedOptimizer(PyroOptim):
         if qnvb is None or all(m is not None for m in moments):
             return [], None
         params = [p for _, p in named]
-        descriptions = describe_live_guides(params)
+        descriptions = qnvb.describe(params)
         # the moments were taken (_reduce): every block found comes from the descriptions, those
         # with moments too (QNVB's step takes the moments again, they are not read from gradients)
         blocks, _ = qnvb.find_blocks(params, descriptions)

@@ -324,6 +324,8 @@ class QNVB(PyroOptim):
         # PyroOptim's own machinery (one torch optimizer per parameter) is the fallback
         super().__init__(*self._fallback_arguments(fallback))
         self.num_steps = 0
+        # the descriptions describe() made, with the step they were made for
+        self._described: tuple[int, list] | None = None
         self._bound: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         # name -> the hyperparameters a block was updated with and its model's hints (get_state)
@@ -428,13 +430,16 @@ class QNVB(PyroOptim):
     ) -> None:
         """Update the blocks of described guides among ``params``; pass the rest to the fallback.
 
-        ``descriptions``: :func:`~pyro_quadvi.guides.interface.describe_live_guides` of this
-        step's parameters (or of more), for a caller that made them in this step already
+        ``descriptions``: what :meth:`describe` returned in this step, for a caller that
+        described the live guides already
         (:class:`~pyro_quadvi.distributed.DistributedOptimizer`); ``None``: made here, where
         needed (:meth:`find_blocks`). ``args`` and ``kwargs`` go to the fallback's step.
         """
         params = list(params)
-        blocks, explained = self.find_blocks(params, descriptions)
+        try:
+            blocks, explained = self.find_blocks(params, descriptions)
+        finally:
+            self._described = None
         paired: set[int] = set()
         counts: list[tuple[str, QNVBHyperparameters, torch.Tensor]] = []
         prepared = []
@@ -462,6 +467,15 @@ class QNVB(PyroOptim):
             self._guarded_fallback(rest, *args, **kwargs)
         self.num_steps += 1
 
+    def describe(self, params: Iterable[torch.Tensor]) -> list[tuple[Callable, GuideDescription]]:
+        """:func:`~pyro_quadvi.guides.interface.describe_live_guides` of ``params``, made for
+        this step: the descriptions :meth:`find_blocks` and the step (``descriptions=``) take,
+        until the step ends. A description holds the rows its guide's last run used, so one made
+        for another step would update the wrong rows: they are refused."""
+        descriptions = describe_live_guides(params)
+        self._described = (self.num_steps, descriptions)
+        return descriptions
+
     @torch.no_grad()
     def find_blocks(
         self,
@@ -474,12 +488,21 @@ class QNVB(PyroOptim):
         Takes the moments published for ``params``
         (:func:`~pyro_quadvi.guides.interface.published_moments`: they are consumed); the
         parameters they leave uncovered are paired by identity with the blocks of
-        ``descriptions`` (made here by
-        :func:`~pyro_quadvi.guides.interface.describe_live_guides` when ``None``), read from
-        their gradients. Warns once for each block it cannot update (a family without an update,
-        a parameter missing) and each joint Gaussian holding one of ``params``: they go to the
-        fallback.
+        ``descriptions`` (what :meth:`describe` returned in this step; made here when
+        ``None``), read from their gradients. Warns once for each block it cannot update (a
+        family without an update, a parameter missing) and each joint Gaussian holding one of
+        ``params``: they go to the fallback.
         """
+        if descriptions is not None and (
+            self._described is None
+            or self._described[1] is not descriptions
+            or self._described[0] != self.num_steps
+        ):
+            raise ValueError(
+                "QNVB: descriptions= takes what QNVB.describe(params) returned in this same step "
+                "(a description holds the rows its guide's last run used; one made for another "
+                "step would update the wrong rows); pass None to let QNVB describe the guides"
+            )
         received = {id(p) for p in params}
         blocks: dict[int, QNVBBlock] = {}
         explained = False
