@@ -275,6 +275,23 @@ def _helpers() -> dict:
 
 
 # ------------------------------------------------------------------ two ranks on the one GPU
+def _loaded_onto_own_device(path: Path) -> dict:
+    """Rank 0 saves a param store of CUDA tensors; every rank loads it into a cleared store:
+    each value's device, this rank's current device, and the values."""
+    pyro.clear_param_store()
+    pyro.param("w", torch.arange(3.0, dtype=F64, device=DEVICE))
+    optim = pyro.optim.Adam({"lr": 0.1})
+    save_checkpoint(path, optim)
+    pyro.clear_param_store()
+    load_checkpoint(path, optim)
+    store = pyro.get_param_store()
+    return {
+        "current": torch.cuda.current_device(),
+        "devices": {name: store[name].device for name in store.keys()},
+        "w": store["w"].detach().cpu(),
+    }
+
+
 def _refuse_off_device(tensors: list[torch.Tensor], name: str) -> None:
     for t in tensors:
         if t.device.type != DEVICE.type:
@@ -342,6 +359,8 @@ def _scenarios(outdir: Path) -> dict:
     out["resumed"] = _bnn_fit(
         "data", shard_update=True, steps=STEPS - STEPS // 2, resume=outdir / "ckpt.pt"
     )
+
+    out["loaded"] = _outcome(lambda: _loaded_onto_own_device(outdir / "cuda_store.pt"))
 
     def disagree():  # a random rule seeded apart: every rank raises, none hangs
         pyro.clear_param_store()
@@ -446,6 +465,17 @@ def test_checkpoint_resumes_exactly_two_ranks(ranks):
         assert _same(rank["resumed"]["qnvb"], rank["uninterrupted"]["qnvb"])
         assert torch.equal(rank["resumed"]["losses"], rank["uninterrupted"]["losses"][STEPS // 2 :])
     assert _same(ranks[0]["uninterrupted"], ranks[0]["data_sharded"])
+
+
+def test_checkpoint_of_cuda_tensors_loads_onto_each_ranks_current_device(ranks):
+    """The map_location path on real CUDA storages: after load, the param store's tensors are on
+    each rank's ``torch.cuda.current_device()`` with the saved values. (Both ranks share GPU 0
+    here, so rank 0's device and rank 1's own cannot differ.)"""
+    for rank in ranks:
+        kind, loaded = rank["loaded"]
+        assert kind == "ok", loaded
+        assert loaded["devices"] == {"w": torch.device("cuda", loaded["current"])}
+        assert loaded["w"].tolist() == [0.0, 1.0, 2.0]
 
 
 def test_ranks_that_draw_different_nodes_all_raise(ranks):

@@ -36,11 +36,12 @@ def test_rows_fingerprint_stays_on_the_device_of_the_rows():
     assert got.shape == (4,) and got.dtype == torch.float64
 
 
-def test_checkpoint_storages_go_to_the_ranks_own_device():
+def test_checkpoint_storages_go_to_the_ranks_own_device(monkeypatch):
     """With one GPU per rank, ``load_checkpoint`` puts every CUDA storage of rank 0's file on the
-    loading rank's own device (rank 0's tensors were all on its device, cuda:0); CPU storages
-    stay."""
-    from pyro_quadvi.distributed.checkpoint import _onto_device
+    loading rank's own device, ``torch.cuda.current_device()`` (faked: 3), the one its random
+    state goes into, whether or not CUDA had started (it had not: the storages used to stay
+    where rank 0 saved them then); CPU storages stay."""
+    from pyro_quadvi.distributed.checkpoint import _onto_own_device
 
     class Storage:
         def __init__(self):
@@ -50,11 +51,12 @@ def test_checkpoint_storages_go_to_the_ranks_own_device():
             self.moved_to = device
             return self
 
-    place = _onto_device(3)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     cuda, indexed, cpu = Storage(), Storage(), Storage()
-    assert place(cuda, "cuda") is cuda and cuda.moved_to == 3
-    assert place(indexed, "cuda:0") is indexed and indexed.moved_to == 3
-    assert place(cpu, "cpu") is cpu and cpu.moved_to is None
+    assert _onto_own_device(cuda, "cuda") is cuda and cuda.moved_to == 3
+    assert _onto_own_device(indexed, "cuda:0") is indexed and indexed.moved_to == 3
+    assert _onto_own_device(cpu, "cpu") is cpu and cpu.moved_to is None
 
 
 def _fake_cuda_ranks(outdir):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import pyro
@@ -62,7 +61,7 @@ def save_checkpoint(
             "optim": optim_state,
             "rng": get_rng_state(),
             "cuda_rng": _cuda_rng_state(),
-            "cuda_device": _current_cuda_device(),
+            "cuda_device": _own_cuda_device() if _cuda_started() else None,
             "generator": None if generator is None else generator.get_state(),
         }
         tmp = Path(f"{os.fspath(path)}.tmp")
@@ -81,20 +80,66 @@ def _cuda_rng_state() -> list[torch.Tensor] | None:
     return torch.cuda.get_rng_state_all() if _cuda_started() else None
 
 
-def _current_cuda_device() -> int | None:
-    """The current CUDA device's index where CUDA has started (rank 0's own, with one GPU per
-    rank), else ``None``."""
-    return torch.cuda.current_device() if _cuda_started() else None
+def _own_cuda_device() -> int:
+    """This rank's own CUDA device: the current one (``torch.cuda.current_device()``, what
+    ``torch.cuda.set_device`` chose; with one GPU per rank, the ``torch.distributed``
+    convention, each rank's own GPU). Asking starts CUDA: only where CUDA is needed anyway (a
+    CUDA storage to place, a CUDA random state to restore) or has started (saving)."""
+    return torch.cuda.current_device()
 
 
-def _onto_device(device: int) -> Callable:
-    """A ``map_location`` for ``torch.load`` putting every CUDA storage on CUDA device
-    ``device`` and leaving every other where it was saved."""
+def _onto_own_device(storage, location: str):
+    """``torch.load``'s ``map_location``: every CUDA storage onto this rank's own CUDA device
+    (rank 0's file holds rank 0's), every other left where it was saved."""
+    return storage.cuda(_own_cuda_device()) if location.startswith("cuda") else storage
 
-    def place(storage, location: str):
-        return storage.cuda(device) if location.startswith("cuda") else storage
 
-    return place
+def _read(path: str) -> bytes | Exception:
+    """The file's bytes, or the error reading them raised, reworded to name the file and the
+    fix (what rank 0 broadcasts to every rank)."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        reworded = type(error)(
+            f"load_checkpoint: rank 0 cannot read {path!r} ({error.strerror or error}); rank 0 "
+            "reads the checkpoint for every rank: pass a path that rank 0 can read"
+        )
+        reworded.__cause__ = error
+        return reworded
+
+
+def _load_state(path: str, group: dist.ProcessGroup | None) -> dict:
+    """The checkpoint's contents on every rank, or the same error on every rank: rank 0 reads
+    the file and broadcasts its bytes (or the error reading them); each rank loads them, with
+    several ranks every CUDA tensor onto its own device; the ranks compare outcomes
+    (:func:`~pyro_quadvi.distributed.comm.raise_together`), so a load failing on one rank only
+    (a rank without CUDA reading a GPU fit's tensors) raises on all."""
+    rank, size = world(group)
+    box = [_read(path) if rank == 0 else None]
+    if size > 1:
+        dist.broadcast_object_list(box, src=0, group=group)
+    contents, state, error = box[0], None, None
+    if isinstance(contents, Exception):
+        error = contents
+    else:
+        fix = "pass a file written by save_checkpoint"
+        try:
+            place = None if size == 1 else _onto_own_device  # (one process: devices as saved)
+            state = torch.load(io.BytesIO(contents), map_location=place, weights_only=False)
+        except Exception as refused:  # not a torch file, or tensors on a device this rank lacks
+            error = ValueError(
+                f"load_checkpoint: torch.load cannot load {path!r} "
+                f"({type(refused).__name__}: {refused}); {fix}, on ranks that have the devices "
+                "its tensors were saved on (a GPU fit's: CUDA)"
+            )
+            error.__cause__ = refused
+        else:
+            if not isinstance(state, dict) or state.get("format") != _FORMAT:
+                error = ValueError(
+                    f"load_checkpoint: {path!r} is not a checkpoint (no format {_FORMAT!r}); {fix}"
+                )
+    raise_together(error, f"load_checkpoint: loading {path!r}", group)
+    return state
 
 
 def load_checkpoint(
@@ -116,24 +161,19 @@ def load_checkpoint(
         The checkpoint's metadata: ``{"world_size": the world size it was saved from}``.
 
     Raises:
-        ValueError: for a file that is not such a checkpoint, or a generator state with no
-            ``generator`` to restore it into (or the reverse).
+        OSError: the error rank 0 met reading ``path`` (``FileNotFoundError``, ...), of the same
+            type and with the same message on every rank, naming the file.
+        ValueError: for a file that is not such a checkpoint, or that ``torch.load`` cannot load
+            on some rank (a GPU fit's, on a rank without CUDA), raised on every rank together,
+            naming the file and the rank; or for a generator state with no ``generator`` to
+            restore it into (or the reverse).
         Exception: whatever ``optim.set_state`` raised on any rank (a ``QNVB`` built with other
             settings: a ``ValueError`` naming the block and the settings), on every rank
             together; the param store, the random states and every rank's optimizer state are
             then left as they were.
     """
-    rank, size = world(group)
-    if size == 1:
-        state = torch.load(path, weights_only=False)
-    else:  # the file's bytes, loaded by each rank onto its own CUDA device where it has one
-        box = [Path(path).read_bytes() if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=group)
-        own = _current_cuda_device()
-        place = None if own is None else _onto_device(own)
-        state = torch.load(io.BytesIO(box[0]), map_location=place, weights_only=False)
-    if not isinstance(state, dict) or state.get("format") != _FORMAT:
-        raise ValueError(f"{os.fspath(path)!r} is not a checkpoint written by save_checkpoint")
+    _, size = world(group)
+    state = _load_state(os.fspath(path), group)
     before = optim.get_state()
     refused = None
     try:  # first: a refused state (other settings) leaves the param store as it was
@@ -161,7 +201,7 @@ def load_checkpoint(
                 torch.cuda.set_rng_state(device_state, index)
         else:  # one GPU per rank: rank 0's device's state into this rank's device
             saved = state["cuda_rng"][state.get("cuda_device") or 0]
-            torch.cuda.set_rng_state(saved, torch.cuda.current_device())
+            torch.cuda.set_rng_state(saved, _own_cuda_device())
     if generator is not None:
         generator.set_state(state["generator"])
     return {"world_size": state["world_size"]}
