@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pyro.optim import PyroOptim
 from pyro.util import get_rng_state, set_rng_state
 
-from .comm import raise_together, world
+from .comm import global_rank, raise_together, world
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -117,7 +117,7 @@ def _load_state(path: str, group: dist.ProcessGroup | None) -> dict:
     rank, size = world(group)
     box = [_read(path) if rank == 0 else None]
     if size > 1:
-        dist.broadcast_object_list(box, src=0, group=group)
+        dist.broadcast_object_list(box, src=global_rank(0, group), group=group)
     contents, state, error = box[0], None, None
     if isinstance(contents, Exception):
         error = contents

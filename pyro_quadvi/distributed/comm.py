@@ -22,6 +22,7 @@ __all__ = [
     "check_sections",
     "collective_device",
     "gather_rows",
+    "global_rank",
     "raise_together",
     "refuse_disagreement",
     "shard",
@@ -34,6 +35,12 @@ def world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
+
+
+def global_rank(rank: int, group: dist.ProcessGroup | None = None) -> int:
+    """The global rank of ``group``'s rank ``rank``: what a collective's ``src`` takes (in a
+    group that leaves out global rank 0, ``src=0`` names a process outside it)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -168,9 +175,14 @@ def raise_together(
 
 
 def broadcast_generator(
-    generator: torch.Generator | None = None, src: int = 0, group: dist.ProcessGroup | None = None
+    generator: torch.Generator | None = None,
+    src: int | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """Give every rank the state of rank ``src``'s ``generator`` (torch's global one if ``None``).
+
+    ``src`` is a global rank, as in ``torch.distributed``'s collectives (default: ``group``'s
+    first rank).
 
     Random rules (``blocked_simplex``, ``rasp_simplex``, ``mc``) draw their nodes from it: ranks
     that share its state draw the same nodes. With ``None``, on a rank ``src`` that has started
@@ -180,6 +192,8 @@ def broadcast_generator(
     _, size = world(group)
     if size == 1:
         return
+    if src is None:
+        src = global_rank(0, group)
     if generator is not None:
         state = generator.get_state().to(collective_device(group), copy=True)
         dist.broadcast(state, src=src, group=group)

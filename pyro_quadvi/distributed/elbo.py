@@ -187,7 +187,9 @@ class DistributedQuadratureELBO(QuadratureELBO):
             ],
             dtype=torch.float64,
         )
-        rows = gather_rows(torch.cat([status, *(v.reshape(-1).cpu() for v, _, _ in sections)]))
+        rows = gather_rows(
+            torch.cat([status, *(v.reshape(-1).cpu() for v, _, _ in sections)]), self.group
+        )
         if error is not None:
             raise error
         failed = rows[:, 3].nonzero().reshape(-1).tolist()

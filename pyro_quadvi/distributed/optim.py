@@ -32,6 +32,7 @@ from ..optim.qnvb_functional import QNVBHyperparameters
 from .comm import (
     all_reduce_mean_,
     gather_rows,
+    global_rank,
     projections,
     raise_together,
     refuse_disagreement,
@@ -152,7 +153,7 @@ class DistributedOptimizer(PyroOptim):
                 by_dtype.setdefault(leaf.dtype, []).append(leaf)
             for bucket in by_dtype.values():
                 flat = torch.cat([leaf.detach().reshape(-1) for leaf in bucket])
-                dist.broadcast(flat, src=owner, group=self.group)
+                dist.broadcast(flat, src=global_rank(owner, self.group), group=self.group)
                 start = 0
                 for leaf in bucket:  # through .data, as QNVB writes: no version bump
                     stop = start + leaf.numel()
@@ -207,7 +208,9 @@ class DistributedOptimizer(PyroOptim):
             ),
         ]
         fingerprint = _settings_fingerprint(settings)
-        rows = gather_rows(torch.cat([v.reshape(-1) for v, _, _ in sections] + [fingerprint]))
+        rows = gather_rows(
+            torch.cat([v.reshape(-1) for v, _, _ in sections] + [fingerprint]), self.group
+        )
         refuse_disagreement(rows, sections)
         if bool((rows[:, -1] != rows[0, -1]).any()):
             self._refuse_settings(settings)  # (every rank: each sees every rank's fingerprint)

@@ -31,6 +31,7 @@ from .comm import (
     arguments_section,
     broadcast_generator,
     check_sections,
+    global_rank,
     node_sections,
     world,
 )
@@ -108,7 +109,7 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
             with torch.no_grad():
                 for param_group in self.param_groups:
                     for p in param_group["params"]:
-                        dist.broadcast(p.data, src=0, group=group)
+                        dist.broadcast(p.data, src=global_rank(0, group), group=group)
             if self.generator is not None:
                 broadcast_generator(self.generator, group=group)
 
