@@ -449,6 +449,60 @@ def test_opqa_evidence_refuses_a_latent_drawn_on_the_cpu_beside_cuda_data():
         opqa_evidence(model, y.to(CUDA), num_points=3)
 
 
+def _device_uniform_location(y):
+    """A Normal location under a ``Uniform(0.5, 3)`` prior and a ``HalfNormal`` noise, both built
+    on the data's device (the ``Uniform``'s bounds live in its transform's ``Affine`` part)."""
+    one = torch.ones((), dtype=y.dtype, device=y.device)
+    mu = pyro.sample("mu", dist.Uniform(0.5 * one, 3.0 * one))
+    noise = pyro.sample("noise", dist.HalfNormal(one))
+    with pyro.plate("data", len(y), device=y.device):
+        pyro.sample("y", dist.Normal(mu, noise), obs=y)
+
+
+def test_opqa_posterior_of_a_uniform_prior_on_cuda_equals_the_cpu_one():
+    """The posterior of a model whose ``Uniform`` prior has CUDA bounds: its sites' transforms come
+    back to the CPU with it, and ``log_prob`` (values on either device, and outside the bounds)
+    and ``marginals`` equal the CPU run's. Both runs take one weight, a guide's loc and scale set
+    on the CPU to the CPU run's Laplace values (``center="guide"``): no MAP search whose path
+    could differ by rounding between the devices."""
+    y = torch.tensor([1.2, 1.9, 1.4, 2.2, 1.7, 1.1], dtype=F64)
+    laplace = opqa_evidence(_device_uniform_location, y, num_points=8).diagnostics
+    guide = AutoMeanFieldNormal(_device_uniform_location)
+    guide(y)
+    store = pyro.get_param_store()
+    for k, name in enumerate(("mu", "noise")):
+        store[f"AutoMeanFieldNormal.locs.{name}"] = laplace["loc"][k].clone()
+        store[f"AutoMeanFieldNormal.scales.{name}"] = laplace["scale_tril"][k].norm()
+    options = {"num_points": 8, "center": "guide", "guide": guide}
+    cpu = opqa_evidence(_device_uniform_location, y, **options)
+    cuda = opqa_evidence(_device_uniform_location, y.to(CUDA), **options)
+    assert math.isclose(cuda.log_evidence, cpu.log_evidence, rel_tol=1e-10)
+    assert abs(cpu.log_evidence - laplace["quadrature_log_evidence"]) < 1e-3
+    affine = cuda.posterior.sites[0].transform.parts[1]
+    assert (affine.loc.device, affine.scale.device) == (CPU, CPU)
+    values = {
+        "mu": torch.tensor([0.4, 1.3, 1.6, 2.0, 3.1], dtype=F64),  # the first and last outside
+        "noise": torch.tensor([0.3, 0.4, 0.5, 0.7, 0.4], dtype=F64),
+    }
+    expected = cpu.posterior.log_prob(values)
+    assert torch.isinf(expected[[0, 4]]).all() and torch.isfinite(expected[1:4]).all()
+    from_cuda = cuda.posterior.log_prob({name: value.to(CUDA) for name, value in values.items()})
+    assert from_cuda.device == CPU
+    assert torch.equal(from_cuda, cuda.posterior.log_prob(values))
+    _assert_close(from_cuda, expected, F64)
+    cuda_marginals, cpu_marginals = (
+        cuda.posterior.marginals(num=41),
+        cpu.posterior.marginals(num=41),
+    )
+    for name, marginal in cpu_marginals.items():
+        assert cuda_marginals[name].values.device == CPU
+        _assert_close(vars(cuda_marginals[name]), vars(marginal), F64)
+    # the density of the location integrates to one over its grid, inside (0.5, 3)
+    mu = cpu_marginals["mu"]
+    assert 0.5 < float(mu.values[0]) and float(mu.values[-1]) < 3.0
+    assert abs(float(torch.trapezoid(mu.density, mu.values)) - 1.0) < 1e-3
+
+
 # --------------------------------------------------------------------------------------------
 # 6. Spike and slab; WHVI and the fast Walsh-Hadamard transform
 

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from pyro_quadvi import AutoMeanFieldNormal, opqa_evidence
+from pyro_quadvi.evidence.posterior import OPQAPosterior
+from pyro_quadvi.infer import latent_sites_of_model
 from pyro_quadvi.testing.evidence_models import linear_regression, regression_data
 from pyro_quadvi.testing.meta import FakeSync
 
@@ -152,3 +154,80 @@ def test_latents_drawn_on_two_devices_are_refused_naming_both():
 
     with pytest.raises(ValueError, match=r"2 devices: 'a' on meta, 'b' on cpu.*device=X\.device"):
         opqa_evidence(model, torch.zeros(2, device=META), torch.zeros(2), num_points=3)
+
+
+def _bounded_model(y):
+    """A location with a ``Uniform`` prior, whose bounds are on the data's device (its transform,
+    ``Sigmoid`` then ``Affine``, holds them), a ``HalfNormal`` noise and a ``Gamma`` rate (both
+    ``Exp``, which holds no tensor)."""
+    one = torch.ones((), dtype=y.dtype, device=y.device)
+    mu = pyro.sample("mu", dist.Uniform(0.5 * one, 3.0 * one))
+    noise = pyro.sample("noise", dist.HalfNormal(one))
+    rate = pyro.sample("rate", dist.Gamma(2.0 * one, one))
+    with pyro.plate("data", len(y), device=y.device):
+        pyro.sample("y", dist.Normal(mu, noise), obs=y)
+    pyro.sample("count", dist.Poisson(rate), obs=3.0 * one)
+
+
+BOUNDED_DATA = torch.tensor([1.2, 1.9, 1.4, 2.2, 1.7, 1.1], dtype=torch.float64)
+
+
+def _bounded_values(device: torch.device) -> dict[str, torch.Tensor]:
+    """Four values of each latent of :func:`_bounded_model`, on ``device``."""
+    values = {"mu": [0.7, 1.5, 2.0, 2.9], "noise": [0.2, 0.5, 1.0, 2.0], "rate": [0.5, 2, 3, 6]}
+    return {name: torch.tensor(v, dtype=torch.float64, device=device) for name, v in values.items()}
+
+
+def test_the_posterior_of_a_bounded_model_on_the_device_works_on_the_cpu():
+    """Before: the posterior's sites kept the transforms built from the priors on the device (the
+    ``Uniform``'s bounds in its ``Affine`` part), and ``log_prob`` and ``marginals`` met them with
+    CPU tensors: torch's device-mixing error (a copy out of ``meta`` without ``FakeSync``). Now
+    they are copied to the CPU with the rest of the posterior: two more copies (the ``Uniform``'s
+    loc and scale) than the grid's values, the loc and the scale; the two ``Exp`` sites add none."""
+    with FakeSync() as syncs:
+        result = opqa_evidence(_bounded_model, BOUNDED_DATA.to(META), num_points=3, center="none")
+    posterior = result.posterior
+    # after the copies, nothing in the posterior touches the device again: no FakeSync from here
+    assert posterior.log_prob(_bounded_values(CPU)).shape == (4,)
+    marginals = posterior.marginals(num=7)
+    assert list(marginals) == ["mu", "noise", "rate"]
+    for marginal in marginals.values():
+        for tensor in (marginal.values, marginal.density, marginal.unconstrained_values):
+            assert (tensor.shape, tensor.device) == ((7,), CPU)
+    assert sum(n for (op, _), n in syncs.counts.items() if op == "_to_copy") == 3 + 2
+    affine = posterior.sites[0].transform.parts[1]
+    assert (affine.loc.device, affine.scale.device) == (CPU, CPU)
+    # the values may come from the device: each is copied to the CPU, once
+    with FakeSync() as syncs:
+        assert posterior.log_prob(_bounded_values(META)).device == CPU
+    assert syncs.total == 3
+
+
+def test_a_posterior_built_on_the_device_stays_there():
+    """``OPQAPosterior`` built by hand with its loc on the device: the scale, the coefficients and
+    the sites' transforms are copied there, and every density, moment and marginal is computed
+    there. Before: ``marginals`` made its identity matrix, its grid and its Gauss-Hermite nodes on
+    the CPU, and mixed them with the device's loc (a CPU ``scale_tril`` would have mixed too)."""
+    sites = latent_sites_of_model(_bounded_model, BOUNDED_DATA)  # on the CPU
+    coefficients = torch.zeros((3,) * 3, dtype=torch.float64)
+    coefficients[0, 0, 0], coefficients[1, 0, 2] = 0.6, 0.8
+    with FakeSync() as syncs:
+        posterior = OPQAPosterior(
+            sites,
+            torch.zeros(3, device=META, dtype=torch.float64),
+            torch.eye(3, dtype=torch.float64),
+            coefficients,
+        )
+        affine = posterior.sites[0].transform.parts[1]
+        tensors = (affine.loc, affine.scale, posterior.scale_tril, posterior.coefficients)
+        assert {tensor.device for tensor in tensors} == {META}
+        assert posterior.log_prob(_bounded_values(CPU)).device == META
+        assert posterior.mean_unconstrained.device == META
+        marginals = posterior.marginals(num=5)
+        for marginal in marginals.values():
+            for tensor in (marginal.values, marginal.density, marginal.unconstrained_density):
+                assert (tensor.shape, tensor.device) == ((5,), META)
+    # nothing came back to the CPU but the grid's centre and spread of each coordinate (two
+    # numbers each) and whether any coefficient counts, for their top degree (one)
+    assert {op for op, _ in syncs.counts} == {"_local_scalar_dense"}
+    assert syncs.total == 2 * 3 + 1

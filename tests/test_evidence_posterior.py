@@ -151,3 +151,26 @@ def test_log_prob_refuses_bad_values(regression):
         result.posterior.log_prob({"beta": torch.zeros(2, dtype=F64)})
     with pytest.raises(ValueError, match="no value for the latent site 'beta'"):
         result.posterior.log_prob({"gamma": torch.zeros(3, dtype=F64)})
+
+
+def _uniform_location(y):
+    bounds = torch.tensor([0.5, 3.0], dtype=F64)
+    mu = pyro.sample("mu", dist.Uniform(bounds[0], bounds[1]))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(mu, 0.5), obs=y)
+
+
+def test_a_uniform_prior_gives_the_truncated_normal_and_nothing_outside_its_bounds():
+    """The posterior of a Normal location under a ``Uniform(0.5, 3)`` prior is the Normal
+    ``N(mean(y), 0.5^2 / n)`` truncated to ``(0.5, 3)``. Outside the bounds the density is 0.
+    Before, values there got a finite density: the transform's codomain, its ``Affine`` part's,
+    is the whole real line, and the ``Sigmoid``'s inverse clamps what lies beyond (0, 1)."""
+    y = torch.tensor([1.2, 1.9, 1.4, 2.2, 1.7, 1.1], dtype=F64)
+    posterior = opqa_evidence(_uniform_location, y, num_points=12).posterior
+    normal = dist.Normal(y.mean(), 0.5 / math.sqrt(len(y)))
+    mass = normal.cdf(torch.tensor(3.0, dtype=F64)) - normal.cdf(torch.tensor(0.5, dtype=F64))
+    inside = torch.tensor([1.25, 1.45, 1.6, 1.75, 1.9], dtype=F64)  # within 1.6 sd of the mean
+    exact = normal.log_prob(inside) - mass.log()
+    assert torch.allclose(posterior.log_prob(inside), exact, atol=2e-3)
+    outside = torch.tensor([0.4, 3.1, -1.0], dtype=F64)
+    assert torch.equal(posterior.log_prob(outside), torch.full((3,), -math.inf, dtype=F64))

@@ -150,8 +150,9 @@ def opqa_evidence(
     weight, the Gauss-Hermite nodes and the grid points are made there, and a fitted guide's
     loc and scale are moved there. The grid's log-joint values are then copied to the CPU once,
     and the coefficients, the evidence and the posterior are computed and returned there (a
-    float and CPU tensors, as for a CPU model). Latents drawn on two devices, or away from the
-    CUDA device of the model's tensors, are refused, naming the sites.
+    float and CPU tensors, as for a CPU model); the posterior copies the tensors of its sites'
+    transforms (a ``Uniform`` prior's bounds) to the CPU too. Latents drawn on two devices, or
+    away from the CUDA device of the model's tensors, are refused, naming the sites.
 
     Returns:
         An :class:`OPQAResult`. Its ``diagnostics`` hold ``center``, ``dim``, ``num_points``,

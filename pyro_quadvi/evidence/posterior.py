@@ -9,12 +9,16 @@ latents by ``theta = T(z)`` (dividing by ``|det dT/dz|``).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributions.transforms import IndependentTransform, Transform
+from torch.distributions.constraints import Constraint
+from torch.distributions.transforms import ComposeTransform, IndependentTransform, Transform
 
 from ..infer.log_joint import LatentSite
 from ..quadrature.hermite import GaussHermiteRule, orthonormal_hermite
@@ -58,9 +62,15 @@ class OPQAPosterior:
         coefficients: the normalized coefficients ``b_tau``, shape ``(num_points,) * dim``,
             ``sum b^2 = 1``.
 
-    :func:`~pyro_quadvi.evidence.opqa_evidence` gives them on the CPU whatever the model's
-    device (the densities and moments are small computations). Values passed to the densities
-    may be on any device: they are copied to the device of ``loc``, where the result is.
+    The posterior lives on the device of ``loc``: ``scale_tril`` and ``coefficients`` are copied
+    there, and so are the tensors inside the sites' transforms (the bounds of a ``Uniform``
+    prior's ``Sigmoid`` and ``Affine`` parts, say), into copies of the sites: the sites of a model
+    on a GPU hold transforms built from its priors there. Every density, moment and marginal is
+    computed there, and values passed to the densities may be on any device: they are copied to
+    it too. :func:`~pyro_quadvi.evidence.opqa_evidence` gives ``loc`` on the CPU whatever the
+    model's device (the densities and moments are small computations, and a posterior on the CPU
+    is the same object for a CPU model and a GPU one); a CPU model's transforms hold CPU tensors
+    already, and its posterior computes with the same numbers as before the copy.
     """
 
     def __init__(
@@ -70,10 +80,14 @@ class OPQAPosterior:
         scale_tril: torch.Tensor,
         coefficients: torch.Tensor,
     ):
-        self.sites = list(sites)
+        device = loc.device
+        self.sites = [
+            dataclasses.replace(site, transform=_on_device(site.transform, device))
+            for site in sites
+        ]
         self.loc = loc
-        self.scale_tril = scale_tril
-        self.coefficients = coefficients
+        self.scale_tril = scale_tril.to(device)
+        self.coefficients = coefficients.to(device)
         self.dim = loc.shape[0]
         self.num_points = coefficients.shape[0]
         self._moments: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -118,7 +132,7 @@ class OPQAPosterior:
 
         Returns:
             The log density of shape ``batch``, with the log-Jacobian of ``theta -> z``; ``-inf``
-            where a value lies outside its site's support (the codomain of the site's transform).
+            where a value lies outside its site's support (the image of the site's transform).
         """
         if isinstance(values, torch.Tensor):
             if len(self.sites) != 1:
@@ -145,8 +159,7 @@ class OPQAPosterior:
                     f"{tuple(site_batch)} at {site.name!r})"
                 )
             batch = site_batch
-            in_support = site.transform.codomain.check(value).reshape((*batch, -1)).all(-1)
-            inside = in_support & inside
+            inside = _in_image(site.transform, value, batch) & inside
             z = site.transform.inv(value)
             ladj = site.transform.log_abs_det_jacobian(z, value)
             log_jacobian = log_jacobian + ladj.reshape((*batch, -1)).sum(-1)
@@ -164,7 +177,7 @@ class OPQAPosterior:
         if self._moments is None:
             m, d = self.num_points, self.dim
             padded = torch.nn.functional.pad(self.coefficients, (0, 1) * d)  # (m + 1,) * d
-            root = torch.arange(m + 1, dtype=torch.float64).sqrt()
+            root = torch.arange(m + 1, dtype=torch.float64, device=self.loc.device).sqrt()
             times = []
             for k in range(d):
                 moved = padded.movedim(k, -1)
@@ -203,18 +216,26 @@ class OPQAPosterior:
             raise ValueError(f"marginals: num must be >= 2, got {num}")
         mean, covariance = self._x_moments()
         complement_rule, exact = self._complement_rule()
+        device = self.loc.device
         densities, grids = [], []
         for i in range(self.dim):
             row = self.scale_tril[i]
             scale = row.norm()
             direction = row / scale
             basis = torch.linalg.qr(
-                torch.cat([direction[:, None], torch.eye(self.dim, dtype=torch.float64)], 1)
+                torch.cat(
+                    [direction[:, None], torch.eye(self.dim, dtype=torch.float64, device=device)],
+                    1,
+                )
             ).Q[:, 1:]
             centre = float(direction @ mean)
             spread = math.sqrt(float(direction @ covariance @ direction))
             u = torch.linspace(
-                centre - width * spread, centre + width * spread, num, dtype=torch.float64
+                centre - width * spread,
+                centre + width * spread,
+                num,
+                dtype=torch.float64,
+                device=device,
             )
             if complement_rule is None:
                 squared = self.polynomial(u[:, None] * direction).square()
@@ -251,12 +272,12 @@ class OPQAPosterior:
         m, d = self.num_points, self.dim
         if d == 1:
             return None, True
-        degree = multi_indices(m, d).sum(0)
+        degree = multi_indices(m, d).sum(0).to(self.coefficients.device)
         significant = self.coefficients.abs() > 1e-12
         top = int(degree[significant].max()) if significant.any() else 0
         cap = max(1, math.floor(_MAX_COMPLEMENT_NODES ** (1.0 / (d - 1)) + 1e-9))
         points = min(top + 1, cap)
-        y, w = GaussHermiteRule(points).nodes(d - 1, dtype=torch.float64)
+        y, w = GaussHermiteRule(points).nodes(d - 1, dtype=torch.float64, device=self.loc.device)
         return (y, w), points == top + 1
 
 
@@ -273,3 +294,48 @@ def _elementwise(transform: Transform) -> Transform | None:
     while isinstance(transform, IndependentTransform):
         transform = transform.base_transform
     return transform if transform.domain.event_dim == 0 else None
+
+
+def _on_device(item, device: torch.device, memo: dict[int, object] | None = None):
+    """A copy of a transform or constraint, and of the transforms and constraints inside it, with
+    every tensor moved to ``device``; other items as they are.
+
+    Copies are made once per object (``memo``, as in ``copy.deepcopy``): a transform and the
+    inverse it caches refer to each other, and their copies do too. A weak reference (torch's
+    cache of an inverse) is dropped; torch makes the inverse again on demand.
+    """
+    memo = {} if memo is None else memo
+    if id(item) in memo:
+        return memo[id(item)]
+    if isinstance(item, torch.Tensor):
+        return item.to(device)
+    if isinstance(item, weakref.ref):
+        return None
+    if isinstance(item, list | tuple):
+        return type(item)(_on_device(part, device, memo) for part in item)
+    if isinstance(item, Transform | Constraint):
+        moved = copy.copy(item)
+        memo[id(item)] = moved
+        for key, value in vars(item).items():
+            setattr(moved, key, _on_device(value, device, memo))
+        return moved
+    return item
+
+
+def _in_image(transform: Transform, value: torch.Tensor, batch: torch.Size) -> torch.Tensor:
+    """Whether each value (shape ``batch + event``) lies in the image of ``transform``.
+
+    The codomain of a composition is its last part's, which can be wider than the image: the
+    ``Affine`` part of ``biject_to(interval(a, b))`` has the real line as codomain. So a
+    composition is checked part by part, from the last: the value in the last part's image, its
+    inverse in the image of the part before, and so on.
+    """
+    while isinstance(transform, IndependentTransform):
+        transform = transform.base_transform
+    if not isinstance(transform, ComposeTransform):
+        return transform.codomain.check(value).reshape((*batch, -1)).all(-1)
+    inside = torch.ones(batch, dtype=torch.bool, device=value.device)
+    for part in reversed(transform.parts):
+        inside = inside & _in_image(part, value, batch)
+        value = part.inv(value)
+    return inside
