@@ -158,12 +158,13 @@ def test_latents_drawn_on_two_devices_are_refused_naming_both():
 
 def _bounded_model(y):
     """A location with a ``Uniform`` prior, whose bounds are on the data's device (its transform,
-    ``Sigmoid`` then ``Affine``, holds them), a ``HalfNormal`` noise and a ``Gamma`` rate (both
-    ``Exp``, which holds no tensor)."""
+    ``Sigmoid`` then ``Affine``, holds them), a ``HalfNormal`` noise and a ``LogNormal`` rate
+    (both ``Exp``, which holds no tensor; a ``Gamma``'s draw has no ``meta`` kernel before torch
+    2.13)."""
     one = torch.ones((), dtype=y.dtype, device=y.device)
     mu = pyro.sample("mu", dist.Uniform(0.5 * one, 3.0 * one))
     noise = pyro.sample("noise", dist.HalfNormal(one))
-    rate = pyro.sample("rate", dist.Gamma(2.0 * one, one))
+    rate = pyro.sample("rate", dist.LogNormal(0.0 * one, one))
     with pyro.plate("data", len(y), device=y.device):
         pyro.sample("y", dist.Normal(mu, noise), obs=y)
     pyro.sample("count", dist.Poisson(rate), obs=3.0 * one)
