@@ -64,6 +64,7 @@ def _scenarios(outdir: Path) -> dict:
         "text": _outcome(lambda: load_checkpoint(outdir / "text.pt", optim)),
         "tensors": _outcome(lambda: load_checkpoint(outdir / "tensors.pt", optim)),
         "rank_1": _outcome(lambda: _load_on_a_cuda_less_rank_1(outdir / "good.pt", optim)),
+        "save": _outcome(lambda: save_checkpoint(outdir / "no" / "such.pt", optim)),
     }
     out["untouched"] = pyro.param("w").detach().clone()
     pyro.param("w").data.fill_(-1.0)
@@ -133,9 +134,23 @@ def test_a_load_failing_on_one_rank_raises_on_every_rank(ranks):
     )
 
 
+def test_a_save_rank_0_cannot_write_raises_on_every_rank(ranks):
+    """A folder that does not exist: rank 0's write failed before the barrier, and rank 1 waited
+    there (gloo: a bare connection error once rank 0's process ended; a live rank 0: the
+    timeout). Rank 0 raises what torch raised; rank 1 the same type, naming the file."""
+    path = str(Path(ranks[0]["dir"], "no", "such.pt"))
+    kind_0, message_0 = ranks[0]["save"]
+    assert kind_0 == "RuntimeError" and "does not exist" in message_0, message_0
+    assert ranks[1]["save"] == (
+        kind_0,
+        f"save_checkpoint: writing {path!r} on rank 0 raised on rank(s) [0]; rank 0: {message_0}",
+    )
+
+
 def test_failed_loads_leave_the_param_store_and_the_ranks_in_step(ranks):
-    """After five refused loads the param store still holds w = 3, and a good checkpoint, loaded
-    over w = -1, restores w = 3 on both ranks (ranks out of step would hang or fail here)."""
+    """After five refused loads and a refused save the param store still holds w = 3, and a
+    good checkpoint, loaded over w = -1, restores w = 3 on both ranks (ranks out of step would
+    hang or fail here)."""
     for rank in ranks:
         assert rank["untouched"].tolist() == [3.0, 3.0]
         assert rank["good"] == ("ok", "")

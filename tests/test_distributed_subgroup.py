@@ -3,7 +3,7 @@
 A collective's ``src`` is a global rank: ``src=0`` in a group of global ranks 1 and 2 names a
 process outside it, and torch refuses the broadcast. Three gloo ranks; the group is ranks 1 and 2,
 rank 0 only builds it (every rank must call ``new_group``). Each scenario must equal the same
-one run on a world of two ranks (its group's rank 0 is global rank 1 here).
+one run in the group of global ranks 0 and 1, by rank in the group.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pyro_quadvi.testing.ranks import run_ranks
 ROWS = 12
 
 
-def _fit(group, outdir):
+def _fit(group, outdir, name):
     """QNVB with sharded updates on a 3-4-1 network, data parallel, 4 steps; a checkpoint saved
     after 2 and loaded back at once."""
     pyro.clear_param_store()
@@ -50,60 +50,59 @@ def _fit(group, outdir):
     for step in range(4):
         svi.step(x[part], y[part])
         if step == 1:
-            save_checkpoint(outdir / f"sub{dist.get_world_size()}.pt", optim, group=group)
-            load_checkpoint(outdir / f"sub{dist.get_world_size()}.pt", optim, group=group)
+            save_checkpoint(outdir / f"{name}.pt", optim, group=group)
+            load_checkpoint(outdir / f"{name}.pt", optim, group=group)
     return {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
 
 
-def _scenarios(outdir):
-    world = dist.get_world_size()
-    members = [1, 2] if world == 3 else [0, 1]
-    group = dist.new_group(members)
-    try:
-        return _in_group(group, members, outdir)
-    finally:
-        dist.barrier()  # rank 0 holds the rendezvous store: it waits for the others
-
-
-def _in_group(group, members, outdir):
+def _in_group(group, members, outdir, name):
     if dist.get_rank() not in members:
         return None
     generator = torch.Generator().manual_seed(10 + dist.get_rank())
     broadcast_generator(generator, group=group)
     torch.manual_seed(dist.get_rank())  # the networks differ until the optimizer's broadcast
     net = nn.Linear(2, 1)
-    optimizer = NodeParallelQNVBOptimizer(net.parameters(), group=group)
+    NodeParallelQNVBOptimizer(net.parameters(), group=group)
     return {
         "generator": generator.get_state(),
-        "broadcast_weight": net.weight.detach().clone(),
-        "owner": optimizer.param_groups[0]["params"][0] is net.weight,
-        "fit": _fit(group, outdir),
+        "weight": net.weight.detach().clone(),
+        "fit": _fit(group, outdir, name),
     }
 
 
+def _scenarios(outdir):
+    """The group of global ranks 1 and 2, then the group of ranks 0 and 1 (every rank builds
+    both); each member's results, by its rank in the group."""
+    results = {}
+    for name, members in (("without_0", [1, 2]), ("with_0", [0, 1])):
+        group = dist.new_group(members)
+        results[name] = _in_group(group, members, outdir, name)
+    dist.barrier()  # rank 0 holds the rendezvous store: it waits for the others
+    return results
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    three = run_ranks(_scenarios, tmp_path_factory.mktemp("three"), world_size=3, timeout_s=90)
-    two = run_ranks(_scenarios, tmp_path_factory.mktemp("two"), world_size=2, timeout_s=90)
-    return three, two
+def ranks(tmp_path_factory):
+    return run_ranks(_scenarios, tmp_path_factory.mktemp("groups"), world_size=3, timeout_s=90)
 
 
-def test_a_group_without_global_rank_0_broadcasts_from_its_own_first_rank(runs):
-    three, _ = runs
-    assert three[0] is None
-    for rank in (1, 2):
-        # global rank 1's generator (seed 11) and network (seed 1) reached global rank 2
-        assert torch.equal(three[rank]["generator"], torch.Generator().manual_seed(11).get_state())
-        assert torch.equal(three[rank]["broadcast_weight"], three[1]["broadcast_weight"])
+def test_a_group_without_global_rank_0_broadcasts_from_its_own_first_rank(ranks):
+    """Global rank 1, the group's first, sends its generator (seed 11) and network (seed 1)."""
+    assert ranks[0]["without_0"] is None
     torch.manual_seed(1)
-    assert torch.equal(three[2]["broadcast_weight"], nn.Linear(2, 1).weight.detach())
+    first = nn.Linear(2, 1).weight.detach()
+    for rank in (1, 2):
+        got = ranks[rank]["without_0"]
+        assert torch.equal(got["generator"], torch.Generator().manual_seed(11).get_state())
+        assert torch.equal(got["weight"], first)
 
 
-def test_a_sharded_fit_with_a_checkpoint_in_the_group_equals_a_world_of_two(runs):
-    """Shard owners broadcast their blocks (an owner is a group rank); the checkpoint is read by
-    the group's first rank: the fit equals the one on a world of two ranks, bit for bit."""
-    three, two = runs
-    for got, want in zip(three[1:], two):
-        assert got["fit"].keys() == want["fit"].keys()
-        for name in want["fit"]:
-            assert torch.equal(got["fit"][name], want["fit"][name]), name
+def test_a_sharded_fit_with_a_checkpoint_in_the_group_equals_one_with_global_rank_0(ranks):
+    """Shard owners broadcast their blocks (an owner is a group rank); the group's first rank
+    writes and reads the checkpoint: the fit equals the group of ranks 0 and 1's, bit for bit."""
+    for group_rank in (0, 1):
+        got = ranks[group_rank + 1]["without_0"]["fit"]
+        want = ranks[group_rank]["with_0"]["fit"]
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name

@@ -174,3 +174,39 @@ def test_a_uniform_prior_gives_the_truncated_normal_and_nothing_outside_its_boun
     assert torch.allclose(posterior.log_prob(inside), exact, atol=2e-3)
     outside = torch.tensor([0.4, 3.1, -1.0], dtype=F64)
     assert torch.equal(posterior.log_prob(outside), torch.full((3,), -math.inf, dtype=F64))
+
+
+def test_infinite_values_have_no_density():
+    """A value at infinity has density 0 (log -inf), on an unbounded site and a half-line; a NaN
+    value gives NaN. Before, the transforms' arithmetic at infinity gave NaN."""
+    y = torch.tensor([1.2, 1.9, 1.4, 2.2, 1.7, 1.1], dtype=F64)
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(torch.zeros((), dtype=F64), 2.0))
+        noise = pyro.sample("noise", dist.HalfNormal(torch.ones((), dtype=F64)))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Normal(mu, noise), obs=y)
+
+    posterior = opqa_evidence(model, y, num_points=5).posterior
+    mu = torch.tensor([1.6, math.inf, -math.inf, 1.6, 1.6, math.nan], dtype=F64)
+    noise = torch.tensor([0.4, 0.4, 0.4, math.inf, 0.0, 0.4], dtype=F64)
+    got = posterior.log_prob({"mu": mu, "noise": noise})
+    assert torch.isfinite(got[0])
+    assert torch.equal(got[1:5], torch.full((4,), -math.inf, dtype=F64))
+    assert torch.isnan(got[5])
+
+
+def test_the_support_of_a_concatenated_or_stacked_transform_is_checked_piece_by_piece():
+    """``biject_to`` of a ``cat`` or ``stack`` of intervals: its codomain is the pieces' Affine
+    parts' (the real line), so each piece is checked in its own interval."""
+    from torch.distributions import biject_to, constraints
+
+    from pyro_quadvi.evidence.posterior import _in_image
+
+    unit, wide = constraints.interval(0.0, 1.0), constraints.interval(0.0, 2.0)
+    values = torch.tensor([[0.5, 1.5], [5.0, 1.0], [0.5, 2.5], [0.0, 2.0]], dtype=F64)
+    cat = biject_to(constraints.cat([unit, wide], dim=-1, lengths=[1, 1]))
+    stack = biject_to(constraints.stack([unit, wide], dim=-1))
+    for transform in (cat, stack):
+        inside = _in_image(transform, values, torch.Size([4]))
+        assert inside.tolist() == [True, False, False, True]

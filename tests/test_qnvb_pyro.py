@@ -541,3 +541,7 @@ def test_descriptions_are_taken_from_describe_in_the_same_step_only():
 
     with pytest.raises(ValueError, match=r"descriptions= takes what QNVB\.describe"):
         optim(params, descriptions=describe_live_guides(params))
+    # descriptions made for a step that never came (its caller raised) stay out of copies
+    optim.describe(params)
+    twin = copy.deepcopy(optim)
+    assert twin._described is None and optim._described is not None

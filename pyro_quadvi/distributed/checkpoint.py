@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pyro.optim import PyroOptim
 from pyro.util import get_rng_state, set_rng_state
 
-from .comm import global_rank, raise_together, world
+from .comm import cuda_started, global_rank, raise_together, world
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -39,9 +39,9 @@ def save_checkpoint(
     random state (the CPU's, and each CUDA device's where CUDA has started, with rank 0's current
     device) to ``path``, from rank 0 only; every rank returns once the file is complete.
 
-    A collective call: every rank makes it (the optimizer's state may be gathered first, then a
-    barrier), never under ``if rank == 0:``, where rank 0 would wait for the others until the
-    process group's timeout.
+    A collective call: every rank makes it (the optimizer's state may be gathered first, then
+    the ranks wait for rank 0's write), never under ``if rank == 0:``, where rank 0 would wait for
+    the others until the process group's timeout.
 
     Args:
         path: the file; written to ``path + ".tmp"`` first, then renamed, so a crash never leaves
@@ -50,34 +50,44 @@ def save_checkpoint(
         generator: the rule's generator, if the ELBO has one (torch's, Python's and NumPy's global
             states are always saved).
         group: the process group (``None``: the default group).
+
+    Raises:
+        Exception: the error rank 0 met writing ``path`` (a missing folder, a full disk), of the
+            same type on every rank (a ``RuntimeError`` where the type takes other arguments),
+            naming the file; ``path`` is left as it was.
     """
     rank, size = world(group)
     optim_state = optim.get_state()  # collective for DistributedOptimizer(shard_update=True)
+    error = None
     if rank == 0:
-        state = {
-            "format": _FORMAT,
-            "world_size": size,
-            "param_store": pyro.get_param_store().get_state(),
-            "optim": optim_state,
-            "rng": get_rng_state(),
-            "cuda_rng": _cuda_rng_state(),
-            "cuda_device": _own_cuda_device() if _cuda_started() else None,
-            "generator": None if generator is None else generator.get_state(),
-        }
-        tmp = Path(f"{os.fspath(path)}.tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    if size > 1:
-        dist.barrier(group=group)
+        try:
+            _write(path, optim_state, size, generator)
+        except Exception as failed:  # told to every rank below, which then raise it too
+            error = failed
+    # every rank waits for rank 0's write here, and raises if it failed
+    raise_together(error, f"save_checkpoint: writing {os.fspath(path)!r} on rank 0", group)
 
 
-def _cuda_started() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+def _write(path, optim_state: dict, size: int, generator: torch.Generator | None) -> None:
+    """Rank 0's part of :func:`save_checkpoint`: the state, to ``path`` through a temporary."""
+    state = {
+        "format": _FORMAT,
+        "world_size": size,
+        "param_store": pyro.get_param_store().get_state(),
+        "optim": optim_state,
+        "rng": get_rng_state(),
+        "cuda_rng": _cuda_rng_state(),
+        "cuda_device": _own_cuda_device() if cuda_started() else None,
+        "generator": None if generator is None else generator.get_state(),
+    }
+    tmp = Path(f"{os.fspath(path)}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
 
 
 def _cuda_rng_state() -> list[torch.Tensor] | None:
     """Every CUDA device's random state where CUDA has started (else ``None``)."""
-    return torch.cuda.get_rng_state_all() if _cuda_started() else None
+    return torch.cuda.get_rng_state_all() if cuda_started() else None
 
 
 def _own_cuda_device() -> int:
@@ -106,6 +116,8 @@ def _read(path: str) -> bytes | Exception:
         )
         reworded.__cause__ = error
         return reworded
+    except Exception as error:  # (a path torch or the OS refuses outright): the others hear of it
+        return error
 
 
 def _load_state(path: str, group: dist.ProcessGroup | None) -> dict:
@@ -165,7 +177,7 @@ def load_checkpoint(
             type and with the same message on every rank, naming the file.
         ValueError: for a file that is not such a checkpoint, or that ``torch.load`` cannot load
             on some rank (a GPU fit's, on a rank without CUDA), raised on every rank together,
-            naming the file and the rank; or for a generator state with no ``generator`` to
+            naming the file (on the other ranks, the failing rank too); or for a generator state with no ``generator`` to
             restore it into (or the reverse).
         Exception: whatever ``optim.set_state`` raised on any rank (a ``QNVB`` built with other
             settings: a ``ValueError`` naming the block and the settings), on every rank

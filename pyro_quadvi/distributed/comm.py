@@ -21,6 +21,7 @@ __all__ = [
     "check_agreement",
     "check_sections",
     "collective_device",
+    "cuda_started",
     "gather_rows",
     "global_rank",
     "raise_together",
@@ -207,11 +208,16 @@ def broadcast_generator(
         torch.cuda.set_rng_state(cuda)
 
 
+def cuda_started() -> bool:
+    """Whether this process has started CUDA (reading a CUDA random state or device would start
+    it otherwise)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def _global_states() -> tuple[torch.Tensor, torch.Tensor | None]:
     """torch's global random states: the CPU's, and the current CUDA device's where CUDA has
-    started (``None`` otherwise: reading it would start CUDA)."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
+    started (``None`` otherwise)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda_started() else None
 
 
 def all_reduce_mean_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None):

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributions.constraints import Constraint
-from torch.distributions.transforms import ComposeTransform, IndependentTransform, Transform
+from torch.distributions.transforms import (
+    CatTransform,
+    ComposeTransform,
+    IndependentTransform,
+    StackTransform,
+    Transform,
+)
 
 from ..infer.log_joint import LatentSite
 from ..quadrature.hermite import GaussHermiteRule, orthonormal_hermite
@@ -132,7 +138,8 @@ class OPQAPosterior:
 
         Returns:
             The log density of shape ``batch``, with the log-Jacobian of ``theta -> z``; ``-inf``
-            where a value lies outside its site's support (the image of the site's transform).
+            where a value lies outside its site's support (the image of the site's transform) or
+            is infinite (the density vanishes there); NaN where a value is NaN.
         """
         if isinstance(values, torch.Tensor):
             if len(self.sites) != 1:
@@ -159,7 +166,8 @@ class OPQAPosterior:
                     f"{tuple(site_batch)} at {site.name!r})"
                 )
             batch = site_batch
-            inside = _in_image(site.transform, value, batch) & inside
+            infinite = torch.isinf(value).reshape((*batch, -1)).any(-1)
+            inside = _in_image(site.transform, value, batch) & ~infinite & inside
             z = site.transform.inv(value)
             ladj = site.transform.log_abs_det_jacobian(z, value)
             log_jacobian = log_jacobian + ladj.reshape((*batch, -1)).sum(-1)
@@ -298,7 +306,8 @@ def _elementwise(transform: Transform) -> Transform | None:
 
 def _on_device(item, device: torch.device, memo: dict[int, object] | None = None):
     """A copy of a transform or constraint, and of the transforms and constraints inside it, with
-    every tensor moved to ``device``; other items as they are.
+    every tensor of theirs moved to ``device``; other items as they are (a tensor held by a
+    distribution or a module inside a transform is not moved: ``biject_to`` makes none such).
 
     Copies are made once per object (``memo``, as in ``copy.deepcopy``): a transform and the
     inverse it caches refer to each other, and their copies do too. A weak reference (torch's
@@ -328,10 +337,20 @@ def _in_image(transform: Transform, value: torch.Tensor, batch: torch.Size) -> t
     The codomain of a composition is its last part's, which can be wider than the image: the
     ``Affine`` part of ``biject_to(interval(a, b))`` has the real line as codomain. So a
     composition is checked part by part, from the last: the value in the last part's image, its
-    inverse in the image of the part before, and so on.
+    inverse in the image of the part before, and so on. A ``CatTransform`` or ``StackTransform``
+    is checked piece by piece, each in its own transform's image.
     """
     while isinstance(transform, IndependentTransform):
         transform = transform.base_transform
+    if isinstance(transform, CatTransform | StackTransform):
+        if isinstance(transform, CatTransform):
+            pieces = value.split(transform.lengths, dim=transform.dim)
+        else:
+            pieces = value.unbind(transform.dim)
+        inside = torch.ones(batch, dtype=torch.bool, device=value.device)
+        for part, piece in zip(transform.transforms, pieces):
+            inside = inside & _in_image(part, piece, batch)
+        return inside
     if not isinstance(transform, ComposeTransform):
         return transform.codomain.check(value).reshape((*batch, -1)).all(-1)
     inside = torch.ones(batch, dtype=torch.bool, device=value.device)

@@ -467,6 +467,13 @@ class QNVB(PyroOptim):
             self._guarded_fallback(rest, *args, **kwargs)
         self.num_steps += 1
 
+    def __getstate__(self) -> dict:
+        """The state ``pickle`` and ``copy.deepcopy`` take: without the descriptions of a step
+        under way (:meth:`describe`), which hold the guides and their non-leaf tensors."""
+        state = self.__dict__.copy()
+        state["_described"] = None
+        return state
+
     def describe(self, params: Iterable[torch.Tensor]) -> list[tuple[Callable, GuideDescription]]:
         """:func:`~pyro_quadvi.guides.interface.describe_live_guides` of ``params``, made for
         this step: the descriptions :meth:`find_blocks` and the step (``descriptions=``) take,
