@@ -47,6 +47,7 @@ from pyro_quadvi.nn import BayesianModule, WHVILinear, fit, likelihoods, priors
 from pyro_quadvi.optim import QNVBOptimizer, module_loss
 from pyro_quadvi.quadrature.hadamard import fwht
 from pyro_quadvi.testing.evidence_models import linear_regression_posterior, regression_data
+from pyro_quadvi.testing.steps import mse_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -313,20 +314,8 @@ def _torch_fit(device: torch.device, dtype: torch.dtype, closure: bool, steps: i
     x, y = (t.to(device) for t in _regression(dtype))
     net = _network(1, dtype, device)
     optimizer = _qnvb_optimizer(net)
-    losses = []
-    for _ in range(steps):
-        if closure:
-
-            def evaluate():
-                loss = nn.functional.mse_loss(net(x), y)
-                loss.backward()
-                return loss
-
-            losses.append(optimizer.step(evaluate))
-        else:
-            loss_fn = module_loss(net, nn.functional.mse_loss)
-            losses.append(optimizer.step(loss_fn=loss_fn, batch=(x, y)))
-    return net, optimizer, (x, y), torch.stack([loss.detach() for loss in losses])
+    losses = mse_steps(optimizer, net, x, y, steps, closure=closure)
+    return net, optimizer, (x, y), losses
 
 
 def _torch_state(net: nn.Module, optimizer: QNVBOptimizer, device: torch.device) -> dict:

@@ -51,8 +51,9 @@ from pyro_quadvi.distributed import (
 )
 from pyro_quadvi.distributed.comm import collective_device
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
-from pyro_quadvi.optim import QNVBOptimizer, module_loss
+from pyro_quadvi.optim import QNVBOptimizer
 from pyro_quadvi.testing.ranks import RanksFailed, run_ranks
+from pyro_quadvi.testing.steps import mse_steps
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not dist.is_nccl_available(),
@@ -216,24 +217,12 @@ def _torch_fit(closure: bool, *, distributed: bool) -> dict:
         quadrature="hadamard",
         num_eval=4,
     )
-    loss_fn = module_loss(net, nn.functional.mse_loss)
-    losses = []
-    for _ in range(STEPS):
-        if closure:
-
-            def evaluate():
-                loss = nn.functional.mse_loss(net(x), y)
-                loss.backward()
-                return loss
-
-            losses.append(optimizer.step(evaluate))
-        else:
-            losses.append(optimizer.step(loss_fn=loss_fn, batch=(x, y), vectorize=True))
+    losses = mse_steps(optimizer, net, x, y, STEPS, closure=closure, vectorize=True)
     params = dict(net.named_parameters())
     assert all(optimizer.state[p]["mu"].device == DEVICE for p in params.values())
     return _host(
         {
-            "losses": torch.stack(losses),
+            "losses": losses,
             "mu": {n: optimizer.state[p]["mu"] for n, p in params.items()},
             "sigma": {n: optimizer.state[p]["sigma"] for n, p in params.items()},
             "net": params,

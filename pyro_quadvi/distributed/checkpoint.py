@@ -177,8 +177,8 @@ def load_checkpoint(
             type and with the same message on every rank, naming the file.
         ValueError: for a file that is not such a checkpoint, or that ``torch.load`` cannot load
             on some rank (a GPU fit's, on a rank without CUDA), raised on every rank together,
-            naming the file (on the other ranks, the failing rank too); or for a generator state with no ``generator`` to
-            restore it into (or the reverse).
+            naming the file (on the other ranks, the failing rank too); or for a generator
+            state with no ``generator`` to restore it into (or the reverse).
         Exception: whatever ``optim.set_state`` raised on any rank (a ``QNVB`` built with other
             settings: a ``ValueError`` naming the block and the settings), on every rank
             together; the param store, the random states and every rank's optimizer state are
