@@ -52,7 +52,8 @@ from pyro_quadvi.distributed import (
 from pyro_quadvi.distributed.comm import collective_device
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import QNVBOptimizer
-from pyro_quadvi.testing.ranks import RanksFailed, run_ranks
+from pyro_quadvi.testing.compare import equal_nested
+from pyro_quadvi.testing.ranks import RanksFailed, outcome, run_ranks
 from pyro_quadvi.testing.steps import mse_steps
 
 pytestmark = pytest.mark.skipif(
@@ -85,17 +86,6 @@ def _host(value):
     if isinstance(value, list | tuple):
         return type(value)(_host(v) for v in value)
     return value
-
-
-def _same(a, b) -> bool:
-    """Nested dicts, lists and tensors equal, bit for bit."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _assert_close(a: dict, b: dict) -> None:
@@ -320,26 +310,19 @@ def _as_nccl() -> None:
     dist.get_backend = lambda group=None: BACKEND
 
 
-def _outcome(run) -> tuple:
-    try:
-        return ("ok", run())
-    except (ValueError, RuntimeError) as error:
-        return (type(error).__name__, str(error))
-
-
 def _scenarios(outdir: Path) -> dict:
     torch.cuda.set_device(DEVICE)
     _as_nccl()
     rank = world()[0]
     out = {
-        "probe": _outcome(lambda: dist.all_reduce(torch.ones(1, device=OFF_DEVICE))),
+        "probe": outcome(lambda: dist.all_reduce(torch.ones(1, device=OFF_DEVICE))),
         "collective_device": str(collective_device()),
         "data": _bnn_fit("data"),
         "nodes": _bnn_fit("nodes"),
         "data_sharded": _bnn_fit("data", shard_update=True),
         "nodes_sharded": _bnn_fit("nodes", shard_update=True),
-        "local_nodes": _outcome(lambda: _local_fit("quadrature", distributed=True)),
-        "local_trace": _outcome(lambda: _local_fit("trace", distributed=True)),
+        "local_nodes": outcome(lambda: _local_fit("quadrature", distributed=True)),
+        "local_trace": outcome(lambda: _local_fit("trace", distributed=True)),
         "torch_closure": _torch_fit(True, distributed=True),
         "torch_one_pass": _torch_fit(False, distributed=True),
         "helpers": _helpers(),
@@ -349,7 +332,7 @@ def _scenarios(outdir: Path) -> dict:
         "data", shard_update=True, steps=STEPS - STEPS // 2, resume=outdir / "ckpt.pt"
     )
 
-    out["loaded"] = _outcome(lambda: _loaded_onto_own_device(outdir / "cuda_store.pt"))
+    out["loaded"] = outcome(lambda: _loaded_onto_own_device(outdir / "cuda_store.pt"))
 
     def disagree():  # a random rule seeded apart: every rank raises, none hangs
         pyro.clear_param_store()
@@ -360,7 +343,7 @@ def _scenarios(outdir: Path) -> dict:
         elbo = DistributedQuadratureELBO("blocked_simplex", parallel="nodes")
         SVI(bnn, guide, DistributedOptimizer(QNVB()), elbo).step(x, y)
 
-    out["disagree"] = _outcome(disagree)
+    out["disagree"] = outcome(disagree)
     return out
 
 
@@ -388,7 +371,7 @@ def test_two_ranks_equal_one_process(ranks, mode):
     """Shards of 8 + 8 rows, or nodes {0, 2} and {1, 3}: the ranks agree bit for bit and equal
     the plain QuadratureELBO + QNVB on all 16 rows on the GPU to 1e-10; sharding the update
     changes no bit."""
-    assert _same(ranks[0][mode], ranks[1][mode])
+    assert equal_nested(ranks[0][mode], ranks[1][mode])
     single = _bnn_fit(None)
     _assert_close(ranks[0][mode]["params"], single["params"])
     torch.testing.assert_close(ranks[0][mode]["losses"], single["losses"], rtol=1e-12, atol=0)
@@ -396,7 +379,7 @@ def test_two_ranks_equal_one_process(ranks, mode):
         single["params"]["AutoMeanFieldNormal.locs.0.weight"] - _net()[0].weight.cpu()
     ).abs().max() > 1e-3  # the fit moved
     for rank in ranks:
-        assert _same(rank[f"{mode}_sharded"], rank[mode])
+        assert equal_nested(rank[f"{mode}_sharded"], rank[mode])
 
 
 @pytest.mark.parametrize("kind", ["quadrature", "trace"])
@@ -409,7 +392,7 @@ def test_subsample_indices_on_the_gpu(ranks, kind):
     case = f"local_{'nodes' if kind == 'quadrature' else 'trace'}"
     for rank in ranks:
         assert rank[case][0] == "ok", rank[case][1]
-    assert _same(ranks[0][case][1], ranks[1][case][1])
+    assert equal_nested(ranks[0][case][1], ranks[1][case][1])
     single = _local_fit(kind, distributed=False)
     _assert_close(ranks[0][case][1]["params"], single["params"])
 
@@ -418,7 +401,7 @@ def test_subsample_indices_on_the_gpu(ranks, kind):
 def test_node_parallel_qnvb_optimizer_two_ranks(ranks, case):
     """Ranks started apart: the constructor's broadcast gives both rank 0's weights, and the
     step's sums of nodes {0, 2} and {1, 3} equal QNVBOptimizer's four nodes to 1e-10."""
-    assert _same(ranks[0][case], ranks[1][case])
+    assert equal_nested(ranks[0][case], ranks[1][case])
     single = _torch_fit(case == "torch_closure", distributed=False)
     for key in ("mu", "sigma", "net"):
         _assert_close(ranks[0][case][key], single[key])
@@ -450,10 +433,10 @@ def test_checkpoint_resumes_exactly_two_ranks(ranks):
     """Saved after 2 steps (shard_update: QNVB's states gathered from their owners), restored
     into a fresh fit: the next 2 steps equal the run that never stopped, bit for bit."""
     for rank in ranks:
-        assert _same(rank["resumed"]["params"], rank["uninterrupted"]["params"])
-        assert _same(rank["resumed"]["qnvb"], rank["uninterrupted"]["qnvb"])
+        assert equal_nested(rank["resumed"]["params"], rank["uninterrupted"]["params"])
+        assert equal_nested(rank["resumed"]["qnvb"], rank["uninterrupted"]["qnvb"])
         assert torch.equal(rank["resumed"]["losses"], rank["uninterrupted"]["losses"][STEPS // 2 :])
-    assert _same(ranks[0]["uninterrupted"], ranks[0]["data_sharded"])
+    assert equal_nested(ranks[0]["uninterrupted"], ranks[0]["data_sharded"])
 
 
 def test_checkpoint_of_cuda_tensors_loads_onto_each_ranks_current_device(ranks):
@@ -512,20 +495,21 @@ def test_world_of_one_collective_device(nccl_world):
 def test_world_of_one_equals_the_plain_run(nccl_world, mode, shard_update):
     """With one rank the mean over ranks is the rank's value: the same run, bit for bit."""
     got = _bnn_fit(mode, shard_update=shard_update)
-    assert _same(got, _bnn_fit(None))
+    assert equal_nested(got, _bnn_fit(None))
 
 
 @pytest.mark.parametrize("kind", ["quadrature", "trace"])
 def test_world_of_one_subsampled_plate(nccl_world, kind):
     got = _local_fit(kind, distributed=True)
     expected = _local_fit(kind, distributed=False)
-    assert _same(got, expected)
+    assert equal_nested(got, expected)
     assert expected["params"]["AutoMeanFieldNormal.locs.z"].abs().max() > 1e-3  # moved
 
 
 @pytest.mark.parametrize("closure", [True, False], ids=["closure", "one-pass"])
 def test_world_of_one_node_parallel_qnvb_optimizer(nccl_world, closure):
-    assert _same(_torch_fit(closure, distributed=True), _torch_fit(closure, distributed=False))
+    distributed = _torch_fit(closure, distributed=True)
+    assert equal_nested(distributed, _torch_fit(closure, distributed=False))
 
 
 def test_world_of_one_checkpoint_resumes_exactly(nccl_world, tmp_path):
@@ -536,6 +520,6 @@ def test_world_of_one_checkpoint_resumes_exactly(nccl_world, tmp_path):
     resumed = _bnn_fit(
         "data", shard_update=True, steps=STEPS - STEPS // 2, resume=tmp_path / "ckpt.pt"
     )
-    assert _same(resumed["params"], straight["params"])
-    assert _same(resumed["qnvb"], straight["qnvb"])
+    assert equal_nested(resumed["params"], straight["params"])
+    assert equal_nested(resumed["qnvb"], straight["qnvb"])
     assert torch.equal(resumed["losses"], straight["losses"][STEPS // 2 :])

@@ -30,7 +30,8 @@ from pyro_quadvi.distributed import (
 )
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import QNVBOptimizer
-from pyro_quadvi.testing.ranks import RanksFailed, run_ranks
+from pyro_quadvi.testing.compare import equal_nested
+from pyro_quadvi.testing.ranks import RanksFailed, outcome, run_ranks
 
 ROWS = 8
 TIMEOUT_S = 60
@@ -38,17 +39,6 @@ BLOCKS = [
     f"AutoMeanFieldNormal.locs.{layer}.{kind}" for layer in (0, 2) for kind in ("bias", "weight")
 ]
 RANK1_BLOCK = "AutoMeanFieldNormal.locs.2.weight"  # of 12, 4, 4, 1 entries: rank 1 updates it
-
-
-def _same(a, b) -> bool:
-    """Nested dicts, lists and tensors equal, bit for bit."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _bnn_fit(
@@ -82,7 +72,7 @@ def _bnn_fit(
             load_checkpoint(resume, optim)
         except ValueError:
             if kept is not None:
-                kept.append(_same(before, optim.get_state()))
+                kept.append(equal_nested(before, optim.get_state()))
             raise
     for _ in range(steps):
         svi.step(x[part], y[part])
@@ -149,13 +139,6 @@ def _published_minibatch_fit() -> list[float]:
     return [*pyro.param("AutoNormal.scales.z").detach().tolist(), pyro.param("noise").item()]
 
 
-def _outcome(run) -> tuple:
-    try:
-        return ("ok", run())
-    except (ValueError, RuntimeError) as error:
-        return (type(error).__name__, str(error))
-
-
 def _slow(block: str):
     return lambda name: {"lr": 0.1} if name == block else {}
 
@@ -166,40 +149,40 @@ def _scenarios(outdir: Path) -> dict:
     kept: list[bool] = []
     described: list[int] = []
     out = {
-        "save_sharded": _outcome(lambda: _bnn_fit(shard_update=True, steps=2, save=sharded)),
-        "save_plain": _outcome(lambda: _bnn_fit(shard_update=False, steps=2, save=plain)),
+        "save_sharded": outcome(lambda: _bnn_fit(shard_update=True, steps=2, save=sharded)),
+        "save_plain": outcome(lambda: _bnn_fit(shard_update=False, steps=2, save=plain)),
         # both ranks: lr 0.1 for a block of rank 1's
-        "load_other_lr": _outcome(
+        "load_other_lr": outcome(
             lambda: _bnn_fit(
                 shard_update=True, steps=1, resume=sharded, optim_args=_slow(RANK1_BLOCK)
             )
         ),
         # rank 1 only: lr 0.1 for its own block, in a fresh run
-        "fresh_sharded": _outcome(
+        "fresh_sharded": outcome(
             lambda: _bnn_fit(
                 shard_update=True, steps=3, optim_args=_slow(RANK1_BLOCK) if rank == 1 else None
             )
         ),
-        "fresh_plain": _outcome(
+        "fresh_plain": outcome(
             lambda: _bnn_fit(shard_update=False, steps=3, optim_args={"lr": 0.3} if rank else None)
         ),
-        "z_disjoint": _outcome(lambda: _autonormal_fit(torch.arange(4) + 4 * rank)),
-        "z_rank0_part": _outcome(lambda: _autonormal_fit(torch.arange(4 if rank == 0 else ROWS))),
-        "z_all": _outcome(lambda: _autonormal_fit(torch.arange(ROWS))),
-        "z_recorded_other_lr": _outcome(
+        "z_disjoint": outcome(lambda: _autonormal_fit(torch.arange(4) + 4 * rank)),
+        "z_rank0_part": outcome(lambda: _autonormal_fit(torch.arange(4 if rank == 0 else ROWS))),
+        "z_all": outcome(lambda: _autonormal_fit(torch.arange(ROWS))),
+        "z_recorded_other_lr": outcome(
             lambda: _autonormal_fit(
                 torch.arange(ROWS), AutoMeanFieldNormal, **({"lr": 0.3} if rank else {})
             )
         ),
-        "z_recorded_disjoint": _outcome(
+        "z_recorded_disjoint": outcome(
             lambda: _autonormal_fit(torch.arange(4) + 4 * rank, AutoMeanFieldNormal)
         ),
-        "published_minibatch": _outcome(_published_minibatch_fit),
-        "z_recorded_all": _outcome(
+        "published_minibatch": outcome(_published_minibatch_fit),
+        "z_recorded_all": outcome(
             lambda: _autonormal_fit(torch.arange(ROWS), AutoMeanFieldNormal, described)
         ),
         # rank 1 only: other settings at load (last: a rank left behind would hang the rest)
-        "load_rank1_lr": _outcome(
+        "load_rank1_lr": outcome(
             lambda: _bnn_fit(
                 shard_update=False,
                 steps=1,

@@ -21,7 +21,7 @@ from pyro_quadvi.distributed import (
 )
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import module_loss
-from pyro_quadvi.testing.ranks import RanksFailed, run_ranks
+from pyro_quadvi.testing.ranks import RanksFailed, outcome, run_ranks
 
 ROWS = 12
 TIMEOUT_S = 60
@@ -109,26 +109,19 @@ def _node_parallel(*, hidden: int = 4, extra_layer: bool = False, rows: slice = 
     return [float(optimizer.step(loss_fn=loss_fn, batch=(x, y))) for _ in range(3)]
 
 
-def _outcome(run) -> tuple:
-    try:
-        return ("ok", run())
-    except (ValueError, RuntimeError) as error:
-        return (type(error).__name__, str(error))
-
-
 def _scenarios(outdir: Path) -> dict:
     rank = world()[0]
     return {
-        "seeds": _outcome(lambda: _fit(seed=rank)),
-        "nodes_batches": _outcome(lambda: _fit("nodes", part=shard(ROWS))),
-        "torch_batches": _outcome(lambda: _node_parallel(rows=shard(ROWS))),
-        "share": _outcome(lambda: _fit(rows=11, share=[6 / 12, 5 / 12][rank])),
-        "unequal": _outcome(lambda: _fit(rows=11)),  # shards of 6 and 5 rows, no share
-        "unequal_shared": _outcome(lambda: _fit(rows=11, share=[6 / 11, 5 / 11][rank])),
-        "nan": _outcome(lambda: _fit(nan_at=2 if rank == 1 else None, catch=True, steps=5)),
-        "hidden": _outcome(lambda: _fit(hidden=4 + rank)),
-        "torch_hidden": _outcome(lambda: _node_parallel(extra_layer=rank == 1)),
-        "empty": _outcome(lambda: _fit(part=[slice(0, ROWS), slice(ROWS, ROWS)][rank])),
+        "seeds": outcome(lambda: _fit(seed=rank)),
+        "nodes_batches": outcome(lambda: _fit("nodes", part=shard(ROWS))),
+        "torch_batches": outcome(lambda: _node_parallel(rows=shard(ROWS))),
+        "share": outcome(lambda: _fit(rows=11, share=[6 / 12, 5 / 12][rank])),
+        "unequal": outcome(lambda: _fit(rows=11)),  # shards of 6 and 5 rows, no share
+        "unequal_shared": outcome(lambda: _fit(rows=11, share=[6 / 11, 5 / 11][rank])),
+        "nan": outcome(lambda: _fit(nan_at=2 if rank == 1 else None, catch=True, steps=5)),
+        "hidden": outcome(lambda: _fit(hidden=4 + rank)),
+        "torch_hidden": outcome(lambda: _node_parallel(extra_layer=rank == 1)),
+        "empty": outcome(lambda: _fit(part=[slice(0, ROWS), slice(ROWS, ROWS)][rank])),
     }
 
 
@@ -183,8 +176,8 @@ def test_error_on_one_rank_skips_the_step_on_every_rank(ranks):
     alone = _fit(steps=4)
     assert outcomes[0][1]["losses"] == outcomes[1][1]["losses"]
     for name, value in alone["params"].items():
-        for outcome in outcomes:
-            torch.testing.assert_close(outcome[1]["params"][name], value, rtol=0, atol=1e-10)
+        for _, result in outcomes:
+            torch.testing.assert_close(result["params"][name], value, rtol=0, atol=1e-10)
 
 
 def test_different_models_refused_as_such(ranks):

@@ -22,6 +22,7 @@ from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.optim import QNVBOptimizer
 from pyro_quadvi.optim.annealing import geometric_annealing
 from pyro_quadvi.optim.qnvb_functional import QNVBHyperparameters
+from pyro_quadvi.testing.compare import equal_nested
 
 BLOCK = "AutoMeanFieldNormal.locs.w"
 
@@ -192,22 +193,6 @@ def _saved(**kwargs):
     return optimizer.state_dict()
 
 
-def _equal_state_dicts(a: dict, b: dict) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for key in a:
-        x, y = a[key], b[key]
-        if isinstance(x, dict):
-            if not (isinstance(y, dict) and _equal_state_dicts(x, y)):
-                return False
-        elif torch.is_tensor(x):
-            if not (torch.is_tensor(y) and torch.equal(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
 def test_torch_state_dict_records_the_run_settings():
     state = _saved(likelihood_weight=32, quadrature="hadamard", prior_precision=2.0)
     assert state["qnvb"]["settings"] == {
@@ -274,7 +259,7 @@ def test_torch_refused_load_leaves_the_optimizer_exactly_as_it_was():
     before = copy.deepcopy(optimizer.state_dict())
     with pytest.raises(ValueError, match="construct the optimizer with a generator"):
         optimizer.load_state_dict(saved)
-    assert _equal_state_dicts(optimizer.state_dict(), before)
+    assert equal_nested(optimizer.state_dict(), before)
     assert optimizer.num_steps == 2 and optimizer.param_groups[0]["lr"] == 1.0
     deterministic = QNVBOptimizer(_net().parameters(), likelihood_weight=32, quadrature="hadamard")
     deterministic.load_state_dict(

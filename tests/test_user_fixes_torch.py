@@ -144,16 +144,20 @@ def _qnvb_state(optimizer, params) -> torch.Tensor:
     return _flat([optimizer.state[p][k] for p in params for k in ("mu", "sigma", "h_avg")])
 
 
+def _copied(objects, how: str):
+    """A copy of ``objects`` by ``copy.deepcopy`` or by a ``pickle`` round trip."""
+    if how == "deepcopy":
+        return copy.deepcopy(objects)
+    return pickle.loads(pickle.dumps(objects))
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_copy_of_net_and_qnvb_steps_as_the_original_bit_for_bit(how):
     x, y = _data()
     net = _net()
     optimizer = _qnvb(net.parameters())
     optimizer.step(_closure(net, x, y))
-    if how == "deepcopy":
-        net2, optimizer2 = copy.deepcopy((net, optimizer))
-    else:
-        net2, optimizer2 = pickle.loads(pickle.dumps((net, optimizer)))
+    net2, optimizer2 = _copied((net, optimizer), how)
     assert optimizer2.num_steps == 1 and optimizer2.rule.name == "hadamard"
     for _ in range(3):
         loss = optimizer.step(_closure(net, x, y))
@@ -192,10 +196,7 @@ def test_copy_of_net_and_sparse_steps_as_the_original_bit_for_bit(how):
     net = _net()
     optimizer = _sparse(net.parameters())
     optimizer.step(_closure(net, x, y))
-    if how == "deepcopy":
-        net2, optimizer2 = copy.deepcopy((net, optimizer))
-    else:
-        net2, optimizer2 = pickle.loads(pickle.dumps((net, optimizer)))
+    net2, optimizer2 = _copied((net, optimizer), how)
     assert optimizer2.sequence_offset == optimizer.sequence_offset is not None
     for _ in range(5):  # past the first epoch
         optimizer.step(_closure(net, x, y))

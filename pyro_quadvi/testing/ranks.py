@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RanksFailed", "run_ranks"]
+__all__ = ["RanksFailed", "outcome", "run_ranks"]
 
 
 class RanksFailed(RuntimeError):
@@ -98,3 +98,13 @@ def run_ranks(
             else:
                 os.environ[k] = v
     return [torch.load(Path(outdir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def outcome(run: Callable[[], Any]) -> tuple:
+    """What ``run()`` gave on a rank, as a result the test process can compare: ``("ok", its
+    value)``, or the ``ValueError`` or ``RuntimeError`` it raised as ``(type name, message)``
+    (any other error fails the rank)."""
+    try:
+        return ("ok", run())
+    except (ValueError, RuntimeError) as error:
+        return (type(error).__name__, str(error))
