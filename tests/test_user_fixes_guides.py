@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -62,3 +63,44 @@ def test_init_scale_takes_any_finite_positive_number_and_refuses_the_rest():
 def test_an_iid_normal_over_an_integer_parameter_is_refused():
     with pytest.raises(ValueError, match=r"over a floating parameter, got torch\.int64"):
         IidNormal.of(0.5, 2.0, like=torch.zeros(3, dtype=torch.int64))
+
+
+def test_qnvb_under_trace_elbo_updates_the_elementwise_parts_of_an_autoguidelist():
+    # a ~ N(0, 1), b ~ N(0, I_2), y_i ~ N(a, 1) for 3 points, z_j ~ N(b_j, 1): the posterior of a
+    # is N(sum(y) / 4, 1 / 4) and of each b_j N(z_j / 2, 1 / 2). The AutoDiagonalNormal part (a) is
+    # QNVB's (no warning names it); the AutoMultivariateNormal part (b) goes to the fallback, with
+    # the one warning.
+    from pyro.infer import SVI, Trace_ELBO
+    from pyro.infer.autoguide import AutoDiagonalNormal, AutoGuideList, AutoMultivariateNormal
+
+    from pyro_quadvi import QNVB
+
+    y = torch.tensor([0.3, 1.1, 0.7], dtype=torch.float64)
+    z = torch.tensor([0.4, -0.8], dtype=torch.float64)
+
+    def model():
+        zero = torch.zeros((), dtype=torch.float64)
+        a = pyro.sample("a", dist.Normal(zero, 1.0))
+        b = pyro.sample("b", dist.Normal(zero.expand(2), 1.0).to_event(1))
+        with pyro.plate("data", 3):
+            pyro.sample("y", dist.Normal(a, 1.0), obs=y)
+        pyro.sample("z", dist.Normal(b, 1.0).to_event(1), obs=z)
+
+    pyro.set_rng_seed(0)
+    guide = AutoGuideList(model)
+    guide.append(AutoDiagonalNormal(pyro.poutine.block(model, expose=["a"])))
+    guide.append(AutoMultivariateNormal(pyro.poutine.block(model, expose=["b"])))
+    elbo = Trace_ELBO(num_particles=64, vectorize_particles=True, max_plate_nesting=1)
+    svi = SVI(model, guide, QNVB(fallback=pyro.optim.Adam({"lr": 0.05})), elbo)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(40):
+            svi.step()
+    handed_over = [str(w.message) for w in caught if "fallback" in str(w.message)]
+    assert len(handed_over) == 1 and "'AutoGuideList.1' is a joint Gaussian" in handed_over[0]
+    diagonal = guide[0]
+    loc, scale = diagonal.loc.detach(), diagonal.scale.detach()
+    assert loc.item() == pytest.approx(y.sum().item() / 4, abs=0.05)
+    assert scale.item() == pytest.approx(0.5, rel=0.1)
+    b_loc = guide[1].loc.detach()
+    assert torch.allclose(b_loc, z / 2, atol=0.1)
