@@ -46,7 +46,7 @@ from ..infer.batched import (
 )
 from ..quadrature import NodeSet, make_rule
 from ..quadrature.base import draw_device
-from .annealing import check_schedule
+from .annealing import annealing_factor, check_schedule
 from .qnvb_functional import (
     QNVBHyperparameters,
     QNVBState,
@@ -595,10 +595,15 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
 
     @property
     def weight(self) -> float:
-        """The current likelihood weight: ``likelihood_weight * annealing(num_steps)``."""
+        """The current likelihood weight: ``likelihood_weight * annealing(num_steps)``.
+
+        Raises:
+            ValueError: when the schedule's factor at this step is not finite and ``> 0``
+                (:func:`~pyro_quadvi.optim.annealing.annealing_factor`).
+        """
         if self.annealing is None:
             return self.likelihood_weight
-        return self.likelihood_weight * float(self.annealing(self.num_steps))
+        return self.likelihood_weight * annealing_factor(self.annealing, self.num_steps)
 
     @contextmanager
     def sampled_params(self, generator: torch.Generator | None = None) -> Iterator[None]:
@@ -683,6 +688,7 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
                 "QNVBOptimizer.step: batch and vectorize belong to the one-pass form "
                 "step(loss_fn=..., batch=(x, y)); a closure reads its data itself"
             )
+        weight = self.weight  # a bad annealing factor: refused before anything is evaluated
         params = self._params()
         if not params:
             raise ValueError("QNVBOptimizer has no parameter that requires grad")
@@ -713,7 +719,7 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         check_finite_loss(
             loss_avg, tensors, [self.state[p]["mu"] for p in tensors], type(self).__name__
         )
-        self._update(params, moments)
+        self._update(params, moments, weight)
         return loss_avg
 
     # Two hooks for pyro_quadvi.distributed.NodeParallelQNVBOptimizer; here, one process
@@ -818,9 +824,9 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             names += [n for n, p in zip(group_names, group["params"]) if p.requires_grad]
         return names
 
-    def _update(self, params, moments) -> None:
-        """One QNVB step per group (:func:`qnvb_update_many`), the means into the parameters."""
-        weight = self.weight
+    def _update(self, params, moments, weight: float) -> None:
+        """One QNVB step per group (:func:`qnvb_update_many`) at likelihood weight ``weight``,
+        the means into the parameters."""
         counts = []
         by_group: dict[int, list[int]] = {}
         for i, (_, group) in enumerate(params):
