@@ -13,6 +13,7 @@ from torch.optim.lr_scheduler import StepLR
 
 from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
 from pyro_quadvi.optim.sparse_functional import mixture_moments
+from pyro_quadvi.testing.compare import equal_nested
 
 
 def _data(n: int = 64, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -410,3 +411,42 @@ def test_sparse_sampled_params_draws_the_dirac_gauss_mixture():
         with optimizer.sampled_params(generator=torch.Generator().manual_seed(2)):
             seeded.append(_flat(net.parameters()))
     assert torch.equal(seeded[0], seeded[1])
+
+
+# annealing checked at every step
+
+
+def _goes_bad(value, at: int = 3):
+    """A schedule of factor 0.5 until step ``at``, ``value`` from there on."""
+    return lambda step: 0.5 if step < at else value
+
+
+@pytest.mark.parametrize(
+    "value, shown",
+    [(0.0, "0.0"), (-1.0, "-1.0"), (math.nan, "nan"), (math.inf, "inf"), (torch.tensor(0.0), "")],
+)
+def test_a_schedule_that_goes_bad_later_is_refused_at_that_step_and_changes_nothing(value, shown):
+    # before: factor 0 or -1 ran on (loss to 4e8, sigma to sigma_max), NaN or inf made every
+    # later step a no-op with a warning that blamed an overflow
+    x, y = _data()
+    net = _net()
+    optimizer = _qnvb(net.parameters(), annealing=_goes_bad(value))
+    for _ in range(3):
+        optimizer.step(_closure(net, x, y))
+    before = copy.deepcopy((net.state_dict(), optimizer.state_dict()))
+    generator_state = optimizer.generator.get_state()
+    calls = []
+
+    def closure():
+        calls.append(1)
+        return _closure(net, x, y)()
+
+    message = rf"annealing\(3\) must return a finite factor > 0, got {shown}.*factor of step 3"
+    with pytest.raises(ValueError, match=message):
+        optimizer.step(closure)
+    with pytest.raises(ValueError, match=message):
+        _ = optimizer.weight
+    assert calls == [] and optimizer.num_steps == 3
+    assert torch.equal(optimizer.generator.get_state(), generator_state)
+    after = (net.state_dict(), optimizer.state_dict())
+    assert equal_nested(after, before)
