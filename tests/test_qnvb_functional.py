@@ -459,10 +459,11 @@ def test_anneal_likelihood_scales_observed_sites_only():
 # exact zero curvature, and sigma pinned at sigma_max by the curvature floor
 
 
-def _dead_and_live(flat: bool, hp: QNVBHyperparameters, steps: int = 4):
+def _dead_and_live(flat: bool, hp: QNVBHyperparameters, steps: int = 4, compile: bool = False):
     """Coordinates 0-1 dead (g = h = 0 at every step: a weight behind a dead ReLU), 2 alive
     (h = 1), 3 with h = +1, -1, +1, ... (mean 0 after two steps, but not exactly 0 each time),
-    under likelihood weight 64 and prior precision 4; one result per step."""
+    under likelihood weight 64 and prior precision 4; one result per step (``flat``: by
+    :func:`qnvb_update_many`, ``compile`` passed to it)."""
     mu = torch.tensor([0.3, -0.7, 0.2, 0.1], dtype=DTYPE)
     sigma = torch.full((4,), 1e-3, dtype=DTYPE)
     state = init_qnvb_state(mu)
@@ -471,7 +472,9 @@ def _dead_and_live(flat: bool, hp: QNVBHyperparameters, steps: int = 4):
         g = torch.tensor([0.0, 0.0, 0.5, 0.0], dtype=DTYPE)
         h = torch.tensor([0.0, 0.0, 1.0, (-1.0) ** step], dtype=DTYPE)
         if flat:
-            (result,) = qnvb_update_many([mu], [sigma], [g], [h], [state], hp, 64.0, 4.0)
+            (result,) = qnvb_update_many(
+                [mu], [sigma], [g], [h], [state], hp, 64.0, 4.0, compile=compile
+            )
         else:
             result = qnvb_update(mu, sigma, g, h, state, hp, 64.0, 4.0)
         results.append(result)
@@ -511,6 +514,18 @@ def test_the_flat_update_agrees_with_the_reference_on_zero_curvature_bit_for_bit
         assert torch.equal(flat.mu, reference.mu) and torch.equal(flat.sigma, reference.sigma)
         assert all(torch.equal(a, b) for a, b in zip(flat.state, reference.state))
         assert [int(c) for c in flat[3:]] == [int(c) for c in reference[3:]]
+
+
+@pytest.mark.slow
+def test_the_compiled_update_agrees_with_the_reference_on_zero_curvature():
+    # torch.compile of the same rules: equal to rounding (a fused rsqrt), the same counts
+    hp = QNVBHyperparameters()
+    compiled = _dead_and_live(True, hp, 5, compile=True)
+    for got, want in zip(compiled, _dead_and_live(False, hp, 5)):
+        for a, b in zip((got.mu, got.sigma, *got.state), (want.mu, want.sigma, *want.state)):
+            torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-300)
+        assert [int(c) for c in got[3:]] == [int(c) for c in want[3:]]
+    assert float(compiled[-1].sigma[0]) == pytest.approx(0.5, rel=1e-14)
 
 
 @pytest.mark.parametrize("flat", [False, True])
