@@ -16,6 +16,7 @@ from pyro_quadvi.optim import (
     geometric_annealing,
     init_qnvb_state,
     qnvb_update,
+    qnvb_update_many,
 )
 from pyro_quadvi.optim.annealing import check_schedule
 from pyro_quadvi.testing import eight_schools
@@ -453,3 +454,102 @@ def test_anneal_likelihood_scales_observed_sites_only():
     annealed.compute_log_prob()
     prior, lik = trace.nodes["z"]["log_prob_sum"], trace.nodes["x"]["log_prob_sum"]
     assert float(annealed.log_prob_sum()) == pytest.approx(float(prior + 0.25 * lik), rel=1e-6)
+
+
+# exact zero curvature, and sigma pinned at sigma_max by the curvature floor
+
+
+def _dead_and_live(flat: bool, hp: QNVBHyperparameters, steps: int = 4, compile: bool = False):
+    """Coordinates 0-1 dead (g = h = 0 at every step: a weight behind a dead ReLU), 2 alive
+    (h = 1), 3 with h = +1, -1, +1, ... (mean 0 after two steps, but not exactly 0 each time),
+    under likelihood weight 64 and prior precision 4; one result per step (``flat``: by
+    :func:`qnvb_update_many`, ``compile`` passed to it)."""
+    mu = torch.tensor([0.3, -0.7, 0.2, 0.1], dtype=DTYPE)
+    sigma = torch.full((4,), 1e-3, dtype=DTYPE)
+    state = init_qnvb_state(mu)
+    results = []
+    for step in range(steps):
+        g = torch.tensor([0.0, 0.0, 0.5, 0.0], dtype=DTYPE)
+        h = torch.tensor([0.0, 0.0, 1.0, (-1.0) ** step], dtype=DTYPE)
+        if flat:
+            (result,) = qnvb_update_many(
+                [mu], [sigma], [g], [h], [state], hp, 64.0, 4.0, compile=compile
+            )
+        else:
+            result = qnvb_update(mu, sigma, g, h, state, hp, 64.0, 4.0)
+        results.append(result)
+        mu, sigma, state = result.mu, result.sigma, result.state
+    return results
+
+
+@pytest.mark.parametrize("significance", [0.0, 2.0])
+def test_exactly_zero_curvature_is_taken_and_sigma_goes_to_the_prior(significance):
+    # before: h_avg = 0 failed the test h_avg > significance * stderr, so rule 4 held
+    # 1 / sigma^2 forever: sigma stayed at 1e-3 and the mean moved by 4 mu / 1e6 a step. Now the
+    # curvature 0 is taken: sigma* = prior_precision^(-1/2) = 0.5, reached at the rate limit
+    # scale_max = 10 (1e-2, 1e-1, then 0.5), and the mean's Newton step 4 mu / 4 lands on 0
+    hp = QNVBHyperparameters(significance=significance)
+    results = _dead_and_live(flat=False, hp=hp)
+    dead_sigmas = [r.sigma[:2].tolist() for r in results]
+    for got, want in zip(dead_sigmas, [1e-2, 1e-1, 0.5, 0.5]):
+        assert got == pytest.approx([want, want], rel=1e-14)
+    assert results[0].mu[:2].tolist() == [0.0, 0.0]
+    # h = +1 then -1 averages to exactly 0 with h^2 = 1: noise, held as before
+    assert float(results[1].sigma[3]) == float(results[0].sigma[3])
+    for result in results:  # a prior: nothing asks for more than sigma_max
+        assert int(result.num_sigma_max) == 0
+
+
+@pytest.mark.parametrize(
+    "hp",
+    [
+        QNVBHyperparameters(),
+        QNVBHyperparameters(significance=2.0, betas=(0.9, 0.99)),
+        QNVBHyperparameters(curvature="rms"),
+    ],
+    ids=["defaults", "significance", "rms"],
+)
+def test_the_flat_update_agrees_with_the_reference_on_zero_curvature_bit_for_bit(hp):
+    for flat, reference in zip(_dead_and_live(True, hp, 5), _dead_and_live(False, hp, 5)):
+        assert torch.equal(flat.mu, reference.mu) and torch.equal(flat.sigma, reference.sigma)
+        assert all(torch.equal(a, b) for a, b in zip(flat.state, reference.state))
+        assert [int(c) for c in flat[3:]] == [int(c) for c in reference[3:]]
+
+
+@pytest.mark.slow
+def test_the_compiled_update_agrees_with_the_reference_on_zero_curvature():
+    # torch.compile of the same rules: equal to rounding (a fused rsqrt), the same counts
+    hp = QNVBHyperparameters()
+    compiled = _dead_and_live(True, hp, 5, compile=True)
+    for got, want in zip(compiled, _dead_and_live(False, hp, 5)):
+        for a, b in zip((got.mu, got.sigma, *got.state), (want.mu, want.sigma, *want.state)):
+            torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-300)
+        assert [int(c) for c in got[3:]] == [int(c) for c in want[3:]]
+    assert float(compiled[-1].sigma[0]) == pytest.approx(0.5, rel=1e-14)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_curvature_asking_for_more_than_sigma_max_is_counted_as_pinned(flat):
+    # before: the floor 1 / sigma_max^2 made the target exactly sigma_max, never above it, so
+    # nothing was counted. Weight 1e-8 and h = 1 ask for sigma = 1e4 > sigma_max = 100 (counted
+    # from the first step, while sigma still climbs at the rate limit: 1e-2); h = -1 is held
+    # (not counted); a dead coordinate without a prior asks for an infinite sigma (counted)
+    mu = torch.zeros(3, dtype=DTYPE)
+    sigma = torch.full((3,), 1e-3, dtype=DTYPE)
+    g = torch.zeros(3, dtype=DTYPE)
+    h = torch.tensor([1.0, -1.0, 0.0], dtype=DTYPE)
+    hp = QNVBHyperparameters()
+    state = init_qnvb_state(mu)
+    for step, want in enumerate([1e-2, 1e-1, 1.0, 10.0, 100.0, 100.0]):
+        if flat:
+            (result,) = qnvb_update_many([mu], [sigma], [g], [h], [state], hp, 1e-8)
+        else:
+            result = qnvb_update(mu, sigma, g, h, state, hp, 1e-8)
+        assert int(result.num_sigma_max) == 2, step
+        assert float(result.sigma[0]) == pytest.approx(want, rel=1e-12)
+        assert float(result.sigma[1]) == 1e-3
+        mu, sigma, state = result.mu, result.sigma, result.state
+    # a well-posed coordinate (weight 64: sigma* = 1/8) is never counted
+    result = qnvb_update(mu[:1], sigma[:1], g[:1], h[:1], init_qnvb_state(mu[:1]), hp, 64.0)
+    assert float(result.sigma) == pytest.approx(10.0, rel=1e-12)  # on its way down from 100
+    assert int(result.num_sigma_max) == 0

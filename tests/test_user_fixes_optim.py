@@ -4,6 +4,7 @@ settings and the local-mode checkpoint recipe of ``docs/qnvb.md``."""
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pyro
@@ -18,6 +19,7 @@ from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.infer.batched import BatchMismatch
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import QNVBOptimizer, module_loss
+from pyro_quadvi.testing.compare import equal_nested
 
 DTYPE = torch.float64
 
@@ -381,3 +383,34 @@ def test_pyros_autonormal_on_a_minibatch_is_refused_and_the_recording_guide_fits
         svi.step(x, y, 5)
     ratio = guide.scales.z.detach() / (1 + 1 / 0.25) ** -0.5
     assert 0.8 < float(ratio.min()) and float(ratio.max()) < 1.2
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
+def test_a_schedule_that_goes_bad_later_is_refused_at_that_step_and_changes_nothing(
+    value, fresh_param_store
+):
+    # before: factor 0 or -1 ran on (a loss without or with a negated likelihood), NaN or inf
+    # raised an error that blamed the model's support
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(20, generator=generator, dtype=DTYPE)
+    y = 1.5 * x + 0.6 * torch.randn(20, generator=generator, dtype=DTYPE)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=DTYPE), 1.0))
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(w * x, 0.6), obs=y)
+
+    qnvb = QNVB(annealing=lambda step: 0.5 if step < 3 else value)
+    annealed = qnvb.anneal(model)
+    svi = SVI(annealed, AutoMeanFieldNormal(annealed), qnvb, QuadratureELBO())
+    for _ in range(3):
+        svi.step(x, y)
+    store = pyro.get_param_store()
+    before = copy.deepcopy((store.get_state()["params"], qnvb.get_state()))  # constraints: by id
+    message = rf"annealing\(3\) must return a finite factor > 0, got {value}.*factor of step 3"
+    with pytest.raises(ValueError, match=message):
+        svi.step(x, y)
+    with pytest.raises(ValueError, match=message):
+        _ = qnvb.annealing_factor
+    assert qnvb.num_steps == 3
+    assert equal_nested((store.get_state()["params"], qnvb.get_state()), before)

@@ -5,6 +5,7 @@ draws of the posterior for predictions."""
 import copy
 import math
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch.optim.lr_scheduler import StepLR
 
 from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
 from pyro_quadvi.optim.sparse_functional import mixture_moments
+from pyro_quadvi.testing.compare import equal_nested
 
 
 def _data(n: int = 64, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -410,3 +412,102 @@ def test_sparse_sampled_params_draws_the_dirac_gauss_mixture():
         with optimizer.sampled_params(generator=torch.Generator().manual_seed(2)):
             seeded.append(_flat(net.parameters()))
     assert torch.equal(seeded[0], seeded[1])
+
+
+# annealing checked at every step
+
+
+def _goes_bad(value, at: int = 3):
+    """A schedule of factor 0.5 until step ``at``, ``value`` from there on."""
+    return lambda step: 0.5 if step < at else value
+
+
+@pytest.mark.parametrize(
+    "value, shown",
+    [(0.0, "0.0"), (-1.0, "-1.0"), (math.nan, "nan"), (math.inf, "inf"), (torch.tensor(0.0), "")],
+)
+def test_a_schedule_that_goes_bad_later_is_refused_at_that_step_and_changes_nothing(value, shown):
+    # before: factor 0 or -1 ran on (loss to 4e8, sigma to sigma_max), NaN or inf made every
+    # later step a no-op with a warning that blamed an overflow
+    x, y = _data()
+    net = _net()
+    optimizer = _qnvb(net.parameters(), annealing=_goes_bad(value))
+    for _ in range(3):
+        optimizer.step(_closure(net, x, y))
+    before = copy.deepcopy((net.state_dict(), optimizer.state_dict()))
+    generator_state = optimizer.generator.get_state()
+    calls = []
+
+    def closure():
+        calls.append(1)
+        return _closure(net, x, y)()
+
+    message = rf"annealing\(3\) must return a finite factor > 0, got {shown}.*factor of step 3"
+    with pytest.raises(ValueError, match=message):
+        optimizer.step(closure)
+    with pytest.raises(ValueError, match=message):
+        _ = optimizer.weight
+    assert calls == [] and optimizer.num_steps == 3
+    assert torch.equal(optimizer.generator.get_state(), generator_state)
+    after = (net.state_dict(), optimizer.state_dict())
+    assert equal_nested(after, before)
+
+
+# exactly zero curvature; sigma pinned at sigma_max by the curvature floor
+
+
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_weights_of_a_dead_relu_unit_go_to_the_prior_under_prior_precision(one_pass):
+    # unit 0's bias is frozen at -100: its incoming weights get exactly 0 gradient at every node.
+    # Before, h_avg = 0 failed the significance test and sigma stayed at init_sigma = 1e-3; now
+    # the curvature 0 is taken: sigma -> prior_precision^(-1/2) = 0.5 (rate limit: 1e-2, 1e-1,
+    # then 0.5) and the mean -> the prior mean 0 (the Newton step 4 mu / 4 within lr = 1), while
+    # the live units keep their own fit
+    x, y = _data()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    with torch.no_grad():
+        net[0].bias[0] = -100.0
+    net[0].bias.requires_grad_(False)
+    optimizer = _qnvb(net.named_parameters(), lr=1.0, prior_precision=4.0, init_sigma=1e-3)
+    dead = []
+    for _ in range(4):
+        if one_pass:
+            optimizer.step(loss_fn=module_loss(net, _mse), batch=(x, y))
+        else:
+            optimizer.step(_closure(net, x, y))
+        dead.append(optimizer.state[net[0].weight]["sigma"][0])
+    for got, want in zip(dead, [1e-2, 1e-1, 0.5, 0.5]):
+        torch.testing.assert_close(got, torch.full((3,), want), rtol=1e-6, atol=0)
+    assert net[0].weight[0].abs().max() < 1e-6
+    assert optimizer.state[net[0].weight]["sigma"][1:].max() < 0.4  # the live units' own fit
+
+
+def _linear(likelihood_weight: float, steps: int) -> list[str]:
+    """The warnings of ``steps`` steps of a linear regression (curvature 2 mean(x_j^2) ~ 2)."""
+    x, y = _data(dtype=torch.float64)
+    w = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+
+    def closure():
+        loss = ((x @ w - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    optimizer = _qnvb([w], likelihood_weight=likelihood_weight)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            optimizer.step(closure)
+    return [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
+
+
+def test_a_likelihood_weight_too_small_for_sigma_max_is_warned():
+    # weight 1e-8 asks for sigma ~ 7e3 > sigma_max = 100 on all 3 coordinates; before, the floor
+    # made the target exactly sigma_max and nothing was counted
+    assert _linear(1e-8, 3) == [
+        "QNVBOptimizer: sigma pinned at sigma_max=100 at 3 coordinates (first: a parameter of "
+        "shape (3,)): the curvature asks for a wider sigma (too small a likelihood weight, or a "
+        "parameter the loss does not depend on and no prior), or sigma started above it; raise "
+        "sigma_max if a wider posterior is wanted (this warning is shown once)"
+    ]
+    assert _linear(64.0, 30) == []  # well posed: sigma ~ 0.09, no warning

@@ -23,17 +23,46 @@ from pyro.poutine.util import site_is_subsample
 __all__ = [
     "AnnealLikelihoodMessenger",
     "anneal_likelihood",
+    "annealing_factor",
     "check_schedule",
     "geometric_annealing",
 ]
 
 
+def annealing_factor(annealing: Callable[[int], float], step: int) -> float:
+    """The factor ``annealing(step)``, refused unless it is a finite real number ``> 0``.
+
+    Every step's factor is checked by the same rule (a Python number or a one-element tensor,
+    finite and ``> 0``): a schedule that returns 0, a negative number, NaN or infinity at a later
+    step is refused at that step, before the optimizer changes anything, rather than running on
+    as a loss without likelihood, a negated one, or a step that overflows.
+
+    Raises:
+        TypeError: when the factor is not a real number.
+        ValueError: when it is not finite and ``> 0``; the message names the step and the factor.
+    """
+    factor = annealing(step)
+    is_number = isinstance(factor, numbers.Real) and not isinstance(factor, bool)
+    if not (is_number or (isinstance(factor, torch.Tensor) and factor.numel() == 1)):
+        raise TypeError(
+            f"annealing({step}) must return a real number > 0, got {factor!r} "
+            f"({type(factor).__name__})"
+        )
+    value = float(factor)
+    if not 0 < value < math.inf:
+        raise ValueError(
+            f"annealing({step}) must return a finite factor > 0, got {factor!r} (the likelihood "
+            f"factor of step {step}); fix the schedule, e.g. geometric_annealing(0.01, 500)"
+        )
+    return value
+
+
 def check_schedule(annealing: object) -> Callable[[int], float] | None:
     """Refuse an annealing schedule that is neither ``None`` nor a callable ``step -> factor``.
 
-    The schedule is called once, at step 0, and must return a finite real number ``> 0`` (a
-    Python number or a one-element tensor): a wrong schedule is refused when the optimizer is
-    built, not at its first step.
+    The schedule is called once, at step 0 (:func:`annealing_factor`): a wrong schedule is
+    refused when the optimizer is built, not at its first step. Later steps are checked by the
+    same rule as they come (``QNVBOptimizer.weight``, ``QNVB.annealing_factor``).
 
     Returns:
         ``annealing`` itself.
@@ -50,14 +79,7 @@ def check_schedule(annealing: object) -> Callable[[int], float] | None:
             f"geometric_annealing(0.01, num_steps=500), got {annealing!r} "
             f"({type(annealing).__name__})"
         )
-    factor = annealing(0)
-    is_number = isinstance(factor, numbers.Real) and not isinstance(factor, bool)
-    if not (is_number or (isinstance(factor, torch.Tensor) and factor.numel() == 1)):
-        raise TypeError(
-            f"annealing(0) must return a real number > 0, got {factor!r} ({type(factor).__name__})"
-        )
-    if not 0 < float(factor) < math.inf:
-        raise ValueError(f"annealing(0) must return a finite factor > 0, got {factor!r}")
+    annealing_factor(annealing, 0)
     return annealing
 
 

@@ -56,7 +56,7 @@ from ..guides.interface import (
     published_moments,
     watch_guides,
 )
-from .annealing import anneal_likelihood, check_schedule
+from .annealing import anneal_likelihood, annealing_factor, check_schedule
 from .qnvb_functional import (
     QNVBHyperparameters,
     QNVBResult,
@@ -413,8 +413,16 @@ class QNVB(PyroOptim):
     # ----------------------------------------------------------------------------- annealing
     @property
     def annealing_factor(self) -> float:
-        """The likelihood factor of the current step (1 without a schedule)."""
-        return 1.0 if self.annealing is None else float(self.annealing(self.num_steps))
+        """The likelihood factor of the current step (1 without a schedule).
+
+        Raises:
+            ValueError: when the schedule's factor at this step is not finite and ``> 0``
+                (:func:`~pyro_quadvi.optim.annealing.annealing_factor`); read by the annealed
+                model, the error comes out of ``svi.step`` before QNVB changes anything.
+        """
+        if self.annealing is None:
+            return 1.0
+        return annealing_factor(self.annealing, self.num_steps)
 
     def anneal(self, model: Callable) -> Callable:
         """``model`` with its likelihood multiplied by :attr:`annealing_factor` at every step."""

@@ -24,9 +24,11 @@ update's rules, each measured", gives the test and the benchmark row behind each
    this fraction of the steps taken, so a transient fades as ``(t0 / t)^2`` instead of ``t0 / t``.
 4. **Mean curvature** (``curvature="mean"``, ``significance``): ``H`` is the running mean of
    ``h`` (unbiased) where it is positive, by more than ``significance`` standard errors if that
-   option is set (off by default); elsewhere ``H`` is the current precision ``1 / sigma^2`` of
-   ``q``: ``sigma`` holds and the mean takes a natural-gradient step. ``curvature="rms"`` is the
-   reference's ``sqrt(mean(h^2))`` (design note step 4), biased upward by the noise of ``h``.
+   option is set (off by default), or where every ``h`` so far was exactly 0 (``mean(h^2) = 0``:
+   a parameter behind a dead ReLU, whose curvature is exactly 0 rather than noise, so that under a
+   prior ``sigma`` goes to the prior's); elsewhere ``H`` is the current precision ``1 / sigma^2``
+   of ``q``: ``sigma`` holds and the mean takes a natural-gradient step. ``curvature="rms"`` is
+   the reference's ``sqrt(mean(h^2))`` (design note step 4), biased upward by the noise of ``h``.
 5. **Curvature floor**: the curvature of the whole loss is at least ``1 / sigma_max^2``, so the
    mean never steps as if ``q`` were wider than ``sigma_max``.
 6. **Damping** (``damping``, ``damping_recovery``): a parallel (Jacobi-like) Newton step
@@ -44,7 +46,9 @@ update's rules, each measured", gives the test and the benchmark row behind each
 9. **Scale rate limit** (``scale_min``, ``scale_max``; design note step 5): ``sigma`` moves to
    ``(w H + prior)^(-1/2)`` by a factor in ``[scale_min, scale_max]`` at most per step.
 10. **Scale bounds** (``sigma_min``, ``sigma_max``): ``sigma`` is clamped to them; the
-    coordinates pinned at a bound by this step are counted.
+    coordinates pinned at a bound by this step are counted, at ``sigma_max`` also those whose
+    (taken, not held) curvature asks for a wider ``sigma`` than ``sigma_max`` (the floor of
+    rule 5 holds them at ``sigma_max``, or on their way there).
 11. **Guard**: a coordinate whose ``g`` or ``h`` is not finite, or whose update overflows (e.g.
     ``g^2`` beyond the dtype's range while ``g`` is finite), keeps its mean, scale and state; the
     two causes are counted apart. The counts stay 0-d tensors: the update never synchronizes
@@ -119,10 +123,12 @@ class QNVBHyperparameters:
         sigma_min, sigma_max: absolute bounds on ``sigma``; the curvature is floored at
             ``1 / sigma_max^2``.
         scale_min, scale_max: per-step bounds on the factor by which ``sigma`` may change.
-        curvature: ``"mean"`` (running mean of ``h`` where positive, else the current
-            ``1 / sigma^2``) or ``"rms"`` (the reference's ``sqrt(mean(h^2))``).
+        curvature: ``"mean"`` (running mean of ``h`` where positive or where every ``h`` was
+            exactly 0, else the current ``1 / sigma^2``) or ``"rms"`` (the reference's
+            ``sqrt(mean(h^2))``).
         significance: with ``curvature="mean"``, the mean of ``h`` is used only once it exceeds
-            this many standard errors (``0``, the default: once it is positive); until then
+            this many standard errors (``0``, the default: once it is positive), or where every
+            ``h`` so far was exactly 0 (a curvature of exactly 0 is no noise); until then
             ``sigma`` holds. Tames the first steps under Monte Carlo noise, at a cost in steps.
         damping: adapt a per-coordinate step divisor to oscillation and noise (module docstring);
             ``False`` takes full steps.
@@ -229,7 +235,8 @@ class QNVBResult(NamedTuple):
         num_sigma_min: coordinates (of those updated) whose new ``sigma`` was raised to
             ``sigma_min`` by this step: the curvature asked for a smaller one.
         num_sigma_max: coordinates (of those updated) whose new ``sigma`` was lowered to
-            ``sigma_max`` by this step.
+            ``sigma_max`` by this step, or whose curvature (taken, not held) asks for a wider
+            ``sigma`` than ``sigma_max``: the curvature floor holds them at ``sigma_max``.
     """
 
     mu: torch.Tensor
@@ -260,8 +267,9 @@ def _count_message(kind: str, hp: QNVBHyperparameters, where: str) -> str:
             "smaller sigma; lower sigma_min if that is wanted"
         )
     return (
-        f"sigma pinned at sigma_max={hp.sigma_max:g} at {where}: raise sigma_max if a wider "
-        "posterior is wanted"
+        f"sigma pinned at sigma_max={hp.sigma_max:g} at {where}: the curvature asks for a wider "
+        "sigma (too small a likelihood weight, or a parameter the loss does not depend on and "
+        "no prior), or sigma started above it; raise sigma_max if a wider posterior is wanted"
     )
 
 
@@ -407,10 +415,14 @@ def _reference_rules(
         significant = torch.ones_like(finite_input)
     else:
         stderr = ((h2_avg - h_avg**2).clamp(min=0) / curvature_count).sqrt()
-        significant = h_avg > hp.significance * stderr
+        # every h so far exactly 0 (h2_avg == 0: a parameter behind a dead ReLU) is no noise but
+        # a curvature of exactly 0, taken: under a prior, sigma goes to the prior's
+        significant = (h_avg > hp.significance * stderr) | (h2_avg == 0)
         held = ((sigma**-2 - prior_precision) / weight).clamp(min=0)  # q's current precision
         curv = torch.where(significant, h_avg, held)
-    total_curv = (weight * curv + prior_precision).clamp(min=hp.sigma_max**-2)
+    total_curv = weight * curv + prior_precision
+    wider = significant & (total_curv < hp.sigma_max**-2)  # asks for more than sigma_max
+    total_curv = total_curv.clamp(min=hp.sigma_max**-2)
 
     # rule 6, damping: a sign change of the gradient means the last step overshot
     if hp.damping:
@@ -463,7 +475,7 @@ def _reference_rules(
         ~finite_input,
         finite_input & ~updated,
         updated & (limited < hp.sigma_min),
-        updated & (limited > hp.sigma_max),
+        updated & ((limited > hp.sigma_max) | wider),
     )
     return new_mu, new_sigma, new_state, masks
 
@@ -573,6 +585,7 @@ def _flat_update(
             significant = h_avg > hp.significance * stderr
         else:
             significant = h_avg > 0
+        significant |= h2_avg == 0
         held = sigma**-2
         if not no_prior:
             held -= prior_precision
@@ -582,6 +595,9 @@ def _flat_update(
         curv = torch.where(significant, h_avg, held)
     total_curv = curv if unit_weight else curv * weight
     total_curv = total_curv + prior_precision if not no_prior else total_curv
+    wider = total_curv < hp.sigma_max**-2
+    if significant is not None:
+        wider &= significant
     total_curv = total_curv.clamp(min=hp.sigma_max**-2)
 
     # rule 6
@@ -649,7 +665,7 @@ def _flat_update(
         ~finite_input,
         finite_input & ~updated,
         updated & (limited < hp.sigma_min),
-        updated & (limited > hp.sigma_max),
+        updated & ((limited > hp.sigma_max) | wider),
     )
     return new_mu, new_sigma, new_state, masks
 

@@ -46,7 +46,7 @@ from ..infer.batched import (
 )
 from ..quadrature import NodeSet, make_rule
 from ..quadrature.base import draw_device
-from .annealing import check_schedule
+from .annealing import annealing_factor, check_schedule
 from .qnvb_functional import (
     QNVBHyperparameters,
     QNVBState,
@@ -595,10 +595,15 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
 
     @property
     def weight(self) -> float:
-        """The current likelihood weight: ``likelihood_weight * annealing(num_steps)``."""
+        """The current likelihood weight: ``likelihood_weight * annealing(num_steps)``.
+
+        Raises:
+            ValueError: when the schedule's factor at this step is not finite and ``> 0``
+                (:func:`~pyro_quadvi.optim.annealing.annealing_factor`).
+        """
         if self.annealing is None:
             return self.likelihood_weight
-        return self.likelihood_weight * float(self.annealing(self.num_steps))
+        return self.likelihood_weight * annealing_factor(self.annealing, self.num_steps)
 
     @contextmanager
     def sampled_params(self, generator: torch.Generator | None = None) -> Iterator[None]:
@@ -683,6 +688,8 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
                 "QNVBOptimizer.step: batch and vectorize belong to the one-pass form "
                 "step(loss_fn=..., batch=(x, y)); a closure reads its data itself"
             )
+        if self.annealing is not None:  # a bad factor is refused before anything is evaluated
+            annealing_factor(self.annealing, self.num_steps)
         params = self._params()
         if not params:
             raise ValueError("QNVBOptimizer has no parameter that requires grad")
