@@ -9,6 +9,7 @@ without a generator and a parameter of another shape, each before it loads anyth
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 from dataclasses import asdict
 
@@ -63,6 +64,21 @@ def _params() -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------- QNVB (Pyro)
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_qnvb_mid_fit_goes_on_as_the_original_bit_for_bit(how):
+    # each block's state stays with the copy (bound again by name at its next use); before,
+    # a deepcopy restarted every block from a fresh state and pickle raised on a weak reference
+    model = _model()
+    _, reference = _fit(model, QNVB(), 6)
+    expected = _params()
+    qnvb = QNVB()
+    guide, first = _fit(model, qnvb, 3)
+    copied = copy.deepcopy(qnvb) if how == "deepcopy" else pickle.loads(pickle.dumps(qnvb))
+    _, rest = _fit(model, copied, 3, guide=guide)
+    assert first + rest == reference
+    assert equal_nested(_params(), expected)
+
+
 def test_qnvb_refuses_a_block_state_of_another_shape_and_keeps_it():
     qnvb = QNVB(lr=0.5)
     _fit(_model(3), qnvb, 4)

@@ -477,9 +477,18 @@ class QNVB(PyroOptim):
 
     def __getstate__(self) -> dict:
         """The state ``pickle`` and ``copy.deepcopy`` take: without the descriptions of a step
-        under way (:meth:`describe`), which hold the guides and their non-leaf tensors."""
+        under way (:meth:`describe`), which hold the guides and their non-leaf tensors, and
+        with every block's state kept by its name alone, not beside the live parameter it is
+        bound to (which belongs to Pyro's param store, and holds a weak reference ``pickle``
+        cannot take): a copy binds each state again at its block's next use, as after
+        :meth:`set_state`, so it goes on exactly as the original would with the same store."""
         state = self.__dict__.copy()
         state["_described"] = None
+        state["_pending"] = {
+            **self._pending,
+            **{name: block_state for name, (_, block_state) in self._bound.items()},
+        }
+        state["_bound"] = {}
         return state
 
     def describe(self, params: Iterable[torch.Tensor]) -> list[tuple[Callable, GuideDescription]]:
@@ -501,7 +510,11 @@ class QNVB(PyroOptim):
         why some guide was not paired (else a step pairing nothing warns that nothing was).
 
         Takes the moments published for ``params``
-        (:func:`~pyro_quadvi.guides.interface.published_moments`: they are consumed); the
+        (:func:`~pyro_quadvi.guides.interface.published_moments`: they are consumed, so a
+        caller that changes them, averaging them over ranks say, publishes the new ones again
+        with :func:`~pyro_quadvi.guides.interface.publish_moments` before calling QNVB, as
+        :class:`~pyro_quadvi.distributed.DistributedOptimizer` does; the blocks come in the order
+        of ``params``, which is a set's order under ``SVI``: sort before reducing over ranks); the
         parameters they leave uncovered are paired by identity with the blocks of
         ``descriptions`` (what :meth:`describe` returned in this step; made here when
         ``None``), read from their gradients. Warns once for each block it cannot update (a
