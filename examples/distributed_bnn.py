@@ -68,10 +68,12 @@ def main(argv: list[str] | None = None) -> float:
     elbo = DistributedQuadratureELBO("hadamard", 4, vectorize=True, parallel=args.parallel)
     optim = DistributedOptimizer(QNVB(), shard_update=args.shard_update)
     svi = SVI(bnn, guide, optim, elbo)
-    batches = torch.Generator().manual_seed(1)
+    batches = torch.Generator().manual_seed(1)  # the minibatches' (Hadamard draws no nodes)
 
     guide(data.x_train[:2], data.y_train[:2])  # create the parameters
     if args.resume:
+        # every generator of the run's own, as saved: here the minibatches' (with a random rule
+        # drawing from its own generator, pass both: generator=[rule_generator, batches])
         load_checkpoint(args.resume, optim, generator=batches)
     for step in range(args.steps):
         rows = torch.randperm(n, generator=batches)[: args.batch]

@@ -137,10 +137,16 @@ def test_a_load_failing_on_one_rank_raises_on_every_rank(ranks):
 def test_a_save_rank_0_cannot_write_raises_on_every_rank(ranks):
     """A folder that does not exist: rank 0's write failed before the barrier, and rank 1 waited
     there (gloo: a bare connection error once rank 0's process ended; a live rank 0: the
-    timeout). Rank 0 raises what torch raised; rank 1 the same type, naming the file."""
+    timeout). Rank 0 raises torch's error reworded to name the file and the fix (torch's own
+    names the folder only); rank 1 the same type, naming the file and rank 0's message."""
     path = str(Path(ranks[0]["dir"], "no", "such.pt"))
     kind_0, message_0 = ranks[0]["save"]
-    assert kind_0 == "RuntimeError" and "does not exist" in message_0, message_0
+    assert kind_0 == "RuntimeError", message_0
+    assert message_0 == (
+        f"save_checkpoint: rank 0 cannot write {path!r} (Parent directory "
+        f"{Path(path).parent} does not exist.); rank 0 writes the checkpoint for every rank: "
+        "pass a path in a folder that exists and that rank 0 can write"
+    )
     assert ranks[1]["save"] == (
         kind_0,
         f"save_checkpoint: writing {path!r} on rank 0 raised on rank(s) [0]; rank 0: {message_0}",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyro
@@ -27,12 +28,32 @@ __all__ = ["load_checkpoint", "save_checkpoint"]
 
 _FORMAT = "pyro_quadvi.distributed.checkpoint/1"
 
+Generators = torch.Generator | Sequence[torch.Generator] | None
+"""``generator=`` of the checkpoint helpers: one ``torch.Generator``, several, or none."""
+
+_GENERATOR_FIX = (
+    "pass load_checkpoint the generators passed to save_checkpoint, in the same order (the "
+    "ELBO's or optimizer's generator, your minibatch generator, ...)"
+)
+
+
+def _generators(generator: Generators, caller: str) -> list[torch.Generator]:
+    """``generator=`` as a list (empty for ``None``), or a ``TypeError`` naming the caller."""
+    if generator is None:
+        return []
+    found = [generator] if isinstance(generator, torch.Generator) else generator
+    if isinstance(found, Sequence) and all(isinstance(g, torch.Generator) for g in found):
+        return list(found)
+    raise TypeError(
+        f"{caller}: generator must be a torch.Generator or a sequence of them, got {generator!r}"
+    )
+
 
 def save_checkpoint(
     path: str | os.PathLike,
     optim: PyroOptim,
     *,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Write Pyro's param store (with the ELBO's sequence position), ``optim``'s state and the
@@ -47,29 +68,41 @@ def save_checkpoint(
         path: the file; written to ``path + ".tmp"`` first, then renamed, so a crash never leaves
             half a checkpoint.
         optim: the ``DistributedOptimizer`` (or any ``PyroOptim``) of the fit.
-        generator: the rule's generator, if the ELBO has one (torch's, Python's and NumPy's global
-            states are always saved).
+        generator: every ``torch.Generator`` of your own whose state the run depends on, one or
+            a sequence of them: the generator given to the ELBO (or to an optimizer) for a random
+            rule, the generator that draws your minibatches. torch's, Python's and NumPy's
+            global states are always saved. :func:`load_checkpoint` takes the same generators
+            in the same order.
         group: the process group (``None``: the default group).
+
+    The objects built with ``group=`` (a ``ProcessGroup``) cannot be deep-copied or pickled
+    (torch cannot pickle a ``ProcessGroup``): save and restore a distributed fit with these two
+    functions.
 
     Raises:
         Exception: the error rank 0 met writing ``path`` (a missing folder, a full disk), of the
             same type on every rank (a ``RuntimeError`` where the type takes other arguments),
             naming the file; ``path`` is left as it was.
+        TypeError: for a ``generator`` that is neither a ``torch.Generator`` nor a sequence of
+            them.
+        RuntimeError: when this process is not a member of ``group``.
     """
     rank, size = world(group)
+    generators = _generators(generator, "save_checkpoint")
     optim_state = optim.get_state()  # collective for DistributedOptimizer(shard_update=True)
     error = None
     if rank == 0:
         try:
-            _write(path, optim_state, size, generator)
+            _write(path, optim_state, size, generators)
         except Exception as failed:  # told to every rank below, which then raise it too
             error = failed
     # every rank waits for rank 0's write here, and raises if it failed
     raise_together(error, f"save_checkpoint: writing {os.fspath(path)!r} on rank 0", group)
 
 
-def _write(path, optim_state: dict, size: int, generator: torch.Generator | None) -> None:
-    """Rank 0's part of :func:`save_checkpoint`: the state, to ``path`` through a temporary."""
+def _write(path, optim_state: dict, size: int, generators: list[torch.Generator]) -> None:
+    """Rank 0's part of :func:`save_checkpoint`: the state, to ``path`` through a temporary. An
+    error writing it is reworded to name the file and the fix (what every rank then raises)."""
     state = {
         "format": _FORMAT,
         "world_size": size,
@@ -78,11 +111,20 @@ def _write(path, optim_state: dict, size: int, generator: torch.Generator | None
         "rng": get_rng_state(),
         "cuda_rng": _cuda_rng_state(),
         "cuda_device": _own_cuda_device() if cuda_started() else None,
-        "generator": None if generator is None else generator.get_state(),
+        "generator": [g.get_state() for g in generators] or None,
     }
     tmp = Path(f"{os.fspath(path)}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:  # (torch.save reports a missing folder so)
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        reworded = type(error)(
+            f"save_checkpoint: rank 0 cannot write {os.fspath(path)!r} ({reason}); rank 0 "
+            "writes the checkpoint for every rank: pass a path in a folder that exists and that "
+            "rank 0 can write"
+        )
+        raise reworded from error
 
 
 def _cuda_rng_state() -> list[torch.Tensor] | None:
@@ -158,13 +200,16 @@ def load_checkpoint(
     path: str | os.PathLike,
     optim: PyroOptim,
     *,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     group: dist.ProcessGroup | None = None,
 ) -> dict:
     """Restore what :func:`save_checkpoint` wrote, on every rank (rank 0 reads, then broadcasts).
 
     Only rank 0 needs to see the file, but every rank makes the call (a collective: a
-    broadcast of the file's bytes). Restore before the first step, into a fresh param store.
+    broadcast of the file's bytes). Restore before the first step, into a fresh param store or
+    one the same model and guide have filled (a resumed run creates its parameters first): every
+    entry of the live param store must be in the checkpoint with the same shape (the checkpoint
+    may hold more, such as the ELBO's sequence position).
     In a world of several ranks, each rank loads the tensors saved on CUDA onto its own current
     CUDA device, and restores rank 0's device's random state into it (one GPU per rank); in one
     process, tensors and every device's random state go back where they were.
@@ -177,24 +222,35 @@ def load_checkpoint(
             type and with the same message on every rank, naming the file.
         ValueError: for a file that is not such a checkpoint, or that ``torch.load`` cannot load
             on some rank (a GPU fit's, on a rank without CUDA), raised on every rank together,
-            naming the file (on the other ranks, the failing rank too); or for a generator
-            state with no ``generator`` to restore it into (or the reverse).
+            naming the file (on the other ranks, the failing rank too); when ``generator=``
+            gives another number of generators than ``save_checkpoint`` was given; or when an
+            entry of the live param store is missing from the checkpoint or has another shape
+            there (another model), naming the first such entry. Nothing is restored then.
+        TypeError: for a ``generator`` that is neither a ``torch.Generator`` nor a sequence of
+            them.
+        RuntimeError: when this process is not a member of ``group``.
         Exception: whatever ``optim.set_state`` raised on any rank (a ``QNVB`` built with other
             settings: a ``ValueError`` naming the block and the settings), on every rank
             together; the param store, the random states and every rank's optimizer state are
             then left as they were.
     """
     _, size = world(group)
+    generators = _generators(generator, "load_checkpoint")
     state = _load_state(os.fspath(path), group)
+    saved_generators = state["generator"]
+    if isinstance(saved_generators, torch.Tensor):  # (one generator, as the first version saved)
+        saved_generators = [saved_generators]
+    saved_generators = saved_generators or []
     before = optim.get_state()
     refused = None
     try:  # first: a refused state (other settings) leaves the param store as it was
-        if (state["generator"] is None) != (generator is None):
+        if len(saved_generators) != len(generators):
             raise ValueError(
-                "load_checkpoint: the checkpoint was saved "
-                + ("without" if state["generator"] is None else "with")
-                + " a generator; pass generator= exactly when the fit's ELBO has one"
+                f"load_checkpoint: {os.fspath(path)!r} holds the states of "
+                f"{len(saved_generators)} generator(s), and generator= gives {len(generators)}; "
+                + _GENERATOR_FIX
             )
+        _check_param_store(state["param_store"], os.fspath(path))
         optim.set_state(state["optim"])
     except Exception as error:  # raised below on every rank, after every rank has heard of it
         refused = error
@@ -214,6 +270,27 @@ def load_checkpoint(
         else:  # one GPU per rank: rank 0's device's state into this rank's device
             saved = state["cuda_rng"][state.get("cuda_device") or 0]
             torch.cuda.set_rng_state(saved, _own_cuda_device())
-    if generator is not None:
-        generator.set_state(state["generator"])
+    for live, saved in zip(generators, saved_generators):
+        live.set_state(saved)
     return {"world_size": state["world_size"]}
+
+
+def _check_param_store(saved: dict, path: str) -> None:
+    """Refuse a checkpoint of another model: every entry of the live param store must be in the
+    saved one (``get_state()``'s) with the same shape. A fresh store passes."""
+    saved_params = saved["params"]
+    for name, value in pyro.get_param_store().get_state()["params"].items():
+        if name not in saved_params:
+            found = "is not in the checkpoint"
+        elif tuple(saved_params[name].shape) != tuple(value.shape):
+            found = (
+                f"has shape {tuple(saved_params[name].shape)} in the checkpoint and "
+                f"{tuple(value.shape)} here"
+            )
+        else:
+            continue
+        raise ValueError(
+            f"load_checkpoint: {path!r} is the fit of another model: the parameter {name!r} of "
+            f"the live param store {found}; build the model and guide of the saved fit (or "
+            "load into a fresh param store, pyro.clear_param_store())"
+        )

@@ -32,9 +32,23 @@ __all__ = [
 
 
 def world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """``(rank, world size)`` in ``group``; ``(0, 1)`` when ``torch.distributed`` is not set up."""
+    """``(rank, world size)`` in ``group``; ``(0, 1)`` when ``torch.distributed`` is not set up.
+
+    Every function and class of :mod:`pyro_quadvi.distributed` finds its rank here, so each
+    refuses a group the calling process is not a member of.
+
+    Raises:
+        RuntimeError: when the calling process is not a member of ``group`` (torch would report
+            rank ``-1``, and the callers would compute with it).
+    """
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise RuntimeError(
+                f"global rank {dist.get_rank()} is not a member of this process group; make "
+                "these calls only on its ranks"
+            )
+        return rank, dist.get_world_size(group)
     return 0, 1
 
 
@@ -220,28 +234,86 @@ def _global_states() -> tuple[torch.Tensor, torch.Tensor | None]:
     return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda_started() else None
 
 
-def all_reduce_mean_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None):
+ORDER_FIX = (
+    "pass the same tensors in the same order on every rank: sort them by a name every rank "
+    "shares (Pyro's param store name, pyro.get_param_store().param_name(p), as "
+    "DistributedOptimizer does; SVI hands an optimizer its parameters in an order that differs "
+    "between ranks)"
+)
+
+
+def all_reduce_mean_(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    *,
+    check_shapes: bool = True,
+):
     """Replace each tensor by its mean over the ranks, in one all-reduce per dtype and device.
+
+    **Every rank must pass the same tensors in the same order**: the tensors are laid end to end
+    and the ranks' buffers added entry by entry, so a rank that passes ``[a, b]`` while another
+    passes ``[b, a]`` (same sizes) adds ``a`` to ``b`` without any error. ``SVI`` hands an
+    optimizer its parameters as a set whose order differs between ranks: sort them by their name
+    in Pyro's param store (``pyro.get_param_store().param_name(p)``), as
+    :class:`~pyro_quadvi.distributed.DistributedOptimizer` does.
 
     The sum is IEEE arithmetic: a value that is not finite on any rank makes that entry not finite
     (NaN or infinite) on every rank, and every rank receives the same bits (ring and tree
     all-reduces reduce each entry once and hand the result to all), so the optimizers' guards skip
     the same coordinates everywhere.
+
+    Args:
+        tensors: the tensors, reduced in place.
+        group: the process group (``None``: the default group).
+        check_shapes: first compare the number and the shapes of the tensors, in order, across
+            the ranks (one ``all_gather`` of two numbers per rank, before the reduction), and
+            raise on every rank if they differ. It catches an order that differs between tensors
+            of different shapes, not between tensors of the same shape; ``False`` skips it (the
+            package's own optimizers, which checked the names already, skip it).
+
+    Raises:
+        RuntimeError: with ``check_shapes``, on every rank, when the ranks' tensors differ in
+            number or shapes (in order).
     """
-    _fused_all_reduce_(tensors, group, mean=True)
+    _fused_all_reduce_(tensors, group, mean=True, check_shapes=check_shapes)
 
 
-def all_reduce_sum_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None):
+def all_reduce_sum_(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    *,
+    check_shapes: bool = True,
+):
     """Replace each tensor by its sum over the ranks, as :func:`all_reduce_mean_` does its mean
-    (one all-reduce per dtype and device; the same bits on every rank)."""
-    _fused_all_reduce_(tensors, group, mean=False)
+    (one all-reduce per dtype and device; the same bits on every rank).
+
+    **Every rank must pass the same tensors in the same order** (sorted by a name the ranks share,
+    such as Pyro's param store name): :func:`all_reduce_mean_` says why, and what
+    ``check_shapes`` checks.
+    """
+    _fused_all_reduce_(tensors, group, mean=False, check_shapes=check_shapes)
 
 
 def _fused_all_reduce_(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, *, mean: bool
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    *,
+    mean: bool,
+    check_shapes: bool,
 ) -> None:
     _, size = world(group)
-    if size == 1 or not tensors:
+    if size == 1:
+        return
+    if check_shapes:  # (before the early return: a rank with no tensors must meet the others)
+        shapes = repr([tuple(t.shape) for t in tensors]).encode()
+        layout = torch.tensor([float(len(tensors)), float(zlib.crc32(shapes))])
+        check_agreement(
+            layout,
+            "the number and shapes of the tensors to reduce (in order)",
+            group,
+            fix=ORDER_FIX,
+        )
+    if not tensors:
         return
     buckets: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:

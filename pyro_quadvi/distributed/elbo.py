@@ -50,7 +50,9 @@ class DistributedQuadratureELBO(QuadratureELBO):
         check_nodes: compare fingerprints of the step's nodes and weights (and, with
             ``parallel="nodes"``, of the minibatch) across ranks every step, in the step's one
             small collective, and raise on every rank if they differ.
-        group: the process group (``None``: the default group).
+        group: the process group (``None``: the default group); a ``RuntimeError`` when this
+            process is not a member. Built with one, the ELBO cannot be deep-copied or pickled
+            (torch cannot pickle a ``ProcessGroup``).
 
     Attributes:
         share: with ``parallel="data"``, this rank's fraction ``B_r / B`` of the minibatch's rows;
@@ -74,6 +76,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
         check_nodes: bool = True,
         group: dist.ProcessGroup | None = None,
     ):
+        world(group)  # refuses a group this process is not a member of
         super().__init__(rule, num_points, vectorize, max_plate_nesting, generator, name)
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")

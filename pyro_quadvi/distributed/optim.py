@@ -86,7 +86,13 @@ class DistributedOptimizer(PyroOptim):
             parameters have moments, or on the rows of a block in a subsampled plate (a local
             latent, data parallel: a mean cannot combine different rows; node parallel, where every
             rank has the whole minibatch, fits local latents), or for a parameter without a name in
-            Pyro's param store (``module_local_params=True``): names order the reduction.
+            Pyro's param store (``module_local_params=True``): names order the reduction; and
+            in the constructor, when this process is not a member of ``group``.
+
+    Built with ``group=`` (a ``ProcessGroup``), it cannot be deep-copied or pickled (torch
+    cannot pickle a ``ProcessGroup``): save and restore it with
+    :func:`~pyro_quadvi.distributed.save_checkpoint` and
+    :func:`~pyro_quadvi.distributed.load_checkpoint`.
     """
 
     def __init__(
@@ -114,6 +120,7 @@ class DistributedOptimizer(PyroOptim):
                     else ""
                 )
             )
+        world(group)  # refuses a group this process is not a member of
         # PyroOptim.__init__ is not called: every PyroOptim attribute is optim's (__getattr__)
         self.optim = optim
         self.shard_update = shard_update
@@ -244,7 +251,7 @@ class DistributedOptimizer(PyroOptim):
         for m in moments:
             if m is not None:
                 tensors += [m.g, m.h]
-        all_reduce_mean_(tensors, self.group)
+        all_reduce_mean_(tensors, self.group, check_shapes=False)  # (names compared above)
         rank, size = world(self.group)
         named_blocks = [(name, m) for (name, _), m in zip(named, moments) if m is not None]
         if self.shard_update:

@@ -33,6 +33,7 @@ from .comm import (
     check_sections,
     global_rank,
     node_sections,
+    raise_together,
     world,
 )
 
@@ -71,7 +72,9 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         check_nodes: compare the step's count, the dimension, number of nodes, weights, the first
             node and a one-pass step's batch (projections of them) across the ranks every step
             (one small collective), and raise on every rank if they differ.
-        group: the process group (``None``: the default group).
+        group: the process group (``None``: the default group); a ``RuntimeError`` when this
+            process is not a member. Built with one, the optimizer cannot be deep-copied or
+            pickled (torch cannot pickle a ``ProcessGroup``): save its ``state_dict()``.
         **kwargs: the keyword arguments of ``QNVBOptimizer`` (``likelihood_weight``,
             ``quadrature``, ``num_eval``, ``generator``, the hyperparameters).
 
@@ -88,6 +91,13 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         ValueError: at a step, on every rank, when the rule has fewer nodes than ranks.
         RuntimeError: at a step, on every rank, when the ranks drew different nodes or were given
             different batches (``check_nodes``).
+        Exception: at a step, on every rank, when the closure or ``loss_fn`` raised on some rank:
+            that rank raises its error, the others one of its type (a ``RuntimeError`` where the
+            type takes other arguments) naming the failing rank and its message. The flag rides
+            in the step's all-reduce of the gradient flags (no collective more; the messages cost
+            one ``all_gather_object``, on a refusal only). The step is not taken: the
+            parameters, the QNVB state, the step count and the generator's state are as before
+            it on every rank, so catching the error on every rank lets training go on in step.
     """
 
     def __init__(
@@ -104,6 +114,8 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         self.check_nodes = check_nodes
         self.group = group
         self._batch: tuple | None = None
+        self._failure: Exception | None = None  # this rank's error evaluating the step's nodes
+        self._generator_state: torch.Tensor | None = None  # the generator's before the step
         if world(group)[1] > 1:
             self._check_model()
             with torch.no_grad():
@@ -145,10 +157,14 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         """
         if loss_fn is not None:
             self._batch = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
+        # (restored if the step is refused: one copy of a few kilobytes per step, no collective)
+        self._generator_state = None if self.generator is None else self.generator.get_state()
         try:
             return super().step(closure, loss_fn=loss_fn, batch=batch, vectorize=vectorize)
         finally:
             self._batch = None
+            self._failure = None
+            self._generator_state = None
 
     def _local_nodes(self, nodes: NodeSet) -> NodeSet:
         """Nodes ``r, r + W, ...`` of the step (checked to be the same step, on the same batch,
@@ -180,23 +196,72 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
             )
         return _NodeShare(nodes, rank, size)
 
+    def _closure_moments(self, params, nodes, closure):
+        """:meth:`QNVBOptimizer._closure_moments`, an error kept for :meth:`_combine` to raise on
+        every rank."""
+        return self._caught(super()._closure_moments, params, nodes, closure)
+
+    def _one_pass_moments(self, params, nodes, loss_fn, batch, vectorize):
+        """:meth:`QNVBOptimizer._one_pass_moments`, an error kept for :meth:`_combine` to raise on
+        every rank."""
+        return self._caught(super()._one_pass_moments, params, nodes, loss_fn, batch, vectorize)
+
+    def _caught(self, evaluate: Callable, params, *args):
+        """``evaluate(params, *args)``; with several ranks, an error it raises is kept
+        (:attr:`_failure`) and the step goes on to :meth:`_combine` with no moments, so that the
+        other ranks, waiting there, hear of it instead of waiting for the process group's timeout.
+        """
+        if world(self.group)[1] == 1:
+            return evaluate(params, *args)
+        try:
+            return evaluate(params, *args)
+        except Exception as error:  # raised on every rank by _combine
+            self._failure = error
+            first = params[0][0]
+            return torch.zeros((), dtype=first.dtype, device=first.device), [None] * len(params)
+
     @torch.no_grad()
     def _combine(self, params, loss_avg: torch.Tensor, moments: list):
         """Sum the ranks' weighted sums; a parameter with a gradient on some rank only counts as
-        a zero gradient on the others."""
+        a zero gradient on the others.
+
+        The flags of which parameters have gradients carry one more: whether this rank's
+        evaluation raised. If any rank's did, every rank refuses the step (:meth:`_refuse`)."""
         _, size = world(self.group)
         if size == 1:
             return loss_avg, moments
         seen = torch.tensor(
-            [m is not None for m in moments], dtype=torch.int64, device=loss_avg.device
+            [m is not None for m in moments] + [self._failure is not None],
+            dtype=torch.int64,
+            device=loss_avg.device,
         )
         dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        flags = seen.tolist()
+        if flags.pop():
+            self._refuse(params)
         moments = [
             (m if m is not None else (torch.zeros_like(p), torch.zeros_like(p)))
             if any_rank
             else None
-            for (p, _), m, any_rank in zip(params, moments, seen.tolist())
+            for (p, _), m, any_rank in zip(params, moments, flags)
         ]
         loss_avg = loss_avg.clone()
-        all_reduce_sum_([loss_avg] + [t for m in moments if m is not None for t in m], self.group)
+        tensors = [loss_avg] + [t for m in moments if m is not None for t in m]
+        all_reduce_sum_(tensors, self.group, check_shapes=False)  # (shapes checked when built)
         return loss_avg, moments
+
+    def _refuse(self, params) -> None:
+        """Refuse the step on every rank: the parameters back to their means (gradients cleared)
+        and the generator back to its state before the step, so the optimizer's state is as it
+        was; then the failing rank raises its error, the others one of its type naming it (one
+        ``all_gather_object`` of the messages, made only here)."""
+        for p, _ in params:
+            p.copy_(self.state[p]["mu"])
+            p.grad = None
+        if self._generator_state is not None:
+            self.generator.set_state(self._generator_state)
+        raise_together(
+            self._failure,
+            "NodeParallelQNVBOptimizer.step: evaluating the loss (the closure or loss_fn)",
+            self.group,
+        )
