@@ -162,12 +162,15 @@ def opqa_evidence(
         ``laplace_log_evidence`` (for ``center="laplace"``), ``energy_by_degree`` (the share of
         ``sum a^2`` at each total degree: it should fall off), ``edge_fraction`` (the share of
         the coefficients with a coordinate at degree ``num_points - 1``: large means too few
-        points or a weight that misses the posterior), ``vectorized`` (and
+        points or a weight that misses the posterior, but small is no error estimate; compare
+        the evidence at two values of ``num_points`` for that), ``vectorized`` (and
         ``vectorize_fallback``, why not), ``dtype`` (``torch.float64``), the evaluation counts
         and ``time_s``.
 
     Raises:
-        ValueError: for discrete or enumerated latents, a subsampled plate, a model without
+        ValueError: for discrete or enumerated latents, a latent with masked-out entries
+            (``poutine.mask``, ``Distribution.mask``, the ``*_unobserved`` latent of
+            ``obs_mask``: the evidence is not defined), a subsampled plate, a model without
             latents, a grid above ``max_nodes`` (use fewer points), an unknown ``center``, a
             guide that was not fitted, a log joint that is not finite at the centre of the weight
             or at a grid node, a model that does not run in float64, a model whose latents and
