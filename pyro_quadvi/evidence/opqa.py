@@ -448,10 +448,8 @@ def _check_latent_not_masked(name: str, site: dict, trace) -> None:
         if isinstance(fn, MaskedDistribution):
             masks.append(torch.as_tensor(fn._mask))
         fn = fn.base_dist
-    masked = [mask for mask in masks if not bool(mask.all())]
-    if not masked:
+    if all(bool(mask.all()) for mask in masks):
         return
-    off = sum(int((~mask).sum()) for mask in masked)
     base = name.removesuffix("_unobserved")
     if base != name and f"{base}_observed" in trace.nodes:
         raise ValueError(
@@ -463,7 +461,7 @@ def _check_latent_not_masked(name: str, site: dict, trace) -> None:
             "count 0"
         )
     raise ValueError(
-        f"opqa_evidence: latent site {name!r} is masked ({off} masked-out entries, by "
+        f"opqa_evidence: latent site {name!r} has masked-out entries (a False in its mask, by "
         "poutine.mask or Distribution.mask): the model gives them no density, "
         f"{_NO_EVIDENCE}. Mask only the likelihood of "
         "observed sites, and give every latent its density (or remove the latent)"
