@@ -198,15 +198,18 @@ def test_infinite_values_have_no_density():
 
 def test_the_support_of_a_concatenated_or_stacked_transform_is_checked_piece_by_piece():
     """``biject_to`` of a ``cat`` or ``stack`` of intervals: its codomain is the pieces' Affine
-    parts' (the real line), so each piece is checked in its own interval."""
+    parts' (the real line), so each piece is checked in its own interval, open: the bounds 0 and
+    2 are outside, as the Sigmoid inside never reaches them."""
     from torch.distributions import biject_to, constraints
 
     from pyro_quadvi.evidence.posterior import _in_image
 
     unit, wide = constraints.interval(0.0, 1.0), constraints.interval(0.0, 2.0)
-    values = torch.tensor([[0.5, 1.5], [5.0, 1.0], [0.5, 2.5], [0.0, 2.0]], dtype=F64)
+    values = torch.tensor(
+        [[0.5, 1.5], [5.0, 1.0], [0.5, 2.5], [0.0, 2.0], [1e-3, 1.999]], dtype=F64
+    )
     cat = biject_to(constraints.cat([unit, wide], dim=-1, lengths=[1, 1]))
     stack = biject_to(constraints.stack([unit, wide], dim=-1))
     for transform in (cat, stack):
-        inside = _in_image(transform, values, torch.Size([4]))
-        assert inside.tolist() == [True, False, False, True]
+        inside = _in_image(transform, values, torch.Size([5]))
+        assert inside.tolist() == [True, False, False, False, True]

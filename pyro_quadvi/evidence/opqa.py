@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import tqdm
 from pyro import poutine
+from pyro.distributions import MaskedDistribution
 from pyro.infer.autoguide import AutoLowRankMultivariateNormal
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
@@ -161,12 +162,15 @@ def opqa_evidence(
         ``laplace_log_evidence`` (for ``center="laplace"``), ``energy_by_degree`` (the share of
         ``sum a^2`` at each total degree: it should fall off), ``edge_fraction`` (the share of
         the coefficients with a coordinate at degree ``num_points - 1``: large means too few
-        points or a weight that misses the posterior), ``vectorized`` (and
+        points or a weight that misses the posterior, but small is no error estimate; compare
+        the evidence at two values of ``num_points`` for that), ``vectorized`` (and
         ``vectorize_fallback``, why not), ``dtype`` (``torch.float64``), the evaluation counts
         and ``time_s``.
 
     Raises:
-        ValueError: for discrete or enumerated latents, a subsampled plate, a model without
+        ValueError: for discrete or enumerated latents, a latent with masked-out entries
+            (``poutine.mask``, ``Distribution.mask``, the ``*_unobserved`` latent of
+            ``obs_mask``: the evidence is not defined), a subsampled plate, a model without
             latents, a grid above ``max_nodes`` (use fewer points), an unknown ``center``, a
             guide that was not fitted, a log joint that is not finite at the centre of the weight
             or at a grid node, a model that does not run in float64, a model whose latents and
@@ -393,9 +397,13 @@ def _drawn_on(devices: dict[str, torch.device]) -> str:
 
 
 def _check_sample_sites(model: Callable, args: tuple, kwargs: dict) -> None:
-    """Refuse what would change the integrand unseen: a subsampled plate, a sample site scaled by
-    ``poutine.scale`` (a tempered likelihood), observed data with NaN; each named."""
+    """Refuse what would change the integrand unseen: a subsampled plate, a masked latent (the
+    integral over it is infinite), a sample site scaled by ``poutine.scale`` (a tempered
+    likelihood), observed data with NaN; each named."""
     trace = poutine.trace(poutine.block(model, hide_types=["param"])).get_trace(*args, **kwargs)
+    for name, site in trace.nodes.items():
+        if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site):
+            _check_latent_not_masked(name, site, trace)
     for name, site in trace.nodes.items():
         if site["type"] == "sample" and site_is_subsample(site):
             if site["value"].numel() != site["fn"].size:
@@ -422,6 +430,42 @@ def _check_sample_sites(model: Callable, args: tuple, kwargs: dict) -> None:
                 check_observed_not_nan(site, before="computing the evidence (and the fit)")
             except ValueError as error:
                 raise ValueError(f"opqa_evidence: {error}") from None
+
+
+_NO_EVIDENCE = (
+    "so the evidence is not defined: a log density of 0 is Lebesgue measure, not a probability, "
+    "and the integral over those entries is infinite (the support's volume on a bounded one)"
+)
+
+
+def _check_latent_not_masked(name: str, site: dict, trace) -> None:
+    """Refuse a latent with masked-out entries (``poutine.mask``, ``Distribution.mask`` or the
+    ``*_unobserved`` latent of ``obs_mask``): the log joint does not depend on them, so the
+    evidence integral over them is improper, and any finite grid gives a finite, wrong value."""
+    masks = [] if site["mask"] is None else [torch.as_tensor(site["mask"])]
+    fn = site["fn"]
+    while hasattr(fn, "base_dist"):  # Independent, MaskedDistribution
+        if isinstance(fn, MaskedDistribution):
+            masks.append(torch.as_tensor(fn._mask))
+        fn = fn.base_dist
+    if all(bool(mask.all()) for mask in masks):
+        return
+    base = name.removesuffix("_unobserved")
+    if base != name and f"{base}_observed" in trace.nodes:
+        raise ValueError(
+            f"opqa_evidence: latent site {name!r}, made by pyro.sample({base!r}, ..., obs=..., "
+            "obs_mask=...), has its observed entries masked out: the model gives them no density, "
+            f"{_NO_EVIDENCE}. Drop the "
+            "missing rows from the data; or fill them with any finite value and, instead of "
+            f"obs_mask, observe {base!r} under poutine.mask(mask=obs_mask), so the missing rows "
+            "count 0"
+        )
+    raise ValueError(
+        f"opqa_evidence: latent site {name!r} has masked-out entries (a False in its mask, by "
+        "poutine.mask or Distribution.mask): the model gives them no density, "
+        f"{_NO_EVIDENCE}. Mask only the likelihood of "
+        "observed sites, and give every latent its density (or remove the latent)"
+    )
 
 
 def _build_weight(center, guide, log_joint, sites, dim, device, args, kwargs) -> GaussianWeight:

@@ -22,7 +22,10 @@ from torch.distributions.transforms import (
     CatTransform,
     ComposeTransform,
     IndependentTransform,
+    SigmoidTransform,
     StackTransform,
+    StickBreakingTransform,
+    TanhTransform,
     Transform,
 )
 
@@ -128,31 +131,34 @@ class OPQAPosterior:
         log_q = 2.0 * self.polynomial(x).abs().log() + log_phi - log_det
         return log_q.reshape(z.shape[:-1])
 
-    def log_prob(self, values: Mapping[str, torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    def log_prob(self, values: Mapping[str, torch.Tensor] | torch.Tensor | float) -> torch.Tensor:
         """Log density at the model's constrained latents.
 
         Args:
             values: ``{site: value}`` with every latent site, each of shape
-                ``batch + constrained site shape`` (a common ``batch``); a tensor for a model
-                with one latent site.
+                ``batch + constrained site shape`` (a common ``batch``) and anything
+                ``torch.as_tensor`` takes (a tensor, a number, a list, a NumPy array); for a model
+                with one latent site, the value itself.
 
         Returns:
-            The log density of shape ``batch``, with the log-Jacobian of ``theta -> z``; ``-inf``
-            where a value lies outside its site's support (the image of the site's transform) or
-            is infinite (the density vanishes there); NaN where a value is NaN.
+            The log density of shape ``batch``, with the log-Jacobian of ``theta -> z``. NaN where
+            a value is NaN; ``-inf`` where a value is infinite, outside its site's support, or on
+            the boundary of the support (the open image of the site's transform): ``p_T^2 phi``
+            decays faster than any Jacobian there (a Gaussian tail in ``z``), so the density's
+            limit at the boundary is 0 even where the true posterior's is not.
         """
-        if isinstance(values, torch.Tensor):
+        if not isinstance(values, Mapping):
             if len(self.sites) != 1:
                 raise ValueError(
                     "log_prob needs a dict {site: value} for a model with several latent sites: "
                     f"{[site.name for site in self.sites]}"
                 )
             values = {self.sites[0].name: values}
-        flats, log_jacobian, batch, inside = [], 0.0, None, True
+        flats, log_jacobian, batch, inside, nan = [], 0.0, None, True, False
         for site in self.sites:
             if site.name not in values:
                 raise ValueError(f"log_prob: no value for the latent site {site.name!r}")
-            value = torch.as_tensor(values[site.name], dtype=torch.float64, device=self.loc.device)
+            value = _as_float64(values[site.name], site.name, self.loc.device)
             shape = tuple(site.transform.forward_shape(site.shape))
             if tuple(value.shape[value.dim() - len(shape) :]) != shape:
                 raise ValueError(
@@ -166,14 +172,20 @@ class OPQAPosterior:
                     f"{tuple(site_batch)} at {site.name!r})"
                 )
             batch = site_batch
+            nan = torch.isnan(value).reshape((*batch, -1)).any(-1) | nan
             infinite = torch.isinf(value).reshape((*batch, -1)).any(-1)
             inside = _in_image(site.transform, value, batch) & ~infinite & inside
             z = site.transform.inv(value)
+            # a value on the boundary has an infinite inverse where the inverse does not clamp
+            inside = torch.isfinite(z).reshape((*batch, -1)).all(-1) & inside
             ladj = site.transform.log_abs_det_jacobian(z, value)
             log_jacobian = log_jacobian + ladj.reshape((*batch, -1)).sum(-1)
             flats.append(z.reshape((*batch, site.numel)))
-        log_q = self.log_prob_unconstrained(torch.cat(flats, -1)) - log_jacobian
-        return torch.where(inside, log_q, -math.inf)
+        # the points outside are evaluated at the centre, so no inf or NaN enters the solve
+        flat = torch.where(inside[..., None], torch.cat(flats, -1), self.loc)
+        log_q = self.log_prob_unconstrained(flat) - log_jacobian
+        log_q = torch.where(inside, log_q, -math.inf)
+        return torch.where(nan, math.nan, log_q)
 
     def _x_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact mean and covariance of ``x`` under ``p_T^2 phi``.
@@ -352,9 +364,39 @@ def _in_image(transform: Transform, value: torch.Tensor, batch: torch.Size) -> t
             inside = inside & _in_image(part, piece, batch)
         return inside
     if not isinstance(transform, ComposeTransform):
-        return transform.codomain.check(value).reshape((*batch, -1)).all(-1)
+        return _in_open_image(transform, value).reshape((*batch, -1)).all(-1)
     inside = torch.ones(batch, dtype=torch.bool, device=value.device)
     for part in reversed(transform.parts):
         inside = inside & _in_image(part, value, batch)
         value = part.inv(value)
     return inside
+
+
+def _in_open_image(transform: Transform, value: torch.Tensor) -> torch.Tensor:
+    """Whether ``value`` lies in the image of a transform that is not composed.
+
+    The image is the codomain, except where the codomain is closed and the image open: a
+    ``Sigmoid`` reaches ``(0, 1)`` and a ``Tanh`` ``(-1, 1)``, never the bounds, and a
+    ``StickBreaking`` the simplex with every entry above 0, never its faces. The ``Sigmoid``'s
+    inverse clamps the bounds to finite values, so without this a bound would get a finite (and
+    huge, negative) density instead of the limit 0.
+    """
+    inside = transform.codomain.check(value)
+    if isinstance(transform, SigmoidTransform):
+        return inside & (value > 0) & (value < 1)
+    if isinstance(transform, TanhTransform):
+        return inside & (value > -1) & (value < 1)
+    if isinstance(transform, StickBreakingTransform):
+        return inside & (value > 0).all(-1)
+    return inside
+
+
+def _as_float64(value, name: str, device: torch.device) -> torch.Tensor:
+    """``value`` (a tensor, a number, a list, a NumPy array) as a float64 tensor on ``device``."""
+    try:
+        return torch.as_tensor(value, dtype=torch.float64, device=device)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(
+            f"log_prob: the value of site {name!r} must be a tensor, a number or an array-like "
+            f"that torch.as_tensor takes, got {type(value).__name__} ({error})"
+        ) from None

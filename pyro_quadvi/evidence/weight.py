@@ -127,6 +127,15 @@ def laplace_weight(
     hessian = 0.5 * (hessian + hessian.T)
     factor, info = torch.linalg.cholesky_ex(hessian)
     if info.item() != 0 or not torch.isfinite(factor).all():
+        flat = _flat_sites(log_joint.sites, hessian)
+        if flat:
+            raise ValueError(
+                "opqa_evidence(center='laplace'): the log joint does not depend on "
+                f"{', '.join(flat)} near the point found (z = {mode.tolist()}): a flat direction "
+                "(a latent with an improper prior that no term informs), along which the integral "
+                "is infinite, so the evidence does not exist and no weight (center='guide' "
+                "neither) gives it; give the latent a proper prior, or remove it"
+            )
         raise ValueError(
             "opqa_evidence(center='laplace'): the Hessian of the negative log joint at the point "
             f"found (z = {mode.tolist()}) is not positive definite, so there is no isolated mode "
@@ -143,6 +152,17 @@ def laplace_weight(
             stacklevel=3,
         )
     return GaussianWeight(mode, scale_tril, evaluations, {"map_gradient_norm": grad_norm})
+
+
+def _flat_sites(sites: Sequence[LatentSite], hessian: torch.Tensor) -> list[str]:
+    """The sites (``'name'`` or ``'name' (entry k)``) of the coordinates whose Hessian row is 0."""
+    flat, start = [], 0
+    for site in sites:
+        rows = hessian[start : start + site.numel]
+        for k in (rows == 0).all(-1).nonzero().flatten().tolist():
+            flat.append(f"{site.name!r}" + (f" (entry {k})" if site.numel > 1 else ""))
+        start += site.numel
+    return flat
 
 
 def guide_weight(
