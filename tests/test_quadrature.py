@@ -274,6 +274,18 @@ def test_blocked_signs_are_one_byte_per_block_and_multiply_the_unsigned_nodes(di
         assert (per_coordinate == 1).any() and (per_coordinate == -1).any()
 
 
+def test_unsigned_blocked_draws_are_the_rules_draws_before_the_signs():
+    """``random_signs=False`` is bit for bit the rule as it drew before the signs (the checksum
+    tests/test_meta_device.py pinned then: dim 10, step 2, seed 3, sum of X * sin(1..K dim), and
+    the generator's next randint(0, 1000))."""
+    rule = make_rule("blocked_simplex", random_signs=False)
+    generator = torch.Generator().manual_seed(3)
+    X = rule.draw(10, step=2, generator=generator, dtype=torch.float64).matrix()
+    weights = torch.arange(1, X.numel() + 1, dtype=torch.float64).reshape(X.shape).sin()
+    assert round(float((X * weights).sum()), 12) == 0.827099233154
+    assert int(torch.randint(0, 1000, (), generator=generator)) == 149
+
+
 def test_blocked_random_signs_must_be_a_bool():
     with pytest.raises(ValueError, match="blocked_simplex: random_signs must be True or False"):
         make_rule("blocked_simplex", random_signs=1)
