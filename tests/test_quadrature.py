@@ -248,6 +248,49 @@ def test_rasp_one_node_at_a_time_across_gather_chunks(name):
         assert torch.equal(node_set.node(k), table[index, k])
 
 
+@pytest.mark.parametrize("dim", [1, 7, 300, 301])
+def test_blocked_signs_are_one_byte_per_block_and_multiply_the_unsigned_nodes(dim):
+    """The default ``blocked_simplex`` draws the unsigned rule's permutations, then one int8 sign
+    per block: from the same generator state its nodes are the unsigned nodes times the block's
+    sign, and its table (``r K`` float64) is the unsigned rule's."""
+    signed, unsigned = (
+        make_rule("blocked_simplex"),
+        make_rule("blocked_simplex", random_signs=False),
+    )
+    assert signed.random_signs and not unsigned.random_signs
+    assert repr(unsigned) == "BlockedSimplexRule(num_points=3, random_signs=False)"
+    assert signed.table_bytes() == unsigned.table_bytes() == 2 * 3 * 8
+    node_set = signed.draw(dim, generator=torch.Generator().manual_seed(3))
+    blocks = -(-dim // 2)
+    assert node_set.signs.dtype == torch.int8 and node_set.signs.shape == (blocks,)
+    assert set(node_set.signs.tolist()) <= {-1, 1}
+    assert node_set.perms.dtype == torch.int8 and node_set.perms.shape == (blocks, 3)
+    assert unsigned.draw(dim).signs is None
+    X, _ = signed.nodes(dim, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    U, _ = unsigned.nodes(dim, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    per_coordinate = node_set.signs.double().repeat_interleave(2)[:dim]
+    assert torch.equal(X, U * per_coordinate)
+    if dim == 301:
+        assert (per_coordinate == 1).any() and (per_coordinate == -1).any()
+
+
+def test_unsigned_blocked_draws_are_the_rules_draws_before_the_signs():
+    """``random_signs=False`` is bit for bit the rule as it drew before the signs (the checksum
+    tests/test_meta_device.py pinned then: dim 10, step 2, seed 3, sum of X * sin(1..K dim), and
+    the generator's next randint(0, 1000))."""
+    rule = make_rule("blocked_simplex", random_signs=False)
+    generator = torch.Generator().manual_seed(3)
+    X = rule.draw(10, step=2, generator=generator, dtype=torch.float64).matrix()
+    weights = torch.arange(1, X.numel() + 1, dtype=torch.float64).reshape(X.shape).sin()
+    assert round(float((X * weights).sum()), 12) == 0.827099233154
+    assert int(torch.randint(0, 1000, (), generator=generator)) == 149
+
+
+def test_blocked_random_signs_must_be_a_bool():
+    with pytest.raises(ValueError, match="blocked_simplex: random_signs must be True or False"):
+        make_rule("blocked_simplex", random_signs=1)
+
+
 def test_rasp_state_is_one_byte_per_coordinate():
     for name in ("rasp_simplex", "rasp_cross"):
         node_set = make_rule(name).draw(1000, generator=torch.Generator().manual_seed(0))

@@ -12,7 +12,13 @@ import math
 import pytest
 import torch
 
-from pyro_quadvi.quadrature import hadamard_signs, make_rule, quadratic_exactness
+from pyro_quadvi.quadrature import (
+    BlockedSimplexRule,
+    hadamard_signs,
+    make_rule,
+    quadratic_exactness,
+    simplex_reference,
+)
 
 EXACT = 1e-12
 
@@ -176,22 +182,87 @@ def test_blocked_simplex_every_quadratic_within_a_block_is_exact(num_points, dim
     assert extra > 0
 
 
-def test_blocked_simplex_permutations_are_uniform():
-    """Each block's nodes are a uniformly random permutation of the K simplex vertices."""
+@pytest.mark.parametrize("random_signs", [True, False])
+def test_blocked_simplex_permutations_and_signs_are_uniform(random_signs):
+    """Each block's nodes are a uniformly random permutation of the K simplex vertices, times a
+    uniformly random sign (``random_signs=True``) or always ``+1`` (the paper's rule)."""
     num_points, dim, draws = 3, 2, 3000  # one block of two coordinates
-    rule = make_rule("blocked_simplex", num_points)
-    reference = rule.nodes(dim, generator=generator(0), dtype=torch.float64)[0]
-    counts = torch.zeros(num_points, num_points)
+    rule = BlockedSimplexRule(num_points, random_signs=random_signs)
+    vertices = simplex_reference(num_points - 1).T  # (K, r): vertex k
+    outcomes = 2 * math.factorial(num_points) if random_signs else math.factorial(num_points)
+    counts: dict[tuple, int] = {}
     g = generator(1)
     for _ in range(draws):
         X, _ = rule.nodes(dim, generator=g, dtype=torch.float64)
-        # which vertex sits at node k: match rows against the vertex set
-        vertex = (X[:, None, :] - reference[None, :, :]).abs().sum(-1).argmin(dim=1)
+        # which signed vertex sits at node k: match rows against +-vertices
+        signed = torch.cat([vertices, -vertices])  # (2K, r): row K + k is -vertex k
+        match = (X[:, None, :] - signed[None, :, :]).abs().sum(-1).argmin(dim=1)
+        assert torch.equal(X, signed[match])
+        sign = (match // num_points).unique()
+        assert sign.numel() == 1  # one sign per block
+        vertex = match % num_points
         assert sorted(vertex.tolist()) == list(range(num_points))
-        counts[torch.arange(num_points), vertex] += 1
-    expected = draws / num_points
-    sd = math.sqrt(draws * (1 / num_points) * (1 - 1 / num_points))
-    assert (counts - expected).abs().max().item() < 5 * sd
+        key = (int(sign), *vertex.tolist())
+        counts[key] = counts.get(key, 0) + 1
+    assert len(counts) == outcomes
+    p = 1 / outcomes
+    sd = math.sqrt(draws * p * (1 - p))
+    assert max(abs(c - draws * p) for c in counts.values()) < 5 * sd
+
+
+# (K, exponents on the block's first coordinates, unsigned value): the paper's rule gives these
+# odd moments the same nonzero value at every draw; hand-computed from the K = 3 vertices
+# (1.366, -0.366), (-0.366, 1.366), (-1, -1): x^3 -> (2.549 - 0.049 - 1) / 3 = 0.5, x_1^2 x_2 ->
+# (-0.683 + 0.183 - 1) / 3 = -0.5; for K = 4, from the vertices of simplex_reference(3).
+ODD_MONOMIALS = [
+    (3, (3, 0), 0.5),
+    (3, (2, 1), -0.5),
+    (3, (5, 0), None),
+    (4, (3, 0, 0), None),
+    (4, (1, 1, 1), None),
+    (4, (2, 1, 0), None),
+]
+
+
+@pytest.mark.parametrize("num_points, exponent, unsigned_value", ODD_MONOMIALS)
+def test_blocked_simplex_odd_moments_vanish_over_draws_only_with_random_signs(
+    num_points, exponent, unsigned_value
+):
+    """An odd-degree monomial within a block: the paper's rule (``random_signs=False``) gives it
+    the simplex's value (+-0.5 for K = 3), the same at every draw, where N(0, I) gives 0; with a
+    random sign per block its average over the draws is 0 (within 5 standard errors), while
+    every coordinate's quadratic stays exact draw by draw."""
+    r = num_points - 1
+    blocks, draws = 150, 200
+    dim = blocks * r
+    power = torch.tensor(exponent, dtype=torch.float64)
+    vertices = simplex_reference(r).T  # (K, r)
+    value = (vertices[:, : len(exponent)] ** power).prod(-1).mean().item()
+    if unsigned_value is not None:
+        assert value == pytest.approx(unsigned_value, abs=1e-12)
+    assert abs(value) > 0.1  # odd, and not integrated by the simplex
+    for random_signs in (True, False):
+        rule = BlockedSimplexRule(num_points, random_signs=random_signs)
+        g = generator(7)
+        per_draw = torch.empty(draws, dtype=torch.float64)
+        for t in range(draws):
+            X, w = rule.nodes(dim, generator=g, dtype=torch.float64)
+            x = X.reshape(num_points, blocks, r)[:, :, : len(exponent)]
+            monomial = w @ (x**power).prod(-1)  # (blocks,): the quadrature of each block
+            assert (w @ X).abs().max().item() < EXACT
+            assert (w @ X**2 - 1).abs().max().item() < EXACT
+            per_draw[t] = monomial.mean()
+            if random_signs:
+                assert torch.allclose(monomial.abs(), torch.full_like(monomial, abs(value)))
+            else:
+                assert torch.allclose(monomial, torch.full_like(monomial, value))
+        mean = per_draw.mean().item()
+        se = per_draw.std().item() / math.sqrt(draws)
+        if random_signs:
+            assert abs(value) > 20 * se  # the test can tell 0 from the unsigned value
+            assert abs(mean) < 5 * se, (mean, se)
+        else:
+            assert se < EXACT and mean == pytest.approx(value, abs=EXACT)
 
 
 def test_blocked_simplex_products_across_blocks_match_the_tensor_product_in_expectation():
