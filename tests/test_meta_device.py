@@ -146,13 +146,11 @@ RULES += ["mc", "vrmc1", "vrmc2"]
 # Each rule's CPU nodes from torch.Generator().manual_seed(3), dim 10 (3 for gauss_hermite), step
 # 2, float64, computed before the device changes: (shape, sum of matrix * sin(1..K*dim), the next
 # randint(0, 1000) from the generator). The changes leave the CPU draws bit for bit as they were.
-# blocked_simplex: since its random signs per block (random_signs=False still draws the earlier
-# 0.827099233154 and 149, tests/test_quadrature.py).
 CPU_DRAWS = {
     "rasp_simplex": ((3, 10), -5.935834298275, 514),
     "rasp_cross": ((6, 10), 13.160357933652, 514),
     "hadamard": ((4, 10), -0.36351061259, 986),
-    "blocked_simplex": ((3, 10), -5.319912799538, 356),
+    "blocked_simplex": ((3, 10), 0.827099233154, 149),
     "gauss_hermite": ((27, 3), -1.139374549074, 986),
     "mc": ((3, 10), 5.955429589281, 737),
     "vrmc1": ((3, 10), 5.355711962665, 737),

@@ -250,12 +250,12 @@ def test_rasp_one_node_at_a_time_across_gather_chunks(name):
 
 @pytest.mark.parametrize("dim", [1, 7, 300, 301])
 def test_blocked_signs_are_one_byte_per_block_and_multiply_the_unsigned_nodes(dim):
-    """The default ``blocked_simplex`` draws the unsigned rule's permutations, then one int8 sign
-    per block: from the same generator state its nodes are the unsigned nodes times the block's
-    sign, and its table (``r K`` float64) is the unsigned rule's."""
+    """``blocked_simplex`` with ``random_signs=True`` draws the unsigned rule's permutations, then
+    one int8 sign per block: from the same generator state its nodes are the unsigned nodes times
+    the block's sign, and its table (``r K`` float64) is the unsigned rule's (the default)."""
     signed, unsigned = (
+        make_rule("blocked_simplex", random_signs=True),
         make_rule("blocked_simplex"),
-        make_rule("blocked_simplex", random_signs=False),
     )
     assert signed.random_signs and not unsigned.random_signs
     assert repr(unsigned) == "BlockedSimplexRule(num_points=3, random_signs=False)"
@@ -275,15 +275,22 @@ def test_blocked_signs_are_one_byte_per_block_and_multiply_the_unsigned_nodes(di
 
 
 def test_unsigned_blocked_draws_are_the_rules_draws_before_the_signs():
-    """``random_signs=False`` is bit for bit the rule as it drew before the signs (the checksum
-    tests/test_meta_device.py pinned then: dim 10, step 2, seed 3, sum of X * sin(1..K dim), and
-    the generator's next randint(0, 1000))."""
-    rule = make_rule("blocked_simplex", random_signs=False)
-    generator = torch.Generator().manual_seed(3)
-    X = rule.draw(10, step=2, generator=generator, dtype=torch.float64).matrix()
-    weights = torch.arange(1, X.numel() + 1, dtype=torch.float64).reshape(X.shape).sin()
-    assert round(float((X * weights).sum()), 12) == 0.827099233154
-    assert int(torch.randint(0, 1000, (), generator=generator)) == 149
+    """The default (``random_signs=False``) is bit for bit the rule as it drew before the signs
+    (the checksum tests/test_meta_device.py pins: dim 10, step 2, seed 3, sum of X * sin(1..K dim),
+    and the generator's next randint(0, 1000)); the signed rule draws others."""
+    sums = {}
+    for random_signs in (False, True):
+        rule = make_rule("blocked_simplex", random_signs=random_signs)
+        generator = torch.Generator().manual_seed(3)
+        X = rule.draw(10, step=2, generator=generator, dtype=torch.float64).matrix()
+        weights = torch.arange(1, X.numel() + 1, dtype=torch.float64).reshape(X.shape).sin()
+        sums[random_signs] = (
+            round(float((X * weights).sum()), 12),
+            int(torch.randint(0, 1000, (), generator=generator)),
+        )
+    assert sums[False] == (0.827099233154, 149)
+    assert sums[True] == (-5.319912799538, 356)
+    assert not make_rule("blocked_simplex").random_signs
 
 
 def test_blocked_random_signs_must_be_a_bool():

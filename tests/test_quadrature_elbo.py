@@ -285,14 +285,15 @@ def _fitted_beta22_locs(rule, steps=400, last=200):
 
 def test_blocked_simplex_random_signs_remove_the_skew_of_a_beta_fit():
     """In logit space ``Beta(2, 2)`` has density ``6 s(u)^2 s(-u)^2`` (``s`` the sigmoid, with
-    the Jacobian), symmetric about 0, so the best Gaussian has ``loc = 0``. The default rule
-    (``blocked_simplex`` with a random sign per block) averages there, within 5 standard errors of
+    the Jacobian), symmetric about 0, so the best Gaussian has ``loc = 0``. ``blocked_simplex``
+    with a random sign per block (``random_signs=True``) averages there, within 5 standard errors of
     the mean of 10 batches of the last steps. The paper's unsigned rule gives the single
-    coordinate the fixed offsets ``x = {1.366, -0.366, -1}`` at every step and settles at the
+    coordinate (the default) the fixed offsets ``x = {1.366, -0.366, -1}`` at every step and
+    settles at the
     minimum of ``-log s - mean_k log p(loc + s x_k)``, found here by scipy: ``loc = 0.050``."""
     from scipy.optimize import minimize
 
-    locs, _ = _fitted_beta22_locs(make_rule("blocked_simplex"))
+    locs, _ = _fitted_beta22_locs(BlockedSimplexRule(3, random_signs=True))
     batch_means = locs.reshape(10, -1).mean(1)
     se = batch_means.std().item() / math.sqrt(10)
     assert 0 < se < 0.01
@@ -307,7 +308,7 @@ def test_blocked_simplex_random_signs_remove_the_skew_of_a_beta_fit():
 
     reference = minimize(fixed_node_loss, np.zeros(2), method="BFGS", options={"gtol": 1e-10}).x
     assert reference[0] == pytest.approx(0.0503, abs=5e-4)
-    locs, scale = _fitted_beta22_locs(BlockedSimplexRule(3, random_signs=False))
+    locs, scale = _fitted_beta22_locs(make_rule("blocked_simplex"))
     assert locs.std().item() < 1e-3  # the same nodes at every step: no noise to average
     assert locs.mean().item() == pytest.approx(reference[0], abs=1e-3)
     assert scale == pytest.approx(math.exp(reference[1]), abs=1e-3)

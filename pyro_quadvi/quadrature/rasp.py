@@ -5,8 +5,8 @@
 * :class:`RASPRule`: each coordinate picks one signed reference dimension at random (Algorithm 3,
   eq. 13), stored as one small integer per coordinate.
 * :class:`BlockedSimplexRule`: simplex sigma points on blocks of consecutive coordinates, with the
-  nodes permuted independently per block (sequence paper, Section 3.1, Theorem 3.1) and, by
-  default, multiplied by a random sign per block.
+  nodes permuted independently per block (sequence paper, Section 3.1, Theorem 3.1) and, with
+  ``random_signs=True``, multiplied by a random sign per block.
 """
 
 from __future__ import annotations
@@ -207,8 +207,8 @@ class BlockedSimplexRule(QuadratureRule):
     within a block is exact (Section 3.1), and by Theorem 3.1 the expectation over the permutations
     of any product of such functions across blocks equals the tensor-product cubature.
 
-    With ``random_signs=True`` (the default) each block's points are also multiplied by an
-    independent random sign, one per block and draw. The paper's rule (``random_signs=False``)
+    With ``random_signs=True`` each block's points are also multiplied by an independent random
+    sign, one per block and draw. The paper's rule (``random_signs=False``, the default)
     gives every coordinate the same offsets at every step, whose third moment is not zero
     (``+0.5`` for ``K = 3``: the offsets are ``{1.366, -1, -0.366}``); any cubic part of the
     negative log density then pushes a fit the same way at every step, and the fit settles off the
@@ -221,8 +221,12 @@ class BlockedSimplexRule(QuadratureRule):
 
     Args:
         num_points: the number of nodes ``K >= 2``; blocks of ``r = K - 1`` coordinates.
-        random_signs: multiply each block's points by a random sign per draw (see above);
-            ``False`` is the sequence paper's rule as published.
+        random_signs: multiply each block's points by a random sign per draw (see above).
+            ``False``, the default, is the sequence paper's rule as published. The signs are
+            not the default because on hierarchical models (eight schools) the unsigned rule's
+            +0.5 third moment cancels part of its fourth moment's error on the
+            ``exp``-transformed scales, and the signed rule ends as far from the optimum as
+            ``rasp_simplex`` (``docs/benchmarks.md``, "Random signs for the blocked rule").
         max_bytes: the largest array the rule allocates; its table holds the ``r K`` float64
             entries of the simplex. The signs are one ``int8`` per block in each draw.
     """
@@ -232,7 +236,7 @@ class BlockedSimplexRule(QuadratureRule):
     exact_coordinate_quadratics = True
 
     def __init__(
-        self, num_points: int, random_signs: bool = True, max_bytes: int = DEFAULT_MAX_BYTES
+        self, num_points: int, random_signs: bool = False, max_bytes: int = DEFAULT_MAX_BYTES
     ):
         if num_points < 2:
             raise ValueError(
