@@ -333,13 +333,23 @@ class BayesianModule(PyroModule):
         vectorize: bool | None = None,
         *,
         batch_size: int | None = None,
+        steps: int | str = 1,
     ):
         """The Bayesian model average under ``guide``: :func:`~pyro_quadvi.nn.predict`
-        (``batch_size``: rows of ``x`` per pass through the net, ``None`` all)."""
+        (``batch_size``: rows of ``x`` per pass through the net, ``None`` all; ``steps``: steps
+        of the quadrature rule averaged, ``"period"`` a full period)."""
         from .predict import predict
 
         return predict(
-            self, guide, x, num_samples, quadrature, num_points, vectorize, batch_size=batch_size
+            self,
+            guide,
+            x,
+            num_samples,
+            quadrature,
+            num_points,
+            vectorize,
+            batch_size=batch_size,
+            steps=steps,
         )
 
 
