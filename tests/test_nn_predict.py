@@ -10,6 +10,7 @@ from torch import nn
 
 from pyro_quadvi import AutoMeanFieldNormal, AutoSpikeSlab
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi.quadrature import make_rule
 
 DTYPE = torch.float64
 pytestmark = pytest.mark.usefixtures("fresh_param_store")
@@ -115,3 +116,76 @@ def test_a_spike_and_slab_guide_is_refused_with_quadrature_and_drawn_with_num_sa
     se = pred.outputs[:, :, 0].std(0) / math.sqrt(S)
     assert ((pred.mean[:, 0] - 0.6 * DESIGN @ MU).abs() < 5 * se).all()
     assert (pred.outputs == 0).all(dim=2).all(dim=1).any()  # a draw with all four weights zero
+
+
+def _hadamard_cross_moments(dim: int, steps: int) -> torch.Tensor:
+    """``sum_k w_k x_k x_k^T`` of the nodes of ``steps`` Hadamard steps, averaged."""
+    rule = make_rule("hadamard")
+    total = torch.zeros(dim, dim, dtype=DTYPE)
+    for step in range(steps):
+        nodes = rule.draw(dim, step=step, dtype=DTYPE)
+        x = nodes.matrix()
+        total += (x * nodes.weights[:, None]).T @ x / steps
+    return total
+
+
+def test_one_hadamard_step_misses_cross_terms_and_its_period_gives_the_closed_form():
+    # y = a.z with a = (x, 1) and z ~ N(mu, diag(s^2)) over the 7 entries (w, b) of Linear(6, 1):
+    # at nodes z_k = mu + s * x_k, Var = sum_ij a_i a_j s_i s_j C_ij, C = sum_k w_k x_k x_k^T;
+    # the closed form has C = I. One Hadamard step's C has off-diagonal +-1s; 4 steps (the
+    # period in 7 dimensions) average them to 0.
+    x = torch.tensor(
+        [[0.5, -1.0, 0.2, 0.8, -0.3, 1.1], [1.5, 0.3, -0.7, -0.2, 0.9, 0.4]], dtype=DTYPE
+    )
+    mu = torch.linspace(-0.6, 0.6, 7, dtype=DTYPE)
+    s = torch.tensor([0.4, 0.25, 0.6, 0.35, 0.5, 0.3, 0.45], dtype=DTYPE)
+    bnn = BayesianModule(
+        nn.Linear(6, 1).double(), priors.Normal(1.0), likelihoods.Gaussian(2, scale=0.5)
+    )
+    guide = AutoMeanFieldNormal(bnn)
+    guide(x, torch.zeros(2, dtype=DTYPE))
+    _set(guide, "weight", mu[:6], s[:6])
+    _set(guide, "bias", mu[6:], s[6:])
+    design = torch.cat([x, torch.ones(2, 1, dtype=DTYPE)], dim=1) * s  # rows a_i s_i
+    closed = (design**2).sum(1) + 0.25
+    assert make_rule("hadamard").period(7) == 4
+
+    one = bnn.predict(guide, x, quadrature="hadamard")
+    assert len(one.weights) == 4
+    cross = _hadamard_cross_moments(7, 1)
+    assert (cross - torch.eye(7, dtype=DTYPE)).abs().max() == 1.0  # off-diagonal +-1s
+    biased = ((design @ cross) * design).sum(1) + 0.25
+    torch.testing.assert_close(one.variance[:, 0], biased, rtol=0, atol=1e-13)
+    ratio = one.variance[:, 0] / closed
+    torch.testing.assert_close(
+        ratio, torch.tensor([0.9805, 1.1773], dtype=DTYPE), atol=1e-4, rtol=0
+    )
+
+    for steps in (4, "period"):
+        full = bnn.predict(guide, x, quadrature="hadamard", steps=steps)
+        assert len(full.weights) == 16
+        torch.testing.assert_close(full.weights.sum(), torch.tensor(1.0, dtype=DTYPE))
+        torch.testing.assert_close(full.variance[:, 0], closed, rtol=0, atol=1e-13)
+        torch.testing.assert_close(full.mean[:, 0], (x @ mu[:6]) + mu[6], rtol=0, atol=1e-13)
+    # two steps make only the pairs whose indices differ in the two lowest bits exact
+    two = bnn.predict(guide, x, quadrature="hadamard", steps=2)
+    expected = ((design @ _hadamard_cross_moments(7, 2)) * design).sum(1) + 0.25
+    torch.testing.assert_close(two.variance[:, 0], expected, rtol=0, atol=1e-13)
+    assert (two.variance[:, 0] - closed).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("steps", "quadrature", "error", "match"),
+    [
+        (0, "hadamard", ValueError, r"steps must be an int >= 1.*got 0"),
+        (True, "hadamard", TypeError, r"steps must be an int >= 1.*got True"),
+        (2.0, "hadamard", TypeError, r"steps must be an int >= 1.*got 2.0"),
+        ("full", "hadamard", ValueError, r"or \"period\", got 'full'"),
+        (2, None, ValueError, r"steps=2 averages steps of a quadrature rule.*quadrature=None"),
+        ("period", "blocked_simplex", ValueError, r"'blocked_simplex' has no period.*hadamard"),
+    ],
+)
+def test_bad_steps_are_refused_naming_the_fix(steps, quadrature, error, match):
+    bnn, guide = _linear(likelihoods.Gaussian(len(X), scale=0.5))
+    with pytest.raises(error, match=match):
+        bnn.predict(guide, X, quadrature=quadrature, steps=steps)

@@ -1,5 +1,7 @@
 """Fixes of what a trial reader found in ``pyro_quadvi.nn``: attention layers under ``vmap``,
-chunked ``predict``, a custom likelihood, and the messages of misuse."""
+chunked ``predict``, a custom likelihood, the messages of misuse, batch norm without running
+statistics, hidden parameters after a restored store, ``Predictive`` on a large test set and the
+fans of a transposed convolution."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pyro import poutine
-from pyro.infer import SVI
+from pyro.infer import SVI, Predictive
 from torch import nn
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
@@ -357,3 +359,159 @@ def test_the_train_mode_refusal_names_the_layers_by_path():
     assert "Sequential" not in message and "_Block" not in message
     net.eval()
     bnn(x, y)  # accepted again
+
+
+# -- 7. batch norm that normalizes with the batch's statistics in eval mode ---------------------
+
+
+def test_a_batch_norm_without_running_statistics_is_refused_naming_it_and_the_fix():
+    pyro.clear_param_store()
+    block = _Block()
+    block.bn = nn.BatchNorm1d(4, track_running_stats=False)
+    net = nn.Sequential()
+    net.add_module("block", block)
+    net.add_module("out", nn.Linear(4, 1))
+    x = torch.randn(6, 3)
+    # the hazard: in eval mode the layer's output for a row depends on the rows passed with it
+    net.eval()
+    with torch.no_grad():
+        assert (net(x)[:3] - net(x[:3])).abs().max() > 1e-2
+    with pytest.raises(
+        ValueError,
+        match=r"^BayesianModule: the BatchNorm1d at 'block\.bn' has no running statistics "
+        r"\(track_running_stats=False\).*nn\.LayerNorm or nn\.GroupNorm.*"
+        r"track_running_stats=True",
+    ):
+        BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(6))
+
+
+def test_normalizations_that_treat_each_row_alone_are_accepted_and_predict_row_by_row():
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(3, 4),
+        nn.BatchNorm1d(4),  # running statistics: an affine map in eval mode
+        nn.LayerNorm(4),
+        nn.Unflatten(1, (2, 2)),
+        nn.InstanceNorm1d(2),  # track_running_stats=False, but it normalizes each row alone
+        nn.Flatten(),
+        nn.Linear(4, 1),
+    ).double()
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(6, scale=0.5))
+    x = torch.randn(6, 3, dtype=torch.float64)
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net(), init_scale=0.1)
+    guide(x, torch.zeros(6, dtype=torch.float64))
+    whole = bnn.predict(guide, x, quadrature="hadamard")
+    one_by_one = bnn.predict(guide, x, quadrature="hadamard", batch_size=1)
+    torch.testing.assert_close(one_by_one.mean, whole.mean, rtol=1e-12, atol=1e-12)
+    assert whole.variance.min() > 0.25  # the noise's 0.5^2 and a model part
+
+
+# -- 8. hidden parameters follow a restored param store -----------------------------------------
+
+
+def _hidden_problem():
+    """A small regression with the first layer's bias hidden: the net, bnn, guide and SVI."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    bnn = BayesianModule(
+        net, priors.Normal(1.0), likelihoods.Gaussian(32, scale=0.1), hide=["0.bias"]
+    )
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
+    optim = QNVB()
+    return net, bnn, guide, optim, SVI(bnn, guide, optim, QuadratureELBO())
+
+
+def test_a_hidden_parameter_of_the_net_follows_a_restored_store():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=generator, dtype=torch.float64)
+    y = x[:, 0] - x[:, 1] + 0.1 * torch.randn(32, generator=generator, dtype=torch.float64)
+    net, _, _, _, svi = _hidden_problem()
+    for _ in range(6):
+        svi.step(x, y)
+    reference = net.state_dict()["0.bias"].clone()  # the store holds the net's own Parameter
+    assert pyro.get_param_store()["net.0.bias"] is net[0].bias
+
+    net, _, guide, optim, svi = _hidden_problem()
+    for _ in range(3):
+        svi.step(x, y)
+    saved = (pyro.get_param_store().get_state(), optim.get_state(), pyro.util.get_rng_state())
+    saved = copy.deepcopy(saved)
+    net, _, guide, optim, svi = _hidden_problem()
+    guide(x, y)
+    start = net[0].bias.detach().clone()
+    pyro.clear_param_store()
+    pyro.get_param_store().set_state(saved[0])
+    optim.set_state(saved[1])
+    pyro.util.set_rng_state(saved[2])
+    assert torch.equal(net[0].bias.detach(), start)  # the store's value arrives at the next run
+    for _ in range(3):
+        svi.step(x, y)
+    store = pyro.get_param_store()
+    assert store["net.0.bias"] is net[0].bias
+    assert torch.equal(net.state_dict()["0.bias"], reference)
+    assert (reference - start).abs().max() > 1e-2  # a restore the net would have missed
+
+
+def test_a_store_of_another_shape_is_refused_naming_the_parameter():
+    bnn = _hidden_problem()[1]
+    pyro.get_param_store()["net.0.bias"] = torch.zeros(5, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"holds 'net\.0\.bias' of shape \(5,\).*\(8,\)"):
+        bnn(torch.randn(2, 4, dtype=torch.float64))
+
+
+# -- 9. Predictive on more rows than dataset_size -----------------------------------------------
+
+
+def test_predictive_samples_a_test_set_larger_than_the_training_set():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    dtype = torch.float64
+    bnn = BayesianModule(
+        nn.Linear(2, 1).double(), priors.Normal(1.0), likelihoods.Gaussian(50, scale=0.1)
+    )
+    guide = AutoMeanFieldNormal(bnn, init_scale=0.2)
+    guide(torch.randn(50, 2, dtype=dtype), torch.randn(50, dtype=dtype))
+    x = torch.randn(51, 2, dtype=dtype)
+    # unobserved: a plate of the 51 rows, unscaled
+    trace = poutine.trace(poutine.condition(bnn, data=bnn.latent_parameters())).get_trace(x)
+    assert trace.nodes["obs"]["scale"] == 1.0
+    assert trace.nodes["obs"]["cond_indep_stack"][0].size == 51
+    with pytest.raises(ValueError, match=r"51 rows is larger than dataset_size=50: pass the"):
+        bnn(x, torch.zeros(51, dtype=dtype))  # observed: still a minibatch of the 50 rows
+
+    num = 4000
+    out = Predictive(
+        bnn, guide=guide, num_samples=num, parallel=True, return_sites=["weight", "bias", "obs"]
+    )(x)
+    assert out["obs"].shape == (num, 51)
+    # each draw's obs is Normal(x.w + b, 0.1): standardized residuals ~ N(0, 1)
+    mean = (x @ out["weight"].reshape(num, 2).T).T + out["bias"].reshape(num, 1)
+    residual = (out["obs"] - mean) / 0.1
+    assert residual.mean().abs() < 5 / (num * 51) ** 0.5
+    assert (residual.var() - 1).abs() < 5 * (2 / (num * 51)) ** 0.5
+    # against predict: the same predictive mean and variance, to Monte Carlo error
+    pred = bnn.predict(guide, x, num_samples=num)
+    sd = pred.variance[:, 0].sqrt()
+    difference = out["obs"].mean(0) - pred.mean[:, 0]
+    assert (difference.abs() < 5 * sd * (2 / num) ** 0.5).all()
+    ratio = out["obs"].var(0) / pred.variance[:, 0]
+    assert ((ratio - 1).abs() < 5 * (4 / num) ** 0.5).all()
+
+
+# -- 10. the fans of a transposed convolution ----------------------------------------------------
+
+
+def test_a_transposed_convolution_takes_torchs_fans():
+    # ConvTranspose2d(3, 8, 5, groups=1)'s weight is (in, out / groups, k, k) = (3, 8, 5, 5):
+    # torch's fan_in = 8 * 25 = 200, fan_out = 3 * 25 = 75
+    net = nn.Sequential(nn.ConvTranspose2d(3, 8, 5), nn.Flatten())
+    assert priors.fan_in_and_fan_out(net[0].weight.shape) == (200, 75)
+    bnn = BayesianModule(net, priors.LayerwiseNormal("radford"), likelihoods.Gaussian(4))
+    for name in ("0.weight", "0.bias"):
+        param = dict(net.named_parameters())[name]
+        scale = bnn.prior_of(name, param).base_dist.stddev
+        torch.testing.assert_close(scale, torch.full_like(param, 200**-0.5))
+    grouped = nn.ConvTranspose2d(4, 6, 3, groups=2)  # weight (4, 3, 3, 3): fan_in = 3 * 9
+    assert priors.fan_in_and_fan_out(grouped.weight.shape) == (27, 36)

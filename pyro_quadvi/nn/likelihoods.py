@@ -5,7 +5,7 @@ particle or quadrature-node dims of a vectorized pass, empty otherwise; ``B``: t
 minibatch; ``row``: the net's output per row) and observes ``y`` inside
 ``pyro.plate("data", dataset_size, subsample=arange(B))`` at dim -1, so the log likelihood of a
 minibatch is scaled by ``dataset_size / B``: subsampling is whatever ``x`` and ``y`` the caller
-passes.
+passes. Without ``y`` (sampled, for prediction) the plate is ``pyro.plate("data", B)``, unscaled.
 """
 
 from __future__ import annotations
@@ -39,11 +39,20 @@ class Likelihood:
         self.dataset_size = dataset_size
         self.name = name
 
-    def plate(self, rows: int, device: torch.device) -> pyro.plate:
-        """The data plate: ``dataset_size`` rows of which these ``rows`` are observed."""
-        size = rows if self.dataset_size is None else self.dataset_size
+    def plate(self, rows: int, device: torch.device, observed: bool = True) -> pyro.plate:
+        """The data plate: ``dataset_size`` rows of which these ``rows`` are observed.
+
+        Unobserved (``y=None``, as in ``Predictive``), the plate is the ``rows`` given, unscaled:
+        the sampled ``y`` do not depend on the plate's scale, and a test set may have more rows
+        than ``dataset_size``.
+        """
+        size = rows if self.dataset_size is None or not observed else self.dataset_size
         if rows > size:
-            raise ValueError(f"a minibatch of {rows} rows is larger than dataset_size={size}")
+            raise ValueError(
+                f"a minibatch of {rows} rows is larger than dataset_size={size}: pass the size "
+                "of the whole training set as dataset_size (y=None, to sample predictions, "
+                "takes any number of rows)"
+            )
         index = torch.arange(rows, device=device)
         return pyro.plate("data", size, subsample=index, dim=-1, device=device)
 
@@ -103,7 +112,7 @@ class Likelihood:
                 )
             y = self.observation(y.reshape((rows, *row)), outputs)
         fn = self.distribution(outputs, latents, len(row))
-        with self.plate(rows, outputs.device):
+        with self.plate(rows, outputs.device, observed=y is not None):
             return pyro.sample(self.name, fn, obs=y)
 
 

@@ -122,6 +122,7 @@ class BayesianModule(PyroModule):
             raise ValueError(
                 f"hide names {unknown}, which are not parameters of the net ({', '.join(names)})"
             )
+        _refuse_batch_statistics(net)
         net.eval()
         self.net = net
         self.prior = prior
@@ -211,7 +212,14 @@ class BayesianModule(PyroModule):
         return _as_event(name, fn, param)
 
     def hidden_values(self) -> dict[str, torch.Tensor]:
-        """The deterministic (hidden) parameters, as ``pyro.param`` sites ``"net.<name>"``."""
+        """The deterministic (hidden) parameters, as ``pyro.param`` sites ``"net.<name>"``.
+
+        The param store holds the net's own Parameter, which its optimizer updates in place.
+        Where the store holds another tensor under that name (restored by ``set_state`` or
+        ``load``, or assigned), its value is copied into the net's Parameter and the store takes
+        the Parameter back, so that the net (``net.state_dict()``, :meth:`init_to_net`, an
+        export) follows what is trained.
+        """
         values = {}
         params = dict(self._net.named_parameters())
         for name in self.hide:
@@ -228,6 +236,7 @@ class BayesianModule(PyroModule):
                     lambda *_, value=value, **__: value
                 )(fullname, value, constraint=constraints.real, name=fullname)
             else:
+                _follow_store(fullname, param)
                 values[name] = pyro.param(fullname, param)
         return values
 
@@ -333,13 +342,23 @@ class BayesianModule(PyroModule):
         vectorize: bool | None = None,
         *,
         batch_size: int | None = None,
+        steps: int | str = 1,
     ):
         """The Bayesian model average under ``guide``: :func:`~pyro_quadvi.nn.predict`
-        (``batch_size``: rows of ``x`` per pass through the net, ``None`` all)."""
+        (``batch_size``: rows of ``x`` per pass through the net, ``None`` all; ``steps``: steps
+        of the quadrature rule averaged, ``"period"`` a full period)."""
         from .predict import predict
 
         return predict(
-            self, guide, x, num_samples, quadrature, num_points, vectorize, batch_size=batch_size
+            self,
+            guide,
+            x,
+            num_samples,
+            quadrature,
+            num_points,
+            vectorize,
+            batch_size=batch_size,
+            steps=steps,
         )
 
 
@@ -351,6 +370,47 @@ def _brief(value: object) -> str:
 
 def _where(module: nn.Module, path: str) -> str:
     return f"the {type(module).__name__} at {path!r}" if path else f"the {type(module).__name__}"
+
+
+def _follow_store(fullname: str, param: nn.Parameter) -> None:
+    """Make the param store hold the net's ``param`` under ``fullname``, with the value the
+    store holds now (if it holds one)."""
+    store = pyro.get_param_store()
+    if fullname not in store:
+        return
+    held = store[fullname]
+    if held is param:
+        return
+    if held.shape != param.shape or held.dtype != param.dtype:
+        raise ValueError(
+            f"the param store holds {fullname!r} of shape {tuple(held.shape)} and {held.dtype}, "
+            f"but the net's parameter is {tuple(param.shape)} and {param.dtype}: the store was "
+            "saved from, or shared with, another network. Restore a store saved from this "
+            "network, or call pyro.clear_param_store() before building this one"
+        )
+    with torch.no_grad():
+        param.copy_(held)
+    store[fullname] = param
+
+
+def _refuse_batch_statistics(net: nn.Module) -> None:
+    """Refuse a batch norm that normalizes with each batch's statistics in eval mode.
+
+    A ``_BatchNorm`` without running statistics (``track_running_stats=False``: torch sets
+    ``running_mean`` and ``running_var`` to ``None``, and then normalizes with the batch's own
+    statistics in eval mode too) makes each row's output depend on the rows passed with it.
+    """
+    for path, module in net.named_modules():
+        batch_norm = isinstance(module, nn.modules.batchnorm._BatchNorm)
+        if batch_norm and module.running_mean is None and module.running_var is None:
+            raise ValueError(
+                f"BayesianModule: {_where(module, path)} has no running statistics "
+                "(track_running_stats=False), so even in eval mode it normalizes each batch "
+                "with that batch's own mean and variance: a row's prediction would depend on "
+                "the rows passed with it (and a single row could not be predicted). Use "
+                "nn.LayerNorm or nn.GroupNorm (each row normalized by itself), or a batch norm "
+                "with track_running_stats=True, its running statistics pretrained"
+            )
 
 
 def _declared(module: nn.Module, path: str) -> Mapping:

@@ -36,7 +36,8 @@ class Prediction:
 
     Attributes:
         outputs: the net's outputs at each draw or quadrature node, ``(S, B, ...)``.
-        weights: the weight of each draw (``1/S``) or node (the rule's weights), ``(S,)``.
+        weights: the weight of each draw (``1/S``) or node (the rule's weights, divided by the
+            number of steps averaged), ``(S,)``.
         mean: the weighted mean of ``outputs``, ``(B, ...)``: the Bayesian model average of the
             net's output (for a Gaussian likelihood, the predictive mean).
         probs: for ``Categorical`` (softmax over the last dim) and ``Bernoulli`` (sigmoid)
@@ -68,6 +69,7 @@ def predict(
     vectorize: bool | None = None,
     *,
     batch_size: int | None = None,
+    steps: int | str = 1,
 ) -> Prediction:
     """The Bayesian model average of ``bnn``'s net on ``x`` under the posterior ``guide``.
 
@@ -80,7 +82,8 @@ def predict(
             ``num_samples`` (like ``Predictive(parallel=True)``). A rule name (``"hadamard"``,
             ``"gauss_hermite"``, ...) or rule: the rule's nodes ``description.affine(x_k)`` on the
             guide's description (:func:`~pyro_quadvi.guides.describe_guide`, so a Gaussian guide),
-            weighted by the rule's weights, at step 0 of its sequence. A spike-and-slab guide
+            weighted by the rule's weights, at steps ``0, ..., steps - 1`` of its sequence. A
+            spike-and-slab guide
             (:class:`~pyro_quadvi.guides.AutoSpikeSlab`) is refused: its nodes would sit on the
             moment-matched Gaussian, not the mixture; predict it with ``num_samples``.
         num_points: the rule's ``num_points`` (with a rule name).
@@ -91,6 +94,15 @@ def predict(
             absolute: a batched product rounds differently) and falls back to the loop, with one
             warning, where ``vmap`` cannot batch the net (an ``nn.GRU``, say). The decision is
             kept per ``bnn``.
+        steps: with ``quadrature``, how many consecutive steps of the rule's sequence to
+            average: the nodes of steps ``0, ..., steps - 1`` together, each step's weights
+            divided by ``steps`` (``steps * K`` passes of the net). One step of ``"hadamard"`` or
+            ``"blocked_simplex"`` integrates each coordinate's quadratic exactly but not the
+            cross terms ``x_i x_j``, which a network's output variance needs (``Var[a . z] =
+            sum_ij a_i a_j s_i s_j sum_k w_k x_ki x_kj``): one step's variance is biased.
+            ``"period"`` takes the rule's ``period(dim)`` steps, for a rule that has one
+            (``"hadamard"``: averaged over its period, every quadratic is exact; sequence paper,
+            Theorem 3.3). Without ``quadrature`` only ``1`` is accepted.
         batch_size: ``None``: all ``B`` rows of ``x`` go through the net in one pass. An int:
             the draws or nodes are taken once, then ``x`` goes through the net ``batch_size``
             rows at a time (each piece at all draws or nodes, vectorized or looped as
@@ -107,7 +119,8 @@ def predict(
             take the observations for a latent), for ``quadrature`` with a guide that has
             non-Gaussian (``"dirac_gauss"``) sites, or ``num_samples < 1`` without it.
         TypeError, ValueError: for a ``batch_size`` that is not an int or ``None`` (a bool, a
-            float), or an int below 1.
+            float), or an int below 1; for ``steps`` that is not an int >= 1 or ``"period"``,
+            that is not 1 without ``quadrature``, or ``"period"`` with a rule that has none.
     """
     if batch_size is not None:
         wanted = "a positive int (rows of x per pass through the net) or None (all rows at once)"
@@ -115,6 +128,7 @@ def predict(
             raise TypeError(f"predict: batch_size must be {wanted}, got {batch_size!r}")
         if batch_size < 1:
             raise ValueError(f"predict: batch_size must be {wanted}, got {batch_size!r}")
+    _check_steps(steps, quadrature)
     with torch.no_grad():
         if getattr(guide, "prototype_trace", True) is None:
             # built from bnn(x) alone, an AutoGuide would take the observations for a latent
@@ -134,7 +148,7 @@ def predict(
             )
         else:
             values, noise_scales, weights = _quadrature_nodes(
-                bnn, guide, x, quadrature, num_points, noise
+                bnn, guide, x, quadrature, num_points, noise, steps
             )
         known = _DECISIONS.get(bnn) if vectorize is None else None
         tolerance = torch.finfo(weights.dtype).eps ** 0.5
@@ -204,9 +218,26 @@ def _guide_draws(bnn, guide, x, num_samples, noise: str | None):
     return values, noise_scales
 
 
-def _quadrature_nodes(bnn, guide, x, quadrature, num_points, noise: str | None):
-    """The rule's nodes on the guide's Gaussian, ``(K, 1) + shape`` per parameter, the learned
-    noise scale at each node ``(K,)`` (``None`` without one), and the weights."""
+def _check_steps(steps, quadrature) -> None:
+    wanted = 'an int >= 1 (steps of the rule to average) or "period"'
+    if isinstance(steps, str):
+        if steps != "period":
+            raise ValueError(f"predict: steps must be {wanted}, got {steps!r}")
+    elif isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"predict: steps must be {wanted}, got {steps!r}")
+    elif steps < 1:
+        raise ValueError(f"predict: steps must be {wanted}, got {steps!r}")
+    if quadrature is None and steps != 1:
+        raise ValueError(
+            f"predict: steps={steps!r} averages steps of a quadrature rule, but quadrature=None "
+            "takes random draws: pass quadrature=... (a rule name or rule), or raise num_samples"
+        )
+
+
+def _quadrature_nodes(bnn, guide, x, quadrature, num_points, noise: str | None, steps):
+    """The rule's nodes on the guide's Gaussian over ``steps`` steps, ``(K, 1) + shape`` per
+    parameter, the learned noise scale at each node ``(K,)`` (``None`` without one), and the
+    weights (each step's divided by the number of steps)."""
     rule = make_rule(quadrature, num_points) if isinstance(quadrature, str) else quadrature
     if not isinstance(rule, QuadratureRule):
         raise TypeError(f"quadrature must be a rule name or a QuadratureRule, got {quadrature!r}")
@@ -221,8 +252,20 @@ def _quadrature_nodes(bnn, guide, x, quadrature, num_points, noise: str | None):
             "guide and bias the average. Use quadrature=None with num_samples (exact draws)."
         )
     loc = description.loc
-    nodes = rule.draw(description.dim, step=0, dtype=loc.dtype, device=loc.device)
-    z = description.affine(nodes.matrix())
+    if steps == "period":
+        period = getattr(rule, "period", None)
+        if period is None:
+            raise ValueError(
+                f"predict: steps='period', but the rule {rule.name!r} has no period: pass an int "
+                "number of steps, or a rule that has one (quadrature='hadamard')"
+            )
+        steps = period(description.dim)
+    node_sets = [
+        rule.draw(description.dim, step=step, dtype=loc.dtype, device=loc.device)
+        for step in range(steps)
+    ]
+    weights = torch.cat([nodes.weights for nodes in node_sets]) / steps
+    z = description.affine(torch.cat([nodes.matrix() for nodes in node_sets]))
     K = z.shape[0]
     params = bnn.latent_parameters()
     values, start, noise_scales = {}, 0, None
@@ -239,4 +282,4 @@ def _quadrature_nodes(bnn, guide, x, quadrature, num_points, noise: str | None):
         raise ValueError(f"the guide's description has no latent parameter {missing}")
     if noise is not None and noise_scales is None:
         raise ValueError(f"the guide's description has no learned noise scale {noise!r}")
-    return values, noise_scales, nodes.weights
+    return values, noise_scales, weights

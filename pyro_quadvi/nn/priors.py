@@ -58,8 +58,11 @@ class Normal(Prior):
 def fan_in_and_fan_out(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     """``(fan_in, fan_out)`` of a weight of this shape, as ``torch.nn.init`` computes them.
 
-    A weight of shape ``(out, in, *kernel)`` has ``fan_in = in * prod(kernel)`` and
-    ``fan_out = out * prod(kernel)``.
+    A weight of shape ``(a, b, *kernel)`` has ``fan_in = b * prod(kernel)`` and
+    ``fan_out = a * prod(kernel)``: for ``nn.Linear`` and ``nn.Conv*d`` (``(out, in / groups,
+    *kernel)``) ``fan_in = in / groups * prod(kernel)``; for ``nn.ConvTranspose*d``, whose weight
+    is ``(in, out / groups, *kernel)``, ``fan_in = out / groups * prod(kernel)`` and ``fan_out =
+    in * prod(kernel)``, as torch's own initialization takes them.
     """
     return _calculate_fan_in_and_fan_out(torch.empty(tuple(shape), device="meta"))
 
