@@ -20,8 +20,12 @@ from pyro_quadvi.nn import BayesianModule, WHVILinear, likelihoods, priors, whvi
 from pyro_quadvi.optim import SparseQNVBOptimizer
 from pyro_quadvi.optim.sparse_functional import (
     SparseQNVBHyperparameters,
-    sieve_boundaries,
+    init_sparse_block,
+    init_sparse_counters,
+    result_messages,
     sieve_map,
+    sieve_pieces,
+    sparse_qnvb_update,
 )
 
 # ------------------------------------------------------------- 1. at least one weight nonzero
@@ -33,15 +37,63 @@ def test_the_sieve_holds_one_coordinate_nonzero_when_round_s0_d_is_d():
     at zeta - zeta^(0) + zeta_hat^(0), zeta^(0) = 2 the second smallest."""
     hp = SparseQNVBHyperparameters()
     zeta = torch.tensor([3.0, 1.0, 5.0, 2.0, 4.0], dtype=torch.float64)
-    upper, lower = sieve_boundaries(zeta, 0.97, 0.01)
-    assert (upper.item(), lower.item()) == (2.0, 1.0)
+    pieces = sieve_pieces(zeta, 0.97, 0.01)
+    assert (pieces.upper.item(), pieces.lower.item()) == (2.0, 1.0)
     zeta_hat0, zeta_hat1 = hp.sieve_logits
-    mapped = sieve_map(zeta, upper, lower, hp)
+    mapped = sieve_map(zeta, pieces, hp)
     expected = torch.tensor(
         [1.0 + zeta_hat0, zeta_hat1, 3.0 + zeta_hat0, zeta_hat0, 2.0 + zeta_hat0]
     )
     torch.testing.assert_close(mapped, expected.double())
     torch.testing.assert_close(torch.sigmoid(-mapped[1]), torch.tensor(0.999, dtype=torch.float64))
+
+
+def test_tied_logits_are_assigned_to_the_pieces_by_rank():
+    """21 equal logits at s0 = 0.7, s1 = 0.3: round(6.3) = 6 held nonzero (the 6 first indices,
+    ties broken by index), round(14.7) = 15 held near zero, none in the middle. The old test
+    ``zeta >= zeta^(0)`` first held all 21 near zero."""
+    hp = SparseQNVBHyperparameters(target_sparsity=0.7, target_free=0.1)
+    zeta_hat0, zeta_hat1 = hp.sieve_logits
+    zeta = torch.full((21,), -1.0e3, dtype=torch.float64)
+    mapped = sieve_map(zeta, sieve_pieces(zeta, 0.7, 0.3), hp)
+    expected = torch.tensor([zeta_hat1] * 6 + [zeta_hat0] * 15, dtype=torch.float64)
+    torch.testing.assert_close(mapped, expected)
+
+
+def test_ties_at_both_boundaries_put_the_middle_at_the_midpoint():
+    """Logits [0, 1, 1, 1, 1, 1, 1, 2] at s0 = 0.25, s1 = 0.25 (2 and 2 of 8): zeta^(1) =
+    zeta^(0) = 1, so the pieces by rank are indices {0, 1} and {6, 7}; the middle {2..5} ties
+    both boundaries and sits at (zeta_hat^(0) + zeta_hat^(1)) / 2 = 0 (p_nonzero = 1/2); the
+    outer pieces are shifted as the map says: 0 - 1 + zeta_hat^(1), 1 - 1 + zeta_hat^(0)..."""
+    hp = SparseQNVBHyperparameters()
+    zeta_hat0, zeta_hat1 = hp.sieve_logits
+    zeta = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 1.0], dtype=torch.float64)
+    pieces = sieve_pieces(zeta, 0.25, 0.25)
+    assert (pieces.upper.item(), pieces.lower.item()) == (1.0, 1.0)
+    assert pieces.held_nonzero.nonzero().flatten().tolist() == [0, 1]
+    assert pieces.held_zero.nonzero().flatten().tolist() == [6, 7]
+    mapped = sieve_map(zeta, pieces, hp)
+    expected = [zeta_hat1, zeta_hat1 - 1, 0.0, 0.0, 0.0, 0.0, zeta_hat0 + 1, zeta_hat0]
+    torch.testing.assert_close(mapped, torch.tensor(expected, dtype=torch.float64))
+
+
+def test_logits_at_the_clamp_are_counted_and_named_once():
+    """float32, epoch 2 of 4: a mean of 1e12 with curvature 1e4 gives h nu^2 = 1e28, beyond the
+    clamp sqrt(finfo(float32).max) = 1.84e19 of the zero logits: that coordinate is counted and
+    the message names the divergence."""
+    hp = SparseQNVBHyperparameters(num_epochs=4, target_sparsity=0.5, target_free=0.25)
+    block = init_sparse_block(torch.tensor([1e12, 0.5, 0.5, -0.5]), hp)
+    counters = init_sparse_counters(hp, 2)._replace(step=2, n0=1.0)
+    g, h = torch.zeros(4), torch.full((4,), 1e4)
+    result = sparse_qnvb_update((block,), counters, [g], [h], hp, 2)
+    assert int(result.num_clamped) == 1
+    big = torch.tensor(torch.finfo(torch.float32).max ** 0.5)  # rounded to float32
+    assert result.zero_logits[0][0] == -big
+    warned: set[str] = set()
+    (message,) = result_messages(result, warned)
+    assert "zero logits of 1 coordinates reached the clamp" in message
+    assert "Gaussian means have diverged" in message
+    assert result_messages(result, warned) == []
 
 
 def _linear_data():
