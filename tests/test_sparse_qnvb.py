@@ -11,15 +11,16 @@ import torch
 
 from pyro_quadvi.optim import SparseQNVBHyperparameters, SparseQNVBOptimizer
 from pyro_quadvi.optim.sparse_functional import (
+    SievePieces,
     hybrid_coefficients,
     hybrid_sum,
     init_sparse_block,
     init_sparse_counters,
     mixture_moments,
     result_messages,
-    sieve_boundaries,
     sieve_fractions,
     sieve_map,
+    sieve_pieces,
     sparse_qnvb_update,
     zero_logits,
 )
@@ -72,36 +73,45 @@ def test_sieve_schedule_matches_the_formula():
         assert sieve_fractions(t, hp)[1] == pytest.approx(0.01, abs=1e-15)
 
 
+def _by_value(zeta, upper, lower):
+    """The pieces of arbitrary points ``zeta`` by value, to probe the map as a function."""
+    return SievePieces(upper, lower, zeta >= upper, zeta <= lower)
+
+
 def test_sieve_map_continuous_monotone_and_on_target():
     hp = SparseQNVBHyperparameters()
     zeta_hat0, zeta_hat1 = hp.sieve_logits
     assert zeta_hat0 == pytest.approx(-math.log(0.001 / 0.999))
     assert zeta_hat1 == pytest.approx(-math.log(0.999 / 0.001))
     zeta = 5 * torch.randn(1000, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
-    upper, lower = sieve_boundaries(zeta, 0.3, 0.5)
+    pieces = sieve_pieces(zeta, 0.3, 0.5)
+    upper, lower = pieces.upper, pieces.lower
     ordered = zeta.sort().values
     assert upper == ordered[-300] and lower == ordered[499]
-    mapped = sieve_map(zeta, upper, lower, hp)
+    assert torch.equal(pieces.held_zero, zeta >= upper)  # no ties: rank and value agree
+    assert torch.equal(pieces.held_nonzero, zeta <= lower)
+    mapped = sieve_map(zeta, pieces, hp)
     assert int((mapped >= zeta_hat0).sum()) == 300  # held near zero: exactly the 300 largest
     assert set((mapped >= zeta_hat0).nonzero().flatten().tolist()) == set(
         zeta.topk(300).indices.tolist()
     )
     assert int((mapped <= zeta_hat1).sum()) == 500  # held nonzero: exactly the 500 smallest
-    assert sieve_map(upper.reshape(1), upper, lower, hp).item() == zeta_hat0
-    assert sieve_map(lower.reshape(1), upper, lower, hp).item() == zeta_hat1
+    for point, value in ((upper, zeta_hat0), (lower, zeta_hat1)):
+        point = point.reshape(1)
+        assert sieve_map(point, _by_value(point, upper, lower), hp).item() == value
     # monotone (strictly) and continuous at both boundaries
     fine = torch.linspace(ordered[0].item() - 1, ordered[-1].item() + 1, 20001, dtype=DTYPE)
-    out = sieve_map(fine, upper, lower, hp)
+    out = sieve_map(fine, _by_value(fine, upper, lower), hp)
     assert bool((out.diff() > 0).all())
     for boundary in (upper, lower):
         eps = 1e-9
         around = torch.stack([boundary - eps, boundary + eps])
-        left, right = sieve_map(around, upper, lower, hp)
+        left, right = sieve_map(around, _by_value(around, upper, lower), hp)
         assert abs(right - left) < 1e-6
     # the middle piece is affine between (zeta^(1), zeta_hat^(1)) and (zeta^(0), zeta_hat^(0))
-    mid = 0.25 * upper + 0.75 * lower
+    mid = (0.25 * upper + 0.75 * lower).reshape(1)
     expected = zeta_hat1 + 0.25 * (zeta_hat0 - zeta_hat1)
-    assert sieve_map(mid.reshape(1), upper, lower, hp).item() == pytest.approx(expected)
+    assert sieve_map(mid, _by_value(mid, upper, lower), hp).item() == pytest.approx(expected)
 
 
 def test_sieve_holds_everything_free_while_nothing_is_held_near_zero():
@@ -109,9 +119,10 @@ def test_sieve_holds_everything_free_while_nothing_is_held_near_zero():
     zeta_hat^(1): no coordinate gets a probability of zero above 1 - p_nonzero_high."""
     hp = SparseQNVBHyperparameters()
     zeta = torch.randn(200, generator=torch.Generator().manual_seed(2), dtype=DTYPE)
-    upper, lower = sieve_boundaries(zeta, 0.0, 0.98)
-    assert math.isinf(upper.item()) and lower == zeta.sort().values[195]
-    mapped = sieve_map(zeta, upper, lower, hp)
+    pieces = sieve_pieces(zeta, 0.0, 0.98)
+    assert math.isinf(pieces.upper.item()) and pieces.lower == zeta.sort().values[195]
+    assert not bool(pieces.held_zero.any())
+    mapped = sieve_map(zeta, pieces, hp)
     assert bool((mapped <= hp.sieve_logits[1] + 1e-12).all())
     assert int((mapped < hp.sieve_logits[1]).sum()) == 195
 
@@ -231,8 +242,7 @@ def test_quadratic_lands_on_newton_point_with_eq_4_6_logits():
     torch.testing.assert_close(result.zero_logits[0], expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(zero_logits(3 * a, b, 0.3), expected, rtol=1e-14, atol=0)
     s0, s1 = sieve_fractions(2 + 3 / 8, hp)
-    upper, lower = sieve_boundaries(expected, s0, s1)
-    p = torch.sigmoid(-sieve_map(expected, upper, lower, hp))
+    p = torch.sigmoid(-sieve_map(expected, sieve_pieces(expected, s0, s1), hp))
     torch.testing.assert_close(block.p_nonzero, p, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(block.mu, p * b, rtol=1e-12, atol=1e-12)
 

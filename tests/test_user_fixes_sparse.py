@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -20,8 +21,12 @@ from pyro_quadvi.nn import BayesianModule, WHVILinear, likelihoods, priors, whvi
 from pyro_quadvi.optim import SparseQNVBOptimizer
 from pyro_quadvi.optim.sparse_functional import (
     SparseQNVBHyperparameters,
-    sieve_boundaries,
+    init_sparse_block,
+    init_sparse_counters,
+    result_messages,
     sieve_map,
+    sieve_pieces,
+    sparse_qnvb_update,
 )
 
 # ------------------------------------------------------------- 1. at least one weight nonzero
@@ -33,15 +38,63 @@ def test_the_sieve_holds_one_coordinate_nonzero_when_round_s0_d_is_d():
     at zeta - zeta^(0) + zeta_hat^(0), zeta^(0) = 2 the second smallest."""
     hp = SparseQNVBHyperparameters()
     zeta = torch.tensor([3.0, 1.0, 5.0, 2.0, 4.0], dtype=torch.float64)
-    upper, lower = sieve_boundaries(zeta, 0.97, 0.01)
-    assert (upper.item(), lower.item()) == (2.0, 1.0)
+    pieces = sieve_pieces(zeta, 0.97, 0.01)
+    assert (pieces.upper.item(), pieces.lower.item()) == (2.0, 1.0)
     zeta_hat0, zeta_hat1 = hp.sieve_logits
-    mapped = sieve_map(zeta, upper, lower, hp)
+    mapped = sieve_map(zeta, pieces, hp)
     expected = torch.tensor(
         [1.0 + zeta_hat0, zeta_hat1, 3.0 + zeta_hat0, zeta_hat0, 2.0 + zeta_hat0]
     )
     torch.testing.assert_close(mapped, expected.double())
     torch.testing.assert_close(torch.sigmoid(-mapped[1]), torch.tensor(0.999, dtype=torch.float64))
+
+
+def test_tied_logits_are_assigned_to_the_pieces_by_rank():
+    """21 equal logits at s0 = 0.7, s1 = 0.3: round(6.3) = 6 held nonzero (the 6 first indices,
+    ties broken by index), round(14.7) = 15 held near zero, none in the middle. The old test
+    ``zeta >= zeta^(0)`` first held all 21 near zero."""
+    hp = SparseQNVBHyperparameters(target_sparsity=0.7, target_free=0.1)
+    zeta_hat0, zeta_hat1 = hp.sieve_logits
+    zeta = torch.full((21,), -1.0e3, dtype=torch.float64)
+    mapped = sieve_map(zeta, sieve_pieces(zeta, 0.7, 0.3), hp)
+    expected = torch.tensor([zeta_hat1] * 6 + [zeta_hat0] * 15, dtype=torch.float64)
+    torch.testing.assert_close(mapped, expected)
+
+
+def test_ties_at_both_boundaries_put_the_middle_at_the_midpoint():
+    """Logits [0, 1, 1, 1, 1, 1, 1, 2] at s0 = 0.25, s1 = 0.25 (2 and 2 of 8): zeta^(1) =
+    zeta^(0) = 1, so the pieces by rank are indices {0, 1} and {6, 7}; the middle {2..5} ties
+    both boundaries and sits at (zeta_hat^(0) + zeta_hat^(1)) / 2 = 0 (p_nonzero = 1/2); the
+    outer pieces are shifted as the map says: 0 - 1 + zeta_hat^(1), 1 - 1 + zeta_hat^(0)..."""
+    hp = SparseQNVBHyperparameters()
+    zeta_hat0, zeta_hat1 = hp.sieve_logits
+    zeta = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 1.0], dtype=torch.float64)
+    pieces = sieve_pieces(zeta, 0.25, 0.25)
+    assert (pieces.upper.item(), pieces.lower.item()) == (1.0, 1.0)
+    assert pieces.held_nonzero.nonzero().flatten().tolist() == [0, 1]
+    assert pieces.held_zero.nonzero().flatten().tolist() == [6, 7]
+    mapped = sieve_map(zeta, pieces, hp)
+    expected = [zeta_hat1, zeta_hat1 - 1, 0.0, 0.0, 0.0, 0.0, zeta_hat0 + 1, zeta_hat0]
+    torch.testing.assert_close(mapped, torch.tensor(expected, dtype=torch.float64))
+
+
+def test_logits_at_the_clamp_are_counted_and_named_once():
+    """float32, epoch 2 of 4: a mean of 1e12 with curvature 1e4 gives h nu^2 = 1e28, beyond the
+    clamp sqrt(finfo(float32).max) = 1.84e19 of the zero logits: that coordinate is counted and
+    the message names the divergence."""
+    hp = SparseQNVBHyperparameters(num_epochs=4, target_sparsity=0.5, target_free=0.25)
+    block = init_sparse_block(torch.tensor([1e12, 0.5, 0.5, -0.5]), hp)
+    counters = init_sparse_counters(hp, 2)._replace(step=2, n0=1.0)
+    g, h = torch.zeros(4), torch.full((4,), 1e4)
+    result = sparse_qnvb_update((block,), counters, [g], [h], hp, 2)
+    assert int(result.num_clamped) == 1
+    big = torch.tensor(torch.finfo(torch.float32).max ** 0.5)  # rounded to float32
+    assert result.zero_logits[0][0] == -big
+    warned: set[str] = set()
+    (message,) = result_messages(result, warned)
+    assert "zero logits of 1 coordinates reached the clamp" in message
+    assert "Gaussian means have diverged" in message
+    assert result_messages(result, warned) == []
 
 
 def _linear_data():
@@ -258,3 +311,127 @@ def test_a_loss_that_is_not_finite_is_refused_by_the_sparse_optimizer():
         optimizer.step(lambda: closure(bad))
     for p, mu in zip(net.parameters(), means):
         assert torch.equal(p.detach(), mu) and torch.equal(optimizer.state[p]["mu"], mu)
+
+
+# ------------------------------------------- a loop shorter than the declared steps_per_epoch
+
+
+def test_finished_says_whether_the_pattern_was_realized_and_sampled_params_warns_before():
+    """Declared S = 2 over n_e = 3 epochs: the pattern is realized at step (3 - 1) 2 + 1 = 5. A
+    loop of 1 step per epoch ends after 3 steps, unfinished (the pattern all ones, no exact
+    zero): ``finished`` says so and sampled_params warns once; after step 5 neither."""
+    x, y = _linear_data()
+    net, optimizer = _five_weight_net()
+
+    def closure():
+        loss = ((net(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        optimizer.step(closure)
+    assert not optimizer.finished
+    assert all(bool((optimizer.state[p]["pattern"] == 1).all()) for p in net.parameters())
+    with pytest.warns(UserWarning, match=r"step 3; the pattern is realized at step 5 ="):
+        with optimizer.sampled_params(generator=torch.Generator().manual_seed(0)):
+            pass
+    optimizer.step(closure)
+    assert not optimizer.finished
+    optimizer.step(closure)
+    assert optimizer.finished
+    assert optimizer.sparsity() == 0.8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with optimizer.sampled_params(generator=torch.Generator().manual_seed(0)):
+            pass
+
+
+def test_pyro_sparse_qnvb_finished_after_the_first_step_of_the_final_epoch(fresh_param_store):
+    x, y = _linear_data()
+    guide = AutoSpikeSlab(_five_weight_model, init_scale=1e-5**0.5, init_inclusion=1 - 1e-9)
+    optim = SparseQNVB(num_epochs=3, steps_per_epoch=2, num_cases=16)
+    elbo = QuadratureELBO(rule="hadamard", num_points=4, vectorize=False)
+    svi = SVI(_five_weight_model, guide, optim, elbo)
+    finished = []
+    for _ in range(6):
+        svi.step(x, y[:, 0])
+        finished.append(optim.finished)
+    assert finished == [False, False, False, False, True, True]
+
+
+# ----------------------------------------------------------- the weight of a short last batch
+
+
+@pytest.mark.parametrize("nominal", [None, 4])
+def test_a_short_batch_term_counts_num_cases_over_steps_per_epoch(nominal):
+    """n_c = 15 cases in S = 4 steps (batches of 4, 4, 4, 3), a loss linear in w: the term of
+    the short batch of 3 is (n_c / S) mean(a) + (h_p / S) mu0 = 3.75 mean(a) + ..., each case
+    counted 1.25 times; the documented remedy, a closure returning sum(a) w / B with the nominal
+    B = 4, makes it 3.75 sum(a) / 4 (n_c = S B = 16 would count each case once). The term is
+    read back from the state: with n_e = 3, n_tgt = S / 4 = 1, so after the first step
+    g0 = term + h0 (mu1 - mu0) and h0 = max(h_term, 1 / tau_max^2)."""
+    net = nn.Linear(1, 1, bias=False).double()
+    with torch.no_grad():
+        net.weight.fill_(0.3)
+    optimizer = SparseQNVBOptimizer(net.parameters(), num_cases=15, steps_per_epoch=4, num_epochs=3)
+    a = torch.tensor([1.0, -2.0, 4.0], dtype=torch.float64)
+
+    def closure():
+        per_case = a * net.weight[0, 0]
+        loss = per_case.mean() if nominal is None else per_case.sum() / nominal
+        loss.backward()
+        return loss
+
+    mu0 = net.weight.detach().clone()
+    optimizer.step(closure)
+    state = optimizer.state[net.weight]
+    h_p = 0.3**-2
+    assert state["h0"].item() == pytest.approx(h_p)  # h_term = h_p / 4, floored at 1 / 0.3^2
+    term = state["g0"] - state["h0"] * (state["mu"] - mu0)
+    batch = a.mean() if nominal is None else a.sum() / nominal
+    expected = 15 / 4 * batch + h_p / 4 * mu0
+    torch.testing.assert_close(term, expected, rtol=1e-12, atol=1e-12)
+
+
+# -------------------------------------------------------------- a loss that grows a thousandfold
+
+
+def _growing_run(factors, optimizer=None, net=None):
+    """Steps of ``factor * (1 + 1e-3 w^2)`` on ``nn.Linear(1, 1)``: the loss is about ``factor``
+    at every node; returns the optimizer, the net and the warnings raised."""
+    if optimizer is None:
+        torch.manual_seed(0)
+        net = nn.Linear(1, 1, bias=False)
+        optimizer = SparseQNVBOptimizer(net.parameters(), num_cases=8, steps_per_epoch=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for factor in factors:
+
+            def closure(factor=factor):
+                loss = factor * (1 + 1e-3 * (net.weight**2).sum())
+                loss.backward()
+                return loss
+
+            optimizer.step(closure)
+    return optimizer, net, [w for w in caught if "diverging" in str(w.message)]
+
+
+def test_a_thousandfold_loss_growth_warns_once_and_survives_a_state_dict():
+    """The rule: warn where loss - first > 1000 |first|. 1 -> 500 -> 900 stays below; 2000
+    crosses it (once: 5000 after it adds nothing). A state_dict keeps the first loss, so a
+    restored optimizer warns at 2000 too (it would take 2000 as its first loss otherwise)."""
+    optimizer, net, caught = _growing_run([1.0, 500.0, 900.0])
+    assert caught == []
+    assert optimizer.first_loss == pytest.approx(1.0, rel=1e-3)
+    saved = optimizer.state_dict()
+    _, _, caught = _growing_run([2000.0, 5000.0], optimizer, net)
+    assert len(caught) == 1 and issubclass(caught[0].category, RuntimeWarning)
+    assert "is 2e+03 at step 4, more than 1000 times the first step's 1 above it" in str(
+        caught[0].message
+    )
+    assert caught[0].filename == __file__  # points at the caller's line
+    restored = SparseQNVBOptimizer(net.parameters(), num_cases=8, steps_per_epoch=4)
+    restored.load_state_dict(saved)
+    assert restored.first_loss == optimizer.first_loss
+    _, _, caught = _growing_run([2000.0], restored, net)
+    assert len(caught) == 1

@@ -41,11 +41,12 @@ One update (Algorithm 5.3, with the errata of ``design/qnvb-update-rule.md``):
    and ``h_min = 1 / (n_c 2^(1 - n_e) alpha_max)`` (Section 5.1.3, Algorithm 5.1 line 6);
    ``tau = h_hat^(-1/2)``.
 4. Zero logits by eq. 4.6 with the prior precision ``h_p = 1 / tau_max^2`` and without ``zeta_p``
-   (line 10), then the sieve (lines 11-14): the logits of **all** coordinates are sorted together,
-   the ``s0(t)`` fraction with the largest logits is shifted to at least ``-logit(p_nonzero_low)``,
-   the ``s1(t)`` fraction with the smallest to at most ``-logit(p_nonzero_high)``, and the rest is
-   mapped affinely between them; the middle piece divides by ``zeta^(1) - zeta^(0)`` (erratum:
-   the text prints ``zeta^(1) - zeta_hat^(0)``, which is not continuous).
+   (line 10), then the sieve (lines 11-14): the logits of **all** coordinates are ranked together
+   (a stable sort, ties broken by index), the ``s0(t)`` fraction of largest rank is shifted to at
+   least ``-logit(p_nonzero_low)``, the ``s1(t)`` fraction of smallest rank to at most
+   ``-logit(p_nonzero_high)``, and the rest is mapped affinely between them; the middle piece
+   divides by ``zeta^(1) - zeta^(0)`` (erratum: the text prints ``zeta^(1) - zeta_hat^(0)``,
+   which is not continuous).
 5. The mixture moments (eq. 4.2) give the new expansion point ``mu``; both sums are carried to it
    by their quadratic model, ``g <- g + h (mu_new - mu)`` (line 20). Line 19 prints the exponent
    ``-1/2``; eq. 4.2 gives ``sigma = (...)^(1/2)``, used here.
@@ -70,6 +71,7 @@ import torch
 from .qnvb_functional import _check_number
 
 __all__ = [
+    "SievePieces",
     "SparseQNVBBlock",
     "SparseQNVBCounters",
     "SparseQNVBHyperparameters",
@@ -82,9 +84,9 @@ __all__ = [
     "mixture_moments",
     "result_messages",
     "run_settings",
-    "sieve_boundaries",
     "sieve_fractions",
     "sieve_map",
+    "sieve_pieces",
     "sparse_qnvb_update",
     "zero_logits",
 ]
@@ -229,6 +231,9 @@ class SparseQNVBResult(NamedTuple):
         num_overflow: coordinates whose update overflowed although ``g`` and ``h`` were finite;
             they drop the term (Gaussian step overflow) or keep their whole previous state (any
             other field), so that no NaN or infinity ever leaves the update.
+        num_clamped: coordinates whose zero logit reached the clamp ``+-sqrt(finfo.max)``
+            (``h nu^2`` too large, in practice because the Gaussian means diverged): their
+            logits tie, and the sieve ranks them by index, not by evidence.
     """
 
     blocks: tuple[SparseQNVBBlock, ...]
@@ -236,30 +241,32 @@ class SparseQNVBResult(NamedTuple):
     zero_logits: tuple[torch.Tensor, ...] | None
     num_nonfinite: torch.Tensor
     num_overflow: torch.Tensor
+    num_clamped: torch.Tensor
 
 
 def result_messages(result: SparseQNVBResult, warned: set[str]) -> list[str]:
     """One message per kind of count of ``result`` that occurred and is not yet in ``warned``
     (the kinds reported are added to it). Reads the counts only while a kind is left to report."""
-    kinds = ("num_nonfinite", "num_overflow")
+    kinds = ("num_nonfinite", "num_overflow", "num_clamped")
     if warned.issuperset(kinds):
         return []
-    counts = torch.stack([result.num_nonfinite, result.num_overflow]).tolist()
+    counts = torch.stack([getattr(result, kind) for kind in kinds]).tolist()
+    texts = {
+        "num_nonfinite": "non-finite gradient or curvature at {} coordinates; their term was "
+        "dropped",
+        "num_overflow": "the update overflowed at {} coordinates although the gradient and "
+        "curvature were finite; they kept their previous state (rescale the loss, lower max_lr "
+        "or tau_max, or use float64)",
+        "num_clamped": "the zero logits of {} coordinates reached the clamp +-sqrt(finfo.max) "
+        "(h nu^2 overflowed: the Gaussian means have diverged); tied there, the sieve ranks them "
+        "by index rather than by evidence (see 'Limits' in docs/sparse_qnvb.md: lower tau_max "
+        "or max_lr)",
+    }
     messages = []
     for kind, count in zip(kinds, counts):
         if count and kind not in warned:
             warned.add(kind)
-            if kind == "num_nonfinite":
-                messages.append(
-                    f"non-finite gradient or curvature at {count} coordinates; their term was "
-                    "dropped"
-                )
-            else:
-                messages.append(
-                    f"the update overflowed at {count} coordinates although the gradient and "
-                    "curvature were finite; they kept their previous state (rescale the loss, "
-                    "lower max_lr or tau_max, or use float64)"
-                )
+            messages.append(texts[kind].format(count))
     return messages
 
 
@@ -320,50 +327,80 @@ def _counts(s0: float, s1: float, dim: int) -> tuple[int, int]:
     return k0, k1
 
 
-def sieve_boundaries(zeta: torch.Tensor, s0: float, s1: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The domain boundaries ``(zeta^(0), zeta^(1))`` of the sieve (Section 5.1.4).
+class SievePieces(NamedTuple):
+    """The sieve's three pieces over the logits of all coordinates (Section 5.1.4), by rank.
 
-    ``zeta^(0)`` is the smallest of the ``round(s0 d)`` largest logits, ``zeta^(1)`` the largest
-    of the ``round(s1 d)`` smallest (at least one), over the flat ``zeta`` of all coordinates.
-    An empty set gives ``+inf`` (resp. ``-inf``), the minimum (maximum) of nothing.
+    Attributes:
+        upper: ``zeta^(0)``, the smallest logit held near zero (``+inf`` when none is).
+        lower: ``zeta^(1)``, the largest logit held nonzero.
+        held_zero: mask (the shape of the logits) of the ``round(s0 d)`` coordinates of largest
+            rank, mapped to at least ``zeta_hat^(0)``.
+        held_nonzero: mask of the ``round(s1 d)`` (at least one) of smallest rank, mapped to at
+            most ``zeta_hat^(1)``.
+    """
+
+    upper: torch.Tensor
+    lower: torch.Tensor
+    held_zero: torch.Tensor
+    held_nonzero: torch.Tensor
+
+
+def sieve_pieces(zeta: torch.Tensor, s0: float, s1: float) -> SievePieces:
+    """Assign the coordinates to the sieve's pieces by rank (Algorithm 5.3, lines 11-13).
+
+    The logits are ranked by a stable ascending sort of the flat ``zeta``, ties broken by index
+    (the lower index ranks lower, nearer to nonzero): the ``round(s1 d)`` first are held nonzero,
+    the ``round(s0 d)`` last held near zero, whatever the ties, so exactly those numbers land in
+    the outer pieces. (A test ``zeta >= zeta^(0)`` would put every tied logit in the upper piece:
+    with all logits equal, every coordinate would be held near zero.)
     """
     flat = zeta.reshape(-1)
-    k0, k1 = _counts(s0, s1, flat.numel())
+    dim = flat.numel()
+    k0, k1 = _counts(s0, s1, dim)
+    ordered, order = torch.sort(flat, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(dim, device=order.device)
+    rank = rank.reshape(zeta.shape)
     inf = torch.tensor(math.inf, dtype=flat.dtype, device=flat.device)
-    upper = flat.kthvalue(flat.numel() - k0 + 1).values if k0 else inf
-    lower = flat.kthvalue(k1).values if k1 else -inf
-    return upper, lower
+    return SievePieces(
+        upper=ordered[dim - k0] if k0 else inf,
+        lower=ordered[k1 - 1],
+        held_zero=rank >= dim - k0,
+        held_nonzero=rank < k1,
+    )
 
 
 def sieve_map(
-    zeta: torch.Tensor,
-    upper: torch.Tensor,
-    lower: torch.Tensor,
-    hp: SparseQNVBHyperparameters,
+    zeta: torch.Tensor, pieces: SievePieces, hp: SparseQNVBHyperparameters
 ) -> torch.Tensor:
-    """The continuous, monotone, piecewise-affine sieve (Algorithm 5.3, line 14, corrected).
+    """The monotone, piecewise-affine sieve (Algorithm 5.3, line 14, corrected).
 
     With ``(zeta_hat^(0), zeta_hat^(1))`` from :attr:`SparseQNVBHyperparameters.sieve_logits`
-    and the boundaries ``upper = zeta^(0) >= lower = zeta^(1)`` of :func:`sieve_boundaries`::
+    and the pieces (``upper = zeta^(0) >= lower = zeta^(1)``) of :func:`sieve_pieces`::
 
-        zeta >= zeta^(0):            zeta - zeta^(0) + zeta_hat^(0)     (held near zero)
-        zeta <= zeta^(1):            zeta - zeta^(1) + zeta_hat^(1)     (held nonzero)
-        otherwise:  zeta_hat^(1) + (zeta - zeta^(1)) (zeta_hat^(0) - zeta_hat^(1))
-                                     / (zeta^(0) - zeta^(1))
+        held near zero:  zeta - zeta^(0) + zeta_hat^(0)
+        held nonzero:    zeta - zeta^(1) + zeta_hat^(1)
+        otherwise:       zeta_hat^(1) + (zeta - zeta^(1)) (zeta_hat^(0) - zeta_hat^(1))
+                         / (zeta^(0) - zeta^(1))
 
-    With ``zeta^(0) = +inf`` (nothing held near zero yet) the middle piece is flat at
+    The map is continuous at both boundaries where ``zeta^(0) > zeta^(1)``. With
+    ``zeta^(0) = +inf`` (nothing held near zero yet) the middle piece is flat at
     ``zeta_hat^(1)``: every free coordinate keeps a probability of zero below ``1 - p_high``.
+    With ``zeta^(0) = zeta^(1)`` (the middle logits tie both boundaries) it is the midpoint
+    ``(zeta_hat^(0) + zeta_hat^(1)) / 2``, the mean of the affine piece over its range.
     """
     zeta_hat0, zeta_hat1 = hp.sieve_logits
+    upper, lower = pieces.upper, pieces.lower
     top = zeta - upper + zeta_hat0
     bottom = zeta - lower + zeta_hat1
     width = upper - lower
     if torch.isinf(upper):
         middle = torch.full_like(zeta, zeta_hat1)
+    elif width > 0:
+        middle = zeta_hat1 + (zeta - lower) * ((zeta_hat0 - zeta_hat1) / width)
     else:
-        slope = torch.where(width > 0, (zeta_hat0 - zeta_hat1) / width, 0.0)
-        middle = zeta_hat1 + (zeta - lower) * slope
-    return torch.where(zeta >= upper, top, torch.where(zeta <= lower, bottom, middle))
+        middle = torch.full_like(zeta, 0.5 * (zeta_hat0 + zeta_hat1))
+    return torch.where(pieces.held_zero, top, torch.where(pieces.held_nonzero, bottom, middle))
 
 
 def zero_logits(h_hat: torch.Tensor, nu: torch.Tensor, tau_max: float) -> torch.Tensor:
@@ -516,6 +553,7 @@ def sparse_qnvb_update(
             h_hat = h_hat.clamp(min=slab_floor)
         moved.append((block, g1, h1, pattern, nu, h_hat.rsqrt(), h_hat))
 
+    num_clamped = torch.zeros_like(num_nonfinite)
     if final:
         logits = None
         p_nonzero = [pattern for _, _, _, pattern, _, _, _ in moved]
@@ -524,9 +562,14 @@ def sparse_qnvb_update(
         logits = tuple(
             zero_logits(h_hat, nu, hp.tau_max).clamp(-big, big) for *_, nu, _, h_hat in moved
         )
+        num_clamped = sum((z.abs() >= big).sum() for z in logits)
         s0, s1 = sieve_fractions(epoch - 1 + (in_epoch + 1) / steps_per_epoch, hp)
-        upper, lower = sieve_boundaries(torch.cat([z.reshape(-1) for z in logits]), s0, s1)
-        p_nonzero = [torch.sigmoid(-sieve_map(z, upper, lower, hp)) for z in logits]
+        flat = torch.cat([z.reshape(-1) for z in logits])
+        mapped = sieve_map(flat, sieve_pieces(flat, s0, s1), hp)
+        p_nonzero = [
+            torch.sigmoid(-m).reshape(z.shape)
+            for m, z in zip(mapped.split([z.numel() for z in logits]), logits)
+        ]
 
     new_blocks = []
     for (block, g1, h1, pattern, nu, tau, _), p in zip(moved, p_nonzero):
@@ -564,4 +607,5 @@ def sparse_qnvb_update(
         zero_logits=logits,
         num_nonfinite=num_nonfinite,
         num_overflow=num_overflow,
+        num_clamped=num_clamped,
     )

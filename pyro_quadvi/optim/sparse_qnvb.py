@@ -135,13 +135,20 @@ class SparseQNVB(QNVB):
         hp = self.sparse_hyperparameters
         return epoch_progress(self.counters.step, hp, self.steps_per_epoch)[0]
 
+    @property
+    def finished(self) -> bool:
+        """Whether the final epoch has begun, i.e. the pattern is realized: SVI step
+        ``(num_epochs - 1) steps_per_epoch + 1`` has been taken. A loop that takes fewer steps
+        per epoch than the declared ``steps_per_epoch`` ends before this: check it after
+        training."""
+        hp = self.sparse_hyperparameters
+        return self.counters.step > (hp.num_epochs - 1) * self.steps_per_epoch
+
     def pattern(self) -> dict[str, torch.Tensor]:
         """Per block (loc parameter name), 1 where a coordinate is nonzero, 0 where it is an
-        exact zero: the realized pattern once the final epoch has begun, else where
-        ``p_nonzero > 1/2`` (the pattern a realization now would give)."""
-        realized = self.counters.step > (self.sparse_hyperparameters.num_epochs - 1) * (
-            self.steps_per_epoch
-        )
+        exact zero: the realized pattern once :attr:`finished`, else where ``p_nonzero > 1/2``
+        (the pattern a realization now would give)."""
+        realized = self.finished
         return {
             name: b.pattern if realized else (b.p_nonzero > 0.5).to(b.p_nonzero.dtype)
             for name, b in self.blocks.items()

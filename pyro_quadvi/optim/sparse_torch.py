@@ -52,6 +52,10 @@ from .torch_qnvb import (
 
 __all__ = ["SparseQNVBOptimizer"]
 
+_GROWTH = 1e3
+"""A step whose quadrature-averaged loss exceeds the first step's by more than ``_GROWTH`` times
+the first's magnitude is taken as divergence (:meth:`SparseQNVBOptimizer.step`)."""
+
 _BLOCK_NAMES = SparseQNVBBlock._fields
 
 
@@ -167,6 +171,7 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         self.rule = make_rule("hadamard", 2 * num_pairs)
         self.generator = generator
         self.sequence_offset: int | None = None
+        self.first_loss: float | None = None
         self._warned: set[str] = set()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -190,6 +195,15 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
     def epoch(self) -> int:
         """The epoch of the next step (1-based, at most ``num_epochs``)."""
         return epoch_progress(self.counters.step, self.hyperparameters, self.steps_per_epoch)[0]
+
+    @property
+    def finished(self) -> bool:
+        """Whether the final epoch has begun, i.e. the pattern is realized: step
+        ``(num_epochs - 1) steps_per_epoch + 1`` has been taken, and from then on the pattern's
+        zeros are exact zeros of the weights. A loop that takes fewer steps per epoch than the
+        declared ``steps_per_epoch`` ends before this: check it after training."""
+        hp = self.hyperparameters
+        return self.counters.step > (hp.num_epochs - 1) * self.steps_per_epoch
 
     def _params(self) -> list[torch.Tensor]:
         out = [p for p, _ in checked_parameters(self, "SparseQNVBOptimizer")]
@@ -222,11 +236,28 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         Args:
             generator: the random generator of the draw (torch's global one when ``None``).
 
-        Once the final epoch has realized the pattern, its zeros are drawn as zeros. See
+        Once the final epoch has realized the pattern, its zeros are drawn as zeros; before
+        (:attr:`finished` is false) a ``UserWarning``, once, says that the draw is not yet of the
+        sparse posterior. See
         :meth:`QNVBOptimizer.sampled_params <pyro_quadvi.optim.QNVBOptimizer.sampled_params>`
         for a Bayesian model average.
         """
         params = self._params()
+        if not self.finished and "unfinished" not in self._warned:
+            self._warned.add("unfinished")
+            hp = self.hyperparameters
+            warnings.warn(
+                f"SparseQNVBOptimizer.sampled_params: the sieve has not finished (step "
+                f"{self.counters.step}; the pattern is realized at step "
+                f"{(hp.num_epochs - 1) * self.steps_per_epoch + 1} = (num_epochs - 1) * "
+                f"steps_per_epoch + 1, with num_epochs={hp.num_epochs}, steps_per_epoch="
+                f"{self.steps_per_epoch}), so these draws are not of the sparse posterior. "
+                "Expected during training; if training is over, steps_per_epoch is more than the "
+                "steps your loop takes per epoch: set it to len(loader) (this warning is shown "
+                "once; `finished` tells)",
+                UserWarning,
+                stacklevel=3,  # sampled_params <- contextmanager's __enter__ <- the caller
+            )
         draws = []
         for p in params:
             block = self._block(p)
@@ -247,6 +278,13 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
 
         Returns:
             The quadrature average of the closure's loss.
+
+        Every step's term counts ``num_cases / steps_per_epoch`` cases, whatever its minibatch's
+        size, as :class:`~pyro_quadvi.optim.QNVBOptimizer` weighs every minibatch's mean by
+        ``likelihood_weight``: a short last batch of ``b`` cases counts each of them
+        ``(num_cases / steps_per_epoch) / b`` times (see the docs). A step whose average loss
+        exceeds the first step's by more than 1000 times the first's magnitude gets a
+        ``RuntimeWarning`` (once): the means are diverging.
         """
         params = self._params()
         first = params[0]
@@ -269,6 +307,7 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             params, mus, sigmas, nodes, closure, "SparseQNVBOptimizer"
         )
         check_finite_loss(loss_avg, params, mus, "SparseQNVBOptimizer")
+        self._check_growth(loss_avg)
         scale = self.num_cases / self.steps_per_epoch
         prior = self.prior_precision / self.steps_per_epoch
         g_terms, h_terms = [], []
@@ -295,9 +334,31 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             warnings.warn(
                 f"SparseQNVBOptimizer: {message} (this warning is shown once)",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=4,  # step <- no_grad <- torch's step hook <- the caller
             )
         return loss_avg
+
+    def _check_growth(self, loss_avg: torch.Tensor) -> None:
+        """Warn once where the loss grew beyond ``first + 1000 |first|``: the first step's loss is
+        the untrained network's, which a converging run stays below up to minibatch noise (a
+        small factor), while diverging means (see 'Limits' in the docs) grow it by many orders
+        of magnitude. A first loss of exactly 0 gives no scale, and no warning."""
+        if "growth" in self._warned:
+            return
+        value = float(loss_avg)
+        if self.first_loss is None:
+            self.first_loss = value
+        elif value - self.first_loss > _GROWTH * abs(self.first_loss) > 0:
+            self._warned.add("growth")
+            warnings.warn(
+                f"SparseQNVBOptimizer: the loss averaged over the quadrature nodes is {value:.3g} "
+                f"at step {self.counters.step + 1}, more than {_GROWTH:g} times the first step's "
+                f"{self.first_loss:.3g} above it: the Gaussian means are diverging (see 'Limits' "
+                "in docs/sparse_qnvb.md: lower tau_max or max_lr, or use float64). This warning "
+                "is shown once",
+                RuntimeWarning,
+                stacklevel=5,  # _check_growth <- step <- no_grad <- torch's step hook <- caller
+            )
 
     def _settings(self) -> dict:
         return run_settings(
@@ -305,12 +366,14 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         )
 
     def state_dict(self) -> dict:
-        """Torch's state dict plus the counters, the sequence offset, the generator's state and
-        the settings of the run (:func:`~pyro_quadvi.optim.sparse_functional.run_settings`)."""
+        """Torch's state dict plus the counters, the sequence offset, the first step's loss, the
+        generator's state and the settings of the run
+        (:func:`~pyro_quadvi.optim.sparse_functional.run_settings`)."""
         state = super().state_dict()
         state["sparse_qnvb"] = {
             "counters": tuple(self.counters),
             "sequence_offset": self.sequence_offset,
+            "first_loss": self.first_loss,
             "generator": None if self.generator is None else self.generator.get_state(),
             "settings": self._settings(),
         }
@@ -332,5 +395,6 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         self.param_groups = [_SparseGroup(group) for group in self.param_groups]
         self.counters = SparseQNVBCounters(*extra["counters"])
         self.sequence_offset = extra["sequence_offset"]
+        self.first_loss = extra.get("first_loss")  # absent from states saved before it was kept
         if extra["generator"] is not None:
             self.generator.set_state(extra["generator"])
