@@ -135,9 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(format_table(exactness_table(args.dim, evaluations, args.trials), evaluations))
     print(
-        "\nA cell is the fraction exact (0.000: no mixed term exact). hadamard gets the pairs whose "
-        "indices first differ in one of the low v bits, 2^v the largest power of two dividing K/2 "
-        "(sequence paper, Theorem 3.3): none when K/2 is odd (K = 6, 10, 14), half at K = 4 and 12."
+        "\nA cell is the fraction exact (0.000: no mixed term exact). hadamard gets the pairs "
+        "whose indices first differ in one of the low v bits, 2^v the largest power of two "
+        "dividing K/2 (sequence paper, Theorem 3.3): none when K/2 is odd (K = 6, 10, 14), half "
+        "at K = 4 and 12."
     )
 
 
