@@ -5,7 +5,10 @@
    form (mean: the exact posterior mean; standard deviations: ``1 / sqrt(Lambda_ii)`` for the
    posterior precision ``Lambda``).
 2. Prints the exactness table of the quadrature rules: the fraction of the mixed quadratic basis
-   functions ``x_i x_j`` that each rule integrates exactly, per number of evaluations.
+   functions ``x_i x_j`` that each rule integrates exactly, per number of evaluations (0.000: none
+   is exact). ``hadamard`` gets the pairs whose indices first differ in one of the low ``v`` bits,
+   ``2^v`` the largest power of two dividing ``K/2`` (sequence paper, Theorem 3.3): none for an
+   odd ``K/2`` (K = 6, 10, 14), the same half as ``K = 4`` for ``K = 12``.
 """
 
 from __future__ import annotations
@@ -131,6 +134,12 @@ def main(argv: list[str] | None = None) -> None:
         "the random rules)\n"
     )
     print(format_table(exactness_table(args.dim, evaluations, args.trials), evaluations))
+    print(
+        "\nA cell is the fraction exact (0.000: no mixed term exact). hadamard gets the pairs "
+        "whose indices first differ in one of the low v bits, 2^v the largest power of two "
+        "dividing K/2 (sequence paper, Theorem 3.3): none when K/2 is odd (K = 6, 10, 14), half "
+        "at K = 4 and 12."
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Test-suite settings: one torch thread per process (the suite runs in 2 xdist workers)."""
 
 import importlib.util
+import tempfile
 from pathlib import Path
 
 import pyro
@@ -34,17 +35,27 @@ def load_script():
 
 
 @pytest.fixture
-def run_quick(tmp_path):
-    """A function running a tutorial module's ``main`` in ``--quick`` mode; returns its result and
-    the figure's path. ``main`` runs single-threaded: the thread count is restored after it."""
+def run_quick(tmp_path, monkeypatch):
+    """A function running a tutorial module's ``main(["--quick", *extra])`` without ``--out``;
+    returns its result and the figure's path.
 
-    def run(tutorial, figure: str):
-        out = tmp_path / figure
+    It runs in an empty working directory with a ``docs/img`` folder, and with the temporary
+    directory (``tempfile.gettempdir()``) inside ``tmp_path``: a quick run must leave ``docs/img``
+    untouched and write ``figure`` (the name the tutorial gives it) to the temporary directory.
+    ``main`` runs single-threaded: the thread count is restored after it."""
+
+    def run(tutorial, figure: str, *extra: str):
+        work, temp = tmp_path / "work", tmp_path / "temp"
+        (work / "docs" / "img").mkdir(parents=True)
+        temp.mkdir()
+        monkeypatch.chdir(work)
+        monkeypatch.setattr(tempfile, "tempdir", str(temp))
         threads = torch.get_num_threads()
         try:
-            result = tutorial.main(["--quick", "--out", str(out)])
+            result = tutorial.main(["--quick", *extra])
         finally:
             torch.set_num_threads(threads)
-        return result, out
+        assert list((work / "docs" / "img").iterdir()) == []
+        return result, temp / figure
 
     return run

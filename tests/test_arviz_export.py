@@ -377,6 +377,50 @@ def test_coords_and_dims_override(schools):
         to_inference_data(eight_schools, guide, sigma, y, num_samples=10, dims={"theta": []})
 
 
+def test_a_misspelt_coords_key_is_refused_naming_the_dims():
+    pyro.set_rng_seed(6)
+    y, sigma = torch.tensor(Y), torch.tensor(SIGMA)
+    guide = AutoNormal(eight_schools)
+    guide(sigma, y)
+    with pytest.raises(ValueError, match=r"coords names \['schol'\].*the dims are \['school'\]"):
+        to_inference_data(
+            eight_schools, guide, sigma, y, num_samples=10, coords={"schol": list("abcdefgh")}
+        )
+    # a dim renamed by dims= takes coords under its new name, and the old name is then unknown
+    names = list("ABCDEFGH")
+    idata = to_inference_data(
+        eight_schools,
+        guide,
+        sigma,
+        y,
+        num_samples=10,
+        dims={"obs": ["county"]},
+        coords={"county": names},
+    )
+    assert list(idata.observed_data["obs"].coords["county"].values) == names
+    assert list(idata.posterior["theta"].coords["school"].values) == list(range(8))
+
+
+def test_a_scalar_observation_stays_0d():
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+    pyro.set_rng_seed(7)
+    y = torch.tensor(1.3)
+    guide = AutoNormal(model)
+    guide(y)
+    idata = to_inference_data(model, guide, y, num_samples=50)
+    assert idata.observed_data["obs"].dims == ()
+    assert idata.observed_data["obs"].values.shape == ()
+    assert idata.observed_data["obs"].item() == 1.3
+    assert idata.posterior_predictive["obs"].dims == ("chain", "draw")
+    assert idata.observed_data.attrs["inference_library"] == "pyro"
+    mu = idata.posterior["mu"].values[0]
+    expected = dist.Normal(torch.tensor(mu), 1.0).log_prob(y).numpy()
+    np.testing.assert_allclose(idata.log_likelihood["obs"].values[0], expected, rtol=1e-12)
+
+
 def test_guide_never_run_is_refused_with_the_fix():
     pyro.clear_param_store()
     y, sigma = torch.tensor(Y), torch.tensor(SIGMA)

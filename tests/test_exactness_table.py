@@ -8,7 +8,7 @@ from pyro_quadvi.demo import exactness_table, format_table, main
 
 
 def test_exactness_table_fractions():
-    dim, evaluations = 64, [2, 3, 4, 8]
+    dim, evaluations = 64, [2, 3, 4, 6, 8, 12]
     table = exactness_table(dim, evaluations, trials=3, seed=1)
     assert set(table) == {
         "rasp_simplex",
@@ -23,8 +23,9 @@ def test_exactness_table_fractions():
     basis = 1 + 2 * dim + pairs
     # the pair rules do not exist for odd K
     assert 3 not in table["hadamard"] and 3 not in table["rasp_cross"]
-    # Hadamard, K/2 = 2^m: every pair except those agreeing in the m low index bits
-    for K, m in [(4, 1), (8, 2)]:
+    # Hadamard: every pair except those agreeing in the m low index bits, 2^m the largest power of
+    # two dividing K/2 (Theorem 3.3): none for an odd K/2, K = 12 as K = 4
+    for K, m in [(4, 1), (6, 0), (8, 2), (12, 1)]:
         group = dim >> m
         cross = 1 - 2**m * group * (group - 1) // 2 / pairs
         assert table["hadamard"][K]["cross"] == pytest.approx(cross)

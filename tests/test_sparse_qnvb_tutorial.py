@@ -13,7 +13,7 @@ def tutorial(load_script):
 
 
 def test_quick_run(tutorial, run_quick):
-    result, out = run_quick(tutorial, "s.png")
+    result, out = run_quick(tutorial, "sparse_mnist.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     net, history = result["net"], result["history"]
     hp = history["hyperparameters"]

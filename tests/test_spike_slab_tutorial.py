@@ -26,7 +26,7 @@ def test_the_papers_target_at_a_hand_computed_point():
 
 def test_quick_run(load_script, run_quick):
     tutorial = load_script("tutorials/sparse_regression.py")
-    result, out = run_quick(tutorial, "spike_slab.png")
+    result, out = run_quick(tutorial, "spike_slab_inputs.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     inclusion = result["inclusion"]
     assert inclusion.shape == (200,) and ((inclusion > 0) & (inclusion < 1)).all()

@@ -26,7 +26,7 @@ def test_toy_data(tutorial):
 
 
 def test_quick_run(tutorial, run_quick):
-    result, out = run_quick(tutorial, "bnn.png")
+    result, out = run_quick(tutorial, "bnn_regression.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["K"] == 3  # QuadratureELBO's default rule: 3 nodes a step
     results = result["results"]

@@ -36,7 +36,7 @@ def test_split_and_rotation(tutorial):
 
 
 def test_quick_run(tutorial, run_quick):
-    result, out = run_quick(tutorial, "c.png")
+    result, out = run_quick(tutorial, "bnn_classification.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = result["results"]
     assert len(results) == 3

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pyro_quadvi import opqa_evidence
 
@@ -20,13 +19,9 @@ def test_closed_form_evidence(tutorial):
     assert abs(result.log_evidence - tutorial.normal_gamma_log_evidence(X, y)) < 1e-8
 
 
-def test_quick_run(tutorial, tmp_path):
-    plot = tmp_path / "errors.png"
-    threads = torch.get_num_threads()
-    try:
-        out = tutorial.main(["--quick", "--no-dynesty", "--plot", str(plot)])
-    finally:
-        torch.set_num_threads(threads)  # main() runs single-threaded
+def test_quick_run(tutorial, run_quick):
+    out, plot = run_quick(tutorial, "evidence_comparison.png", "--no-dynesty")
+    assert out["out"] == str(plot)
     assert out["chosen"] == 2
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = out["rows"]

@@ -13,7 +13,7 @@ def tutorial(load_script):
 
 
 def test_quick_run(tutorial, run_quick):
-    result, out = run_quick(tutorial, "whvi.png")
+    result, out = run_quick(tutorial, "whvi_regression.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["settings"]["hidden"] == 32
     whvi, mfg = result["results"]["WHVI"], result["results"]["MFG"]

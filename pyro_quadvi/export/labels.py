@@ -100,7 +100,8 @@ def label(
     Raises:
         ValueError: if ``dims`` names a variable the export does not have, too few dims, or more
             dims than the variable has (a log likelihood takes the leading names of its site's
-            full dims, so only those count).
+            full dims, so only those count); if ``coords`` names a dim that no exported variable
+            has (a misspelt plate name would otherwise be ignored).
     """
     user_dims = dict(dims or {})
     unknown = sorted(set(user_dims) - set(draws.sites))
@@ -134,6 +135,13 @@ def label(
             for plate, _, size in site.frames:
                 plate_sizes[plate] = size
         groups[group] = variables
+    exported = {dim for variables in groups.values() for v in variables.values() for dim in v.dims}
+    unknown = sorted(set(coords or {}) - exported)
+    if unknown:
+        raise ValueError(
+            f"coords names {unknown}, which are not dims of any exported variable; the dims are "
+            f"{sorted(exported)} (a plate's dim is the plate's name; rename others with dims=)"
+        )
     all_coords = {plate: np.arange(size) for plate, size in plate_sizes.items()}
     all_coords.update({name: np.asarray(values) for name, values in (coords or {}).items()})
     return groups, all_coords
