@@ -563,6 +563,36 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         self.compile = compile
         self._warned: set[str] = set()
         self._decisions = DecisionCache()  # vectorize=None: decided once (_decision_key)
+        self._written: dict[int, tuple[int, int]] = {}  # id(p) -> (_version, data_ptr)
+        self._loaded: dict | None = None  # the "qnvb" entry being loaded (_check_loaded)
+        self._register_checkpoint_hooks()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # loaded, copied or unpickled: every parameter gives its mean at the next step
+        self._written = {}
+        if self._checkpoint_hooks[1] not in self._optimizer_load_state_dict_pre_hooks:
+            self._register_checkpoint_hooks()  # a copy (torch leaves the hooks out)
+
+    def _register_checkpoint_hooks(self) -> None:
+        """The hooks through which :meth:`state_dict` adds the ``"qnvb"`` entry and
+        :meth:`load_state_dict` reads it, registered before any of the user's: a user's
+        state-dict post-hook sees the entry, and a user's load pre-hook (a migration of an
+        older entry) runs before the check that reads it
+        (:meth:`register_load_state_dict_pre_hook` keeps that check last)."""
+        self._checkpoint_hooks = (
+            super().register_state_dict_post_hook(_add_qnvb_entry).id,
+            super().register_load_state_dict_pre_hook(_check_qnvb_entry).id,
+            super().register_load_state_dict_post_hook(_restore_qnvb_entry).id,
+        )
+
+    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False):
+        """Torch's :meth:`~torch.optim.Optimizer.register_load_state_dict_pre_hook`, with the
+        optimizer's own check of the loaded state kept after every user hook: a hook that
+        migrates the ``"qnvb"`` entry of an older checkpoint runs before it is read."""
+        handle = super().register_load_state_dict_pre_hook(hook, prepend=prepend)
+        self._optimizer_load_state_dict_pre_hooks.move_to_end(self._checkpoint_hooks[1])
+        return handle
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch's rule), after checking it: a key that is not a per-group setting
@@ -633,6 +663,9 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             yield
 
     def _params(self) -> list[tuple[torch.Tensor, dict]]:
+        """``(parameter, group)`` of every parameter that requires grad, its state made on first
+        use; a parameter changed since this optimizer last wrote it gives its mean
+        (:meth:`_take_edits`)."""
         out = []
         for p, group in checked_parameters(self, type(self).__name__):
             state = self.state[p]
@@ -641,7 +674,30 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
                 state["sigma"] = torch.full_like(state["mu"], group["init_sigma"])
                 state.update(init_qnvb_state(state["mu"])._asdict())
             out.append((p, group))
+        self._take_edits([p for p, _ in out])
         return out
+
+    def _take_edits(self, params: list[torch.Tensor]) -> None:
+        """The value of every parameter changed since :meth:`_mark_written` as its new mean.
+
+        Between steps the parameters hold the means, and a change made to one there (a
+        ``net.load_state_dict``, a re-initialization, a clamp, under ``torch.no_grad()``) is a
+        change of the mean; ``sigma`` and the averages stay. A change is seen without a
+        host-device sync: the parameter's version counter (``_version``, which every in-place
+        operation on it bumps) or its storage (``p.data = ...``) differs from what the
+        optimizer's own last copy left. A parameter not yet written (before the first step,
+        after ``load_state_dict``, in a copy) gives its value too, which equals the mean when
+        the network's state was saved and loaded with the optimizer's. An in-place operation on
+        ``p.data`` (which does not share ``p``'s version counter) is not seen.
+        """
+        for p in params:
+            if self._written.get(id(p)) != (p._version, p.data_ptr()):
+                self.state[p]["mu"] = p.detach().clone()
+
+    def _mark_written(self, params: list[torch.Tensor]) -> None:
+        """Record the version and storage of each parameter just set to its mean."""
+        for p in params:
+            self._written[id(p)] = (p._version, p.data_ptr())
 
     @torch.no_grad()
     def step(  # type: ignore[override]
@@ -856,6 +912,7 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         for p, _ in params:
             p.copy_(self.state[p]["mu"])
             p.grad = None
+        self._mark_written([p for p, _ in params])
         self.num_steps += 1
         self._warn(counts)
 
@@ -881,18 +938,30 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         }
 
     def _check_shapes(self, state_dict: dict) -> None:
-        """Refuse a saved per-parameter state whose shape is not its parameter's (torch pairs
-        them by position), naming the parameter and both shapes."""
+        """Refuse a saved per-parameter state that torch would pair (by position) with another
+        parameter: where the saved group and this optimizer's both have ``param_names``, a name
+        that differs (the state holds the means, so a same-shaped parameter in another place
+        would silently take another's weights); anywhere, a shape that differs. Both are named
+        with the parameter's position. Where either side has no names, torch's pairing by
+        position stands (torch keeps the saved names, if any)."""
         saved_state = state_dict["state"]
         position = 0
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             names = group.get("param_names")
+            saved_names = saved_group.get("param_names")
             for k, (saved_id, p) in enumerate(zip(saved_group["params"], group["params"])):
+                label = f"parameter {position + k}" + ("" if names is None else f" ({names[k]!r})")
+                if names is not None and saved_names is not None and saved_names[k] != names[k]:
+                    raise ValueError(
+                        f"QNVBOptimizer.load_state_dict: the saved state of parameter "
+                        f"{position + k} is that of {saved_names[k]!r}, but this optimizer's "
+                        f"parameter {position + k} is {names[k]!r}; the state holds the means "
+                        "(the weights), so loading it would give one parameter another's. Build "
+                        "the optimizer with the groups and parameters in the saved order: "
+                        f"{[g.get('param_names') for g in state_dict['param_groups']]}"
+                    )
                 mu = saved_state.get(saved_id, {}).get("mu")
                 if mu is not None and mu.shape != p.shape:
-                    label = f"parameter {position + k}" + (
-                        "" if names is None else f" ({names[k]!r})"
-                    )
                     raise ValueError(
                         f"QNVBOptimizer.load_state_dict: the saved state of {label} has shape "
                         f"{tuple(mu.shape)}, but the parameter has shape {tuple(p.shape)}; load a "
@@ -902,32 +971,50 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             position += len(group["params"])
 
     def state_dict(self) -> dict:
-        """Torch's state dict plus the step count, the generator's state and the run's settings
-        (:meth:`_settings`).
+        """Torch's state dict plus a ``"qnvb"`` entry: the step count, the generator's state and
+        the run's settings (:meth:`_settings`), added by a state-dict post-hook the optimizer
+        registers first, so that a user's post-hook sees it.
 
         With a random rule (``blocked_simplex``, ``rasp_simplex``, ``mc``) and no ``generator``,
         the nodes come from torch's global random state, which this state dict does not hold:
         for a bit-for-bit resume, save and restore it beside it (``pyro.util.get_rng_state()`` /
         ``set_rng_state``), or build the optimizer with a ``generator``, whose state is saved
         here."""
-        state = super().state_dict()
-        state["qnvb"] = {
+        return super().state_dict()
+
+    def _qnvb_entry(self) -> dict:
+        return {
             "num_steps": self.num_steps,
             "generator": None if self.generator is None else self.generator.get_state(),
             "settings": self._settings(),
         }
-        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what :meth:`state_dict` saved, into an optimizer built with the same rule,
         ``num_eval``, ``likelihood_weight``, ``prior_precision`` and with (or without) an
-        annealing schedule, over parameters of the saved shapes, and with a ``generator`` exactly
-        when one was saved: anything else is refused by a ``ValueError`` before anything is
-        loaded. The
-        per-group values (``lr``, ``betas``, ...) are the saved ones, as for torch's optimizers.
-        A state saved without the settings (an earlier version) loads without their check."""
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("qnvb")
+        annealing schedule, over parameters of the saved shapes and names (where both the saved
+        groups and this optimizer's have ``param_names``), and with a ``generator`` exactly when
+        one was saved: anything else is refused by a ``ValueError`` before anything is loaded.
+        The per-group values (``lr``, ``betas``, ...) are the saved ones, as for torch's
+        optimizers. A state saved without the settings (an earlier version) loads without their
+        check.
+
+        The ``"qnvb"`` entry is checked by a load pre-hook that runs after the user's (which may
+        migrate it) and restored by a post-hook that runs before theirs. The parameters are the
+        means: after the load, each parameter's value at the next step is its mean (load the
+        network's state too, as with every torch optimizer)."""
+        super().load_state_dict(state_dict)
+
+    def _check_loaded(self, state_dict: dict) -> None:
+        """Refuse a state dict that :meth:`load_state_dict` cannot load, before torch loads
+        anything; keep its ``"qnvb"`` entry for :meth:`_restore_loaded`."""
+        if "qnvb" not in state_dict:
+            raise ValueError(
+                "QNVBOptimizer.load_state_dict: the state dict has no 'qnvb' entry (the step "
+                "count, generator state and settings that QNVBOptimizer.state_dict adds): it "
+                "was not saved by a QNVBOptimizer, or a state-dict hook dropped the entry"
+            )
+        extra = state_dict["qnvb"]
         if "settings" in extra:
             check_settings("QNVBOptimizer.load_state_dict", extra["settings"], self._settings())
         random = self.rule.is_random  # a deterministic rule never draws: no generator to match
@@ -945,7 +1032,26 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
                 "pyro.util.set_rng_state) to continue that run"
             )
         self._check_shapes(state_dict)
-        super().load_state_dict(state_dict)
+        self._loaded = extra
+
+    def _restore_loaded(self) -> None:
+        """The step count and the generator's state of the ``"qnvb"`` entry just loaded."""
+        extra, self._loaded = self._loaded, None
         self.num_steps = extra["num_steps"]
         if extra["generator"] is not None and self.generator is not None:
             self.generator.set_state(extra["generator"])
+
+
+def _add_qnvb_entry(optimizer: QNVBOptimizer, state_dict: dict) -> None:
+    """State-dict post-hook of :class:`QNVBOptimizer`: its ``"qnvb"`` entry."""
+    state_dict["qnvb"] = optimizer._qnvb_entry()
+
+
+def _check_qnvb_entry(optimizer: QNVBOptimizer, state_dict: dict) -> None:
+    """Load pre-hook of :class:`QNVBOptimizer`: the checks of ``load_state_dict``."""
+    optimizer._check_loaded(state_dict)
+
+
+def _restore_qnvb_entry(optimizer: QNVBOptimizer) -> None:
+    """Load post-hook of :class:`QNVBOptimizer`: the step count and generator state."""
+    optimizer._restore_loaded()
