@@ -150,6 +150,19 @@ _INERT_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_mom
 resumes a scheduler with ``last_epoch``), and ``"name"``, a user's label: taken, never read."""
 
 
+def weight_decay_conversion(weight: str, decay: str) -> str:
+    """How torch's ``weight_decay`` and an L2 term of the loss read as ``prior_precision``, for
+    the refusal of ``weight_decay`` (``weight`` and ``decay`` as they are shown)."""
+    return (
+        "Its prior is prior_precision, a zero-mean Gaussian prior exp(-prior_precision * "
+        "|theta|^2 / 2). Torch's (coupled, SGD/Adam) weight_decay adds weight_decay * theta to "
+        "the gradient of the mean loss per case, which likelihood_weight multiplies: pass "
+        f"prior_precision = weight_decay * likelihood_weight ({decay} * {weight}). An "
+        "L2 term lam * |theta|^2 added to the loss is multiplied by likelihood_weight too and "
+        "acts as prior_precision = 2 * lam * likelihood_weight (leave it out and pass that)"
+    )
+
+
 def group_params(param_group: object) -> object:
     """A shallow copy of ``param_group`` whose ``params`` is a list, so that an iterator
     (``net.parameters()``) can be checked before torch's ``add_param_group`` reads it; anything
@@ -376,30 +389,43 @@ class _NodeStack:
         return [t[k] for t in self.tensors]
 
 
+def loss_module(loss_fn: LossFunction) -> nn.Module | None:
+    """The network a ``loss_fn`` exposes: a :class:`ModuleLoss`'s ``module``, any ``loss_fn``'s
+    ``module`` attribute that is an ``nn.Module`` (a function may carry one:
+    ``loss_fn.module = net``), or the ``loss_fn`` itself when it is an ``nn.Module``;
+    ``None`` otherwise."""
+    if isinstance(loss_fn, nn.Module):
+        return loss_fn
+    module = getattr(loss_fn, "module", None)
+    return module if isinstance(module, nn.Module) else None
+
+
 def _decision_key(loss_fn: LossFunction) -> tuple[tuple, tuple[bool, ...] | None]:
     """The objects a ``vectorize`` decision is kept for, and the modes it holds in.
 
     A :class:`ModuleLoss` counts as its module and criterion (a new ``module_loss(net,
-    criterion)`` each step reuses the decision), in the training flags of the module's
-    submodules (a net in ``eval()`` may run under ``vmap`` and fail in ``train()``, e.g. with
-    dropout); any other ``loss_fn`` as itself.
+    criterion)`` each step reuses the decision); any other ``loss_fn`` as itself. The modes are
+    the training flags of the submodules of the network the loss exposes (:func:`loss_module`;
+    a net in ``eval()`` may run under ``vmap`` and fail in ``train()``, e.g. with dropout).
     """
+    module = loss_module(loss_fn)
+    flags = None if module is None else tuple(m.training for m in module.modules())
     if isinstance(loss_fn, ModuleLoss):
-        flags = tuple(m.training for m in loss_fn.module.modules())
         return (loss_fn.module, loss_fn.criterion), flags
-    return (loss_fn,), None
+    return (loss_fn,), flags
 
 
 class _BufferSnapshot:
-    """A :class:`ModuleLoss`'s module buffers around a vectorized pass that is tried
-    (``vectorize=None`` before the decision), so that the pass leaves them as one evaluation of
-    the chosen kind would: abandoned (an error, or values that differ from single evaluations),
-    its changes are undone (BatchNorm in train mode updates ``num_batches_tracked`` before
-    ``vmap`` refuses its running statistics); kept, the probes' single evaluations are undone.
-    Nothing is saved for any other ``loss_fn`` or a decided step."""
+    """The buffers of the network a ``loss_fn`` exposes (:func:`loss_module`) around a
+    vectorized pass that is tried (``vectorize=None`` before the decision), so that the pass
+    leaves them as one evaluation of the chosen kind would: abandoned (an error, or values that
+    differ from single evaluations), its changes are undone (BatchNorm in train mode updates
+    ``num_batches_tracked`` before ``vmap`` refuses its running statistics); kept, the probes'
+    single evaluations are undone. Nothing is saved for a ``loss_fn`` that exposes no network
+    or a decided step."""
 
     def __init__(self, loss_fn: LossFunction | None):
-        module = loss_fn.module if isinstance(loss_fn, ModuleLoss) else None
+        module = None if loss_fn is None else loss_module(loss_fn)
         self.module = module
         self.before = None if module is None else self._save()
         self.after: dict[str, torch.Tensor] | None = None
@@ -463,6 +489,8 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`): an opt-in, it needs a
             C++ compiler on the CPU (Triton on a GPU) and compiles on the first step (seconds
             to a minute).
+        weight_decay: refused (a ``TypeError``): the prior is ``prior_precision``, and torch's
+            ``weight_decay`` is ``prior_precision = weight_decay * likelihood_weight``.
         lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, significance,
             damping, damping_recovery, drift_forgetting, recent_fraction, trust_region: see
             :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
@@ -532,7 +560,13 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         recent_fraction: float = 1.0,
         trust_region: float = math.inf,
         compile: bool = False,
+        weight_decay: float | None = None,
     ):
+        if weight_decay is not None:
+            raise TypeError(
+                "QNVBOptimizer takes no weight_decay. "
+                + weight_decay_conversion(f"{likelihood_weight!r}", f"{weight_decay!r}")
+            )
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}")
         _check_number("likelihood_weight", likelihood_weight, lambda v: 0 < v < math.inf, "> 0")
@@ -603,6 +637,11 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             unknown = sorted(
                 set(group) - {"params", "param_names", "name", *_GROUP_KEYS, *_INERT_GROUP_KEYS}
             )
+            if "weight_decay" in unknown:
+                raise ValueError(
+                    f"{type(self).__name__}: a parameter group does not take weight_decay. "
+                    + weight_decay_conversion("likelihood_weight", "weight_decay")
+                )
             if unknown:
                 raise ValueError(
                     f"{type(self).__name__}: a parameter group does not take {unknown}; the "
@@ -757,6 +796,7 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
                     f"loss_fn must be callable (params, *batch) -> loss, got {loss_fn!r}"
                 )
             self._names(params)
+            self._warn_outside(params, loss_fn)
         first = params[0][0]
         dim = sum(p.numel() for p, _ in params)
         nodes = self.rule.draw(
@@ -868,6 +908,31 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             else:  # the weights are in the gradients already: dL/dz_k = w_k grad_k
                 moments.append((grad.sum(0), (grad * x_p).sum(0)))
         return total.detach(), moments
+
+    def _warn_outside(self, params, loss_fn: LossFunction) -> None:
+        """Warn once when the network of ``loss_fn`` (:func:`loss_module`) has trainable
+        parameters this optimizer does not hold: the one-pass step gives them no ``.grad``, so
+        another optimizer over them would move them by nothing."""
+        module = loss_module(loss_fn)
+        if module is None or "outside" in self._warned:
+            return
+        held = {id(p) for p, _ in params}
+        outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+        if not outside:
+            return
+        self._warned.add("outside")
+        shown = ", ".join(repr(n) for n in outside[:5])
+        more = f" and {len(outside) - 5} more" if len(outside) > 5 else ""
+        warnings.warn(
+            f"QNVBOptimizer: the network of loss_fn has {len(outside)} trainable parameters "
+            f"that this optimizer does not hold ({shown}{more}); step(loss_fn=...) evaluates "
+            "them as they are and gives them no .grad, so another optimizer over them moves "
+            "them by nothing. Put them in QNVB (add_param_group), freeze them "
+            "(requires_grad_(False)), or compute their gradient in a pass of your own (this "
+            "warning is shown once)",
+            RuntimeWarning,
+            stacklevel=5,  # _warn_outside <- step <- no_grad <- torch's step wrapper <- caller
+        )
 
     def _names(self, params) -> list[str]:
         names = []
