@@ -911,13 +911,18 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
 
     def _warn_outside(self, params, loss_fn: LossFunction) -> None:
         """Warn once when the network of ``loss_fn`` (:func:`loss_module`) has trainable
-        parameters this optimizer does not hold: the one-pass step gives them no ``.grad``, so
-        another optimizer over them would move them by nothing."""
+        parameters this optimizer neither holds nor passes by name: the one-pass step gives them
+        no ``.grad``, so another optimizer over them would move them by nothing."""
         module = loss_module(loss_fn)
         if module is None or "outside" in self._warned:
             return
-        held = {id(p) for p, _ in params}
-        outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+        held = {id(p) for p, _ in params}  # or given by name (a copy of the optimizer alone)
+        named = set(self._names(params))
+        outside = [
+            n
+            for n, p in module.named_parameters()
+            if p.requires_grad and id(p) not in held and n not in named
+        ]
         if not outside:
             return
         self._warned.add("outside")
