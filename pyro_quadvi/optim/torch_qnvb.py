@@ -12,7 +12,8 @@ the loss
     likelihood_weight * annealing(step) * closure() + prior_precision * |theta|^2 / 2,
 
 where ``closure()`` is the mean loss per training case, as in the reference. After a step the
-parameters hold the mean ``mu``; ``optimizer.state[p]["sigma"]`` holds the standard deviation.
+parameters hold the mean ``mu``; ``optimizer.state[p]["sigma"]`` holds the standard deviation. A
+change made to a parameter between steps is a change of its mean, which the next step takes.
 
 **One pass for all nodes.** Instead of a closure, :meth:`QNVBOptimizer.step` takes a loss function
 of the parameters and a batch, ``loss_fn(params: dict[str, Tensor], *batch)`` (the optimizer
@@ -766,9 +767,10 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
                 with one warning if they disagree or the loss does not run under ``vmap``; the
                 decision is kept for later steps with the same ``loss_fn`` (for a
                 :func:`module_loss`: the same module and criterion, in the same ``train()`` /
-                ``eval()`` modes). A tried pass that is abandoned leaves a
-                :func:`module_loss`'s module buffers (BatchNorm's running statistics) as it
-                found them.
+                ``eval()`` modes). A tried pass that is abandoned leaves the buffers
+                (BatchNorm's running statistics) of the network the loss exposes as it found
+                them: a :func:`module_loss`'s module, a ``loss_fn``'s ``module`` attribute, or
+                the ``loss_fn`` itself when it is an ``nn.Module`` (:func:`loss_module`).
 
         Returns:
             The quadrature average of the loss.
