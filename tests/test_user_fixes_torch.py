@@ -785,3 +785,24 @@ def test_a_custom_loss_fn_exposing_its_network_leaves_batchnorm_as_the_loop_does
         stats.append((int(net[1].num_batches_tracked), net[1].running_mean.clone()))
     assert stats[0][0] == stats[1][0] == 12
     assert torch.equal(stats[0][1], stats[1][1])
+
+
+def test_a_checkpoint_saves_a_change_as_the_mean_and_loads_the_means_into_the_net():
+    x, y = _data()
+    net = _net()
+    optimizer = _qnvb(net.named_parameters())
+    optimizer.step(_closure(net, x, y))
+    with torch.no_grad():
+        net[2].weight.clamp_(max=0.0)  # a change between steps, then a checkpoint
+    saved = optimizer.state_dict()
+    assert torch.equal(saved["state"][2]["mu"], net[2].weight.detach())
+    torch.manual_seed(9)
+    fresh = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer2 = _qnvb(fresh.named_parameters())
+    optimizer2.load_state_dict(saved)  # the optimizer alone: its means go into the net
+    assert torch.equal(_flat(fresh.parameters()), _flat(net.parameters()))
+    for _ in range(2):
+        assert torch.equal(
+            optimizer.step(_closure(net, x, y)), optimizer2.step(_closure(fresh, x, y))
+        )
+    assert torch.equal(_flat(fresh.parameters()), _flat(net.parameters()))

@@ -610,11 +610,13 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             self._register_checkpoint_hooks()  # a copy (torch leaves the hooks out)
 
     def _register_checkpoint_hooks(self) -> None:
-        """The hooks through which :meth:`state_dict` adds the ``"qnvb"`` entry and
-        :meth:`load_state_dict` reads it, registered before any of the user's: a user's
+        """The hooks through which :meth:`state_dict` saves the parameters' current values as
+        the means and adds the ``"qnvb"`` entry, and :meth:`load_state_dict` reads it and sets
+        the parameters to the loaded means, registered before any of the user's: a user's
         state-dict post-hook sees the entry, and a user's load pre-hook (a migration of an
         older entry) runs before the check that reads it
         (:meth:`register_load_state_dict_pre_hook` keeps that check last)."""
+        super().register_state_dict_pre_hook(_take_qnvb_edits)
         self._checkpoint_hooks = (
             super().register_state_dict_post_hook(_add_qnvb_entry).id,
             super().register_load_state_dict_pre_hook(_check_qnvb_entry).id,
@@ -718,21 +720,23 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         return out
 
     def _take_edits(self, params: list[torch.Tensor]) -> None:
-        """The value of every parameter changed since :meth:`_mark_written` as its new mean.
+        """The value of every parameter changed since :meth:`_mark_written` as its new mean
+        (parameters without a state yet are left alone).
 
         Between steps the parameters hold the means, and a change made to one there (a
         ``net.load_state_dict``, a re-initialization, a clamp, under ``torch.no_grad()``) is a
         change of the mean; ``sigma`` and the averages stay. A change is seen without a
         host-device sync: the parameter's version counter (``_version``, which every in-place
         operation on it bumps) or its storage (``p.data = ...``) differs from what the
-        optimizer's own last copy left. A parameter not yet written (before the first step,
-        after ``load_state_dict``, in a copy) gives its value too, which equals the mean when
-        the network's state was saved and loaded with the optimizer's. An in-place operation on
-        ``p.data`` (which does not share ``p``'s version counter) is not seen.
+        optimizer's own last copy left. A parameter not written since the state was made, or
+        in a copy of the optimizer, gives its value too (it holds the mean already). An
+        in-place operation on ``p.data`` (which does not share ``p``'s version counter) is not
+        seen.
         """
         for p in params:
-            if self._written.get(id(p)) != (p._version, p.data_ptr()):
-                self.state[p]["mu"] = p.detach().clone()
+            state = self.state.get(p)
+            if state and self._written.get(id(p)) != (p._version, p.data_ptr()):
+                state["mu"] = p.detach().clone()
 
     def _mark_written(self, params: list[torch.Tensor]) -> None:
         """Record the version and storage of each parameter just set to its mean."""
@@ -1045,7 +1049,8 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Torch's state dict plus a ``"qnvb"`` entry: the step count, the generator's state and
         the run's settings (:meth:`_settings`), added by a state-dict post-hook the optimizer
-        registers first, so that a user's post-hook sees it.
+        registers first, so that a user's post-hook sees it. The means saved are the
+        parameters' values (a change since the last step included: :meth:`_take_edits`).
 
         With a random rule (``blocked_simplex``, ``rasp_simplex``, ``mc``) and no ``generator``,
         the nodes come from torch's global random state, which this state dict does not hold:
@@ -1073,8 +1078,9 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
 
         The ``"qnvb"`` entry is checked by a load pre-hook that runs after the user's (which may
         migrate it) and restored by a post-hook that runs before theirs. The parameters are the
-        means: after the load, each parameter's value at the next step is its mean (load the
-        network's state too, as with every torch optimizer)."""
+        means: that post-hook sets every parameter with a saved state to its saved mean (the
+        values the network's own state dict, saved with it, holds); a network state loaded
+        after it is a change of the means, which the next step takes."""
         super().load_state_dict(state_dict)
 
     def _check_loaded(self, state_dict: dict) -> None:
@@ -1107,11 +1113,23 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         self._loaded = extra
 
     def _restore_loaded(self) -> None:
-        """The step count and the generator's state of the ``"qnvb"`` entry just loaded."""
+        """The step count and the generator's state of the ``"qnvb"`` entry just loaded, and
+        the loaded means into the parameters."""
+        params = [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
+        with torch.no_grad():
+            for p in params:
+                p.copy_(self.state[p]["mu"])
+        self._mark_written(params)
         extra, self._loaded = self._loaded, None
         self.num_steps = extra["num_steps"]
         if extra["generator"] is not None and self.generator is not None:
             self.generator.set_state(extra["generator"])
+
+
+def _take_qnvb_edits(optimizer: QNVBOptimizer) -> None:
+    """State-dict pre-hook of :class:`QNVBOptimizer`: the parameters changed since the last
+    step give the means saved."""
+    optimizer._take_edits([p for group in optimizer.param_groups for p in group["params"]])
 
 
 def _add_qnvb_entry(optimizer: QNVBOptimizer, state_dict: dict) -> None:
