@@ -248,6 +248,63 @@ def sampled_values(
                 p.copy_(mean)
 
 
+def written_marks(params: Iterable[torch.Tensor]) -> dict[int, tuple[int, int]]:
+    """``id(p) -> (version, storage)`` of parameters an optimizer has just set to their means,
+    for :func:`changed_parameters` to compare at the next step."""
+    return {id(p): (p._version, p.data_ptr()) for p in params}
+
+
+def changed_parameters(
+    params: Iterable[torch.Tensor], marks: dict[int, tuple[int, int]]
+) -> list[torch.Tensor]:
+    """The parameters changed since :func:`written_marks` recorded ``marks`` (or never marked).
+
+    Between steps the parameters hold the means, and a change made to one there (a
+    ``net.load_state_dict``, a re-initialization, a clamp, under ``torch.no_grad()``) is a
+    change of the mean. It is seen without a host-device sync: the parameter's version counter
+    (``_version``, which every in-place operation on it bumps) or its storage (``p.data = ...``)
+    differs from the mark. A parameter never marked (before its first step, in a copy of the
+    optimizer) counts as changed: it holds its mean already, so taking it changes nothing. An
+    in-place operation on ``p.data`` (which does not share ``p``'s version counter) is not
+    seen.
+    """
+    return [p for p in params if marks.get(id(p)) != (p._version, p.data_ptr())]
+
+
+def check_saved_parameters(owner: str, state_dict: dict, param_groups: list[dict]) -> None:
+    """Refuse a saved per-parameter state that torch would pair (by position) with another
+    parameter of ``param_groups``: where the saved group and the current one both have
+    ``param_names``, a name that differs (the state holds the means, so a same-shaped parameter
+    in another place would silently take another's weights); anywhere, a saved ``mu`` of another
+    shape. Both are named with the parameter's position, in a ``ValueError`` from ``owner``.
+    Where either side has no names, torch's pairing by position stands (torch keeps the saved
+    names, if any)."""
+    saved_state = state_dict["state"]
+    position = 0
+    for saved_group, group in zip(state_dict["param_groups"], param_groups):
+        names = group.get("param_names")
+        saved_names = saved_group.get("param_names")
+        for k, (saved_id, p) in enumerate(zip(saved_group["params"], group["params"])):
+            label = f"parameter {position + k}" + ("" if names is None else f" ({names[k]!r})")
+            if names is not None and saved_names is not None and saved_names[k] != names[k]:
+                raise ValueError(
+                    f"{owner}: the saved state of parameter {position + k} is that of "
+                    f"{saved_names[k]!r}, but this optimizer's parameter {position + k} is "
+                    f"{names[k]!r}; the state holds the means (the weights), so loading it would "
+                    "give one parameter another's. Build the optimizer with the groups and "
+                    "parameters in the saved order: "
+                    f"{[g.get('param_names') for g in state_dict['param_groups']]}"
+                )
+            mu = saved_state.get(saved_id, {}).get("mu")
+            if mu is not None and mu.shape != p.shape:
+                raise ValueError(
+                    f"{owner}: the saved state of {label} has shape {tuple(mu.shape)}, but the "
+                    f"parameter has shape {tuple(p.shape)}; load a state into an optimizer over "
+                    "the parameters it was saved with (same shapes, same order)"
+                )
+        position += len(group["params"])
+
+
 class CopyableOptimizerState:
     """``copy.deepcopy`` and ``pickle`` of an optimizer that keep its own attributes.
 
@@ -720,28 +777,13 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         return out
 
     def _take_edits(self, params: list[torch.Tensor]) -> None:
-        """The value of every parameter changed since :meth:`_mark_written` as its new mean
-        (parameters without a state yet are left alone).
-
-        Between steps the parameters hold the means, and a change made to one there (a
-        ``net.load_state_dict``, a re-initialization, a clamp, under ``torch.no_grad()``) is a
-        change of the mean; ``sigma`` and the averages stay. A change is seen without a
-        host-device sync: the parameter's version counter (``_version``, which every in-place
-        operation on it bumps) or its storage (``p.data = ...``) differs from what the
-        optimizer's own last copy left. A parameter not written since the state was made, or
-        in a copy of the optimizer, gives its value too (it holds the mean already). An
-        in-place operation on ``p.data`` (which does not share ``p``'s version counter) is not
-        seen.
-        """
-        for p in params:
+        """The value of every parameter changed since the optimizer last wrote it
+        (:func:`changed_parameters`) as its new mean; ``sigma`` and the averages stay.
+        Parameters without a state yet are left alone."""
+        for p in changed_parameters(params, self._written):
             state = self.state.get(p)
-            if state and self._written.get(id(p)) != (p._version, p.data_ptr()):
+            if state:
                 state["mu"] = p.detach().clone()
-
-    def _mark_written(self, params: list[torch.Tensor]) -> None:
-        """Record the version and storage of each parameter just set to its mean."""
-        for p in params:
-            self._written[id(p)] = (p._version, p.data_ptr())
 
     @torch.no_grad()
     def step(  # type: ignore[override]
@@ -988,7 +1030,7 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         for p, _ in params:
             p.copy_(self.state[p]["mu"])
             p.grad = None
-        self._mark_written([p for p, _ in params])
+        self._written.update(written_marks(p for p, _ in params))
         self.num_steps += 1
         self._warn(counts)
 
@@ -1012,39 +1054,6 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             "prior_precision": self.defaults["prior_precision"],
             "annealing": self.annealing is not None,
         }
-
-    def _check_shapes(self, state_dict: dict) -> None:
-        """Refuse a saved per-parameter state that torch would pair (by position) with another
-        parameter: where the saved group and this optimizer's both have ``param_names``, a name
-        that differs (the state holds the means, so a same-shaped parameter in another place
-        would silently take another's weights); anywhere, a shape that differs. Both are named
-        with the parameter's position. Where either side has no names, torch's pairing by
-        position stands (torch keeps the saved names, if any)."""
-        saved_state = state_dict["state"]
-        position = 0
-        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
-            names = group.get("param_names")
-            saved_names = saved_group.get("param_names")
-            for k, (saved_id, p) in enumerate(zip(saved_group["params"], group["params"])):
-                label = f"parameter {position + k}" + ("" if names is None else f" ({names[k]!r})")
-                if names is not None and saved_names is not None and saved_names[k] != names[k]:
-                    raise ValueError(
-                        f"QNVBOptimizer.load_state_dict: the saved state of parameter "
-                        f"{position + k} is that of {saved_names[k]!r}, but this optimizer's "
-                        f"parameter {position + k} is {names[k]!r}; the state holds the means "
-                        "(the weights), so loading it would give one parameter another's. Build "
-                        "the optimizer with the groups and parameters in the saved order: "
-                        f"{[g.get('param_names') for g in state_dict['param_groups']]}"
-                    )
-                mu = saved_state.get(saved_id, {}).get("mu")
-                if mu is not None and mu.shape != p.shape:
-                    raise ValueError(
-                        f"QNVBOptimizer.load_state_dict: the saved state of {label} has shape "
-                        f"{tuple(mu.shape)}, but the parameter has shape {tuple(p.shape)}; load a "
-                        "state into an optimizer over the parameters it was saved with (same "
-                        "shapes, same order)"
-                    )
-            position += len(group["params"])
 
     def state_dict(self) -> dict:
         """Torch's state dict plus a ``"qnvb"`` entry: the step count, the generator's state and
@@ -1109,7 +1118,7 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
                 "without a generator (and restore torch's random state, "
                 "pyro.util.set_rng_state) to continue that run"
             )
-        self._check_shapes(state_dict)
+        check_saved_parameters("QNVBOptimizer.load_state_dict", state_dict, self.param_groups)
         self._loaded = extra
 
     def _restore_loaded(self) -> None:
@@ -1119,7 +1128,7 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         with torch.no_grad():
             for p in params:
                 p.copy_(self.state[p]["mu"])
-        self._mark_written(params)
+        self._written.update(written_marks(params))
         extra, self._loaded = self._loaded, None
         self.num_steps = extra["num_steps"]
         if extra["generator"] is not None and self.generator is not None:
