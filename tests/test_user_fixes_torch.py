@@ -511,3 +511,298 @@ def test_a_likelihood_weight_too_small_for_sigma_max_is_warned():
         "sigma_max if a wider posterior is wanted (this warning is shown once)"
     ]
     assert _linear(64.0, 30) == []  # well posed: sigma ~ 0.09, no warning
+
+
+# trial u7: the parameters are the means; checkpoints by name and through hooks
+
+
+def _two_groups(net: nn.Module, head_first: bool) -> QNVBOptimizer:
+    body = {"params": list(net[0].named_parameters(prefix="0"))}
+    head = {"params": list(net[2].named_parameters(prefix="2")), "lr": 0.1}
+    groups = [head, body] if head_first else [body, head]
+    return _qnvb(groups, generator=None)
+
+
+def _square_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+
+
+def _square_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.sum(-1) - y) ** 2).mean()
+
+
+def test_a_resume_into_groups_in_another_order_is_refused_naming_both():
+    # the layers have the same shapes: by position, layer 0's means went into layer 2, silently
+    x, y = _data()
+    net = _square_net()
+    optimizer = _two_groups(net, head_first=False)
+    for _ in range(2):
+        optimizer.step(loss_fn=module_loss(net, _square_mse), batch=(x, y))
+    saved, saved_net = optimizer.state_dict(), copy.deepcopy(net.state_dict())
+    net2 = _square_net()
+    net2.load_state_dict(saved_net)
+    optimizer2 = _two_groups(net2, head_first=True)
+    optimizer2.step(loss_fn=module_loss(net2, _square_mse), batch=(x, y))
+    before = copy.deepcopy(optimizer2.state_dict())
+    with pytest.raises(ValueError, match=r"parameter 0 is that of '0.weight', but .* '2.weight'"):
+        optimizer2.load_state_dict(saved)
+    assert equal_nested(optimizer2.state_dict(), before)  # nothing loaded
+    # the saved order loads (and goes on as the original, bit for bit)
+    optimizer3 = _two_groups(net2, head_first=False)
+    optimizer3.load_state_dict(saved)
+    net2.load_state_dict(saved_net)
+    optimizer.step(loss_fn=module_loss(net, _square_mse), batch=(x, y))
+    optimizer3.step(loss_fn=module_loss(net2, _square_mse), batch=(x, y))
+    assert torch.equal(_flat(net.parameters()), _flat(net2.parameters()))
+
+
+def test_without_names_on_one_side_the_state_is_paired_by_position_as_torch_does():
+    x, y = _data()
+    net = _net()
+    optimizer = _qnvb(net.named_parameters())
+    optimizer.step(loss_fn=module_loss(net, _mse), batch=(x, y))
+    net2 = copy.deepcopy(net)
+    optimizer2 = _qnvb(net2.parameters())  # no names: loaded by position
+    optimizer2.load_state_dict(optimizer.state_dict())
+    assert optimizer2.param_groups[0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    optimizer.step(_closure(net, x, y))
+    optimizer2.step(_closure(net2, x, y))
+    assert torch.equal(_flat(net.parameters()), _flat(net2.parameters()))
+
+
+def _edit(net: nn.Module, other: nn.Module, how: str) -> None:
+    if how == "load_state_dict":
+        net.load_state_dict(other.state_dict())
+    else:  # a new storage, which does not bump the version counter
+        for p, q in zip(net.parameters(), other.parameters()):
+            p.data = q.detach().clone()
+
+
+def _take_step(optimizer, net, x, y, one_pass: bool) -> torch.Tensor:
+    if one_pass:
+        return optimizer.step(loss_fn=module_loss(net, _mse), batch=(x, y))
+    return optimizer.step(_closure(net, x, y))
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "data"])
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_a_change_of_the_parameters_between_steps_is_their_new_mean(how, one_pass):
+    # before, every step evaluated at state["mu"] and copied it back: the change was lost
+    x, y = _data()
+    torch.manual_seed(7)
+    other = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    net, net_ref, net_plain = _net(), _net(), _net()
+    optimizer, ref, plain = (_qnvb(n.named_parameters()) for n in (net, net_ref, net_plain))
+    for o, n in ((optimizer, net), (ref, net_ref), (plain, net_plain)):
+        _take_step(o, n, x, y, one_pass)
+    sigma = _flat(optimizer.state[p]["sigma"] for p in net.parameters())
+    _edit(net, other, how)
+    # the reference: the same state with its means replaced by the other weights, loaded
+    state = ref.state_dict()
+    for i, q in enumerate(other.parameters()):
+        state["state"][i]["mu"] = q.detach().clone()
+    ref.load_state_dict(state)
+    net_ref.load_state_dict(other.state_dict())
+    for _ in range(2):
+        loss = _take_step(optimizer, net, x, y, one_pass)
+        assert torch.equal(loss, _take_step(ref, net_ref, x, y, one_pass))
+        _take_step(plain, net_plain, x, y, one_pass)
+        if _ == 0:  # sigma was kept through the change
+            torch.testing.assert_close(
+                _flat(ref.state[p]["sigma"] for p in net_ref.parameters()),
+                _flat(optimizer.state[p]["sigma"] for p in net.parameters()),
+                rtol=0,
+                atol=0,
+            )
+            assert not torch.equal(
+                sigma, _flat(optimizer.state[p]["sigma"] for p in net.parameters())
+            )
+    assert torch.equal(_flat(net.parameters()), _flat(net_ref.parameters()))
+    assert torch.equal(
+        _qnvb_state(optimizer, list(net.parameters())), _qnvb_state(ref, list(net_ref.parameters()))
+    )
+    assert not torch.equal(_flat(net.parameters()), _flat(net_plain.parameters()))
+
+
+def test_sampled_params_draw_around_a_layer_zeroed_between_steps():
+    x, y = _data()
+    net = _net()
+    optimizer = _qnvb(net.named_parameters())
+    optimizer.step(_closure(net, x, y))
+    with torch.no_grad():
+        net[2].weight.zero_()
+    sigma = optimizer.state[net[2].weight]["sigma"].clone()
+    g = torch.Generator().manual_seed(5)
+    eps = [torch.randn(p.shape, generator=g) for p in net.parameters()]
+    with optimizer.sampled_params(generator=torch.Generator().manual_seed(5)):
+        torch.testing.assert_close(net[2].weight.detach(), sigma * eps[2], rtol=0, atol=0)
+    assert torch.equal(net[2].weight.detach(), torch.zeros(1, 8))  # back at the new mean
+
+
+def test_user_checkpoint_hooks_see_the_qnvb_entry_and_may_migrate_it():
+    x, y = _data()
+    net = _net()
+    optimizer = _qnvb(net.named_parameters(), quadrature="rasp_simplex")
+    for _ in range(2):
+        optimizer.step(_closure(net, x, y))
+    seen = []
+    optimizer.register_state_dict_post_hook(lambda o, sd: seen.append(sd["qnvb"]["num_steps"]))
+    saved = optimizer.state_dict()
+    assert seen == [2] and copy.deepcopy(optimizer).state_dict()["qnvb"]["num_steps"] == 2
+    # an older checkpoint kept the entry under another key: a user pre-hook renames it
+    old = {k: v for k, v in saved.items() if k != "qnvb"}
+    old["qnvb_v0"] = saved["qnvb"]
+    net2 = copy.deepcopy(net)
+    optimizer2 = _qnvb(net2.named_parameters(), quadrature="rasp_simplex")
+    with pytest.raises(ValueError, match=r"no 'qnvb' entry .* a state-dict hook dropped"):
+        optimizer2.load_state_dict(old)
+
+    def migrate(o, state_dict):
+        state_dict = dict(state_dict)
+        state_dict["qnvb"] = state_dict.pop("qnvb_v0")
+        return state_dict
+
+    steps_seen = []
+    optimizer2.register_load_state_dict_pre_hook(migrate)
+    optimizer2.register_load_state_dict_post_hook(lambda o: steps_seen.append(o.num_steps))
+    optimizer2.load_state_dict(old)
+    assert steps_seen == [2] and optimizer2.num_steps == 2
+    for _ in range(2):
+        assert torch.equal(
+            optimizer.step(_closure(net, x, y)), optimizer2.step(_closure(net2, x, y))
+        )
+    assert torch.equal(_flat(net.parameters()), _flat(net2.parameters()))
+
+
+def test_one_pass_warns_once_naming_trainable_parameters_outside_the_optimizer():
+    x, y = _data()
+    net = _net()
+    optimizer = _qnvb(net[0].named_parameters(prefix="0"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            optimizer.step(loss_fn=module_loss(net, _mse), batch=(x, y))
+    messages = [str(c.message) for c in caught]
+    assert len(messages) == 1 and "2 trainable parameters" in messages[0]
+    assert "('2.weight', '2.bias')" in messages[0] and net[2].weight.grad is None
+    net[2].requires_grad_(False)  # frozen: nothing to say
+    optimizer = _qnvb(net[0].named_parameters(prefix="0"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step(loss_fn=module_loss(net, _mse), batch=(x, y))
+
+
+def test_with_a_closure_a_parameter_outside_gets_the_sum_of_its_node_gradients():
+    # docs/qnvb_torch.md: K times the quadrature average of its gradient (the rules' weights
+    # are equal), so another optimizer over it should divide .grad by K
+    x, y = _data(dtype=torch.float64)
+    net = _net(torch.float64)
+    optimizer = _qnvb(net[0].parameters())
+    mus = [p.detach().clone() for p in net[0].parameters()]  # the means at the step
+    optimizer.step(_closure(net, x, y))
+    got = net[2].weight.grad.clone()
+    nodes = optimizer.rule.draw(32, step=0, generator=None, dtype=torch.float64, device="cpu")
+    want = torch.zeros_like(got)
+    for k in range(len(nodes)):
+        x_k, start = nodes.node(k), 0
+        with torch.no_grad():
+            for p, m in zip(net[0].parameters(), mus):  # init_sigma = 1e-3
+                p.copy_(m + 1e-3 * x_k[start : start + p.numel()].view_as(p))
+                start += p.numel()
+        want += nodes.weights[k] * torch.autograd.grad(_mse(net(x), y), net[2].weight)[0]
+    assert len(nodes) == 4
+    torch.testing.assert_close(got / len(nodes), want, rtol=1e-12, atol=1e-15)
+
+
+def test_weight_decay_is_refused_with_the_prior_precision_it_stands_for():
+    net = _net()
+    with pytest.raises(
+        TypeError, match=r"prior_precision = weight_decay \* likelihood_weight \(0.0001 \* 64\)"
+    ):
+        _qnvb(net.parameters(), weight_decay=1e-4)
+    with pytest.raises(ValueError, match=r"group does not take weight_decay.*2 \* lam"):
+        _qnvb([{"params": net.parameters(), "weight_decay": 1e-4}])
+
+
+def test_an_l2_term_in_the_loss_acts_as_prior_precision_2_lam_n():
+    x, y = _data(dtype=torch.float64)
+    lam, n = 0.01, 64
+    runs = []
+    for l2 in (True, False):
+        w = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+
+        def closure(w=w, l2=l2):
+            loss = 0.5 * ((x @ w - y) ** 2).mean() + (lam * (w**2).sum() if l2 else 0)
+            loss.backward()
+            return loss
+
+        optimizer = _qnvb([w], likelihood_weight=n, prior_precision=0.0 if l2 else 2 * lam * n)
+        for _ in range(30):
+            optimizer.step(closure)
+        runs.append((w.detach().clone(), optimizer.state[w]["sigma"].clone()))
+    a = x.T @ x + 2 * lam * n * torch.eye(3, dtype=torch.float64)  # the closed form's precision
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(runs[1][1], a.diagonal().rsqrt(), rtol=1e-3, atol=0)
+
+
+class _WrappedLoss(nn.Module):
+    """A ``loss_fn`` that is a module holding the network."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, params, x, y):
+        return nn.functional.cross_entropy(torch.func.functional_call(self.net, params, (x,)), y)
+
+
+@pytest.mark.parametrize("exposed", ["attribute", "module"])
+def test_a_custom_loss_fn_exposing_its_network_leaves_batchnorm_as_the_loop_does(exposed):
+    # the abandoned vmap try used to count a 13th batch in 3 steps of 4 nodes
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 5, generator=g), torch.randint(0, 3, (32,), generator=g)
+    stats = []
+    for vectorize in (None, False):
+        torch.manual_seed(0)
+        net = nn.Sequential(
+            nn.Linear(5, 8, bias=False), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 3)
+        )
+        if exposed == "module":
+            loss_fn = _WrappedLoss(net)
+        else:
+
+            def loss_fn(params, x, y, net=net):
+                return nn.functional.cross_entropy(torch.func.functional_call(net, params, (x,)), y)
+
+            loss_fn.module = net
+        optimizer = _qnvb(net.named_parameters(), likelihood_weight=32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fallback's warning
+            for _ in range(3):
+                optimizer.step(loss_fn=loss_fn, batch=(x, y), vectorize=vectorize)
+        stats.append((int(net[1].num_batches_tracked), net[1].running_mean.clone()))
+    assert stats[0][0] == stats[1][0] == 12
+    assert torch.equal(stats[0][1], stats[1][1])
+
+
+def test_a_checkpoint_saves_a_change_as_the_mean_and_loads_the_means_into_the_net():
+    x, y = _data()
+    net = _net()
+    optimizer = _qnvb(net.named_parameters())
+    optimizer.step(_closure(net, x, y))
+    with torch.no_grad():
+        net[2].weight.clamp_(max=0.0)  # a change between steps, then a checkpoint
+    saved = optimizer.state_dict()
+    assert torch.equal(saved["state"][2]["mu"], net[2].weight.detach())
+    torch.manual_seed(9)
+    fresh = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer2 = _qnvb(fresh.named_parameters())
+    optimizer2.load_state_dict(saved)  # the optimizer alone: its means go into the net
+    assert torch.equal(_flat(fresh.parameters()), _flat(net.parameters()))
+    for _ in range(2):
+        assert torch.equal(
+            optimizer.step(_closure(net, x, y)), optimizer2.step(_closure(fresh, x, y))
+        )
+    assert torch.equal(_flat(fresh.parameters()), _flat(net.parameters()))

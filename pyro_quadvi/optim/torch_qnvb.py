@@ -12,7 +12,8 @@ the loss
     likelihood_weight * annealing(step) * closure() + prior_precision * |theta|^2 / 2,
 
 where ``closure()`` is the mean loss per training case, as in the reference. After a step the
-parameters hold the mean ``mu``; ``optimizer.state[p]["sigma"]`` holds the standard deviation.
+parameters hold the mean ``mu``; ``optimizer.state[p]["sigma"]`` holds the standard deviation. A
+change made to a parameter between steps is a change of its mean, which the next step takes.
 
 **One pass for all nodes.** Instead of a closure, :meth:`QNVBOptimizer.step` takes a loss function
 of the parameters and a batch, ``loss_fn(params: dict[str, Tensor], *batch)`` (the optimizer
@@ -150,6 +151,19 @@ _INERT_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_mom
 resumes a scheduler with ``last_epoch``), and ``"name"``, a user's label: taken, never read."""
 
 
+def weight_decay_conversion(weight: str, decay: str) -> str:
+    """How torch's ``weight_decay`` and an L2 term of the loss read as ``prior_precision``, for
+    the refusal of ``weight_decay`` (``weight`` and ``decay`` as they are shown)."""
+    return (
+        "Its prior is prior_precision, a zero-mean Gaussian prior exp(-prior_precision * "
+        "|theta|^2 / 2). Torch's (coupled, SGD/Adam) weight_decay adds weight_decay * theta to "
+        "the gradient of the mean loss per case, which likelihood_weight multiplies: pass "
+        f"prior_precision = weight_decay * likelihood_weight ({decay} * {weight}). An "
+        "L2 term lam * |theta|^2 added to the loss is multiplied by likelihood_weight too and "
+        "acts as prior_precision = 2 * lam * likelihood_weight (leave it out and pass that)"
+    )
+
+
 def group_params(param_group: object) -> object:
     """A shallow copy of ``param_group`` whose ``params`` is a list, so that an iterator
     (``net.parameters()``) can be checked before torch's ``add_param_group`` reads it; anything
@@ -232,6 +246,63 @@ def sampled_values(
         with torch.no_grad():
             for p, mean in zip(params, means):
                 p.copy_(mean)
+
+
+def written_marks(params: Iterable[torch.Tensor]) -> dict[int, tuple[int, int]]:
+    """``id(p) -> (version, storage)`` of parameters an optimizer has just set to their means,
+    for :func:`changed_parameters` to compare at the next step."""
+    return {id(p): (p._version, p.data_ptr()) for p in params}
+
+
+def changed_parameters(
+    params: Iterable[torch.Tensor], marks: dict[int, tuple[int, int]]
+) -> list[torch.Tensor]:
+    """The parameters changed since :func:`written_marks` recorded ``marks`` (or never marked).
+
+    Between steps the parameters hold the means, and a change made to one there (a
+    ``net.load_state_dict``, a re-initialization, a clamp, under ``torch.no_grad()``) is a
+    change of the mean. It is seen without a host-device sync: the parameter's version counter
+    (``_version``, which every in-place operation on it bumps) or its storage (``p.data = ...``)
+    differs from the mark. A parameter never marked (before its first step, in a copy of the
+    optimizer) counts as changed: it holds its mean already, so taking it changes nothing. An
+    in-place operation on ``p.data`` (which does not share ``p``'s version counter) is not
+    seen.
+    """
+    return [p for p in params if marks.get(id(p)) != (p._version, p.data_ptr())]
+
+
+def check_saved_parameters(owner: str, state_dict: dict, param_groups: list[dict]) -> None:
+    """Refuse a saved per-parameter state that torch would pair (by position) with another
+    parameter of ``param_groups``: where the saved group and the current one both have
+    ``param_names``, a name that differs (the state holds the means, so a same-shaped parameter
+    in another place would silently take another's weights); anywhere, a saved ``mu`` of another
+    shape. Both are named with the parameter's position, in a ``ValueError`` from ``owner``.
+    Where either side has no names, torch's pairing by position stands (torch keeps the saved
+    names, if any)."""
+    saved_state = state_dict["state"]
+    position = 0
+    for saved_group, group in zip(state_dict["param_groups"], param_groups):
+        names = group.get("param_names")
+        saved_names = saved_group.get("param_names")
+        for k, (saved_id, p) in enumerate(zip(saved_group["params"], group["params"])):
+            label = f"parameter {position + k}" + ("" if names is None else f" ({names[k]!r})")
+            if names is not None and saved_names is not None and saved_names[k] != names[k]:
+                raise ValueError(
+                    f"{owner}: the saved state of parameter {position + k} is that of "
+                    f"{saved_names[k]!r}, but this optimizer's parameter {position + k} is "
+                    f"{names[k]!r}; the state holds the means (the weights), so loading it would "
+                    "give one parameter another's. Build the optimizer with the groups and "
+                    "parameters in the saved order: "
+                    f"{[g.get('param_names') for g in state_dict['param_groups']]}"
+                )
+            mu = saved_state.get(saved_id, {}).get("mu")
+            if mu is not None and mu.shape != p.shape:
+                raise ValueError(
+                    f"{owner}: the saved state of {label} has shape {tuple(mu.shape)}, but the "
+                    f"parameter has shape {tuple(p.shape)}; load a state into an optimizer over "
+                    "the parameters it was saved with (same shapes, same order)"
+                )
+        position += len(group["params"])
 
 
 class CopyableOptimizerState:
@@ -376,30 +447,43 @@ class _NodeStack:
         return [t[k] for t in self.tensors]
 
 
+def loss_module(loss_fn: LossFunction) -> nn.Module | None:
+    """The network a ``loss_fn`` exposes: a :class:`ModuleLoss`'s ``module``, any ``loss_fn``'s
+    ``module`` attribute that is an ``nn.Module`` (a function may carry one:
+    ``loss_fn.module = net``), or the ``loss_fn`` itself when it is an ``nn.Module``;
+    ``None`` otherwise."""
+    if isinstance(loss_fn, nn.Module):
+        return loss_fn
+    module = getattr(loss_fn, "module", None)
+    return module if isinstance(module, nn.Module) else None
+
+
 def _decision_key(loss_fn: LossFunction) -> tuple[tuple, tuple[bool, ...] | None]:
     """The objects a ``vectorize`` decision is kept for, and the modes it holds in.
 
     A :class:`ModuleLoss` counts as its module and criterion (a new ``module_loss(net,
-    criterion)`` each step reuses the decision), in the training flags of the module's
-    submodules (a net in ``eval()`` may run under ``vmap`` and fail in ``train()``, e.g. with
-    dropout); any other ``loss_fn`` as itself.
+    criterion)`` each step reuses the decision); any other ``loss_fn`` as itself. The modes are
+    the training flags of the submodules of the network the loss exposes (:func:`loss_module`;
+    a net in ``eval()`` may run under ``vmap`` and fail in ``train()``, e.g. with dropout).
     """
+    module = loss_module(loss_fn)
+    flags = None if module is None else tuple(m.training for m in module.modules())
     if isinstance(loss_fn, ModuleLoss):
-        flags = tuple(m.training for m in loss_fn.module.modules())
         return (loss_fn.module, loss_fn.criterion), flags
-    return (loss_fn,), None
+    return (loss_fn,), flags
 
 
 class _BufferSnapshot:
-    """A :class:`ModuleLoss`'s module buffers around a vectorized pass that is tried
-    (``vectorize=None`` before the decision), so that the pass leaves them as one evaluation of
-    the chosen kind would: abandoned (an error, or values that differ from single evaluations),
-    its changes are undone (BatchNorm in train mode updates ``num_batches_tracked`` before
-    ``vmap`` refuses its running statistics); kept, the probes' single evaluations are undone.
-    Nothing is saved for any other ``loss_fn`` or a decided step."""
+    """The buffers of the network a ``loss_fn`` exposes (:func:`loss_module`) around a
+    vectorized pass that is tried (``vectorize=None`` before the decision), so that the pass
+    leaves them as one evaluation of the chosen kind would: abandoned (an error, or values that
+    differ from single evaluations), its changes are undone (BatchNorm in train mode updates
+    ``num_batches_tracked`` before ``vmap`` refuses its running statistics); kept, the probes'
+    single evaluations are undone. Nothing is saved for a ``loss_fn`` that exposes no network
+    or a decided step."""
 
     def __init__(self, loss_fn: LossFunction | None):
-        module = loss_fn.module if isinstance(loss_fn, ModuleLoss) else None
+        module = None if loss_fn is None else loss_module(loss_fn)
         self.module = module
         self.before = None if module is None else self._save()
         self.after: dict[str, torch.Tensor] | None = None
@@ -463,6 +547,8 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`): an opt-in, it needs a
             C++ compiler on the CPU (Triton on a GPU) and compiles on the first step (seconds
             to a minute).
+        weight_decay: refused (a ``TypeError``): the prior is ``prior_precision``, and torch's
+            ``weight_decay`` is ``prior_precision = weight_decay * likelihood_weight``.
         lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, significance,
             damping, damping_recovery, drift_forgetting, recent_fraction, trust_region: see
             :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
@@ -532,7 +618,13 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         recent_fraction: float = 1.0,
         trust_region: float = math.inf,
         compile: bool = False,
+        weight_decay: float | None = None,
     ):
+        if weight_decay is not None:
+            raise TypeError(
+                "QNVBOptimizer takes no weight_decay. "
+                + weight_decay_conversion(f"{likelihood_weight!r}", f"{weight_decay!r}")
+            )
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}")
         _check_number("likelihood_weight", likelihood_weight, lambda v: 0 < v < math.inf, "> 0")
@@ -563,6 +655,38 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         self.compile = compile
         self._warned: set[str] = set()
         self._decisions = DecisionCache()  # vectorize=None: decided once (_decision_key)
+        self._written: dict[int, tuple[int, int]] = {}  # id(p) -> (_version, data_ptr)
+        self._loaded: dict | None = None  # the "qnvb" entry being loaded (_check_loaded)
+        self._register_checkpoint_hooks()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # loaded, copied or unpickled: every parameter gives its mean at the next step
+        self._written = {}
+        if self._checkpoint_hooks[1] not in self._optimizer_load_state_dict_pre_hooks:
+            self._register_checkpoint_hooks()  # a copy (torch leaves the hooks out)
+
+    def _register_checkpoint_hooks(self) -> None:
+        """The hooks through which :meth:`state_dict` saves the parameters' current values as
+        the means and adds the ``"qnvb"`` entry, and :meth:`load_state_dict` reads it and sets
+        the parameters to the loaded means, registered before any of the user's: a user's
+        state-dict post-hook sees the entry, and a user's load pre-hook (a migration of an
+        older entry) runs before the check that reads it
+        (:meth:`register_load_state_dict_pre_hook` keeps that check last)."""
+        super().register_state_dict_pre_hook(_take_qnvb_edits)
+        self._checkpoint_hooks = (
+            super().register_state_dict_post_hook(_add_qnvb_entry).id,
+            super().register_load_state_dict_pre_hook(_check_qnvb_entry).id,
+            super().register_load_state_dict_post_hook(_restore_qnvb_entry).id,
+        )
+
+    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False):
+        """Torch's :meth:`~torch.optim.Optimizer.register_load_state_dict_pre_hook`, with the
+        optimizer's own check of the loaded state kept after every user hook: a hook that
+        migrates the ``"qnvb"`` entry of an older checkpoint runs before it is read."""
+        handle = super().register_load_state_dict_pre_hook(hook, prepend=prepend)
+        self._optimizer_load_state_dict_pre_hooks.move_to_end(self._checkpoint_hooks[1])
+        return handle
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch's rule), after checking it: a key that is not a per-group setting
@@ -573,6 +697,11 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             unknown = sorted(
                 set(group) - {"params", "param_names", "name", *_GROUP_KEYS, *_INERT_GROUP_KEYS}
             )
+            if "weight_decay" in unknown:
+                raise ValueError(
+                    f"{type(self).__name__}: a parameter group does not take weight_decay. "
+                    + weight_decay_conversion("likelihood_weight", "weight_decay")
+                )
             if unknown:
                 raise ValueError(
                     f"{type(self).__name__}: a parameter group does not take {unknown}; the "
@@ -633,6 +762,9 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             yield
 
     def _params(self) -> list[tuple[torch.Tensor, dict]]:
+        """``(parameter, group)`` of every parameter that requires grad, its state made on first
+        use; a parameter changed since this optimizer last wrote it gives its mean
+        (:meth:`_take_edits`)."""
         out = []
         for p, group in checked_parameters(self, type(self).__name__):
             state = self.state[p]
@@ -641,7 +773,17 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
                 state["sigma"] = torch.full_like(state["mu"], group["init_sigma"])
                 state.update(init_qnvb_state(state["mu"])._asdict())
             out.append((p, group))
+        self._take_edits([p for p, _ in out])
         return out
+
+    def _take_edits(self, params: list[torch.Tensor]) -> None:
+        """The value of every parameter changed since the optimizer last wrote it
+        (:func:`changed_parameters`) as its new mean; ``sigma`` and the averages stay.
+        Parameters without a state yet are left alone."""
+        for p in changed_parameters(params, self._written):
+            state = self.state.get(p)
+            if state:
+                state["mu"] = p.detach().clone()
 
     @torch.no_grad()
     def step(  # type: ignore[override]
@@ -671,9 +813,10 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
                 with one warning if they disagree or the loss does not run under ``vmap``; the
                 decision is kept for later steps with the same ``loss_fn`` (for a
                 :func:`module_loss`: the same module and criterion, in the same ``train()`` /
-                ``eval()`` modes). A tried pass that is abandoned leaves a
-                :func:`module_loss`'s module buffers (BatchNorm's running statistics) as it
-                found them.
+                ``eval()`` modes). A tried pass that is abandoned leaves the buffers
+                (BatchNorm's running statistics) of the network the loss exposes as it found
+                them: a :func:`module_loss`'s module, a ``loss_fn``'s ``module`` attribute, or
+                the ``loss_fn`` itself when it is an ``nn.Module`` (:func:`loss_module`).
 
         Returns:
             The quadrature average of the loss.
@@ -701,6 +844,7 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
                     f"loss_fn must be callable (params, *batch) -> loss, got {loss_fn!r}"
                 )
             self._names(params)
+            self._warn_outside(params, loss_fn)
         first = params[0][0]
         dim = sum(p.numel() for p, _ in params)
         nodes = self.rule.draw(
@@ -813,6 +957,36 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
                 moments.append((grad.sum(0), (grad * x_p).sum(0)))
         return total.detach(), moments
 
+    def _warn_outside(self, params, loss_fn: LossFunction) -> None:
+        """Warn once when the network of ``loss_fn`` (:func:`loss_module`) has trainable
+        parameters this optimizer neither holds nor passes by name: the one-pass step gives them
+        no ``.grad``, so another optimizer over them would move them by nothing."""
+        module = loss_module(loss_fn)
+        if module is None or "outside" in self._warned:
+            return
+        held = {id(p) for p, _ in params}  # or given by name (a copy of the optimizer alone)
+        named = set(self._names(params))
+        outside = [
+            n
+            for n, p in module.named_parameters()
+            if p.requires_grad and id(p) not in held and n not in named
+        ]
+        if not outside:
+            return
+        self._warned.add("outside")
+        shown = ", ".join(repr(n) for n in outside[:5])
+        more = f" and {len(outside) - 5} more" if len(outside) > 5 else ""
+        warnings.warn(
+            f"QNVBOptimizer: the network of loss_fn has {len(outside)} trainable parameters "
+            f"that this optimizer does not hold ({shown}{more}); step(loss_fn=...) evaluates "
+            "them as they are and gives them no .grad, so another optimizer over them moves "
+            "them by nothing. Put them in QNVB (add_param_group), freeze them "
+            "(requires_grad_(False)), or compute their gradient in a pass of your own (this "
+            "warning is shown once)",
+            RuntimeWarning,
+            stacklevel=5,  # _warn_outside <- step <- no_grad <- torch's step wrapper <- caller
+        )
+
     def _names(self, params) -> list[str]:
         names = []
         for group in self.param_groups:
@@ -856,6 +1030,7 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         for p, _ in params:
             p.copy_(self.state[p]["mu"])
             p.grad = None
+        self._written.update(written_marks(p for p, _ in params))
         self.num_steps += 1
         self._warn(counts)
 
@@ -880,54 +1055,53 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             "annealing": self.annealing is not None,
         }
 
-    def _check_shapes(self, state_dict: dict) -> None:
-        """Refuse a saved per-parameter state whose shape is not its parameter's (torch pairs
-        them by position), naming the parameter and both shapes."""
-        saved_state = state_dict["state"]
-        position = 0
-        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
-            names = group.get("param_names")
-            for k, (saved_id, p) in enumerate(zip(saved_group["params"], group["params"])):
-                mu = saved_state.get(saved_id, {}).get("mu")
-                if mu is not None and mu.shape != p.shape:
-                    label = f"parameter {position + k}" + (
-                        "" if names is None else f" ({names[k]!r})"
-                    )
-                    raise ValueError(
-                        f"QNVBOptimizer.load_state_dict: the saved state of {label} has shape "
-                        f"{tuple(mu.shape)}, but the parameter has shape {tuple(p.shape)}; load a "
-                        "state into an optimizer over the parameters it was saved with (same "
-                        "shapes, same order)"
-                    )
-            position += len(group["params"])
-
     def state_dict(self) -> dict:
-        """Torch's state dict plus the step count, the generator's state and the run's settings
-        (:meth:`_settings`).
+        """Torch's state dict plus a ``"qnvb"`` entry: the step count, the generator's state and
+        the run's settings (:meth:`_settings`), added by a state-dict post-hook the optimizer
+        registers first, so that a user's post-hook sees it. The means saved are the
+        parameters' values (a change since the last step included: :meth:`_take_edits`).
 
         With a random rule (``blocked_simplex``, ``rasp_simplex``, ``mc``) and no ``generator``,
         the nodes come from torch's global random state, which this state dict does not hold:
         for a bit-for-bit resume, save and restore it beside it (``pyro.util.get_rng_state()`` /
         ``set_rng_state``), or build the optimizer with a ``generator``, whose state is saved
         here."""
-        state = super().state_dict()
-        state["qnvb"] = {
+        return super().state_dict()
+
+    def _qnvb_entry(self) -> dict:
+        return {
             "num_steps": self.num_steps,
             "generator": None if self.generator is None else self.generator.get_state(),
             "settings": self._settings(),
         }
-        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what :meth:`state_dict` saved, into an optimizer built with the same rule,
         ``num_eval``, ``likelihood_weight``, ``prior_precision`` and with (or without) an
-        annealing schedule, over parameters of the saved shapes, and with a ``generator`` exactly
-        when one was saved: anything else is refused by a ``ValueError`` before anything is
-        loaded. The
-        per-group values (``lr``, ``betas``, ...) are the saved ones, as for torch's optimizers.
-        A state saved without the settings (an earlier version) loads without their check."""
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("qnvb")
+        annealing schedule, over parameters of the saved shapes and names (where both the saved
+        groups and this optimizer's have ``param_names``), and with a ``generator`` exactly when
+        one was saved: anything else is refused by a ``ValueError`` before anything is loaded.
+        The per-group values (``lr``, ``betas``, ...) are the saved ones, as for torch's
+        optimizers. A state saved without the settings (an earlier version) loads without their
+        check.
+
+        The ``"qnvb"`` entry is checked by a load pre-hook that runs after the user's (which may
+        migrate it) and restored by a post-hook that runs before theirs. The parameters are the
+        means: that post-hook sets every parameter with a saved state to its saved mean (the
+        values the network's own state dict, saved with it, holds); a network state loaded
+        after it is a change of the means, which the next step takes."""
+        super().load_state_dict(state_dict)
+
+    def _check_loaded(self, state_dict: dict) -> None:
+        """Refuse a state dict that :meth:`load_state_dict` cannot load, before torch loads
+        anything; keep its ``"qnvb"`` entry for :meth:`_restore_loaded`."""
+        if "qnvb" not in state_dict:
+            raise ValueError(
+                "QNVBOptimizer.load_state_dict: the state dict has no 'qnvb' entry (the step "
+                "count, generator state and settings that QNVBOptimizer.state_dict adds): it "
+                "was not saved by a QNVBOptimizer, or a state-dict hook dropped the entry"
+            )
+        extra = state_dict["qnvb"]
         if "settings" in extra:
             check_settings("QNVBOptimizer.load_state_dict", extra["settings"], self._settings())
         random = self.rule.is_random  # a deterministic rule never draws: no generator to match
@@ -944,8 +1118,39 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
                 "without a generator (and restore torch's random state, "
                 "pyro.util.set_rng_state) to continue that run"
             )
-        self._check_shapes(state_dict)
-        super().load_state_dict(state_dict)
+        check_saved_parameters("QNVBOptimizer.load_state_dict", state_dict, self.param_groups)
+        self._loaded = extra
+
+    def _restore_loaded(self) -> None:
+        """The step count and the generator's state of the ``"qnvb"`` entry just loaded, and
+        the loaded means into the parameters."""
+        params = [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
+        with torch.no_grad():
+            for p in params:
+                p.copy_(self.state[p]["mu"])
+        self._written.update(written_marks(params))
+        extra, self._loaded = self._loaded, None
         self.num_steps = extra["num_steps"]
         if extra["generator"] is not None and self.generator is not None:
             self.generator.set_state(extra["generator"])
+
+
+def _take_qnvb_edits(optimizer: QNVBOptimizer) -> None:
+    """State-dict pre-hook of :class:`QNVBOptimizer`: the parameters changed since the last
+    step give the means saved."""
+    optimizer._take_edits([p for group in optimizer.param_groups for p in group["params"]])
+
+
+def _add_qnvb_entry(optimizer: QNVBOptimizer, state_dict: dict) -> None:
+    """State-dict post-hook of :class:`QNVBOptimizer`: its ``"qnvb"`` entry."""
+    state_dict["qnvb"] = optimizer._qnvb_entry()
+
+
+def _check_qnvb_entry(optimizer: QNVBOptimizer, state_dict: dict) -> None:
+    """Load pre-hook of :class:`QNVBOptimizer`: the checks of ``load_state_dict``."""
+    optimizer._check_loaded(state_dict)
+
+
+def _restore_qnvb_entry(optimizer: QNVBOptimizer) -> None:
+    """Load post-hook of :class:`QNVBOptimizer`: the step count and generator state."""
+    optimizer._restore_loaded()
