@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -28,6 +29,7 @@ from pyro_quadvi.optim.sparse_functional import (
     sieve_pieces,
     sparse_qnvb_update,
 )
+from pyro_quadvi.testing.compare import equal_nested
 
 # ------------------------------------------------------------- 1. at least one weight nonzero
 
@@ -435,3 +437,227 @@ def test_a_thousandfold_loss_growth_warns_once_and_survives_a_state_dict():
     assert restored.first_loss == optimizer.first_loss
     _, _, caught = _growing_run([2000.0], restored, net)
     assert len(caught) == 1
+
+
+# ------------- trial u7 (as QNVBOptimizer): the parameters are the means; checkpoints by name
+
+
+def _square_data():
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 3, generator=generator, dtype=torch.float64)
+    return x, torch.tanh(x).sum(-1, keepdim=True) + 0.1 * torch.randn(16, 1, generator=generator)
+
+
+def _square_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3)).double()
+
+
+def _sparse(params, **kwargs):
+    kwargs = {"num_cases": 16, "steps_per_epoch": 2, "num_epochs": 3, **kwargs}
+    return SparseQNVBOptimizer(params, generator=torch.Generator().manual_seed(4), **kwargs)
+
+
+def _square_step(optimizer, net, x, y):
+    def closure():
+        loss = ((net(x).sum(-1, keepdim=True) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    return optimizer.step(closure)
+
+
+def _groups(net, head_first):
+    body = {"params": list(net[0].named_parameters(prefix="0"))}
+    head = {"params": list(net[2].named_parameters(prefix="2"))}
+    return [head, body] if head_first else [body, head]
+
+
+def _flat(tensors):
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _mixtures(optimizer, net):
+    return [dict(optimizer.state[p]) for p in net.parameters()]
+
+
+def test_a_sparse_resume_into_groups_in_another_order_is_refused_naming_both():
+    # the layers have the same shapes: by position, layer 0's mixtures went into layer 2
+    x, y = _square_data()
+    net = _square_net()
+    optimizer = _sparse(_groups(net, head_first=False))
+    for _ in range(2):
+        _square_step(optimizer, net, x, y)
+    saved, saved_net = optimizer.state_dict(), copy.deepcopy(net.state_dict())
+    net2 = _square_net(seed=1)
+    optimizer2 = _sparse(_groups(net2, head_first=True))
+    _square_step(optimizer2, net2, x, y)
+    before = copy.deepcopy(optimizer2.state_dict())
+    with pytest.raises(ValueError, match=r"parameter 0 is that of '0.weight', but .* '2.weight'"):
+        optimizer2.load_state_dict(saved)
+    assert equal_nested(optimizer2.state_dict(), before)  # nothing loaded
+    # in the saved order it loads, and goes on as the original bit for bit
+    net3 = _square_net(seed=1)
+    optimizer3 = _sparse(_groups(net3, head_first=False))
+    optimizer3.load_state_dict(saved)
+    assert torch.equal(_flat(net3.parameters()), _flat(saved_net.values()))  # the saved means
+    for _ in range(3):
+        assert torch.equal(_square_step(optimizer, net, x, y), _square_step(optimizer3, net3, x, y))
+    assert torch.equal(_flat(net.parameters()), _flat(net3.parameters()))
+
+
+def _write(net, other, how):
+    if how == "load_state_dict":
+        net.load_state_dict(other.state_dict())
+    elif how == "data":  # a new storage: the version counter does not move
+        for p, q in zip(net.parameters(), other.parameters()):
+            p.data = q.detach().clone()
+    elif how == "zero":  # part of a layer pruned in place
+        with torch.no_grad():
+            net[2].weight[:, :2].zero_()
+    else:  # "same": the net's own values written back, no coordinate changes
+        net.load_state_dict(copy.deepcopy(net.state_dict()))
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "data", "zero", "same"])
+def test_a_change_between_sparse_steps_is_the_new_mixture_mean(how):
+    """A written value v of a coordinate is its mixture's mean (eq. 4.2, mu = p_nonzero nu): v != 0
+    a certain nonzero (p_nonzero = 1, nu = v, sigma = tau), v = 0 a certain zero (p_nonzero = 0,
+    sigma = 0); unchanged coordinates, tau and the sums keep their state. The run equals one
+    resumed from a state dict edited so; before, the change was overwritten by the old means."""
+    x, y = _square_data()
+    torch.manual_seed(7)
+    other = _square_net(seed=7)
+    with torch.no_grad():
+        other[0].weight[1, 1] = 0.0  # a written exact zero among the new values
+    net, net_ref, net_plain = _square_net(), _square_net(), _square_net()
+    optimizer, ref, plain = (_sparse(n.parameters()) for n in (net, net_ref, net_plain))
+    for _ in range(3):  # into epoch 2: nothing realized yet
+        for o, n in ((optimizer, net), (ref, net_ref), (plain, net_plain)):
+            _square_step(o, n, x, y)
+    _write(net, other, how)
+    written = [p.detach().clone() for p in net.parameters()]
+    state = ref.state_dict()
+    for i, v in enumerate(written):  # the edit by hand
+        s = state["state"][i]
+        changed = v != s["mu"]
+        nonzero = (v != 0).double()
+        s["nu"] = torch.where(changed, v, s["nu"])
+        s["p_nonzero"] = torch.where(changed, nonzero, s["p_nonzero"])
+        s["mu"] = torch.where(changed, v, s["mu"])
+        s["sigma"] = torch.where(changed, nonzero * s["tau"], s["sigma"])
+    ref.load_state_dict(state)
+    assert torch.equal(_flat(net_ref.parameters()), _flat(written))  # loaded means into the net
+    for _ in range(2):
+        loss = _square_step(optimizer, net, x, y)
+        assert torch.equal(loss, _square_step(ref, net_ref, x, y))
+        _square_step(plain, net_plain, x, y)
+    assert torch.equal(_flat(net.parameters()), _flat(net_ref.parameters()))
+    for got, want in zip(_mixtures(optimizer, net), _mixtures(ref, net_ref)):
+        assert equal_nested(got, want)
+    if how == "same":  # bit for bit the run without the write
+        assert torch.equal(_flat(net.parameters()), _flat(net_plain.parameters()))
+    else:
+        assert not torch.equal(_flat(net.parameters()), _flat(net_plain.parameters()))
+
+
+def test_after_the_realization_a_written_zero_stays_and_a_written_nonzero_is_kept():
+    """Once the pattern is realized the next steps set p_nonzero to it: a zeroed weight came back
+    and a weight written into a realized zero went back to zero. Now the pattern follows."""
+    x, y = _square_data()
+    net = _square_net()
+    optimizer = _sparse(net.parameters(), target_sparsity=0.5)
+    for _ in range(5):
+        _square_step(optimizer, net, x, y)
+    assert optimizer.finished
+    w = net[2].weight
+    pattern = optimizer.state[w]["pattern"].clone()
+    on = tuple(pattern.nonzero()[0].tolist())
+    off = tuple((pattern == 0).nonzero()[0].tolist())
+    with torch.no_grad():
+        w[on] = 0.0
+        w[off] = 0.25
+    for _ in range(2):
+        _square_step(optimizer, net, x, y)
+    assert w[on].item() == 0.0 and w[off].item() != 0.0
+    expected = pattern.clone()
+    expected[on], expected[off] = 0.0, 1.0
+    assert torch.equal(optimizer.state[w]["pattern"], expected)
+    sigma = optimizer.state[w]["sigma"]
+    assert sigma[on].item() == 0.0 and sigma[off].item() == optimizer.state[w]["tau"][off].item()
+
+
+def test_user_checkpoint_hooks_see_the_sparse_qnvb_entry_and_may_migrate_it():
+    x, y = _square_data()
+    net = _square_net()
+    optimizer = _sparse(net.parameters())
+    for _ in range(3):
+        _square_step(optimizer, net, x, y)
+    seen = []
+    optimizer.register_state_dict_post_hook(lambda o, sd: seen.append(sd["sparse_qnvb"]))
+    saved = optimizer.state_dict()
+    assert [entry["counters"][0] for entry in seen] == [3]
+    assert copy.deepcopy(optimizer).state_dict()["sparse_qnvb"]["counters"][0] == 3
+    # an older checkpoint kept the entry under another key: a user pre-hook renames it
+    old = {k: v for k, v in saved.items() if k != "sparse_qnvb"}
+    old["sparse_qnvb_v0"] = saved["sparse_qnvb"]
+    net2 = _square_net(seed=1)
+    optimizer2 = _sparse(net2.parameters())
+    with pytest.raises(ValueError, match=r"no 'sparse_qnvb' entry .* a state-dict hook dropped"):
+        optimizer2.load_state_dict(old)
+
+    def migrate(o, state_dict):
+        state_dict = dict(state_dict)
+        state_dict["sparse_qnvb"] = state_dict.pop("sparse_qnvb_v0")
+        return state_dict
+
+    steps_seen = []
+    optimizer2.register_load_state_dict_pre_hook(migrate)  # registered last, runs before the check
+    optimizer2.register_load_state_dict_post_hook(lambda o: steps_seen.append(o.counters.step))
+    optimizer2.load_state_dict(old)
+    assert steps_seen == [3] and optimizer2.counters == optimizer.counters
+    for _ in range(3):
+        assert torch.equal(_square_step(optimizer, net, x, y), _square_step(optimizer2, net2, x, y))
+    assert torch.equal(_flat(net.parameters()), _flat(net2.parameters()))
+
+
+def test_sparse_weight_decay_is_refused_with_the_prior_precision_it_stands_for():
+    net = _square_net()
+    with pytest.raises(TypeError, match=r"weight_decay \* num_cases \(0.0001 \* 64 = 0.0064\)"):
+        SparseQNVBOptimizer(net.parameters(), num_cases=64, steps_per_epoch=2, weight_decay=1e-4)
+    with pytest.raises(ValueError, match=r"group does not take weight_decay.*\(this optimizer's: "):
+        SparseQNVBOptimizer(
+            [{"params": net.parameters(), "weight_decay": 1e-4}], num_cases=64, steps_per_epoch=2
+        )
+    optimizer = SparseQNVBOptimizer(
+        net[0].parameters(), num_cases=64, steps_per_epoch=2, prior_precision=2.0
+    )
+    with pytest.raises(ValueError, match=r"this optimizer's: 2\).*\(0.5 \* 64 = 32\)"):
+        optimizer.add_param_group({"params": net[2].parameters(), "weight_decay": 0.5})
+    assert len(optimizer.param_groups) == 1
+
+
+def test_a_sparse_l2_term_in_the_loss_acts_as_prior_precision_2_lam_num_cases():
+    """The antithetic nodes integrate lam |w|^2 exactly: gradient 2 lam mu and curvature 2 lam,
+    which num_cases / S multiplies, the prior term (h_p / S) mu and h_p / S with h_p = 2 lam n_c."""
+    x, y = _square_data()
+    lam, n = 0.05, 16
+    runs = []
+    for l2 in (True, False):
+        net = _square_net()
+
+        def closure(net=net, l2=l2):
+            loss = ((net(x).sum(-1, keepdim=True) - y) ** 2).mean()
+            if l2:
+                loss = loss + lam * sum((p**2).sum() for p in net.parameters())
+            loss.backward()
+            return loss
+
+        optimizer = _sparse(net.parameters(), prior_precision=0.0 if l2 else 2 * lam * n)
+        for _ in range(4):  # before the realization (sigma = 0 drops the L2 term's curvature)
+            optimizer.step(closure)
+        runs.append((_flat(net.parameters()), _mixtures(optimizer, net)))
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-9, atol=1e-12)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        for name in ("nu", "tau", "p_nonzero", "g0", "h0", "g1", "h1"):
+            torch.testing.assert_close(a[name], b[name], rtol=1e-9, atol=1e-12)

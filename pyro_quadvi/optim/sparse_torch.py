@@ -35,19 +35,23 @@ from .sparse_functional import (
     epoch_progress,
     init_sparse_block,
     init_sparse_counters,
+    mixture_moments,
     result_messages,
     run_settings,
     sparse_qnvb_update,
 )
 from .torch_qnvb import (
     CopyableOptimizerState,
+    changed_parameters,
     check_finite_loss,
+    check_saved_parameters,
     checked_parameters,
     closure_moments,
     group_params,
     refuse_half_precision,
     sampled_values,
     standard_normal,
+    written_marks,
 )
 
 __all__ = ["SparseQNVBOptimizer"]
@@ -93,12 +97,19 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         generator: random generator for the initial position in the quadrature sequence (torch's
             global generator when ``None``); when given, its state is saved with
             :meth:`state_dict`.
+        weight_decay: refused (a ``TypeError``, and a group's ``"weight_decay"`` a
+            ``ValueError``): the prior is the slab's ``prior_precision``, and torch's coupled
+            ``weight_decay`` is ``prior_precision = weight_decay * num_cases``.
 
     Nodes come from the Hadamard cross-polytope sequence (sequence paper, Algorithm 3.1):
     ``num_pairs`` antithetic pairs, ``2 num_pairs`` closure evaluations per step, starting at a
     random iterate (Algorithm 5.1, line 2) and moving ``num_pairs`` iterates per step.
     ``optimizer.state[p]`` holds the mixture's state (:class:`SparseQNVBBlock` fields:
-    ``nu``, ``tau``, ``p_nonzero``, ``mu``, ``sigma``, the sums, ``pattern``).
+    ``nu``, ``tau``, ``p_nonzero``, ``mu``, ``sigma``, the sums, ``pattern``). Between steps
+    the parameters hold the mixture means ``mu``; a change made to them there (a
+    ``net.load_state_dict``, ``p.data = ...``, a zeroed layer) is taken by the next step (or
+    :meth:`sampled_params`, or :meth:`state_dict`) as the new mean of the coordinates it
+    changed (:meth:`_take_edits`).
 
     The closure runs once per node, at perturbed weights: a ``BatchNorm`` (any layer with running
     state) in train mode updates its running statistics ``2 num_pairs`` times per step at those
@@ -145,8 +156,14 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         num_pairs: int = 2,
         prior_precision: float | None = None,
         generator: torch.Generator | None = None,
+        weight_decay: float | None = None,
     ):
         _check_number("num_cases", num_cases, lambda v: 0 < v < math.inf, "> 0")
+        if weight_decay is not None:
+            raise TypeError(
+                "SparseQNVBOptimizer takes no weight_decay. "
+                + _weight_decay_conversion(weight_decay, float(num_cases), prior_precision)
+            )
         self.hyperparameters = SparseQNVBHyperparameters(
             target_sparsity=target_sparsity,
             target_free=target_free,
@@ -164,15 +181,47 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             prior_precision = tau_max**-2
         _check_number("prior_precision", prior_precision, lambda v: 0 <= v < math.inf, ">= 0")
         self.counters = init_sparse_counters(self.hyperparameters, steps_per_epoch)
-        super().__init__(params, {})
-        self.num_cases = float(num_cases)
-        self.steps_per_epoch = steps_per_epoch
+        self.num_cases = float(num_cases)  # before the groups: add_param_group's messages read them
         self.prior_precision = float(prior_precision)
+        super().__init__(params, {})
+        self.steps_per_epoch = steps_per_epoch
         self.rule = make_rule("hadamard", 2 * num_pairs)
         self.generator = generator
         self.sequence_offset: int | None = None
         self.first_loss: float | None = None
         self._warned: set[str] = set()
+        self._written: dict[int, tuple[int, int]] = {}  # id(p) -> (_version, data_ptr)
+        self._loaded: dict | None = None  # the "sparse_qnvb" entry being loaded (_check_loaded)
+        self._register_checkpoint_hooks()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # loaded, copied or unpickled: every parameter is compared with its mean at the next step
+        self._written = {}
+        self.__dict__.setdefault("_loaded", None)
+        hooks = self.__dict__.get("_checkpoint_hooks")
+        if hooks is None or hooks[1] not in self._optimizer_load_state_dict_pre_hooks:
+            self._register_checkpoint_hooks()  # a copy (torch leaves the hooks out)
+
+    def _register_checkpoint_hooks(self) -> None:
+        """The hooks through which :meth:`state_dict` takes the parameters' changes as the means
+        and adds the ``"sparse_qnvb"`` entry, and :meth:`load_state_dict` checks it (last of the
+        load pre-hooks: :meth:`register_load_state_dict_pre_hook`), restores it and sets the
+        parameters to the loaded means; registered before any of the user's."""
+        super().register_state_dict_pre_hook(_take_sparse_edits)
+        self._checkpoint_hooks = (
+            super().register_state_dict_post_hook(_add_sparse_entry).id,
+            super().register_load_state_dict_pre_hook(_check_sparse_entry).id,
+            super().register_load_state_dict_post_hook(_restore_sparse_entry).id,
+        )
+
+    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False):
+        """Torch's :meth:`~torch.optim.Optimizer.register_load_state_dict_pre_hook`, with the
+        optimizer's own check of the loaded state kept after every user hook: a hook that
+        migrates the ``"sparse_qnvb"`` entry of an older checkpoint runs before it is read."""
+        handle = super().register_load_state_dict_pre_hook(hook, prepend=prepend)
+        self._optimizer_load_state_dict_pre_hooks.move_to_end(self._checkpoint_hooks[1])
+        return handle
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group; hyperparameters cannot differ per group (the sieve is global), and a
@@ -180,6 +229,13 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         group = group_params(param_group)
         if isinstance(group, dict):
             extra = sorted(set(group) - {"params", "param_names"})
+            if "weight_decay" in extra:
+                raise ValueError(
+                    "SparseQNVBOptimizer: a parameter group does not take weight_decay. "
+                    + _weight_decay_conversion(
+                        group["weight_decay"], self.num_cases, self.prior_precision
+                    )
+                )
             if extra:
                 raise ValueError(
                     f"SparseQNVBOptimizer: parameter groups take no options ({extra} given): the "
@@ -206,13 +262,46 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         return self.counters.step > (hp.num_epochs - 1) * self.steps_per_epoch
 
     def _params(self) -> list[torch.Tensor]:
+        """Every parameter that requires grad, its state made on first use; a parameter changed
+        since the optimizer last wrote it gives its mixture (:meth:`_take_edits`)."""
         out = [p for p, _ in checked_parameters(self, "SparseQNVBOptimizer")]
         if not out:
             raise ValueError("SparseQNVBOptimizer has no parameter that requires grad")
         for p in out:
             if not self.state[p]:
                 self.state[p].update(init_sparse_block(p, self.hyperparameters)._asdict())
+        self._take_edits(out)
         return out
+
+    def _take_edits(self, params: list[torch.Tensor]) -> None:
+        """Take the value of every coordinate changed since the optimizer last wrote it as the
+        mean of its mixture (sequence paper, eq. 4.2: ``mu = p_nonzero nu``).
+
+        A parameter changed as a tensor (:func:`changed_parameters`: its version or storage) is
+        compared with its mean coordinate by coordinate, and only the coordinates whose value
+        differs change: a written ``v != 0`` becomes a certain nonzero, ``p_nonzero = 1`` and
+        ``nu = v``; a written exact zero a certain zero, ``p_nonzero = 0`` (and ``nu = 0``).
+        Either way ``mu = v`` and eq. 4.2 gives ``sigma`` (``tau``, or ``0``), ``tau`` and the
+        sums stay, and once the pattern is realized (:attr:`finished`) it follows (``1``, or
+        ``0``). Parameters without a state yet are left alone.
+        """
+        realized = self.finished
+        for p in changed_parameters(params, self._written):
+            state = self.state.get(p)
+            if not state:
+                continue
+            value = p.detach()
+            changed = value != state["mu"]
+            nonzero = (value != 0).to(value.dtype)
+            nu = torch.where(changed, value, state["nu"])
+            p_nonzero = torch.where(changed, nonzero, state["p_nonzero"])
+            mu, sigma = mixture_moments(p_nonzero, nu, state["tau"])
+            state["nu"], state["p_nonzero"] = nu, p_nonzero
+            state["mu"] = torch.where(changed, mu, state["mu"])
+            state["sigma"] = torch.where(changed, sigma, state["sigma"])
+            if realized:
+                state["pattern"] = torch.where(changed, nonzero, state["pattern"])
+            self._written.update(written_marks([p]))
 
     def _block(self, p: torch.Tensor) -> SparseQNVBBlock:
         return SparseQNVBBlock(*(self.state[p][name] for name in _BLOCK_NAMES))
@@ -330,6 +419,7 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             self.state[p].update(block._asdict())
             p.copy_(block.mu)
             p.grad = None
+        self._written.update(written_marks(params))
         for message in result_messages(result, self._warned):
             warnings.warn(
                 f"SparseQNVBOptimizer: {message} (this warning is shown once)",
@@ -366,35 +456,108 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         )
 
     def state_dict(self) -> dict:
-        """Torch's state dict plus the counters, the sequence offset, the first step's loss, the
-        generator's state and the settings of the run
-        (:func:`~pyro_quadvi.optim.sparse_functional.run_settings`)."""
-        state = super().state_dict()
-        state["sparse_qnvb"] = {
+        """Torch's state dict plus a ``"sparse_qnvb"`` entry: the counters, the sequence offset,
+        the first step's loss, the generator's state and the settings of the run
+        (:func:`~pyro_quadvi.optim.sparse_functional.run_settings`), added by a state-dict
+        post-hook the optimizer registers first, so that a user's post-hook sees it. The
+        mixtures saved take a change of the parameters since the last step
+        (:meth:`_take_edits`)."""
+        return super().state_dict()
+
+    def _sparse_entry(self) -> dict:
+        return {
             "counters": tuple(self.counters),
             "sequence_offset": self.sequence_offset,
             "first_loss": self.first_loss,
             "generator": None if self.generator is None else self.generator.get_state(),
             "settings": self._settings(),
         }
-        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what :meth:`state_dict` saved, into an optimizer built with the same settings
-        (hyperparameters, ``num_cases``, ``steps_per_epoch``, ``prior_precision``): a
-        ``ValueError`` names any that differs, and nothing is loaded."""
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("sparse_qnvb")
+        (hyperparameters, ``num_cases``, ``steps_per_epoch``, ``prior_precision``) over
+        parameters of the saved shapes and names (where both the saved groups and this
+        optimizer's have ``param_names``): a ``ValueError`` names any that differs, and nothing
+        is loaded.
+
+        The ``"sparse_qnvb"`` entry is checked by a load pre-hook that runs after the user's
+        (which may migrate it) and restored by a post-hook that runs before theirs, which also
+        sets every parameter with a saved state to its saved mean ``mu``: a network state
+        loaded after it is a change of the means (:meth:`_take_edits`)."""
+        super().load_state_dict(state_dict)
+
+    def _check_loaded(self, state_dict: dict) -> None:
+        """Refuse a state dict that :meth:`load_state_dict` cannot load, before torch loads
+        anything; keep its ``"sparse_qnvb"`` entry for :meth:`_restore_loaded`."""
+        if "sparse_qnvb" not in state_dict:
+            raise ValueError(
+                "SparseQNVBOptimizer.load_state_dict: the state dict has no 'sparse_qnvb' entry "
+                "(the counters, sequence offset, generator state and settings that "
+                "SparseQNVBOptimizer.state_dict adds): it was not saved by a "
+                "SparseQNVBOptimizer, or a state-dict hook dropped the entry"
+            )
+        extra = state_dict["sparse_qnvb"]
         check_settings("SparseQNVBOptimizer.load_state_dict", extra["settings"], self._settings())
         if extra["generator"] is not None and self.generator is None:
             raise ValueError(
                 "the saved state holds a generator state; construct the optimizer with a "
                 "generator to restore it"
             )
-        super().load_state_dict(state_dict)
+        check_saved_parameters("SparseQNVBOptimizer.load_state_dict", state_dict, self.param_groups)
+        self._loaded = extra
+
+    def _restore_loaded(self) -> None:
+        """The counters, offset, first loss and generator state of the entry just loaded, and
+        the loaded means into the parameters."""
         self.param_groups = [_SparseGroup(group) for group in self.param_groups]
+        params = [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
+        with torch.no_grad():
+            for p in params:
+                p.copy_(self.state[p]["mu"])
+        self._written.update(written_marks(params))
+        extra, self._loaded = self._loaded, None
         self.counters = SparseQNVBCounters(*extra["counters"])
         self.sequence_offset = extra["sequence_offset"]
         self.first_loss = extra.get("first_loss")  # absent from states saved before it was kept
         if extra["generator"] is not None:
             self.generator.set_state(extra["generator"])
+
+
+def _weight_decay_conversion(
+    weight_decay: object, num_cases: float, prior_precision: float | None
+) -> str:
+    """How torch's ``weight_decay`` and an L2 term of the loss read as the slab's
+    ``prior_precision``, for the refusal of ``weight_decay``."""
+    now = "1 / tau_max^2" if prior_precision is None else f"{float(prior_precision):g}"
+    number = isinstance(weight_decay, (int, float)) and not isinstance(weight_decay, bool)
+    value = f" = {weight_decay * num_cases:g}" if number else ""
+    return (
+        "Its prior on a nonzero weight is the slab, a zero-mean Gaussian of precision "
+        f"prior_precision (this optimizer's: {now}), set in the constructor for all parameters. "
+        "Torch's (coupled, SGD/Adam) weight_decay adds weight_decay * theta to the gradient of "
+        "the mean loss per case, which num_cases multiplies: pass prior_precision = "
+        f"weight_decay * num_cases ({weight_decay!r} * {num_cases:g}{value}). An L2 term "
+        "lam * |theta|^2 added to the loss is multiplied by num_cases too and acts as "
+        "prior_precision = 2 * lam * num_cases (leave it out and pass that)"
+    )
+
+
+def _take_sparse_edits(optimizer: SparseQNVBOptimizer) -> None:
+    """State-dict pre-hook of :class:`SparseQNVBOptimizer`: the parameters changed since the
+    last step give the mixtures saved."""
+    optimizer._take_edits([p for group in optimizer.param_groups for p in group["params"]])
+
+
+def _add_sparse_entry(optimizer: SparseQNVBOptimizer, state_dict: dict) -> None:
+    """State-dict post-hook of :class:`SparseQNVBOptimizer`: its ``"sparse_qnvb"`` entry."""
+    state_dict["sparse_qnvb"] = optimizer._sparse_entry()
+
+
+def _check_sparse_entry(optimizer: SparseQNVBOptimizer, state_dict: dict) -> None:
+    """Load pre-hook of :class:`SparseQNVBOptimizer`: the checks of ``load_state_dict``."""
+    optimizer._check_loaded(state_dict)
+
+
+def _restore_sparse_entry(optimizer: SparseQNVBOptimizer) -> None:
+    """Load post-hook of :class:`SparseQNVBOptimizer`: the entry and the means restored."""
+    optimizer._restore_loaded()
