@@ -456,7 +456,7 @@ def test_anneal_likelihood_scales_observed_sites_only():
     assert float(annealed.log_prob_sum()) == pytest.approx(float(prior + 0.25 * lik), rel=1e-6)
 
 
-# exact zero curvature, and sigma pinned at sigma_max by the curvature floor
+# exactly zero curvature (held), and sigma pinned at sigma_max by the curvature floor
 
 
 def _dead_and_live(flat: bool, hp: QNVBHyperparameters, steps: int = 4, compile: bool = False):
@@ -483,21 +483,22 @@ def _dead_and_live(flat: bool, hp: QNVBHyperparameters, steps: int = 4, compile:
 
 
 @pytest.mark.parametrize("significance", [0.0, 2.0])
-def test_exactly_zero_curvature_is_taken_and_sigma_goes_to_the_prior(significance):
-    # before: h_avg = 0 failed the test h_avg > significance * stderr, so rule 4 held
-    # 1 / sigma^2 forever: sigma stayed at 1e-3 and the mean moved by 4 mu / 1e6 a step. Now the
-    # curvature 0 is taken: sigma* = prior_precision^(-1/2) = 0.5, reached at the rate limit
-    # scale_max = 10 (1e-2, 1e-1, then 0.5), and the mean's Newton step 4 mu / 4 lands on 0
+def test_exactly_zero_curvature_holds_sigma_and_takes_a_natural_gradient_step(significance):
+    # h_avg = 0 fails h_avg > significance * stderr, so rule 4 holds 1 / sigma^2: sigma stays at
+    # 1e-3 and the mean takes the natural-gradient step prior * mu * sigma^2 = 4 mu 1e-6 (the
+    # cap 4 |mu| + eps is far below 1e6). Taking the curvature 0 instead (sigma to the prior's
+    # 0.5) revived dead ReLU units at wide nodes and made deep networks diverge
+    # (tests/test_user_fixes_torch.py, the deep ReLU test)
     hp = QNVBHyperparameters(significance=significance)
     results = _dead_and_live(flat=False, hp=hp)
-    dead_sigmas = [r.sigma[:2].tolist() for r in results]
-    for got, want in zip(dead_sigmas, [1e-2, 1e-1, 0.5, 0.5]):
-        assert got == pytest.approx([want, want], rel=1e-14)
-    assert results[0].mu[:2].tolist() == [0.0, 0.0]
-    # h = +1 then -1 averages to exactly 0 with h^2 = 1: noise, held as before
-    assert float(results[1].sigma[3]) == float(results[0].sigma[3])
-    for result in results:  # a prior: nothing asks for more than sigma_max
-        assert int(result.num_sigma_max) == 0
+    mu = torch.tensor([0.3, -0.7], dtype=DTYPE)
+    for result in results:
+        assert result.sigma[:2].tolist() == [1e-3, 1e-3]
+        mu = mu - 4.0 * mu * 1e-6
+        assert result.mu[:2].tolist() == pytest.approx(mu.tolist(), rel=1e-12)
+        assert int(result.num_sigma_max) == 0  # held: nothing counted as asking wider
+    # the live coordinate's curvature is taken: sigma -> (64 + 4)^(-1/2) at the rate limit
+    assert float(results[-1].sigma[2]) == pytest.approx(68**-0.5, rel=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -525,15 +526,15 @@ def test_the_compiled_update_agrees_with_the_reference_on_zero_curvature():
         for a, b in zip((got.mu, got.sigma, *got.state), (want.mu, want.sigma, *want.state)):
             torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-300)
         assert [int(c) for c in got[3:]] == [int(c) for c in want[3:]]
-    assert float(compiled[-1].sigma[0]) == pytest.approx(0.5, rel=1e-14)
+    assert float(compiled[-1].sigma[0]) == 1e-3  # held
 
 
 @pytest.mark.parametrize("flat", [False, True])
 def test_a_curvature_asking_for_more_than_sigma_max_is_counted_as_pinned(flat):
     # before: the floor 1 / sigma_max^2 made the target exactly sigma_max, never above it, so
     # nothing was counted. Weight 1e-8 and h = 1 ask for sigma = 1e4 > sigma_max = 100 (counted
-    # from the first step, while sigma still climbs at the rate limit: 1e-2); h = -1 is held
-    # (not counted); a dead coordinate without a prior asks for an infinite sigma (counted)
+    # from the first step, while sigma still climbs at the rate limit: 1e-2); h = -1 and h = 0
+    # (a dead coordinate) are held, not counted
     mu = torch.zeros(3, dtype=DTYPE)
     sigma = torch.full((3,), 1e-3, dtype=DTYPE)
     g = torch.zeros(3, dtype=DTYPE)
@@ -545,9 +546,9 @@ def test_a_curvature_asking_for_more_than_sigma_max_is_counted_as_pinned(flat):
             (result,) = qnvb_update_many([mu], [sigma], [g], [h], [state], hp, 1e-8)
         else:
             result = qnvb_update(mu, sigma, g, h, state, hp, 1e-8)
-        assert int(result.num_sigma_max) == 2, step
+        assert int(result.num_sigma_max) == 1, step
         assert float(result.sigma[0]) == pytest.approx(want, rel=1e-12)
-        assert float(result.sigma[1]) == 1e-3
+        assert result.sigma[1:].tolist() == [1e-3, 1e-3]
         mu, sigma, state = result.mu, result.sigma, result.state
     # a well-posed coordinate (weight 64: sigma* = 1/8) is never counted
     result = qnvb_update(mu[:1], sigma[:1], g[:1], h[:1], init_qnvb_state(mu[:1]), hp, 64.0)

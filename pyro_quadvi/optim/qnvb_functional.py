@@ -24,11 +24,13 @@ update's rules, each measured", gives the test and the benchmark row behind each
    this fraction of the steps taken, so a transient fades as ``(t0 / t)^2`` instead of ``t0 / t``.
 4. **Mean curvature** (``curvature="mean"``, ``significance``): ``H`` is the running mean of
    ``h`` (unbiased) where it is positive, by more than ``significance`` standard errors if that
-   option is set (off by default), or where every ``h`` so far was exactly 0 (``mean(h^2) = 0``:
-   a parameter behind a dead ReLU, whose curvature is exactly 0 rather than noise, so that under a
-   prior ``sigma`` goes to the prior's); elsewhere ``H`` is the current precision ``1 / sigma^2``
-   of ``q``: ``sigma`` holds and the mean takes a natural-gradient step. ``curvature="rms"`` is
-   the reference's ``sqrt(mean(h^2))`` (design note step 4), biased upward by the noise of ``h``.
+   option is set (off by default); elsewhere ``H`` is the current precision ``1 / sigma^2`` of
+   ``q``: ``sigma`` holds and the mean takes a natural-gradient step. That includes a curvature
+   of exactly 0 at every step (a weight behind a ReLU unit dead at every node): its ``sigma`` is
+   held, not widened to the prior's, since a unit widened so comes alive at the wide nodes with
+   large activations and a deep ReLU network can diverge (``docs/benchmarks.md``, "Exact zero
+   curvature: tried and reverted"). ``curvature="rms"`` is the reference's ``sqrt(mean(h^2))``
+   (design note step 4), biased upward by the noise of ``h``.
 5. **Curvature floor**: the curvature of the whole loss is at least ``1 / sigma_max^2``, so the
    mean never steps as if ``q`` were wider than ``sigma_max``.
 6. **Damping** (``damping``, ``damping_recovery``): a parallel (Jacobi-like) Newton step
@@ -123,12 +125,10 @@ class QNVBHyperparameters:
         sigma_min, sigma_max: absolute bounds on ``sigma``; the curvature is floored at
             ``1 / sigma_max^2``.
         scale_min, scale_max: per-step bounds on the factor by which ``sigma`` may change.
-        curvature: ``"mean"`` (running mean of ``h`` where positive or where every ``h`` was
-            exactly 0, else the current ``1 / sigma^2``) or ``"rms"`` (the reference's
-            ``sqrt(mean(h^2))``).
+        curvature: ``"mean"`` (running mean of ``h`` where positive, else the current
+            ``1 / sigma^2``) or ``"rms"`` (the reference's ``sqrt(mean(h^2))``).
         significance: with ``curvature="mean"``, the mean of ``h`` is used only once it exceeds
-            this many standard errors (``0``, the default: once it is positive), or where every
-            ``h`` so far was exactly 0 (a curvature of exactly 0 is no noise); until then
+            this many standard errors (``0``, the default: once it is positive); until then
             ``sigma`` holds. Tames the first steps under Monte Carlo noise, at a cost in steps.
         damping: adapt a per-coordinate step divisor to oscillation and noise (module docstring);
             ``False`` takes full steps.
@@ -415,9 +415,7 @@ def _reference_rules(
         significant = torch.ones_like(finite_input)
     else:
         stderr = ((h2_avg - h_avg**2).clamp(min=0) / curvature_count).sqrt()
-        # every h so far exactly 0 (h2_avg == 0: a parameter behind a dead ReLU) is no noise but
-        # a curvature of exactly 0, taken: under a prior, sigma goes to the prior's
-        significant = (h_avg > hp.significance * stderr) | (h2_avg == 0)
+        significant = h_avg > hp.significance * stderr
         held = ((sigma**-2 - prior_precision) / weight).clamp(min=0)  # q's current precision
         curv = torch.where(significant, h_avg, held)
     total_curv = weight * curv + prior_precision
@@ -585,7 +583,6 @@ def _flat_update(
             significant = h_avg > hp.significance * stderr
         else:
             significant = h_avg > 0
-        significant |= h2_avg == 0
         held = sigma**-2
         if not no_prior:
             held -= prior_precision
