@@ -345,3 +345,18 @@ def test_resume_with_fewer_generators_than_saved_is_refused(ranks):
             "1; pass load_checkpoint the generators passed to save_checkpoint, in the same order "
             "(the ELBO's or optimizer's generator, your minibatch generator, ...)",
         )
+
+
+def test_the_shapes_layout_holds_the_whole_checksum():
+    # the reductions' shape check compares (count, CRC-32 of the shapes) across ranks; in float32
+    # the checksum lost its low 8 bits, so layouts agreeing in the top 24 passed as equal
+    import zlib
+
+    from pyro_quadvi.distributed.comm import shapes_layout
+
+    tensors = [torch.zeros(3, 4), torch.zeros(5), torch.zeros(2, 2, 2)]
+    crc = zlib.crc32(repr([(3, 4), (5,), (2, 2, 2)]).encode())
+    assert crc >= 2**24  # a checksum float32 cannot hold exactly
+    layout = shapes_layout(tensors)
+    assert layout.dtype == torch.float64
+    assert int(layout[0]) == 3 and int(layout[1]) == crc

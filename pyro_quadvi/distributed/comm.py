@@ -294,6 +294,13 @@ def all_reduce_sum_(
     _fused_all_reduce_(tensors, group, mean=False, check_shapes=check_shapes)
 
 
+def shapes_layout(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The number of ``tensors`` and a CRC-32 of their shapes in order, as a float64 pair (exact:
+    float32 would round the 32-bit checksum to 24 bits, and more layouts would agree)."""
+    shapes = repr([tuple(t.shape) for t in tensors]).encode()
+    return torch.tensor([float(len(tensors)), float(zlib.crc32(shapes))], dtype=torch.float64)
+
+
 def _fused_all_reduce_(
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup | None,
@@ -305,10 +312,8 @@ def _fused_all_reduce_(
     if size == 1:
         return
     if check_shapes:  # (before the early return: a rank with no tensors must meet the others)
-        shapes = repr([tuple(t.shape) for t in tensors]).encode()
-        layout = torch.tensor([float(len(tensors)), float(zlib.crc32(shapes))])
         check_agreement(
-            layout,
+            shapes_layout(tensors),
             "the number and shapes of the tensors to reduce (in order)",
             group,
             fix=ORDER_FIX,
