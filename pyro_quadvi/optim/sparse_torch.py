@@ -51,6 +51,7 @@ from .torch_qnvb import (
     refuse_half_precision,
     sampled_values,
     standard_normal,
+    weight_decay_conversion,
     written_marks,
 )
 
@@ -526,20 +527,17 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
 def _weight_decay_conversion(
     weight_decay: object, num_cases: float, prior_precision: float | None
 ) -> str:
-    """How torch's ``weight_decay`` and an L2 term of the loss read as the slab's
-    ``prior_precision``, for the refusal of ``weight_decay``."""
+    """:func:`~pyro_quadvi.optim.torch_qnvb.weight_decay_conversion` for the slab's
+    ``prior_precision`` (this optimizer's, or ``None`` before it is set) and ``num_cases``,
+    with ``weight_decay * num_cases`` worked out where ``weight_decay`` is a number."""
     now = "1 / tau_max^2" if prior_precision is None else f"{float(prior_precision):g}"
     number = isinstance(weight_decay, (int, float)) and not isinstance(weight_decay, bool)
     value = f" = {weight_decay * num_cases:g}" if number else ""
-    return (
+    prior = (
         "Its prior on a nonzero weight is the slab, a zero-mean Gaussian of precision "
-        f"prior_precision (this optimizer's: {now}), set in the constructor for all parameters. "
-        "Torch's (coupled, SGD/Adam) weight_decay adds weight_decay * theta to the gradient of "
-        "the mean loss per case, which num_cases multiplies: pass prior_precision = "
-        f"weight_decay * num_cases ({weight_decay!r} * {num_cases:g}{value}). An L2 term "
-        "lam * |theta|^2 added to the loss is multiplied by num_cases too and acts as "
-        "prior_precision = 2 * lam * num_cases (leave it out and pass that)"
+        f"prior_precision (this optimizer's: {now}), set in the constructor for all parameters."
     )
+    return weight_decay_conversion(prior, "num_cases", f"{weight_decay!r} * {num_cases:g}{value}")
 
 
 def _take_sparse_edits(optimizer: SparseQNVBOptimizer) -> None:

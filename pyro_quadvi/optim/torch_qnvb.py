@@ -151,17 +151,37 @@ _INERT_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_mom
 resumes a scheduler with ``last_epoch``), and ``"name"``, a user's label: taken, never read."""
 
 
-def weight_decay_conversion(weight: str, decay: str) -> str:
+def weight_decay_conversion(prior: str, weight: str, values: str) -> str:
     """How torch's ``weight_decay`` and an L2 term of the loss read as ``prior_precision``, for
-    the refusal of ``weight_decay`` (``weight`` and ``decay`` as they are shown)."""
+    the refusal of ``weight_decay`` by :class:`QNVBOptimizer` and
+    :class:`~pyro_quadvi.optim.SparseQNVBOptimizer`.
+
+    Torch's coupled ``weight_decay`` adds ``weight_decay * theta`` to the gradient of the mean
+    loss per case, which the number of cases multiplies: the gradient of the Gaussian prior
+    ``exp(-prior_precision |theta|^2 / 2)`` with ``prior_precision = weight_decay * weight``,
+    a prior being a regularization term of the negative log posterior (rasp paper, Section 4).
+
+    Args:
+        prior: the sentence saying what the optimizer's prior is.
+        weight: the name of what multiplies the mean loss per case (``"likelihood_weight"``,
+            ``"num_cases"``).
+        values: ``weight_decay * weight`` with the values at hand, as the message shows them
+            (e.g. ``"0.0001 * 64"``).
+    """
     return (
-        "Its prior is prior_precision, a zero-mean Gaussian prior exp(-prior_precision * "
-        "|theta|^2 / 2). Torch's (coupled, SGD/Adam) weight_decay adds weight_decay * theta to "
-        "the gradient of the mean loss per case, which likelihood_weight multiplies: pass "
-        f"prior_precision = weight_decay * likelihood_weight ({decay} * {weight}). An "
-        "L2 term lam * |theta|^2 added to the loss is multiplied by likelihood_weight too and "
-        "acts as prior_precision = 2 * lam * likelihood_weight (leave it out and pass that)"
+        f"{prior} Torch's (coupled, SGD/Adam) weight_decay adds weight_decay * theta to the "
+        f"gradient of the mean loss per case, which {weight} multiplies: pass prior_precision = "
+        f"weight_decay * {weight} ({values}). An L2 term lam * |theta|^2 added to the loss is "
+        f"multiplied by {weight} too and acts as prior_precision = 2 * lam * {weight} (leave it "
+        "out and pass that)"
     )
+
+
+_QNVB_PRIOR = (
+    "Its prior is prior_precision, a zero-mean Gaussian prior exp(-prior_precision * "
+    "|theta|^2 / 2)."
+)
+"""What :class:`QNVBOptimizer`'s refusal of ``weight_decay`` says its prior is."""
 
 
 def group_params(param_group: object) -> object:
@@ -623,7 +643,9 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         if weight_decay is not None:
             raise TypeError(
                 "QNVBOptimizer takes no weight_decay. "
-                + weight_decay_conversion(f"{likelihood_weight!r}", f"{weight_decay!r}")
+                + weight_decay_conversion(
+                    _QNVB_PRIOR, "likelihood_weight", f"{weight_decay!r} * {likelihood_weight!r}"
+                )
             )
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}")
@@ -700,7 +722,9 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             if "weight_decay" in unknown:
                 raise ValueError(
                     f"{type(self).__name__}: a parameter group does not take weight_decay. "
-                    + weight_decay_conversion("likelihood_weight", "weight_decay")
+                    + weight_decay_conversion(
+                        _QNVB_PRIOR, "likelihood_weight", "weight_decay * likelihood_weight"
+                    )
                 )
             if unknown:
                 raise ValueError(
