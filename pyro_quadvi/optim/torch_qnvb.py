@@ -348,6 +348,84 @@ class CopyableOptimizerState:
             self.defaults.pop("differentiable")
 
 
+class CheckpointHooks(CopyableOptimizerState):
+    """The checkpoint of an optimizer whose parameters hold its means (:class:`QNVBOptimizer`,
+    :class:`~pyro_quadvi.optim.SparseQNVBOptimizer`), through torch's state-dict hooks.
+
+    :meth:`_register_checkpoint_hooks` (called last in the subclass's ``__init__``, and again
+    in a copy, which torch makes without hooks) registers, before any of the user's: a
+    state-dict pre-hook that takes the parameters' changes since the last step as the means
+    (the subclass's ``_take_edits(params)``); a post-hook that adds the entry
+    ``state_dict[_entry_key] = _checkpoint_entry()``; a load pre-hook, kept after every other
+    (:meth:`register_load_state_dict_pre_hook`), that refuses a state the optimizer cannot load
+    (``_check_loaded(state_dict)``); and a load post-hook that restores the entry and the means
+    (``_restore_loaded()``, with :meth:`_write_means`). A user's state-dict post-hook and load
+    post-hook registered without ``prepend=True`` run after the optimizer's: the first sees the
+    entry, the second the restored state; a user's load pre-hook (a migration of an older
+    entry), however registered, runs before the check.
+    """
+
+    _entry_key: str
+    """The key of the optimizer's entry in its state dict."""
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # loaded, copied or unpickled: every parameter is compared with its mean at the next step
+        self._written = {}
+        self.__dict__.setdefault("_loaded", None)  # absent from a copy of an earlier version
+        hooks = getattr(self, "_checkpoint_hooks", None)  # likewise
+        if hooks is None or hooks[1] not in self._optimizer_load_state_dict_pre_hooks:
+            self._register_checkpoint_hooks()  # a copy (torch leaves the hooks out)
+
+    def _register_checkpoint_hooks(self) -> None:
+        """The optimizer's four checkpoint hooks (see the class), ahead of any of the user's."""
+        optimizer = torch.optim.Optimizer
+        optimizer.register_state_dict_pre_hook(self, _take_edits_hook)
+        self._checkpoint_hooks = (
+            optimizer.register_state_dict_post_hook(self, _add_entry_hook).id,
+            optimizer.register_load_state_dict_pre_hook(self, _check_entry_hook).id,
+            optimizer.register_load_state_dict_post_hook(self, _restore_entry_hook).id,
+        )
+
+    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False):
+        """Torch's :meth:`~torch.optim.Optimizer.register_load_state_dict_pre_hook`, with the
+        optimizer's own check of the loaded state kept after every user hook: a hook that
+        migrates the entry of an older checkpoint runs before it is read."""
+        handle = super().register_load_state_dict_pre_hook(hook, prepend=prepend)
+        self._optimizer_load_state_dict_pre_hooks.move_to_end(self._checkpoint_hooks[1])
+        return handle
+
+    def _write_means(self) -> None:
+        """Every parameter with a state set to its mean ``state[p]["mu"]`` (just loaded), and
+        marked as written (:func:`written_marks`)."""
+        params = [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
+        with torch.no_grad():
+            for p in params:
+                p.copy_(self.state[p]["mu"])
+        self._written.update(written_marks(params))
+
+
+def _take_edits_hook(optimizer: CheckpointHooks) -> None:
+    """State-dict pre-hook of a :class:`CheckpointHooks`: the parameters changed since the last
+    step give the means saved."""
+    optimizer._take_edits([p for group in optimizer.param_groups for p in group["params"]])
+
+
+def _add_entry_hook(optimizer: CheckpointHooks, state_dict: dict) -> None:
+    """State-dict post-hook of a :class:`CheckpointHooks`: its entry."""
+    state_dict[optimizer._entry_key] = optimizer._checkpoint_entry()
+
+
+def _check_entry_hook(optimizer: CheckpointHooks, state_dict: dict) -> None:
+    """Load pre-hook of a :class:`CheckpointHooks`: the checks of ``load_state_dict``."""
+    optimizer._check_loaded(state_dict)
+
+
+def _restore_entry_hook(optimizer: CheckpointHooks) -> None:
+    """Load post-hook of a :class:`CheckpointHooks`: the entry and the means restored."""
+    optimizer._restore_loaded()
+
+
 def _scalar_tensor(loss: object, requirement: str) -> torch.Tensor:
     """``loss`` as a 0-d tensor, or a ``TypeError`` stating ``requirement`` and what came."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -540,7 +618,7 @@ class _BufferSnapshot:
             self._restore(self.after)
 
 
-class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
+class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     """Quasi-newton variational Bayes for ``torch.nn`` parameters (rasp paper, eq. 4-8).
 
     Args:
@@ -680,35 +758,6 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         self._written: dict[int, tuple[int, int]] = {}  # id(p) -> (_version, data_ptr)
         self._loaded: dict | None = None  # the "qnvb" entry being loaded (_check_loaded)
         self._register_checkpoint_hooks()
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        # loaded, copied or unpickled: every parameter gives its mean at the next step
-        self._written = {}
-        if self._checkpoint_hooks[1] not in self._optimizer_load_state_dict_pre_hooks:
-            self._register_checkpoint_hooks()  # a copy (torch leaves the hooks out)
-
-    def _register_checkpoint_hooks(self) -> None:
-        """The hooks through which :meth:`state_dict` saves the parameters' current values as
-        the means and adds the ``"qnvb"`` entry, and :meth:`load_state_dict` reads it and sets
-        the parameters to the loaded means, registered before any of the user's: a user's
-        state-dict post-hook sees the entry, and a user's load pre-hook (a migration of an
-        older entry) runs before the check that reads it
-        (:meth:`register_load_state_dict_pre_hook` keeps that check last)."""
-        super().register_state_dict_pre_hook(_take_qnvb_edits)
-        self._checkpoint_hooks = (
-            super().register_state_dict_post_hook(_add_qnvb_entry).id,
-            super().register_load_state_dict_pre_hook(_check_qnvb_entry).id,
-            super().register_load_state_dict_post_hook(_restore_qnvb_entry).id,
-        )
-
-    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False):
-        """Torch's :meth:`~torch.optim.Optimizer.register_load_state_dict_pre_hook`, with the
-        optimizer's own check of the loaded state kept after every user hook: a hook that
-        migrates the ``"qnvb"`` entry of an older checkpoint runs before it is read."""
-        handle = super().register_load_state_dict_pre_hook(hook, prepend=prepend)
-        self._optimizer_load_state_dict_pre_hooks.move_to_end(self._checkpoint_hooks[1])
-        return handle
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch's rule), after checking it: a key that is not a per-group setting
@@ -1082,7 +1131,8 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Torch's state dict plus a ``"qnvb"`` entry: the step count, the generator's state and
         the run's settings (:meth:`_settings`), added by a state-dict post-hook the optimizer
-        registers first, so that a user's post-hook sees it. The means saved are the
+        registers first, so that a post-hook registered without ``prepend=True`` sees it
+        (:class:`CheckpointHooks`). The means saved are the
         parameters' values (a change since the last step included: :meth:`_take_edits`).
 
         With a random rule (``blocked_simplex``, ``rasp_simplex``, ``mc``) and no ``generator``,
@@ -1092,7 +1142,9 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         here."""
         return super().state_dict()
 
-    def _qnvb_entry(self) -> dict:
+    _entry_key = "qnvb"
+
+    def _checkpoint_entry(self) -> dict:
         return {
             "num_steps": self.num_steps,
             "generator": None if self.generator is None else self.generator.get_state(),
@@ -1110,7 +1162,8 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         check.
 
         The ``"qnvb"`` entry is checked by a load pre-hook that runs after the user's (which may
-        migrate it) and restored by a post-hook that runs before theirs. The parameters are the
+        migrate it) and restored, ``num_steps`` included, by a post-hook that runs before those
+        registered without ``prepend=True`` (:class:`CheckpointHooks`). The parameters are the
         means: that post-hook sets every parameter with a saved state to its saved mean (the
         values the network's own state dict, saved with it, holds); a network state loaded
         after it is a change of the means, which the next step takes."""
@@ -1148,33 +1201,8 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
     def _restore_loaded(self) -> None:
         """The step count and the generator's state of the ``"qnvb"`` entry just loaded, and
         the loaded means into the parameters."""
-        params = [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
-        with torch.no_grad():
-            for p in params:
-                p.copy_(self.state[p]["mu"])
-        self._written.update(written_marks(params))
+        self._write_means()
         extra, self._loaded = self._loaded, None
         self.num_steps = extra["num_steps"]
         if extra["generator"] is not None and self.generator is not None:
             self.generator.set_state(extra["generator"])
-
-
-def _take_qnvb_edits(optimizer: QNVBOptimizer) -> None:
-    """State-dict pre-hook of :class:`QNVBOptimizer`: the parameters changed since the last
-    step give the means saved."""
-    optimizer._take_edits([p for group in optimizer.param_groups for p in group["params"]])
-
-
-def _add_qnvb_entry(optimizer: QNVBOptimizer, state_dict: dict) -> None:
-    """State-dict post-hook of :class:`QNVBOptimizer`: its ``"qnvb"`` entry."""
-    state_dict["qnvb"] = optimizer._qnvb_entry()
-
-
-def _check_qnvb_entry(optimizer: QNVBOptimizer, state_dict: dict) -> None:
-    """Load pre-hook of :class:`QNVBOptimizer`: the checks of ``load_state_dict``."""
-    optimizer._check_loaded(state_dict)
-
-
-def _restore_qnvb_entry(optimizer: QNVBOptimizer) -> None:
-    """Load post-hook of :class:`QNVBOptimizer`: the step count and generator state."""
-    optimizer._restore_loaded()
