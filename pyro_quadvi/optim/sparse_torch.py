@@ -326,7 +326,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             u = torch.rand(p.shape, generator=generator, dtype=p.dtype, device=at).to(p.device)
             gauss = block.nu + block.tau * standard_normal(p, generator)
             draws.append(torch.where(u < block.p_nonzero, gauss, torch.zeros_like(gauss)))
-        with sampled_values(params, draws, [self.state[p]["mu"] for p in params]):
+        with sampled_values(params, draws, [self.state[p]["mu"] for p in params], self._written):
             yield
 
     @torch.no_grad()

@@ -253,10 +253,15 @@ def standard_normal(p: torch.Tensor, generator: torch.Generator | None) -> torch
 
 @contextmanager
 def sampled_values(
-    params: list[torch.Tensor], draws: list[torch.Tensor], means: list[torch.Tensor]
+    params: list[torch.Tensor],
+    draws: list[torch.Tensor],
+    means: list[torch.Tensor],
+    marks: dict[int, tuple[int, int]],
 ) -> Iterator[None]:
     """The parameters set to ``draws`` for the block and to ``means`` after it (also when it
-    raises); the block itself runs in the caller's grad mode."""
+    raises); the block itself runs in the caller's grad mode. ``means`` are the optimizer's,
+    and ``marks`` its :func:`written_marks`: the parameters are marked as written after the
+    means are back, so the next step does not take them as changed."""
     try:
         with torch.no_grad():
             for p, draw in zip(params, draws):
@@ -266,6 +271,7 @@ def sampled_values(
         with torch.no_grad():
             for p, mean in zip(params, means):
                 p.copy_(mean)
+        marks.update(written_marks(params))
 
 
 def written_marks(params: Iterable[torch.Tensor]) -> dict[int, tuple[int, int]]:
@@ -755,6 +761,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         self.compile = compile
         self._warned: set[str] = set()
         self._decisions = DecisionCache()  # vectorize=None: decided once (_decision_key)
+        self._outside_checked: tuple | None = None  # _warn_outside found nothing outside it
         self._written: dict[int, tuple[int, int]] = {}  # id(p) -> (_version, data_ptr)
         self._loaded: dict | None = None  # the "qnvb" entry being loaded (_check_loaded)
         self._register_checkpoint_hooks()
@@ -831,7 +838,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             self.state[p]["mu"] + self.state[p]["sigma"] * standard_normal(p, generator)
             for p in params
         ]
-        with sampled_values(params, draws, [self.state[p]["mu"] for p in params]):
+        with sampled_values(params, draws, [self.state[p]["mu"] for p in params], self._written):
             yield
 
     def _params(self) -> list[tuple[torch.Tensor, dict]]:
@@ -1037,7 +1044,14 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         module = loss_module(loss_fn)
         if module is None or "outside" in self._warned:
             return
-        held = {id(p) for p, _ in params}  # or given by name (a copy of the optimizer alone)
+        # the module checked last, as ids (a reference would keep it alive and copy it with the
+        # optimizer), with its parameters' ids and flags and the optimizer's parameters' ids:
+        # all unchanged, there is nothing new to say
+        ids = tuple(id(p) for p, _ in params)
+        checked = (id(module), tuple((id(p), p.requires_grad) for p in module.parameters()), ids)
+        if checked == self.__dict__.get("_outside_checked"):  # absent from an earlier version's
+            return
+        held = set(ids)  # or given by name (a copy of the optimizer alone)
         named = set(self._names(params))
         outside = [
             n
@@ -1045,6 +1059,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             if p.requires_grad and id(p) not in held and n not in named
         ]
         if not outside:
+            self._outside_checked = checked
             return
         self._warned.add("outside")
         shown = ", ".join(repr(n) for n in outside[:5])
