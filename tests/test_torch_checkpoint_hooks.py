@@ -1,5 +1,6 @@
 """The shared checkpoint machinery of the plain-torch optimizers (``CheckpointHooks``), the
-marks left by ``sampled_params`` and the check for parameters outside the optimizer."""
+marks left by ``sampled_params``, and the check for trainable parameters outside the optimizer
+across steps."""
 
 from __future__ import annotations
 
@@ -126,9 +127,8 @@ def test_sampled_params_leaves_the_means_as_written(kind):
 
 
 def test_a_parameter_unfrozen_after_a_quiet_check_is_named():
-    """The check for trainable parameters outside the optimizer is skipped while the module,
-    its parameters and their ``requires_grad`` are those it found in order; unfreezing one
-    outside is seen at the next step."""
+    """Steps that found no trainable parameter outside the optimizer do not silence the check:
+    a parameter outside unfrozen after them is named at the next step."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
     x, y = _data()

@@ -761,7 +761,6 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         self.compile = compile
         self._warned: set[str] = set()
         self._decisions = DecisionCache()  # vectorize=None: decided once (_decision_key)
-        self._outside_checked: tuple | None = None  # _warn_outside found nothing outside it
         self._written: dict[int, tuple[int, int]] = {}  # id(p) -> (_version, data_ptr)
         self._loaded: dict | None = None  # the "qnvb" entry being loaded (_check_loaded)
         self._register_checkpoint_hooks()
@@ -1044,14 +1043,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         module = loss_module(loss_fn)
         if module is None or "outside" in self._warned:
             return
-        # the module checked last, as ids (a reference would keep it alive and copy it with the
-        # optimizer), with its parameters' ids and flags and the optimizer's parameters' ids:
-        # all unchanged, there is nothing new to say
-        ids = tuple(id(p) for p, _ in params)
-        checked = (id(module), tuple((id(p), p.requires_grad) for p in module.parameters()), ids)
-        if checked == self.__dict__.get("_outside_checked"):  # absent from an earlier version's
-            return
-        held = set(ids)  # or given by name (a copy of the optimizer alone)
+        held = {id(p) for p, _ in params}  # or given by name (a copy of the optimizer alone)
         named = set(self._names(params))
         outside = [
             n
@@ -1059,7 +1051,6 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             if p.requires_grad and id(p) not in held and n not in named
         ]
         if not outside:
-            self._outside_checked = checked
             return
         self._warned.add("outside")
         shown = ", ".join(repr(n) for n in outside[:5])
