@@ -41,7 +41,7 @@ from .sparse_functional import (
     sparse_qnvb_update,
 )
 from .torch_qnvb import (
-    CopyableOptimizerState,
+    CheckpointHooks,
     changed_parameters,
     check_finite_loss,
     check_saved_parameters,
@@ -51,6 +51,7 @@ from .torch_qnvb import (
     refuse_half_precision,
     sampled_values,
     standard_normal,
+    weight_decay_conversion,
     written_marks,
 )
 
@@ -75,7 +76,7 @@ class _SparseGroup(dict):
         )
 
 
-class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
+class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     """Sparsifying quasi-Newton variational Bayes for ``torch.nn`` parameters (sequence paper,
     Algorithms 5.1-5.3).
 
@@ -193,35 +194,6 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         self._written: dict[int, tuple[int, int]] = {}  # id(p) -> (_version, data_ptr)
         self._loaded: dict | None = None  # the "sparse_qnvb" entry being loaded (_check_loaded)
         self._register_checkpoint_hooks()
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        # loaded, copied or unpickled: every parameter is compared with its mean at the next step
-        self._written = {}
-        self.__dict__.setdefault("_loaded", None)
-        hooks = self.__dict__.get("_checkpoint_hooks")
-        if hooks is None or hooks[1] not in self._optimizer_load_state_dict_pre_hooks:
-            self._register_checkpoint_hooks()  # a copy (torch leaves the hooks out)
-
-    def _register_checkpoint_hooks(self) -> None:
-        """The hooks through which :meth:`state_dict` takes the parameters' changes as the means
-        and adds the ``"sparse_qnvb"`` entry, and :meth:`load_state_dict` checks it (last of the
-        load pre-hooks: :meth:`register_load_state_dict_pre_hook`), restores it and sets the
-        parameters to the loaded means; registered before any of the user's."""
-        super().register_state_dict_pre_hook(_take_sparse_edits)
-        self._checkpoint_hooks = (
-            super().register_state_dict_post_hook(_add_sparse_entry).id,
-            super().register_load_state_dict_pre_hook(_check_sparse_entry).id,
-            super().register_load_state_dict_post_hook(_restore_sparse_entry).id,
-        )
-
-    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False):
-        """Torch's :meth:`~torch.optim.Optimizer.register_load_state_dict_pre_hook`, with the
-        optimizer's own check of the loaded state kept after every user hook: a hook that
-        migrates the ``"sparse_qnvb"`` entry of an older checkpoint runs before it is read."""
-        handle = super().register_load_state_dict_pre_hook(hook, prepend=prepend)
-        self._optimizer_load_state_dict_pre_hooks.move_to_end(self._checkpoint_hooks[1])
-        return handle
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group; hyperparameters cannot differ per group (the sieve is global), and a
@@ -354,7 +326,7 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             u = torch.rand(p.shape, generator=generator, dtype=p.dtype, device=at).to(p.device)
             gauss = block.nu + block.tau * standard_normal(p, generator)
             draws.append(torch.where(u < block.p_nonzero, gauss, torch.zeros_like(gauss)))
-        with sampled_values(params, draws, [self.state[p]["mu"] for p in params]):
+        with sampled_values(params, draws, [self.state[p]["mu"] for p in params], self._written):
             yield
 
     @torch.no_grad()
@@ -459,12 +431,15 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         """Torch's state dict plus a ``"sparse_qnvb"`` entry: the counters, the sequence offset,
         the first step's loss, the generator's state and the settings of the run
         (:func:`~pyro_quadvi.optim.sparse_functional.run_settings`), added by a state-dict
-        post-hook the optimizer registers first, so that a user's post-hook sees it. The
+        post-hook the optimizer registers first, so that a post-hook registered without
+        ``prepend=True`` sees it (:class:`~pyro_quadvi.optim.torch_qnvb.CheckpointHooks`). The
         mixtures saved take a change of the parameters since the last step
         (:meth:`_take_edits`)."""
         return super().state_dict()
 
-    def _sparse_entry(self) -> dict:
+    _entry_key = "sparse_qnvb"
+
+    def _checkpoint_entry(self) -> dict:
         return {
             "counters": tuple(self.counters),
             "sequence_offset": self.sequence_offset,
@@ -481,8 +456,9 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         is loaded.
 
         The ``"sparse_qnvb"`` entry is checked by a load pre-hook that runs after the user's
-        (which may migrate it) and restored by a post-hook that runs before theirs, which also
-        sets every parameter with a saved state to its saved mean ``mu``: a network state
+        (which may migrate it) and restored (the counters included) by a post-hook that runs
+        before those registered without ``prepend=True``, which also sets every parameter with
+        a saved state to its saved mean ``mu``: a network state
         loaded after it is a change of the means (:meth:`_take_edits`)."""
         super().load_state_dict(state_dict)
 
@@ -510,11 +486,7 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         """The counters, offset, first loss and generator state of the entry just loaded, and
         the loaded means into the parameters."""
         self.param_groups = [_SparseGroup(group) for group in self.param_groups]
-        params = [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
-        with torch.no_grad():
-            for p in params:
-                p.copy_(self.state[p]["mu"])
-        self._written.update(written_marks(params))
+        self._write_means()
         extra, self._loaded = self._loaded, None
         self.counters = SparseQNVBCounters(*extra["counters"])
         self.sequence_offset = extra["sequence_offset"]
@@ -526,38 +498,14 @@ class SparseQNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
 def _weight_decay_conversion(
     weight_decay: object, num_cases: float, prior_precision: float | None
 ) -> str:
-    """How torch's ``weight_decay`` and an L2 term of the loss read as the slab's
-    ``prior_precision``, for the refusal of ``weight_decay``."""
+    """:func:`~pyro_quadvi.optim.torch_qnvb.weight_decay_conversion` for the slab's
+    ``prior_precision`` (this optimizer's, or ``None`` before it is set) and ``num_cases``,
+    with ``weight_decay * num_cases`` worked out where ``weight_decay`` is a number."""
     now = "1 / tau_max^2" if prior_precision is None else f"{float(prior_precision):g}"
     number = isinstance(weight_decay, (int, float)) and not isinstance(weight_decay, bool)
     value = f" = {weight_decay * num_cases:g}" if number else ""
-    return (
+    prior = (
         "Its prior on a nonzero weight is the slab, a zero-mean Gaussian of precision "
-        f"prior_precision (this optimizer's: {now}), set in the constructor for all parameters. "
-        "Torch's (coupled, SGD/Adam) weight_decay adds weight_decay * theta to the gradient of "
-        "the mean loss per case, which num_cases multiplies: pass prior_precision = "
-        f"weight_decay * num_cases ({weight_decay!r} * {num_cases:g}{value}). An L2 term "
-        "lam * |theta|^2 added to the loss is multiplied by num_cases too and acts as "
-        "prior_precision = 2 * lam * num_cases (leave it out and pass that)"
+        f"prior_precision (this optimizer's: {now}), set in the constructor for all parameters."
     )
-
-
-def _take_sparse_edits(optimizer: SparseQNVBOptimizer) -> None:
-    """State-dict pre-hook of :class:`SparseQNVBOptimizer`: the parameters changed since the
-    last step give the mixtures saved."""
-    optimizer._take_edits([p for group in optimizer.param_groups for p in group["params"]])
-
-
-def _add_sparse_entry(optimizer: SparseQNVBOptimizer, state_dict: dict) -> None:
-    """State-dict post-hook of :class:`SparseQNVBOptimizer`: its ``"sparse_qnvb"`` entry."""
-    state_dict["sparse_qnvb"] = optimizer._sparse_entry()
-
-
-def _check_sparse_entry(optimizer: SparseQNVBOptimizer, state_dict: dict) -> None:
-    """Load pre-hook of :class:`SparseQNVBOptimizer`: the checks of ``load_state_dict``."""
-    optimizer._check_loaded(state_dict)
-
-
-def _restore_sparse_entry(optimizer: SparseQNVBOptimizer) -> None:
-    """Load post-hook of :class:`SparseQNVBOptimizer`: the entry and the means restored."""
-    optimizer._restore_loaded()
+    return weight_decay_conversion(prior, "num_cases", f"{weight_decay!r} * {num_cases:g}{value}")

@@ -151,17 +151,37 @@ _INERT_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_mom
 resumes a scheduler with ``last_epoch``), and ``"name"``, a user's label: taken, never read."""
 
 
-def weight_decay_conversion(weight: str, decay: str) -> str:
+def weight_decay_conversion(prior: str, weight: str, values: str) -> str:
     """How torch's ``weight_decay`` and an L2 term of the loss read as ``prior_precision``, for
-    the refusal of ``weight_decay`` (``weight`` and ``decay`` as they are shown)."""
+    the refusal of ``weight_decay`` by :class:`QNVBOptimizer` and
+    :class:`~pyro_quadvi.optim.SparseQNVBOptimizer`.
+
+    Torch's coupled ``weight_decay`` adds ``weight_decay * theta`` to the gradient of the mean
+    loss per case, which the number of cases multiplies: the gradient of the Gaussian prior
+    ``exp(-prior_precision |theta|^2 / 2)`` with ``prior_precision = weight_decay * weight``,
+    a prior being a regularization term of the negative log posterior (rasp paper, Section 4).
+
+    Args:
+        prior: the sentence saying what the optimizer's prior is.
+        weight: the name of what multiplies the mean loss per case (``"likelihood_weight"``,
+            ``"num_cases"``).
+        values: ``weight_decay * weight`` with the values at hand, as the message shows them
+            (e.g. ``"0.0001 * 64"``).
+    """
     return (
-        "Its prior is prior_precision, a zero-mean Gaussian prior exp(-prior_precision * "
-        "|theta|^2 / 2). Torch's (coupled, SGD/Adam) weight_decay adds weight_decay * theta to "
-        "the gradient of the mean loss per case, which likelihood_weight multiplies: pass "
-        f"prior_precision = weight_decay * likelihood_weight ({decay} * {weight}). An "
-        "L2 term lam * |theta|^2 added to the loss is multiplied by likelihood_weight too and "
-        "acts as prior_precision = 2 * lam * likelihood_weight (leave it out and pass that)"
+        f"{prior} Torch's (coupled, SGD/Adam) weight_decay adds weight_decay * theta to the "
+        f"gradient of the mean loss per case, which {weight} multiplies: pass prior_precision = "
+        f"weight_decay * {weight} ({values}). An L2 term lam * |theta|^2 added to the loss is "
+        f"multiplied by {weight} too and acts as prior_precision = 2 * lam * {weight} (leave it "
+        "out and pass that)"
     )
+
+
+_QNVB_PRIOR = (
+    "Its prior is prior_precision, a zero-mean Gaussian prior exp(-prior_precision * "
+    "|theta|^2 / 2)."
+)
+"""What :class:`QNVBOptimizer`'s refusal of ``weight_decay`` says its prior is."""
 
 
 def group_params(param_group: object) -> object:
@@ -233,10 +253,15 @@ def standard_normal(p: torch.Tensor, generator: torch.Generator | None) -> torch
 
 @contextmanager
 def sampled_values(
-    params: list[torch.Tensor], draws: list[torch.Tensor], means: list[torch.Tensor]
+    params: list[torch.Tensor],
+    draws: list[torch.Tensor],
+    means: list[torch.Tensor],
+    marks: dict[int, tuple[int, int]],
 ) -> Iterator[None]:
     """The parameters set to ``draws`` for the block and to ``means`` after it (also when it
-    raises); the block itself runs in the caller's grad mode."""
+    raises); the block itself runs in the caller's grad mode. ``means`` are the optimizer's,
+    and ``marks`` its :func:`written_marks`: the parameters are marked as written after the
+    means are back, so the next step does not take them as changed."""
     try:
         with torch.no_grad():
             for p, draw in zip(params, draws):
@@ -246,6 +271,7 @@ def sampled_values(
         with torch.no_grad():
             for p, mean in zip(params, means):
                 p.copy_(mean)
+        marks.update(written_marks(params))
 
 
 def written_marks(params: Iterable[torch.Tensor]) -> dict[int, tuple[int, int]]:
@@ -326,6 +352,84 @@ class CopyableOptimizerState:
         super().__setstate__(state)  # type: ignore[misc]
         if not had_differentiable:  # torch adds it to the defaults; the original has none
             self.defaults.pop("differentiable")
+
+
+class CheckpointHooks(CopyableOptimizerState):
+    """The checkpoint of an optimizer whose parameters hold its means (:class:`QNVBOptimizer`,
+    :class:`~pyro_quadvi.optim.SparseQNVBOptimizer`), through torch's state-dict hooks.
+
+    :meth:`_register_checkpoint_hooks` (called last in the subclass's ``__init__``, and again
+    in a copy, which torch makes without hooks) registers, before any of the user's: a
+    state-dict pre-hook that takes the parameters' changes since the last step as the means
+    (the subclass's ``_take_edits(params)``); a post-hook that adds the entry
+    ``state_dict[_entry_key] = _checkpoint_entry()``; a load pre-hook, kept after every other
+    (:meth:`register_load_state_dict_pre_hook`), that refuses a state the optimizer cannot load
+    (``_check_loaded(state_dict)``); and a load post-hook that restores the entry and the means
+    (``_restore_loaded()``, with :meth:`_write_means`). A user's state-dict post-hook and load
+    post-hook registered without ``prepend=True`` run after the optimizer's: the first sees the
+    entry, the second the restored state; a user's load pre-hook (a migration of an older
+    entry), however registered, runs before the check.
+    """
+
+    _entry_key: str
+    """The key of the optimizer's entry in its state dict."""
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # loaded, copied or unpickled: every parameter is compared with its mean at the next step
+        self._written = {}
+        self.__dict__.setdefault("_loaded", None)  # absent from a copy of an earlier version
+        hooks = getattr(self, "_checkpoint_hooks", None)  # likewise
+        if hooks is None or hooks[1] not in self._optimizer_load_state_dict_pre_hooks:
+            self._register_checkpoint_hooks()  # a copy (torch leaves the hooks out)
+
+    def _register_checkpoint_hooks(self) -> None:
+        """The optimizer's four checkpoint hooks (see the class), ahead of any of the user's."""
+        optimizer = torch.optim.Optimizer
+        optimizer.register_state_dict_pre_hook(self, _take_edits_hook)
+        self._checkpoint_hooks = (
+            optimizer.register_state_dict_post_hook(self, _add_entry_hook).id,
+            optimizer.register_load_state_dict_pre_hook(self, _check_entry_hook).id,
+            optimizer.register_load_state_dict_post_hook(self, _restore_entry_hook).id,
+        )
+
+    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False):
+        """Torch's :meth:`~torch.optim.Optimizer.register_load_state_dict_pre_hook`, with the
+        optimizer's own check of the loaded state kept after every user hook: a hook that
+        migrates the entry of an older checkpoint runs before it is read."""
+        handle = super().register_load_state_dict_pre_hook(hook, prepend=prepend)
+        self._optimizer_load_state_dict_pre_hooks.move_to_end(self._checkpoint_hooks[1])
+        return handle
+
+    def _write_means(self) -> None:
+        """Every parameter with a state set to its mean ``state[p]["mu"]`` (just loaded), and
+        marked as written (:func:`written_marks`)."""
+        params = [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
+        with torch.no_grad():
+            for p in params:
+                p.copy_(self.state[p]["mu"])
+        self._written.update(written_marks(params))
+
+
+def _take_edits_hook(optimizer: CheckpointHooks) -> None:
+    """State-dict pre-hook of a :class:`CheckpointHooks`: the parameters changed since the last
+    step give the means saved."""
+    optimizer._take_edits([p for group in optimizer.param_groups for p in group["params"]])
+
+
+def _add_entry_hook(optimizer: CheckpointHooks, state_dict: dict) -> None:
+    """State-dict post-hook of a :class:`CheckpointHooks`: its entry."""
+    state_dict[optimizer._entry_key] = optimizer._checkpoint_entry()
+
+
+def _check_entry_hook(optimizer: CheckpointHooks, state_dict: dict) -> None:
+    """Load pre-hook of a :class:`CheckpointHooks`: the checks of ``load_state_dict``."""
+    optimizer._check_loaded(state_dict)
+
+
+def _restore_entry_hook(optimizer: CheckpointHooks) -> None:
+    """Load post-hook of a :class:`CheckpointHooks`: the entry and the means restored."""
+    optimizer._restore_loaded()
 
 
 def _scalar_tensor(loss: object, requirement: str) -> torch.Tensor:
@@ -520,7 +624,7 @@ class _BufferSnapshot:
             self._restore(self.after)
 
 
-class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
+class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     """Quasi-newton variational Bayes for ``torch.nn`` parameters (rasp paper, eq. 4-8).
 
     Args:
@@ -623,7 +727,9 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         if weight_decay is not None:
             raise TypeError(
                 "QNVBOptimizer takes no weight_decay. "
-                + weight_decay_conversion(f"{likelihood_weight!r}", f"{weight_decay!r}")
+                + weight_decay_conversion(
+                    _QNVB_PRIOR, "likelihood_weight", f"{weight_decay!r} * {likelihood_weight!r}"
+                )
             )
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}")
@@ -659,35 +765,6 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         self._loaded: dict | None = None  # the "qnvb" entry being loaded (_check_loaded)
         self._register_checkpoint_hooks()
 
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        # loaded, copied or unpickled: every parameter gives its mean at the next step
-        self._written = {}
-        if self._checkpoint_hooks[1] not in self._optimizer_load_state_dict_pre_hooks:
-            self._register_checkpoint_hooks()  # a copy (torch leaves the hooks out)
-
-    def _register_checkpoint_hooks(self) -> None:
-        """The hooks through which :meth:`state_dict` saves the parameters' current values as
-        the means and adds the ``"qnvb"`` entry, and :meth:`load_state_dict` reads it and sets
-        the parameters to the loaded means, registered before any of the user's: a user's
-        state-dict post-hook sees the entry, and a user's load pre-hook (a migration of an
-        older entry) runs before the check that reads it
-        (:meth:`register_load_state_dict_pre_hook` keeps that check last)."""
-        super().register_state_dict_pre_hook(_take_qnvb_edits)
-        self._checkpoint_hooks = (
-            super().register_state_dict_post_hook(_add_qnvb_entry).id,
-            super().register_load_state_dict_pre_hook(_check_qnvb_entry).id,
-            super().register_load_state_dict_post_hook(_restore_qnvb_entry).id,
-        )
-
-    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False):
-        """Torch's :meth:`~torch.optim.Optimizer.register_load_state_dict_pre_hook`, with the
-        optimizer's own check of the loaded state kept after every user hook: a hook that
-        migrates the ``"qnvb"`` entry of an older checkpoint runs before it is read."""
-        handle = super().register_load_state_dict_pre_hook(hook, prepend=prepend)
-        self._optimizer_load_state_dict_pre_hooks.move_to_end(self._checkpoint_hooks[1])
-        return handle
-
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch's rule), after checking it: a key that is not a per-group setting
         (:data:`_GROUP_KEYS`), a bad hyperparameter (of the group filled with the defaults) or a
@@ -700,7 +777,9 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             if "weight_decay" in unknown:
                 raise ValueError(
                     f"{type(self).__name__}: a parameter group does not take weight_decay. "
-                    + weight_decay_conversion("likelihood_weight", "weight_decay")
+                    + weight_decay_conversion(
+                        _QNVB_PRIOR, "likelihood_weight", "weight_decay * likelihood_weight"
+                    )
                 )
             if unknown:
                 raise ValueError(
@@ -758,7 +837,7 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
             self.state[p]["mu"] + self.state[p]["sigma"] * standard_normal(p, generator)
             for p in params
         ]
-        with sampled_values(params, draws, [self.state[p]["mu"] for p in params]):
+        with sampled_values(params, draws, [self.state[p]["mu"] for p in params], self._written):
             yield
 
     def _params(self) -> list[tuple[torch.Tensor, dict]]:
@@ -1058,7 +1137,8 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Torch's state dict plus a ``"qnvb"`` entry: the step count, the generator's state and
         the run's settings (:meth:`_settings`), added by a state-dict post-hook the optimizer
-        registers first, so that a user's post-hook sees it. The means saved are the
+        registers first, so that a post-hook registered without ``prepend=True`` sees it
+        (:class:`CheckpointHooks`). The means saved are the
         parameters' values (a change since the last step included: :meth:`_take_edits`).
 
         With a random rule (``blocked_simplex``, ``rasp_simplex``, ``mc``) and no ``generator``,
@@ -1068,7 +1148,9 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         here."""
         return super().state_dict()
 
-    def _qnvb_entry(self) -> dict:
+    _entry_key = "qnvb"
+
+    def _checkpoint_entry(self) -> dict:
         return {
             "num_steps": self.num_steps,
             "generator": None if self.generator is None else self.generator.get_state(),
@@ -1086,7 +1168,8 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
         check.
 
         The ``"qnvb"`` entry is checked by a load pre-hook that runs after the user's (which may
-        migrate it) and restored by a post-hook that runs before theirs. The parameters are the
+        migrate it) and restored, ``num_steps`` included, by a post-hook that runs before those
+        registered without ``prepend=True`` (:class:`CheckpointHooks`). The parameters are the
         means: that post-hook sets every parameter with a saved state to its saved mean (the
         values the network's own state dict, saved with it, holds); a network state loaded
         after it is a change of the means, which the next step takes."""
@@ -1124,33 +1207,8 @@ class QNVBOptimizer(CopyableOptimizerState, torch.optim.Optimizer):
     def _restore_loaded(self) -> None:
         """The step count and the generator's state of the ``"qnvb"`` entry just loaded, and
         the loaded means into the parameters."""
-        params = [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
-        with torch.no_grad():
-            for p in params:
-                p.copy_(self.state[p]["mu"])
-        self._written.update(written_marks(params))
+        self._write_means()
         extra, self._loaded = self._loaded, None
         self.num_steps = extra["num_steps"]
         if extra["generator"] is not None and self.generator is not None:
             self.generator.set_state(extra["generator"])
-
-
-def _take_qnvb_edits(optimizer: QNVBOptimizer) -> None:
-    """State-dict pre-hook of :class:`QNVBOptimizer`: the parameters changed since the last
-    step give the means saved."""
-    optimizer._take_edits([p for group in optimizer.param_groups for p in group["params"]])
-
-
-def _add_qnvb_entry(optimizer: QNVBOptimizer, state_dict: dict) -> None:
-    """State-dict post-hook of :class:`QNVBOptimizer`: its ``"qnvb"`` entry."""
-    state_dict["qnvb"] = optimizer._qnvb_entry()
-
-
-def _check_qnvb_entry(optimizer: QNVBOptimizer, state_dict: dict) -> None:
-    """Load pre-hook of :class:`QNVBOptimizer`: the checks of ``load_state_dict``."""
-    optimizer._check_loaded(state_dict)
-
-
-def _restore_qnvb_entry(optimizer: QNVBOptimizer) -> None:
-    """Load post-hook of :class:`QNVBOptimizer`: the step count and generator state."""
-    optimizer._restore_loaded()
