@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pyro import poutine
-from pyro.infer import SVI, Predictive
+from pyro.infer import SVI, Predictive, Trace_ELBO
 from torch import nn
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
@@ -459,6 +459,32 @@ def test_a_store_of_another_shape_is_refused_naming_the_parameter():
     pyro.get_param_store()["net.0.bias"] = torch.zeros(5, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"holds 'net\.0\.bias' of shape \(5,\).*\(8,\)"):
         bnn(torch.randn(2, 4, dtype=torch.float64))
+
+
+def test_a_non_contiguous_hidden_parameter_keeps_one_store_tensor_and_its_optimizer():
+    # Pyro's store keeps value.contiguous(): for a transposed (or channels-last) Parameter that
+    # is a copy, never the Parameter; each run replaced it, and Adam restarted every step (one
+    # more torch optimizer per step). Now the copy stays, and its value is copied into the net
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    dtype = torch.float64
+    net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1)).double()
+    net[0].weight = nn.Parameter(torch.randn(4, 3, dtype=dtype).t())  # (3, 4), not contiguous
+    assert not net[0].weight.is_contiguous()
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(16, 0.1), hide=["0.weight"])
+    guide = AutoMeanFieldNormal(bnn)
+    optim = pyro.optim.Adam({"lr": 0.01})
+    svi = SVI(bnn, guide, optim, Trace_ELBO())
+    x, y = torch.randn(16, 4, dtype=dtype), torch.randn(16, dtype=dtype)
+    svi.step(x, y)
+    trained = pyro.get_param_store()["net.0.weight"]
+    count = len(optim.optim_objs)
+    for _ in range(4):
+        svi.step(x, y)
+    assert pyro.get_param_store()["net.0.weight"] is trained
+    assert len(optim.optim_objs) == count
+    bnn(x, y)  # the net follows at the model's next run
+    assert torch.equal(net[0].weight.detach(), trained.detach())
 
 
 # -- 9. Predictive on more rows than dataset_size -----------------------------------------------

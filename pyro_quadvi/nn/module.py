@@ -128,6 +128,8 @@ class BayesianModule(PyroModule):
         self.prior = prior
         self.likelihood = likelihood
         self.hide = hide
+        # the store's tensor of each hidden parameter, as last installed (_follow_store)
+        self._installed: dict[str, torch.Tensor] = {}
         settings = NETWORK_QNVB_SETTINGS if qnvb_settings is None else qnvb_settings
         if not isinstance(settings, Mapping):
             raise TypeError(f"qnvb_settings must be a dict of QNVB settings, got {settings!r}")
@@ -236,8 +238,9 @@ class BayesianModule(PyroModule):
                     lambda *_, value=value, **__: value
                 )(fullname, value, constraint=constraints.real, name=fullname)
             else:
-                _follow_store(fullname, param)
+                _follow_store(fullname, param, self._installed)
                 values[name] = pyro.param(fullname, param)
+                self._installed[fullname] = pyro.get_param_store()[fullname]
         return values
 
     def evaluate(self, values: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -372,14 +375,23 @@ def _where(module: nn.Module, path: str) -> str:
     return f"the {type(module).__name__} at {path!r}" if path else f"the {type(module).__name__}"
 
 
-def _follow_store(fullname: str, param: nn.Parameter) -> None:
+def _follow_store(fullname: str, param: nn.Parameter, installed: dict[str, torch.Tensor]) -> None:
     """Make the param store hold the net's ``param`` under ``fullname``, with the value the
-    store holds now (if it holds one)."""
+    store holds now (if it holds one).
+
+    The store keeps a contiguous tensor: for a non-contiguous ``param`` (a channels-last
+    convolution's weight, a transposed view) it keeps a contiguous copy, which ``installed``
+    remembers: that copy is what is trained, so it stays in the store (replacing it would
+    restart its optimizer every step) and its value is copied into ``param``."""
     store = pyro.get_param_store()
     if fullname not in store:
         return
     held = store[fullname]
     if held is param:
+        return
+    if held is installed.get(fullname):
+        with torch.no_grad():
+            param.copy_(held)
         return
     if held.shape != param.shape or held.dtype != param.dtype:
         raise ValueError(
@@ -391,6 +403,7 @@ def _follow_store(fullname: str, param: nn.Parameter) -> None:
     with torch.no_grad():
         param.copy_(held)
     store[fullname] = param
+    installed[fullname] = store[fullname]  # param itself, or the store's contiguous copy of it
 
 
 def _refuse_batch_statistics(net: nn.Module) -> None:
