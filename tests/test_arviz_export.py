@@ -382,7 +382,9 @@ def test_a_misspelt_coords_key_is_refused_naming_the_dims():
     y, sigma = torch.tensor(Y), torch.tensor(SIGMA)
     guide = AutoNormal(eight_schools)
     guide(sigma, y)
-    with pytest.raises(ValueError, match=r"coords names \['schol'\].*the dims are \['school'\]"):
+    with pytest.raises(
+        ValueError, match=r"coords names \['schol'\].*the dims are \['chain', 'draw', 'school'\]"
+    ):
         to_inference_data(
             eight_schools, guide, sigma, y, num_samples=10, coords={"schol": list("abcdefgh")}
         )
@@ -399,6 +401,12 @@ def test_a_misspelt_coords_key_is_refused_naming_the_dims():
     )
     assert list(idata.observed_data["obs"].coords["county"].values) == names
     assert list(idata.posterior["theta"].coords["school"].values) == list(range(8))
+    # ArviZ's own chain and draw dims take coords too (refused by the first version of the check)
+    idata = to_inference_data(
+        eight_schools, guide, sigma, y, num_samples=3, coords={"chain": [7], "draw": [4, 5, 6]}
+    )
+    assert list(idata.posterior.coords["chain"].values) == [7]
+    assert list(idata.posterior.coords["draw"].values) == [4, 5, 6]
 
 
 def test_a_scalar_observation_stays_0d():

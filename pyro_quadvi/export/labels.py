@@ -136,6 +136,7 @@ def label(
                 plate_sizes[plate] = size
         groups[group] = variables
     exported = {dim for variables in groups.values() for v in variables.values() for dim in v.dims}
+    exported |= {"chain", "draw"}  # ArviZ's own dims, which a user may label too
     unknown = sorted(set(coords or {}) - exported)
     if unknown:
         raise ValueError(
