@@ -345,7 +345,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         ``likelihood_weight``: a short last batch of ``b`` cases counts each of them
         ``(num_cases / steps_per_epoch) / b`` times (see the docs). A step whose average loss
         exceeds the first step's by more than 1000 times the first's magnitude gets a
-        ``RuntimeWarning`` (once): the means are diverging.
+        ``RuntimeWarning`` (once): the means may be diverging.
         """
         params = self._params()
         first = params[0]
@@ -415,9 +415,10 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             warnings.warn(
                 f"SparseQNVBOptimizer: the loss averaged over the quadrature nodes is {value:.3g} "
                 f"at step {self.counters.step + 1}, more than {_GROWTH:g} times the first step's "
-                f"{self.first_loss:.3g} above it: the Gaussian means are diverging (see 'Limits' "
-                "in docs/sparse_qnvb.md: lower tau_max or max_lr, or use float64). This warning "
-                "is shown once",
+                f"{self.first_loss:.3g} above it: the Gaussian means may be diverging (see "
+                "'Limits' in docs/sparse_qnvb.md: lower tau_max or max_lr, or use float64; from a "
+                "warm start whose first loss is near 0 the sieve zeroing weights can do this "
+                "too). This warning is shown once",
                 RuntimeWarning,
                 stacklevel=5,  # _check_growth <- step <- no_grad <- torch's step hook <- caller
             )
