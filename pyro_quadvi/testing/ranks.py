@@ -8,7 +8,6 @@ and saves what it returned; the caller gets every rank's result, or a failure af
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -29,7 +28,7 @@ class RanksFailed(RuntimeError):
 def _worker(
     rank: int,
     scenarios: Callable[[Path], Any],
-    port: int,
+    rendezvous: str,
     outdir: str,
     world_size: int,
     timeout_s: float,
@@ -37,7 +36,7 @@ def _worker(
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{rendezvous}",
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
@@ -47,12 +46,6 @@ def _worker(
     finally:
         dist.destroy_process_group()
     torch.save(results, Path(outdir) / f"rank{rank}.pt")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(
@@ -77,10 +70,14 @@ def run_ranks(
     env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # a file store in outdir, not a TCP port: a port found free here could be taken (by the
+    # processes of a test running beside this one) before the spawned ranks bind it
+    rendezvous = Path(outdir) / ".rendezvous"
+    rendezvous.unlink(missing_ok=True)  # a file store is for one process group only
     try:
         context = mp.start_processes(
             _worker,
-            args=(scenarios, _free_port(), str(outdir), world_size, timeout_s),
+            args=(scenarios, str(rendezvous), str(outdir), world_size, timeout_s),
             nprocs=world_size,
             join=False,
             start_method="spawn",
