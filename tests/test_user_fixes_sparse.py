@@ -120,16 +120,24 @@ def _five_weight_net():
     return net, optimizer
 
 
+def _mse_closure(net, x, y):
+    """A closure of the mean squared error of ``net`` on ``(x, y)``, its backward taken."""
+
+    def closure():
+        loss = ((net(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def test_a_five_weight_net_keeps_its_one_weight_plain_torch():
     """``nn.Linear(4, 1)`` at the default target_sparsity: the realized pattern keeps one weight
     (the one of the input y depends on), not none (the loss went from 0.395 to 2.82)."""
     x, y = _linear_data()
     net, optimizer = _five_weight_net()
 
-    def closure():
-        loss = ((net(x) - y) ** 2).mean()
-        loss.backward()
-        return loss
+    closure = _mse_closure(net, x, y)
 
     for _ in range(8):
         loss = optimizer.step(closure)
@@ -325,10 +333,7 @@ def test_finished_says_whether_the_pattern_was_realized_and_sampled_params_warns
     x, y = _linear_data()
     net, optimizer = _five_weight_net()
 
-    def closure():
-        loss = ((net(x) - y) ** 2).mean()
-        loss.backward()
-        return loss
+    closure = _mse_closure(net, x, y)
 
     for _ in range(3):
         optimizer.step(closure)
