@@ -19,7 +19,7 @@ from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, metrics
 from pyro_quadvi.distributed import checkpoint, comm
 from pyro_quadvi.infer.log_joint import RandomState, cuda_devices
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
-from pyro_quadvi.optim import QNVBOptimizer
+from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
 from pyro_quadvi.optim.qnvb_functional import _device_scalars
 from pyro_quadvi.optim.torch_qnvb import module_loss
 from pyro_quadvi.quadrature import make_rule
@@ -338,3 +338,34 @@ def test_fit_moves_cpu_batches_to_the_device_and_subsampled_2d_rows_stay_there()
     index = _row_index(torch.Size([5, 3]), {0: torch.tensor([1, 3], device=META)})
     assert [t.device for t in index] == [META, META]
     assert [tuple(t.shape) for t in index] == [(2, 1), (1, 3)]
+
+
+def _sparse_closure(net: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    def closure():
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def test_host_syncs_of_a_sparse_step_during_the_sieve():
+    """A SparseQNVB step of the first epochs (the sieve runs): the loss's finiteness check is its
+    one read of the loss (the loss-growth check reads that same number: it read the loss a
+    second time), and the sieve ranks the logits without a read (``if isinf(upper)`` and
+    ``elif width > 0`` were one each)."""
+    x, y = _data()
+    net = _network(1)
+    opt = SparseQNVBOptimizer(net.parameters(), num_cases=32, num_epochs=3, steps_per_epoch=4)
+    closure = _sparse_closure(net, x, y)
+    with FakeSync():
+        opt.step(closure)
+    with FakeSync() as syncs:
+        opt.step(closure)
+    # torch_qnvb.py: check_finite_loss; sparse_functional.py: three guards per parameter tensor
+    # (`if bad.any()`, `if overflow.any()`, the last guard's `if bad.any()`) and the counts'
+    # .tolist() of the warnings
+    assert syncs.by_file() == {"optim/torch_qnvb.py": 1, "optim/sparse_functional.py": 13}
+    assert all(
+        v.device == META for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+    )

@@ -361,7 +361,7 @@ def sieve_pieces(zeta: torch.Tensor, s0: float, s1: float) -> SievePieces:
     rank = torch.empty_like(order)
     rank[order] = torch.arange(dim, device=order.device)
     rank = rank.reshape(zeta.shape)
-    inf = torch.tensor(math.inf, dtype=flat.dtype, device=flat.device)
+    inf = flat.new_full((), math.inf)  # made on the device (torch.tensor copies from the host)
     return SievePieces(
         upper=ordered[dim - k0] if k0 else inf,
         lower=ordered[k1 - 1],
@@ -394,12 +394,10 @@ def sieve_map(
     top = zeta - upper + zeta_hat0
     bottom = zeta - lower + zeta_hat1
     width = upper - lower
-    if torch.isinf(upper):
-        middle = torch.full_like(zeta, zeta_hat1)
-    elif width > 0:
-        middle = zeta_hat1 + (zeta - lower) * ((zeta_hat0 - zeta_hat1) / width)
-    else:
-        middle = torch.full_like(zeta, 0.5 * (zeta_hat0 + zeta_hat1))
+    # on the device, without a read of upper or width: an infinite width makes the slope 0 (the
+    # flat piece), and a zero width, whose slope is not finite, takes the midpoint
+    affine = zeta_hat1 + (zeta - lower) * ((zeta_hat0 - zeta_hat1) / width)
+    middle = torch.where(width > 0, affine, 0.5 * (zeta_hat0 + zeta_hat1))
     return torch.where(pieces.held_zero, top, torch.where(pieces.held_nonzero, bottom, middle))
 
 

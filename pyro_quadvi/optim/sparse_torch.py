@@ -367,8 +367,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         loss_avg, moments = closure_moments(
             params, mus, sigmas, nodes, closure, "SparseQNVBOptimizer"
         )
-        check_finite_loss(loss_avg, params, mus, "SparseQNVBOptimizer")
-        self._check_growth(loss_avg)
+        self._check_growth(check_finite_loss(loss_avg, params, mus, "SparseQNVBOptimizer"))
         scale = self.num_cases / self.steps_per_epoch
         prior = self.prior_precision / self.steps_per_epoch
         g_terms, h_terms = [], []
@@ -400,14 +399,14 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             )
         return loss_avg
 
-    def _check_growth(self, loss_avg: torch.Tensor) -> None:
+    def _check_growth(self, value: float) -> None:
         """Warn once where the loss grew beyond ``first + 1000 |first|``: the first step's loss is
         the untrained network's, which a converging run stays below up to minibatch noise (a
         small factor), while diverging means (see 'Limits' in the docs) grow it by many orders
-        of magnitude. A first loss of exactly 0 gives no scale, and no warning."""
+        of magnitude. A first loss of exactly 0 gives no scale, and no warning. ``value`` is the
+        step's average loss as :func:`check_finite_loss` read it (no second host sync)."""
         if "growth" in self._warned:
             return
-        value = float(loss_avg)
         if self.first_loss is None:
             self.first_loss = value
         elif value - self.first_loss > _GROWTH * abs(self.first_loss) > 0:

@@ -509,20 +509,22 @@ def closure_moments(
 
 def check_finite_loss(
     loss_avg: torch.Tensor, params: list[torch.Tensor], mus: list[torch.Tensor], owner: str
-) -> None:
-    """Refuse a step whose quadrature average of the loss is not finite (one host sync).
+) -> float:
+    """Refuse a step whose quadrature average of the loss is not finite (one host sync); return
+    it as a number, read by that one sync.
 
     A node's NaN or infinite loss makes its gradients so at nearly every coordinate, which the
     update's guard would leave unchanged: a step that learns nothing, told by a warning only.
     The parameters go back to their means (``mus``) before the error.
     """
-    if bool(torch.isfinite(loss_avg)):
-        return
+    value = float(loss_avg)
+    if math.isfinite(value):
+        return value
     for p, mu in zip(params, mus):
         p.copy_(mu)
         p.grad = None
     raise ValueError(
-        f"{owner}: the loss averaged over the quadrature nodes is {loss_avg.item()}: the loss is "
+        f"{owner}: the loss averaged over the quadrature nodes is {value}: the loss is "
         "not finite at some node (a NaN or infinity in the batch, or a model that overflows "
         "there). The parameters are left at their means and the step was not taken: check the "
         "data, or use float64. To skip such a step and go on, catch this ValueError, but not "
