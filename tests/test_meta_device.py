@@ -6,6 +6,7 @@ counts the host syncs. Data, network and guide live on ``meta``; every result an
 must stay there.
 """
 
+import math
 import warnings
 
 import pyro
@@ -369,3 +370,92 @@ def test_host_syncs_of_a_sparse_step_during_the_sieve():
     assert all(
         v.device == META for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
     )
+
+
+def _state_on_meta(opt: torch.optim.Optimizer) -> bool:
+    return all(
+        v.device == META for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+    )
+
+
+def test_optimizers_take_edits_and_load_state_on_meta():
+    """A parameter changed between steps (in place, and by ``p.data = ...``) is taken as its mean,
+    and a state dict loads its means into another net's parameters (``_write_means``), all on the
+    device; sparse ``sampled_params`` draws there."""
+    x, y = _data()
+    net = _network(1)
+    opt = QNVBOptimizer(net.named_parameters(), quadrature="blocked_simplex", likelihood_weight=32)
+    sparse_net = _network(1)
+    sparse = SparseQNVBOptimizer(
+        sparse_net.parameters(), num_cases=32, num_epochs=3, steps_per_epoch=4
+    )
+    with FakeSync():
+        opt.step(loss_fn=module_loss(net, nn.functional.mse_loss), batch=(x, y))
+        sparse.step(_sparse_closure(sparse_net, x, y))
+        for model in (net, sparse_net):
+            with torch.no_grad():
+                model[0].weight.mul_(2.0)
+            model[2].bias.data = torch.zeros(1, device=META)
+        opt.step(loss_fn=module_loss(net, nn.functional.mse_loss), batch=(x, y))
+        sparse.step(_sparse_closure(sparse_net, x, y))
+        with sparse.sampled_params():
+            assert all(p.device == META for p in sparse_net.parameters())
+        copies = _network(1), _network(1)
+        opt2 = QNVBOptimizer(
+            copies[0].named_parameters(), quadrature="blocked_simplex", likelihood_weight=32
+        )
+        opt2.load_state_dict(opt.state_dict())
+        sparse2 = SparseQNVBOptimizer(
+            copies[1].parameters(), num_cases=32, num_epochs=3, steps_per_epoch=4
+        )
+        sparse2.load_state_dict(sparse.state_dict())
+        opt2.step(loss_fn=module_loss(copies[0], nn.functional.mse_loss), batch=(x, y))
+        sparse2.step(_sparse_closure(copies[1], x, y))
+    for optimizer in (opt, sparse, opt2, sparse2):
+        assert _state_on_meta(optimizer)
+    assert all(p.device == META for model in copies for p in model.parameters())
+
+
+def test_signed_blocked_simplex_and_multi_step_prediction_on_meta():
+    """``BlockedSimplexRule(random_signs=True)`` draws its signs on the generator's device and
+    moves them; ``predict(steps=...)`` concatenates node sets made on the guide's device."""
+    from pyro_quadvi.quadrature.rasp import BlockedSimplexRule
+
+    rule = BlockedSimplexRule(3, random_signs=True)
+    for generator in (None, torch.Generator().manual_seed(1)):
+        with FakeSync() as syncs:
+            nodes = rule.draw(10, step=1, generator=generator, device=META)
+            assert nodes.matrix().device == nodes.node(2).device == META
+        assert syncs.total == 0
+    x, y = _data()
+    bnn = BayesianModule(_network(1), priors.Normal(1.0), likelihoods.Gaussian(32, scale=0.3))
+    guide = AutoMeanFieldNormal(bnn)
+    with FakeSync():
+        guide(x, y)
+        for steps in (3, "period"):
+            prediction = bnn.predict(guide, x, quadrature="hadamard", steps=steps)
+            assert prediction.mean.device == META and prediction.mean.shape[-2:] == (32, 1)
+        more_rows = bnn.predict(guide, torch.zeros(40, 3, device=META), num_samples=2)
+    assert more_rows.mean.shape[-2:] == (40, 1)  # y=None: a plate of the rows, not dataset_size
+
+
+def test_opqa_posterior_log_prob_on_meta():
+    """An OPQA posterior on the device takes values on it, on the CPU, and numbers
+    (``torch.as_tensor`` onto its device), and gives its densities there."""
+    from pyro_quadvi import opqa_evidence
+    from pyro_quadvi.evidence.posterior import OPQAPosterior
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Uniform(torch.tensor(0.5, dtype=torch.float64), 3.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Normal(mu, 0.5), obs=y)
+
+    cpu = opqa_evidence(
+        model, torch.tensor([1.2, 1.9, 1.4], dtype=torch.float64), num_points=6
+    ).posterior
+    posterior = OPQAPosterior(cpu.sites, cpu.loc.to(META), cpu.scale_tril, cpu.coefficients)
+    values = [1.3, torch.tensor([0.4, 1.3, math.nan], dtype=torch.float64)]
+    with FakeSync():
+        for value in [*values, torch.zeros(2, device=META)]:
+            assert posterior.log_prob({"mu": value}).device == META
+        assert posterior.log_prob(1.3).device == META
