@@ -44,7 +44,7 @@ from pyro_quadvi import (
 from pyro_quadvi.distributed.checkpoint import load_checkpoint, save_checkpoint
 from pyro_quadvi.distributions import SpikeSlab
 from pyro_quadvi.nn import BayesianModule, WHVILinear, fit, likelihoods, priors
-from pyro_quadvi.optim import QNVBOptimizer, module_loss
+from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
 from pyro_quadvi.quadrature.hadamard import fwht
 from pyro_quadvi.testing.evidence_models import linear_regression_posterior, regression_data
 from pyro_quadvi.testing.steps import mse_steps
@@ -669,3 +669,91 @@ def test_checkpoint_round_trip_on_cuda_continues_exactly(tmp_path):
     assert [svi.step(x, y) for _ in range(2)] == expected_losses
     store = _param_store(CUDA)
     assert all(torch.equal(store[k], expected_store[k]) for k in expected_store)
+
+
+# --------------------------------------------------------------------------------------------
+# 8. Paths added since the last GPU run: sparse torch optimizer (edits, checkpoint, sieve by
+# rank), signed blocked simplex, multi-step prediction
+
+
+def _sparse_torch_fit(device: torch.device) -> tuple[nn.Module, SparseQNVBOptimizer, list]:
+    """Three epochs of two steps, float64, a CPU generator (the same sequence offset on both
+    devices), with an edit of the means (a zeroed bias) between two steps and, halfway, a state
+    dict saved on the CPU loaded into a fresh optimizer on ``device``."""
+    x, y = (t.to(device) for t in _regression(F64))
+    net = _network(1, F64, device)
+    options = {"num_cases": N, "num_epochs": 3, "steps_per_epoch": 2, "target_sparsity": 0.5}
+    optimizer = SparseQNVBOptimizer(
+        net.parameters(), generator=torch.Generator().manual_seed(4), **options
+    )
+
+    def closure():
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        return loss
+
+    losses = [float(optimizer.step(closure)) for _ in range(2)]
+    with torch.no_grad():
+        net[2].bias.zero_()
+    losses += [float(optimizer.step(closure))]
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    optimizer = SparseQNVBOptimizer(
+        net.parameters(), generator=torch.Generator().manual_seed(9), **options
+    )
+    optimizer.load_state_dict(torch.load(buffer, map_location=CPU))
+    losses += [float(optimizer.step(closure)) for _ in range(3)]
+    return net, optimizer, losses
+
+
+def test_sparse_torch_optimizer_is_the_same_on_cuda():
+    """The sparse optimizer's fit through the sieve to the realized pattern: losses, parameters
+    and mixture state equal the CPU run's; a CPU-saved state loaded onto CUDA lands there."""
+    cpu_net, cpu_opt, cpu_losses = _sparse_torch_fit(CPU)
+    cuda_net, cuda_opt, cuda_losses = _sparse_torch_fit(CUDA)
+    assert cuda_opt.finished and cpu_opt.finished
+    _assert_close(torch.tensor(cuda_losses), torch.tensor(cpu_losses), F64)
+    for p_cpu, p_cuda in zip(cpu_net.parameters(), cuda_net.parameters()):
+        assert p_cuda.device.type == "cuda"
+        _assert_close(p_cuda.cpu(), p_cpu, F64)
+        for name, value in cpu_opt.state[p_cpu].items():
+            assert cuda_opt.state[p_cuda][name].device.type == "cuda", name
+            _assert_close(cuda_opt.state[p_cuda][name].cpu(), value, F64)
+
+
+def test_signed_blocked_simplex_nodes_from_a_cpu_generator_are_the_same_on_cuda():
+    """``random_signs=True`` draws permutations and signs from a CPU generator and moves them:
+    the CUDA nodes are the CPU nodes bit for bit."""
+    from pyro_quadvi.quadrature.rasp import BlockedSimplexRule
+
+    rule = BlockedSimplexRule(4, random_signs=True)
+    nodes = {
+        device: rule.draw(
+            11, step=3, generator=torch.Generator().manual_seed(2), dtype=F64, device=device
+        )
+        for device in (CPU, CUDA)
+    }
+    assert nodes[CUDA].matrix().device.type == "cuda"
+    assert torch.equal(nodes[CUDA].matrix().cpu(), nodes[CPU].matrix())
+    assert torch.equal(nodes[CUDA].node(2).cpu(), nodes[CPU].node(2))
+
+
+def test_multi_step_prediction_is_the_same_on_cuda():
+    """``predict(steps=3)`` and ``steps="period"`` with the deterministic Hadamard rule: the
+    node sets of several steps, made on CUDA and concatenated there, give the CPU's average."""
+    results = {}
+    for device in (CPU, CUDA):
+        pyro.clear_param_store()
+        x, y = (t.to(device) for t in _regression(F64))
+        bnn = BayesianModule(
+            _network(1, F64, device), priors.Normal(1.0), likelihoods.Gaussian(N, scale=0.3)
+        )
+        guide = AutoMeanFieldNormal(bnn, init_scale=0.05)
+        guide(x, y)
+        results[device] = [
+            bnn.predict(guide, x, quadrature="hadamard", steps=steps) for steps in (3, "period")
+        ]
+    for got, expected in zip(results[CUDA], results[CPU]):
+        assert got.mean.device.type == "cuda"
+        _assert_close(got.mean.cpu(), expected.mean, F64)
