@@ -227,9 +227,10 @@ def test_sigma_pinned_at_sigma_max_is_warned():
         optimizer.step(closure)
     assert [str(w.message) for w in caught] == [
         "QNVBOptimizer: sigma pinned at sigma_max=100 at 3 coordinates (first: a parameter of "
-        "shape (3,)): the curvature asks for a wider sigma (too small a likelihood weight, or a "
-        "parameter the loss does not depend on and no prior), or sigma started above it; raise "
-        "sigma_max if a wider posterior is wanted (this warning is shown once)"
+        "shape (3,)): the curvature asks for a wider sigma (too small a likelihood weight, a "
+        "parameter the loss hardly depends on without a prior, or a curvature estimate still "
+        "near 0 in the first steps), or sigma started above it; raise sigma_max if a wider "
+        "posterior is wanted (this warning is shown once)"
     ]
     assert torch.equal(optimizer.state[w]["sigma"], torch.full((3,), 100.0, dtype=DTYPE))
 

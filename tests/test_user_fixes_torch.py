@@ -525,9 +525,10 @@ def test_a_likelihood_weight_too_small_for_sigma_max_is_warned():
     # made the target exactly sigma_max and nothing was counted
     assert _linear(1e-8, 3) == [
         "QNVBOptimizer: sigma pinned at sigma_max=100 at 3 coordinates (first: a parameter of "
-        "shape (3,)): the curvature asks for a wider sigma (too small a likelihood weight, or a "
-        "parameter the loss does not depend on and no prior), or sigma started above it; raise "
-        "sigma_max if a wider posterior is wanted (this warning is shown once)"
+        "shape (3,)): the curvature asks for a wider sigma (too small a likelihood weight, a "
+        "parameter the loss hardly depends on without a prior, or a curvature estimate still "
+        "near 0 in the first steps), or sigma started above it; raise sigma_max if a wider "
+        "posterior is wanted (this warning is shown once)"
     ]
     assert _linear(64.0, 30) == []  # well posed: sigma ~ 0.09, no warning
 

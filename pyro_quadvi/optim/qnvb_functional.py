@@ -268,8 +268,9 @@ def _count_message(kind: str, hp: QNVBHyperparameters, where: str) -> str:
         )
     return (
         f"sigma pinned at sigma_max={hp.sigma_max:g} at {where}: the curvature asks for a wider "
-        "sigma (too small a likelihood weight, or a parameter the loss does not depend on and "
-        "no prior), or sigma started above it; raise sigma_max if a wider posterior is wanted"
+        "sigma (too small a likelihood weight, a parameter the loss hardly depends on without a "
+        "prior, or a curvature estimate still near 0 in the first steps), or sigma started above "
+        "it; raise sigma_max if a wider posterior is wanted"
     )
 
 
