@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ from .batched import BatchMismatch, first_line, is_broadcast_error
 __all__ = [
     "LatentSite",
     "LogJoint",
+    "PlateCollision",
     "RandomState",
     "cuda_devices",
     "latent_sites_of_model",
@@ -140,14 +142,45 @@ def latent_nodes(trace: Trace):
 
 def model_max_plate_nesting(trace: Trace) -> int:
     """The deepest vectorized plate of a trace (0 without plates)."""
-    dims = [
-        -frame.dim
+    return deepest_plate(trace)[0]
+
+
+def deepest_plate(trace: Trace) -> tuple[int, str | None]:
+    """The nesting (``-dim``) and the name of a trace's deepest vectorized plate
+    (``(0, None)`` without plates)."""
+    plates = [
+        (-frame.dim, frame.name)
         for site in trace.nodes.values()
         if site["type"] == "sample"
         for frame in site["cond_indep_stack"]
         if frame.vectorized
     ]
-    return max(dims, default=0)
+    return max(plates, default=(0, None))
+
+
+# Pyro's message when two plates claim one dim (pyro.poutine.runtime)
+_COLLISION = re.compile(r'at plates "(.*)" and "(.*)", collide at dim=(-?\d+)')
+
+
+class PlateCollision(ValueError):
+    """A plate of the model at the dim of the points' plate: the model nests its plates deeper
+    than the ``max_plate_nesting`` the vectorized pass placed the points' plate left of (a plate
+    that appears only on some calls of the model, or a given value too small).
+
+    Attributes:
+        plate: the model's plate.
+        dim: its dim.
+    """
+
+    def __init__(self, plate: str, dim: int, max_plate_nesting: int):
+        super().__init__(
+            f"the model's plate {plate!r} at dim={dim} collides with the quadrature points' "
+            f"plate, placed left of max_plate_nesting={max_plate_nesting} plates: the model "
+            f"nests its plates deeper on this call. Pass max_plate_nesting= at least the "
+            f"model's deepest nesting ({-dim} or more)"
+        )
+        self.plate = plate
+        self.dim = dim
 
 
 class LogJoint:
@@ -237,7 +270,7 @@ class LogJoint:
         if self.max_plate_nesting is None:
             self.max_plate_nesting = self._find_plate_nesting(
                 unconstrained, args, kwargs, replay_trace, functools.partial(_where, z, 0)
-            )
+            )[0]
         if vectorize:
             terms, trace = self._vectorized(unconstrained, z, args, kwargs, replay_trace)
         else:
@@ -274,24 +307,28 @@ class LogJoint:
         at ``z[0]``): under it the points' plate would collide with the model's own.
 
         Raises:
-            ValueError: naming both numbers and the fix.
+            ValueError: naming both numbers, the deepest plate and the fix.
         """
         if self.max_plate_nesting is None:
             return
         where = functools.partial(_where, z, 0)
-        found = self._find_plate_nesting(self.split(z), args, kwargs or {}, replay_trace, where)
+        found, plate = self._find_plate_nesting(
+            self.split(z), args, kwargs or {}, replay_trace, where
+        )
         if found > self.max_plate_nesting:
             raise ValueError(
                 f"max_plate_nesting={self.max_plate_nesting}, but the model nests its plates "
-                f"{found} deep (a plate at dim -{found}): the quadrature points' plate goes left "
-                f"of the model's. Pass max_plate_nesting={found} (or more), or leave it out to "
-                "have it found from a run of the model"
+                f"{found} deep (plate {plate!r} at dim -{found}): the quadrature points' plate "
+                f"goes left of the model's. Pass max_plate_nesting={found} (or more), or leave "
+                "it out to have it found from a run of the model"
             )
 
-    def _find_plate_nesting(self, unconstrained, args, kwargs, replay_trace, where) -> int:
+    def _find_plate_nesting(
+        self, unconstrained, args, kwargs, replay_trace, where
+    ) -> tuple[int, str | None]:
         constrained, _ = self._constrain({name: value[0] for name, value in unconstrained.items()})
         trace = self._trace(constrained, args, kwargs, replay_trace, where=where)
-        return model_max_plate_nesting(trace)
+        return deepest_plate(trace)
 
     def _trace(
         self,
@@ -327,6 +364,11 @@ class LogJoint:
         try:
             trace = poutine.trace(model).get_trace(*args, **kwargs)
         except ValueError as error:
+            collision = _COLLISION.search(str(error))
+            if points is not None and collision and _NODE_PLATE in collision.groups()[:2]:
+                plate = next(name for name in collision.groups()[:2] if name != _NODE_PLATE)
+                dim = int(collision.group(3))
+                raise PlateCollision(plate, dim, self.max_plate_nesting) from error
             if is_broadcast_error(error):
                 raise
             _name_the_invalid_site(model, args, kwargs, error, where, locate)

@@ -72,6 +72,7 @@ from ..quadrature import QuadratureRule, make_rule
 from .batched import BatchDecision, DecisionCache, evaluate_batch, is_broadcast_error
 from .log_joint import (
     LogJoint,
+    PlateCollision,
     RandomState,
     cuda_devices,
     latent_sites_of_model,
@@ -97,7 +98,8 @@ class PointsELBO(ELBO):
     Args:
         num_particles: as in Pyro's ``ELBO``.
         vectorize: ``True``, ``False`` or ``None`` (try, check, fall back once with a warning).
-        max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of each model.
+        max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of each model (again if a
+            later call nests deeper).
     """
 
     def __init__(
@@ -178,22 +180,48 @@ class PointsELBO(ELBO):
             closed_form=description.closed_form_kls(),
             expected_log_priors=expected_log_priors,
         )
-        if fit.decision is None and not math.isinf(self.max_plate_nesting):
+        given = not math.isinf(self.max_plate_nesting)
+        if fit.decision is None and given:
             log_joint.check_plate_nesting(z, args, kwargs, guide_trace)  # a given one, once
-        vectorize = self.vectorize
+        vectorize, cached = self.vectorize, False
         if vectorize is None and fit.decision is not None:
-            vectorize = fit.decision.vectorized
-        values, decision = evaluate_batch(
-            lambda points: log_joint(points, args, kwargs, guide_trace, vectorize=True),
-            lambda point: log_joint(point[None], args, kwargs, guide_trace, vectorize=False)[0],
-            z,
-            vectorize,
-            probe=(0, z.shape[0] - 1),
-            what=type(self).__name__,
-        )
-        if fit.decision is None:
+            # a loop decided on an earlier call stays a loop; a vectorized pass is tried again
+            # without the probes, and falls back to the loop with one warning, as on a first
+            # call, if this call takes a branch of the model that cannot broadcast
+            cached = fit.decision.vectorized
+            vectorize = None if cached else False
+
+        def evaluate() -> tuple[torch.Tensor, BatchDecision]:
+            return evaluate_batch(
+                lambda points: log_joint(points, args, kwargs, guide_trace, vectorize=True),
+                lambda point: log_joint(point[None], args, kwargs, guide_trace, vectorize=False)[0],
+                z,
+                vectorize,
+                probe=() if cached else (0, z.shape[0] - 1),
+                what=type(self).__name__,
+            )
+
+        try:
+            try:
+                values, decision = evaluate()
+            except PlateCollision:
+                if given:  # name the deepest plate, if this run of the model shows it
+                    log_joint.check_plate_nesting(z, args, kwargs, guide_trace)
+                    raise
+                log_joint.max_plate_nesting = None  # found again, from a run of this call
+                values, decision = evaluate()
+        except Exception as error:
+            if self.vectorize is True and is_broadcast_error(error):
+                _add_hint(
+                    error,
+                    f"{type(self).__name__}(vectorize=True): the model does not evaluate all "
+                    f"{z.shape[0]} points in one pass; pass vectorize=None (try the pass, fall "
+                    "back to a loop over the points with one warning) or vectorize=False",
+                )
+            raise
+        if fit.decision is None or decision.vectorized != fit.decision.vectorized:
             fit.decision = decision
-        fit.max_plate_nesting = log_joint.max_plate_nesting  # found once, then kept
+        fit.max_plate_nesting = log_joint.max_plate_nesting  # kept, found again if need be
         return values, log_joint.closed_priors
 
     def _get_trace(self, model, guide, args, kwargs):
@@ -214,15 +242,20 @@ class QuadratureELBO(PointsELBO):
             ``False`` loops over nodes; ``None`` tries the vectorized pass on the first call,
             checks it against a looped evaluation of two nodes, and falls back to the loop with
             one warning if the model cannot broadcast over nodes (``PyroModule[nn.Linear]``
-            networks, say). The decision is kept per model and guide.
-        max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of each model.
+            networks, say). The decision is kept per model and guide; a later call on a branch
+            of the model that cannot broadcast falls back the same way. With ``True``, a
+            broadcasting error propagates with a hint added to its message.
+        max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of each model, and
+            again on a later call that nests its plates deeper; a given value below the model's
+            plates is refused, naming the plate.
         generator: the ``torch.Generator`` of random rules; ``None`` draws from torch's global
             generator, so ``pyro.set_rng_seed`` makes runs reproducible.
-        name: key of the sequence position in Pyro's param store (``"{name}.step"``); ``None``
-            (default) keeps one position per guide (:meth:`step_key`).
+        name: key of the sequence position in Pyro's param store (``"{name}.step"``), for one
+            guide; ``None`` (default) keeps one position per guide (:meth:`step_key`).
 
     Raises:
-        ValueError: for a rule that cannot fit the scales (``gauss_hermite`` with one point).
+        ValueError: for a rule that cannot fit the scales (``gauss_hermite`` with one point); on
+            a call, for a second guide under the same ``name``.
 
     The default rule, ``blocked_simplex`` with 3 nodes, was chosen on the benchmark suite and on
     models of Pyro's examples at equal gradient evaluations (``docs/benchmarks.md``, "The default
@@ -267,6 +300,7 @@ class QuadratureELBO(PointsELBO):
         self.rule = rule
         self.generator = generator
         self.name = name
+        self._name_owner: tuple[str, tuple[str, ...]] | None = None  # the guide of "{name}.step"
 
     # -- the sequence position, kept in Pyro's param store ------------------------------------
 
@@ -292,6 +326,29 @@ class QuadratureELBO(PointsELBO):
         store = pyro.get_param_store()
         return int(store[key].item()) if key in store else 0
 
+    def _claim_name(self, description: GuideDescription) -> None:
+        """Refuse a second guide under one ``name``: the two would read and advance one
+        position, each seeing only some steps of the rule's sequence.
+
+        The guide is known by its name and its latent sites (as Pyro's param store knows its
+        parameters), recorded while ``"{name}.step"`` is not in the param store; a guide made
+        again for the same model (after restoring the store) is the same guide.
+        """
+        if self.name is None:
+            return
+        owner = (description.guide, tuple(site.name for site in description.latent_sites))
+        if self._name_owner is None or self.step_key(description) not in pyro.get_param_store():
+            self._name_owner = owner
+        elif owner != self._name_owner:
+            raise ValueError(
+                f"QuadratureELBO(name={self.name!r}) keeps the sequence position of one guide "
+                f"in the param store ({self.step_key(description)!r}), that of "
+                f"{_guide_words(self._name_owner)}; {_guide_words(owner)} would read and "
+                "advance the same position, so each guide would see only some steps of the "
+                "rule's sequence. Give each guide its own QuadratureELBO(name=...), or pass "
+                "name=None (a position per guide)"
+            )
+
     def _advance(self, description: GuideDescription) -> None:
         position = torch.tensor(float(self.step(description) + 1), dtype=torch.float64)
         pyro.get_param_store()[self.step_key(description)] = position
@@ -302,6 +359,7 @@ class QuadratureELBO(PointsELBO):
         self, model: Callable, guide: Callable, args, kwargs
     ) -> tuple[torch.Tensor, GuideDescription]:
         guide_trace, description = self._described_run(model, guide, args, kwargs)
+        self._claim_name(description)
         entropy = description.entropy_outside_kl()
         nodes = self.rule.draw(
             description.dim,
@@ -367,6 +425,21 @@ class QuadratureELBO(PointsELBO):
 
     def __repr__(self) -> str:
         return f"QuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize})"
+
+
+def _guide_words(owner: tuple[str, tuple[str, ...]]) -> str:
+    guide, sites = owner
+    return f"the guide {guide!r} of the sites {', '.join(map(repr, sites))}"
+
+
+def _add_hint(error: BaseException, hint: str) -> None:
+    """Append ``hint`` to the first line of ``error``'s message, in place (its type and
+    traceback kept)."""
+    if error.args and isinstance(error.args[0], str):
+        first, newline, rest = error.args[0].partition("\n")
+        error.args = (f"{first.rstrip('.')}. {hint}{newline}{rest}", *error.args[1:])
+    else:
+        error.add_note(hint)
 
 
 class _NodePoints(torch.autograd.Function):
