@@ -465,14 +465,11 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     def _check_loaded(self, state_dict: dict) -> None:
         """Refuse a state dict that :meth:`load_state_dict` cannot load, before torch loads
         anything; keep its ``"sparse_qnvb"`` entry for :meth:`_restore_loaded`."""
-        if "sparse_qnvb" not in state_dict:
-            raise ValueError(
-                "SparseQNVBOptimizer.load_state_dict: the state dict has no 'sparse_qnvb' entry "
-                "(the counters, sequence offset, generator state and settings that "
-                "SparseQNVBOptimizer.state_dict adds): it was not saved by a "
-                "SparseQNVBOptimizer, or a state-dict hook dropped the entry"
-            )
-        extra = state_dict["sparse_qnvb"]
+        extra = self._saved_entry(
+            state_dict,
+            "SparseQNVBOptimizer",
+            "the counters, sequence offset, generator state and settings",
+        )
         check_settings("SparseQNVBOptimizer.load_state_dict", extra["settings"], self._settings())
         if extra["generator"] is not None and self.generator is None:
             raise ValueError(

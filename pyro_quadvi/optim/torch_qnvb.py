@@ -401,6 +401,17 @@ class CheckpointHooks(CopyableOptimizerState):
         self._optimizer_load_state_dict_pre_hooks.move_to_end(self._checkpoint_hooks[1])
         return handle
 
+    def _saved_entry(self, state_dict: dict, owner: str, contents: str) -> dict:
+        """The optimizer's entry of ``state_dict`` (``contents``: what ``owner.state_dict``
+        puts there); a ``ValueError`` from ``owner`` where the entry is absent."""
+        if self._entry_key not in state_dict:
+            raise ValueError(
+                f"{owner}.load_state_dict: the state dict has no {self._entry_key!r} entry "
+                f"({contents} that {owner}.state_dict adds): it was not saved by a {owner}, or a "
+                "state-dict hook dropped the entry"
+            )
+        return state_dict[self._entry_key]
+
     def _write_means(self) -> None:
         """Every parameter with a state set to its mean ``state[p]["mu"]`` (just loaded), and
         marked as written (:func:`written_marks`)."""
@@ -1180,13 +1191,9 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     def _check_loaded(self, state_dict: dict) -> None:
         """Refuse a state dict that :meth:`load_state_dict` cannot load, before torch loads
         anything; keep its ``"qnvb"`` entry for :meth:`_restore_loaded`."""
-        if "qnvb" not in state_dict:
-            raise ValueError(
-                "QNVBOptimizer.load_state_dict: the state dict has no 'qnvb' entry (the step "
-                "count, generator state and settings that QNVBOptimizer.state_dict adds): it "
-                "was not saved by a QNVBOptimizer, or a state-dict hook dropped the entry"
-            )
-        extra = state_dict["qnvb"]
+        extra = self._saved_entry(
+            state_dict, "QNVBOptimizer", "the step count, generator state and settings"
+        )
         if "settings" in extra:
             check_settings("QNVBOptimizer.load_state_dict", extra["settings"], self._settings())
         random = self.rule.is_random  # a deterministic rule never draws: no generator to match
