@@ -21,6 +21,21 @@ def fresh_param_store():
 
 
 @pytest.fixture(scope="session")
+def spawn_ranks():
+    """``pyro_quadvi.testing.ranks.run_ranks``, a test failure (not an error) where the ranks do
+    not all finish in time: a rank left waiting is the bug the distributed tests look for."""
+    from pyro_quadvi.testing.ranks import RanksFailed, run_ranks
+
+    def spawn(scenarios, outdir: Path, **kwargs) -> list:
+        try:
+            return run_ranks(scenarios, outdir, **kwargs)
+        except RanksFailed as error:
+            pytest.fail(f"a rank was left waiting: {error}")
+
+    return spawn
+
+
+@pytest.fixture(scope="session")
 def load_script():
     """A function loading a script of the repository (``"tutorials/x.py"``) as a module."""
 

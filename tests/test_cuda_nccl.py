@@ -53,7 +53,7 @@ from pyro_quadvi.distributed.comm import collective_device
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import QNVBOptimizer
 from pyro_quadvi.testing.compare import equal_nested
-from pyro_quadvi.testing.ranks import RanksFailed, outcome, run_ranks
+from pyro_quadvi.testing.ranks import outcome
 from pyro_quadvi.testing.steps import mse_steps
 
 pytestmark = pytest.mark.skipif(
@@ -348,13 +348,10 @@ def _scenarios(outdir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def ranks(tmp_path_factory, spawn_ranks) -> list[dict]:
     """What each of two ranks on GPU 0 returned (one spawn for every scenario)."""
     outdir = tmp_path_factory.mktemp("nccl_ranks")
-    try:
-        return run_ranks(_scenarios, outdir, world_size=2, timeout_s=TIMEOUT_S)
-    except RanksFailed as error:
-        pytest.fail(str(error))
+    return spawn_ranks(_scenarios, outdir, world_size=2, timeout_s=TIMEOUT_S)
 
 
 def test_ranks_refuse_host_tensors_as_nccl_does(ranks):

@@ -29,7 +29,6 @@ from pyro_quadvi.distributed import (
 )
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import QNVBOptimizer, module_loss
-from pyro_quadvi.testing.ranks import RanksFailed, run_ranks
 
 WORLD = 2
 STEPS = 6
@@ -339,13 +338,10 @@ def _scenarios(outdir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def ranks(tmp_path_factory, spawn_ranks) -> list[dict]:
     """What each of the two ranks returned; the processes end (or are killed) before the tests."""
     outdir = tmp_path_factory.mktemp("distributed")
-    try:
-        results = run_ranks(_scenarios, outdir, world_size=WORLD, timeout_s=TIMEOUT_S)
-    except RanksFailed as error:
-        pytest.fail(str(error))
+    results = spawn_ranks(_scenarios, outdir, world_size=WORLD, timeout_s=TIMEOUT_S)
     results[0]["outdir"] = outdir
     return results
 

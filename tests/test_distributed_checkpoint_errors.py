@@ -18,7 +18,6 @@ import torch
 from pyro.optim import Adam
 
 from pyro_quadvi.distributed import load_checkpoint, save_checkpoint, world
-from pyro_quadvi.testing.ranks import RanksFailed, run_ranks
 
 TIMEOUT_S = 40  # no case waits for a collective's timeout: a hang fails the test
 CUDA_LESS = (
@@ -74,11 +73,8 @@ def _scenarios(outdir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    try:
-        return run_ranks(_scenarios, tmp_path_factory.mktemp("ckpt_errors"), timeout_s=TIMEOUT_S)
-    except RanksFailed as error:
-        pytest.fail(str(error))
+def ranks(tmp_path_factory, spawn_ranks) -> list[dict]:
+    return spawn_ranks(_scenarios, tmp_path_factory.mktemp("ckpt_errors"), timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize(

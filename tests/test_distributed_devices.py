@@ -96,12 +96,10 @@ def _fake_cuda_ranks(outdir):
     return restored
 
 
-def test_each_rank_restores_rank_0s_cuda_state_into_its_own_device(tmp_path):
+def test_each_rank_restores_rank_0s_cuda_state_into_its_own_device(tmp_path, spawn_ranks):
     """Every rank draws the same nodes, so the ranks hold the same random state, each on its own
     device: rank 0's device's state (cuda:0, [1, 1]) goes into cuda:0 on rank 0 and cuda:1 on
     rank 1. Restoring every saved device's state on every rank gave rank 1's device rank 0's
     copy of cuda:1's state ([2, 2]), which rank 0 never draws from."""
-    from pyro_quadvi.testing.ranks import run_ranks
-
-    results = run_ranks(_fake_cuda_ranks, tmp_path, world_size=2, timeout_s=60)
+    results = spawn_ranks(_fake_cuda_ranks, tmp_path, world_size=2, timeout_s=60)
     assert results == [{0: [1, 1]}, {1: [1, 1]}]

@@ -31,7 +31,7 @@ from pyro_quadvi.distributed import (
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import QNVBOptimizer
 from pyro_quadvi.testing.compare import equal_nested
-from pyro_quadvi.testing.ranks import RanksFailed, outcome, run_ranks
+from pyro_quadvi.testing.ranks import outcome
 
 ROWS = 8
 TIMEOUT_S = 60
@@ -199,11 +199,8 @@ def _scenarios(outdir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    try:
-        return run_ranks(_scenarios, tmp_path_factory.mktemp("state"), timeout_s=TIMEOUT_S)
-    except RanksFailed as error:
-        pytest.fail(str(error))
+def ranks(tmp_path_factory, spawn_ranks) -> list[dict]:
+    return spawn_ranks(_scenarios, tmp_path_factory.mktemp("state"), timeout_s=TIMEOUT_S)
 
 
 def test_sharded_checkpoint_holds_every_blocks_settings(ranks):

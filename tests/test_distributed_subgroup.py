@@ -27,7 +27,6 @@ from pyro_quadvi.distributed import (
     shard,
 )
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
-from pyro_quadvi.testing.ranks import run_ranks
 
 ROWS = 12
 
@@ -82,8 +81,8 @@ def _scenarios(outdir):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return run_ranks(_scenarios, tmp_path_factory.mktemp("groups"), world_size=3, timeout_s=90)
+def ranks(tmp_path_factory, spawn_ranks):
+    return spawn_ranks(_scenarios, tmp_path_factory.mktemp("groups"), world_size=3, timeout_s=90)
 
 
 def test_a_group_without_global_rank_0_broadcasts_from_its_own_first_rank(ranks):

@@ -37,7 +37,7 @@ from pyro_quadvi.distributed import (
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import module_loss
 from pyro_quadvi.testing.compare import equal_nested
-from pyro_quadvi.testing.ranks import RanksFailed, outcome, run_ranks
+from pyro_quadvi.testing.ranks import outcome
 
 TIMEOUT_S = 40  # a rank left waiting in a collective fails the test at this timeout
 ROWS = 12
@@ -212,11 +212,8 @@ def _scenarios(outdir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    try:
-        return run_ranks(_scenarios, tmp_path_factory.mktemp("user_fixes"), timeout_s=TIMEOUT_S)
-    except RanksFailed as error:
-        pytest.fail(f"a rank was left waiting: {error}")
+def ranks(tmp_path_factory, spawn_ranks) -> list[dict]:
+    return spawn_ranks(_scenarios, tmp_path_factory.mktemp("user_fixes"), timeout_s=TIMEOUT_S)
 
 
 STEP = "NodeParallelQNVBOptimizer.step: evaluating the loss (the closure or loss_fn)"
