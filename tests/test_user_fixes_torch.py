@@ -453,6 +453,35 @@ def test_a_schedule_that_goes_bad_later_is_refused_at_that_step_and_changes_noth
     assert equal_nested(after, before)
 
 
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_the_schedule_is_called_once_per_step_and_its_factor_scales_that_step(one_pass):
+    # before: step called the schedule twice at the same step (the check, then the update)
+    x, y = _data()
+    seen = []
+
+    def schedule(step: int) -> float:
+        seen.append(step)
+        return 1.0 if step == 0 else 0.25
+
+    def run(annealing, weights):
+        net = _net()
+        optimizer = _qnvb(net.named_parameters(), annealing=annealing)
+        seen.clear()
+        for weight in weights:
+            optimizer.likelihood_weight = weight
+            if one_pass:
+                optimizer.step(loss_fn=module_loss(net, _mse), batch=(x, y))
+            else:
+                optimizer.step(_closure(net, x, y))
+        return optimizer.state_dict()
+
+    scheduled = run(schedule, [64, 64, 64])
+    assert seen == [0, 1, 2]
+    # the same steps with the factor put into the weight by hand: 64, then 16 twice
+    assert equal_nested(scheduled["state"], run(None, [64, 16, 16])["state"])
+    assert not equal_nested(scheduled["state"], run(None, [64, 64, 64])["state"])
+
+
 # exactly zero curvature (held); sigma pinned at sigma_max by the curvature floor
 
 

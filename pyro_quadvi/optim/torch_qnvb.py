@@ -923,8 +923,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 "QNVBOptimizer.step: batch and vectorize belong to the one-pass form "
                 "step(loss_fn=..., batch=(x, y)); a closure reads its data itself"
             )
-        if self.annealing is not None:  # a bad factor is refused before anything is evaluated
-            annealing_factor(self.annealing, self.num_steps)
+        weight = self.weight  # a bad annealing factor is refused before anything is evaluated
         params = self._params()
         if not params:
             raise ValueError("QNVBOptimizer has no parameter that requires grad")
@@ -956,7 +955,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         check_finite_loss(
             loss_avg, tensors, [self.state[p]["mu"] for p in tensors], type(self).__name__
         )
-        self._update(params, moments)
+        self._update(params, moments, weight)
         return loss_avg
 
     # Two hooks for pyro_quadvi.distributed.NodeParallelQNVBOptimizer; here, one process
@@ -1091,9 +1090,9 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             names += [n for n, p in zip(group_names, group["params"]) if p.requires_grad]
         return names
 
-    def _update(self, params, moments) -> None:
-        """One QNVB step per group (:func:`qnvb_update_many`), the means into the parameters."""
-        weight = self.weight
+    def _update(self, params, moments, weight: float) -> None:
+        """One QNVB step per group (:func:`qnvb_update_many`) at the likelihood ``weight`` the
+        step read once, the means into the parameters."""
         counts = []
         by_group: dict[int, list[int]] = {}
         for i, (_, group) in enumerate(params):
