@@ -41,10 +41,13 @@ class DistributedQuadratureELBO(QuadratureELBO):
     """:class:`~pyro_quadvi.infer.QuadratureELBO` on ``torch.distributed``, data- or node-parallel.
 
     Args:
-        rule, num_points, vectorize, max_plate_nesting, generator, name: as for
-            :class:`~pyro_quadvi.infer.QuadratureELBO`; ``generator`` (or torch's global
-            generator) must hold the same state on every rank
-            (:func:`~pyro_quadvi.distributed.broadcast_generator`).
+        rule: as for :class:`~pyro_quadvi.infer.QuadratureELBO`.
+        num_points: as for ``QuadratureELBO``.
+        vectorize: as for ``QuadratureELBO``.
+        max_plate_nesting: as for ``QuadratureELBO``.
+        generator: as for ``QuadratureELBO``; it (or torch's global generator) must hold the
+            same state on every rank (:func:`~pyro_quadvi.distributed.broadcast_generator`).
+        name: as for ``QuadratureELBO``.
         parallel: ``"data"`` (each rank passes its shard of the minibatch to ``svi.step``) or
             ``"nodes"`` (each rank passes the whole minibatch and evaluates every ``W``-th node).
         check_nodes: compare fingerprints of the step's nodes and weights (and, with

@@ -34,6 +34,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import tqdm
@@ -89,7 +90,7 @@ class OPQAResult:
 
 def opqa_evidence(
     model: Callable,
-    *args,
+    *args: Any,
     num_points: int = 8,
     max_degree: int | None = None,
     center: str = "laplace",
@@ -98,7 +99,7 @@ def opqa_evidence(
     chunk_size: int = 4096,
     vectorize: bool | None = None,
     progress: bool | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> OPQAResult:
     """The evidence ``p(x)`` of a Pyro model with a few continuous latents, and its posterior.
 

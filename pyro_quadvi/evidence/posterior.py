@@ -67,7 +67,8 @@ class OPQAPosterior:
 
     Args:
         sites: the latent sites laid out in the flat unconstrained vector.
-        loc, scale_tril: the weight: ``z = loc + scale_tril @ x``.
+        loc: the weight's center: ``z = loc + scale_tril @ x``.
+        scale_tril: the weight's lower-triangular scale.
         coefficients: the normalized coefficients ``b_tau``, shape ``(num_points,) * dim``,
             ``sum b^2 = 1``.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import version
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,14 +21,14 @@ __all__ = ["to_inference_data"]
 def to_inference_data(
     model: Callable,
     guide: Callable,
-    *args,
+    *args: Any,
     num_samples: int = 1000,
     prior: bool = True,
     log_likelihood: bool = True,
     coords: Mapping[str, Sequence] | None = None,
     dims: Mapping[str, Sequence[str]] | None = None,
     vectorize: bool | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> InferenceData:
     """Export a fitted variational posterior to ArviZ: summaries, LOO, predictive checks, plots.
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from operator import attrgetter
 
@@ -181,7 +181,9 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
     # -- summaries ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
+    def quantiles(
+        self, quantiles: Sequence[float] | torch.Tensor, *args, **kwargs
+    ) -> dict[str, torch.Tensor]:
         """Exact quantiles of each site's mixture (:meth:`SpikeSlab.icdf`), constrained.
 
         Args:

@@ -193,9 +193,8 @@ def evaluate_batch(
         once per call, naming the reason; pass the decision's ``vectorized`` next time (see
         :class:`DecisionCache`) to decide once.
 
-    Raises:
-        Whatever ``batched`` or ``single`` raise, except broadcasting errors of ``batched`` with
-        ``vectorize=None``.
+    Whatever ``batched`` or ``single`` raise propagates, except the broadcasting errors of
+    ``batched`` under ``vectorize=None``.
     """
     if vectorize not in (None, True, False):
         raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")

@@ -9,6 +9,7 @@ every dim an event dim (``.to_event``), so each parameter is one sample site.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import pyro.distributions as dist
 import torch
@@ -106,7 +107,11 @@ class LayerwiseNormal(Prior):
         self.scale = float(scale)
         self._shapes: dict[str, torch.Size] | None = None  # None: not bound to a network yet
 
-    def bind(self, named_parameters, named_modules=()) -> None:
+    def bind(
+        self,
+        named_parameters: Iterable[tuple[str, torch.Tensor]],
+        named_modules: Iterable[tuple[str, torch.nn.Module]] = (),
+    ) -> None:
         """Remember the shapes of a network's weights (to find a bias's fans).
 
         Args:

@@ -64,7 +64,8 @@ class WHVILinear(nn.Module):
             ``(out_features, in_features)`` weight).
         prior_scale: the prior standard deviation of every entry of ``g``, ``g ~ N(0, s^2)``
             (declared to ``BayesianModule`` by :meth:`bayesian_parameters`).
-        dtype, device: of the parameters.
+        dtype: of the parameters.
+        device: of the parameters.
 
     **Matrix layers** (both sizes above 1) follow Algorithm 1 (:func:`setup_dimensions`): the
     input is zero-padded to ``D = 2^ceil(log2 in_features)`` and ``stack`` independent ``D x D``
@@ -210,7 +211,8 @@ class WHVILinear(nn.Module):
 
         Args:
             x: inputs ``(..., in_features)``.
-            loc, scale: mean and standard deviation of ``g``, each of ``g``'s shape.
+            loc: the mean of ``g``, of ``g``'s shape.
+            scale: the standard deviation of ``g``, of ``g``'s shape.
 
         Returns:
             ``m`` of shape ``(..., out_features)`` (no bias) and ``A`` of shape

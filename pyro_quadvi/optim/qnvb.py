@@ -305,7 +305,7 @@ class QNVB(PyroOptim):
         annealing: Callable[[int], float] | None = None,
         fallback: PyroOptim | tuple[type, dict] | None = None,
         compile: bool = False,
-        **hyperparameters,
+        **hyperparameters: float | tuple[float, float] | bool | str,
     ):
         if optim_args is not None and not (isinstance(optim_args, dict) or callable(optim_args)):
             raise TypeError(

@@ -361,7 +361,8 @@ def qnvb_update(
     """One QNVB step (rasp paper, eq. 4-8; sequence paper, Section 4.2), elementwise.
 
     Args:
-        mu, sigma: the current mean field.
+        mu: the current means.
+        sigma: the current standard deviations.
         g: expected gradient of ``L`` under ``N(mu, sigma^2)`` (eq. 7).
         h: expected Hessian diagonal of ``L`` (eq. 8), e.g. ``sum_k w_k grad_k x_k / sigma``.
         state: from :func:`init_qnvb_state` or the previous step.
@@ -720,9 +721,15 @@ def qnvb_update_many(
     """:func:`qnvb_update` of several tensors at once, on one flat buffer (rasp paper, eq. 4-8).
 
     Args:
-        mus, sigmas, gs, hs, states: per tensor, as for :func:`qnvb_update` (same dtype and
-            device throughout).
-        hp, weight, prior_precision: shared by all of them, as for :func:`qnvb_update`.
+        mus: per tensor, ``mu`` as for :func:`qnvb_update` (one dtype and device throughout,
+            as for every list here).
+        sigmas: per tensor, ``sigma``.
+        gs: per tensor, ``g``.
+        hs: per tensor, ``h``.
+        states: per tensor, ``state``.
+        hp: shared by all the tensors, as for :func:`qnvb_update`.
+        weight: shared, as for :func:`qnvb_update`.
+        prior_precision: shared, as for :func:`qnvb_update`.
         compile: run the reference rules through ``torch.compile``: on the CPU tensor by tensor
             (a fused C++ loop each, several times faster than the eager flat update on large
             tensors; needs a C++ compiler), on any other device on one flat buffer (fused kernels

@@ -666,9 +666,11 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             to a minute).
         weight_decay: refused (a ``TypeError``): the prior is ``prior_precision``, and torch's
             ``weight_decay`` is ``prior_precision = weight_decay * likelihood_weight``.
-        lr, betas, eps, sigma_min, sigma_max, scale_min, scale_max, curvature, significance,
-            damping, damping_recovery, drift_forgetting, recent_fraction, trust_region: see
-            :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
+
+    The keyword arguments ``lr``, ``betas``, ``eps``, ``sigma_min``, ``sigma_max``,
+    ``scale_min``, ``scale_max``, ``curvature``, ``significance``, ``damping``,
+    ``damping_recovery``, ``drift_forgetting``, ``recent_fraction`` and ``trust_region`` are the
+    fields of :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
 
     Every argument is checked when the optimizer (or a parameter group) is built, and a wrong
     type or value is refused by name. Steps warn once per kind, with the number of coordinates
