@@ -189,3 +189,16 @@ def test_bad_steps_are_refused_naming_the_fix(steps, quadrature, error, match):
     bnn, guide = _linear(likelihoods.Gaussian(len(X), scale=0.5))
     with pytest.raises(error, match=match):
         bnn.predict(guide, X, quadrature=quadrature, steps=steps)
+
+
+@pytest.mark.parametrize("quadrature", [None, "hadamard"])
+def test_a_guide_of_another_network_is_refused_naming_the_site_and_shapes(quadrature):
+    # before: a raw torch error, "The expanded size of the tensor (2) must match ... (1)" (draws)
+    # or a reshape error (nodes), naming neither the site nor the cause
+    _, guide = _linear(likelihoods.Gaussian(len(X), scale=0.5))  # nn.Linear(3, 1)
+    wider = BayesianModule(
+        nn.Linear(3, 2).double(), priors.Normal(1.0), likelihoods.Gaussian(len(X), scale=0.5)
+    )
+    match = r"site 'weight' has shape \(1, 3\), but the net's parameter 'weight' has shape \(2, 3\)"
+    with pytest.raises(ValueError, match=match):
+        wider.predict(guide, X, num_samples=4, quadrature=quadrature)

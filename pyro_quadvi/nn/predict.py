@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyro
 import torch
@@ -23,6 +24,9 @@ from ..guides.interface import trace_for_description
 from ..infer.batched import DecisionCache, evaluate_batch
 from ..quadrature import QuadratureRule, make_rule
 from .likelihoods import NOISE_SITE, Bernoulli, Categorical, Gaussian
+
+if TYPE_CHECKING:
+    from .module import BayesianModule
 
 __all__ = ["Prediction", "predict"]
 
@@ -60,7 +64,7 @@ class Prediction:
 
 
 def predict(
-    bnn,
+    bnn: BayesianModule,
     guide: Callable,
     x: torch.Tensor,
     num_samples: int = 64,
@@ -117,7 +121,9 @@ def predict(
     Raises:
         ValueError: for an AutoGuide that has not run yet (built from ``bnn(x)`` alone it would
             take the observations for a latent), for ``quadrature`` with a guide that has
-            non-Gaussian (``"dirac_gauss"``) sites, or ``num_samples < 1`` without it.
+            non-Gaussian (``"dirac_gauss"``) sites, for a guide whose site has another shape
+            than the net's parameter of that name (a guide of another network), or
+            ``num_samples < 1`` without it.
         TypeError, ValueError: for a ``batch_size`` that is not an int or ``None`` (a bool, a
             float), or an int below 1; for ``steps`` that is not an int >= 1 or ``"period"``,
             that is not 1 without ``quadrature``, or ``"period"`` with a rule that has none.
@@ -209,6 +215,7 @@ def _guide_draws(bnn, guide, x, num_samples, noise: str | None):
         if name not in trace.nodes:
             raise ValueError(f"the guide does not sample the latent parameter {name!r}")
         value = trace.nodes[name]["value"]
+        _check_shape(name, value.shape[max(value.dim() - param.dim(), 0) :], param)
         values[name] = value.expand((num_samples, 1, *param.shape))
     noise_scales = None
     if noise is not None:
@@ -216,6 +223,17 @@ def _guide_draws(bnn, guide, x, num_samples, noise: str | None):
             raise ValueError(f"the guide does not sample the learned noise scale {noise!r}")
         noise_scales = trace.nodes[noise]["value"].expand((num_samples, 1)).reshape(num_samples)
     return values, noise_scales
+
+
+def _check_shape(name: str, shape: torch.Size, param: torch.Tensor) -> None:
+    """Refuse a guide whose site ``name`` does not have the net's parameter's shape."""
+    if tuple(shape) != tuple(param.shape):
+        raise ValueError(
+            f"predict: the guide's site {name!r} has shape {tuple(shape)}, but the net's "
+            f"parameter {name!r} has shape {tuple(param.shape)}: the guide was built for another "
+            "network. Predict with a guide built and trained on this bnn "
+            "(AutoMeanFieldNormal(bnn))"
+        )
 
 
 def _check_steps(steps, quadrature) -> None:
@@ -273,6 +291,7 @@ def _quadrature_nodes(bnn, guide, x, quadrature, num_points, noise: str | None, 
         chunk = z[:, start : start + site.numel].reshape((K, *site.shape))
         start += site.numel
         if site.name in params:
+            _check_shape(site.name, site.shape, params[site.name])
             value = site.transform(chunk)
             values[site.name] = value.reshape((K, 1, *params[site.name].shape))
         elif site.name == noise:
