@@ -517,3 +517,45 @@ def test_no_nan_or_infinity_leaves_the_update():
     messages = result_messages(result, warned)
     assert len(messages) == 2 and "overflowed at 1 coordinates" in messages[1]
     assert result_messages(result, warned) == []  # each kind once
+
+
+def test_curvature_term_carries_the_cross_terms_scaled_by_the_sigma_ratio():
+    """On a dense quadratic 0.5 theta^T A theta - b^T theta, one step's curvature term is the
+    Stein estimate of Algorithm 4.1, h_i = sum_j A_ij (sigma_j / sigma_i) mean_k(x_ki x_kj), the
+    pairs that the step's two Hadamard iterates do not separate (Theorem 3.3) keeping their cross
+    term scaled by sigma_j / sigma_i (docs, 'Limits': why dense problems diverge)."""
+    d = 8
+    generator = torch.Generator().manual_seed(3)
+    m = torch.randn(d, d, generator=generator, dtype=DTYPE)
+    a = m.T @ m + d * torch.eye(d, dtype=DTYPE)
+    b = torch.randn(d, generator=generator, dtype=DTYPE)
+    theta = torch.nn.Parameter(torch.randn(d, generator=generator, dtype=DTYPE))
+    optimizer = SparseQNVBOptimizer(
+        [theta],
+        num_cases=1,
+        steps_per_epoch=1,
+        tau_max=1e3,  # curvature floor 1e-6
+        prior_precision=0.0,
+        generator=torch.Generator().manual_seed(0),
+    )
+    optimizer.p_nonzero()  # makes the state
+    sigma = torch.tensor([1e-2, 1e-4, 3e-3, 1e-2, 1e-5, 2e-2, 1e-3, 5e-3], dtype=DTYPE)
+    optimizer.state[theta]["sigma"] = sigma.clone()
+
+    def closure():
+        loss = 0.5 * theta @ a @ theta - b @ theta
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    # one step per epoch: the term's sum has replaced h0 (Algorithm 5.2, lines 13-15)
+    nodes = optimizer.rule.draw(d, step=optimizer.sequence_offset, dtype=DTYPE)
+    x = torch.stack([nodes.node(k) for k in range(len(nodes))])
+    moments = x.T @ x / len(nodes)
+    expected = (a * moments * sigma).sum(1) / sigma
+    torch.testing.assert_close(
+        optimizer.state[theta]["h0"], expected.clamp(min=1e-6), rtol=1e-10, atol=0
+    )
+    cross = (expected - a.diagonal()).abs() / a.diagonal()
+    assert cross.max() > 10  # a 1e-5 sigma beside 1e-2 ones: the cross terms dominate
+    assert (moments - torch.diag(moments.diagonal())).abs().sum() > 0  # some pairs not separated
