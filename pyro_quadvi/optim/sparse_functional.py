@@ -487,8 +487,9 @@ def sparse_qnvb_update(
     Args:
         blocks: the state of every block; the sieve sorts the logits of all of them together.
         counters: from :func:`init_sparse_counters` or the previous update.
-        g, h: per block, the gradient and Hessian diagonal of this term of the loss at the
-            expansion point ``mu`` (Algorithm 4.1), the continuous prior's share included.
+        g: per block, the gradient of this term of the loss at the expansion point ``mu``
+            (Algorithm 4.1), the continuous prior's share included.
+        h: per block, the Hessian diagonal of that term, likewise.
         hp: the hyperparameters.
         steps_per_epoch: ``S``, terms per epoch.
         cases_per_step: ``B = n_c / S``, training cases per term (1 for the paper's per-case

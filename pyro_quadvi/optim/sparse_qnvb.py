@@ -55,12 +55,6 @@ class SparseQNVB(QNVB):
     Args:
         num_epochs: ``n_e`` (Table 1: 10).
         steps_per_epoch: ``S``, SVI steps per epoch, e.g. ``len(loader)``.
-        target_sparsity, target_free, max_lr, tau_max, p_nonzero_low, p_nonzero_high,
-            late_tau_max, late_epoch: see
-            :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters` (defaults:
-            Table 1; the initial learning rate is the guide's start, see below). The nodes are
-            the ELBO's: Table 1's ``n_q = 2`` antithetic pairs are
-            ``QuadratureELBO(rule="hadamard", num_points=4)``.
         prior_precision: ``h_p``, the slab's prior precision, ``1 / slab_scale^2`` of the model's
             :class:`~pyro_quadvi.distributions.SpikeSlab` prior; ``None``: ``1 / tau_max^2``.
         num_cases: ``n_c``, the number of training cases (the size the model's plate scales
@@ -69,6 +63,12 @@ class SparseQNVB(QNVB):
             divides the maximum learning rate per epoch by ``n_c / steps_per_epoch``
             (:mod:`~pyro_quadvi.optim.sparse_functional`).
         fallback: the optimizer of every other parameter, as for :class:`QNVB`.
+
+    The keyword arguments ``target_sparsity``, ``target_free``, ``max_lr``, ``tau_max``,
+    ``p_nonzero_low``, ``p_nonzero_high``, ``late_tau_max`` and ``late_epoch`` are the fields of
+    :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters` (defaults: Table 1;
+    the initial learning rate is the guide's start, see below). The nodes are the ELBO's: Table
+    1's ``n_q = 2`` antithetic pairs are ``QuadratureELBO(rule="hadamard", num_points=4)``.
 
     The run starts where the guide starts: Algorithm 5.1, line 5 (``sigma = h0^(-1/2)``), read
     from the guide's initial mixture, ``h0 = 1 / sigma^2`` per coordinate, since ``SVI`` has

@@ -86,13 +86,11 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             keep the parameters in float32 and use ``torch.autocast`` for the forward).
         num_cases: ``n_c``, the number of training cases: the closure returns a mean per case.
         steps_per_epoch: ``S``, steps (minibatches) per epoch, e.g. ``len(loader)``.
-        num_epochs, target_sparsity, target_free, max_lr, initial_lr, tau_max, p_nonzero_low,
-            p_nonzero_high, num_pairs: see
-            :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters` (defaults:
-            the paper's Table 1).
-        late_tau_max, late_epoch: an extension (``None``: off, the paper's algorithm): the
-            curvature floor ``1 / late_tau_max^2`` from epoch ``late_epoch`` on, the slab still
-            at most ``tau_max`` (see there).
+        late_tau_max: an extension (``None``: off, the paper's algorithm): the curvature floor
+            ``1 / late_tau_max^2`` from epoch ``late_epoch`` on, the slab still at most
+            ``tau_max`` (see
+            :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters`).
+        late_epoch: the epoch from which ``late_tau_max`` holds.
         prior_precision: ``h_p``, precision of the Gaussian slab prior on a nonzero; ``None``:
             ``1 / tau_max^2``, the precision eq. 4.6 assumes in the zero logits.
         generator: random generator for the initial position in the quadrature sequence (torch's
@@ -101,6 +99,11 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         weight_decay: refused (a ``TypeError``, and a group's ``"weight_decay"`` a
             ``ValueError``): the prior is the slab's ``prior_precision``, and torch's coupled
             ``weight_decay`` is ``prior_precision = weight_decay * num_cases``.
+
+    The keyword arguments ``num_epochs``, ``target_sparsity``, ``target_free``, ``max_lr``,
+    ``initial_lr``, ``tau_max``, ``p_nonzero_low``, ``p_nonzero_high`` and ``num_pairs`` are the
+    fields of :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters`
+    (defaults: the paper's Table 1).
 
     Nodes come from the Hadamard cross-polytope sequence (sequence paper, Algorithm 3.1):
     ``num_pairs`` antithetic pairs, ``2 num_pairs`` closure evaluations per step, starting at a
