@@ -48,8 +48,10 @@ from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 from tqdm.auto import tqdm
 
+from ..guides.interface import unwrap_guide
 from ..infer.batched import BatchMismatch, evaluate_batch
 from ..infer.log_joint import model_max_plate_nesting
+from ..store import follow_param_store
 
 __all__ = ["Draws", "SiteSpec", "check_observed_not_nan", "draw"]
 
@@ -542,6 +544,7 @@ def draw(
     (``vectorize``: ``None`` tries, ``True`` forces, ``False`` loops).
     """
     check_guide_was_run(guide, args, kwargs)
+    follow_param_store(unwrap_guide(guide))  # a restored param store's values, not stale ones
     with torch.no_grad():
         runner = _Runner(model, guide, args, kwargs)
         groups, vectorized = _all_draws(runner.posterior, num_samples, vectorize, "posterior")

@@ -69,6 +69,7 @@ from ..guides.interface import (
     unwrap_guide,
 )
 from ..quadrature import QuadratureRule, make_rule
+from ..store import follow_param_store
 from .batched import BatchDecision, DecisionCache, evaluate_batch, is_broadcast_error
 from .log_joint import (
     LogJoint,
@@ -128,6 +129,9 @@ class PointsELBO(ELBO):
             with torch.random.fork_rng(devices=devices):
                 latent_sites_of_model(model, *args, **kwargs)
             state = RandomState.get(devices)
+        # a restored param store holds other tensors than a guide's plain nn.Parameters (an
+        # AutoDiagonalNormal's loc): the guide takes the store's values and its parameters go back
+        follow_param_store(auto_guide)
         try:
             guide_trace = trace_for_description(guide, *args, **kwargs)
         except ValueError as error:  # Pyro's validation, at the set-up's initial values?

@@ -40,6 +40,7 @@ from ..infer.batched import DtypeMismatch, first_line, is_vmap_refusal, vmap_saf
 from ..optim.qnvb_functional import QNVBHyperparameters
 from ..optim.torch_qnvb import check_tensor_output
 from ..quadrature import QuadratureRule
+from ..store import follow_store
 from .likelihoods import Likelihood
 from .priors import LayerwiseNormal
 
@@ -128,7 +129,7 @@ class BayesianModule(PyroModule):
         self.prior = prior
         self.likelihood = likelihood
         self.hide = hide
-        # the store's tensor of each hidden parameter, as last installed (_follow_store)
+        # the store's tensor of each hidden parameter, as last installed (follow_store)
         self._installed: dict[str, torch.Tensor] = {}
         settings = NETWORK_QNVB_SETTINGS if qnvb_settings is None else qnvb_settings
         if not isinstance(settings, Mapping):
@@ -238,7 +239,7 @@ class BayesianModule(PyroModule):
                     lambda *_, value=value, **__: value
                 )(fullname, value, constraint=constraints.real, name=fullname)
             else:
-                _follow_store(fullname, param, self._installed)
+                follow_store(fullname, param, self._installed)
                 values[name] = pyro.param(fullname, param)
                 self._installed[fullname] = pyro.get_param_store()[fullname]
         return values
@@ -373,37 +374,6 @@ def _brief(value: object) -> str:
 
 def _where(module: nn.Module, path: str) -> str:
     return f"the {type(module).__name__} at {path!r}" if path else f"the {type(module).__name__}"
-
-
-def _follow_store(fullname: str, param: nn.Parameter, installed: dict[str, torch.Tensor]) -> None:
-    """Make the param store hold the net's ``param`` under ``fullname``, with the value the
-    store holds now (if it holds one).
-
-    The store keeps a contiguous tensor: for a non-contiguous ``param`` (a channels-last
-    convolution's weight, a transposed view) it keeps a contiguous copy, which ``installed``
-    remembers: that copy is what is trained, so it stays in the store (replacing it would
-    restart its optimizer every step) and its value is copied into ``param``."""
-    store = pyro.get_param_store()
-    if fullname not in store:
-        return
-    held = store[fullname]
-    if held is param:
-        return
-    if held is installed.get(fullname):
-        with torch.no_grad():
-            param.copy_(held)
-        return
-    if held.shape != param.shape or held.dtype != param.dtype:
-        raise ValueError(
-            f"the param store holds {fullname!r} of shape {tuple(held.shape)} and {held.dtype}, "
-            f"but the net's parameter is {tuple(param.shape)} and {param.dtype}: the store was "
-            "saved from, or shared with, another network. Restore a store saved from this "
-            "network, or call pyro.clear_param_store() before building this one"
-        )
-    with torch.no_grad():
-        param.copy_(held)
-    store[fullname] = param
-    installed[fullname] = store[fullname]  # param itself, or the store's contiguous copy of it
 
 
 def _refuse_batch_statistics(net: nn.Module) -> None:

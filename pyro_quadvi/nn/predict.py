@@ -20,9 +20,10 @@ import torch
 from pyro import poutine
 
 from ..guides import describe_guide
-from ..guides.interface import trace_for_description
+from ..guides.interface import trace_for_description, unwrap_guide
 from ..infer.batched import DecisionCache, evaluate_batch
 from ..quadrature import QuadratureRule, make_rule
+from ..store import follow_param_store
 from .likelihoods import NOISE_SITE, Bernoulli, Categorical, Gaussian
 
 if TYPE_CHECKING:
@@ -143,6 +144,7 @@ def predict(
                 "(svi.step(x, y)), or build it with guide(x, y) on any batch of training data "
                 "(at its initialization, or before loading a saved param store or state dict)"
             )
+        follow_param_store(unwrap_guide(guide))  # a restored param store's values, not stale ones
         noise = NOISE_SITE if _learned_noise(bnn) else None
         if quadrature is None:
             if num_samples < 1:

@@ -1,0 +1,121 @@
+"""Keeping a module's own ``nn.Parameter`` and Pyro's param store one tensor.
+
+A plain ``nn.Parameter`` of a ``PyroModule`` (the ``loc`` of Pyro's ``AutoDiagonalNormal``,
+``AutoMultivariateNormal`` and ``AutoLowRankMultivariateNormal``, the ``cov_factor`` of the
+last) enters the param store through ``pyro.param(fullname, parameter)`` each time the module
+reads it, and the module goes on with its own tensor whatever the store returns. While the store
+holds that very tensor, the two are one. Once the store holds another tensor under the name
+(restored by ``get_param_store().set_state(...)`` or ``load``, or assigned), ``SVI`` collects and
+steps the store's tensor, which no gradient reaches, while the module computes with its own,
+which nothing steps: the fit silently stops. Pyro's ``PyroParam`` (``AutoNormal``'s parameters,
+``AutoMeanFieldNormal``'s) is synchronized by Pyro itself and is left alone here.
+
+:func:`follow_store` mends one parameter; :func:`follow_param_store` every plain parameter of a
+guide's ``PyroModule`` s. :class:`~pyro_quadvi.QuadratureELBO`, :func:`~pyro_quadvi.nn.predict`
+and :func:`~pyro_quadvi.export.to_inference_data` call the latter before each run of the guide.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pyro
+import torch
+from pyro.nn import PyroModule
+from torch import nn
+
+__all__ = ["follow_param_store", "follow_store"]
+
+# guide -> the store's tensor of each of its parameters, as last installed (follow_store)
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def follow_store(fullname: str, param: nn.Parameter, installed: dict[str, torch.Tensor]) -> None:
+    """Make the param store hold ``param`` under ``fullname``, with the value the store holds
+    now (if it holds one).
+
+    The store keeps a contiguous tensor: for a non-contiguous ``param`` (a channels-last
+    convolution's weight, a transposed view) it keeps a contiguous copy, which ``installed``
+    remembers: that copy is what is trained, so it stays in the store (replacing it would
+    restart its optimizer every step) and its value is copied into ``param``.
+
+    Args:
+        fullname: the parameter's name in the param store.
+        param: the module's own parameter.
+        installed: the caller's record of what this function put in the store, by name.
+
+    Raises:
+        ValueError: if the store holds a tensor of another shape or dtype under ``fullname``.
+    """
+    store = pyro.get_param_store()
+    if fullname not in store:
+        return
+    held = store[fullname]
+    if held is param:
+        return
+    if held is installed.get(fullname):
+        with torch.no_grad():
+            param.copy_(held)
+        return
+    if held.shape != param.shape or held.dtype != param.dtype:
+        raise ValueError(
+            f"the param store holds {fullname!r} of shape {tuple(held.shape)} and {held.dtype}, "
+            f"but the module's parameter is {tuple(param.shape)} and {param.dtype}: the store was "
+            "saved from, or shared with, another model or guide. Restore a store saved from this "
+            "one, or call pyro.clear_param_store() before building this one"
+        )
+    with torch.no_grad():
+        param.copy_(held)
+    store[fullname] = param
+    installed[fullname] = store[fullname]  # param itself, or the store's contiguous copy of it
+
+
+def follow_param_store(guide: object) -> None:
+    """Give every plain ``nn.Parameter`` of ``guide``'s ``PyroModule`` s the value the param
+    store holds under its name, and put the parameter itself back into the store.
+
+    Call it once after restoring the param store (``set_state``, ``load``) when a guide with
+    plain parameters (Pyro's ``AutoDiagonalNormal``, ``AutoMultivariateNormal``,
+    ``AutoLowRankMultivariateNormal``) is trained on by Pyro's own ELBOs; the package's
+    ``QuadratureELBO``, ``predict`` and ``to_inference_data`` call it themselves. Anything
+    else does nothing: a guide that is not a ``PyroModule``, a parameter not in the store (a guide
+    not run yet), a ``PyroParam``'s ``*_unconstrained`` leaf (Pyro synchronizes those), the
+    parameters of plain ``nn.Module`` s inside the guide, and everything under
+    ``pyro.settings.set(module_local_params=True)`` (no param store).
+
+    Args:
+        guide: the guide (any object; only a ``PyroModule`` is looked into).
+
+    Raises:
+        ValueError: if the store holds one of the parameters with another shape or dtype.
+    """
+    if not isinstance(guide, PyroModule) or pyro.settings.get("module_local_params"):
+        return
+    installed = None
+    for module in _pyro_modules(guide):
+        prefix = module.__dict__["_pyro_name"]
+        for name, param in module._parameters.items():
+            if param is None or name.endswith("_unconstrained"):  # a PyroParam's leaf
+                continue
+            if installed is None:
+                installed = _INSTALLED.setdefault(guide, {})
+            follow_store(f"{prefix}.{name}" if prefix else name, param, installed)
+
+
+def _pyro_modules(root: PyroModule):
+    """``root`` and the ``PyroModule`` s below it through ``PyroModule`` s, each once; a child
+    not named yet (``_pyro_name`` empty: it has not run inside ``root``) is skipped."""
+    seen, stack = set(), [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield module
+        stack.extend(
+            child
+            for child in module._modules.values()
+            if isinstance(child, PyroModule) and child.__dict__["_pyro_name"]
+        )
