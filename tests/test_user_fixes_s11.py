@@ -1,0 +1,212 @@
+"""Fixes of a user trial on the Pyro path: a guide's plain ``nn.Parameter`` after restoring the
+param store (AutoDiagonalNormal's ``loc``), ``fit``'s metric values, float16 probabilities in the
+metrics, and the fallback's warning for guide parts QNVB does not update."""
+
+from __future__ import annotations
+
+import copy
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI
+from pyro.infer.autoguide import (
+    AutoDiagonalNormal,
+    AutoLowRankMultivariateNormal,
+    AutoMultivariateNormal,
+    AutoNormal,
+)
+from torch import nn
+
+from pyro_quadvi import QNVB, QuadratureELBO
+from pyro_quadvi.export import to_inference_data
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi.store import follow_param_store
+
+# -- F1: a guide's plain nn.Parameters follow a restored param store ------------------------------
+
+
+def _logistic_data():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 3, generator=generator)
+    y = (x @ torch.tensor([1.0, -2.0, 0.5]) > 0).float()
+    return x, y
+
+
+def _logistic(x, y):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Bernoulli(logits=(x * w).sum(-1)), obs=y)
+
+
+_OPTIMS = {"qnvb": QNVB, "adam": lambda: pyro.optim.Adam({"lr": 0.1})}
+
+
+def _build(guide_class, optim_name):
+    guide = guide_class(_logistic)
+    optim = _OPTIMS[optim_name]()
+    return guide, optim, SVI(_logistic, guide, optim, QuadratureELBO(rule="hadamard"))
+
+
+def _guide_values(guide) -> dict[str, torch.Tensor]:
+    """The guide's parameters as it computes with them (its own tensors, constrained)."""
+    return {name: getattr(guide, name).detach().clone() for name, _ in guide.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "guide_class, optim_name, fresh",
+    [
+        (AutoDiagonalNormal, "qnvb", False),
+        (AutoDiagonalNormal, "qnvb", True),
+        (AutoMultivariateNormal, "adam", False),
+        (AutoMultivariateNormal, "adam", True),
+        (AutoLowRankMultivariateNormal, "adam", True),
+    ],
+)
+def test_the_checkpoint_recipe_resumes_a_guide_with_a_plain_loc_bit_for_bit(
+    guide_class, optim_name, fresh
+):
+    x, y = _logistic_data()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide, _, svi = _build(guide_class, optim_name)
+    expected = [svi.step(x, y) for _ in range(8)]
+    expected_values = _guide_values(guide)
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide, optim, svi = _build(guide_class, optim_name)
+    got = [svi.step(x, y) for _ in range(3)]
+    # docs/qnvb.md, "Checkpoints": the store copied, the optimizer's state, the random state
+    store_state = copy.deepcopy(pyro.get_param_store().get_state())
+    optim_state = optim.get_state()
+    rng_state = pyro.util.get_rng_state()
+    pyro.clear_param_store()
+    if fresh:  # a new process: everything built again and the guide run once
+        guide, optim, svi = _build(guide_class, optim_name)
+        guide(x, y)
+    pyro.get_param_store().set_state(copy.deepcopy(store_state))
+    optim.set_state(optim_state)
+    pyro.util.set_rng_state(rng_state)
+    got += [svi.step(x, y) for _ in range(5)]
+
+    assert got == expected
+    values = _guide_values(guide)
+    assert set(values) == set(expected_values) and "loc" in values
+    for name, value in expected_values.items():
+        assert torch.equal(values[name], value), name
+    # the guide's loc is the store's again: one tensor, trained
+    assert pyro.get_param_store()[f"{type(guide).__name__}.loc"] is guide.loc
+
+
+def test_follow_param_store_copies_the_restored_value_once_and_leaves_pyro_params_alone():
+    x, y = _logistic_data()
+    pyro.clear_param_store()
+    guide = AutoDiagonalNormal(_logistic)
+    guide(x, y)
+    loc, scale_leaf = guide.loc, guide.scale_unconstrained
+    saved = copy.deepcopy(pyro.get_param_store().get_state())
+    saved["params"]["AutoDiagonalNormal.loc"] = torch.tensor([0.25, -1.5, 2.0])
+    pyro.clear_param_store()
+    pyro.get_param_store().set_state(saved)
+    store = pyro.get_param_store()
+    restored_scale = store._params["AutoDiagonalNormal.scale"]
+
+    follow_param_store(guide)
+    assert guide.loc is loc  # the guide's own Parameter, holding the restored value
+    assert guide.loc.tolist() == [0.25, -1.5, 2.0]
+    assert store["AutoDiagonalNormal.loc"] is loc
+    # the PyroParam's leaf is left to Pyro, which swaps it in when the guide reads it
+    assert store._params["AutoDiagonalNormal.scale"] is restored_scale
+    assert guide.scale_unconstrained is scale_leaf
+    guide(x, y)
+    assert guide.scale_unconstrained is restored_scale
+    # a guide that is not a PyroModule, and local mode, are left alone
+    follow_param_store(lambda *args: None)
+    store["AutoDiagonalNormal.loc"] = torch.zeros(3)
+    with pyro.settings.context(module_local_params=True):
+        follow_param_store(guide)
+    assert guide.loc.tolist() == [0.25, -1.5, 2.0]
+
+
+def test_a_store_of_another_shape_is_refused_naming_the_parameter():
+    x, y = _logistic_data()
+    pyro.clear_param_store()
+    guide = AutoDiagonalNormal(_logistic)
+    guide(x, y)
+    pyro.get_param_store()["AutoDiagonalNormal.loc"] = torch.zeros(5)
+    svi = SVI(_logistic, guide, pyro.optim.Adam({"lr": 0.1}), QuadratureELBO())
+    with pytest.raises(ValueError, match=r"'AutoDiagonalNormal.loc' of shape \(5,\).*\(3,\)"):
+        svi.step(x, y)
+
+
+def _bnn():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1))
+    return BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(scale=0.1))
+
+
+def _regression_data():
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(24, 2, generator=generator)
+    return x, torch.sin(x.sum(-1, keepdim=True))
+
+
+def _train_and_restore_into_a_new_guide():
+    """A guide trained 4 steps, and a new guide of the same model (run once) after the trained
+    store was restored: the second must compute with the first's values."""
+    x, y = _regression_data()
+    bnn = _bnn()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    trained = AutoDiagonalNormal(bnn)
+    svi = SVI(bnn, trained, pyro.optim.Adam({"lr": 0.05}), QuadratureELBO())
+    for _ in range(4):
+        svi.step(x, y)
+    saved = copy.deepcopy(pyro.get_param_store().get_state())
+    pyro.clear_param_store()
+    restored = AutoDiagonalNormal(bnn)
+    restored(x, y)
+    assert not torch.equal(restored.loc, trained.loc)  # before the restore: its own start
+    pyro.get_param_store().set_state(copy.deepcopy(saved))
+    return bnn, trained, restored, x, y
+
+
+def test_predict_right_after_a_restore_uses_the_restored_loc():
+    bnn, trained, restored, x, _ = _train_and_restore_into_a_new_guide()
+    pyro.set_rng_seed(5)
+    expected = bnn.predict(trained, x, num_samples=16)
+    pyro.set_rng_seed(5)
+    got = bnn.predict(restored, x, num_samples=16)
+    assert torch.equal(restored.loc, trained.loc)
+    assert torch.equal(got.mean, expected.mean)
+    assert torch.equal(got.variance, expected.variance)
+
+
+def test_the_arviz_export_right_after_a_restore_uses_the_restored_loc():
+    bnn, trained, restored, x, y = _train_and_restore_into_a_new_guide()
+    exported = {}
+    for name, guide in [("trained", trained), ("restored", restored)]:
+        pyro.set_rng_seed(5)
+        data = to_inference_data(bnn, guide, x, y, num_samples=8, prior=False)
+        exported[name] = data.posterior["0.weight"].values
+    assert (exported["restored"] == exported["trained"]).all()
+
+
+def test_an_auto_normal_is_untouched_by_follow_param_store():
+    # PyroParams only: nothing to follow, nothing recorded
+    from pyro_quadvi.store import _INSTALLED
+
+    x, y = _logistic_data()
+    pyro.clear_param_store()
+    guide = AutoNormal(_logistic)
+    guide(x, y)
+    before = dict(pyro.get_param_store()._params)
+    pyro.get_param_store().set_state(copy.deepcopy(pyro.get_param_store().get_state()))
+    restored = dict(pyro.get_param_store()._params)
+    follow_param_store(guide)
+    after = pyro.get_param_store()._params
+    assert list(after) == list(before)
+    assert all(after[name] is restored[name] and restored[name] is not before[name] for name in before)
+    assert guide not in _INSTALLED
