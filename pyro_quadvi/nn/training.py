@@ -8,6 +8,7 @@ metrics evaluated every so many steps.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -16,7 +17,9 @@ import torch
 from pyro.infer import SVI
 from tqdm.auto import tqdm
 
+from ..guides.interface import unwrap_guide
 from ..infer.log_joint import cuda_devices
+from ..store import follow_param_store
 
 __all__ = ["History", "fit"]
 
@@ -62,6 +65,27 @@ def _batches(data: tuple | Iterable) -> Iterator[tuple]:
         passes += 1
 
 
+def _metric_value(name: str, value: object, step: int) -> float:
+    """A metric's value as a float, if it is one number (a real number or a 0-d real tensor)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not value.is_complex():
+            return float(value)
+        what = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    elif isinstance(value, numbers.Real):
+        return float(value)
+    elif isinstance(value, dict):
+        what = f"a dict (keys {list(value)[:6]})"
+    elif isinstance(value, str):
+        what = f"the string {value[:40]!r}"
+    else:
+        what = f"a {type(value).__name__}"
+    raise TypeError(
+        f"fit: the metric {name!r} returned {what} after step {step}; a metric must return one "
+        "number: a float, an int or a 0-d tensor (float(x) of a scalar x; several values are "
+        "several metrics: metrics={'nll': f, 'rmse': g})"
+    )
+
+
 def fit(
     svi: SVI,
     data: tuple | Iterable,
@@ -82,18 +106,24 @@ def fit(
             at its first batch (``fit`` keeps no position between calls; two calls of 4 steps over
             a list of batches are not one of 8).
         num_steps: how many steps.
-        metrics: name -> a function of nothing returning a number (e.g. a test NLL), evaluated
-            every ``every`` steps and after the last one, with the random states (torch's,
-            Python's, NumPy's) restored after them: a metric that draws does not change the fit.
+        metrics: name -> a function of nothing returning one number (a float, an int or a 0-d
+            tensor; e.g. a test NLL), evaluated every ``every`` steps and after the last one,
+            with the random states (torch's, Python's, NumPy's) restored after them: a metric
+            that draws does not change the fit. Each value is checked as it is taken.
         every: the spacing of the metric evaluations, in steps.
         progress: show a tqdm bar with the latest loss.
         desc: the bar's label.
         device: where to move each batch's tensors before its step (the model's device, e.g.
             ``"cuda"``, for a ``DataLoader`` of CPU tensors); ``None`` leaves them where they are.
 
+    Before the first step the guide's plain parameters take the values of a restored param store
+    (:func:`~pyro_quadvi.store.follow_param_store`), whatever the ELBO.
+
     Raises:
         ValueError: for ``num_steps < 0``, ``every < 1``, an empty iterable, or a one-shot
             iterator that runs out before ``num_steps``.
+        TypeError: for a metric that returns anything but one number (a dict, a string, a
+            tensor of several elements), naming the metric, at its first evaluation.
     """
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
         raise ValueError(f"fit: num_steps must be an integer >= 0, got {num_steps!r}")
@@ -101,6 +131,7 @@ def fit(
         raise ValueError(f"fit: every must be an integer >= 1, got {every!r}")
     history = History(metrics={name: [] for name in metrics or {}})
     batches = _batches(data)
+    follow_param_store(unwrap_guide(svi.guide))
     bar = tqdm(range(num_steps), disable=not progress, desc=desc)
     for step in bar:
         batch = _on(next(batches), device)
@@ -114,6 +145,6 @@ def fit(
             state = pyro.util.get_rng_state()  # torch's (CPU), Python's and NumPy's
             with torch.random.fork_rng(devices=cuda_devices(batch, svi.model, svi.guide)):
                 for name, metric in metrics.items():
-                    history.metrics[name].append((done, float(metric())))
+                    history.metrics[name].append((done, _metric_value(name, metric(), done)))
             pyro.util.set_rng_state(state)
     return history
