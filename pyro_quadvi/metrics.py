@@ -6,7 +6,8 @@ floating dtype), so it runs on CUDA unchanged. Conventions:
 - The leading dimension of every input indexes the test cases (``n`` of them).
 - Classification metrics take class **probabilities** ``probs`` of shape ``(n, C)`` (for a Bayesian
   model, the model-averaged predictive probabilities), never logits; each row must lie in
-  ``[0, 1]`` and sum to 1 within ``PROB_SUM_ATOL``. Labels ``y`` are integers of shape ``(n,)``
+  ``[0, 1]`` and sum to 1 within ``PROB_SUM_ATOL`` (float16 and bfloat16: within 8 ulps of 1 of
+  their dtype, ``8 * torch.finfo(dtype).eps``). Labels ``y`` are integers of shape ``(n,)``
   in ``[0, C)``.
 - The predicted class is ``probs.argmax(-1)``; ties go to the lowest class index (``torch.argmax``
   returns the first maximum).
@@ -42,7 +43,12 @@ __all__ = [
 ]
 
 PROB_SUM_ATOL = 1e-4
-"""Largest ``|sum_c p_c - 1|`` accepted for a row of ``probs`` (float32 softmax output passes)."""
+"""Largest ``|sum_c p_c - 1|`` accepted for a row of ``probs`` (float32 softmax output passes);
+for a dtype of fewer bits, ``8 * torch.finfo(dtype).eps`` where that is larger (float16: 0.0078,
+bfloat16: 0.0625): rounding a row that sums to 1 to float16 alone moves its sum by up to half an
+ulp of 1 (4.9e-4), and a softmax or model average computed in that dtype adds a few more."""
+
+_PROB_SUM_ULPS = 8  # the tolerance of a low-precision dtype, in its ulps at 1
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -84,16 +90,20 @@ def _check_probs(probs: object) -> torch.Tensor:
         )
     if ((probs < 0) | (probs > 1)).any():
         raise ValueError("probs must lie in [0, 1] (pass probabilities, not logits)")
-    worst = (probs.sum(-1) - 1).abs().max().item()
-    if worst > PROB_SUM_ATOL:
+    # summed in float32 at least: the sum of a low-precision row does not add its own rounding
+    sums = probs.sum(-1, dtype=torch.promote_types(probs.dtype, torch.float32))
+    worst = (sums - 1).abs().max().item()
+    atol = max(PROB_SUM_ATOL, _PROB_SUM_ULPS * torch.finfo(probs.dtype).eps)
+    if worst > atol:
         hint = (
             "for a binary classifier's probability p of class 1, pass both columns, "
             "torch.cat([1 - p, p], dim=1), of shape (n, 2)"
             if probs.shape[1] == 1
             else "pass probabilities, not logits"
         )
+        within = f"{atol:.3g}" if atol == PROB_SUM_ATOL else f"{atol:.3g} for {probs.dtype}"
         raise ValueError(
-            f"every row of probs must sum to 1 within {PROB_SUM_ATOL}; the worst row is off "
+            f"every row of probs must sum to 1 within {within}; the worst row is off "
             f"by {worst:.3g} ({hint})"
         )
     return probs
@@ -250,7 +260,9 @@ def categorical_nll(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     Also called log loss or cross-entropy. ``log(0)`` is guarded by clamping ``p_i[y_i]`` from
     below at ``torch.finfo(probs.dtype).eps`` (2.2e-16 in float64, 1.2e-7 in float32), so a case
     given probability 0 costs ``-log(eps)`` (36.0 in float64, 15.9 in float32) instead of infinity;
-    scikit-learn's ``log_loss`` clips the same way.
+    scikit-learn's ``log_loss`` clips the same way. float16 and bfloat16 probabilities are clamped
+    and averaged in float32 (their own ``eps``, 9.8e-4 and 7.8e-3, would cap every case's cost at
+    6.9 and 4.9) and the result is returned in their dtype.
 
     Args:
         probs: Predictive class probabilities, shape ``(n, C)``.
@@ -262,8 +274,9 @@ def categorical_nll(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     probs = _check_probs(probs)
     y = _check_labels(y, probs)
     p_true = probs.gather(1, y[:, None]).squeeze(1)
-    eps = torch.finfo(probs.dtype).eps
-    return -torch.log(p_true.clamp(min=eps)).mean()
+    p_true = p_true.to(torch.promote_types(probs.dtype, torch.float32))
+    eps = torch.finfo(p_true.dtype).eps
+    return -torch.log(p_true.clamp(min=eps)).mean().to(probs.dtype)
 
 
 def accuracy(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
