@@ -57,11 +57,11 @@ def _guide_values(guide) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "guide_class, optim_name, fresh",
     [
-        (AutoDiagonalNormal, "qnvb", False),
-        (AutoDiagonalNormal, "qnvb", True),
-        (AutoMultivariateNormal, "adam", False),
-        (AutoMultivariateNormal, "adam", True),
-        (AutoLowRankMultivariateNormal, "adam", True),
+        (AutoDiagonalNormal, "qnvb", "memory"),
+        (AutoDiagonalNormal, "qnvb", "process"),
+        (AutoMultivariateNormal, "adam", "memory"),
+        (AutoMultivariateNormal, "adam", "process"),
+        (AutoLowRankMultivariateNormal, "adam", "process"),
     ],
 )
 def test_the_checkpoint_recipe_resumes_a_guide_with_a_plain_loc_bit_for_bit(
@@ -83,7 +83,7 @@ def test_the_checkpoint_recipe_resumes_a_guide_with_a_plain_loc_bit_for_bit(
     optim_state = optim.get_state()
     rng_state = pyro.util.get_rng_state()
     pyro.clear_param_store()
-    if fresh:  # a new process: everything built again and the guide run once
+    if fresh == "process":  # a new process: everything built again and the guide run once
         guide, optim, svi = _build(guide_class, optim_name)
         guide(x, y)
     pyro.get_param_store().set_state(copy.deepcopy(store_state))
@@ -210,3 +210,123 @@ def test_an_auto_normal_is_untouched_by_follow_param_store():
     assert list(after) == list(before)
     assert all(after[name] is restored[name] and restored[name] is not before[name] for name in before)
     assert guide not in _INSTALLED
+
+
+def test_fit_resumes_a_plain_loc_under_pyros_own_elbo_after_a_restore():
+    # fit hands the guide the restored values whatever the ELBO (here Pyro's Trace_ELBO)
+    from pyro.infer import Trace_ELBO
+
+    from pyro_quadvi.nn import fit
+
+    x, y = _logistic_data()
+
+    def build():
+        guide = AutoDiagonalNormal(_logistic)
+        optim = pyro.optim.Adam({"lr": 0.1})
+        return guide, optim, SVI(_logistic, guide, optim, Trace_ELBO())
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide, _, svi = build()
+    expected = fit(svi, (x, y), 7, progress=False).loss
+    expected_loc = guide.loc.detach().clone()
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide, optim, svi = build()
+    got = fit(svi, (x, y), 3, progress=False).loss
+    store_state = copy.deepcopy(pyro.get_param_store().get_state())
+    optim_state, rng_state = optim.get_state(), pyro.util.get_rng_state()
+    pyro.clear_param_store()
+    pyro.get_param_store().set_state(copy.deepcopy(store_state))
+    optim.set_state(optim_state)
+    pyro.util.set_rng_state(rng_state)
+    got += fit(svi, (x, y), 4, progress=False).loss
+    assert got == expected
+    assert torch.equal(guide.loc, expected_loc)
+
+
+# -- F3: fit's metrics return one number -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, what",
+    [
+        ({"nll": 1.0, "rmse": 2.0}, r"a dict \(keys \['nll', 'rmse'\]\)"),
+        (torch.tensor([1.0, 2.0]), r"a torch.float32 tensor of shape \(2,\)"),
+        ("0.5", r"the string '0.5'"),
+        (None, r"a NoneType"),
+    ],
+)
+def test_a_metric_that_returns_more_than_one_number_is_refused_naming_it(value, what):
+    from pyro_quadvi.nn import fit
+
+    x, y = _logistic_data()
+    pyro.clear_param_store()
+    svi = SVI(_logistic, AutoNormal(_logistic), pyro.optim.Adam({"lr": 0.1}), QuadratureELBO())
+    calls = []
+
+    def good():
+        calls.append(1)
+        return torch.tensor(0.25, dtype=torch.float64)
+
+    with pytest.raises(TypeError, match=rf"fit: the metric 'val' returned {what} after step 2; "):
+        fit(svi, (x, y), 4, metrics={"ok": good, "val": lambda: value}, every=2, progress=False)
+    assert len(calls) == 1  # taken once, at step 2, before 'val' was refused
+
+
+def test_numbers_of_every_kind_are_recorded_as_floats():
+    import numpy as np
+
+    from pyro_quadvi.nn import fit
+
+    x, y = _logistic_data()
+    pyro.clear_param_store()
+    svi = SVI(_logistic, AutoNormal(_logistic), pyro.optim.Adam({"lr": 0.1}), QuadratureELBO())
+    metrics = {
+        "float": lambda: 0.5,
+        "int": lambda: 3,
+        "tensor": lambda: torch.tensor(0.125),
+        "numpy": lambda: np.float32(0.75),
+    }
+    history = fit(svi, (x, y), 2, metrics=metrics, every=2, progress=False)
+    assert history.metrics == {"float": [(2, 0.5)], "int": [(2, 3.0)], "tensor": [(2, 0.125)], "numpy": [(2, 0.75)]}
+    assert all(type(v) is float for values in history.metrics.values() for _, v in values)
+
+
+# -- F4: low-precision probabilities -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_probabilities_are_accepted_and_logits_still_refused(dtype):
+    from pyro_quadvi import metrics
+
+    generator = torch.Generator().manual_seed(0)
+    logits = 3.0 * torch.randn(500, 10, generator=generator)
+    y = torch.randint(0, 10, (500,), generator=generator)
+    exact = torch.softmax(logits.double(), -1)
+    probs = torch.softmax(logits, -1).to(dtype)  # rows off by up to half an ulp of 1, and more
+    assert (probs.double().sum(-1) - 1).abs().max() > metrics.PROB_SUM_ATOL
+    eps = torch.finfo(dtype).eps
+    # each metric as in float64, within what the dtype's rounding of the probabilities allows
+    assert metrics.accuracy(probs, y).item() == pytest.approx(
+        metrics.accuracy(exact, y).item(), abs=eps
+    )
+    assert metrics.brier_score(probs, y).item() == pytest.approx(
+        metrics.brier_score(exact, y).item(), abs=8 * eps
+    )
+    # clamped in float32, not at the dtype's eps (which would cap each case's cost at 6.9/4.9)
+    reference = -exact.gather(1, y[:, None]).clamp(min=torch.finfo(torch.float32).eps).log().mean()
+    nll = metrics.categorical_nll(probs, y)
+    assert nll.dtype == dtype
+    assert nll.item() == pytest.approx(reference.item(), rel=2 * eps)
+    ece = metrics.expected_calibration_error(probs, y)
+    assert ece.item() == pytest.approx(
+        metrics.expected_calibration_error(exact, y).item(), abs=0.02
+    )
+    # a row of numbers in [0, 1] that are not probabilities is still refused
+    bad = probs.clone()
+    bad[7] = torch.tensor([0.25, 0.75, 0.5, 0, 0, 0, 0, 0, 0, 0], dtype=dtype)
+    within = f"{8 * eps:.3g} for {dtype}"
+    with pytest.raises(ValueError, match=rf"sum to 1 within {within}; the worst row is off by 0.5 "):
+        metrics.categorical_nll(bad, y)
