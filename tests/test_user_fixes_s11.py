@@ -330,3 +330,45 @@ def test_low_precision_probabilities_are_accepted_and_logits_still_refused(dtype
     within = f"{8 * eps:.3g} for {dtype}"
     with pytest.raises(ValueError, match=rf"sum to 1 within {within}; the worst row is off by 0.5 "):
         metrics.categorical_nll(bad, y)
+
+
+# -- F5b: a guide part QNVB cannot describe is named when it goes to the fallback --------------
+
+
+def _two_site_model(x):
+    z = pyro.sample("z", dist.Normal(0.0, 1.0))
+    s = pyro.sample("s", dist.Normal(0.0, 1.0))
+    noise = pyro.param("noise", torch.tensor(1.0), constraint=dist.constraints.positive)
+    with pyro.plate("data", len(x)):
+        pyro.sample("x", dist.Normal(z + s, noise), obs=x)
+
+
+def test_an_auto_delta_beside_an_auto_normal_is_named_once_as_it_goes_to_the_fallback():
+    import warnings
+
+    from pyro.infer import Trace_ELBO
+    from pyro.infer.autoguide import AutoDelta, AutoGuideList
+
+    x = torch.randn(20, generator=torch.Generator().manual_seed(0)) + 1.5
+    pyro.clear_param_store()
+    pyro.set_rng_seed(1)
+    guide = AutoGuideList(_two_site_model)
+    guide.append(AutoNormal(pyro.poutine.block(_two_site_model, expose=["z"])))
+    guide.append(AutoDelta(pyro.poutine.block(_two_site_model, expose=["s"])))
+    svi = SVI(_two_site_model, guide, QNVB(), Trace_ELBO())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        svi.step(x)
+        start = pyro.param("AutoGuideList.1.s").item()
+        for _ in range(3):
+            svi.step(x)
+    messages = [str(w.message) for w in caught if "guide part" in str(w.message)]
+    assert len(messages) == 1
+    assert messages[0].startswith(
+        "QNVB: the guide part 'AutoGuideList.1' (parameters ['AutoGuideList.1.s']) is of a kind "
+        "QNVB cannot describe"
+    )
+    assert "fallback optimizer (Adam)" in messages[0]
+    # the fallback trains it; the model's own pyro.param 'noise' is not a guide part: no warning
+    assert pyro.param("AutoGuideList.1.s").item() != start
+    assert not any("noise" in m for m in messages)
