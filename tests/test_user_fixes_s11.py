@@ -208,7 +208,9 @@ def test_an_auto_normal_is_untouched_by_follow_param_store():
     follow_param_store(guide)
     after = pyro.get_param_store()._params
     assert list(after) == list(before)
-    assert all(after[name] is restored[name] and restored[name] is not before[name] for name in before)
+    assert all(
+        after[name] is restored[name] and restored[name] is not before[name] for name in before
+    )
     assert guide not in _INSTALLED
 
 
@@ -290,7 +292,12 @@ def test_numbers_of_every_kind_are_recorded_as_floats():
         "numpy": lambda: np.float32(0.75),
     }
     history = fit(svi, (x, y), 2, metrics=metrics, every=2, progress=False)
-    assert history.metrics == {"float": [(2, 0.5)], "int": [(2, 3.0)], "tensor": [(2, 0.125)], "numpy": [(2, 0.75)]}
+    assert history.metrics == {
+        "float": [(2, 0.5)],
+        "int": [(2, 3.0)],
+        "tensor": [(2, 0.125)],
+        "numpy": [(2, 0.75)],
+    }
     assert all(type(v) is float for values in history.metrics.values() for _, v in values)
 
 
@@ -328,7 +335,9 @@ def test_low_precision_probabilities_are_accepted_and_logits_still_refused(dtype
     bad = probs.clone()
     bad[7] = torch.tensor([0.25, 0.75, 0.5, 0, 0, 0, 0, 0, 0, 0], dtype=dtype)
     within = f"{8 * eps:.3g} for {dtype}"
-    with pytest.raises(ValueError, match=rf"sum to 1 within {within}; the worst row is off by 0.5 "):
+    with pytest.raises(
+        ValueError, match=rf"sum to 1 within {within}; the worst row is off by 0.5 "
+    ):
         metrics.categorical_nll(bad, y)
 
 
