@@ -45,6 +45,7 @@ import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.distributions.transforms import Transform
+from pyro.infer.autoguide import AutoGuide, AutoGuideList
 from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 from torch.distributions import Distribution, kl_divergence
@@ -445,6 +446,7 @@ def is_describable(guide: object) -> bool:
 
 # ------------------------------------------------------------- finding the guides that run
 _LIVE_GUIDES: weakref.WeakSet = weakref.WeakSet()
+_UNDESCRIBED_GUIDES: weakref.WeakSet = weakref.WeakSet()
 _DESCRIBABLE: dict[type, bool] = {}
 _WATCH_HANDLE = None
 
@@ -463,6 +465,13 @@ def register_guide(guide: Callable) -> None:
 def live_guides() -> Iterator:
     """The registered or seen guides that are still alive."""
     return iter(list(_LIVE_GUIDES))
+
+
+def undescribed_guides() -> Iterator[AutoGuide]:
+    """The AutoGuides seen running (:func:`watch_guides`) of a kind no adapter describes (an
+    ``AutoDelta``, say), still alive: their parameters go to a fallback optimizer. Containers
+    (``AutoGuideList``) are not among them; their parts are."""
+    return iter(list(_UNDESCRIBED_GUIDES))
 
 
 def describe_live_guides(params: Iterable[torch.Tensor]) -> list[tuple[Callable, GuideDescription]]:
@@ -496,6 +505,8 @@ def _on_module_call(module: torch.nn.Module, args) -> None:
         known = _DESCRIBABLE[cls] = is_describable(module)
     if known:
         _LIVE_GUIDES.add(module)
+    elif isinstance(module, AutoGuide) and not isinstance(module, AutoGuideList):
+        _UNDESCRIBED_GUIDES.add(module)
 
 
 def watch_guides() -> None:

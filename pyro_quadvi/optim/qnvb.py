@@ -54,6 +54,7 @@ from ..guides.interface import (
     PublishedMoments,
     describe_live_guides,
     published_moments,
+    undescribed_guides,
     watch_guides,
 )
 from .annealing import anneal_likelihood, annealing_factor, check_schedule
@@ -566,35 +567,28 @@ class QNVB(PyroOptim):
         return self._checked_blocks(blocks, received, explained)
 
     def _warn_undescribed_parts(self, params: list[torch.Tensor], described: set[int]) -> bool:
-        """Warn once for each part of a guide whose parameters come with a described part's
-        (an ``AutoDelta`` beside an ``AutoNormal`` in an ``AutoGuideList``) but are described by
-        no guide: they go to the fallback. A part is known by its param store names: the first
-        name component it does not share with any described parameter (``"AutoGuideList.1"``
-        beside ``"AutoGuideList.0.locs.z"``). A parameter that shares no first component with a
-        described one (the model's own ``pyro.param``) is the model's, not a guide part's."""
-        store = pyro.get_param_store()
-        names = {id(p): store.param_name(p) for p in params}  # None outside the store
-        known = [names[id(p)].split(".") for p in params if id(p) in described and names[id(p)]]
-        parts: dict[str, list[str]] = {}
-        for p in params:
-            name = names[id(p)]
-            if name is None or id(p) in described:
+        """Warn once for each AutoGuide of a kind QNVB cannot describe (an ``AutoDelta`` in an
+        ``AutoGuideList`` beside an ``AutoNormal``, say) that holds some of ``params`` outside
+        ``described``: they go to the fallback. The guides are those seen running
+        (:func:`~pyro_quadvi.guides.interface.undescribed_guides`), matched by the identity of
+        their parameters; the model's own ``pyro.param`` s belong to no guide."""
+        rest = {id(p) for p in params} - described
+        warned = False
+        for guide in undescribed_guides():
+            held = [p for p in guide.parameters() if id(p) in rest]
+            if not held:
                 continue
-            path = name.split(".")
-            depth = max((_shared_prefix(path, other) for other in known), default=0)
-            if depth > 0:
-                parts.setdefault(".".join(path[: depth + 1]), []).append(name)
-        for part, names in parts.items():
+            warned = True
+            part = guide._pyro_name or type(guide).__name__
             self._warn_once(
                 f"undescribed {part}",
-                f"QNVB: the guide part {part!r} (parameters {sorted(names)}) is of a kind QNVB "
-                "cannot describe (an AutoDelta, say, or a guide of your own without "
-                "quadrature_description), so its parameters go to the fallback optimizer "
-                f"({self.pt_optim_constructor.__name__}): point estimates for an AutoDelta. For "
-                "QNVB updates make it a Gaussian part (AutoNormal, AutoMeanFieldNormal, "
-                "AutoDiagonalNormal).",
+                f"QNVB: the guide part {part!r} ({type(guide).__name__}) is of a kind QNVB "
+                "cannot describe, so its parameters go to the fallback optimizer "
+                f"({self.pt_optim_constructor.__name__}): point estimates "
+                "for an AutoDelta. For QNVB updates make it a Gaussian part (AutoNormal, "
+                "AutoMeanFieldNormal, AutoDiagonalNormal).",
             )
-        return bool(parts)
+        return warned
 
     def _checked_blocks(
         self, blocks: dict[int, QNVBBlock], received: set[int], explained: bool
@@ -899,13 +893,3 @@ def _leaves(description: GuideDescription) -> list[torch.Tensor]:
     if description.joint is not None:
         leaves.extend(description.joint.params.values())
     return leaves
-
-
-def _shared_prefix(path: list[str], other: list[str]) -> int:
-    """How many leading name components ``path`` and ``other`` share."""
-    count = 0
-    for a, b in zip(path, other):
-        if a != b:
-            break
-        count += 1
-    return count
