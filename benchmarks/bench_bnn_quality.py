@@ -553,6 +553,12 @@ def eval_grid(max_evals: int, points: int) -> list[int]:
     return [int(e) for e in grid]
 
 
+ISOLATED_SCORES = False
+"""``--isolated-scores``: the scores draw from the global random state saved before them and
+restored after, so the scoring grid leaves training unchanged; off by default, as in the recorded
+runs, whose scores' draws moved the later Monte Carlo and random-rule draws of training."""
+
+
 def run(
     method: str,
     task: Task,
@@ -582,6 +588,7 @@ def run(
         train_time += time.process_time() - tick
         if trainer.evals == 0 or (curve["evals"] and curve["evals"][-1] == trainer.evals):
             continue  # a QNVB step costs K: grid points below K, or between two steps
+        rng_state = pyro.util.get_rng_state() if ISOLATED_SCORES else None
         outputs, noise = trainer.draws(draws)
         curve["evals"].append(trainer.evals)
         for name, value in scores(task, outputs, noise).items():
@@ -589,6 +596,8 @@ def run(
         if more_scores is not None:
             for name, value in more_scores(trainer).items():
                 curve.setdefault(name, []).append(value)
+        if rng_state is not None:
+            pyro.util.set_rng_state(rng_state)
     result = {
         "curve": curve,
         "final": {name: values[-1] for name, values in curve.items() if name != "evals"},
@@ -1134,6 +1143,12 @@ def main(argv: list[str] | None = None) -> None:
         "adam, ivon; and map on MNIST)",
     )
     parser.add_argument(
+        "--isolated-scores",
+        action="store_true",
+        help="score from a saved and restored random state, so that the scoring grid does not "
+        "change training (off in the recorded runs; use its own --results)",
+    )
+    parser.add_argument(
         "--reuse-runs",
         type=Path,
         help="--part regression: copy a run from this JSON where it has the same key and lr",
@@ -1149,6 +1164,8 @@ def main(argv: list[str] | None = None) -> None:
             "--seed applies to --part mnist only (the other parts and --report are seed 0); "
             "drop --seed or pass --part mnist without --report"
         )
+    global ISOLATED_SCORES
+    ISOLATED_SCORES = options.isolated_scores
     torch.set_num_threads(1)
     pyro.enable_validation(False)  # Pyro's argument checks cost every method alike; off for all
     s = dict(SETTINGS["quick" if options.quick else "full"])
