@@ -176,6 +176,7 @@ def run_small_net(name: str, steps: int, trace_every: int, bar: tqdm) -> dict:
         "k": trace[-1].get("k median", float("nan")),
         "cpu": cpu,
         "trace": trace,
+        "model": (bnn, guide, x, y),
     }
 
 
@@ -200,6 +201,63 @@ def part_small_net(opts) -> None:
         print("|" + "---:|" * len(keys))
         for row in rows:
             print("| " + " | ".join(f"{row.get(k, float('nan')):.3g}" for k in keys) + " |")
+
+
+def rule_moments(bnn, guide, x, y, elbo, draws: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``draws`` estimates of ``g`` and ``h`` (every coordinate) by ``elbo`` at the guide's current
+    parameters, read from the gradients as QNVB reads them (``docs/qnvb.md``: ``g = dL/dmu``,
+    ``h = (dL/dsigma + 1/sigma) / sigma``; the scales are ``softplus`` of their leaves)."""
+    store = pyro.get_param_store()
+    sites = guide.mean_field_sites()
+    locs = [store[s.param_names["loc"]] for s in sites]
+    leaves = [store._params[s.param_names["scale"]] for s in sites]
+    u = torch.cat([leaf.detach().reshape(-1) for leaf in leaves])
+    sigma = torch.nn.functional.softplus(u)
+    gs, hs = [], []
+    for _ in range(draws):
+        grads = torch.autograd.grad(elbo.differentiable_loss(bnn, guide, x, y), locs + leaves)
+        flat = [t.reshape(-1) for t in grads]
+        gs.append(torch.cat(flat[: len(locs)]))
+        d_sigma = torch.cat(flat[len(locs) :]) / torch.sigmoid(u)
+        hs.append((d_sigma + 1 / sigma) / sigma)
+    return torch.stack(gs), torch.stack(hs)
+
+
+def quantiles(t: torch.Tensor) -> str:
+    q = t.quantile(torch.tensor([0.1, 0.5, 0.9], dtype=t.dtype)).tolist()
+    return " / ".join(f"{v:.3g}" for v in q)
+
+
+def part_probe(opts) -> None:
+    """At the declared settings' final point: is ``h`` biased, how noisy is ``g``?"""
+    bar = tqdm(total=opts.steps, desc="small net, declared")
+    bnn, guide, x, y = run_small_net("declared (QNVB())", opts.steps, opts.steps, bar)["model"]
+    bar.close()
+    sigma = torch.cat([s.scale.detach().reshape(-1) for s in guide.mean_field_sites()])
+    pyro.set_rng_seed(2)
+    mc = Trace_ELBO(num_particles=opts.mc_draws, vectorize_particles=True, max_plate_nesting=1)
+    _, h_mc = rule_moments(bnn, guide, x, y, mc, 5)
+    h_true = h_mc.mean(0)
+    print(f"\nat the declared settings' point after {opts.steps} steps (10% / 50% / 90%)\n")
+    print("| estimate | draws | h / h(MC) | h sigma^2 | abs(mean g) / sd(g) | sign flips |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        f"| Trace_ELBO, {opts.mc_draws} particles | 5 | 1 | {quantiles(h_true * sigma**2)} | "
+        f"- | - |"
+    )
+    rules = (
+        ("blocked_simplex", 3, opts.rule_draws),
+        ("hadamard", 4, opts.rule_draws),
+        ("hadamard", 256, max(2, opts.rule_draws // 10)),
+    )
+    for rule, k, draws in rules:
+        g_q, h_q = rule_moments(bnn, guide, x, y, QuadratureELBO(rule=rule, num_points=k), draws)
+        flips = float((g_q[1:] * g_q[:-1] < 0).float().mean())
+        print(
+            f"| {rule} K={k} | {draws} | {quantiles(h_q.mean(0) / h_true)} | "
+            f"{quantiles(h_q.mean(0) * sigma**2)} | "
+            f"{quantiles(g_q.mean(0).abs() / g_q.std(0))} | {flips:.2f} |"
+        )
 
 
 def part_regression(opts) -> None:
@@ -231,11 +289,15 @@ def part_regression(opts) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=("small-net", "regression", "all"), default="all")
+    parser.add_argument(
+        "--part", choices=("small-net", "probe", "regression", "all"), default="all"
+    )
     parser.add_argument("--steps", type=int, default=2000, help="small net: steps per variant")
     parser.add_argument("--trace-every", type=int, default=250, help="small net: trace period")
     parser.add_argument("--variants", nargs="+", choices=sorted(SMALL_NET_VARIANTS))
     parser.add_argument("--show-trace", nargs="+", choices=sorted(SMALL_NET_VARIANTS))
+    parser.add_argument("--mc-draws", type=int, default=20000, help="probe: MC particles")
+    parser.add_argument("--rule-draws", type=int, default=200, help="probe: draws of each rule")
     parser.add_argument("--splits", type=int, default=2, help="regression splits")
     parser.add_argument("--evals", type=int, default=1000, help="regression evaluations")
     parser.add_argument(
@@ -246,8 +308,11 @@ def main(argv: list[str] | None = None) -> None:
     opts = parser.parse_args(argv)
     if opts.quick:
         opts.steps, opts.trace_every, opts.splits, opts.evals = 20, 10, 1, 30
+        opts.mc_draws, opts.rule_draws = 200, 4
     if opts.part in ("small-net", "all"):
         part_small_net(opts)
+    if opts.part in ("probe", "all"):
+        part_probe(opts)
     if opts.part in ("regression", "all"):
         part_regression(opts)
 
