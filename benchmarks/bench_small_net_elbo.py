@@ -11,8 +11,9 @@
 batch of N = 200), ``AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())``, ``QuadratureELBO``,
 trained by each of :data:`SMALL_NET_VARIANTS` for ``--steps``; per variant the final ``-ELBO`` by
 500 Monte Carlo draws (``Trace_ELBO``), the test RMSE of the predictive mean (100 test rows,
-64 draws), the median guide scale and, for QNVB, the median damping divisor ``k`` and which rules
-bound at the last step (the trace: ``--trace-every``).
+64 draws), the median guide scale and, for QNVB, the median damping divisor ``k``; and at the
+steps of ``--trace-every`` and ``--trace-steps`` (and the last one) where each rule binds, measured
+with the package's own update (:class:`RuleTrace`; ``--show-trace`` prints it).
 
 ``--part regression``: the regression cells the "Quality" section of ``docs/nn.md`` quotes, reduced
 (diabetes 1x50 and Boston 2x128, ``--splits`` splits, ``--evals`` gradient evaluations), run
@@ -23,9 +24,11 @@ in the same process: the final test NLL and the ``-ELBO`` (64 draws) per split.
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -38,6 +41,7 @@ from tqdm import tqdm
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi import metrics as M
 from pyro_quadvi.nn import NETWORK_QNVB_SETTINGS, BayesianModule, likelihoods, priors
+from pyro_quadvi.optim.qnvb_functional import qnvb_update
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_bnn_quality as quality
@@ -82,17 +86,38 @@ def small_net_problem():
     return x, y, x_test, y_test
 
 
+#: rule -> the hyperparameters under which the package's update skips it (each read in
+#: ``qnvb_functional._reference_rules``): with ``damping=False`` the update keeps the state's
+#: divisor, so :class:`RuleTrace` also passes a state whose divisor is 1; ``scale_min`` must be
+#: positive (``QNVBHyperparameters`` refuses 0), and ``sigma`` times the smallest normal float is
+#: 0 in float32 and below any target in float64
+RULES_OFF = {
+    "damping": {"damping": False},
+    "sigma held (significance)": {"significance": 0.0},
+    "trust region": {"trust_region": math.inf},
+    "lr cap": {"lr": math.inf},
+    "scale_max": {"scale_max": math.inf},
+    "scale_min": {"scale_min": sys.float_info.min},
+}
+
+
 class RuleTrace:
-    """Wraps the flat QNVB update to record, at each step, the median damping divisor and the
-    fraction of coordinates at which each rule binds (recomputed from the update's inputs as
-    ``qnvb_functional._reference_rules`` computes them)."""
+    """Wraps the package's flat QNVB update to measure, at the steps it is armed for, where each
+    rule of :data:`RULES_OFF` binds: the step's own inputs go through the package's reference
+    :func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update` once as given and once per rule with
+    that rule switched off, and a rule binds at the coordinates whose new ``mu`` or ``sigma``
+    differs. No rule is computed here; the rest is read from the update's results (``k``, the
+    sign test's gradients, ``h_avg``, the ``sigma_min``/``sigma_max`` counts)."""
 
     def __init__(self):
         import pyro_quadvi.optim.qnvb as qnvb_module
 
         self.module = qnvb_module
         self.original = qnvb_module.qnvb_update_many
-        self.last: dict[str, float] = {}
+        self.signature = inspect.signature(self.original)
+        self.armed = False
+        self.cpu = 0.0  # process time spent measuring (not training)
+        self.measured: list[dict[str, torch.Tensor]] = []
 
     def __enter__(self):
         self.module.qnvb_update_many = self
@@ -100,44 +125,78 @@ class RuleTrace:
 
     def __exit__(self, *exc):
         self.module.qnvb_update_many = self.original
+        return False
 
-    def __call__(self, mus, sigmas, gs, hs, states, hp, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
+        results = self.original(*args, **kwargs)
+        if self.armed:
+            start = time.process_time()
+            self.measure(self.signature.bind(*args, **kwargs))
+            self.cpu += time.process_time() - start
+        return results
+
+    def measure(self, call: inspect.BoundArguments) -> None:
+        """Run the reference update on the step's inputs, as given and per rule switched off."""
+        call.apply_defaults()
+        a = call.arguments
+        blocks = list(zip(a["mus"], a["sigmas"], a["gs"], a["hs"], a["states"]))
+
+        def update(hp, no_divisor=False):
+            return [
+                qnvb_update(
+                    mu,
+                    sigma,
+                    g,
+                    h,
+                    state._replace(damping=torch.ones_like(state.damping)) if no_divisor else state,
+                    hp,
+                    a["weight"],
+                    a["prior_precision"],
+                )
+                for mu, sigma, g, h, state in blocks
+            ]
+
         def flat(tensors):
             return torch.cat([t.reshape(-1) for t in tensors])
 
-        sigma, g, h = flat(sigmas), flat(gs), flat(hs)
-        st = {f: flat([getattr(s, f) for s in states]) for f in states[0]._fields}
-        count = (st["curvature_count"] + 1).clamp(max=1 / (1 - hp.betas[1]))
-        h_avg = st["h_avg"] + (h - st["h_avg"]) / count
-        h2_avg = st["h2_avg"] + (h * h - st["h2_avg"]) / count
-        s_avg = st["s_avg"] + (g * g - st["s_avg"]) / count
-        stderr = ((h2_avg - h_avg**2).clamp(min=0) / count).sqrt()
-        significant = h_avg > hp.significance * stderr
-        curv = torch.where(significant, h_avg, sigma**-2).clamp(min=hp.sigma_max**-2)
-        flipped = g * st["last_grad"] < 0
-        k = torch.where(
-            flipped, st["damping"] + 1, (st["damping"] - hp.damping_recovery).clamp(min=1)
-        )
-        if not hp.damping:
-            k = torch.ones_like(k)
-        cap = (s_avg.sqrt() + hp.eps) / hp.lr
-        step = g / (k * torch.maximum(curv, cap))
-        target = torch.where(significant, curv.rsqrt(), sigma)
-        self.last = {
-            "k median": float(k.median()),
-            "flipped": float(flipped.float().mean()),
-            "held": float((~significant).float().mean()),
-            "trust": float((step.abs() > hp.trust_region * sigma).float().mean()),
-            "lr cap": float((cap > curv).float().mean()),
-            "scale_max": float((target > hp.scale_max * sigma).float().mean()),
-            "scale_min": float((target < hp.scale_min * sigma).float().mean()),
-            "h sigma^2": float((h_avg * sigma**2).median()),
+        given = update(a["hp"])
+        row = {
+            "k": flat([r.state.damping for r in given]),
+            # the update's own sign test: this step's total gradient (kept as last_grad) against
+            # the previous one
+            "flipped": flat(
+                [r.state.last_grad * s.last_grad < 0 for r, s in zip(given, a["states"])]
+            ),
+            "h sigma^2": flat([r.state.h_avg * s**2 for r, s in zip(given, a["sigmas"])]),
+            "sigma_min": torch.stack([r.num_sigma_min for r in given]).sum(),
+            "sigma_max": torch.stack([r.num_sigma_max for r in given]).sum(),
         }
-        return self.original(mus, sigmas, gs, hs, states, hp, *args, **kwargs)
+        for rule, change in RULES_OFF.items():
+            off = update(replace(a["hp"], **change), no_divisor=rule == "damping")
+            row[rule] = flat([(o.mu != r.mu) | (o.sigma != r.sigma) for o, r in zip(off, given)])
+        self.measured.append(row)
+
+    def take(self) -> dict[str, float]:
+        """The measurements since the last call (every block the update saw), as fractions of the
+        coordinates and medians; empty if there were none."""
+        if not self.measured:
+            return {}
+        rows, self.measured = self.measured, []
+        joined = {key: [row[key] for row in rows] for key in rows[0]}
+        total = sum(t.numel() for t in joined["k"])
+        out = {"k median": float(torch.cat(joined["k"]).median())}
+        out["flipped"] = float(torch.cat(joined["flipped"]).float().mean())
+        for rule in RULES_OFF:
+            out[rule] = float(torch.cat(joined[rule]).float().mean())
+        for bound in ("sigma_min", "sigma_max"):
+            out[bound] = float(sum(joined[bound])) / total
+        out["h sigma^2"] = float(torch.cat(joined["h sigma^2"]).median())
+        return out
 
 
-def run_small_net(name: str, steps: int, trace_every: int, bar: tqdm) -> dict:
-    """Train the small net with one variant; the final scores and the trace."""
+def run_small_net(name: str, steps: int, traced: set[int], bar: tqdm) -> dict:
+    """Train the small net with one variant; the final scores and the trace (at the steps in
+    ``traced`` and the last one; the CPU time leaves out the trace's measurements)."""
     x, y, x_test, y_test = small_net_problem()
     spec = SMALL_NET_VARIANTS[name]
     pyro.clear_param_store()
@@ -157,14 +216,15 @@ def run_small_net(name: str, steps: int, trace_every: int, bar: tqdm) -> dict:
     trace, start = [], time.process_time()
     with RuleTrace() as rules:
         for i in range(1, steps + 1):
+            rules.armed = i in traced or i == steps
             loss = svi.step(x, y)
-            if i % trace_every == 0 or i == steps:
+            if rules.armed:
                 scale = torch.cat([s.scale.detach().reshape(-1) for s in guide.mean_field_sites()])
                 trace.append(
-                    {"step": i, "loss": loss, "scale median": float(scale.median()), **rules.last}
+                    {"step": i, "loss": loss, "scale median": float(scale.median()), **rules.take()}
                 )
             bar.update()
-    cpu = time.process_time() - start
+    cpu = time.process_time() - start - rules.cpu
     pyro.set_rng_seed(1)
     mc = Trace_ELBO(num_particles=100, vectorize_particles=True, max_plate_nesting=1)
     neg_elbo = sum(mc.loss(bnn, guide, x, y) for _ in range(5)) / 5
@@ -183,7 +243,9 @@ def run_small_net(name: str, steps: int, trace_every: int, bar: tqdm) -> dict:
 def part_small_net(opts) -> None:
     names = opts.variants or list(SMALL_NET_VARIANTS)
     bar = tqdm(total=len(names) * opts.steps, desc="small net")
-    results = {name: run_small_net(name, opts.steps, opts.trace_every, bar) for name in names}
+    traced = set(range(opts.trace_every, opts.steps + 1, opts.trace_every))
+    traced |= set(opts.trace_steps or ())
+    results = {name: run_small_net(name, opts.steps, traced, bar) for name in names}
     bar.close()
     print(f"\n3-32-1 tanh, {opts.steps} steps\n")
     print("| variant | -ELBO (MC 500) | test RMSE | median scale | median k | CPU s |")
@@ -231,7 +293,7 @@ def quantiles(t: torch.Tensor) -> str:
 def part_probe(opts) -> None:
     """At the declared settings' final point: is ``h`` biased, how noisy is ``g``?"""
     bar = tqdm(total=opts.steps, desc="small net, declared")
-    bnn, guide, x, y = run_small_net("declared (QNVB())", opts.steps, opts.steps, bar)["model"]
+    bnn, guide, x, y = run_small_net("declared (QNVB())", opts.steps, set(), bar)["model"]
     bar.close()
     sigma = torch.cat([s.scale.detach().reshape(-1) for s in guide.mean_field_sites()])
     pyro.set_rng_seed(2)
@@ -294,6 +356,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--steps", type=int, default=2000, help="small net: steps per variant")
     parser.add_argument("--trace-every", type=int, default=250, help="small net: trace period")
+    parser.add_argument(
+        "--trace-steps", type=int, nargs="+", help="small net: more steps to trace (e.g. 1 2 5)"
+    )
     parser.add_argument("--variants", nargs="+", choices=sorted(SMALL_NET_VARIANTS))
     parser.add_argument("--show-trace", nargs="+", choices=sorted(SMALL_NET_VARIANTS))
     parser.add_argument("--mc-draws", type=int, default=20000, help="probe: MC particles")
