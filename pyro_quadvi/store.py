@@ -18,6 +18,7 @@ and :func:`~pyro_quadvi.export.to_inference_data` call the latter before each ru
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 
 import pyro
 import torch
@@ -59,7 +60,13 @@ def follow_store(fullname: str, param: nn.Parameter, installed: dict[str, torch.
         with torch.no_grad():
             param.copy_(held)
         return
-    if held.shape != param.shape or held.dtype != param.dtype:
+    if held.shape == param.shape and held.dtype != param.dtype:
+        raise ValueError(
+            f"the param store holds {fullname!r} as {held.dtype}, but the module's parameter is "
+            f"{param.dtype}: convert the module (module.to({held.dtype})) before restoring the "
+            "store, or convert the saved tensors to the module's dtype before set_state"
+        )
+    if held.shape != param.shape:
         raise ValueError(
             f"the param store holds {fullname!r} of shape {tuple(held.shape)} and {held.dtype}, "
             f"but the module's parameter is {tuple(param.shape)} and {param.dtype}: the store was "
@@ -72,39 +79,43 @@ def follow_store(fullname: str, param: nn.Parameter, installed: dict[str, torch.
     installed[fullname] = store[fullname]  # param itself, or the store's contiguous copy of it
 
 
-def follow_param_store(guide: object) -> None:
-    """Give every plain ``nn.Parameter`` of ``guide``'s ``PyroModule`` s the value the param
+def follow_param_store(module: object) -> None:
+    """Give every plain ``nn.Parameter`` of ``module``'s ``PyroModule`` s the value the param
     store holds under its name, and put the parameter itself back into the store.
 
     Call it once after restoring the param store (``set_state``, ``load``) when a guide with
     plain parameters (Pyro's ``AutoDiagonalNormal``, ``AutoMultivariateNormal``,
-    ``AutoLowRankMultivariateNormal``) is trained on by Pyro's own ELBOs; the package's
-    ``QuadratureELBO``, ``predict`` and ``to_inference_data`` call it themselves. Anything
-    else does nothing: a guide that is not a ``PyroModule``, a parameter not in the store (a guide
-    not run yet), a ``PyroParam``'s ``*_unconstrained`` leaf (Pyro synchronizes those), the
-    parameters of plain ``nn.Module`` s inside the guide, and everything under
+    ``AutoLowRankMultivariateNormal``) or a ``PyroModule`` model with plain parameters (a
+    ``PyroModule[nn.Linear]`` whose bias is not a ``PyroSample``) is trained on by Pyro's own
+    ELBOs; the package's ``QuadratureELBO`` (guide and model), ``fit`` (guide and model),
+    ``predict`` and ``to_inference_data`` (guide) call it themselves. Anything else does
+    nothing: an object that is not a ``PyroModule``, a parameter not in the store (a module not
+    run yet), a ``PyroParam``'s unconstrained leaf (Pyro synchronizes those), the parameters of
+    plain ``nn.Module`` s inside it (which Pyro registers with ``pyro.module``; restore those
+    with ``pyro.module(name, net, update_module_params=True)``), and everything under
     ``pyro.settings.set(module_local_params=True)`` (no param store).
 
     Args:
-        guide: the guide (any object; only a ``PyroModule`` is looked into).
+        module: a guide or a model (any object; only a ``PyroModule`` is looked into).
 
     Raises:
         ValueError: if the store holds one of the parameters with another shape or dtype.
     """
-    if not isinstance(guide, PyroModule) or pyro.settings.get("module_local_params"):
+    if not isinstance(module, PyroModule) or pyro.settings.get("module_local_params"):
         return
     installed = None
-    for module in _pyro_modules(guide):
-        prefix = module.__dict__["_pyro_name"]
-        for name, param in module._parameters.items():
-            if param is None or name.endswith("_unconstrained"):  # a PyroParam's leaf
+    for part in _pyro_modules(module):
+        prefix = part.__dict__["_pyro_name"]
+        leaves = {f"{name}_unconstrained" for name in part.__dict__["_pyro_params"]}
+        for name, param in part._parameters.items():
+            if param is None or name in leaves:  # a PyroParam's leaf: Pyro keeps it in step
                 continue
             if installed is None:
-                installed = _INSTALLED.setdefault(guide, {})
+                installed = _INSTALLED.setdefault(module, {})
             follow_store(f"{prefix}.{name}" if prefix else name, param, installed)
 
 
-def _pyro_modules(root: PyroModule):
+def _pyro_modules(root: PyroModule) -> Iterator[PyroModule]:
     """``root`` and the ``PyroModule`` s below it through ``PyroModule`` s, each once; a child
     not named yet (``_pyro_name`` empty: it has not run inside ``root``) is skipped."""
     seen, stack = set(), [root]

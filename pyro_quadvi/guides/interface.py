@@ -353,7 +353,8 @@ def _adapter(cls: type) -> Callable | None:
 
 
 def unwrap_guide(guide: Callable) -> Callable:
-    """The guide object behind ``functools.partial`` and Pyro handler wrappers (``poutine.scale``).
+    """The guide object behind ``functools.partial``, Pyro handler wrappers (``poutine.scale``)
+    and ``torch.compile`` (its ``OptimizedModule``'s ``_orig_mod``).
 
     A trace of the wrapper still records what the wrapper changed (a ``poutine.scale`` factor is in
     each site's scale), so a description read from that trace stays right.
@@ -361,6 +362,11 @@ def unwrap_guide(guide: Callable) -> Callable:
     seen = 0
     while seen < 32:
         seen += 1
+        if isinstance(guide, torch.nn.Module) and isinstance(
+            getattr(guide, "_orig_mod", None), torch.nn.Module
+        ):
+            guide = guide._orig_mod
+            continue
         if isinstance(guide, functools.partial):
             # Pyro wraps handlers as partial(_context_wrap, messenger, fn)
             inner = guide.func
@@ -498,6 +504,7 @@ def describe_live_guides(params: Iterable[torch.Tensor]) -> list[tuple[Callable,
     return described
 
 
+@torch.compiler.disable  # bookkeeping, run eagerly: dynamo must not trace the WeakSet
 def _on_module_call(module: torch.nn.Module, args) -> None:
     cls = type(module)
     known = _DESCRIBABLE.get(cls)

@@ -130,8 +130,10 @@ class PointsELBO(ELBO):
                 latent_sites_of_model(model, *args, **kwargs)
             state = RandomState.get(devices)
         # a restored param store holds other tensors than a guide's plain nn.Parameters (an
-        # AutoDiagonalNormal's loc): the guide takes the store's values and its parameters go back
+        # AutoDiagonalNormal's loc) or a PyroModule model's: they take the store's values and
+        # go back into it
         follow_param_store(auto_guide)
+        follow_param_store(unwrap_guide(model))
         try:
             guide_trace = trace_for_description(guide, *args, **kwargs)
         except ValueError as error:  # Pyro's validation, at the set-up's initial values?

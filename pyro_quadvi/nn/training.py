@@ -116,8 +116,9 @@ def fit(
         device: where to move each batch's tensors before its step (the model's device, e.g.
             ``"cuda"``, for a ``DataLoader`` of CPU tensors); ``None`` leaves them where they are.
 
-    Before the first step the guide's plain parameters take the values of a restored param store
-    (:func:`~pyro_quadvi.store.follow_param_store`), whatever the ELBO.
+    Before the first step the plain parameters of the guide and of a ``PyroModule`` model take
+    the values of a restored param store (:func:`~pyro_quadvi.store.follow_param_store`),
+    whatever the ELBO.
 
     Raises:
         ValueError: for ``num_steps < 0``, ``every < 1``, an empty iterable, or a one-shot
@@ -132,6 +133,7 @@ def fit(
     history = History(metrics={name: [] for name in metrics or {}})
     batches = _batches(data)
     follow_param_store(unwrap_guide(svi.guide))
+    follow_param_store(unwrap_guide(svi.model))
     bar = tqdm(range(num_steps), disable=not progress, desc=desc)
     for step in bar:
         batch = _on(next(batches), device)
