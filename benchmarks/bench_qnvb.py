@@ -66,6 +66,9 @@ ABLATIONS: dict[str, dict] = {
     "rms-curvature": {"curvature": "rms"},  # the reference's sqrt(mean(h^2)), no test
     "damping": {"damping": False},
     "damping-recovery-1": {"damping_recovery": 1.0},  # the symmetric rule
+    "damping-trend": {"damping": "trend"},  # the sign test on the gradient's ten-step average
+    "damping-recovery-1.5": {"damping_recovery": 1.5},  # noise (half the signs flip) recovers
+    "damping-recovery-2": {"damping_recovery": 2.0},
     "drift-forgetting": {"drift_forgetting": 0.0},
     "lr-cap": {"lr": math.inf},  # the full quasi-Newton step
     "scale-limit": {"scale_min": 1e-100, "scale_max": math.inf},
