@@ -355,7 +355,7 @@ def test_damping_has_no_ceiling():
             "curvature must be one of ('mean', 'rms'), got 'median'",
         ),
         (dict(significance=-1.0), ValueError, "significance must be finite and >= 0, got -1.0"),
-        (dict(damping=1), TypeError, "damping must be True, False or 'trend', got 1 (int)"),
+        (dict(damping=1), TypeError, "damping must be True or False, got 1 (int)"),
         (dict(damping_recovery=0), ValueError, "damping_recovery must be > 0, got 0"),
         (dict(drift_forgetting=-1.0), ValueError, "drift_forgetting must be >= 0, got -1.0"),
         (dict(recent_fraction=0.0), ValueError, "recent_fraction must be in (0, 1], got 0.0"),

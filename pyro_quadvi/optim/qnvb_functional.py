@@ -98,9 +98,6 @@ __all__ = [
 ]
 
 _CURVATURES = ("mean", "rms")
-DAMPING_TREND_BETA = 0.9
-"""With ``damping="trend"``, the rate of the exponential average of the gradient whose sign
-changes the damping counts: a flip of the average of about the last ten gradients."""
 
 
 def _check_number(name: str, value: object, ok: Callable[[float], bool], expected: str) -> None:
@@ -155,7 +152,7 @@ class QNVBHyperparameters:
     scale_max: float = 10.0
     curvature: str = "mean"
     significance: float = 0.0
-    damping: bool | str = True
+    damping: bool = True
     damping_recovery: float = 0.5
     drift_forgetting: float = 1.0
     recent_fraction: float = 1.0
@@ -194,9 +191,9 @@ class QNVBHyperparameters:
             _check_number(name, value, ok, expected)
         if self.curvature not in _CURVATURES:
             raise ValueError(f"curvature must be one of {_CURVATURES}, got {self.curvature!r}")
-        if not (isinstance(self.damping, bool) or self.damping == "trend"):
+        if not isinstance(self.damping, bool):
             raise TypeError(
-                f"damping must be True, False or 'trend', got {self.damping!r} "
+                f"damping must be True or False, got {self.damping!r} "
                 f"({type(self.damping).__name__})"
             )
 
@@ -427,13 +424,9 @@ def _reference_rules(
     wider = significant & (total_curv < hp.sigma_max**-2)  # asks for more than sigma_max
     total_curv = total_curv.clamp(min=hp.sigma_max**-2)
 
-    # rule 6, damping: a sign change of the gradient (or of its trend) means the last step overshot
-    if hp.damping == "trend":  # the sign test reads an exponential average of the gradient
-        tested = DAMPING_TREND_BETA * state.last_grad + (1 - DAMPING_TREND_BETA) * grad
-    else:
-        tested = grad
+    # rule 6, damping: a sign change of the gradient means the last step overshot
     if hp.damping:
-        flipped = tested * state.last_grad < 0
+        flipped = grad * state.last_grad < 0
         damping = torch.where(
             flipped, state.damping + 1, (state.damping - hp.damping_recovery).clamp(min=1.0)
         )
@@ -467,7 +460,7 @@ def _reference_rules(
         h2_avg=h2_avg,
         count=count,
         curvature_count=curvature_count,
-        last_grad=tested,
+        last_grad=grad,
         damping=damping,
     )
     # rule 11: a non-finite input or an overflow (e.g. of g^2) leaves a coordinate unchanged: no
@@ -607,13 +600,8 @@ def _flat_update(
     total_curv = total_curv.clamp(min=hp.sigma_max**-2)
 
     # rule 6
-    if hp.damping == "trend":
-        tested = state.last_grad * DAMPING_TREND_BETA
-        tested += grad * (1 - DAMPING_TREND_BETA)
-    else:
-        tested = grad
     if hp.damping:
-        flipped = tested * state.last_grad < 0
+        flipped = grad * state.last_grad < 0
         damping = torch.where(
             flipped, state.damping + 1, (state.damping - hp.damping_recovery).clamp(min=1.0)
         )
@@ -656,7 +644,7 @@ def _flat_update(
         curvature_count = curvature_count * travelled.exp_()
         del travelled
 
-    new_state = QNVBState(g_avg, s_avg, h_avg, h2_avg, count, curvature_count, tested, damping)
+    new_state = QNVBState(g_avg, s_avg, h_avg, h2_avg, count, curvature_count, grad, damping)
     probe = input_probe  # rule 11
     for value in (new_mu, new_sigma, *new_state):
         probe.addcmul_(value, zero)
