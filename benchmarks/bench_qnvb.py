@@ -66,6 +66,10 @@ ABLATIONS: dict[str, dict] = {
     "rms-curvature": {"curvature": "rms"},  # the reference's sqrt(mean(h^2)), no test
     "damping": {"damping": False},
     "damping-recovery-1": {"damping_recovery": 1.0},  # the symmetric rule
+    # a recovery above 1: k shrinks unless more than r / (1 + r) of the steps flip the sign (noise:
+    # half of them; an oscillation: all)
+    "damping-recovery-1.5": {"damping_recovery": 1.5},
+    "damping-recovery-2": {"damping_recovery": 2.0},
     "drift-forgetting": {"drift_forgetting": 0.0},
     "lr-cap": {"lr": math.inf},  # the full quasi-Newton step
     "scale-limit": {"scale_min": 1e-100, "scale_max": math.inf},
