@@ -239,6 +239,9 @@ ABLATIONS: dict[str, dict] = {
     "scale_max=2": {"scale_max": 2.0},
     "damping=False": {"damping": False},
     "damping_recovery=1": {"damping_recovery": 1.0},
+    "damping_recovery=1.5": {"damping_recovery": 1.5},
+    "damping_recovery=2": {"damping_recovery": 2.0},
+    "damping_recovery=2, betas=(0.9,0.999)": {"damping_recovery": 2.0, "betas": (0.9, 0.999)},
     "drift_forgetting=0": {"drift_forgetting": 0.0},
     "recent_fraction=0.1": {"recent_fraction": 0.1},
     "betas=(0,0.9)": {"betas": (0.0, 0.9)},
@@ -386,6 +389,8 @@ def run_fits(model, data, rule, args, v_ex, neg_elbo, idx) -> None:
     t0 = time.process_time()
     few = ("default", "damping=False", "recent_fraction=0.1")
     ablations = ABLATIONS if rule == args.ablate_rule else {k: ABLATIONS[k] for k in few}
+    if args.settings:
+        ablations = {k: ABLATIONS[k] for k in args.settings}
     for label, settings in tqdm(ablations.items(), desc=rule, leave=False):
         for steps in args.steps:
             guide, caught = fit(model, data, QNVB(**settings), rule, steps)
@@ -473,6 +478,12 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=400)
     parser.add_argument("--mc", type=int, default=200_000)
     parser.add_argument("--trace", action="store_true", help="trace default QNVB's path, then stop")
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        choices=list(ABLATIONS),
+        help="run only these QNVB settings (of ABLATIONS) for every rule",
+    )
     args = parser.parse_args()
     torch.set_default_dtype(torch.float32)
     {"nested": study_nested, "schools": study_schools}[args.model](args)

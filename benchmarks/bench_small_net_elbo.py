@@ -56,6 +56,13 @@ SMALL_NET_VARIANTS = {
     "declared, trust_region=inf": (None, {"trust_region": math.inf}, None),
     "declared, scale_max=10": (None, {"scale_max": 10.0}, None),
     "declared, damping_recovery=1": (None, {"damping_recovery": 1.0}, None),
+    "declared, damping_recovery=1.5": (None, {"damping_recovery": 1.5}, None),
+    "declared, damping_recovery=2": (None, {"damping_recovery": 2.0}, None),
+    "declared, damping_recovery=2, beta1=0.9": (
+        None,
+        {"damping_recovery": 2.0, "betas": (0.9, 0.999)},
+        None,
+    ),
     "declared, hadamard K=4": (None, {}, ("hadamard", 4)),
     "own (qnvb_settings={})": ({}, {}, None),
     "own, trust_region=1": ({}, {"trust_region": 1.0}, None),
