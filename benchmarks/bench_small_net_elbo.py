@@ -79,6 +79,12 @@ REGRESSION_VARIANTS = {
         "damping": False,
         "betas": (0.9, 0.999),
     },
+    "declared, damping_recovery=2": {**NETWORK_QNVB_SETTINGS, "damping_recovery": 2.0},
+    "declared, damping_recovery=2, beta1=0.9": {
+        **NETWORK_QNVB_SETTINGS,
+        "damping_recovery": 2.0,
+        "betas": (0.9, 0.999),
+    },
 }
 
 
