@@ -40,6 +40,7 @@ from tqdm import tqdm
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.guides import describe_guide
 from pyro_quadvi.quadrature import gauss_hermite, make_rule
+from pyro_quadvi.testing.problems import minimize_mean_field
 
 # -- model 1: two nested plates ---------------------------------------------------------------
 
@@ -142,28 +143,11 @@ def schools_neg_elbo(m: torch.Tensor, s: torch.Tensor, y=Y8, sd=S8) -> torch.Ten
 def lbfgs(
     objective, m0: torch.Tensor, log_s0: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Minimize ``objective(m, s)`` over ``(m, log s)`` in float64; returns ``m, s, value``."""
-    p = torch.cat([m0, log_s0]).double().requires_grad_()
-    d = m0.numel()
-    opt = torch.optim.LBFGS(
-        [p],
-        lr=1,
-        max_iter=5000,
-        tolerance_grad=1e-12,
-        tolerance_change=0,
-        history_size=50,
-        line_search_fn="strong_wolfe",
-    )
-
-    def closure():
-        opt.zero_grad()
-        value = objective(p[:d], p[d:].exp())
-        value.backward()
-        return value
-
-    opt.step(closure)
+    """:func:`~pyro_quadvi.testing.problems.minimize_mean_field` from ``(m0, log_s0)``, and the
+    objective's value there."""
+    m, s = minimize_mean_field(objective, m0.numel(), m0, log_s0)
     with torch.no_grad():
-        return p[:d].clone(), p[d:].exp(), float(objective(p[:d], p[d:].exp()))
+        return m, s, float(objective(m, s))
 
 
 def rule_draws(rule_name: str, dim: int, draws: int, seed: int = 0):

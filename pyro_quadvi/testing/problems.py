@@ -32,6 +32,7 @@ __all__ = [
     "eight_schools",
     "linear_regression",
     "logistic_regression",
+    "minimize_mean_field",
     "small_network",
 ]
 
@@ -135,15 +136,28 @@ def linear_regression(d: int, rho: float = 0.0, n: int | None = None, seed: int 
     return problem, x, y
 
 
-def _minimize(objective, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Minimize ``objective(mu, sigma)`` over ``(mu, log sigma)`` in float64: L-BFGS, then Newton
-    steps (the loss is too flat in floating point for a line search near the end) until
-    ``|dL/dmu| sigma`` and ``|dL/dlog sigma|`` are below 1e-10 (errors near 1e-10 sigma)."""
+def minimize_mean_field(
+    objective: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    dim: int,
+    loc: torch.Tensor | None = None,
+    log_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Minimize ``objective(mu, sigma)`` over ``(mu, log sigma)`` in float64: L-BFGS from
+    ``(loc, log_scale)`` (default ``(0, -1)``), then Newton steps (the loss is too flat in
+    floating point for a line search near the end) until ``|dL/dmu| sigma`` and
+    ``|dL/dlog sigma|`` are below 1e-10 (errors near 1e-10 sigma).
+
+    Raises:
+        RuntimeError: if 20 Newton steps do not get there (a saddle, or an objective that is
+            not smooth to that precision).
+    """
 
     def flat_objective(params):
         return objective(params[:dim], params[dim:].exp())
 
-    params = torch.cat([torch.zeros(dim), torch.full((dim,), -1.0)]).double().requires_grad_()
+    loc = torch.zeros(dim) if loc is None else loc
+    log_scale = torch.full((dim,), -1.0) if log_scale is None else log_scale
+    params = torch.cat([loc, log_scale]).double().detach().requires_grad_()
     optimizer = torch.optim.LBFGS(
         [params],
         lr=1.0,
@@ -207,7 +221,7 @@ def logistic_regression(d: int, n: int, seed: int = 0, prior_scale: float = 1.0)
         prior = dist.Normal(0.0, prior_scale).log_prob(z).sum(-1)
         return -(lik + prior)
 
-    mu, sigma = _minimize(neg_elbo, d)
+    mu, sigma = minimize_mean_field(neg_elbo, d)
     problem = MeanFieldProblem(
         f"logistic d={d} n={n}", model, neg_log_joint, [("b", d)], neg_elbo, mu, sigma
     )
@@ -252,7 +266,7 @@ def eight_schools() -> MeanFieldProblem:
         lp = lp + dist.Normal(mu[..., None] + tau[..., None] * eta, s).log_prob(y).sum(-1)
         return -lp
 
-    mu, sigma = _minimize(neg_elbo, 10)
+    mu, sigma = minimize_mean_field(neg_elbo, 10)
     return MeanFieldProblem(
         "eight schools",
         model,
