@@ -355,18 +355,24 @@ def study_nested(args) -> None:
         )
         X, w = rule_draws(rule, dim, args.draws)
         expected = expected_quadrature_loss(lambda z: nested_neg_log_joint(z, y), X, w)
-        at_exact = float(expected(m_ex, s_ex))
-        m_q, s_q, _ = lbfgs(expected, m_ex, s_ex.log())
-        row(
-            f"{rule}: minimizer of the expected loss ({X.shape[0]} draws)",
-            m_q,
-            s_q,
-            v_ex,
-            neg_elbo,
-            idx,
-            f" expected loss - exact at the optimum {at_exact - v_ex:+.4f}",
-        )
+        minimizer_row(rule, expected, X.shape[0], m_ex, s_ex, v_ex, neg_elbo, idx)
         run_fits(nested, y.float(), rule, args, v_ex, neg_elbo, idx)
+
+
+def minimizer_row(rule, expected, draws, m_ex, s_ex, v_ex, neg_elbo, idx) -> None:
+    """The row of the minimizer of the rule's expected loss (over ``draws`` node sets), started
+    at the exact optimum ``(m_ex, s_ex)``."""
+    at_exact = float(expected(m_ex, s_ex))
+    m_q, s_q, _ = lbfgs(expected, m_ex, s_ex.log())
+    row(
+        f"{rule}: minimizer of the expected loss ({draws} draws)",
+        m_q,
+        s_q,
+        v_ex,
+        neg_elbo,
+        idx,
+        f" expected loss - exact at the optimum {at_exact - v_ex:+.4f}",
+    )
 
 
 def run_fits(model, data, rule, args, v_ex, neg_elbo, idx) -> None:
@@ -437,17 +443,7 @@ def study_schools(args) -> None:
         )
         X, w = rule_draws(rule, dim, args.draws)
         expected = expected_quadrature_loss(schools_neg_log_joint, X, w, entropy_constant=True)
-        at_exact = float(expected(m_ex, s_ex))
-        m_q, s_q, _ = lbfgs(expected, m_ex, s_ex.log())
-        row(
-            f"{rule}: minimizer of the expected loss ({X.shape[0]} draws)",
-            m_q,
-            s_q,
-            v_ex,
-            neg_elbo,
-            idx,
-            f" expected loss - exact at the optimum {at_exact - v_ex:+.4f}",
-        )
+        minimizer_row(rule, expected, X.shape[0], m_ex, s_ex, v_ex, neg_elbo, idx)
         run_fits(schools, S8, rule, args, v_ex, neg_elbo, idx)
 
 
