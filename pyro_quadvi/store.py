@@ -10,13 +10,16 @@ steps the store's tensor, which no gradient reaches, while the module computes w
 which nothing steps: the fit silently stops. Pyro's ``PyroParam`` (``AutoNormal``'s parameters,
 ``AutoMeanFieldNormal``'s) is synchronized by Pyro itself and is left alone here.
 
-:func:`follow_store` mends one parameter; :func:`follow_param_store` every plain parameter of a
-guide's ``PyroModule`` s. :class:`~pyro_quadvi.QuadratureELBO`, :func:`~pyro_quadvi.nn.predict`
-and :func:`~pyro_quadvi.export.to_inference_data` call the latter before each run of the guide.
+:func:`follow_store` mends one parameter; :func:`follow_param_store` every plain parameter of the
+``PyroModule`` s of a guide or a model (through ``torch.compile``).
+:class:`~pyro_quadvi.QuadratureELBO`, :func:`~pyro_quadvi.nn.fit` and
+:func:`~pyro_quadvi.export.to_inference_data` call it on the guide and the model before they run
+them, :func:`~pyro_quadvi.nn.predict` on the guide.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterator
 
@@ -27,7 +30,7 @@ from torch import nn
 
 __all__ = ["follow_param_store", "follow_store"]
 
-# guide -> the store's tensor of each of its parameters, as last installed (follow_store)
+# guide or model -> the store's tensor of each of its parameters, as last installed
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = (
     weakref.WeakKeyDictionary()
 )
@@ -79,6 +82,15 @@ def follow_store(fullname: str, param: nn.Parameter, installed: dict[str, torch.
     installed[fullname] = store[fullname]  # param itself, or the store's contiguous copy of it
 
 
+def compiled_original(module: object) -> nn.Module | None:
+    """The module ``torch.compile`` wrapped, if ``module`` is its ``OptimizedModule``; else
+    ``None``. (Without ``torch._dynamo`` imported there is no such wrapper.)"""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return module._orig_mod
+    return None
+
+
 def follow_param_store(module: object) -> None:
     """Give every plain ``nn.Parameter`` of ``module``'s ``PyroModule`` s the value the param
     store holds under its name, and put the parameter itself back into the store.
@@ -96,11 +108,13 @@ def follow_param_store(module: object) -> None:
     ``pyro.settings.set(module_local_params=True)`` (no param store).
 
     Args:
-        module: a guide or a model (any object; only a ``PyroModule`` is looked into).
+        module: a guide or a model (any object; only a ``PyroModule`` is looked into, also behind
+            ``torch.compile``).
 
     Raises:
         ValueError: if the store holds one of the parameters with another shape or dtype.
     """
+    module = compiled_original(module) or module
     if not isinstance(module, PyroModule) or pyro.settings.get("module_local_params"):
         return
     installed = None

@@ -52,7 +52,7 @@ def test_under_pure_sign_noise_k_grows_like_t_over_4_with_recovery_half():
 
 def test_under_pure_sign_noise_k_stays_near_one_plus_phi_with_recovery_two():
     # steps of +1 or -2 with probability 1/2, floored: a walk that climbs one unit at a time, whose
-    # stationary law is geometric, P(k >= 1 + j) = q^j with q + q^-2 = 2, i.e. q = 1 / phi; so
+    # stationary law is geometric, P(k >= 1 + j) = q^j with q^-1 + q^2 = 2, i.e. q = 1 / phi; so
     # E k = 1 + q / (1 - q) = 1 + phi = 2.618 (standard error of the mean over 4,000
     # coordinates: 0.033); the same noise with recovery 0.5 gives 101 (above)
     generator = torch.Generator().manual_seed(0)

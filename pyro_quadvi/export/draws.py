@@ -545,6 +545,7 @@ def draw(
     """
     check_guide_was_run(guide, args, kwargs)
     follow_param_store(unwrap_guide(guide))  # a restored param store's values, not stale ones
+    follow_param_store(unwrap_guide(model))
     with torch.no_grad():
         runner = _Runner(model, guide, args, kwargs)
         groups, vectorized = _all_draws(runner.posterior, num_samples, vectorize, "posterior")

@@ -55,6 +55,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..distributions import SpikeSlab
 from ..distributions.spike_slab import HALF_LOG_2PI_E
 from ..infer.log_joint import LatentSite, look_through
+from ..store import compiled_original
 
 __all__ = [
     "CLOSED_FORM_FAMILIES",
@@ -362,10 +363,9 @@ def unwrap_guide(guide: Callable) -> Callable:
     seen = 0
     while seen < 32:
         seen += 1
-        if isinstance(guide, torch.nn.Module) and isinstance(
-            getattr(guide, "_orig_mod", None), torch.nn.Module
-        ):
-            guide = guide._orig_mod
+        original = compiled_original(guide)
+        if original is not None:
+            guide = original
             continue
         if isinstance(guide, functools.partial):
             # Pyro wraps handlers as partial(_context_wrap, messenger, fn)
