@@ -55,6 +55,20 @@ def _guide_values(guide) -> dict[str, torch.Tensor]:
     return {name: getattr(guide, name).detach().clone() for name, _ in guide.named_parameters()}
 
 
+def _checkpoint(optim) -> tuple:
+    """docs/qnvb.md, "Checkpoints": the store copied, the optimizer's state, the random state."""
+    store = copy.deepcopy(pyro.get_param_store().get_state())
+    return store, optim.get_state(), pyro.util.get_rng_state()
+
+
+def _restore(checkpoint: tuple, optim) -> None:
+    """The recipe's restore, into a cleared store (and new objects for a new process)."""
+    store, optim_state, rng_state = checkpoint
+    pyro.get_param_store().set_state(copy.deepcopy(store))
+    optim.set_state(optim_state)
+    pyro.util.set_rng_state(rng_state)
+
+
 @pytest.mark.parametrize(
     "guide_class, optim_name, fresh",
     [
@@ -79,17 +93,12 @@ def test_the_checkpoint_recipe_resumes_a_guide_with_a_plain_loc_bit_for_bit(
     pyro.set_rng_seed(0)
     guide, optim, svi = _build(guide_class, optim_name)
     got = [svi.step(x, y) for _ in range(3)]
-    # docs/qnvb.md, "Checkpoints": the store copied, the optimizer's state, the random state
-    store_state = copy.deepcopy(pyro.get_param_store().get_state())
-    optim_state = optim.get_state()
-    rng_state = pyro.util.get_rng_state()
+    checkpoint = _checkpoint(optim)
     pyro.clear_param_store()
     if fresh == "process":  # a new process: everything built again and the guide run once
         guide, optim, svi = _build(guide_class, optim_name)
         guide(x, y)
-    pyro.get_param_store().set_state(copy.deepcopy(store_state))
-    optim.set_state(optim_state)
-    pyro.util.set_rng_state(rng_state)
+    _restore(checkpoint, optim)
     got += [svi.step(x, y) for _ in range(5)]
 
     assert got == expected
@@ -238,12 +247,9 @@ def test_fit_resumes_a_plain_loc_under_pyros_own_elbo_after_a_restore():
     pyro.set_rng_seed(0)
     guide, optim, svi = build()
     got = fit(svi, (x, y), 3, progress=False).loss
-    store_state = copy.deepcopy(pyro.get_param_store().get_state())
-    optim_state, rng_state = optim.get_state(), pyro.util.get_rng_state()
+    checkpoint = _checkpoint(optim)
     pyro.clear_param_store()
-    pyro.get_param_store().set_state(copy.deepcopy(store_state))
-    optim.set_state(optim_state)
-    pyro.util.set_rng_state(rng_state)
+    _restore(checkpoint, optim)
     got += fit(svi, (x, y), 4, progress=False).loss
     assert got == expected
     assert torch.equal(guide.loc, expected_loc)
@@ -298,12 +304,9 @@ def test_a_pyro_module_models_plain_bias_resumes_bit_for_bit(how):
     pyro.set_rng_seed(0)
     module, optim, svi = build()
     got = steps(svi, 3)
-    store_state = copy.deepcopy(pyro.get_param_store().get_state())
-    optim_state, rng_state = optim.get_state(), pyro.util.get_rng_state()
+    checkpoint = _checkpoint(optim)
     pyro.clear_param_store()
-    pyro.get_param_store().set_state(copy.deepcopy(store_state))
-    optim.set_state(optim_state)
-    pyro.util.set_rng_state(rng_state)
+    _restore(checkpoint, optim)
     got += steps(svi, 4)
     assert got == expected
     assert torch.equal(module.bias, expected_bias)
@@ -360,14 +363,11 @@ def test_a_compiled_guide_resumes_bit_for_bit_through_quadrature_elbo():
     pyro.set_rng_seed(0)
     guide, optim, svi = build()
     got = [svi.step(x, y) for _ in range(3)]
-    store_state = copy.deepcopy(pyro.get_param_store().get_state())
-    optim_state, rng_state = optim.get_state(), pyro.util.get_rng_state()
+    checkpoint = _checkpoint(optim)
     pyro.clear_param_store()
     guide, optim, svi = build()  # a new process: built again and run once
     svi.guide(x, y)
-    pyro.get_param_store().set_state(copy.deepcopy(store_state))
-    optim.set_state(optim_state)
-    pyro.util.set_rng_state(rng_state)
+    _restore(checkpoint, optim)
     got += [svi.step(x, y) for _ in range(3)]
     assert got == expected
     assert torch.equal(guide.loc, expected_loc)
