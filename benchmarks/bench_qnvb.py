@@ -76,6 +76,7 @@ ABLATIONS: dict[str, dict] = {
     "sigma-bounds": {"sigma_min": 1e-100, "sigma_max": 1e100},
     "beta1": {"betas": (0.9, 0.999)},  # switched on: the reference's gradient average
     "recent-fraction-0.5": {"recent_fraction": 0.5},  # switched on: a window of t / 2 at most
+    "recent-fraction-0.1": {"recent_fraction": 0.1},  # the annealing default: t / 10 at most
     "significance-1": {"significance": 1.0},  # switched on: one standard error
     # candidate step caps (issue 11, "QNVB step cap default"), named by their values
     "lr-1": {"lr": 1.0},
