@@ -99,8 +99,8 @@ def follow_param_store(module: object) -> None:
     plain parameters (Pyro's ``AutoDiagonalNormal``, ``AutoMultivariateNormal``,
     ``AutoLowRankMultivariateNormal``) or a ``PyroModule`` model with plain parameters (a
     ``PyroModule[nn.Linear]`` whose bias is not a ``PyroSample``) is trained on by Pyro's own
-    ELBOs; the package's ``QuadratureELBO`` (guide and model), ``fit`` (guide and model),
-    ``predict`` and ``to_inference_data`` (guide) call it themselves. Anything else does
+    ELBOs; the package's ``QuadratureELBO``, ``fit`` and ``to_inference_data`` (guide and
+    model) and ``predict`` (guide) call it themselves. Anything else does
     nothing: an object that is not a ``PyroModule``, a parameter not in the store (a module not
     run yet), a ``PyroParam``'s unconstrained leaf (Pyro synchronizes those), the parameters of
     plain ``nn.Module`` s inside it (which Pyro registers with ``pyro.module``; restore those
