@@ -20,6 +20,18 @@ def fresh_param_store():
     pyro.clear_param_store()
 
 
+@pytest.fixture
+def float64_store():
+    """float64 as torch's default dtype and an empty param store for the test; the dtype restored
+    and the store emptied after it."""
+    pyro.clear_param_store()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+    pyro.clear_param_store()
+
+
 @pytest.fixture(scope="session")
 def spawn_ranks():
     """``pyro_quadvi.testing.ranks.run_ranks``, a test failure (not an error) where the ranks do

@@ -35,14 +35,7 @@ EXACT_RULES = [
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    pyro.clear_param_store()
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-    pyro.clear_param_store()
+pytestmark = pytest.mark.usefixtures("float64_store")
 
 
 # -- a conjugate model whose log joint is a diagonal quadratic -------------------------------------

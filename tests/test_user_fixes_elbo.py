@@ -18,14 +18,7 @@ from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 FALLBACK = "evaluating them one by one"
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    pyro.clear_param_store()
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-    pyro.clear_param_store()
+pytestmark = pytest.mark.usefixtures("float64_store")
 
 
 # -- a plate that appears only on a later call --------------------------------------------------
