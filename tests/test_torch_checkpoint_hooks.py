@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
+from pyro_quadvi.testing.checkpoints import rename_back, renamed_entry
 from pyro_quadvi.testing.compare import equal_nested
 
 
@@ -75,16 +76,10 @@ def test_a_copy_made_before_the_checkpoint_hooks_gets_them(kind):
     saved = old.state_dict()
     assert equal_nested(saved[_entry(optimizer)], optimizer.state_dict()[_entry(optimizer)])
 
-    renamed = {k: v for k, v in saved.items() if k != _entry(optimizer)}
-    renamed["entry_v0"] = saved[_entry(optimizer)]
+    renamed = renamed_entry(saved, _entry(optimizer))
     fresh = _optimizer(kind, _params())
-
-    def migrate(o, state_dict):
-        state_dict = dict(state_dict)
-        state_dict[_entry(o)] = state_dict.pop("entry_v0")
-        return state_dict
-
-    fresh.register_load_state_dict_pre_hook(migrate, prepend=True)  # still before the check
+    # prepended: still before the check
+    fresh.register_load_state_dict_pre_hook(rename_back(_entry(optimizer)), prepend=True)
     fresh.load_state_dict(renamed)
     for _ in range(3):
         want = optimizer.step(_closure(_own_params(optimizer), x, y))

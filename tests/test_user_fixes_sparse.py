@@ -29,6 +29,7 @@ from pyro_quadvi.optim.sparse_functional import (
     sieve_pieces,
     sparse_qnvb_update,
 )
+from pyro_quadvi.testing.checkpoints import rename_back, renamed_entry
 from pyro_quadvi.testing.compare import equal_nested
 
 # ------------------------------------------------------------- 1. at least one weight nonzero
@@ -604,20 +605,15 @@ def test_user_checkpoint_hooks_see_the_sparse_qnvb_entry_and_may_migrate_it():
     assert [entry["counters"][0] for entry in seen] == [3]
     assert copy.deepcopy(optimizer).state_dict()["sparse_qnvb"]["counters"][0] == 3
     # an older checkpoint kept the entry under another key: a user pre-hook renames it
-    old = {k: v for k, v in saved.items() if k != "sparse_qnvb"}
-    old["sparse_qnvb_v0"] = saved["sparse_qnvb"]
+    old = renamed_entry(saved, "sparse_qnvb")
     net2 = _square_net(seed=1)
     optimizer2 = _sparse(net2.parameters())
     with pytest.raises(ValueError, match=r"no 'sparse_qnvb' entry .* a state-dict hook dropped"):
         optimizer2.load_state_dict(old)
 
-    def migrate(o, state_dict):
-        state_dict = dict(state_dict)
-        state_dict["sparse_qnvb"] = state_dict.pop("sparse_qnvb_v0")
-        return state_dict
-
     steps_seen = []
-    optimizer2.register_load_state_dict_pre_hook(migrate)  # registered last, runs before the check
+    # registered last, it runs before the check
+    optimizer2.register_load_state_dict_pre_hook(rename_back("sparse_qnvb"))
     optimizer2.register_load_state_dict_post_hook(lambda o: steps_seen.append(o.counters.step))
     optimizer2.load_state_dict(old)
     assert steps_seen == [3] and optimizer2.counters == optimizer.counters

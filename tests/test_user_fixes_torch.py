@@ -14,6 +14,7 @@ from torch.optim.lr_scheduler import StepLR
 
 from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
 from pyro_quadvi.optim.sparse_functional import mixture_moments
+from pyro_quadvi.testing.checkpoints import rename_back, renamed_entry
 from pyro_quadvi.testing.compare import equal_nested
 
 
@@ -700,20 +701,14 @@ def test_user_checkpoint_hooks_see_the_qnvb_entry_and_may_migrate_it():
     saved = optimizer.state_dict()
     assert seen == [2] and copy.deepcopy(optimizer).state_dict()["qnvb"]["num_steps"] == 2
     # an older checkpoint kept the entry under another key: a user pre-hook renames it
-    old = {k: v for k, v in saved.items() if k != "qnvb"}
-    old["qnvb_v0"] = saved["qnvb"]
+    old = renamed_entry(saved, "qnvb")
     net2 = copy.deepcopy(net)
     optimizer2 = _qnvb(net2.named_parameters(), quadrature="rasp_simplex")
     with pytest.raises(ValueError, match=r"no 'qnvb' entry .* a state-dict hook dropped"):
         optimizer2.load_state_dict(old)
 
-    def migrate(o, state_dict):
-        state_dict = dict(state_dict)
-        state_dict["qnvb"] = state_dict.pop("qnvb_v0")
-        return state_dict
-
     steps_seen = []
-    optimizer2.register_load_state_dict_pre_hook(migrate)
+    optimizer2.register_load_state_dict_pre_hook(rename_back("qnvb"))
     optimizer2.register_load_state_dict_post_hook(lambda o: steps_seen.append(o.num_steps))
     optimizer2.load_state_dict(old)
     assert steps_seen == [2] and optimizer2.num_steps == 2
