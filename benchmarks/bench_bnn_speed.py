@@ -152,9 +152,9 @@ class TimedQNVBOptimizer(QNVBOptimizer):
 
     elapsed = 0.0
 
-    def _update(self, params, moments):
+    def _update(self, params, moments, weight):
         start = clock()
-        super()._update(params, moments)
+        super()._update(params, moments, weight)
         self.elapsed += clock() - start
 
 
