@@ -30,6 +30,8 @@ import pytest
 import scipy.linalg
 import torch
 from pyro.infer import SVI
+from pyro.infer.autoguide import AutoDiagonalNormal
+from pyro.infer.autoguide.initialization import init_to_mean
 from torch import nn
 
 from pyro_quadvi import (
@@ -757,3 +759,116 @@ def test_multi_step_prediction_is_the_same_on_cuda():
     for got, expected in zip(results[CUDA], results[CPU]):
         assert got.mean.device.type == "cuda"
         _assert_close(got.mean.cpu(), expected.mean, F64)
+
+
+# --------------------------------------------------------------------------------------------
+# 9. Paths added since the last GPU run: a restored param store (a CPU checkpoint resumed on
+# CUDA, a guide's plain ``loc``, a compiled guide), low-precision metrics
+
+
+def _logistic_data(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 3, generator=generator, dtype=F64)
+    y = (x @ torch.tensor([1.0, -2.0, 0.5], dtype=F64) > 0).to(F64)
+    return x.to(device), y.to(device)
+
+
+def _logistic(x, y):
+    w = pyro.sample("w", dist.Normal(x.new_zeros(()), 1.0).expand([3]).to_event(1))
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Bernoulli(logits=(x * w).sum(-1)), obs=y)
+
+
+def test_a_cpu_checkpoint_resumes_on_cuda_and_follows_the_cpu_run(tmp_path):
+    """docs/qnvb.md's checkpoint recipe across devices: the param store saved by the CPU run,
+    loaded with ``map_location``, and QNVB's state from ``get_state`` (CPU tensors, bound on the
+    parameters' device at the next step). The CUDA run's next steps follow the CPU run's."""
+    path = tmp_path / "store.pt"
+    bnn, guide, optim, elbo, _ = _bnn_fit("gaussian-learned-noise", F64, CPU, steps=3)
+    pyro.get_param_store().save(path)
+    state = optim.get_state()
+    x, y = _regression(F64)
+    svi = SVI(bnn, guide, optim, elbo)
+    expected = [svi.step(x, y) for _ in range(3)]
+    expected_store = _param_store(CPU)
+
+    pyro.clear_param_store()
+    x, y = x.to(CUDA), y.to(CUDA)
+    bnn = BayesianModule(
+        _network(1, F64, CUDA), priors.Normal(1.0), likelihoods.Gaussian(N, scale=None)
+    )
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net(), init_scale=0.05)
+    guide(x, y)
+    pyro.get_param_store().load(path, map_location=CUDA)
+    resumed = QNVB(lr=0.5)
+    resumed.set_state(state)
+    svi = SVI(bnn, guide, resumed, QuadratureELBO("hadamard", num_points=4))
+    got = [svi.step(x, y) for _ in range(3)]
+    _assert_close(got, expected, F64)
+    _assert_close(_param_store(CUDA), expected_store, F64)
+    _on_host(resumed.get_state()["qnvb"]["pairs"], CUDA)  # every state tensor moved to CUDA
+
+
+def _diagonal_fit(device: torch.device, compiled: bool = False):
+    """Pyro's ``AutoDiagonalNormal`` (a plain ``nn.Parameter`` ``loc``) on a logistic regression,
+    QNVB and the Hadamard rule; the guide started at the prior's mean (no random start)."""
+    guide = AutoDiagonalNormal(_logistic, init_loc_fn=init_to_mean)
+    optim = QNVB()
+    run = torch.compile(guide) if compiled else guide
+    return guide, optim, SVI(_logistic, run, optim, QuadratureELBO("hadamard", num_points=4))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_plain_loc_guide_on_cuda_resumes_bit_for_bit_and_follows_the_cpu_run(compiled):
+    """Six steps against three, a restore of the store and QNVB's state into new objects, and
+    three more: the same losses bit for bit, the guide's ``loc`` the store's tensor again, on
+    CUDA. Compiled (inductor on CUDA), with QNVB's module hook installed. The CUDA losses follow
+    the eager CPU run."""
+    x, y = _logistic_data(CUDA)
+    guide, _, svi = _diagonal_fit(CUDA, compiled)
+    expected = [svi.step(x, y) for _ in range(6)]
+    expected_loc = guide.loc.detach().clone()
+
+    pyro.clear_param_store()
+    guide, optim, svi = _diagonal_fit(CUDA, compiled)
+    got = [svi.step(x, y) for _ in range(3)]
+    store, state = copy.deepcopy(pyro.get_param_store().get_state()), optim.get_state()
+    pyro.clear_param_store()
+    guide, optim, svi = _diagonal_fit(CUDA, compiled)  # a new process: built again, run once
+    svi.guide(x, y)
+    pyro.get_param_store().set_state(store)
+    optim.set_state(state)
+    got += [svi.step(x, y) for _ in range(3)]
+    assert got == expected
+    assert torch.equal(guide.loc, expected_loc) and guide.loc.device.type == "cuda"
+    assert pyro.get_param_store()["AutoDiagonalNormal.loc"] is guide.loc
+    _param_store(CUDA)
+
+    pyro.clear_param_store()
+    cpu_x, cpu_y = _logistic_data(CPU)
+    _, _, cpu_svi = _diagonal_fit(CPU)
+    cpu_losses = [cpu_svi.step(cpu_x, cpu_y) for _ in range(6)]
+    _assert_close(expected, cpu_losses, F64)
+    assert cpu_losses[-1] < cpu_losses[0] - 1.0  # the fit moves
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_metrics_on_cuda_equal_the_cpus(dtype):
+    """Probabilities in float16/bfloat16 on CUDA: the metrics agree with the same computation on
+    the CPU (``categorical_nll`` in float32 on both), and rows that are not probabilities are
+    refused there too, with the dtype's tolerance named."""
+    generator = torch.Generator().manual_seed(0)
+    logits = 3.0 * torch.randn(500, 10, generator=generator)
+    y = torch.randint(0, 10, (500,), generator=generator)
+    probs = torch.softmax(logits, -1).to(dtype)
+    eps = torch.finfo(dtype).eps
+    names = ("accuracy", "brier_score", "categorical_nll", "expected_calibration_error")
+    for name in names:
+        metric = getattr(metrics, name)
+        cpu, cuda = metric(probs, y), metric(probs.to(CUDA), y.to(CUDA))
+        assert cuda.device.type == "cuda" and cuda.dtype == cpu.dtype == dtype, name
+        assert cuda.item() == pytest.approx(cpu.item(), rel=4 * eps, abs=4 * eps), name
+    bad = probs.clone()
+    bad[7] = torch.tensor([0.25, 0.75, 0.5, 0, 0, 0, 0, 0, 0, 0], dtype=dtype)
+    with pytest.raises(ValueError, match=rf"sum to 1 within {4 * eps:.3g} for {dtype}"):
+        metrics.categorical_nll(bad.to(CUDA), y.to(CUDA))

@@ -26,6 +26,7 @@ ranks. Without CUDA or NCCL the module is skipped (CI has neither).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pyro
@@ -253,6 +254,43 @@ def _helpers() -> dict:
     )
 
 
+def _refused_step() -> dict:
+    """``NodeParallelQNVBOptimizer`` on the GPU whose closure raises on rank 1 at the second step:
+    the failure travels in a flag inside the step's all-reduce, which NCCL takes only on the
+    GPU; then one more step."""
+    x, y = _data()
+    net = _net()
+    optimizer = NodeParallelQNVBOptimizer(
+        net.named_parameters(),
+        likelihood_weight=ROWS,
+        init_sigma=0.05,
+        prior_precision=1.0,
+        quadrature="hadamard",
+        num_eval=4,
+    )
+
+    def closure(failing: bool = False):
+        if failing:
+            raise RuntimeError("a bad row")
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    before = copy.deepcopy(optimizer.state_dict())
+    refused = outcome(lambda: optimizer.step(lambda: closure(world()[0] == 1)))
+    after = copy.deepcopy(optimizer.state_dict())
+    optimizer.step(closure)
+    return _host(
+        {
+            "refused": refused,
+            "before": before,
+            "after": after,
+            "net": dict(net.named_parameters()),
+        }
+    )
+
+
 # ------------------------------------------------------------------ two ranks on the one GPU
 def _loaded_onto_own_device(path: Path) -> dict:
     """Rank 0 saves a param store of CUDA tensors; every rank loads it into a cleared store:
@@ -344,6 +382,7 @@ def _scenarios(outdir: Path) -> dict:
         SVI(bnn, guide, DistributedOptimizer(QNVB()), elbo).step(x, y)
 
     out["disagree"] = outcome(disagree)
+    out["refused_step"] = _refused_step()
     return out
 
 
@@ -451,6 +490,21 @@ def test_ranks_that_draw_different_nodes_all_raise(ranks):
     for rank in ranks:
         kind, message = rank["disagree"]
         assert kind == "RuntimeError" and "disagree on the quadrature nodes" in message, message
+
+
+def test_a_closure_raising_on_one_rank_raises_on_every_rank_on_the_gpu(ranks):
+    """Rank 1 raises its own error, rank 0 one naming rank 1 and its message (at once: a wait
+    for the timeout would fail the fixture); every rank's state dict is unchanged bit for bit,
+    and after one more step the ranks still agree."""
+    step = "NodeParallelQNVBOptimizer.step: evaluating the loss (the closure or loss_fn)"
+    assert ranks[1]["refused_step"]["refused"] == ("RuntimeError", "a bad row")
+    assert ranks[0]["refused_step"]["refused"] == (
+        "RuntimeError",
+        f"{step} raised on rank(s) [1]; rank 1: a bad row",
+    )
+    for rank in ranks:
+        assert equal_nested(rank["refused_step"]["before"], rank["refused_step"]["after"])
+    assert equal_nested(ranks[0]["refused_step"]["net"], ranks[1]["refused_step"]["net"])
 
 
 # ------------------------------------------------------------------- a world of one NCCL rank

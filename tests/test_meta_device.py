@@ -459,3 +459,33 @@ def test_opqa_posterior_log_prob_on_meta():
         for value in [*values, torch.zeros(2, device=META)]:
             assert posterior.log_prob({"mu": value}).device == META
         assert posterior.log_prob(1.3).device == META
+
+
+def test_a_qnvb_state_saved_on_the_cpu_resumes_a_fit_on_the_device():
+    """``QNVB.set_state`` of a CPU run's state, then a step on the device: each block's state
+    binds on its parameter's device, as torch's optimizers load theirs (it raised "Tensor on
+    device cpu is not on the expected device" in the update)."""
+
+    def fit(device: torch.device, state: dict | None = None) -> QNVB:
+        pyro.clear_param_store()
+        torch.manual_seed(0)
+        x, y = torch.randn(32, 3).to(device), torch.randn(32, 1).to(device)
+        net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).to(device)
+        bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(32, scale=0.3))
+        guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net(), init_scale=0.05)
+        optim = QNVB(lr=0.5)
+        if state is not None:
+            guide(x, y)
+            optim.set_state(state)
+        SVI(bnn, guide, optim, QuadratureELBO("hadamard")).step(x, y)
+        return optim
+
+    saved = fit(torch.device("cpu")).get_state()
+    with FakeSync():
+        resumed = fit(META, saved).get_state()
+    assert resumed["qnvb"]["num_steps"] == 2
+    pairs = resumed["qnvb"]["pairs"]
+    assert pairs.keys() == saved["qnvb"]["pairs"].keys() and len(pairs) == 4
+    for name, state in pairs.items():
+        assert all(value.device == META for value in state.values()), name
+    _all_on_meta()

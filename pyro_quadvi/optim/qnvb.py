@@ -635,6 +635,8 @@ class QNVB(PyroOptim):
         self._pending.pop(name, None)
         if state is None:
             state = init_qnvb_state(loc_leaf.detach())._asdict()
+        else:  # a state saved on another device follows its parameter, as torch's optimizers do
+            state = {key: value.to(loc_leaf.device) for key, value in state.items()}
         self._bound[name] = (loc_leaf, state)
         return state
 
@@ -866,7 +868,8 @@ class QNVB(PyroOptim):
         under the same model hints: a ``ValueError`` names the block and every setting that
         differs, and nothing is restored. A state saved without them (an earlier version) loads
         unchecked. States of blocks not (yet) seen are kept and written out again by
-        :meth:`get_state`.
+        :meth:`get_state`. A block's state binds on its parameter's device (a state saved on the
+        CPU resumes a CUDA fit), as ``torch.optim.Optimizer.load_state_dict`` moves its state.
         """
         qnvb = state_dict["qnvb"]
         settings = {}
