@@ -191,6 +191,18 @@ def _local_fit(kind: str, *, distributed: bool) -> dict:
     return {"losses": torch.tensor(losses, dtype=F64), "params": _store()}
 
 
+def _torch_optimizer(cls: type, net: nn.Module) -> QNVBOptimizer:
+    """``QNVBOptimizer`` or ``NodeParallelQNVBOptimizer`` over ``net``, Hadamard nodes."""
+    return cls(
+        net.named_parameters(),
+        likelihood_weight=ROWS,
+        init_sigma=0.05,
+        prior_precision=1.0,
+        quadrature="hadamard",
+        num_eval=4,
+    )
+
+
 def _torch_fit(closure: bool, *, distributed: bool) -> dict:
     """The plain-torch optimizer on the GPU, Hadamard nodes; the distributed ranks start from
     different weights (the constructor broadcasts rank 0's)."""
@@ -199,15 +211,7 @@ def _torch_fit(closure: bool, *, distributed: bool) -> dict:
     with torch.no_grad():
         for p in net.parameters():
             p += world()[0]
-    cls = NodeParallelQNVBOptimizer if distributed else QNVBOptimizer
-    optimizer = cls(
-        net.named_parameters(),
-        likelihood_weight=ROWS,
-        init_sigma=0.05,
-        prior_precision=1.0,
-        quadrature="hadamard",
-        num_eval=4,
-    )
+    optimizer = _torch_optimizer(NodeParallelQNVBOptimizer if distributed else QNVBOptimizer, net)
     losses = mse_steps(optimizer, net, x, y, STEPS, closure=closure, vectorize=True)
     params = dict(net.named_parameters())
     assert all(optimizer.state[p]["mu"].device == DEVICE for p in params.values())
@@ -260,14 +264,7 @@ def _refused_step() -> dict:
     GPU; then one more step."""
     x, y = _data()
     net = _net()
-    optimizer = NodeParallelQNVBOptimizer(
-        net.named_parameters(),
-        likelihood_weight=ROWS,
-        init_sigma=0.05,
-        prior_precision=1.0,
-        quadrature="hadamard",
-        num_eval=4,
-    )
+    optimizer = _torch_optimizer(NodeParallelQNVBOptimizer, net)
 
     def closure(failing: bool = False):
         if failing:
