@@ -955,6 +955,11 @@ MNIST_OBJECTIVE_METHODS = ("qnvb", "qnvb-trust1", "qnvb-trust1-kl0.1", "adam", "
 MNIST_OBJECTIVE_DRAWS = 16
 
 
+def objective_mnist_variants() -> tuple[str, ...]:
+    """The QNVB variants among :data:`MNIST_OBJECTIVE_METHODS` (run by ``--part mnist``)."""
+    return tuple(m for m in MNIST_OBJECTIVE_METHODS if m in VARIANTS)
+
+
 def part_objective_mnist(cache: Cache, s: dict, data_dir: str | None) -> None:
     """:func:`objective` of the MNIST MLP's final posteriors (and the :data:`SWAPS`): each method
     of :data:`MNIST_OBJECTIVE_METHODS` trained again as ``part_mnist`` trained it (which must have
@@ -964,6 +969,16 @@ def part_objective_mnist(cache: Cache, s: dict, data_dir: str | None) -> None:
     key = "objective/mnist/mlp/split0"
     if key in cache.data:
         return
+    needed = [mnist_key("mlp", m) for m in MNIST_OBJECTIVE_METHODS] + [
+        f"tune/mnist/mlp/{m}/lr={lr}" for m in ("adam", "ivon") for lr in MNIST_LR_GRID[m]
+    ]
+    missing = [k for k in needed if k not in cache.data]
+    if missing:
+        raise SystemExit(
+            f"--part objective-mnist compares with the runs of --part mnist, missing from "
+            f"{cache.path}: {', '.join(missing)}; run --part mnist --mnist-nets mlp --variants "
+            f"{' '.join(objective_mnist_variants())} with the same --results first"
+        )
     make = partial(mnist_net, "mlp")
     lrs = {m: tuned_lr(cache, "tune/mnist/mlp", m, MNIST_LR_GRID) for m in ("adam", "ivon")}
     posteriors, out = {}, {}
@@ -1201,8 +1216,13 @@ def main(argv: list[str] | None = None) -> None:
         part_objective(cache, s, tune)
     if options.part in ("regression", "diagnose", "all"):
         part_regression(cache, s, tune, Cache(options.reuse_runs) if options.reuse_runs else None)
-    if options.part in ("mnist", "all"):
+    if options.part == "mnist":
         part_mnist(cache, s, options.data_dir, tune, options.seed)
+    if options.part == "all":  # with the variants that --part objective-mnist compares with
+        variants = s["variants"] + tuple(
+            v for v in objective_mnist_variants() if v not in s["variants"]
+        )
+        part_mnist(cache, {**s, "variants": variants}, options.data_dir, tune, options.seed)
     if options.part in ("objective-mnist", "all"):
         part_objective_mnist(cache, s, options.data_dir)
     if options.part in ("diagnose", "all"):
