@@ -1,0 +1,137 @@
+"""Every benchmark script's smallest run finishes: a script that subclasses or calls the package's
+internals (``bench_bnn_speed.py`` times ``QNVBOptimizer._update``) breaks when they change, and
+nothing else runs it. Each invocation below takes a few seconds; its outputs go to ``tmp_path``.
+
+The scripts run as subprocesses from the repository root (tests never import ``benchmarks/``), as
+``docs/benchmarks.md`` runs them. Each must exit 0 and print its markdown table (a header, its
+separator and at least one row), or write the files it is told to. Left out: the scripts that need
+MNIST (``bench_bnn_quality.py``, ``bench_distributed.py``, ``bench_qnvb_wide.py``,
+``bench_sparse_qnvb_diagnose.py``) and those with no run under about 6 seconds
+(``bench_anneal_lag.py``, ``bench_evidence.py``, ``bench_elbo_accuracy.py``, ``bench_nodes.py``,
+``bench_whvi.py``'s ``fwht`` and ``layer``).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (script, arguments; "{tmp}" is the test's tmp_path, files: what it must have written)
+RUNS = {
+    "bnn_speed": ("bench_bnn_speed.py", "--nets 1-50-1 --repeats 1 --steps 1 --no-compile", ()),
+    "arviz_export": ("arviz_export.py", "--repeats 1", ()),
+    "elbo_cost": ("bench_elbo_cost.py", "--repeats 1 --steps 2", ()),
+    "exactness": ("bench_exactness.py", "--dim 16 --trials 2 --max-k 6 --plot ''", ()),
+    "predict_memory": (
+        "bench_predict_memory.py",
+        "--rows 200 --draws 4 --batch-sizes 0 100 --repeats 1",
+        (),
+    ),
+    "sparse_dense": (
+        "bench_sparse_dense.py",
+        "--batches 32 --tau-max 0.1 --pairs 2 --sparsity 0.7",
+        (),
+    ),
+    "qnvb": ("bench_qnvb.py", "--problems linear-d10-rho0 --max-evals 200 --history", ()),
+    "qnvb_diagnostics": (
+        "qnvb_diagnostics.py",
+        "--problem linear-d10-rho0 --loss trace --steps 10",
+        (),
+    ),
+    "rules": (
+        "bench_rules.py",
+        "--problems eight-schools pyro-eight-schools --budget 48 --early 24 --seeds 1",
+        (),
+    ),
+    "blocked_signs": (
+        "bench_blocked_signs.py",
+        "--part suite --seeds 1 --problems eight-schools --budget 48 --early 24",
+        (),
+    ),
+    "small_net_elbo": ("bench_small_net_elbo.py", "--quick --part probe", ()),
+    "qnvb_lr": (
+        "bench_qnvb_lr.py",
+        "--splits 1 --evals 30 --draws 4 --results {tmp}/qnvb_lr.json",
+        ("qnvb_lr.json",),
+    ),
+    "hierarchical_exact": (
+        "bench_hierarchical_exact.py",
+        "nested --rules blocked_simplex --steps 10 --adam-steps 10 --draws 10 --mc 1000",
+        (),
+    ),
+    "spike_slab": (
+        "bench_spike_slab.py",
+        "--epochs 2 --reps 1 --eval-every 1 --json {tmp}/s.jsonl --plot {tmp}/s.png --no-progress",
+        ("s.jsonl", "s.png"),
+    ),
+    "sparse_qnvb_regression": (
+        "bench_sparse_qnvb_regression.py",
+        "--reps 1 --sparse-epochs 3 --gumbel-epochs 1 --sparse-batch 512 "
+        "--json {tmp}/r.jsonl --plot {tmp}/r.png",
+        ("r.jsonl", "r.png"),
+    ),
+    "sparse_qnvb_integration": (
+        "bench_sparse_qnvb.py",
+        "--integration --trials 50 --fig-dir {tmp} --out {tmp}/i.json",
+        ("i.json",),
+    ),
+    "sparse_qnvb_digits": (
+        "bench_sparse_qnvb.py",
+        "--dataset digits --net mlp --epochs 3 --methods sparse --fig-dir {tmp} --out {tmp}/s.json",
+        ("s.json",),
+    ),
+    "whvi_uci": (
+        "bench_whvi.py",
+        "uci --datasets boston --splits 1 --steps 5 --adam-steps 15 --jsonl {tmp}/w.jsonl",
+        ("w.jsonl",),
+    ),
+    "whvi_toy": ("bench_whvi.py", "toy --steps 5 --out {tmp}/t.png", ("t.png",)),
+}
+
+
+def _run(script: str, arguments: str, tmp: Path) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
+        "MPLBACKEND": "Agg",
+    }
+    env.pop("PYRO_QUADVI_DATA", None)  # no MNIST: every run here uses generated or packaged data
+    command = [sys.executable, str(ROOT / "benchmarks" / script)]
+    command += shlex.split(arguments.format(tmp=tmp))
+    return subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+
+
+def _table_rows(stdout: str) -> int:
+    """Rows of the markdown tables printed (lines starting with ``|`` after a separator)."""
+    rows, in_table = 0, False
+    for line in stdout.splitlines():
+        if line.startswith("|---") or line.startswith("| ---"):
+            in_table = True
+        elif in_table and line.startswith("|"):
+            rows += 1
+        else:
+            in_table = False
+    return rows
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_the_benchmark_script_finishes(name, tmp_path):
+    script, arguments, files = RUNS[name]
+    done = _run(script, arguments, tmp_path)
+    assert done.returncode == 0, f"{script} {arguments}\n{done.stderr[-3000:]}"
+    missing = [f for f in files if not (tmp_path / f).is_file()]
+    assert not missing, f"{script} did not write {missing}"
+    if not files:
+        assert _table_rows(done.stdout) >= 1, f"{script} printed no table:\n{done.stdout[-2000:]}"
