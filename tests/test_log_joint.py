@@ -163,6 +163,34 @@ def test_lkj_latent_is_accepted_and_its_log_joint_is_exact():
     assert math.isfinite(QuadratureELBO(vectorize=True).loss(lkj_model, guide, LKJ_Y))
 
 
+def lkj_as_written(y):
+    """Pyro's examples/lkj.py as it is written (``torch.mm`` and ``torch.diag``, which take one
+    matrix, not a batch), with ``theta``'s dims declared an event."""
+    d = y.shape[1]
+    theta = pyro.sample("theta", dist.HalfCauchy(torch.ones(d)).to_event(1))
+    L_omega = pyro.sample("L_omega", dist.LKJCholesky(d, torch.ones(())))
+    L_Omega = torch.mm(torch.diag(theta.sqrt()), L_omega)
+    with pyro.plate("observations", y.shape[0]):
+        pyro.sample("obs", dist.MultivariateNormal(torch.zeros(d), scale_tril=L_Omega), obs=y)
+
+
+def test_lkj_example_as_written_falls_back_to_the_loop_with_one_warning():
+    """The vectorized pass meets ``torch.diag`` of a batch ("Supports 1D or 2D tensors"), which
+    was not known as a broadcasting error: the default ``vectorize=None`` raised it. It now
+    loops over the points, warning once, and the loss is the looped pass's."""
+    guide = AutoMeanFieldNormal(lkj_as_written)
+    guide(LKJ_Y)
+    looped = QuadratureELBO("hadamard", vectorize=False).loss(lkj_as_written, guide, LKJ_Y)
+    elbo = QuadratureELBO("hadamard")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = elbo.loss(lkj_as_written, guide, LKJ_Y)
+        second = elbo.loss(lkj_as_written, guide, LKJ_Y)
+    assert first == second == looped and math.isfinite(looped)
+    fallbacks = [w for w in caught if "Supports 1D or 2D tensors" in str(w.message)]
+    assert len(fallbacks) == 1, [str(w.message) for w in caught]
+
+
 def lkj_2d(y):
     L = pyro.sample("L", dist.LKJCholesky(2, torch.tensor(1.5)))
     with pyro.plate("observations", y.shape[0]):

@@ -110,6 +110,13 @@ _BROADCAST_MESSAGES = re.compile(
             r"out of bounds for dimension",
             r"invalid log_prob shape",  # Pyro's trace check
             r"inconsistent tensor size",
+            # operations defined on a vector or a matrix only, given a batch of them
+            r"Supports 1D or 2D tensors",  # torch.diag
+            r"must be a matrix",  # torch.mm, addmm
+            r"1D tensors expected",  # torch.dot
+            r"expected a matrix",  # torch.trace
+            r"matrix @ vector expected",  # torch.mv
+            r"Expected 1-D argument",  # torch.outer, ger
             *_VMAP_REFUSALS,
         ]
     )
