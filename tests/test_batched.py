@@ -155,6 +155,27 @@ def test_none_falls_back_on_a_numeric_mismatch_and_says_where():
     assert "differ" in decision.reason
 
 
+def test_a_random_model_is_named_as_such_not_as_a_vectorization_failure():
+    """A ``single`` that gives another value at the same point (a latent hidden by
+    ``poutine.block``, drawn afresh at each run) disagrees with any vectorized pass; the warning
+    says that the model is random, with both values of the repeated point, not that the
+    vectorized pass failed (``vectorize=False`` would not help)."""
+    draws = iter([0.5, 0.25, 0.125, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
+
+    def noisy(x):
+        return x**2 + next(draws)
+
+    with pytest.warns(UserWarning) as caught:
+        values, decision = evaluate_batch(lambda p: p**2, noisy, POINTS, None)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "other values at the same point when run twice (point 0: 0.5, then 1)" in message
+    assert "poutine.block" in message and "vectorize=False" not in message
+    # the probes' values (points 0, 2, 4) are kept; points 1 and 3 are evaluated in the loop
+    assert values.tolist() == [0.5, 3.0, 4.25, 13.0, 16.125]
+    assert not decision.vectorized and decision.reason == "point 0: 0.5, then 1"
+
+
 def test_none_falls_back_when_the_vectorized_shape_is_wrong():
     with pytest.warns(UserWarning, match="no value of the shape"):
         _, decision = evaluate_batch(lambda p: (p**2).sum(), single, POINTS, None)

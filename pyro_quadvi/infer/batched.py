@@ -223,6 +223,22 @@ def evaluate_batch(
         reason = _disagreement(values, known, rtol, atol)
         if reason is None:
             return values, BatchDecision(True, None, len(known))
+        first = indices[0]
+        again = _repeat_difference(single(points[first]), known[first], first, rtol, atol)
+        if again is not None:  # not the vectorized pass: the model itself is random
+            warnings.warn(
+                f"{what}: the model gives other values at the same point when run twice "
+                f"({again}): it draws "
+                "random numbers besides the latent sites the guide covers (a sample site hidden "
+                "by poutine.block, a torch.randn in the model, dropout in training mode), so its "
+                "log density given the latents is not a function, and the loss is a noisy "
+                "estimate of another objective than the ELBO. Make the model deterministic given "
+                "its latents (let the guide see every latent site; net.eval()). Evaluating the "
+                "points one by one.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return _loop(single, points, known), BatchDecision(False, again, 0)
     warnings.warn(
         f"{what}: the model does not evaluate all {K} points in one vectorized pass ({reason}); "
         "evaluating them one by one. Pass vectorize=False to skip the vectorized pass and this "
@@ -261,6 +277,15 @@ def _disagreement(values: Any, known: Mapping[int, Any], rtol: float, atol: floa
                     f"its values differ from single evaluations ({where}: "
                     f"{_brief(got)} vectorized, {_brief(want)} alone)"
                 )
+    return None
+
+
+def _repeat_difference(again: Any, first: Any, k: int, rtol: float, atol: float) -> str | None:
+    """Where a second single evaluation ``again`` of point ``k`` differs from the ``first``."""
+    for path, got, want in _pairs(_stack([again]), first, 0):
+        where = f"{path} at point {k}" if path else f"point {k}"
+        if got is None or not torch.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True):
+            return f"{where}: {_brief(want)}, then {_brief(got)}" if got is not None else where
     return None
 
 
