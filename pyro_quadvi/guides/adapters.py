@@ -28,7 +28,13 @@ from pyro.poutine import Trace
 from torch.distributions import Distribution, Independent, biject_to, constraints, transform_to
 
 from ..infer.log_joint import LatentSite, latent_nodes
-from .interface import GuideDescription, JointGaussian, MeanFieldSite, register_adapter
+from .interface import (
+    GuideDescription,
+    JointGaussian,
+    MeanFieldSite,
+    register_adapter,
+    run_scale,
+)
 
 __all__ = [
     "check_set_up",
@@ -62,9 +68,23 @@ def subsample_rows(site: dict, trace: Trace, event_dim: int) -> dict[int, torch.
 
 
 def scale_factor(site: dict) -> float:
-    """The minibatch scale of a traced site (1 without subsampling)."""
+    """The scale of a traced site: its minibatch scale times that of any ``poutine.scale``
+    around it (1 without either).
+
+    Raises:
+        ValueError: for a scale that is a tensor of several elements (a ``poutine.scale`` by a
+            tensor), which no one number divides out.
+    """
     scale = site["scale"]
-    return 1.0 if is_identically_one(scale) else float(scale)
+    if is_identically_one(scale):
+        return 1.0
+    if isinstance(scale, torch.Tensor) and scale.numel() != 1:
+        raise ValueError(
+            f"site {site['name']!r} of the guide has a scale of shape {tuple(scale.shape)} (a "
+            "poutine.scale by a tensor), which scales its entries unevenly: a description takes "
+            "one number. Scale the guide by one number, or weight the data in the model only"
+        )
+    return float(scale)
 
 
 def _select(t: torch.Tensor, rows: dict[int, torch.Tensor] | None) -> torch.Tensor:
@@ -106,9 +126,15 @@ def describe_auto_normal(
         guide: the guide (set up: it has run once).
         trace: a trace of one run; ``None`` describes the current parameters.
         last_run: without a trace, ``site -> (scale factor, rows)`` of the guide's last run where
-            the guide keeps it (``AutoMeanFieldNormal``); otherwise rows are unknown (``None``).
+            the guide keeps it (``AutoMeanFieldNormal``); otherwise rows are unknown (``None``)
+            and each site's scale factor is the handler scale around the guide's last run
+            (:func:`~pyro_quadvi.guides.interface.run_scale`: a ``poutine.scale``; the minibatch
+            scale of the plates the guide opens is not known then).
     """
     check_set_up(guide)
+    if trace is None and last_run is None:
+        factor = run_scale(guide)
+        last_run = {name: (factor, None) for name in guide._event_dims}
     sites, latent = [], []
     for name, proto in guide.prototype_trace.iter_stochastic_nodes():
         site, latent_site = gaussian_block(guide, name, proto, trace, last_run)
@@ -175,11 +201,12 @@ def check_set_up(guide: AutoGuide) -> None:
 
 def _posterior(guide: AutoContinuous, trace: Trace | None) -> tuple[object, float]:
     """The guide's posterior over its latent vector, and that site's scale (a ``poutine.scale``
-    around the guide), from ``trace`` or, without one, from its current parameters."""
+    around the guide), from ``trace`` or, without one, from its current parameters and the
+    handlers around its last run (:func:`~pyro_quadvi.guides.interface.run_scale`)."""
     if trace is not None:
         node = trace.nodes[f"_{guide._pyro_name}_latent"]
         return node["fn"], scale_factor(node)
-    return guide.get_posterior(), 1.0
+    return guide.get_posterior(), run_scale(guide)
 
 
 @register_adapter(AutoDiagonalNormal)

@@ -48,6 +48,9 @@ from pyro.distributions.transforms import Transform
 from pyro.infer.autoguide import AutoGuide, AutoGuideList
 from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
+from pyro.poutine.runtime import _PYRO_STACK
+from pyro.poutine.scale_messenger import ScaleMessenger
+from pyro.poutine.subsample_messenger import SubsampleMessenger
 from torch.distributions import Distribution, kl_divergence
 from torch.distributions.constraints import Constraint
 from torch.utils.weak import WeakIdKeyDictionary
@@ -72,6 +75,7 @@ __all__ = [
     "published_moments",
     "register_adapter",
     "register_guide",
+    "run_scale",
     "supported_guides",
     "trace_for_description",
     "unwrap_guide",
@@ -504,6 +508,98 @@ def describe_live_guides(params: Iterable[torch.Tensor]) -> list[tuple[Callable,
     return described
 
 
+@dataclass
+class _RunScale:
+    """The handler scale around a guide's last run that could make gradients (:func:`run_scale`).
+
+    Attributes:
+        scale: the product, a float; a tensor only where a ``poutine.scale`` by a tensor of more
+            than one element makes it no single number.
+        version: the in-place version of the guide's first parameter at that run (``None``
+            before the guide made its parameters): runs at one version feed one step's gradients.
+        clash: another scale a run at the same version had, else ``None``.
+    """
+
+    scale: float | torch.Tensor
+    version: int | None
+    clash: float | torch.Tensor | None = None
+
+
+_RUN_SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _handler_scale() -> float | torch.Tensor:
+    """The factor Pyro's live handlers put on a site's log density: the product of the scales of
+    the active ``poutine.scale`` s and of ``full size / batch size`` of the active subsampled
+    plates, the only handlers that touch a site's ``scale``."""
+    scale = 1.0
+    for messenger in _PYRO_STACK:
+        if isinstance(messenger, ScaleMessenger):
+            factor = messenger.scale
+            if isinstance(factor, torch.Tensor):
+                factor = float(factor) if factor.numel() == 1 else factor.detach()
+            scale = factor * scale
+        elif isinstance(messenger, SubsampleMessenger):
+            scale = float(messenger.size) / messenger.subsample_size * scale
+    return scale
+
+
+def _same_scale(a: float | torch.Tensor, b: float | torch.Tensor) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        a, b = torch.as_tensor(a), torch.as_tensor(b)
+        return a.shape == b.shape and bool((a == b).all())
+    return a == b
+
+
+def _note_run_scale(guide: torch.nn.Module) -> None:
+    """Record the handler scale around this run of ``guide`` (:class:`_RunScale`)."""
+    scale = _handler_scale()
+    first = next(guide.parameters(), None)
+    version = None if first is None else first._version
+    earlier = _RUN_SCALES.get(guide)
+    clash = None
+    if earlier is not None and version is not None and earlier.version == version:
+        clash = earlier.clash if _same_scale(earlier.scale, scale) else earlier.scale
+    _RUN_SCALES[guide] = _RunScale(scale, version, clash)
+
+
+def run_scale(guide: torch.nn.Module) -> float:
+    """The scale ``poutine.scale`` handlers (and subsampled plates) around ``guide``'s last run
+    under autograd put on each of its sites: what the gradients of its parameters carry besides
+    the minibatch scale of the plates the guide opens itself. 1.0 for a guide not seen running
+    (:func:`watch_guides` records the runs).
+
+    A description without a trace of an adapter-described guide (``AutoNormal``,
+    ``AutoDiagonalNormal``) takes it as its blocks' ``scale_factor``; ``AutoMeanFieldNormal``
+    records each site's whole scale itself.
+
+    Raises:
+        ValueError: if the scale is a tensor of several elements (it scales the sites unevenly),
+            or if two runs since the guide's parameters last changed had different scales (the
+            gradients may mix both): no one number reads them.
+    """
+    record = _RUN_SCALES.get(guide)
+    if record is None:
+        return 1.0
+    name = f"{type(guide).__name__} {getattr(guide, '_pyro_name', '')!r}"
+    if isinstance(record.scale, torch.Tensor):
+        raise ValueError(
+            f"the guide {name} runs under a poutine.scale by a tensor of shape "
+            f"{tuple(record.scale.shape)}, which scales its sites unevenly, so QNVB cannot divide "
+            "it out of the gradients of the guide's parameters. Scale the guide by one number "
+            "(poutine.scale(guide, scale=s)), or weight the data in the model only"
+        )
+    if record.clash is not None:
+        raise ValueError(
+            f"the guide {name} ran at scale {record.clash} and at scale {record.scale} since "
+            "its parameters last changed, so its gradients may mix both and QNVB cannot divide "
+            "one scale out of them. Run the guide under one poutine.scale per step; run it "
+            "outside the loss under torch.no_grad() (as Predictive and SVI.evaluate_loss do); "
+            "or fit with QuadratureELBO, which hands QNVB the moments with the scale removed"
+        )
+    return record.scale
+
+
 @torch.compiler.disable  # bookkeeping, run eagerly: dynamo must not trace the WeakSet
 def _on_module_call(module: torch.nn.Module, args) -> None:
     cls = type(module)
@@ -512,6 +608,8 @@ def _on_module_call(module: torch.nn.Module, args) -> None:
         known = _DESCRIBABLE[cls] = is_describable(module)
     if known:
         _LIVE_GUIDES.add(module)
+        if torch.is_grad_enabled():
+            _note_run_scale(unwrap_guide(module))
     elif isinstance(module, AutoGuide) and not isinstance(module, AutoGuideList):
         _UNDESCRIBED_GUIDES.add(module)
 
