@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from pyro import poutine
@@ -16,6 +18,23 @@ from .adapters import check_set_up, describe_auto_normal, scale_factor, subsampl
 from .interface import GuideDescription, MeanFieldSite
 
 __all__ = ["AutoMeanFieldNormal"]
+
+
+class RunStamp(NamedTuple):
+    """Which Python run of an :class:`AutoMeanFieldNormal` recorded its minibatch (``_last_run``).
+
+    Attributes:
+        number: the run's place in one sequence shared by every such guide of the process, so
+            two runs (of one guide or of two) never share a number within a process.
+        grad: whether gradients were on (off: ``Predictive``, ``SVI.evaluate_loss``): a run
+            without them cannot be the one whose gradients an optimizer reads.
+    """
+
+    number: int
+    grad: bool
+
+
+_RUN_NUMBERS = itertools.count(1)
 
 
 class AutoMeanFieldNormal(AutoNormal):
@@ -30,7 +49,9 @@ class AutoMeanFieldNormal(AutoNormal):
     In addition it remembers the minibatch of its last run (the rows and scale of each subsampled
     site; plain tensors, so the guide pickles and deep-copies like ``AutoNormal``), so that
     :meth:`quadrature_description` tells QNVB which rows to update and which minibatch scale to
-    remove even under Pyro's own ELBOs (rasp paper, eq. 4-8).
+    remove even under Pyro's own ELBOs (rasp paper, eq. 4-8). Each run is stamped
+    (:class:`RunStamp`, :func:`last_run_stamp`): Pyro's ``JitTrace_ELBO`` replays the traced guide
+    without running it in Python, and QNVB refuses rows no run of this step recorded.
 
     Args:
         model: a Pyro model with continuous latent sites.
@@ -54,6 +75,7 @@ class AutoMeanFieldNormal(AutoNormal):
             create_plates=create_plates,
         )
         self._last_run: dict[str, tuple[float, dict[int, torch.Tensor]]] | None = None
+        self._last_run_stamp: RunStamp | None = None
 
     def __getstate__(self):
         # Pyro's AutoGuide drops its model reference from the pickle by clearing it on the guide
@@ -72,6 +94,7 @@ class AutoMeanFieldNormal(AutoNormal):
             aux = trace.nodes[name + "_unconstrained"]
             rows = subsample_rows(aux, trace, self._event_dims[name])
             self._last_run[name] = (scale_factor(aux), rows)
+        self._last_run_stamp = RunStamp(next(_RUN_NUMBERS), torch.is_grad_enabled())
         return result
 
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
@@ -101,6 +124,15 @@ class AutoMeanFieldNormal(AutoNormal):
     def mean_field_sites(self) -> list[MeanFieldSite]:
         """The sites of :meth:`quadrature_description`: current parameters, last run's rows."""
         return self.quadrature_description().sites
+
+
+def last_run_stamp(guide: object) -> RunStamp | None:
+    """The stamp of the Python run whose minibatch ``guide`` recorded (an
+    :class:`AutoMeanFieldNormal`, subclasses included, that has run); ``None`` for any other
+    guide."""
+    if not isinstance(guide, AutoMeanFieldNormal):
+        return None
+    return getattr(guide, "_last_run_stamp", None)  # a guide pickled before stamps: None
 
 
 def _check_init_scale(init_scale: object) -> float:

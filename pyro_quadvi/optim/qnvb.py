@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, fields
 
 import pyro
 import torch
+from pyro.infer.autoguide import AutoDelta
 from pyro.optim import PyroOptim
 from pyro.optim.lr_scheduler import PyroLRScheduler
 from torch.distributions import transform_to
@@ -57,6 +58,7 @@ from ..guides.interface import (
     undescribed_guides,
     watch_guides,
 )
+from ..guides.mean_field import RunStamp, last_run_stamp
 from .annealing import anneal_likelihood, annealing_factor, check_schedule
 from .qnvb_functional import (
     QNVBHyperparameters,
@@ -79,6 +81,7 @@ __all__ = [
     "GradientIdentity",
     "QNVBBlock",
     "minibatch_refusal",
+    "stale_rows_refusal",
 ]
 
 _DEFAULT_FALLBACK = (torch.optim.Adam, {"lr": 1e-2})
@@ -201,6 +204,38 @@ def minibatch_refusal(site: MeanFieldSite) -> ValueError | None:
     return None
 
 
+def stale_rows_refusal(
+    site: MeanFieldSite, run: RunStamp | None, previous: int | None
+) -> ValueError | None:
+    """QNVB's refusal of a block read from gradients whose rows are a minibatch (``site.rows``
+    not empty) recorded by no run of this step; ``None`` when there is none.
+
+    ``run`` is the stamp of the guide's run that recorded ``site.rows``
+    (:func:`~pyro_quadvi.guides.mean_field.last_run_stamp`; ``None``: the guide keeps none, no
+    check) and ``previous`` the number of the run QNVB read the block from at its previous step.
+    The rows are stale when no run happened since (Pyro's ``JitTrace_ELBO`` replays the guide
+    it traced at its first step without running it in Python, so the plate's new indices reach
+    the gradients but not the recorded rows; Pyro 1.9's ``JitTraceMeanField_ELBO`` traces again
+    at every step, so its guide runs), or when the last run had gradients off (``Predictive``,
+    ``SVI.evaluate_loss``), so it cannot be the run this step's gradients came from. QNVB would
+    update the recorded rows with their zero gradients and never the rows of the minibatch.
+    """
+    if not site.rows or run is None or (run.grad and run.number != previous):
+        return None
+    if run.grad:
+        why = "has not run in Python since QNVB's previous step"
+    else:
+        why = "last ran with gradients off (Predictive or SVI.evaluate_loss, say) and not since"
+    return ValueError(
+        f"QNVB: site {site.name!r} sits in a subsampled plate, and its guide {why}, so the "
+        "minibatch rows and scale it recorded are not this step's (QNVB would update those rows "
+        "and never the new ones). A JIT ELBO such as Pyro's JitTrace_ELBO replays the guide it "
+        "traced at its first step without running it, so the guide cannot record its minibatch. "
+        "Fit with Trace_ELBO (or TraceMeanField_ELBO), or with pyro_quadvi's QuadratureELBO, "
+        "which publishes the moments; or keep the JIT ELBO and use pyro.optim.Adam"
+    )
+
+
 def _not_finite_mask(t: torch.Tensor) -> torch.Tensor:
     """``~isfinite(t)`` in two passes (``isfinite`` is four kernels on the CPU): ``t * 0`` is 0
     for a finite entry and NaN for an infinite or NaN one."""
@@ -234,10 +269,14 @@ class QNVBBlock:
         site: the block, as its guide describes it.
         moments: what ``QuadratureELBO`` published for it in this step; ``None``: QNVB reads
             ``g`` and ``h`` from the gradients of its parameters (:data:`GRADIENT_IDENTITIES`).
+        run: the stamp of the guide's run that recorded ``site.rows``, where the guide keeps one
+            (:func:`~pyro_quadvi.guides.mean_field.last_run_stamp`; see
+            :func:`stale_rows_refusal`).
     """
 
     site: MeanFieldSite
     moments: PublishedMoments | None
+    run: RunStamp | None = None
 
 
 def _row_index(shape: torch.Size, rows: dict[int, torch.Tensor] | None) -> tuple | None:
@@ -332,6 +371,8 @@ class QNVB(PyroOptim):
         # name -> the hyperparameters a block was updated with and its model's hints (get_state)
         self._block_settings: dict[str, tuple[QNVBHyperparameters, dict]] = {}
         self._warned: set[str] = set()
+        # loc name -> the number of the guide run a block was last read from (stale_rows_refusal)
+        self._runs_read: dict[str, int] = {}
         watch_guides()
 
     def _hyperparameters_for(
@@ -482,9 +523,12 @@ class QNVB(PyroOptim):
         with every block's state kept by its name alone, not beside the live parameter it is
         bound to (which belongs to Pyro's param store, and holds a weak reference ``pickle``
         cannot take): a copy binds each state again at its block's next use, as after
-        :meth:`set_state`, so it goes on exactly as the original would with the same store."""
+        :meth:`set_state`, so it goes on exactly as the original would with the same store.
+        The guide runs blocks were read from are left out too: their numbers mean nothing to
+        another process (:func:`stale_rows_refusal`)."""
         state = self.__dict__.copy()
         state["_described"] = None
+        state["_runs_read"] = {}
         state["_pending"] = {
             **self._pending,
             **{name: block_state for name, (_, block_state) in self._bound.items()},
@@ -547,10 +591,11 @@ class QNVB(PyroOptim):
         if descriptions is None:
             descriptions = describe_live_guides(params)
         for guide, description in descriptions:
+            run = last_run_stamp(guide)
             for site in description.sites:
                 key = id(site.params["loc"])
                 if key in received and key not in blocks:
-                    blocks[key] = QNVBBlock(site, None)
+                    blocks[key] = QNVBBlock(site, None, run)
             joint = description.joint
             if joint is not None and any(id(p) in received for p in joint.params.values()):
                 explained = True
@@ -567,27 +612,44 @@ class QNVB(PyroOptim):
         return self._checked_blocks(blocks, received, explained)
 
     def _warn_undescribed_parts(self, params: list[torch.Tensor], described: set[int]) -> bool:
-        """Warn once for each AutoGuide of a kind QNVB cannot describe (an ``AutoDelta`` in an
-        ``AutoGuideList`` beside an ``AutoNormal``, say) that holds some of ``params`` outside
-        ``described``: they go to the fallback. The guides are those seen running
+        """Warn once for each AutoGuide of a kind QNVB cannot describe that holds some of
+        ``params`` outside ``described``: they go to the fallback. The message names the guide's
+        class and tells a part of an ``AutoGuideList`` (an ``AutoDelta`` beside an
+        ``AutoNormal``, say: QNVB updates the other parts) from a whole guide (an
+        ``AutoStructured``, say: QNVB updates none of it). The guides are those seen running
         (:func:`~pyro_quadvi.guides.interface.undescribed_guides`), matched by the identity of
         their parameters; the model's own ``pyro.param`` s belong to no guide."""
         rest = {id(p) for p in params} - described
+        fallback = self.pt_optim_constructor.__name__
         warned = False
         for guide in undescribed_guides():
             held = [p for p in guide.parameters() if id(p) in rest]
             if not held:
                 continue
             warned = True
-            part = guide._pyro_name or type(guide).__name__
-            self._warn_once(
-                f"undescribed {part}",
-                f"QNVB: the guide part {part!r} ({type(guide).__name__}) is of a kind QNVB "
-                "cannot describe, so its parameters go to the fallback optimizer "
-                f"({self.pt_optim_constructor.__name__}): point estimates "
-                "for an AutoDelta. For QNVB updates make it a Gaussian part (AutoNormal, "
-                "AutoMeanFieldNormal, AutoDiagonalNormal).",
-            )
+            kind = type(guide).__name__
+            name = guide._pyro_name or kind
+            owner = guide.master() if guide.master is not None else None  # its AutoGuideList
+            if owner is None:
+                message = (
+                    f"QNVB: the guide {name!r} ({kind}, the whole guide, not a part of an "
+                    "AutoGuideList) is of a kind QNVB cannot describe, so QNVB updates none of "
+                    f"its parameters: they all go to the fallback optimizer ({fallback}). Fit "
+                    "it with Pyro's Adam directly (pyro.optim.Adam), or use a guide QNVB "
+                    "describes (AutoMeanFieldNormal, AutoNormal, AutoDiagonalNormal)."
+                )
+            else:
+                what = "its point estimates (a MAP fit of its latents)"
+                if not isinstance(guide, AutoDelta):
+                    what = "its parameters"
+                message = (
+                    f"QNVB: the guide part {name!r} ({kind}) is of a kind QNVB cannot describe, "
+                    f"so {what} go to the fallback optimizer ({fallback}); QNVB updates the "
+                    f"parts of the AutoGuideList {owner._pyro_name!r} it describes. For QNVB "
+                    "updates of its latents make it a Gaussian part (AutoMeanFieldNormal, "
+                    "AutoNormal, AutoDiagonalNormal)."
+                )
+            self._warn_once(f"undescribed {name}", message)
         return warned
 
     def _checked_blocks(
@@ -670,9 +732,13 @@ class QNVB(PyroOptim):
         if block.moments is not None:
             g, h = block.moments.g, block.moments.h
         elif site.family in GRADIENT_IDENTITIES:
-            refusal = minibatch_refusal(site)
+            refusal = minibatch_refusal(site) or stale_rows_refusal(
+                site, block.run, self._runs_read.get(name)
+            )
             if refusal is not None:
                 raise refusal
+            if block.run is not None:
+                self._runs_read[name] = block.run.number
             grads = {"loc": select(loc_leaf.grad), "scale": select(scale_leaf.grad)}
             g, h = GRADIENT_IDENTITIES[site.family](site, values, grads)
         else:
