@@ -11,6 +11,7 @@ with the global param store or with ``module_local_params``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from operator import attrgetter
 
 import pyro.distributions as dist
@@ -58,12 +59,20 @@ def _leaf(module, dotted: str) -> tuple[torch.Tensor, object, str]:
     return leaf, constraint, owner._pyro_get_fullname(attr)
 
 
-def subsample_rows(site: dict, trace: Trace, event_dim: int) -> dict[int, torch.Tensor]:
-    """``param dim -> indices`` of the subsampled plates a traced guide site sits in."""
+def subsample_rows(
+    site: dict, trace: Trace, event_dim: int, plates: Mapping[str, object] | None = None
+) -> dict[int, torch.Tensor]:
+    """``param dim -> indices`` of the subsampled plates a traced guide site sits in.
+
+    A plate made outside ``trace`` (an ``AutoGuideList`` makes its parts' plates, so a part's
+    own trace lacks their subsample sites) is read from ``plates``, its plate objects by name.
+    """
     rows = {}
     for frame in site["cond_indep_stack"]:
         if frame.vectorized and frame.full_size is not None and frame.full_size != frame.size:
-            rows[frame.dim - event_dim] = trace.nodes[frame.name]["value"]
+            node = trace.nodes.get(frame.name)
+            indices = node["value"] if node is not None else plates[frame.name].indices
+            rows[frame.dim - event_dim] = indices
     return rows
 
 

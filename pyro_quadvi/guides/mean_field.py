@@ -90,9 +90,10 @@ class AutoMeanFieldNormal(AutoNormal):
         result = tracer(*args, **kwargs)
         trace = tracer.trace
         self._last_run = {}
+        plates = self.master().plates if self.master is not None else None  # a list's part
         for name in self._event_dims:
             aux = trace.nodes[name + "_unconstrained"]
-            rows = subsample_rows(aux, trace, self._event_dims[name])
+            rows = subsample_rows(aux, trace, self._event_dims[name], plates)
             self._last_run[name] = (scale_factor(aux), rows)
         self._last_run_stamp = RunStamp(next(_RUN_NUMBERS), torch.is_grad_enabled())
         return result
