@@ -489,3 +489,30 @@ def test_a_qnvb_state_saved_on_the_cpu_resumes_a_fit_on_the_device():
     for name, state in pairs.items():
         assert all(value.device == META for value in state.values()), name
     _all_on_meta()
+
+
+def test_a_qnvb_state_saved_in_float32_binds_in_the_parameters_float64():
+    """The floating fields of a restored block state take their parameter's dtype, as torch's
+    ``Optimizer.load_state_dict`` casts (they stayed float32 in a float64 fit)."""
+
+    def fit(dtype: torch.dtype, state: dict | None = None) -> QNVB:
+        pyro.clear_param_store()
+        torch.manual_seed(0)
+        x, y = torch.randn(32, 3, dtype=dtype), torch.randn(32, 1, dtype=dtype)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(dtype)
+        bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(32, scale=0.3))
+        guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net(), init_scale=0.05)
+        optim = QNVB(lr=0.5)
+        if state is not None:
+            guide(x, y)
+            optim.set_state(state)
+        SVI(bnn, guide, optim, QuadratureELBO("hadamard")).step(x, y)
+        return optim
+
+    saved = fit(torch.float32).get_state()
+    resumed = fit(torch.float64, saved).get_state()
+    for name, state in resumed["qnvb"]["pairs"].items():
+        saved_state = saved["qnvb"]["pairs"][name]
+        for key, value in state.items():
+            if saved_state[key].is_floating_point():
+                assert value.dtype == torch.float64, (name, key)

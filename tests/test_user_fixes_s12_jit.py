@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import pickle
 import warnings
 
@@ -335,21 +336,55 @@ def _list_with(part) -> AutoGuideList:
     return guide
 
 
+def _part(kind: str, what: str) -> str:
+    return (
+        f"QNVB: the guide part 'AutoGuideList.1' ({kind}) is of a kind QNVB cannot describe, "
+        f"so {what} go to the fallback optimizer (Adam); QNVB updates the parts of the "
+        "AutoGuideList 'AutoGuideList' it describes. For QNVB updates of its latents make it a "
+        "Gaussian part (AutoMeanFieldNormal, AutoNormal, AutoDiagonalNormal)."
+    )
+
+
 def test_a_part_qnvb_cannot_describe_is_named_as_a_part_of_its_list(float64_store):
     messages, _ = _undescribed_warnings(_list_with(AutoDelta), QNVB())
-    assert messages == [
-        "QNVB: the guide part 'AutoGuideList.1' (AutoDelta) is of a kind QNVB cannot describe, "
-        "so its point estimates (a MAP fit of its latents) go to the fallback optimizer (Adam); "
-        "QNVB updates the parts of the AutoGuideList 'AutoGuideList' it describes. For QNVB "
-        "updates of its latents make it a Gaussian part (AutoMeanFieldNormal, AutoNormal, "
-        "AutoDiagonalNormal)."
-    ]
+    assert messages == [_part("AutoDelta", "its point estimates (a MAP fit of its latents)")]
     pyro.clear_param_store()
     structured = lambda model: AutoStructured(model, conditionals="normal")  # noqa: E731
     messages, _ = _undescribed_warnings(_list_with(structured), QNVB())
-    assert messages == [
-        "QNVB: the guide part 'AutoGuideList.1' (AutoStructured) is of a kind QNVB cannot "
-        "describe, so its parameters go to the fallback optimizer (Adam); QNVB updates the "
-        "parts of the AutoGuideList 'AutoGuideList' it describes. For QNVB updates of its "
-        "latents make it a Gaussian part (AutoMeanFieldNormal, AutoNormal, AutoDiagonalNormal)."
-    ]
+    assert messages == [_part("AutoStructured", "its parameters")]
+
+
+# -- several minibatches in one step: Trace_ELBO's particles, each drawing its own subsample ----
+
+
+def _ten_rows():
+    y = torch.arange(10, dtype=torch.float64)
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 10.0))
+    with pyro.plate("N", 10, subsample_size=2) as idx:
+        theta = pyro.sample("theta", dist.Normal(mu, 1.0))
+        pyro.sample("obs", dist.Normal(theta, 1.0), obs=y[idx])
+
+
+def test_gradients_outside_the_recorded_minibatch_are_refused_before_any_update():
+    """``Trace_ELBO(num_particles=2)`` unvectorized runs the guide twice, on two subsamples: the
+    gradients reach four rows, the guide recorded the last two. QNVB updated those two and
+    dropped the others' gradients; it now refuses, changing nothing. With
+    ``vectorize_particles=True`` the particles share one subsample and the fit runs."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMeanFieldNormal(_ten_rows)
+    guide()
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    svi = SVI(_ten_rows, guide, QNVB(), Trace_ELBO(num_particles=2))
+    with pytest.raises(ValueError, match=r"^QNVB: site 'theta' sits in a subsampled plate, and "):
+        svi.step()
+    after = pyro.get_param_store()
+    assert all(torch.equal(after[k].detach(), v) for k, v in before.items())
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMeanFieldNormal(_ten_rows)
+    vectorized = Trace_ELBO(num_particles=2, vectorize_particles=True, max_plate_nesting=1)
+    svi = SVI(_ten_rows, guide, QNVB(), vectorized)
+    losses = [svi.step() for _ in range(30)]
+    assert all(math.isfinite(v) for v in losses)
+    assert pyro.param("AutoMeanFieldNormal.scales.theta").detach().ne(0.1).sum() >= 2

@@ -508,23 +508,7 @@ def describe_live_guides(params: Iterable[torch.Tensor]) -> list[tuple[Callable,
     return described
 
 
-@dataclass
-class _RunScale:
-    """The handler scale around a guide's last run that could make gradients (:func:`run_scale`).
-
-    Attributes:
-        scale: the product, a float; a tensor only where a ``poutine.scale`` by a tensor of more
-            than one element makes it no single number.
-        version: the in-place version of the guide's first parameter at that run (``None``
-            before the guide made its parameters): runs at one version feed one step's gradients.
-        clash: another scale a run at the same version had, else ``None``.
-    """
-
-    scale: float | torch.Tensor
-    version: int | None
-    clash: float | torch.Tensor | None = None
-
-
+# guide -> the handler scale around its last run under autograd (:func:`run_scale`)
 _RUN_SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -544,60 +528,35 @@ def _handler_scale() -> float | torch.Tensor:
     return scale
 
 
-def _same_scale(a: float | torch.Tensor, b: float | torch.Tensor) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        a, b = torch.as_tensor(a), torch.as_tensor(b)
-        return a.shape == b.shape and bool((a == b).all())
-    return a == b
-
-
-def _note_run_scale(guide: torch.nn.Module) -> None:
-    """Record the handler scale around this run of ``guide`` (:class:`_RunScale`)."""
-    scale = _handler_scale()
-    first = next(guide.parameters(), None)
-    version = None if first is None else first._version
-    earlier = _RUN_SCALES.get(guide)
-    clash = None
-    if earlier is not None and version is not None and earlier.version == version:
-        clash = earlier.clash if _same_scale(earlier.scale, scale) else earlier.scale
-    _RUN_SCALES[guide] = _RunScale(scale, version, clash)
-
-
 def run_scale(guide: torch.nn.Module) -> float:
     """The scale ``poutine.scale`` handlers (and subsampled plates) around ``guide``'s last run
     under autograd put on each of its sites: what the gradients of its parameters carry besides
     the minibatch scale of the plates the guide opens itself. 1.0 for a guide not seen running
     (:func:`watch_guides` records the runs).
 
+    The last run wins, as for ``AutoMeanFieldNormal``'s own record of its minibatch: in a step the
+    guide's run inside the loss comes last, after any evaluation between steps (Pyro's
+    ``Trace_ELBO.loss`` runs the guide with gradients on too). A loss that runs the guide twice
+    at two scales is read at the second.
+
     A description without a trace of an adapter-described guide (``AutoNormal``,
     ``AutoDiagonalNormal``) takes it as its blocks' ``scale_factor``; ``AutoMeanFieldNormal``
     records each site's whole scale itself.
 
     Raises:
-        ValueError: if the scale is a tensor of several elements (it scales the sites unevenly),
-            or if two runs since the guide's parameters last changed had different scales (the
-            gradients may mix both): no one number reads them.
+        ValueError: if the scale is a tensor of several elements (it scales the sites unevenly):
+            no one number reads the gradients.
     """
-    record = _RUN_SCALES.get(guide)
-    if record is None:
-        return 1.0
-    name = f"{type(guide).__name__} {getattr(guide, '_pyro_name', '')!r}"
-    if isinstance(record.scale, torch.Tensor):
+    scale = _RUN_SCALES.get(guide, 1.0)
+    if isinstance(scale, torch.Tensor):
+        name = f"{type(guide).__name__} {getattr(guide, '_pyro_name', '')!r}"
         raise ValueError(
             f"the guide {name} runs under a poutine.scale by a tensor of shape "
-            f"{tuple(record.scale.shape)}, which scales its sites unevenly, so QNVB cannot divide "
+            f"{tuple(scale.shape)}, which scales its sites unevenly, so QNVB cannot divide "
             "it out of the gradients of the guide's parameters. Scale the guide by one number "
             "(poutine.scale(guide, scale=s)), or weight the data in the model only"
         )
-    if record.clash is not None:
-        raise ValueError(
-            f"the guide {name} ran at scale {record.clash} and at scale {record.scale} since "
-            "its parameters last changed, so its gradients may mix both and QNVB cannot divide "
-            "one scale out of them. Run the guide under one poutine.scale per step; run it "
-            "outside the loss under torch.no_grad() (as Predictive and SVI.evaluate_loss do); "
-            "or fit with QuadratureELBO, which hands QNVB the moments with the scale removed"
-        )
-    return record.scale
+    return scale
 
 
 @torch.compiler.disable  # bookkeeping, run eagerly: dynamo must not trace the WeakSet
@@ -609,7 +568,7 @@ def _on_module_call(module: torch.nn.Module, args) -> None:
     if known:
         _LIVE_GUIDES.add(module)
         if torch.is_grad_enabled():
-            _note_run_scale(unwrap_guide(module))
+            _RUN_SCALES[unwrap_guide(module)] = _handler_scale()
     elif isinstance(module, AutoGuide) and not isinstance(module, AutoGuideList):
         _UNDESCRIBED_GUIDES.add(module)
 

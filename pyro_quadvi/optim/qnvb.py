@@ -81,6 +81,7 @@ __all__ = [
     "GradientIdentity",
     "QNVBBlock",
     "minibatch_refusal",
+    "outside_rows_refusal",
     "stale_rows_refusal",
 ]
 
@@ -233,6 +234,36 @@ def stale_rows_refusal(
         "traced at its first step without running it, so the guide cannot record its minibatch. "
         "Fit with Trace_ELBO (or TraceMeanField_ELBO), or with pyro_quadvi's QuadratureELBO, "
         "which publishes the moments; or keep the JIT ELBO and use pyro.optim.Adam"
+    )
+
+
+def outside_rows_refusal(site: MeanFieldSite, index: tuple | None) -> ValueError | None:
+    """QNVB's refusal of a block read from gradients whose scale has a gradient outside the
+    minibatch rows its guide recorded (``index``, from :func:`_row_index`); ``None`` when there
+    is none (or no rows were recorded).
+
+    Every entry of the minibatch has a scale gradient (its entropy's ``-1 / sigma``) and no entry
+    outside it has one, when one run of the guide made the step's gradients. Entries outside mean
+    that several runs on different minibatches did (Pyro's ``Trace_ELBO(num_particles=2)`` without
+    ``vectorize_particles`` draws a plate's subsample per particle) or that something else
+    reached the parameters, and QNVB, updating the last run's rows, would drop the others'
+    gradients. One host sync, for subsampled blocks only.
+    """
+    grad = site.params["scale"].grad
+    if index is None or grad is None:
+        return None
+    outside = torch.ones_like(grad, dtype=torch.bool)
+    outside[index] = False
+    if not bool((grad != 0).logical_and_(outside).any()):
+        return None
+    return ValueError(
+        f"QNVB: site {site.name!r} sits in a subsampled plate, and this step's gradients reach "
+        "entries outside the minibatch its guide recorded last, so the guide ran on several "
+        "minibatches in one step (Trace_ELBO with num_particles > 1 and no "
+        "vectorize_particles=True draws one per particle) or another term reached its "
+        "parameters; QNVB updates one minibatch's rows and would drop the other gradients. Use "
+        "Trace_ELBO(num_particles=K, vectorize_particles=True) (one minibatch for all "
+        "particles), one particle, or pyro_quadvi's QuadratureELBO"
     )
 
 
@@ -697,8 +728,14 @@ class QNVB(PyroOptim):
         self._pending.pop(name, None)
         if state is None:
             state = init_qnvb_state(loc_leaf.detach())._asdict()
-        else:  # a state saved on another device follows its parameter, as torch's optimizers do
-            state = {key: value.to(loc_leaf.device) for key, value in state.items()}
+        else:  # a state saved on another device or in another float type follows its
+            # parameter, as torch's Optimizer.load_state_dict casts its state
+            state = {
+                key: value.to(loc_leaf.device, loc_leaf.dtype)
+                if value.is_floating_point()
+                else value.to(loc_leaf.device)
+                for key, value in state.items()
+            }
         self._bound[name] = (loc_leaf, state)
         return state
 
@@ -732,8 +769,10 @@ class QNVB(PyroOptim):
         if block.moments is not None:
             g, h = block.moments.g, block.moments.h
         elif site.family in GRADIENT_IDENTITIES:
-            refusal = minibatch_refusal(site) or stale_rows_refusal(
-                site, block.run, self._runs_read.get(name)
+            refusal = (
+                minibatch_refusal(site)
+                or stale_rows_refusal(site, block.run, self._runs_read.get(name))
+                or outside_rows_refusal(site, index)
             )
             if refusal is not None:
                 raise refusal
@@ -934,8 +973,9 @@ class QNVB(PyroOptim):
         under the same model hints: a ``ValueError`` names the block and every setting that
         differs, and nothing is restored. A state saved without them (an earlier version) loads
         unchecked. States of blocks not (yet) seen are kept and written out again by
-        :meth:`get_state`. A block's state binds on its parameter's device (a state saved on the
-        CPU resumes a CUDA fit), as ``torch.optim.Optimizer.load_state_dict`` moves its state.
+        :meth:`get_state`. A block's state binds on its parameter's device and, where floating,
+        in its dtype (a state saved on the CPU resumes a CUDA fit), as
+        ``torch.optim.Optimizer.load_state_dict`` moves and casts its state.
         """
         qnvb = state_dict["qnvb"]
         settings = {}
