@@ -297,30 +297,58 @@ def test_keyword_arguments_are_refused_by_name():
 
 def test_the_trained_means_put_back_into_the_net():
     # docs/nn.md: net.load_state_dict(guide.median(), strict=False); the net then computes what
-    # the model computes at the guide's medians, a parametrized and a padded layer included
+    # the model computes at the guide's medians: a parametrized layer, tied weights, a padding
+    # row and a buffer included; the learned noise scale is left out
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
             self.emb = nn.Embedding(6, 3, padding_idx=0)
             self.hidden = weight_norm(nn.Linear(3, 4))
-            self.head = nn.Linear(4, 1)
+            self.norm = nn.BatchNorm1d(4)
+            self.head = nn.Linear(4, 4)
+            self.out = nn.Linear(4, 4)
+            self.out.weight = self.head.weight  # tied
 
         def forward(self, tokens):
-            return self.head(torch.tanh(self.hidden(self.emb(tokens).sum(1))))
+            h = self.head(torch.tanh(self.norm(self.hidden(self.emb(tokens).sum(1)))))
+            return self.out(torch.tanh(h))[:, :1]
 
     tokens, y = _tokens(40)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     torch.manual_seed(1)
     net = Net().double()
-    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(40, scale=0.1))
+    with torch.no_grad():
+        net.norm.running_mean.fill_(0.3)
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(40, scale=None))
     guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
     fit(SVI(bnn, guide, QNVB(), QuadratureELBO()), (tokens, y), 20, progress=False)
     medians = {name: value.detach() for name, value in guide.median().items()}
-    expected = bnn.evaluate(medians, tokens)
+    assert "noise_scale" in medians and "out.weight" not in medians and "head.weight" in medians
+    with pytest.raises(ValueError, match=r"values for \['noise_scale'\], which are not latent"):
+        bnn.evaluate(medians, tokens)
+    expected = bnn.evaluate({n: v for n, v in medians.items() if n != "noise_scale"}, tokens)
     before = net.emb.weight.detach().clone()
     missing, unexpected = net.load_state_dict(medians, strict=False)
-    assert missing == [] and unexpected == []
+    assert sorted(missing) == [  # (torch does not count num_batches_tracked missing)
+        "norm.running_mean",
+        "norm.running_var",
+        "out.weight",  # loaded under "head.weight", the same Parameter
+    ]
+    assert unexpected == ["noise_scale"]
+    assert net.out.weight is net.head.weight
     assert not torch.equal(net.emb.weight[1:], before[1:])  # the means were loaded
     torch.testing.assert_close(net.emb.weight[0], torch.zeros(3, dtype=torch.float64))
     torch.testing.assert_close(net(tokens), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_an_embedding_bag_never_uses_its_padding_row():
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.EmbeddingBag(6, 3, mode="sum", padding_idx=0), nn.Linear(3, 1)).double()
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(4))
+    values = {name: p.detach().clone() for name, p in bnn.latent_parameters().items()}
+    tokens = torch.tensor([[3, 3, 0, 0], [1, 2, 0, 4]])
+    first = bnn.evaluate(values, tokens)
+    values["0.weight"][0] = 7.0  # another row 0: the same outputs
+    torch.testing.assert_close(bnn.evaluate(values, tokens), first, rtol=0, atol=0)
+    torch.testing.assert_close(first[0], bnn.evaluate(values, tokens[:1, :2])[0], rtol=0, atol=0)

@@ -95,7 +95,13 @@ class BayesianModule(PyroModule):
 
     **Buffers** (batch-norm running statistics) are passed to the net unchanged: the net runs in
     eval mode, so batch norm normalizes with its running statistics as they are and never updates
-    them, and dropout is off. ``bnn.train()`` leaves the net in eval mode.
+    them, and dropout is off. ``bnn.train()`` leaves the net in eval mode. For the same reason
+    spectral normalization of a sampled or trained weight is refused (its ``u``, ``v`` stay those
+    of the build-time weight).
+
+    **Padding.** An ``nn.Embedding(padding_idx=p)`` whose weight is latent runs with the layer's
+    own row ``p`` (a constant, as in plain torch, where that row gets no gradient); the sampled
+    row ``p`` is a dummy the likelihood never sees. A weight tied to another layer is sampled whole.
 
     Call it as a Pyro model (``SVI(bnn, guide, ...)``, ``Predictive(bnn, ...)``); it returns the
     net's outputs (``batch + (B,) + row``). :meth:`predict` gives a Bayesian model average.
@@ -306,6 +312,12 @@ class BayesianModule(PyroModule):
         missing = sorted(set(params) - set(values))
         if missing:
             raise ValueError(f"no values for the latent parameters {missing}")
+        extra = sorted(set(values) - set(params))
+        if extra:
+            raise ValueError(
+                f"values for {extra}, which are not latent parameters of the net (those are "
+                f"{list(params)}); leave other sites (a learned noise scale) out"
+            )
         # the innermost modules in training mode (the layers, not the containers above them)
         training = [
             _where(m, path)
