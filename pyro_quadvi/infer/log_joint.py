@@ -534,8 +534,9 @@ def _where(z: torch.Tensor, k: int) -> str:
     return f"quadrature node {k}" + (f" ({coordinates})" if coordinates else "")
 
 
-def _not_finite(site: dict, value: float, where: str) -> str:
-    """Why the log density of ``site`` is ``value`` (not finite), and what to do."""
+def _not_finite(site: dict, value: float, where: str, hint: str | None = None) -> str:
+    """Why the log density of ``site`` is ``value`` (not finite), and what to do; ``hint``: the
+    model's own account, in place of the general advice."""
     name = site["name"]
     head = f"the log density of site {name!r} is not finite ({value}) at {where}"
     if site["infer"].get("is_auxiliary") or type(_innermost(site["fn"])).__name__ == "Unit":
@@ -555,6 +556,8 @@ def _not_finite(site: dict, value: float, where: str) -> str:
             f"{head}: the observed data of {name!r} hold NaN (first at index {index}); drop or "
             "impute those rows, or mask them out (poutine.mask / obs_mask)"
         )
+    if hint:
+        return f"{head}: {hint}"
     return (
         f"{head}; check the model's support and parameters. Where a latent sets the support of "
         "a site (x ~ Uniform(0, theta)), start the guide inside it (init_loc_fn=init_to_value("
@@ -621,11 +624,15 @@ def name_the_invalid_initial_site(
     initialized = getattr(guide, "model", None)
     if initialized is None:
         return
+    from ..guides.interface import unwrap_guide  # (guides import this module)
+
+    # a model that knows its likely cause offers it (BayesianModule.invalid_start_hint)
+    hint = getattr(unwrap_guide(initialized), "invalid_start_hint", None)
     blocked = poutine.block(initialized, hide_types=["param"])
     with torch.random.fork_rng(devices=list(rng_state.cuda)):
         rng_state.restore()
         where = "the guide's initial values (from its init_loc_fn)"
-        _name_the_invalid_site(blocked, args, kwargs, error, lambda: where)
+        _name_the_invalid_site(blocked, args, kwargs, error, lambda: where, hint=hint)
 
 
 def _name_the_invalid_site(
@@ -635,6 +642,7 @@ def _name_the_invalid_site(
     error: ValueError,
     where: Callable[[], str],
     locate: Callable[[torch.Tensor], str] | None = None,
+    hint: Callable[[Trace], str | None] | None = None,
 ) -> None:
     """Raise a ValueError naming the site whose argument validation raised ``error``, if found.
 
@@ -642,7 +650,8 @@ def _name_the_invalid_site(
     (``pyro.factor("f", nan)`` raises before the site exists); a run without validation reaches
     the site, and its log density shows which one it is. ``locate`` names the point from the
     site's mask of non-finite entries (a pass over several points), else ``where()`` is the place
-    (written only here, on an error: it reads the point back from its device).
+    (written only here, on an error: it reads the point back from its device). ``hint``, the
+    model's own, reads the run's trace and may name the likely cause and its fix.
     """
     with pyro.validation_enabled(False), torch.no_grad():
         try:
@@ -657,7 +666,8 @@ def _name_the_invalid_site(
         if bad.any():
             value = log_prob[bad].reshape(-1)[0].item()
             at = where() if locate is None else locate(bad)
-            raise ValueError(f"{_not_finite(node, value, at)}. ({first_line(error)})") from None
+            why = _not_finite(node, value, at, None if hint is None else hint(trace))
+            raise ValueError(f"{why}. ({first_line(error)})") from None
 
 
 def _per_particle(log_prob: torch.Tensor, K: int, particle_dims: int) -> torch.Tensor:

@@ -32,9 +32,13 @@ import pyro
 import torch
 from pyro.infer.autoguide.initialization import init_to_feasible, init_to_value
 from pyro.nn import PyroModule
+from pyro.poutine import Trace
 from torch import nn
 from torch.distributions import Distribution, constraints
 from torch.func import functional_call, vmap
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm as SpectralNormHook
 
 from ..infer.batched import DtypeMismatch, first_line, is_vmap_refusal, vmap_safe_attention
 from ..optim.qnvb_functional import QNVBHyperparameters
@@ -91,7 +95,13 @@ class BayesianModule(PyroModule):
 
     **Buffers** (batch-norm running statistics) are passed to the net unchanged: the net runs in
     eval mode, so batch norm normalizes with its running statistics as they are and never updates
-    them, and dropout is off. ``bnn.train()`` leaves the net in eval mode.
+    them, and dropout is off. ``bnn.train()`` leaves the net in eval mode. For the same reason
+    spectral normalization of a sampled or trained weight is refused (its ``u``, ``v`` stay those
+    of the build-time weight).
+
+    **Padding.** An ``nn.Embedding(padding_idx=p)`` whose weight is latent runs with the layer's
+    own row ``p`` (a constant, as in plain torch, where that row gets no gradient); the sampled
+    row ``p`` is a dummy the likelihood never sees. A weight tied to another layer is sampled whole.
 
     Call it as a Pyro model (``SVI(bnn, guide, ...)``, ``Predictive(bnn, ...)``); it returns the
     net's outputs (``batch + (B,) + row``). :meth:`predict` gives a Bayesian model average.
@@ -119,11 +129,24 @@ class BayesianModule(PyroModule):
             raise TypeError(f"hide must be an iterable of parameter names, got the string {hide!r}")
         hide = tuple(hide)
         unknown = sorted(set(hide) - set(names))
+        first = {id(p): name for name, p in net.named_parameters()}
+        tied = {
+            alias: first[id(p)]
+            for alias, p in net.named_parameters(remove_duplicate=False)
+            if alias in unknown
+        }
+        if tied:
+            alias, name = next(iter(tied.items()))
+            raise ValueError(
+                f"hide names {alias!r}, which is tied to {name!r} (the same Parameter): a tied "
+                f"parameter is one site, named by its first name; hide {name!r}"
+            )
         if unknown:
             raise ValueError(
                 f"hide names {unknown}, which are not parameters of the net ({', '.join(names)})"
             )
         _refuse_batch_statistics(net)
+        _refuse_spectral_norm(net)
         net.eval()
         self.net = net
         self.prior = prior
@@ -191,6 +214,31 @@ class BayesianModule(PyroModule):
         """
         values = {name: p.detach().clone() for name, p in self.latent_parameters().items()}
         return init_to_value(values=values, fallback=fallback)
+
+    def invalid_start_hint(self, trace: Trace) -> str | None:
+        """The likely cause of a log density that is not finite at a guide's initial values,
+        read from the run's ``trace`` (the one :class:`~pyro_quadvi.QuadratureELBO` makes to
+        name the site), or ``None``: latent weights that start at 0 everywhere, where a layer
+        that divides its weight by a norm (``weight_norm``) computes 0/0."""
+        zero = [
+            name
+            for name in self.latent_parameters()
+            if name in trace.nodes and not bool((trace.nodes[name]["value"] != 0).any())
+        ]
+        if not zero:
+            return None
+        normalized = [name for name in zero if ".parametrizations." in f".{name}"]
+        shown = normalized or zero
+        listed = ", ".join(map(repr, shown[:4])) + (
+            f" and {len(shown) - 4} more" if len(shown) > 4 else ""
+        )
+        return (
+            f"the BayesianModule's weights {listed} start at 0 everywhere (the guide's "
+            "init_loc_fn; Pyro's default init_to_feasible puts a weight at its prior's centre), "
+            "and a layer that divides its weight by a norm (weight_norm, another "
+            "parametrization) divides 0 by 0 there. Start the guide at the net's weights: "
+            "AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())"
+        )
 
     def prior_of(self, name: str, param: torch.Tensor):
         """The prior of one parameter, all its dims event dims: its layer's declared prior if it
@@ -264,6 +312,12 @@ class BayesianModule(PyroModule):
         missing = sorted(set(params) - set(values))
         if missing:
             raise ValueError(f"no values for the latent parameters {missing}")
+        extra = sorted(set(values) - set(params))
+        if extra:
+            raise ValueError(
+                f"values for {extra}, which are not latent parameters of the net (those are "
+                f"{list(params)}); leave other sites (a learned noise scale) out"
+            )
         # the innermost modules in training mode (the layers, not the containers above them)
         training = [
             _where(m, path)
@@ -285,8 +339,11 @@ class BayesianModule(PyroModule):
         fixed = {**self.frozen_parameters(), **hidden, **dict(self._net.named_buffers())}
         leads = {name: _lead(name, value, params[name]) for name, value in values.items()}
         lead = torch.broadcast_shapes(*leads.values()) if leads else torch.Size()
+        padding = _padding_rows(self._net, params)
 
         def one(weights):
+            for name, (rows, own) in padding.items():  # the layer's own padding row, a constant
+                weights = {**weights, name: torch.where(rows, own, weights[name])}
             out = functional_call(self._net, {**weights, **fixed}, (x,))
             check_tensor_output(out, self._net, "BayesianModule", "the likelihood")
             return out
@@ -318,8 +375,17 @@ class BayesianModule(PyroModule):
 
     # -- the model --------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        """Sample the parameters, run the net on ``x`` and observe ``y`` (or sample it)."""
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Sample the parameters, run the net on ``x`` and observe ``y`` (or sample it).
+
+        The net gets ``x`` alone: keyword arguments are refused (a ``TypeError`` naming them).
+        """
+        if kwargs:
+            raise TypeError(
+                f"BayesianModule takes bnn(x, y=None) and passes only x to the net; keyword "
+                f"arguments ({', '.join(kwargs)}) are not supported. Fix them in the net (an "
+                "attribute its forward reads, or a wrapper module whose forward takes x alone)"
+            )
         values = {}
         for name, param in self.latent_parameters().items():
             infer = {"qnvb": self.qnvb_settings} if self.qnvb_settings else {}
@@ -394,6 +460,76 @@ def _refuse_batch_statistics(net: nn.Module) -> None:
                 "nn.LayerNorm or nn.GroupNorm (each row normalized by itself), or a batch norm "
                 "with track_running_stats=True, its running statistics pretrained"
             )
+
+
+def _refuse_spectral_norm(net: nn.Module) -> None:
+    """Refuse spectral normalization of a weight that is sampled or trained.
+
+    Both forms (``torch.nn.utils.parametrizations.spectral_norm`` and the older hook
+    ``torch.nn.utils.spectral_norm``) divide the weight by ``sigma = u^T W v``, where ``u`` and
+    ``v`` are buffers that a power iteration refines only in training mode. The net runs in eval
+    mode, so ``u`` and ``v`` stay those of the weight the layer had when it was built, and for
+    any other ``W`` (a draw, or a point estimate that moved) ``sigma`` is not ``||W||_2``: it can
+    be near 0 or negative. A frozen weight is a constant, for which eval mode is plain torch's.
+    """
+    for path, module in net.named_modules():
+        found = []  # (the tensor's name in the layer, a parameter behind it, its local name)
+        if parametrize.is_parametrized(module):
+            for tensor, chain in module.parametrizations.items():
+                if any(isinstance(p, _SpectralNorm) for p in chain):
+                    for local, param in chain.named_parameters(recurse=False):
+                        found.append((tensor, f"parametrizations.{tensor}.{local}", param))
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, SpectralNormHook):
+                local = f"{hook.name}_orig"
+                found.append((hook.name, local, getattr(module, local)))
+        for tensor, local, param in found:
+            if not param.requires_grad:
+                continue
+            name = f"{path}.{local}" if path else local
+            raise ValueError(
+                f"BayesianModule: {_where(module, path)} has spectral_norm on its {tensor!r} (the "
+                f"parameter {name!r}). The net runs in eval mode, where spectral_norm divides by "
+                "u^T W v with u and v frozen at their values for the weight the layer was built "
+                "with: for a sampled or trained weight that is not its spectral norm (it can be "
+                "near 0 or negative), so the layer is not normalized. Remove it (torch.nn.utils."
+                f"parametrize.remove_parametrizations(layer, {tensor!r}), or torch.nn.utils."
+                "remove_spectral_norm(layer) for the hook, keeps the normalized weight as a "
+                "plain parameter), use weight_norm (computed from the sampled weight itself), or "
+                "freeze that weight (requires_grad_(False)); hide does not help: a point "
+                "estimate trained in eval mode moves away from u, v too"
+            )
+
+
+def _padding_rows(
+    net: nn.Module, latent: Mapping[str, nn.Parameter]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The padding rows of the latent embedding weights: name -> (row mask, the net's weight).
+
+    ``nn.Embedding(padding_idx=p)`` looks row ``p`` up like any other, but its backward gives that
+    row no gradient, so in plain torch it is a constant (zero unless set). A latent weight's row
+    ``p`` would be sampled: the likelihood never shapes it, so its guide stays at the prior and
+    every padded row would get prior noise. The net runs with the layer's own row ``p`` instead
+    (the mask selects it; the weight is detached), and the sampled row is a dummy. A weight also
+    used by a layer that is not such an embedding (an output layer tied to it) is left as it is:
+    that layer's use of the row lets the likelihood see it, as it trains it in plain torch.
+    """
+    owners: dict[int, list[nn.Module]] = {}
+    for _, module in net.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    padding = {}
+    for name, param in latent.items():
+        users = owners.get(id(param), [])
+        if not users or not all(isinstance(m, nn.Embedding) for m in users):
+            continue
+        pads = {m.padding_idx for m in users}
+        if len(pads) != 1 or None in pads:
+            continue  # no padding row, or embeddings sharing the weight disagree on it
+        rows = torch.zeros(param.shape[0], 1, dtype=torch.bool, device=param.device)
+        rows[pads.pop()] = True
+        padding[name] = (rows, param.detach())
+    return padding
 
 
 def _declared(module: nn.Module, path: str) -> Mapping:
