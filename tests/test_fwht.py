@@ -83,6 +83,16 @@ def test_vmap_grad_and_forward_mode():
     torch.testing.assert_close(out, tangent @ explicit(32), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("normalized", [False, True])
+def test_a_last_dim_of_one_gives_a_new_tensor(normalized):
+    # H = [1]: the values are the input's, in a tensor of their own (it was the input itself, so
+    # an in-place change of the output changed the input)
+    x = torch.ones(3, 1, dtype=F64)
+    y = fwht(x, normalized=normalized)
+    y.mul_(5.0)
+    assert x.tolist() == [[1.0], [1.0], [1.0]] and y.tolist() == [[5.0], [5.0], [5.0]]
+
+
 def test_empty_batch():
     assert fwht(torch.zeros(0, 8)).shape == (0, 8)
 

@@ -135,6 +135,17 @@ def test_quadratic_exactness_counts_a_hand_made_quadrature():
     assert quadratic_exactness(near, w, atol=1e-5).square == 3
 
 
+@pytest.mark.parametrize("name", ["rasp_simplex", "rasp_cross", "blocked_simplex", "vrmc2"])
+def test_quadratic_exactness_of_float32_nodes_counts_what_float64_counts(name):
+    # the default tolerance follows the nodes' dtype: float32 rounding (about 1e-7 on these
+    # sums) is not inexactness (a fixed 1e-9 counted every float32 term of rasp_simplex inexact)
+    generator = torch.Generator().manual_seed(0)
+    X, w = make_rule(name).nodes(64, dtype=torch.float64, generator=generator)
+    exact = quadratic_exactness(X, w)
+    assert quadratic_exactness(X.float(), w.float()) == exact
+    assert exact.constant == 1 and exact.linear == 64 and exact.square == 64
+
+
 def test_quadratic_exactness_of_one_dimension_has_no_pairs():
     X = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
     counted = quadratic_exactness(X, torch.tensor([0.5, 0.5], dtype=torch.float64))

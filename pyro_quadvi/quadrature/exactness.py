@@ -44,12 +44,18 @@ class QuadraticExactness:
         return self.cross / pairs if pairs else 1.0
 
 
-def quadratic_exactness(X: torch.Tensor, w: torch.Tensor, atol: float = 1e-9) -> QuadraticExactness:
+def quadratic_exactness(
+    X: torch.Tensor, w: torch.Tensor, atol: float | None = None
+) -> QuadraticExactness:
     """Count the exact quadratic basis functions of the quadrature ``(X, w)``, ``X`` (K, d).
 
     A function is exact when the quadrature's value differs from the Gaussian integral by at most
-    ``atol``. Compute in float64 for a meaningful default tolerance.
+    ``atol``: by default ``1e-9``, or 100 units in the last place of ``X``'s dtype where that is
+    more (``1.2e-5`` for float32 nodes, whose rounding a fixed ``1e-9`` counted as inexact: every
+    term of a float32 ``rasp_simplex`` came out inexact). The sums are taken in float64.
     """
+    if atol is None:
+        atol = max(1e-9, 100 * torch.finfo(X.dtype).eps)
     X = X.to(torch.float64)
     w = w.to(torch.float64)
     dim = X.shape[1]

@@ -92,6 +92,8 @@ def _transform(x: torch.Tensor, scale: float) -> torch.Tensor:
         done += radix_bits
     if scale != 1.0:
         out = out * scale
+    elif bits == 0:  # size 1: H = [1]; a new tensor all the same, as for every other size
+        out = out.clone()
     return out.reshape(x.shape)
 
 
