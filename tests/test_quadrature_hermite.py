@@ -150,3 +150,14 @@ def test_quadratic_exactness_of_one_dimension_has_no_pairs():
     X = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
     counted = quadratic_exactness(X, torch.tensor([0.5, 0.5], dtype=torch.float64))
     assert counted.cross == 0 and counted.cross_fraction == 1.0 and counted.fraction == 1.0
+
+
+def test_too_many_nodes_is_refused_with_a_readable_count_at_any_dim():
+    # m^dim of a large dim was printed in full: 2,385 digits at d = 5000, and at d = 100000
+    # Python's own "Exceeds the limit (4300 digits)" error instead of the rule's
+    rule = make_rule("gauss_hermite", 2)
+    with pytest.raises(ValueError, match=r"needs 2\^21 = 2097152 nodes, more than max_nodes"):
+        rule.nodes(21)
+    with pytest.raises(ValueError, match=r"needs 2\^100000 = about 10\^30103 nodes, more than"):
+        rule.nodes(100_000)
+    assert rule.nodes(3, dtype=torch.float64)[0].shape == (8, 3)

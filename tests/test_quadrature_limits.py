@@ -151,3 +151,16 @@ def test_default_limit_and_bad_values():
     for bad in (0, -1, 1.5, True, "1"):
         with pytest.raises(ValueError, match=f"max_bytes must be an integer >= 1, got {bad!r}"):
             make_rule("hadamard", max_bytes=bad)
+
+
+def test_vrmc_refuses_a_large_matrix_before_matching_its_moments(monkeypatch):
+    # vrmc2 took the K draws' mean and spread when drawn, an O(K dim) pass: at dim = 1e8 it spent
+    # 5 to 7 s before matrix() refused the 1.2 GB matrix; the moments now wait for a node
+    from pyro_quadvi.quadrature import montecarlo
+
+    def match(self):
+        raise AssertionError("moments taken before the check")
+
+    monkeypatch.setattr(montecarlo._MonteCarloNodes, "_match_moments", match)
+    with pytest.raises(ValueError, match=r"the 3 x 100000000 node matrix of vrmc2 needs"):
+        make_rule("vrmc2").nodes(10**8)

@@ -136,11 +136,19 @@ class GaussHermiteRule(QuadratureRule):
         return self.num_points ** check_dim(dim)
 
     def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
-        num = self.num_nodes(dim)
-        if num > self.max_nodes:
+        dim = check_dim(dim)
+        # m^dim for a large dim has thousands of digits (Python refuses to print an int of more
+        # than 4,300): compared and shown through its logarithm there
+        digits = dim * math.log10(self.num_points)
+        if digits < 300:
+            too_many = self.num_nodes(dim) > self.max_nodes
+        else:
+            too_many = digits > math.log10(self.max_nodes)
+        if too_many:
+            size = f"{self.num_nodes(dim)}" if digits < 15 else f"about 10^{digits:.0f}"
             raise ValueError(
                 f"gauss_hermite with {self.num_points} points per dimension in {dim} dimensions "
-                f"needs {self.num_points}^{dim} = {num} nodes, "
+                f"needs {self.num_points}^{dim} = {size} nodes, "
                 f"more than max_nodes={self.max_nodes}; "
                 "use fewer points per dimension, raise max_nodes, or a sigma-point rule "
                 "(rasp_simplex, hadamard) for many dimensions"
