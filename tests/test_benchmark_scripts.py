@@ -126,9 +126,10 @@ def _table_rows(stdout: str) -> int:
     return rows
 
 
-# the scripts that subclass the package's classes or call its private functions (the ones a
-# refactor breaks first) run in the default suite, the others with ``-m slow`` (together 65 s on
-# one core, mostly each process's imports of torch and pyro)
+# in the default suite: the scripts that subclass the package's classes or call its private
+# functions (bnn_speed, blocked_signs, small_net_elbo: the ones a refactor breaks first) and two
+# quick ones of the export and the sparse optimizers; the others with ``-m slow`` (together 65 s
+# on one core, mostly each process's imports of torch and pyro)
 INTERNALS = {
     "bnn_speed",
     "arviz_export",

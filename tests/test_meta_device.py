@@ -460,28 +460,31 @@ def test_opqa_posterior_log_prob_on_meta():
         assert posterior.log_prob(1.3).device == META
 
 
+def _one_qnvb_step(device: torch.device, dtype: torch.dtype, state: dict | None = None) -> QNVB:
+    """One QNVB step of a 3-8-1 BayesianModule on ``device`` in ``dtype``, after restoring
+    ``state`` (a saved ``QNVB.get_state()``) if given."""
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 3, dtype=dtype), torch.randn(32, 1, dtype=dtype)
+    x, y = x.to(device), y.to(device)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).to(device, dtype)
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(32, scale=0.3))
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net(), init_scale=0.05)
+    optim = QNVB(lr=0.5)
+    if state is not None:
+        guide(x, y)
+        optim.set_state(state)
+    SVI(bnn, guide, optim, QuadratureELBO("hadamard")).step(x, y)
+    return optim
+
+
 def test_a_qnvb_state_saved_on_the_cpu_resumes_a_fit_on_the_device():
     """``QNVB.set_state`` of a CPU run's state, then a step on the device: each block's state
     binds on its parameter's device, as torch's optimizers load theirs (it raised "Tensor on
     device cpu is not on the expected device" in the update)."""
-
-    def fit(device: torch.device, state: dict | None = None) -> QNVB:
-        pyro.clear_param_store()
-        torch.manual_seed(0)
-        x, y = torch.randn(32, 3).to(device), torch.randn(32, 1).to(device)
-        net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).to(device)
-        bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(32, scale=0.3))
-        guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net(), init_scale=0.05)
-        optim = QNVB(lr=0.5)
-        if state is not None:
-            guide(x, y)
-            optim.set_state(state)
-        SVI(bnn, guide, optim, QuadratureELBO("hadamard")).step(x, y)
-        return optim
-
-    saved = fit(torch.device("cpu")).get_state()
+    saved = _one_qnvb_step(torch.device("cpu"), torch.float32).get_state()
     with FakeSync():
-        resumed = fit(META, saved).get_state()
+        resumed = _one_qnvb_step(META, torch.float32, saved).get_state()
     assert resumed["qnvb"]["num_steps"] == 2
     pairs = resumed["qnvb"]["pairs"]
     assert pairs.keys() == saved["qnvb"]["pairs"].keys() and len(pairs) == 4
@@ -493,23 +496,9 @@ def test_a_qnvb_state_saved_on_the_cpu_resumes_a_fit_on_the_device():
 def test_a_qnvb_state_saved_in_float32_binds_in_the_parameters_float64():
     """The floating fields of a restored block state take their parameter's dtype, as torch's
     ``Optimizer.load_state_dict`` casts (they stayed float32 in a float64 fit)."""
-
-    def fit(dtype: torch.dtype, state: dict | None = None) -> QNVB:
-        pyro.clear_param_store()
-        torch.manual_seed(0)
-        x, y = torch.randn(32, 3, dtype=dtype), torch.randn(32, 1, dtype=dtype)
-        net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(dtype)
-        bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(32, scale=0.3))
-        guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net(), init_scale=0.05)
-        optim = QNVB(lr=0.5)
-        if state is not None:
-            guide(x, y)
-            optim.set_state(state)
-        SVI(bnn, guide, optim, QuadratureELBO("hadamard")).step(x, y)
-        return optim
-
-    saved = fit(torch.float32).get_state()
-    resumed = fit(torch.float64, saved).get_state()
+    cpu = torch.device("cpu")
+    saved = _one_qnvb_step(cpu, torch.float32).get_state()
+    resumed = _one_qnvb_step(cpu, torch.float64, saved).get_state()
     for name, state in resumed["qnvb"]["pairs"].items():
         saved_state = saved["qnvb"]["pairs"][name]
         for key, value in state.items():

@@ -244,6 +244,31 @@ def test_the_hint_stays_silent_where_no_weight_starts_at_zero():
     assert "'2.weight'" not in hint
 
 
+class _NotANumber(nn.Module):
+    """A net whose output is NaN whatever its weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.layer(x) + torch.sqrt(-x.abs().sum(-1, keepdim=True) - 1.0)
+
+
+def test_the_hint_stays_silent_for_a_plain_net_at_zero():
+    # Pyro's default start puts every weight at 0, so a zero weight is no cause by itself: the
+    # hint named weight_norm's 0/0 and init_to_net for a net that is NaN anywhere
+    x, y = torch.randn(12, 4), torch.randn(12)
+    pyro.clear_param_store()
+    bnn = BayesianModule(_NotANumber(), priors.Normal(1.0), likelihoods.Gaussian(12, scale=0.3))
+    svi = SVI(bnn, AutoMeanFieldNormal(bnn), QNVB(), QuadratureELBO())
+    with pytest.raises(ValueError) as raised:
+        svi.step(x, y)
+    message = str(raised.value)
+    assert "site 'obs' is not finite" in message
+    assert "init_to_net" not in message and "start at 0 everywhere" not in message
+
+
 # -- 4. the docs' claims: parametrized sites and priors, tied weights, keyword arguments ---------
 
 

@@ -218,17 +218,19 @@ class BayesianModule(PyroModule):
     def invalid_start_hint(self, trace: Trace) -> str | None:
         """The likely cause of a log density that is not finite at a guide's initial values,
         read from the run's ``trace`` (the one :class:`~pyro_quadvi.QuadratureELBO` makes to
-        name the site), or ``None``: latent weights that start at 0 everywhere, where a layer
-        that divides its weight by a norm (``weight_norm``) computes 0/0."""
-        zero = [
+        name the site), or ``None``: latent weights of a parametrized layer (``weight_norm``'s
+        ``original0``, ``original1``) that start at 0 everywhere, where a layer that divides its
+        weight by a norm computes 0/0. Weights of plain layers at 0 are no cause (Pyro's default
+        start puts every weight there): the general advice stands then."""
+        shown = [
             name
             for name in self.latent_parameters()
-            if name in trace.nodes and not bool((trace.nodes[name]["value"] != 0).any())
+            if ".parametrizations." in f".{name}"
+            and name in trace.nodes
+            and not bool((trace.nodes[name]["value"] != 0).any())
         ]
-        if not zero:
+        if not shown:
             return None
-        normalized = [name for name in zero if ".parametrizations." in f".{name}"]
-        shown = normalized or zero
         listed = ", ".join(map(repr, shown[:4])) + (
             f" and {len(shown) - 4} more" if len(shown) > 4 else ""
         )
@@ -375,7 +377,9 @@ class BayesianModule(PyroModule):
 
     # -- the model --------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, y: torch.Tensor | None = None, **kwargs: object
+    ) -> torch.Tensor:
         """Sample the parameters, run the net on ``x`` and observe ``y`` (or sample it).
 
         The net gets ``x`` alone: keyword arguments are refused (a ``TypeError`` naming them).
@@ -514,6 +518,8 @@ def _padding_rows(
     used by a layer that is not such an embedding (an output layer tied to it) is left as it is:
     that layer's use of the row lets the likelihood see it, as it trains it in plain torch.
     """
+    if not any(isinstance(m, nn.Embedding) and m.padding_idx is not None for m in net.modules()):
+        return {}  # the common case: one pass over the modules, none over their parameters
     owners: dict[int, list[nn.Module]] = {}
     for _, module in net.named_modules(remove_duplicate=False):
         for param in module.parameters(recurse=False):

@@ -252,9 +252,9 @@ def outside_rows_refusal(site: MeanFieldSite, index: tuple | None) -> ValueError
     grad = site.params["scale"].grad
     if index is None or grad is None:
         return None
-    outside = torch.ones_like(grad, dtype=torch.bool)
-    outside[index] = False
-    if not bool((grad != 0).logical_and_(outside).any()):
+    outside = grad != 0
+    outside[index] = False  # what is left: gradients outside the recorded rows
+    if not bool(outside.any()):
         return None
     return ValueError(
         f"QNVB: site {site.name!r} sits in a subsampled plate, and this step's gradients reach "
