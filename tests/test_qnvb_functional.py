@@ -341,7 +341,9 @@ def test_damping_has_no_ceiling():
             TypeError,
             "betas[1] must be a real number in [0, 1), got None (NoneType)",
         ),
-        (dict(eps=math.nan), ValueError, "eps must be >= 0, got nan"),
+        (dict(eps=math.nan), ValueError, "eps must be finite and >= 0, got nan"),
+        # inf was accepted, and the means never moved (the step divides by h + eps)
+        (dict(eps=math.inf), ValueError, "eps must be finite and >= 0, got inf"),
         (
             dict(sigma_min=1.0, sigma_max=0.5),
             ValueError,
@@ -356,8 +358,22 @@ def test_damping_has_no_ceiling():
         ),
         (dict(significance=-1.0), ValueError, "significance must be finite and >= 0, got -1.0"),
         (dict(damping=1), TypeError, "damping must be True or False, got 1 (int)"),
-        (dict(damping_recovery=0), ValueError, "damping_recovery must be > 0, got 0"),
-        (dict(drift_forgetting=-1.0), ValueError, "drift_forgetting must be >= 0, got -1.0"),
+        (dict(damping_recovery=0), ValueError, "damping_recovery must be finite > 0, got 0"),
+        (
+            dict(damping_recovery=math.inf),
+            ValueError,
+            "damping_recovery must be finite > 0, got inf",
+        ),
+        (
+            dict(drift_forgetting=-1.0),
+            ValueError,
+            "drift_forgetting must be finite >= 0, got -1.0",
+        ),
+        (
+            dict(drift_forgetting=math.inf),
+            ValueError,
+            "drift_forgetting must be finite >= 0, got inf",
+        ),
         (dict(recent_fraction=0.0), ValueError, "recent_fraction must be in (0, 1], got 0.0"),
     ],
 )
@@ -422,6 +438,22 @@ def test_geometric_annealing_schedule():
         geometric_annealing(0.0, 10)
     with pytest.raises(ValueError, match="num_steps"):
         geometric_annealing(0.5, 0)
+
+
+def test_a_qnvb_with_the_geometric_schedule_pickles():
+    # the schedule was a closure: pickle and torch.save of such a QNVB raised "Can't pickle
+    # local object", where docs/qnvb.md ("Copies") says a QNVB pickles mid-fit
+    import pickle
+
+    from pyro_quadvi import QNVB
+
+    schedule = pickle.loads(pickle.dumps(geometric_annealing(0.01, num_steps=4)))
+    assert [schedule(t) for t in range(6)] == [geometric_annealing(0.01, 4)(t) for t in range(6)]
+    assert repr(schedule) == "geometric_annealing(0.01, 4)"
+    qnvb = QNVB(annealing=geometric_annealing(0.01, num_steps=4))
+    qnvb.num_steps = 2  # as after two steps
+    copy = pickle.loads(pickle.dumps(qnvb))
+    assert copy.num_steps == 2 and copy.annealing_factor == pytest.approx(0.1, rel=1e-14)
 
 
 def test_check_schedule_refuses_what_is_not_a_schedule():

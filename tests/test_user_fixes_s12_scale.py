@@ -177,3 +177,18 @@ def test_a_scale_by_a_tensor_of_several_elements_is_refused(float64_store):
     trace = poutine.trace(poutine.scale(guide, scale=weights)).get_trace()
     with pytest.raises(ValueError, match=r"site 'theta_unconstrained'.*shape \(8,\)"):
         scale_factor(trace.nodes["theta_unconstrained"])
+
+
+def test_a_site_hint_that_is_not_a_dict_is_refused_naming_the_site(float64_store):
+    # infer={"qnvb": "lr=0.1"} raised "dictionary update sequence element #0 has length 1"
+    def model():
+        pyro.sample("w", dist.Normal(0.0, 1.0), infer={"qnvb": "lr=0.1"})
+
+    guide = AutoNormal(model)
+    guide()
+    with pytest.raises(TypeError, match=r"^site 'w' has infer=\{'qnvb': 'lr=0.1'\}: QNVB's"):
+        describe_guide(guide)
+    diagonal = AutoDiagonalNormal(model)
+    diagonal()
+    with pytest.raises(TypeError, match=r"^site 'w' has infer="):
+        describe_guide(diagonal)

@@ -181,9 +181,24 @@ def gaussian_block(
         scale_factor=factor,
         rows=rows,
         constraint=proto["fn"].support,
-        hints=dict(proto["infer"].get("qnvb", {})),
+        hints=site_hints(name, proto),
     )
     return site, LatentSite(name, loc.shape, event_dim, transform)
+
+
+def site_hints(name: str, site: dict) -> dict:
+    """A model site's QNVB settings (``infer={"qnvb": {...}}``), a dict (``{}`` without any).
+
+    Raises:
+        TypeError: for hints that are not a dict of settings, naming the site.
+    """
+    hints = site["infer"].get("qnvb", {})
+    if not isinstance(hints, Mapping):
+        raise TypeError(
+            f"site {name!r} has infer={{'qnvb': {hints!r}}}: QNVB's settings of a site are a "
+            "dict of setting names and values, e.g. infer={'qnvb': {'lr': 0.1}}"
+        )
+    return dict(hints)
 
 
 register_adapter(AutoNormal)(describe_auto_normal)
@@ -225,7 +240,7 @@ def _describe_diagonal(guide: AutoDiagonalNormal, trace: Trace | None) -> GuideD
     loc_leaf, _, loc_name = _leaf(guide, "loc")
     scale_leaf, scale_constraint, scale_name = _leaf(guide, "scale")
     # one block over every site: the QNVB settings the sites declare, if they all declare the same
-    declared = [site["infer"].get("qnvb", {}) for _, site in latent_nodes(guide.prototype_trace)]
+    declared = [site_hints(name, site) for name, site in latent_nodes(guide.prototype_trace)]
     hints = dict(declared[0]) if declared and all(d == declared[0] for d in declared) else {}
     block = MeanFieldSite(
         name=f"_{guide._pyro_name}_latent",

@@ -95,14 +95,25 @@ def geometric_annealing(initial: float, num_steps: int) -> Callable[[int], float
         raise ValueError(f"initial must be in (0, 1], got {initial}")
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
-    log_initial = math.log(initial)
+    return _GeometricSchedule(initial, num_steps)
 
-    def schedule(step: int) -> float:
-        if step >= num_steps:
+
+class _GeometricSchedule:
+    """:func:`geometric_annealing`'s schedule: an object, not a closure, so that a ``QNVB``
+    holding it pickles (``torch.save`` of the optimizer mid-fit, as docs/qnvb.md says)."""
+
+    def __init__(self, initial: float, num_steps: int):
+        self.initial = initial
+        self.log_initial = math.log(initial)
+        self.num_steps = num_steps
+
+    def __call__(self, step: int) -> float:
+        if step >= self.num_steps:
             return 1.0
-        return math.exp(log_initial * (1.0 - step / num_steps))
+        return math.exp(self.log_initial * (1.0 - step / self.num_steps))
 
-    return schedule
+    def __repr__(self) -> str:
+        return f"geometric_annealing({self.initial!r}, {self.num_steps})"
 
 
 class AnnealLikelihoodMessenger(Messenger):

@@ -399,6 +399,7 @@ class QNVB(PyroOptim):
         self._described: tuple[int, list] | None = None
         self._bound: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._fresh: set[str] = set()  # the blocks whose state started in the current step
         # name -> the hyperparameters a block was updated with and its model's hints (get_state)
         self._block_settings: dict[str, tuple[QNVBHyperparameters, dict]] = {}
         self._warned: set[str] = set()
@@ -524,6 +525,7 @@ class QNVB(PyroOptim):
         paired: set[int] = set()
         counts: list[tuple[str, QNVBHyperparameters, torch.Tensor]] = []
         prepared = []
+        self._fresh = set()  # the blocks whose state starts this step (_state_for)
         for block in blocks:
             outcome = self._prepare_block(block)
             if outcome is False:
@@ -531,6 +533,8 @@ class QNVB(PyroOptim):
             paired.update(id(leaf) for leaf in block.site.params.values())
             if outcome is not True:
                 prepared.append(outcome)
+        if self.annealing is not None and self.num_steps > 0 and prepared:
+            self._warn_if_annealing_elsewhere(prepared)
         self._update_prepared(prepared, counts)
         for message in count_messages(counts, self._warned):
             warnings.warn(f"QNVB: {message} (this warning is shown once)", RuntimeWarning, 2)
@@ -547,6 +551,22 @@ class QNVB(PyroOptim):
         if rest:
             self._guarded_fallback(rest, *args, **kwargs)
         self.num_steps += 1
+
+    def _warn_if_annealing_elsewhere(self, prepared: list[_Prepared]) -> None:
+        """Warn once when every block of this step starts afresh while the annealing schedule is
+        read at this QNVB's step count, not at 0: the QNVB is reused for a new fit (after
+        ``pyro.clear_param_store()``) or shared with another model, whose schedule then starts
+        part-way, or already over."""
+        if any(item.site.param_names["loc"] not in self._fresh for item in prepared):
+            return
+        self._warn_once(
+            "annealing elsewhere",
+            f"QNVB: every block of this step starts afresh, but this QNVB has taken "
+            f"{self.num_steps} steps, and its annealing schedule is read at its step count: this "
+            f"fit starts at factor {self.annealing_factor:.4g}, not at the schedule's step 0. The "
+            "step count (the annealing position) belongs to the QNVB object: build a new QNVB for "
+            "a new fit or another model, or restore its state with set_state.",
+        )
 
     def __getstate__(self) -> dict:
         """The state ``pickle`` and ``copy.deepcopy`` take: without the descriptions of a step
@@ -728,6 +748,7 @@ class QNVB(PyroOptim):
         self._pending.pop(name, None)
         if state is None:
             state = init_qnvb_state(loc_leaf.detach())._asdict()
+            self._fresh.add(name)
         else:  # a state saved on another device or in another float type follows its
             # parameter, as torch's Optimizer.load_state_dict casts its state
             state = {

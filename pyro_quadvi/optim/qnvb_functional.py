@@ -171,7 +171,7 @@ class QNVBHyperparameters:
             ("lr", self.lr, lambda v: v > 0, "> 0"),
             ("betas[0]", betas[0], *unit),
             ("betas[1]", betas[1], *unit),
-            ("eps", self.eps, lambda v: v >= 0, ">= 0"),
+            ("eps", self.eps, lambda v: 0 <= v < math.inf, "finite and >= 0"),
             ("sigma_min", self.sigma_min, lambda v: 0 < v < math.inf, "finite and > 0"),
             (
                 "sigma_max",
@@ -182,8 +182,8 @@ class QNVBHyperparameters:
             ("scale_min", self.scale_min, lambda v: 0 < v <= 1, "in (0, 1]"),
             ("scale_max", self.scale_max, lambda v: v >= 1, ">= 1"),
             ("significance", self.significance, lambda v: 0 <= v < math.inf, "finite and >= 0"),
-            ("damping_recovery", self.damping_recovery, lambda v: v > 0, "> 0"),
-            ("drift_forgetting", self.drift_forgetting, lambda v: v >= 0, ">= 0"),
+            ("damping_recovery", self.damping_recovery, lambda v: 0 < v < math.inf, "finite > 0"),
+            ("drift_forgetting", self.drift_forgetting, lambda v: 0 <= v < math.inf, "finite >= 0"),
             ("recent_fraction", self.recent_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
             ("trust_region", self.trust_region, lambda v: v > 0, "> 0 (inf: off)"),
         ]
