@@ -165,8 +165,8 @@ def test_rules_draw_on_meta_from_a_cpu_generator(name):
     dim = 3 if name == "gauss_hermite" else 10
     shape, checksum, after = CPU_DRAWS[name]
     rule = make_rule(name, None)
-    # mc and vrmc draw each node from its own CPU generator and move it (they raised "META
-    # device type not an accelerator" from a generator made on the rule's device)
+    # mc and vrmc make their nodes empty on meta (they raised "META device type not an
+    # accelerator" from a generator made on the rule's device)
     for generator in (None, torch.Generator().manual_seed(3)):
         with FakeSync():
             nodes = rule.draw(dim, step=2, generator=generator, dtype=torch.float32, device=META)

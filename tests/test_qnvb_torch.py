@@ -316,5 +316,5 @@ def test_bad_argument_types_are_refused_at_construction_by_name(kwargs, error, m
 
 def test_a_bad_parameter_group_is_refused_when_added():
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
-    with pytest.raises(ValueError, match="damping_recovery must be finite > 0, got -1"):
+    with pytest.raises(ValueError, match="damping_recovery must be finite and > 0, got -1"):
         QNVBOptimizer([{"params": [a]}, {"params": [b], "damping_recovery": -1}])

@@ -146,6 +146,17 @@ def test_quadratic_exactness_of_float32_nodes_counts_what_float64_counts(name):
     assert exact.constant == 1 and exact.linear == 64 and exact.square == 64
 
 
+def test_quadratic_exactness_refuses_half_precision_and_counts_integer_nodes():
+    # 100 ulps of bfloat16 (0.78) counted plainly wrong moments exact; integers raised in finfo
+    X = torch.tensor([[1, 1], [-1, -1]])
+    w = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    counted = quadratic_exactness(X, w)
+    assert (counted.constant, counted.linear, counted.square, counted.cross) == (1, 2, 2, 0)
+    for dtype in (torch.float16, torch.bfloat16):
+        with pytest.raises(ValueError, match=f"{dtype} rounds a moment"):
+            quadratic_exactness(X.to(dtype), w)
+
+
 def test_quadratic_exactness_of_one_dimension_has_no_pairs():
     X = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
     counted = quadratic_exactness(X, torch.tensor([0.5, 0.5], dtype=torch.float64))
@@ -161,3 +172,7 @@ def test_too_many_nodes_is_refused_with_a_readable_count_at_any_dim():
     with pytest.raises(ValueError, match=r"needs 2\^100000 = about 10\^30103 nodes, more than"):
         rule.nodes(100_000)
     assert rule.nodes(3, dtype=torch.float64)[0].shape == (8, 3)
+    # max_nodes is checked when the rule is made (0 gave a math domain error at a large dim)
+    for bad in (0, math.inf, 2.5, "1"):
+        with pytest.raises(ValueError, match="max_nodes must be an integer >= 1"):
+            make_rule("gauss_hermite", 2, max_nodes=bad)

@@ -164,3 +164,29 @@ def test_vrmc_refuses_a_large_matrix_before_matching_its_moments(monkeypatch):
     monkeypatch.setattr(montecarlo._MonteCarloNodes, "_match_moments", match)
     with pytest.raises(ValueError, match=r"the 3 x 100000000 node matrix of vrmc2 needs"):
         make_rule("vrmc2").nodes(10**8)
+
+
+def test_vrmc_moments_interrupted_are_taken_again_whole(monkeypatch):
+    # the moments were marked taken before they were: an error in that pass left later nodes
+    # unmatched (their weighted mean no longer 0)
+    from pyro_quadvi.quadrature import montecarlo
+
+    generator = torch.Generator().manual_seed(0)
+    nodes = make_rule("vrmc2").draw(5, generator=generator, dtype=torch.float64)
+    expected = make_rule("vrmc2").draw(
+        5, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
+    raw, calls = montecarlo._MonteCarloNodes._raw, []
+
+    def failing_once(self, k):
+        calls.append(k)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return raw(self, k)
+
+    monkeypatch.setattr(montecarlo._MonteCarloNodes, "_raw", failing_once)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        nodes.node(0)
+    matrix = nodes.matrix()
+    assert torch.equal(matrix, expected.matrix())
+    assert (nodes.weights @ matrix).abs().max() < 1e-15

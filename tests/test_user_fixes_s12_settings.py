@@ -44,8 +44,8 @@ def test_a_reused_annealed_qnvb_names_where_its_schedule_stands(float64_store):
         "QNVB: every block of this step starts afresh, but this QNVB has taken 3 steps, and its "
         "annealing schedule is read at its step count: this fit starts at factor 0.3162, not at "
         "the schedule's step 0. The step count (the annealing position) belongs to the QNVB "
-        "object: build a new QNVB for a new fit or another model, or restore its state with "
-        "set_state."
+        "object: for a new fit or another model build a new QNVB, or restore its state with "
+        "set_state (a schedule shared on purpose, by models fitted in turn, needs nothing)."
     ]
     # a new QNVB, or none reused without a schedule, says nothing
     pyro.clear_param_store()

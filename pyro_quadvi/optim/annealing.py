@@ -102,7 +102,7 @@ class _GeometricSchedule:
     """:func:`geometric_annealing`'s schedule: an object, not a closure, so that a ``QNVB``
     holding it pickles (``torch.save`` of the optimizer mid-fit, as docs/qnvb.md says)."""
 
-    def __init__(self, initial: float, num_steps: int):
+    def __init__(self, initial: float, num_steps: int) -> None:
         self.initial = initial
         self.log_initial = math.log(initial)
         self.num_steps = num_steps

@@ -564,8 +564,9 @@ class QNVB(PyroOptim):
             f"QNVB: every block of this step starts afresh, but this QNVB has taken "
             f"{self.num_steps} steps, and its annealing schedule is read at its step count: this "
             f"fit starts at factor {self.annealing_factor:.4g}, not at the schedule's step 0. The "
-            "step count (the annealing position) belongs to the QNVB object: build a new QNVB for "
-            "a new fit or another model, or restore its state with set_state.",
+            "step count (the annealing position) belongs to the QNVB object: for a new fit or "
+            "another model build a new QNVB, or restore its state with set_state (a schedule "
+            "shared on purpose, by models fitted in turn, needs nothing).",
         )
 
     def __getstate__(self) -> dict:

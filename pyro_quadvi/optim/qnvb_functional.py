@@ -110,6 +110,14 @@ def _check_number(name: str, value: object, ok: Callable[[float], bool], expecte
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
+def _finite_positive(value: float) -> bool:
+    return 0 < value < math.inf
+
+
+def _finite_nonnegative(value: float) -> bool:
+    return 0 <= value < math.inf
+
+
 @dataclass(frozen=True)
 class QNVBHyperparameters:
     """Hyperparameters of :func:`qnvb_update` (names as in the reference optimizer).
@@ -182,8 +190,8 @@ class QNVBHyperparameters:
             ("scale_min", self.scale_min, lambda v: 0 < v <= 1, "in (0, 1]"),
             ("scale_max", self.scale_max, lambda v: v >= 1, ">= 1"),
             ("significance", self.significance, lambda v: 0 <= v < math.inf, "finite and >= 0"),
-            ("damping_recovery", self.damping_recovery, lambda v: 0 < v < math.inf, "finite > 0"),
-            ("drift_forgetting", self.drift_forgetting, lambda v: 0 <= v < math.inf, "finite >= 0"),
+            ("damping_recovery", self.damping_recovery, _finite_positive, "finite and > 0"),
+            ("drift_forgetting", self.drift_forgetting, _finite_nonnegative, "finite and >= 0"),
             ("recent_fraction", self.recent_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
             ("trust_region", self.trust_region, lambda v: v > 0, "> 0 (inf: off)"),
         ]

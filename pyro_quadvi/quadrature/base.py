@@ -132,13 +132,25 @@ class NodeSet(abc.ABC):
     def node(self, k: int) -> torch.Tensor:
         """The standardized offsets of node ``k``, shape ``(dim,)``."""
 
+    def matrix_bytes(self) -> int:
+        """Bytes of the ``(K, dim)`` node matrix: ``K * dim * itemsize``."""
+        return len(self) * self.dim * self.dtype.itemsize
+
     def matrix(self) -> torch.Tensor:
         """All nodes stacked, shape ``(K, dim)``.
 
         Raises:
             ValueError: before allocating, when the matrix would exceed ``max_bytes``.
         """
-        _check_matrix_bytes(self.name, len(self), self.dim, self.dtype, self.max_bytes)
+        needed = self.matrix_bytes()
+        if needed > self.max_bytes:
+            raise ValueError(
+                f"the {len(self)} x {self.dim} node matrix of {self.name} needs "
+                f"K * dim * itemsize = {len(self)} * {self.dim} * {self.dtype.itemsize} = "
+                f"{format_bytes(needed)}, more than max_bytes={format_bytes(self.max_bytes)}; "
+                "use fewer nodes, produce them one at a time with draw(...).node(k), "
+                "or pass a larger max_bytes to the rule"
+            )
         return self._matrix()
 
     def _matrix(self) -> torch.Tensor:
@@ -325,19 +337,6 @@ class QuadratureRule(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_points={self.num_points})"
-
-
-def _check_matrix_bytes(name: str, num: int, dim: int, dtype: torch.dtype, limit: int) -> None:
-    """Refuse, before allocating, a ``(num, dim)`` node matrix of more than ``limit`` bytes."""
-    needed = num * dim * dtype.itemsize
-    if needed > limit:
-        raise ValueError(
-            f"the {num} x {dim} node matrix of {name} needs "
-            f"K * dim * itemsize = {num} * {dim} * {dtype.itemsize} = "
-            f"{format_bytes(needed)}, more than max_bytes={format_bytes(limit)}; "
-            "use fewer nodes, produce them one at a time with draw(...).node(k), "
-            "or pass a larger max_bytes to the rule"
-        )
 
 
 def equal_weights(num: int, dtype: torch.dtype | None, device) -> torch.Tensor:

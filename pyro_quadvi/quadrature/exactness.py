@@ -49,23 +49,42 @@ def quadratic_exactness(
 ) -> QuadraticExactness:
     """Count the exact quadratic basis functions of the quadrature ``(X, w)``, ``X`` (K, d).
 
-    A function is exact when the quadrature's value differs from the Gaussian integral by at most
-    ``atol``: by default ``1e-9``, or 100 units in the last place of ``X``'s dtype where that is
-    more (``1.2e-5`` for float32 nodes, whose rounding a fixed ``1e-9`` counted as inexact: every
-    term of a float32 ``rasp_simplex`` came out inexact). The sums are taken in float64.
+    A function ``f`` is exact when the quadrature's value differs from the Gaussian integral by at
+    most ``atol``: by default ``1e-9`` plus what rounding in the nodes' dtype allows in that sum,
+    8 units in the last place of ``sum_k |w_k| |f(x_k)|`` (a fixed ``1e-9`` counted every term of
+    float32 nodes inexact). The sums are taken in float64.
+
+    Raises:
+        ValueError: for nodes or weights in float16 or bfloat16, whose rounding (about 1e-3 and
+            1e-2 of a moment) is not told apart from inexactness; compute them in float32 or
+            float64.
     """
-    if atol is None:
-        atol = max(1e-9, 100 * torch.finfo(X.dtype).eps)
+    low = [t.dtype for t in (X, w) if t.dtype in (torch.float16, torch.bfloat16)]
+    if low:
+        raise ValueError(
+            f"quadratic_exactness counts exact terms to the rounding of the nodes' dtype, and "
+            f"{low[0]} rounds a moment by about 1e-3 or more: compute the nodes and weights in "
+            "float32 or float64 (rule.nodes(dim, dtype=torch.float64))"
+        )
+    eps = max((torch.finfo(t.dtype).eps for t in (X, w) if t.is_floating_point()), default=0.0)
     X = X.to(torch.float64)
     w = w.to(torch.float64)
     dim = X.shape[1]
     mean = w @ X
     second = (X * w[:, None]).T @ X
     upper = torch.triu(torch.ones(dim, dim, dtype=torch.bool, device=X.device), diagonal=1)
+    if atol is None:
+        size, absolute = w.abs(), X.abs()
+        tol_constant = 1e-9 + 8 * eps * size.sum()
+        tol_mean = 1e-9 + 8 * eps * (size @ absolute)
+        tol_second = 1e-9 + 8 * eps * ((absolute * size[:, None]).T @ absolute)
+    else:
+        tol_constant = tol_mean = atol
+        tol_second = torch.full_like(second, atol)
     return QuadraticExactness(
         dim=dim,
-        constant=int((w.sum() - 1).abs() <= atol),
-        linear=int((mean.abs() <= atol).sum()),
-        square=int(((second.diagonal() - 1).abs() <= atol).sum()),
-        cross=int((second.abs()[upper] <= atol).sum()),
+        constant=int((w.sum() - 1).abs() <= tol_constant),
+        linear=int((mean.abs() <= tol_mean).sum()),
+        square=int(((second.diagonal() - 1).abs() <= tol_second.diagonal()).sum()),
+        cross=int((second.abs()[upper] <= tol_second[upper]).sum()),
     )

@@ -119,6 +119,8 @@ class GaussHermiteRule(QuadratureRule):
         if num_points < 1:
             raise ValueError(f"gauss_hermite needs num_points >= 1 per dimension, got {num_points}")
         super().__init__(num_points, max_bytes=max_bytes)
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+            raise ValueError(f"gauss_hermite: max_nodes must be an integer >= 1, got {max_nodes!r}")
         self.max_nodes = max_nodes
         self.exact_coordinate_quadratics = num_points >= 2  # one point: x = 0, so E[x^2] = 0
 

@@ -3,10 +3,11 @@
 rasp paper, Section 4: VRMC-1 translates the samples so that their mean is exactly ``mu``;
 VRMC-2 also scales them so that their per-coordinate variance is exactly ``sigma^2``.
 
-Each node is drawn from its own CPU generator, seeded from one number drawn from the caller's
-generator, so node ``k`` can be regenerated alone, and moved to the rule's device: the nodes are
-the same numbers on every device. VRMC needs the sample mean (and spread) of all
-``K`` draws: they are accumulated once per quadrature, streaming over the nodes, in O(dim) memory.
+Each node is drawn from its own generator on the rule's device, seeded from one number drawn
+from the caller's generator, so node ``k`` can be regenerated alone (on CUDA the numbers differ
+from the CPU's: another generator; on ``meta`` nothing is drawn). VRMC needs the sample mean
+(and spread) of all ``K`` draws: they are accumulated once per quadrature, at the first node
+asked for, streaming over the nodes, in O(dim) memory.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ class _MonteCarloNodes(NodeSet):
     def _match_moments(self) -> None:
         """VRMC's sample mean (and spread) of the ``K`` draws, once, streaming over the nodes:
         at the first node asked for, so that ``matrix()`` refuses a matrix over ``max_bytes``
-        before this ``O(K dim)`` pass (it took seconds at ``dim = 1e8``)."""
-        self._matched = True
+        before this ``O(K dim)`` pass (it took seconds at ``dim = 1e8``). Marked done only once
+        both are set: an error on the way leaves it to be done again."""
         # Welford's streaming update: numerically stable even when the K draws of a coordinate
         # nearly coincide (the textbook E[z^2] - E[z]^2 cancels to zero there).
         mean = torch.zeros(self.dim, dtype=self.dtype, device=self.device)
@@ -46,20 +47,19 @@ class _MonteCarloNodes(NodeSet):
             mean.add_(delta, alpha=1.0 / (k + 1))
             if self.moments == 2:
                 sum_sq.addcmul_(delta, z.sub_(mean))
-        self.shift = mean
         if self.moments == 2:
             scale = (sum_sq / len(self)).sqrt_()
             # All K draws equal (possible in float32 with K = 2): the centred offsets are
             # exactly zero there; divide by 1 rather than produce 0 / 0.
             self.scale = scale.masked_fill_(scale == 0, 1.0)
+        self.shift = mean
+        self._matched = True
 
     def _raw(self, k: int) -> torch.Tensor:
-        if self.device.type == "meta":  # shapes only: nothing to draw
+        if self.device.type == "meta":  # shapes only; torch has no generator on meta
             return torch.empty(self.dim, dtype=self.dtype, device=self.device)
-        # drawn on the CPU and moved: the same numbers on every device, as the other rules'
-        # (a CUDA generator draws others; torch has no generator on meta)
-        generator = torch.Generator().manual_seed(self.seed + k)
-        return torch.randn(self.dim, generator=generator, dtype=self.dtype).to(self.device)
+        generator = torch.Generator(device=self.device).manual_seed(self.seed + k)
+        return torch.randn(self.dim, generator=generator, dtype=self.dtype, device=self.device)
 
     def node(self, k: int) -> torch.Tensor:
         k = self._check_index(k)
