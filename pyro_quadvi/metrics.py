@@ -80,8 +80,13 @@ def _check_float(name: str, value: object) -> torch.Tensor:
 def _check_probs(probs: object) -> torch.Tensor:
     probs = _check_float("probs", probs)
     if probs.dim() != 2:
+        hint = (
+            " (for a binary problem's P(y = 1), of shape (n,): torch.stack([1 - p, p], dim=1))"
+            if probs.dim() == 1
+            else ""
+        )
         raise ValueError(
-            f"probs must have shape (n, C) (cases, classes), got shape {tuple(probs.shape)}"
+            f"probs must have shape (n, C) (cases, classes), got shape {tuple(probs.shape)}" + hint
         )
     if probs.shape[1] == 0:
         raise ValueError(
@@ -112,7 +117,10 @@ def _check_probs(probs: object) -> torch.Tensor:
 def _check_labels(y: object, probs: torch.Tensor) -> torch.Tensor:
     y = _check_tensor("y", y)
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        raise ValueError(f"y must hold integer class labels, got dtype {y.dtype}")
+        raise ValueError(
+            f"y must hold integer class labels, got dtype {y.dtype} (labels stored as numbers: "
+            "y.long())"
+        )
     if y.shape != probs.shape[:1]:
         raise ValueError(
             f"y must have shape (n,) = {tuple(probs.shape[:1])} to match probs of shape "

@@ -320,6 +320,13 @@ class BayesianModule(PyroModule):
                 f"values for {extra}, which are not latent parameters of the net (those are "
                 f"{list(params)}); leave other sites (a learned noise scale) out"
             )
+        floating = next((p.dtype for p in params.values() if p.is_floating_point()), None)
+        if x.is_floating_point() and floating is not None and x.dtype != floating:
+            raise ValueError(
+                f"x is {x.dtype} but the net's parameters are {floating} (NumPy's float64, say): "
+                f"convert the inputs, x.to({floating}), or the net, net.to({x.dtype}), before "
+                "building the BayesianModule"
+            )
         # the innermost modules in training mode (the layers, not the containers above them)
         training = [
             _where(m, path)

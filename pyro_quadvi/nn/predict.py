@@ -136,6 +136,15 @@ def predict(
         if batch_size < 1:
             raise ValueError(f"predict: batch_size must be {wanted}, got {batch_size!r}")
     _check_steps(steps, quadrature)
+    if quadrature is None:
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int):
+            raise TypeError(f"predict: num_samples must be an int >= 1, got {num_samples!r}")
+        if num_points is not None:
+            raise ValueError(
+                f"predict: num_points={num_points!r} is the size of a quadrature rule, given "
+                "without quadrature=...: pass quadrature='hadamard' (say) with it, or "
+                "num_samples for random draws"
+            )
     with torch.no_grad():
         if getattr(guide, "prototype_trace", True) is None:
             # built from bnn(x) alone, an AutoGuide would take the observations for a latent

@@ -9,7 +9,8 @@ metrics evaluated every so many steps.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Iterable, Iterator
+import operator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import pyro
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 from ..guides.interface import unwrap_guide
 from ..infer.log_joint import cuda_devices
 from ..store import follow_param_store
+from .module import BayesianModule
 
 __all__ = ["History", "fit"]
 
@@ -46,6 +48,13 @@ def _on(batch: tuple, device: torch.device | str | None) -> tuple:
 
 
 def _batches(data: tuple | Iterable) -> Iterator[tuple]:
+    if isinstance(data, torch.Tensor | Mapping) or type(data).__module__ == "numpy":
+        raise TypeError(
+            f"fit: data is a {type(data).__name__}; pass the arguments of a step as a tuple "
+            "((x, y): the full batch) or an iterable of such tuples (a DataLoader, a list of "
+            "(x, y) tuples). A bare tensor would be iterated row by row, one step per row "
+            "without labels"
+        )
     if isinstance(data, tuple):
         while True:
             yield data
@@ -54,6 +63,12 @@ def _batches(data: tuple | Iterable) -> Iterator[tuple]:
         count = 0
         for batch in data:
             count += 1
+            if isinstance(batch, Mapping):
+                raise TypeError(
+                    f"fit: a batch is a dict (keys {list(batch)[:4]}); fit passes a batch's items "
+                    "to svi.step in order: make the loader yield tuples (x, y), e.g. with a "
+                    "collate_fn, or a TensorDataset(x, y)"
+                )
             yield batch if isinstance(batch, tuple | list) else (batch,)
         if count == 0 and passes == 0:
             raise ValueError("fit: the data iterable yielded no batch")
@@ -63,6 +78,29 @@ def _batches(data: tuple | Iterable) -> Iterator[tuple]:
                 "Pass a list of batches or a DataLoader, or at most as many num_steps as it yields"
             )
         passes += 1
+
+
+def _count(name: str, value: object, least: int) -> int:
+    """``value`` as an int ``>= least`` (any integral type: an int, a NumPy integer), or a
+    ``ValueError`` naming ``name``."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None or number < least:
+        raise ValueError(f"fit: {name} must be an integer >= {least}, got {value!r}")
+    return number
+
+
+def _check_batch(model: object, batch: tuple) -> None:
+    """A ``BayesianModule`` step takes ``(x, y)``: one item would train with ``y`` sampled as a
+    latent, three or more fail in its signature."""
+    if isinstance(model, BayesianModule) and len(batch) != 2:
+        raise TypeError(
+            f"fit: a BayesianModule's step takes (x, y), got a batch of {len(batch)} item(s). "
+            "Pass (x, y) tuples (a list [x, y] is a list of two batches; per-row weights are "
+            "not supported: weight the likelihood in the model, or drop them)"
+        )
 
 
 def _metric_value(name: str, value: object, step: int) -> float:
@@ -123,13 +161,12 @@ def fit(
     Raises:
         ValueError: for ``num_steps < 0``, ``every < 1``, an empty iterable, or a one-shot
             iterator that runs out before ``num_steps``.
+        TypeError: for ``data`` that is a tensor, an array or a dict, a batch that is a dict,
+            and, for a ``BayesianModule`` model, a batch that is not ``(x, y)``.
         TypeError: for a metric that returns anything but one number (a dict, a string, a
             tensor of several elements), naming the metric, at its first evaluation.
     """
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-        raise ValueError(f"fit: num_steps must be an integer >= 0, got {num_steps!r}")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"fit: every must be an integer >= 1, got {every!r}")
+    num_steps, every = _count("num_steps", num_steps, 0), _count("every", every, 1)
     history = History(metrics={name: [] for name in metrics or {}})
     batches = _batches(data)
     follow_param_store(unwrap_guide(svi.guide))
@@ -137,6 +174,7 @@ def fit(
     bar = tqdm(range(num_steps), disable=not progress, desc=desc)
     for step in bar:
         batch = _on(next(batches), device)
+        _check_batch(svi.model, batch)
         history.loss.append(svi.step(*batch))
         bar.set_postfix(loss=f"{history.loss[-1]:.4g}", refresh=False)
         done = step + 1
