@@ -98,3 +98,40 @@ def test_the_metrics_say_how_to_pass_binary_probabilities_and_float_labels():
     assert metrics.accuracy(probs, y).item() == pytest.approx(1.0)
     with pytest.raises(ValueError, match=r"got dtype torch.float32 \(labels stored as numbers: "):
         metrics.accuracy(probs, y.float())
+
+
+def test_the_data_checks_hold_for_wrapped_models_datasets_and_zero_steps():
+    from pyro import poutine
+    from torch.utils.data import TensorDataset
+
+    x, y = _data()
+    bnn, guide, _ = _svi()
+    qnvb = QNVB()
+    for model in (poutine.scale(bnn, scale=0.5), qnvb.anneal(bnn)):
+        svi = SVI(model, guide, qnvb, QuadratureELBO("hadamard"))
+        with pytest.raises(TypeError, match=r"a BayesianModule's step takes \(x, y\)"):
+            fit(svi, [x, y], 2, progress=False)
+    svi = SVI(bnn, guide, qnvb, QuadratureELBO("hadamard"))
+    with pytest.raises(TypeError, match=r"data is a TensorDataset.*wrap the dataset in a"):
+        fit(svi, TensorDataset(x, y), 2, progress=False)
+    with pytest.raises(TypeError, match=r"^fit: data is a Tensor"):
+        fit(svi, x, 0, progress=False)  # refused before any step, even with none to take
+
+
+def test_a_net_that_converts_its_inputs_runs_on_them_and_predict_takes_numpy_counts():
+    class Converting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+
+        def forward(self, x):
+            return self.layer(x.float())
+
+    x, y = _data()
+    pyro.clear_param_store()
+    bnn = BayesianModule(Converting(), priors.Normal(1.0), likelihoods.Gaussian(N, scale=0.5))
+    guide = AutoMeanFieldNormal(bnn)
+    svi = SVI(bnn, guide, QNVB(), QuadratureELBO("hadamard"))
+    loss = svi.step(x.double(), y)  # the float64 inputs are the net's own business
+    assert torch.isfinite(torch.tensor(loss))
+    assert bnn.predict(guide, x.double(), num_samples=np.int64(8)).outputs.shape == (8, N, 1)

@@ -320,13 +320,6 @@ class BayesianModule(PyroModule):
                 f"values for {extra}, which are not latent parameters of the net (those are "
                 f"{list(params)}); leave other sites (a learned noise scale) out"
             )
-        floating = next((p.dtype for p in params.values() if p.is_floating_point()), None)
-        if x.is_floating_point() and floating is not None and x.dtype != floating:
-            raise ValueError(
-                f"x is {x.dtype} but the net's parameters are {floating} (NumPy's float64, say): "
-                f"convert the inputs, x.to({floating}), or the net, net.to({x.dtype}), before "
-                "building the BayesianModule"
-            )
         # the innermost modules in training mode (the layers, not the containers above them)
         training = [
             _where(m, path)
@@ -353,7 +346,11 @@ class BayesianModule(PyroModule):
         def one(weights):
             for name, (rows, own) in padding.items():  # the layer's own padding row, a constant
                 weights = {**weights, name: torch.where(rows, own, weights[name])}
-            out = functional_call(self._net, {**weights, **fixed}, (x,))
+            try:
+                out = functional_call(self._net, {**weights, **fixed}, (x,))
+            except RuntimeError as error:
+                _name_an_input_dtype(self._net, x, error)
+                raise
             check_tensor_output(out, self._net, "BayesianModule", "the likelihood")
             return out
 
@@ -471,6 +468,20 @@ def _refuse_batch_statistics(net: nn.Module) -> None:
                 "nn.LayerNorm or nn.GroupNorm (each row normalized by itself), or a batch norm "
                 "with track_running_stats=True, its running statistics pretrained"
             )
+
+
+def _name_an_input_dtype(net: nn.Module, x: torch.Tensor, error: RuntimeError) -> None:
+    """Raise, from ``error``, a ``ValueError`` naming the likely cause when the net failed on
+    floating inputs of another dtype than its floating parameters (NumPy's float64 beside a
+    float32 net: torch says "expected scalar type Float but found Double" from inside the net).
+    Checked only after a failure: a net that converts its input itself runs as it is."""
+    floating = next((p.dtype for p in net.parameters() if p.is_floating_point()), None)
+    if x.is_floating_point() and floating is not None and x.dtype != floating:
+        raise ValueError(
+            f"x is {x.dtype} but the net's parameters are {floating} (NumPy's float64, say), and "
+            f"the net failed on it: convert the inputs, x.to({floating}), or the net, "
+            f"net.to({x.dtype}), before building the BayesianModule"
+        ) from error
 
 
 def _refuse_spectral_norm(net: nn.Module) -> None:

@@ -23,6 +23,7 @@ from ..guides import describe_guide
 from ..guides.interface import trace_for_description, unwrap_guide
 from ..infer.batched import DecisionCache, evaluate_batch
 from ..quadrature import QuadratureRule, make_rule
+from ..quadrature.base import as_index
 from ..store import follow_param_store
 from .likelihoods import NOISE_SITE, Bernoulli, Categorical, Gaussian
 
@@ -137,8 +138,9 @@ def predict(
             raise ValueError(f"predict: batch_size must be {wanted}, got {batch_size!r}")
     _check_steps(steps, quadrature)
     if quadrature is None:
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int):
+        if as_index(num_samples) is None:
             raise TypeError(f"predict: num_samples must be an int >= 1, got {num_samples!r}")
+        num_samples = as_index(num_samples)
         if num_points is not None:
             raise ValueError(
                 f"predict: num_points={num_points!r} is the size of a quadrature rule, given "

@@ -8,8 +8,8 @@ metrics evaluated every so many steps.
 
 from __future__ import annotations
 
+import functools
 import numbers
-import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from ..guides.interface import unwrap_guide
 from ..infer.log_joint import cuda_devices
+from ..quadrature.base import as_index
 from ..store import follow_param_store
 from .module import BayesianModule
 
@@ -47,14 +48,22 @@ def _on(batch: tuple, device: torch.device | str | None) -> tuple:
     return tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in batch)
 
 
-def _batches(data: tuple | Iterable) -> Iterator[tuple]:
-    if isinstance(data, torch.Tensor | Mapping) or type(data).__module__ == "numpy":
+def _check_data(data: object) -> None:
+    """Refuse, before any step, a ``data`` that would be iterated row by row: a tensor, an
+    array, a dict, a map-style ``Dataset`` (not a ``DataLoader``)."""
+    rows = isinstance(data, torch.utils.data.Dataset) and not isinstance(
+        data, torch.utils.data.IterableDataset
+    )
+    if isinstance(data, torch.Tensor | Mapping) or type(data).__module__ == "numpy" or rows:
         raise TypeError(
             f"fit: data is a {type(data).__name__}; pass the arguments of a step as a tuple "
             "((x, y): the full batch) or an iterable of such tuples (a DataLoader, a list of "
-            "(x, y) tuples). A bare tensor would be iterated row by row, one step per row "
-            "without labels"
+            "(x, y) tuples). This one would be iterated row by row, one step per row"
+            + (": wrap the dataset in a DataLoader" if rows else " without labels")
         )
+
+
+def _batches(data: tuple | Iterable) -> Iterator[tuple]:
     if isinstance(data, tuple):
         while True:
             yield data
@@ -83,19 +92,34 @@ def _batches(data: tuple | Iterable) -> Iterator[tuple]:
 def _count(name: str, value: object, least: int) -> int:
     """``value`` as an int ``>= least`` (any integral type: an int, a NumPy integer), or a
     ``ValueError`` naming ``name``."""
-    try:
-        number = operator.index(value) if not isinstance(value, bool) else None
-    except TypeError:
-        number = None
+    number = as_index(value)
     if number is None or number < least:
         raise ValueError(f"fit: {name} must be an integer >= {least}, got {value!r}")
     return number
 
 
+def _underlying(model: object) -> object:
+    """The model inside Pyro's handler wrappers (``poutine.scale(bnn, ...)``) and
+    ``functools.wraps`` wrappers (``QNVB.anneal``); a ``partial`` binding arguments is kept."""
+    for _ in range(32):
+        if isinstance(model, functools.partial) and isinstance(model.func, functools.partial):
+            model = model.func  # Pyro's _bound_partial around the handler's partial
+        elif (
+            isinstance(model, functools.partial)
+            and getattr(model.func, "__name__", None) == "_context_wrap"
+        ):
+            model = model.args[1]  # (the handler, the model)
+        elif hasattr(model, "__wrapped__"):
+            model = model.__wrapped__
+        else:
+            break
+    return model
+
+
 def _check_batch(model: object, batch: tuple) -> None:
     """A ``BayesianModule`` step takes ``(x, y)``: one item would train with ``y`` sampled as a
     latent, three or more fail in its signature."""
-    if isinstance(model, BayesianModule) and len(batch) != 2:
+    if isinstance(_underlying(model), BayesianModule) and len(batch) != 2:
         raise TypeError(
             f"fit: a BayesianModule's step takes (x, y), got a batch of {len(batch)} item(s). "
             "Pass (x, y) tuples (a list [x, y] is a list of two batches; per-row weights are "
@@ -167,6 +191,7 @@ def fit(
             tensor of several elements), naming the metric, at its first evaluation.
     """
     num_steps, every = _count("num_steps", num_steps, 0), _count("every", every, 1)
+    _check_data(data)
     history = History(metrics={name: [] for name in metrics or {}})
     batches = _batches(data)
     follow_param_store(unwrap_guide(svi.guide))

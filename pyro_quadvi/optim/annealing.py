@@ -12,6 +12,7 @@ and :class:`~pyro_quadvi.optim.torch_qnvb.QNVBOptimizer` multiplies its likeliho
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -138,6 +139,7 @@ def anneal_likelihood(model: Callable, factor: float | Callable[[], float]) -> C
     """
     factor_fn = factor if callable(factor) else (lambda: factor)
 
+    @functools.wraps(model)  # the model stays findable (``__wrapped__``): fit checks its batches
     def annealed(*args, **kwargs):
         with AnnealLikelihoodMessenger(factor_fn):
             return model(*args, **kwargs)

@@ -52,7 +52,9 @@ def quadratic_exactness(
     A function ``f`` is exact when the quadrature's value differs from the Gaussian integral by at
     most ``atol``: by default ``1e-9`` plus what rounding in the nodes' dtype allows in that sum,
     8 units in the last place of ``sum_k |w_k| |f(x_k)|`` (a fixed ``1e-9`` counted every term of
-    float32 nodes inexact). The sums are taken in float64.
+    float32 nodes inexact). The sums are taken in float64. The bound is on the nodes as given:
+    ``vrmc*`` nodes made in float32 are differences of nearly equal draws at ``K = 2``, rounded
+    before they are given, and a few of their terms can count inexact that float64 counts exact.
 
     Raises:
         ValueError: for nodes or weights in float16 or bfloat16, whose rounding (about 1e-3 and
