@@ -54,3 +54,42 @@ def test_a_reused_annealed_qnvb_names_where_its_schedule_stands(float64_store):
     _fit(plain, 3)
     pyro.clear_param_store()
     assert _fit(plain, 3) == []
+
+
+def test_an_unpickled_qnvb_watches_the_guides_in_a_process_that_never_built_one(float64_store):
+    """A process that only loads a pickled QNVB (``torch.load`` of a checkpoint) never ran the
+    constructor, which installs the global hook by which QNVB finds the guides that run: under
+    ``Trace_ELBO`` it found none, warned that nothing was paired and sent every parameter to its
+    fallback. Simulated here by removing the hook before unpickling."""
+    import copy
+    import pickle
+
+    from pyro.infer import Trace_ELBO
+
+    from pyro_quadvi.guides import interface
+
+    pyro.set_rng_seed(0)
+    guide, qnvb = AutoMeanFieldNormal(_model), QNVB()
+    svi = SVI(_model, guide, qnvb, Trace_ELBO())
+    for _ in range(3):
+        svi.step()
+    saved = pickle.dumps(qnvb), copy.deepcopy(pyro.get_param_store().get_state())
+    rng = pyro.util.get_rng_state()
+    svi.step()
+    expected = pyro.param("AutoMeanFieldNormal.scales.w").detach().clone()
+
+    interface._WATCH_HANDLE.remove()  # a fresh process: no hook, no guide seen
+    interface._WATCH_HANDLE = None
+    interface._LIVE_GUIDES.clear()
+    pyro.clear_param_store()
+    resumed = pickle.loads(saved[0])
+    guide = AutoMeanFieldNormal(_model)
+    guide()
+    pyro.get_param_store().set_state(copy.deepcopy(saved[1]))
+    pyro.util.set_rng_state(rng)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        SVI(_model, guide, resumed, Trace_ELBO()).step()
+    assert interface._WATCH_HANDLE is not None
+    assert not [w for w in caught if "none of the" in str(w.message)]
+    assert torch.equal(pyro.param("AutoMeanFieldNormal.scales.w").detach(), expected)

@@ -588,6 +588,14 @@ class QNVB(PyroOptim):
         state["_bound"] = {}
         return state
 
+    def __setstate__(self, state: dict) -> None:
+        """Restore what :meth:`__getstate__` kept, and install the guide watch (the global
+        module hook by which QNVB finds the guides that run, installed by the constructor): a
+        process that only unpickles a QNVB (``torch.load``) found no guide under Pyro's own ELBOs,
+        and its steps went to the fallback."""
+        self.__dict__.update(state)
+        watch_guides()
+
     def describe(self, params: Iterable[torch.Tensor]) -> list[tuple[Callable, GuideDescription]]:
         """:func:`~pyro_quadvi.guides.interface.describe_live_guides` of ``params``, made for
         this step: the descriptions :meth:`find_blocks` and the step (``descriptions=``) take,
