@@ -138,9 +138,10 @@ def predict(
             raise ValueError(f"predict: batch_size must be {wanted}, got {batch_size!r}")
     _check_steps(steps, quadrature)
     if quadrature is None:
-        if as_index(num_samples) is None:
+        count = as_index(num_samples)
+        if count is None:
             raise TypeError(f"predict: num_samples must be an int >= 1, got {num_samples!r}")
-        num_samples = as_index(num_samples)
+        num_samples = count
         if num_points is not None:
             raise ValueError(
                 f"predict: num_points={num_points!r} is the size of a quadrature rule, given "

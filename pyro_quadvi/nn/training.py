@@ -100,7 +100,9 @@ def _count(name: str, value: object, least: int) -> int:
 
 def _underlying(model: object) -> object:
     """The model inside Pyro's handler wrappers (``poutine.scale(bnn, ...)``) and
-    ``functools.wraps`` wrappers (``QNVB.anneal``); a ``partial`` binding arguments is kept."""
+    ``functools.wraps`` wrappers (``QNVB.anneal``); a ``partial`` binding arguments is kept.
+    (Not :func:`~pyro_quadvi.guides.interface.unwrap_guide`, which goes through any partial to
+    its function, so the batch of a model with bound arguments would be counted short.)"""
     for _ in range(32):
         if isinstance(model, functools.partial) and isinstance(model.func, functools.partial):
             model = model.func  # Pyro's _bound_partial around the handler's partial
@@ -116,10 +118,11 @@ def _underlying(model: object) -> object:
     return model
 
 
-def _check_batch(model: object, batch: tuple) -> None:
-    """A ``BayesianModule`` step takes ``(x, y)``: one item would train with ``y`` sampled as a
-    latent, three or more fail in its signature."""
-    if isinstance(_underlying(model), BayesianModule) and len(batch) != 2:
+def _check_batch(bayesian: bool, batch: tuple) -> None:
+    """A ``BayesianModule`` step (``bayesian``: the model is one, :func:`_underlying`) takes
+    ``(x, y)``: one item would train with ``y`` sampled as a latent, three or more fail in its
+    signature."""
+    if bayesian and len(batch) != 2:
         raise TypeError(
             f"fit: a BayesianModule's step takes (x, y), got a batch of {len(batch)} item(s). "
             "Pass (x, y) tuples (a list [x, y] is a list of two batches; per-row weights are "
@@ -196,10 +199,11 @@ def fit(
     batches = _batches(data)
     follow_param_store(unwrap_guide(svi.guide))
     follow_param_store(unwrap_guide(svi.model))
+    bayesian = isinstance(_underlying(svi.model), BayesianModule)  # once: the model is fixed
     bar = tqdm(range(num_steps), disable=not progress, desc=desc)
     for step in bar:
         batch = _on(next(batches), device)
-        _check_batch(svi.model, batch)
+        _check_batch(bayesian, batch)
         history.loss.append(svi.step(*batch))
         bar.set_postfix(loss=f"{history.loss[-1]:.4g}", refresh=False)
         done = step + 1
