@@ -12,9 +12,10 @@ which nothing steps: the fit silently stops. Pyro's ``PyroParam`` (``AutoNormal`
 
 :func:`follow_store` mends one parameter; :func:`follow_param_store` every plain parameter of the
 ``PyroModule`` s of a guide or a model (through ``torch.compile``).
-:class:`~pyro_quadvi.QuadratureELBO`, :func:`~pyro_quadvi.nn.fit` and
-:func:`~pyro_quadvi.export.to_inference_data` call it on the guide and the model before they run
-them, :func:`~pyro_quadvi.nn.predict` on the guide.
+:class:`~pyro_quadvi.QuadratureELBO`, :func:`~pyro_quadvi.nn.fit`,
+:func:`~pyro_quadvi.export.to_inference_data` and :func:`~pyro_quadvi.evidence.opqa_evidence`
+call it on the guide and the model before they run them, :func:`~pyro_quadvi.nn.predict` on the
+guide.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def follow_param_store(module: object) -> None:
     plain parameters (Pyro's ``AutoDiagonalNormal``, ``AutoMultivariateNormal``,
     ``AutoLowRankMultivariateNormal``) or a ``PyroModule`` model with plain parameters (a
     ``PyroModule[nn.Linear]`` whose bias is not a ``PyroSample``) is trained on by Pyro's own
-    ELBOs; the package's ``QuadratureELBO``, ``fit`` and ``to_inference_data`` (guide and
-    model) and ``predict`` (guide) call it themselves. Anything else does
+    ELBOs, ``Predictive`` or the guide's ``median``/``quantiles``; the package's
+    ``QuadratureELBO``, ``fit``, ``to_inference_data`` and ``opqa_evidence`` (guide and model)
+    and ``predict`` (guide) call it themselves. Anything else does
     nothing: an object that is not a ``PyroModule``, a parameter not in the store (a module not
     run yet), a ``PyroParam``'s unconstrained leaf (Pyro synchronizes those), the parameters of
     plain ``nn.Module`` s inside it (which Pyro registers with ``pyro.module``; restore those

@@ -46,9 +46,11 @@ from pyro.poutine.subsample_messenger import _Subsample
 from pyro.poutine.util import site_is_subsample
 
 from ..export.draws import check_guide_was_run, check_observed_not_nan
+from ..guides.interface import unwrap_guide
 from ..infer.batched import BatchDecision, DtypeMismatch, evaluate_batch, first_line
 from ..infer.log_joint import LatentSite, LogJoint, cuda_devices, latent_sites_of_model
 from ..quadrature.hermite import gauss_hermite, orthonormal_hermite
+from ..store import follow_param_store
 from .posterior import OPQAPosterior, multi_indices
 from .weight import GaussianWeight, fixed_weight, guide_weight, laplace_weight
 
@@ -179,6 +181,10 @@ def opqa_evidence(
     """
     start_time = time.perf_counter()
     _check_arguments(num_points, max_degree, center, guide, max_nodes, chunk_size, vectorize)
+    # a restored param store's values, not the stale ones of plain parameters (store.py)
+    follow_param_store(unwrap_guide(model))
+    if guide is not None:
+        follow_param_store(unwrap_guide(guide))
     args, kwargs = _to_float64(args), _to_float64(kwargs)
     sites, device = _latent_sites_and_device(model, args, kwargs)
     _check_sample_sites(_Float64Prior()(model), args, kwargs)

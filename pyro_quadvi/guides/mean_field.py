@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
@@ -18,6 +19,23 @@ from .adapters import check_set_up, describe_auto_normal, scale_factor, subsampl
 from .interface import GuideDescription, MeanFieldSite
 
 __all__ = ["AutoMeanFieldNormal"]
+
+
+def read_from_store(method: Callable) -> Callable:
+    """Run a guide's summary ``method`` inside the guide's Pyro context.
+
+    Outside it a ``PyroModule`` reads its own cached ``PyroParam`` leaves, which stay those of
+    the guide's last run: after ``pyro.get_param_store().set_state(...)`` (a checkpoint restored
+    into a guide already run once, as the docs' recipe does) ``median()`` and ``quantiles()``
+    returned the values from before the restore. Inside it each leaf is the store's.
+    """
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with self._pyro_context:
+            return method(self, *args, **kwargs)
+
+    return wrapped
 
 
 class RunStamp(NamedTuple):
@@ -98,14 +116,17 @@ class AutoMeanFieldNormal(AutoNormal):
         self._last_run_stamp = RunStamp(next(_RUN_NUMBERS), torch.is_grad_enabled())
         return result
 
+    @read_from_store
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Pyro's ``AutoNormal.median``, after a check that the guide has run."""
+        """Pyro's ``AutoNormal.median``, after a check that the guide has run; of the param
+        store's values (a restored store's too)."""
         check_set_up(self)
         return super().median(*args, **kwargs)
 
+    @read_from_store
     def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Pyro's ``AutoNormal.quantiles``, after checks that the guide has run and that the
-        probabilities lie in ``[0, 1]``."""
+        probabilities lie in ``[0, 1]``; of the param store's values."""
         check_set_up(self)
         check_probabilities(quantiles)
         return super().quantiles(quantiles, *args, **kwargs)
@@ -122,8 +143,10 @@ class AutoMeanFieldNormal(AutoNormal):
         """
         return describe_auto_normal(self, trace, self._last_run)
 
+    @read_from_store
     def mean_field_sites(self) -> list[MeanFieldSite]:
-        """The sites of :meth:`quadrature_description`: current parameters, last run's rows."""
+        """The sites of :meth:`quadrature_description`: the param store's current parameters,
+        the last run's rows."""
         return self.quadrature_description().sites
 
 

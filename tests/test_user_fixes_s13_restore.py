@@ -1,0 +1,80 @@
+"""Session 13 user trial of OPQA, the export and the guides' summaries after a param-store restore.
+
+A restored store (``pyro.get_param_store().set_state(...)``) into a guide that has already run:
+``opqa_evidence(center="guide")`` used Pyro's ``AutoDiagonalNormal``'s stale ``loc`` (183 nats
+off on a conjugate model), and ``AutoMeanFieldNormal.median()`` / ``quantiles()`` returned the
+values of the guide's last run, not the store's.
+"""
+
+import copy
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer.autoguide import AutoDiagonalNormal
+from torch.distributions import transform_to
+
+from pyro_quadvi import AutoMeanFieldNormal, opqa_evidence
+
+Y = torch.tensor([0.3, -1.2, 2.1, 0.8, 1.5], dtype=torch.float64)
+N = len(Y)
+
+
+def model(y):
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=y.dtype), 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
+
+
+# mu ~ N(0, 1), y_i ~ N(mu, 1): the posterior is N(sum y / (n + 1), 1 / (n + 1)) and the evidence
+# is N(y | 0, I + 1 1^T), whose determinant is n + 1 and whose inverse is I - 1 1^T / (n + 1)
+POST_MEAN = float(Y.sum()) / (N + 1)
+POST_SD = (N + 1) ** -0.5
+EXACT_LOG_EVIDENCE = -0.5 * (
+    N * math.log(2 * math.pi) + math.log(N + 1) + float(Y @ Y) - float(Y.sum()) ** 2 / (N + 1)
+)
+
+
+def _restore_with(values: dict[str, torch.Tensor]) -> None:
+    """Put ``values`` (constrained) into the param store by ``set_state``, as a checkpoint does."""
+    store = pyro.get_param_store()
+    state = copy.deepcopy(store.get_state())
+    for name, value in values.items():
+        constraint = state["constraints"][name]
+        state["params"][name] = transform_to(constraint).inv(value).detach().clone()
+    store.set_state(state)
+
+
+def test_opqa_evidence_of_a_restored_auto_diagonal_normal_is_exact(float64_store):
+    # one Gauss-Hermite point is exact for a Gaussian posterior, if the weight is that posterior
+    guide = AutoDiagonalNormal(model)
+    guide(Y)  # set up, at the starting loc
+    _restore_with(
+        {
+            "AutoDiagonalNormal.loc": torch.tensor([POST_MEAN]),
+            "AutoDiagonalNormal.scale": torch.tensor([POST_SD]),
+        }
+    )
+    result = opqa_evidence(model, Y, num_points=1, center="guide", guide=guide)
+    assert result.diagnostics["loc"].tolist() == pytest.approx([POST_MEAN], abs=1e-15)
+    assert result.log_evidence == pytest.approx(EXACT_LOG_EVIDENCE, abs=1e-12)
+
+
+def test_median_quantiles_and_sites_read_a_restored_store(float64_store):
+    guide = AutoMeanFieldNormal(model)
+    guide(Y)  # set up: loc 0, scale 0.1
+    _restore_with(
+        {
+            "AutoMeanFieldNormal.locs.mu": torch.tensor(POST_MEAN),
+            "AutoMeanFieldNormal.scales.mu": torch.tensor(POST_SD),
+        }
+    )
+    assert float(guide.median()["mu"]) == pytest.approx(POST_MEAN, abs=1e-15)
+    q = guide.quantiles([0.1, 0.5])["mu"]
+    z = 1.2815515655446004  # the standard normal's 0.9 quantile
+    assert q.tolist() == pytest.approx([POST_MEAN - z * POST_SD, POST_MEAN], abs=1e-12)
+    (site,) = guide.mean_field_sites()
+    assert float(site.loc.detach()) == pytest.approx(POST_MEAN, abs=1e-15)
+    assert float(site.scale.detach()) == pytest.approx(POST_SD, abs=1e-15)
