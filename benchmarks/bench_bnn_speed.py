@@ -152,9 +152,9 @@ class TimedQNVBOptimizer(QNVBOptimizer):
 
     elapsed = 0.0
 
-    def _update(self, params, moments, weight):
+    def _update(self, params, moments, weight, settings):
         start = clock()
-        super()._update(params, moments, weight)
+        super()._update(params, moments, weight, settings)
         self.elapsed += clock() - start
 
 

@@ -108,14 +108,118 @@ def test_sigma_changes_at_most_by_the_scale_factors_and_stays_in_bounds():
     torch.testing.assert_close(result.sigma, torch.full((3,), 10.0, dtype=DTYPE))
 
 
-def test_the_mean_steps_with_a_curvature_of_at_least_one_over_sigma_max_squared():
-    # h = 1e-6 is positive, so it is used, but flatter than any q within sigma_max = 10 allows: the
-    # step is g sigma_max^2 = 50, not g / h = 5e5 (the cap lr = 1e6 is far away)
-    mu = torch.zeros(1, dtype=DTYPE)
-    hp = QNVBHyperparameters(lr=1e6, eps=0.0, sigma_max=10.0)
-    g, h = torch.full((1,), 0.5, dtype=DTYPE), torch.full((1,), 1e-6, dtype=DTYPE)
-    result = qnvb_update(mu, torch.ones(1, dtype=DTYPE), g, h, init_qnvb_state(mu), hp)
-    torch.testing.assert_close(result.mu, torch.full((1,), -50.0, dtype=DTYPE))
+def _design_note_by_hand(a, b, mu, w, steps, lr, betas, eps, sigma_min, sigma_max):
+    """The design note's steps 3-6 (docs: qnvb-update-rule.md) in plain Python, for the per-case
+    loss ``a t^2 / 2 - b t`` (g = a mu - b, h = a exactly) with likelihood weight ``w``: the
+    reference's rms curvature and warm-up averages, no prior, sigma from ``sigma_min``. ``eps``
+    is the note's, per case."""
+    mu, sigma = list(mu), [sigma_min] * len(mu)
+    g_avg, s_avg, h2_avg = [0.0] * len(mu), [0.0] * len(mu), [0.0] * len(mu)
+    c_g = c_h = 0
+    out = []
+    for _ in range(steps):
+        c_g, c_h = min(1 / (1 - betas[0]), c_g + 1), min(1 / (1 - betas[1]), c_h + 1)
+        b_g, b_h = (c_g - 1) / c_g, (c_h - 1) / c_h
+        for j in range(len(mu)):
+            g, h = a[j] * mu[j] - b[j], a[j]
+            g_avg[j] = b_g * g_avg[j] + (1 - b_g) * g
+            s_avg[j] = b_h * s_avg[j] + (1 - b_h) * g * g
+            h2_avg[j] = b_h * h2_avg[j] + (1 - b_h) * h * h
+            H = math.sqrt(h2_avg[j])
+            target = (w * H) ** -0.5
+            target = min(max(target, 0.99 * sigma[j]), 1.01 * sigma[j])
+            d = g_avg[j] / max(H, (math.sqrt(s_avg[j]) + eps) / lr)  # unfloored H
+            mu[j] -= d
+            g_avg[j] -= H * d
+            sigma[j] = min(max(target, sigma_min), sigma_max)
+        out.append((list(mu), list(sigma)))
+    return out
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_the_mean_steps_on_the_unfloored_curvature_as_in_the_design_note(flat):
+    # reference settings: sigma in [1e-5, 1e-3], w = 50, lr = 1e-3. The curvatures w a = 100 and
+    # 2.5 lie below 1 / sigma_max^2 = 1e6, where a floor on the mean's curvature too made the
+    # first step 3e-5 and 1.5e-5 instead of the note's lr-capped 1e-3 (sigma is floored alone)
+    a, b, w, lr, eps = [2.0, 0.05], [1.0, -0.3], 50.0, 1e-3, 1e-8
+    hand = _design_note_by_hand(a, b, [0.2, -0.1], w, 3, lr, (0.9, 0.999), eps / w, 1e-5, 1e-3)
+    hp = QNVBHyperparameters(
+        lr=lr,
+        betas=(0.9, 0.999),
+        eps=eps,  # in the units of the whole loss's gradient: the note's eps / w
+        sigma_min=1e-5,
+        sigma_max=1e-3,
+        scale_min=0.99,
+        scale_max=1.01,
+        curvature="rms",
+        damping=False,
+        drift_forgetting=0.0,
+    )
+    A, B = torch.tensor(a, dtype=DTYPE), torch.tensor(b, dtype=DTYPE)
+    mu = torch.tensor([0.2, -0.1], dtype=DTYPE)
+    sigma, state = torch.full((2,), 1e-5, dtype=DTYPE), init_qnvb_state(mu)
+    for want_mu, want_sigma in hand:
+        g, h = A * mu - B, A.clone()
+        if flat:
+            (result,) = qnvb_update_many([mu], [sigma], [g], [h], [state], hp, w)
+        else:
+            result = qnvb_update(mu, sigma, g, h, state, hp, w)
+        mu, sigma, state = result.mu, result.sigma, result.state
+        assert mu.tolist() == pytest.approx(want_mu, rel=1e-13, abs=0)
+        assert sigma.tolist() == pytest.approx(want_sigma, rel=1e-13, abs=0)
+    # each step of the first three is the lr-capped one (within 1e-5 of lr: the eps)
+    assert mu.tolist() == pytest.approx([0.2 + 3 * lr, -0.1 - 3 * lr], abs=1e-5)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("eps", [1e-8, 0.0])
+def test_lr_zero_holds_the_means_bit_for_bit_and_updates_sigma_as_any_lr(flat, eps):
+    # a scheduler ending at lr = 0 (CosineAnnealingLR, eta_min = 0): the step is exactly 0 (the
+    # last coordinate, g = 0 with eps = 0, would be 0 / 0 in (sqrt(s) + eps) / lr)
+    mu = torch.tensor([0.3, -0.7, 2.0, -0.0], dtype=DTYPE)
+    sigma = torch.full((4,), 0.1, dtype=DTYPE)
+    g = torch.tensor([0.5, -2.0, 1e-3, 0.0], dtype=DTYPE)
+    h = torch.tensor([4.0, 0.25, -1.0, 9.0], dtype=DTYPE)
+
+    def run(lr):
+        # drift forgetting off: it forgets by the distance travelled, which lr = 0 makes 0
+        hp = QNVBHyperparameters(lr=lr, eps=eps, betas=(0.9, 0.999), drift_forgetting=0.0)
+        state, s = init_qnvb_state(mu), sigma
+        for _ in range(3):  # g and h held: the averages do not depend on the means
+            if flat:
+                (result,) = qnvb_update_many([mu], [s], [g], [h], [state], hp, 8.0, 0.5)
+            else:
+                result = qnvb_update(mu, s, g, h, state, hp, 8.0, 0.5)
+            assert int(result.num_overflow) == int(result.num_nonfinite) == 0
+            s, state = result.sigma, result.state
+        return result
+
+    held, moving = run(0.0), run(0.5)
+    assert torch.equal(held.mu, mu) and torch.equal(held.mu.signbit(), mu.signbit())
+    assert not torch.equal(moving.mu[:3], mu[:3])
+    assert torch.equal(held.sigma, moving.sigma)
+    assert float(held.sigma[0]) == pytest.approx((8 * 4 + 0.5) ** -0.5, rel=1e-12)
+    for name in ("s_avg", "h_avg", "h2_avg", "count", "curvature_count", "damping"):
+        assert torch.equal(getattr(held.state, name), getattr(moving.state, name)), name
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_zero_gradient_without_curvature_or_eps_steps_by_zero(flat):
+    # rms curvature of h = 0, eps = 0 and g = 0: the divisor max(w H, (sqrt(s) + eps) / lr) is 0;
+    # without the floor of the mean's curvature (the design note's step) 0 / 0 would be caught by
+    # the guard as an overflow. The step is 0: the coordinate updates (sigma to sigma_max)
+    mu = torch.tensor([0.3], dtype=DTYPE)
+    zero = torch.zeros(1, dtype=DTYPE)
+    hp = QNVBHyperparameters(eps=0.0, curvature="rms")
+    if flat:
+        (result,) = qnvb_update_many(
+            [mu], [torch.ones(1, dtype=DTYPE)], [zero], [zero], [init_qnvb_state(mu)], hp
+        )
+    else:
+        result = qnvb_update(mu, torch.ones(1, dtype=DTYPE), zero, zero, init_qnvb_state(mu), hp)
+    assert int(result.num_overflow) == 0
+    assert torch.equal(result.mu, mu)
+    assert float(result.sigma) == 10.0  # the rate limit toward sigma_max = 100
 
 
 def test_negative_curvature_holds_sigma_and_takes_a_natural_gradient_step():
@@ -326,8 +430,8 @@ def test_damping_has_no_ceiling():
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        (dict(lr=0.0), ValueError, "lr must be > 0, got 0.0"),
-        (dict(lr="1"), TypeError, "lr must be a real number > 0, got '1' (str)"),
+        (dict(lr=-1e-3), ValueError, "lr must be >= 0, got -0.001"),
+        (dict(lr="1"), TypeError, "lr must be a real number >= 0, got '1' (str)"),
         (dict(trust_region=0.0), ValueError, "trust_region must be > 0 (inf: off), got 0.0"),
         (
             dict(betas=0.9),

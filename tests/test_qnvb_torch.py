@@ -289,7 +289,7 @@ def test_bad_arguments_are_refused():
             TypeError,
             "betas must be a pair (beta1, beta2) of numbers in [0, 1), got 0.9 (float)",
         ),
-        (dict(lr="1"), TypeError, "lr must be a real number > 0, got '1' (str)"),
+        (dict(lr="1"), TypeError, "lr must be a real number >= 0, got '1' (str)"),
         (
             dict(likelihood_weight="10"),
             TypeError,

@@ -235,7 +235,7 @@ def test_a_bad_per_block_value_names_the_block_and_its_source():
     with pytest.raises(ValueError) as info:
         _svi_step(QNVB(lambda name: {"lr": -1}))
     assert str(info.value) == (
-        "QNVB: lr must be > 0, got -1 for the block of 'AutoMeanFieldNormal.locs.w' "
+        "QNVB: lr must be >= 0, got -1 for the block of 'AutoMeanFieldNormal.locs.w' "
         "(from optim_args('AutoMeanFieldNormal.locs.w') = {'lr': -1})"
     )
     with pytest.raises(TypeError) as info:
@@ -250,7 +250,7 @@ def test_a_bad_per_block_value_names_the_block_and_its_source():
 def test_settings_for_all_blocks_are_still_refused_at_construction():
     with pytest.raises(ValueError) as info:
         QNVB({"lr": -1.0})
-    assert str(info.value) == "lr must be > 0, got -1.0"
+    assert str(info.value) == "lr must be >= 0, got -1.0"
 
 
 # -- the local-mode checkpoint recipe of docs/qnvb.md ------------------------------------------

@@ -221,7 +221,7 @@ def test_refused_group_leaves_param_groups_as_before():
     net = _net()
     optimizer = _qnvb(net[0].parameters())
     before = [dict(g) for g in optimizer.param_groups]
-    with pytest.raises(ValueError, match="lr must be > 0"):
+    with pytest.raises(ValueError, match="lr must be >= 0"):
         optimizer.add_param_group({"params": net[2].parameters(), "lr": -1.0})
     with pytest.raises(ValueError, match="init_sigma must be > 0"):
         optimizer.add_param_group({"params": net[2].parameters(), "init_sigma": 0.0})

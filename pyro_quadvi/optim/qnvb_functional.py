@@ -31,8 +31,12 @@ update's rules, each measured", gives the test and the benchmark row behind each
    large activations and a deep ReLU network can diverge (``docs/benchmarks.md``, "Exact zero
    curvature: tried and reverted"). ``curvature="rms"`` is the reference's ``sqrt(mean(h^2))``
    (design note step 4), biased upward by the noise of ``h``.
-5. **Curvature floor**: the curvature of the whole loss is at least ``1 / sigma_max^2``, so the
-   mean never steps as if ``q`` were wider than ``sigma_max``.
+5. **Curvature floor** (of the scale only): the target of ``sigma`` (rule 9) is taken from the
+   curvature of the whole loss floored at ``1 / sigma_max^2``; the mean steps on the unfloored
+   curvature (rule 7), as in the design note (steps 5 and 6), where only ``sigma`` is bounded. A
+   floor on the mean's curvature too made it step as if ``q`` were at most ``sigma_max`` wide:
+   with the reference's ``sigma_max = 1e-3`` and likelihood weight 50, a coordinate of per-case
+   curvature 2 moved by ``3e-5`` on its first step instead of the ``lr``-capped ``1e-3``.
 6. **Damping** (``damping``, ``damping_recovery``): a parallel (Jacobi-like) Newton step
    oscillates on a correlated posterior. Each coordinate divides its step by ``k >= 1``, which
    grows by one when the gradient changes sign between two steps and shrinks by
@@ -40,7 +44,9 @@ update's rules, each measured", gives the test and the benchmark row behind each
    makes ``k`` grow like the step count, a Robbins-Monro schedule that averages the noise out.
 7. **Step cap** (``lr``, ``eps``; design note step 6): the mean moves by
    ``g / (k max(H, (sqrt(s) + eps) / lr))``, the smaller of the (damped) quasi-Newton step and an
-   Adam step of size ``lr``; with ``trust_region`` (off by default) it moves by at most
+   Adam step of size ``lr``, with ``g``, ``H`` and ``s`` those of the whole loss (``eps`` is in
+   the units of its gradient, ``weight`` times the per-case one); at ``lr = 0`` (a scheduler's
+   end) the step is exactly 0. With ``trust_region`` (off by default) it moves by at most
    ``trust_region * sigma``, the width over which the nodes measured ``g`` and ``h`` (eq. 6 is a
    local model; for Bayesian networks, ``docs/qnvb.md``).
 8. **Gradient carry** (with ``beta1 > 0``; design note step 6): the averaged gradient is moved to
@@ -50,7 +56,7 @@ update's rules, each measured", gives the test and the benchmark row behind each
 10. **Scale bounds** (``sigma_min``, ``sigma_max``): ``sigma`` is clamped to them; the
     coordinates pinned at a bound by this step are counted, at ``sigma_max`` also those whose
     (taken, not held) curvature asks for a wider ``sigma`` than ``sigma_max`` (the floor of
-    rule 5 holds them at ``sigma_max``, or on their way there).
+    rule 5 holds their ``sigma`` at ``sigma_max``, or on its way there).
 11. **Guard**: a coordinate whose ``g`` or ``h`` is not finite, or whose update overflows (e.g.
     ``g^2`` beyond the dtype's range while ``g`` is finite), keeps its mean, scale and state; the
     two causes are counted apart. The counts stay 0-d tensors: the update never synchronizes
@@ -124,14 +130,18 @@ class QNVBHyperparameters:
 
     Attributes:
         lr: caps how far ``mu`` moves: the step is ``g / max(H, (sqrt(s) + eps) / lr)``, the smaller
-            of the quasi-Newton step and an Adam step of size ``lr`` (``s``: running mean of
-            ``g^2``). In the units of ``mu``.
+            of the quasi-Newton step and an Adam step of size ``lr`` (``g``, ``H``: gradient and
+            curvature of the whole loss, ``s``: running mean of its ``g^2``). In the units of
+            ``mu``. ``0`` (where a scheduler ends) holds the means; ``sigma`` and the averages
+            update as at any ``lr``.
         betas: ``(beta1, beta2)``: running averages of ``g`` (``beta1``) and of ``g^2``, ``h`` and
             ``h^2`` (``beta2``), as arithmetic means during warm-up (count below ``1/(1-beta)``).
             ``beta1 = 0`` uses the newest gradient only.
-        eps: added to ``sqrt(s)`` in the step cap.
-        sigma_min, sigma_max: absolute bounds on ``sigma``; the curvature is floored at
-            ``1 / sigma_max^2``.
+        eps: added to ``sqrt(s)`` in the step cap: in the units of the whole loss's gradient
+            (``weight`` times the per-case gradient, plus the prior's), not of the per-case
+            gradient as in the reference, whose ``eps`` is this one divided by ``weight``.
+        sigma_min, sigma_max: absolute bounds on ``sigma``; the curvature that sets ``sigma`` is
+            floored at ``1 / sigma_max^2`` (the mean steps on the unfloored one).
         scale_min, scale_max: per-step bounds on the factor by which ``sigma`` may change.
         curvature: ``"mean"`` (running mean of ``h`` where positive, else the current
             ``1 / sigma^2``) or ``"rms"`` (the reference's ``sqrt(mean(h^2))``).
@@ -176,7 +186,7 @@ class QNVBHyperparameters:
         object.__setattr__(self, "betas", tuple(betas))
         unit = (lambda b: 0 <= b < 1, "in [0, 1)")
         checks = [
-            ("lr", self.lr, lambda v: v > 0, "> 0"),
+            ("lr", self.lr, lambda v: v >= 0, ">= 0"),
             ("betas[0]", betas[0], *unit),
             ("betas[1]", betas[1], *unit),
             ("eps", self.eps, lambda v: 0 <= v < math.inf, "finite and >= 0"),
@@ -244,7 +254,8 @@ class QNVBResult(NamedTuple):
             ``sigma_min`` by this step: the curvature asked for a smaller one.
         num_sigma_max: coordinates (of those updated) whose new ``sigma`` was lowered to
             ``sigma_max`` by this step, or whose curvature (taken, not held) asks for a wider
-            ``sigma`` than ``sigma_max``: the curvature floor holds them at ``sigma_max``.
+            ``sigma`` than ``sigma_max``: the curvature floor holds their ``sigma`` at
+            ``sigma_max``.
     """
 
     mu: torch.Tensor
@@ -350,6 +361,16 @@ def init_qnvb_state(mu: torch.Tensor) -> QNVBState:
     )
 
 
+def _divisor_may_vanish(hp: QNVBHyperparameters, dtype: torch.dtype) -> bool:
+    """Whether the step's divisor ``max(w H + prior, (sqrt(s) + eps) / lr)`` (rule 7) can be 0
+    in ``dtype``: where no gradient has been seen (``s = 0``) the cap is ``eps / lr``, which is 0
+    below the dtype's smallest normal number (``eps = 0``, ``lr = inf``), and the curvature of
+    the loss is 0 with ``curvature="rms"`` and ``h = 0``. Only then is the divisor floored at
+    that smallest number, so that a zero gradient steps by 0 rather than by ``0 / 0``."""
+    tiny = torch.finfo(dtype).tiny
+    return min(hp.eps, hp.eps / hp.lr) < tiny
+
+
 def _average(avg: torch.Tensor, new: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Running average with warm-up: weight ``1 / count`` on the new value (count >= 1)."""
     return avg + (new - avg) / count
@@ -419,7 +440,7 @@ def _reference_rules(
     h_avg = _average(state.h_avg, h, curvature_count)
     h2_avg = _average(state.h2_avg, h * h, curvature_count)
 
-    # rules 4 and 5: curvature of L, then of the whole loss, floored
+    # rule 4: curvature of L, then of the whole loss (unfloored: the mean steps on it)
     if hp.curvature == "rms":
         curv = h2_avg.sqrt()
         significant = torch.ones_like(finite_input)
@@ -430,7 +451,6 @@ def _reference_rules(
         curv = torch.where(significant, h_avg, held)
     total_curv = weight * curv + prior_precision
     wider = significant & (total_curv < hp.sigma_max**-2)  # asks for more than sigma_max
-    total_curv = total_curv.clamp(min=hp.sigma_max**-2)
 
     # rule 6, damping: a sign change of the gradient means the last step overshot
     if hp.damping:
@@ -442,17 +462,24 @@ def _reference_rules(
         damping = state.damping
 
     # rule 7: the quasi-Newton step, capped by an Adam-sized step; rule 8: the carry
-    cap = (s_avg.sqrt() + hp.eps) / hp.lr
-    total_grad = weight * g_avg + prior_precision * mu
-    step = total_grad / (damping * torch.maximum(total_curv, cap))
+    if hp.lr == 0:  # a scheduler's lr = 0: the mean holds (exactly; no 0 / 0 where s = eps = 0)
+        step = torch.zeros_like(mu)
+    else:
+        cap = (s_avg.sqrt() + hp.eps) / hp.lr
+        divisor = torch.maximum(total_curv, cap)
+        if _divisor_may_vanish(hp, mu.dtype):  # no curvature, no gradient yet: no step
+            divisor = divisor.clamp(min=torch.finfo(mu.dtype).tiny)
+        total_grad = weight * g_avg + prior_precision * mu
+        step = total_grad / (damping * divisor)
     if hp.trust_region < math.inf:  # the mean moves at most trust_region * sigma
         radius = hp.trust_region * sigma
         step = torch.minimum(torch.maximum(step, -radius), radius)
     new_mu = mu - step
     g_avg = g_avg - curv * step  # carry the averaged gradient to the new mean
 
-    # rules 9 and 10: sigma* = (w H + prior)^(-1/2), rate-limited, then bounded
-    target = torch.where(significant, total_curv.rsqrt(), sigma)
+    # rules 5, 9 and 10: sigma* = (w H + prior)^(-1/2) with the curvature floored at
+    # 1 / sigma_max^2, rate-limited, then bounded
+    target = torch.where(significant, total_curv.clamp(min=hp.sigma_max**-2).rsqrt(), sigma)
     limited = torch.minimum(torch.maximum(target, sigma * hp.scale_min), sigma * hp.scale_max)
     new_sigma = limited.clamp(hp.sigma_min, hp.sigma_max)
 
@@ -583,7 +610,7 @@ def _flat_update(
     h_avg = averaged(state.h_avg, h, curvature_count)
     h2_avg = averaged(state.h2_avg, h * h, curvature_count)
 
-    # rules 4 and 5
+    # rule 4
     if hp.curvature == "rms":
         curv = h2_avg.sqrt()
         significant = None
@@ -605,7 +632,6 @@ def _flat_update(
     wider = total_curv < hp.sigma_max**-2
     if significant is not None:
         wider &= significant
-    total_curv = total_curv.clamp(min=hp.sigma_max**-2)
 
     # rule 6
     if hp.damping:
@@ -617,15 +643,20 @@ def _flat_update(
         damping = state.damping
 
     # rules 7 and 8
-    cap = s_avg.sqrt()
-    cap += hp.eps
-    if hp.lr != 1:
-        cap /= hp.lr
-    divisor = torch.maximum(total_curv, cap)
-    del cap  # temporaries go as soon as they are used: the flat update holds every coordinate
-    divisor *= damping
-    step = scaled(g_avg) / divisor
-    del divisor
+    if hp.lr == 0:
+        step = torch.zeros_like(mu)
+    else:
+        cap = s_avg.sqrt()
+        cap += hp.eps
+        if hp.lr != 1:
+            cap /= hp.lr
+        divisor = torch.maximum(total_curv, cap)
+        del cap  # temporaries go as soon as they are used: the flat update holds every coordinate
+        if _divisor_may_vanish(hp, mu.dtype):
+            divisor.clamp_(min=torch.finfo(mu.dtype).tiny)
+        divisor *= damping
+        step = scaled(g_avg) / divisor
+        del divisor
     if hp.trust_region < math.inf:
         radius = hp.trust_region * sigma
         step = torch.minimum(torch.maximum(step, -radius), radius)
@@ -633,9 +664,10 @@ def _flat_update(
     new_mu = mu - step
     g_avg = g_avg - curv * step
 
-    # rules 9 and 10
-    target = total_curv.rsqrt()
+    # rules 5, 9 and 10
+    target = total_curv.clamp(min=hp.sigma_max**-2)
     del total_curv
+    target.rsqrt_()
     if significant is not None:
         target = torch.where(significant, target, sigma)
     limited = torch.minimum(torch.maximum(target, sigma * hp.scale_min), sigma * hp.scale_max)

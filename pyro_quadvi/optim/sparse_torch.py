@@ -42,6 +42,7 @@ from .sparse_functional import (
 )
 from .torch_qnvb import (
     CheckpointHooks,
+    cast_state_to,
     changed_parameters,
     check_finite_loss,
     check_saved_parameters,
@@ -258,13 +259,16 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         ``nu = v``; a written exact zero a certain zero, ``p_nonzero = 0`` (and ``nu = 0``).
         Either way ``mu = v`` and eq. 4.2 gives ``sigma`` (``tau``, or ``0``), ``tau`` and the
         sums stay, and once the pattern is realized (:attr:`finished`) it follows (``1``, or
-        ``0``). Parameters without a state yet are left alone.
+        ``0``). A parameter cast or moved (``net.float()``) takes its whole state along
+        (:func:`~pyro_quadvi.optim.torch_qnvb.cast_state_to`). Parameters without a state yet
+        are left alone.
         """
         realized = self.finished
         for p in changed_parameters(params, self._written):
             state = self.state.get(p)
             if not state:
                 continue
+            cast_state_to(p, state)
             value = p.detach()
             changed = value != state["mu"]
             nonzero = (value != 0).to(value.dtype)
@@ -476,8 +480,8 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         check_settings("SparseQNVBOptimizer.load_state_dict", extra["settings"], self._settings())
         if extra["generator"] is not None and self.generator is None:
             raise ValueError(
-                "the saved state holds a generator state; construct the optimizer with a "
-                "generator to restore it"
+                "SparseQNVBOptimizer.load_state_dict: the saved state holds a generator state; "
+                "construct the optimizer with a generator to restore it"
             )
         check_saved_parameters("SparseQNVBOptimizer.load_state_dict", state_dict, self.param_groups)
         self._loaded = extra

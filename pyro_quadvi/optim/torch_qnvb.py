@@ -297,6 +297,20 @@ def changed_parameters(
     return [p for p in params if marks.get(id(p)) != (p._version, p.data_ptr())]
 
 
+def cast_state_to(p: torch.Tensor, state: dict) -> None:
+    """Every tensor of ``state`` (one parameter's) moved, in place of the entry, to ``p``'s device
+    and, if floating point, cast to ``p``'s dtype: torch's policy when ``load_state_dict`` pairs
+    a saved state with a parameter (``Optimizer._process_value_according_to_param_policy``),
+    applied where an optimizer sees a parameter cast or moved between steps (``net.float()``,
+    ``net.to("cuda")``), so that its state follows the parameter rather than keeping the old
+    dtype (a float64 state silently driving a float32 net, or a dtype error in a one-pass
+    step). Nothing is copied where the state is already of ``p``'s dtype and device."""
+    policy = torch.optim.Optimizer._process_value_according_to_param_policy
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            state[key] = policy(p, value, 0, [], key)  # no group is fused or capturable here
+
+
 def check_saved_parameters(owner: str, state_dict: dict, param_groups: list[dict]) -> None:
     """Refuse a saved per-parameter state that torch would pair (by position) with another
     parameter of ``param_groups``: where the saved group and the current one both have
@@ -816,6 +830,21 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         _check_number("init_sigma", group["init_sigma"], lambda v: 0 < v < math.inf, "> 0")
         return QNVBHyperparameters(**{name: group[name] for name in _HP_NAMES})
 
+    def _group_settings(self) -> dict[int, QNVBHyperparameters]:
+        """Every group's settings checked, by ``id`` of the group: a scheduler or a user may
+        have set any since the group was added. A bad one is refused, naming the optimizer and
+        the group's index, before the step evaluates anything."""
+        settings = {}
+        for index, group in enumerate(self.param_groups):
+            try:
+                settings[id(group)] = self._check_group(group)
+            except (TypeError, ValueError) as error:
+                raise type(error)(
+                    f"QNVBOptimizer: parameter group {index}: {error}; nothing was evaluated or "
+                    "changed by this step"
+                ) from error
+        return settings
+
     @property
     def weight(self) -> float:
         """The current likelihood weight: ``likelihood_weight * annealing(num_steps)``.
@@ -860,7 +889,8 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         use; a parameter changed since this optimizer last wrote it gives its mean
         (:meth:`_take_edits`)."""
         out = []
-        for p, group in checked_parameters(self, type(self).__name__):
+        # every parameter checked (a half-precision one refused) before any state is made
+        for p, group in list(checked_parameters(self, type(self).__name__)):
             state = self.state[p]
             if not state:
                 state["mu"] = p.detach().clone()
@@ -872,11 +902,13 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
 
     def _take_edits(self, params: list[torch.Tensor]) -> None:
         """The value of every parameter changed since the optimizer last wrote it
-        (:func:`changed_parameters`) as its new mean; ``sigma`` and the averages stay.
+        (:func:`changed_parameters`) as its new mean; ``sigma`` and the averages stay, cast to
+        the parameter's dtype and device where it was cast or moved (:func:`cast_state_to`).
         Parameters without a state yet are left alone."""
         for p in changed_parameters(params, self._written):
             state = self.state.get(p)
             if state:
+                cast_state_to(p, state)
                 state["mu"] = p.detach().clone()
 
     @torch.no_grad()
@@ -925,18 +957,21 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 "QNVBOptimizer.step: batch and vectorize belong to the one-pass form "
                 "step(loss_fn=..., batch=(x, y)); a closure reads its data itself"
             )
-        weight = self.weight  # a bad annealing factor is refused before anything is evaluated
-        params = self._params()
-        if not params:
-            raise ValueError("QNVBOptimizer has no parameter that requires grad")
-        if loss_fn is not None:  # refused before a random rule draws its nodes
+        # every refusal comes before anything changes: the parameters, their states, the counters
+        weight = self.weight  # a bad annealing factor
+        settings = self._group_settings()  # a bad group setting (e.g. set by a scheduler)
+        if loss_fn is not None:
             if vectorize not in (None, True, False):
                 raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
             if not callable(loss_fn):
                 raise TypeError(
                     f"loss_fn must be callable (params, *batch) -> loss, got {loss_fn!r}"
                 )
-            self._names(params)
+            self._names()
+        params = self._params()
+        if not params:
+            raise ValueError("QNVBOptimizer has no parameter that requires grad")
+        if loss_fn is not None:
             self._warn_outside(params, loss_fn)
         first = params[0][0]
         dim = sum(p.numel() for p, _ in params)
@@ -957,7 +992,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         check_finite_loss(
             loss_avg, tensors, [self.state[p]["mu"] for p in tensors], type(self).__name__
         )
-        self._update(params, moments, weight)
+        self._update(params, moments, weight, settings)
         return loss_avg
 
     # Two hooks for pyro_quadvi.distributed.NodeParallelQNVBOptimizer; here, one process
@@ -983,7 +1018,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         parameters with a leading node axis, one (vectorized or looped) evaluation, one backward
         of ``sum_k w_k loss_k``."""
         batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-        names = self._names(params)
+        names = self._names()
         K = len(nodes)
         matrix = nodes.matrix()
         offsets, stacked, start = [], [], 0
@@ -1058,7 +1093,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         if module is None or "outside" in self._warned:
             return
         held = {id(p) for p, _ in params}  # or given by name (a copy of the optimizer alone)
-        named = set(self._names(params))
+        named = set(self._names())
         outside = [
             n
             for n, p in module.named_parameters()
@@ -1080,7 +1115,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             stacklevel=5,  # _warn_outside <- step <- no_grad <- torch's step wrapper <- caller
         )
 
-    def _names(self, params) -> list[str]:
+    def _names(self) -> list[str]:
         names = []
         for group in self.param_groups:
             group_names = group.get("param_names")
@@ -1092,9 +1127,12 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             names += [n for n, p in zip(group_names, group["params"]) if p.requires_grad]
         return names
 
-    def _update(self, params, moments, weight: float) -> None:
-        """One QNVB step per group (:func:`qnvb_update_many`) at the likelihood ``weight`` the
-        step read once, the means into the parameters."""
+    def _update(
+        self, params, moments, weight: float, settings: dict[int, QNVBHyperparameters]
+    ) -> None:
+        """One QNVB step per group (:func:`qnvb_update_many`) at the likelihood ``weight`` and
+        with the group ``settings`` (by ``id`` of the group) the step read once, the means into
+        the parameters."""
         counts = []
         by_group: dict[int, list[int]] = {}
         for i, (_, group) in enumerate(params):
@@ -1102,7 +1140,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 by_group.setdefault(id(group), []).append(i)
         for indices in by_group.values():
             group = params[indices[0]][1]
-            hp = self._check_group(group)
+            hp = settings[id(group)]
             states = [self.state[params[i][0]] for i in indices]
             results = qnvb_update_many(
                 [state["mu"] for state in states],
