@@ -308,3 +308,70 @@ def test_log_joint_names_the_site_moved_left_of_the_plates(float64_store):
     with pytest.raises(BatchMismatch, match="site 'y'"):
         joint(torch.zeros(3, 2), (x, y), vectorize=True)
     assert joint(torch.zeros(3, 2), (x, y), vectorize=False).shape == (3,)
+
+
+# ------------------------------------------------------------------------- 5. the docs
+def test_the_surrogate_figures_of_the_docs(float64_store):
+    """docs/spike_slab.md: the exact negative ELBO at the guide's start and three rules (the
+    default rule's permutations drawn after pyro.set_rng_seed(0) and the guide's set-up)."""
+    pyro.set_rng_seed(0)
+    x, y = _regression()
+    guide = AutoSpikeSlab(_model, init_inclusion=0.7)
+    figures = [QuadratureELBO().loss(_model, guide, x, y)]
+    for num_points in (4, 16):
+        elbo = QuadratureELBO(rule="hadamard", num_points=num_points)
+        figures.append(elbo.loss(_model, guide, x, y))
+    mixture = guide._full_mixture("w")
+    p = torch.sigmoid(-mixture.zero_logits).detach()
+    nu, tau = mixture.slab_loc.detach(), mixture.slab_scale.detach()
+    assert torch.equal(nu, torch.zeros(8)) and torch.allclose(tau, torch.full((8,), 0.1))
+    nll, cross_entropy, entropy = _parts(x, y, p, nu, tau)
+    exact = nll + cross_entropy - entropy
+    assert round(exact, 3) == 3391.927
+    assert figures[2] == pytest.approx(exact, rel=1e-12)  # 16 points: a full design for 8
+    assert [round(v, 3) for v in figures] == [3392.718, 3393.489, 3391.927]
+
+
+def _subsampled(x, y=None):
+    w = pyro.sample("w", SpikeSlab(INCLUSION, SLAB).expand([x.shape[-1]]).to_event(1))
+    with pyro.plate("data", x.shape[0], subsample_size=25) as rows:
+        pyro.sample("y", dist.Normal((x[rows] * w).sum(-1), SIGMA), obs=y[rows])
+
+
+def _resumable(x, y):
+    guide = AutoSpikeSlab(_subsampled, init_scale=1e-5**0.5, init_inclusion=1 - 1e-9)
+    optim = SparseQNVB(
+        num_epochs=3, steps_per_epoch=8, num_cases=200, target_sparsity=0.625, target_free=0.25
+    )
+    svi = SVI(_subsampled, guide, optim, QuadratureELBO(rule="hadamard", num_points=4))
+    return guide, optim, svi
+
+
+@pytest.mark.parametrize("set_up_first", [True, False])
+def test_a_resumed_subsampled_run_needs_the_guide_set_up_first(float64_store, set_up_first):
+    """docs/spike_slab.md, "Resuming in a new process": a new guide (as in a new process) set
+    up before the random state is restored continues bit for bit; set up after, it draws the
+    rows of the saved run's next step and the run differs."""
+    x, y = _regression()
+    pyro.set_rng_seed(0)
+    _, _, svi = _resumable(x, y)
+    losses = [svi.step(x, y) for _ in range(20)]
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    _, optim, svi = _resumable(x, y)
+    for _ in range(9):
+        svi.step(x, y)
+    saved = {
+        "store": pyro.get_param_store().get_state(),
+        "optim": optim.get_state(),
+        "rng": pyro.util.get_rng_state(),
+    }
+    pyro.clear_param_store()
+    guide, optim, svi = _resumable(x, y)
+    pyro.get_param_store().set_state(saved["store"])
+    if set_up_first:
+        guide(x, y)
+    optim.set_state(saved["optim"])
+    pyro.util.set_rng_state(saved["rng"])
+    resumed = [svi.step(x, y) for _ in range(11)]
+    assert (resumed == losses[9:]) is set_up_first
