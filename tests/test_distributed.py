@@ -115,7 +115,7 @@ class _Poison(torch.autograd.Function):
 def _poison_model(x, y, poisoned: bool, rows: int):
     zero = torch.zeros(3, dtype=torch.float64)
     w = pyro.sample("w", pyro.distributions.Normal(zero, 1.0).to_event(1))
-    mean = (x * _Poison.apply(w, poisoned)[..., None, :]).sum(-1)
+    mean = (x * _Poison.apply(w, poisoned)).sum(-1)  # from the right: w is (K, 1, 3) in the pass
     with pyro.plate("data", rows, subsample=torch.arange(len(x)), dim=-1):
         pyro.sample("obs", pyro.distributions.Normal(mean, 0.5), obs=y)
 

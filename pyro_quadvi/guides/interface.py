@@ -193,6 +193,22 @@ class MeanFieldSite:
         kl = kl_divergence(self.mixture(), base)
         return kl.sum(tuple(range(-self.event_dim, 0))) if self.event_dim else kl
 
+    def site_entropy(self) -> torch.Tensor:
+        """The block's entropy summed over event dims: its batch shape, unscaled, as
+        :meth:`kl_to_prior` (whose KL holds it: ``KL = -E_q[log prior] - entropy``).
+
+        A ``dirac_gauss`` block under :class:`SpikeSlab`'s measure: ``H(Bernoulli) + q(not z)
+        H(N(nu, tau^2))`` per coordinate (sequence paper, eq. 4.4). The ELBO needs it beside
+        the KL where the guide's site is weighted otherwise than the model's (Pyro's rule: the
+        model's log density times the model site's scale and mask, the guide's times the guide
+        site's; :class:`~pyro_quadvi.infer.LogJoint`).
+
+        Raises:
+            TypeError: for another family.
+        """
+        entropy = self.mixture().entropy()
+        return entropy.sum(tuple(range(-self.event_dim, 0))) if self.event_dim else entropy
+
 
 def no_point_mass_message(name: str, prior, family: str = "") -> str:
     """Why a site whose guide factor has a point mass at zero cannot take ``prior``, which has
@@ -299,10 +315,11 @@ class GuideDescription:
                 entropy = entropy + site.entropy()
         return entropy
 
-    def closed_form_kls(self) -> dict[str, Callable[[Distribution], torch.Tensor]]:
-        """Site -> :meth:`MeanFieldSite.kl_to_prior` for the :data:`CLOSED_FORM_FAMILIES` sites
-        (the ``closed_form`` of :class:`~pyro_quadvi.infer.LogJoint`)."""
-        return {s.name: s.kl_to_prior for s in self.sites if s.family in CLOSED_FORM_FAMILIES}
+    def closed_form_sites(self) -> dict[str, MeanFieldSite]:
+        """Site -> its block, for the :data:`CLOSED_FORM_FAMILIES` sites (the ``closed_form`` of
+        :class:`~pyro_quadvi.infer.LogJoint`, which reads :meth:`MeanFieldSite.kl_to_prior` and
+        :meth:`MeanFieldSite.site_entropy`)."""
+        return {s.name: s for s in self.sites if s.family in CLOSED_FORM_FAMILIES}
 
     def covariance(self) -> torch.Tensor:
         """The covariance of ``z``, dense (for OPQA's weight)."""
@@ -595,12 +612,16 @@ class PublishedMoments:
         h: ``E_q[d^2U/dz^2]`` by Stein's identity ``sum_k w_k dU/dz_k x_k / scale`` (eq. 8 and 11).
         version: the loc leaf's in-place version counter when the moments were taken; moments of
             a leaf changed since are stale.
+        loss: the loss whose backward pass published them, detached, on its device (``None``:
+            not given); an optimizer that reads it (``SparseQNVB``'s divergence check) pays the
+            read from the device, one that does not, nothing.
     """
 
     site: MeanFieldSite
     g: torch.Tensor
     h: torch.Tensor
     version: int
+    loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -613,6 +634,7 @@ class _Publication:
     g: torch.Tensor | None  # None: two terms of one loss disagreed on the rows (see below)
     h: torch.Tensor | None
     version: int
+    loss: torch.Tensor | None
 
 
 _PUBLISHED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -622,7 +644,8 @@ def publish_moments(moments: PublishedMoments) -> None:
     """Hand ``moments`` to the optimizer that updates the block's parameters next.
 
     Moments published again for the same leaf before it changed (a loss with two quadrature
-    terms, or two backward passes before one step) add up, as gradients do; if the two disagree on
+    terms, or two backward passes before one step) add up, as gradients do (their losses too,
+    where both carry one); if the two disagree on
     the rows of a subsampled plate they are withdrawn, and the optimizer falls back to the
     gradients of the parameters.
     """
@@ -633,10 +656,14 @@ def publish_moments(moments: PublishedMoments) -> None:
         same_rows = earlier.g is not None and _same_rows(earlier.site.rows, site.rows)
         earlier.g = earlier.g + moments.g if same_rows else None
         earlier.h = earlier.h + moments.h if same_rows else None
+        both = earlier.loss is not None and moments.loss is not None
+        earlier.loss = earlier.loss + moments.loss if both else None
         return
     kept = replace(site, loc=site.loc.detach(), scale=site.scale.detach(), params={})
     leaves = {role: weakref.ref(tensor) for role, tensor in site.params.items()}
-    _PUBLISHED[leaf] = _Publication(kept, leaves, moments.g, moments.h, moments.version)
+    _PUBLISHED[leaf] = _Publication(
+        kept, leaves, moments.g, moments.h, moments.version, moments.loss
+    )
 
 
 def _same_rows(a: dict | None, b: dict | None) -> bool:
@@ -659,4 +686,6 @@ def published_moments(loc_leaf: torch.Tensor) -> PublishedMoments | None:
     if any(tensor is None for tensor in params.values()):
         return None
     site = replace(publication.site, params=params)
-    return PublishedMoments(site, publication.g, publication.h, publication.version)
+    return PublishedMoments(
+        site, publication.g, publication.h, publication.version, publication.loss
+    )

@@ -13,7 +13,15 @@ place of its prior's log density at the point, the KL computed by the guide from
 model builds at that point (so a prior whose parameters are other latents is still integrated
 over them). A spike-and-slab guide meets a spike-and-slab prior this way (sequence paper, eq.
 4.3-4.4; the sparse-VI paper's eq. 1): the prior's point mass never shows at a node, and the
-guide's entropy of those sites is inside the KL, not added by the ELBO.
+guide's entropy of those sites is inside the KL, not added by the ELBO. Weighted as Pyro weighs
+them (``Trace_ELBO``: the model's log density times the model site's scale and mask, the guide's
+times the guide site's), the term is
+
+    -c_m CE + c_g H  =  -c_m KL + (c_g - c_m) H,        CE = -E_q[log prior],  H = entropy,
+
+per batch element, with ``c_m`` the model site's scale and mask and ``c_g`` the guide site's (in
+the ``replay_trace``); the second part is added only where the two differ (a ``poutine.scale``
+or ``poutine.mask`` on the model alone or on the guide alone).
 
 **Priors integrated by the caller.** A site listed in ``expected_log_priors`` whose prior is an
 :class:`~pyro_quadvi.distributions.IidNormal` (the Normal priors of :mod:`pyro_quadvi.nn`), on
@@ -30,6 +38,7 @@ import math
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import pyro
 import torch
@@ -191,10 +200,11 @@ class LogJoint:
         sites: the latent sites, in the order they are laid out in ``z``.
         max_plate_nesting: plates the model nests (the node plate goes left of them); ``None``
             finds it from a first, looped run of the model.
-        closed_form: site -> a function of the model's distribution at that site returning
-            ``KL(q_site || prior)`` summed over the site's event dims (its batch shape, unscaled);
+        closed_form: site -> the guide's block there (:class:`ClosedFormSite`, e.g. a
+            :class:`~pyro_quadvi.guides.interface.MeanFieldSite` of a spike-and-slab guide);
             those sites contribute ``-KL`` (times their minibatch scale) instead of their log
-            density (see the module).
+            density, plus the entropy where the guide's site is weighted otherwise than the
+            model's (see the module).
         expected_log_priors: sites whose prior, if an iid Normal, the caller integrates in
             closed form: they contribute nothing, and each run records their priors in
             :attr:`closed_priors` (see the module).
@@ -214,8 +224,7 @@ class LogJoint:
         model: Callable,
         sites: Sequence[LatentSite],
         max_plate_nesting: int | None = None,
-        closed_form: Mapping[str, Callable[[torch.distributions.Distribution], torch.Tensor]]
-        | None = None,
+        closed_form: Mapping[str, ClosedFormSite] | None = None,
         expected_log_priors: Collection[str] = (),
     ):
         self.model = model
@@ -358,7 +367,7 @@ class LogJoint:
             model = _in_plate(model, len(points), -particle_dims, points.device)
 
             def locate(bad: torch.Tensor) -> str:  # the first point where a site is not finite
-                per_point = _per_particle(bad.to(points.dtype), len(points), particle_dims)
+                per_point = _sum_but_particles(bad.to(points.dtype), len(points), particle_dims)
                 return _where(points, int(per_point.nonzero()[0, 0]))
 
         try:
@@ -445,8 +454,8 @@ class LogJoint:
         for name, site in trace.nodes.items():
             if site["type"] == "sample" and "log_prob_sum" in site:
                 terms[name] = site["log_prob_sum"]
-        for name, kl in self.closed_form.items():
-            terms[name] = -_scaled(kl(trace.nodes[name]["fn"]), trace.nodes[name]).sum()
+        for name, closed in self.closed_form.items():
+            terms[name] = _closed_form_term(closed, name, trace, replay_trace).sum()
         for name, ladj in log_jac.items():
             scale = _jacobian_scale(name, trace, replay_trace)
             terms[name] = terms[name] + (scale * ladj).sum()
@@ -470,14 +479,52 @@ class LogJoint:
         terms = {}
         for name, site in trace.nodes.items():
             if site["type"] == "sample" and "log_prob" in site:
-                terms[name] = _per_particle(site["log_prob"], K, mpn + 1)
-        for name, kl in self.closed_form.items():
-            site = trace.nodes[name]
-            terms[name] = -_per_particle(_scaled(kl(site["fn"]), site), K, mpn + 1)
+                terms[name] = _per_particle(name, site["log_prob"], K, mpn)
+        for name, closed in self.closed_form.items():
+            term = _closed_form_term(closed, name, trace, replay_trace)
+            terms[name] = _per_particle(name, term, K, mpn)
         for name, ladj in log_jac.items():
             scale = _jacobian_scale(name, trace, replay_trace)
-            terms[name] = terms[name] + _per_particle(scale * ladj, K, mpn + 1)
+            terms[name] = terms[name] + _per_particle(name, scale * ladj, K, mpn)
         return terms, trace
+
+
+class ClosedFormSite(Protocol):
+    """The guide's block at a closed-form site, as :class:`LogJoint` reads it."""
+
+    def kl_to_prior(self, prior: torch.distributions.Distribution) -> torch.Tensor:
+        """``KL(q_site || prior)`` summed over event dims: the site's batch shape, unscaled."""
+
+    def site_entropy(self) -> torch.Tensor:
+        """``q_site``'s entropy summed over event dims: its batch shape, unscaled."""
+
+
+def _closed_form_term(
+    closed: ClosedFormSite, name: str, trace: Trace, replay_trace: Trace | None
+) -> torch.Tensor:
+    """``-c_m CE + c_g H`` of a closed-form site (the module), per batch element: the prior the
+    model built at the site (in ``trace``) against the guide's block, the model site's scale and
+    mask ``c_m`` on the cross-entropy, the guide site's ``c_g`` (in ``replay_trace``) on the
+    entropy. Where the two sites are weighted alike it is ``-c_m KL``, computed as that."""
+    site = trace.nodes[name]
+    term = -_scaled(closed.kl_to_prior(site["fn"]), site)
+    guide_site = site if replay_trace is None else replay_trace.nodes.get(name, site)
+    if _weighted_alike(site, guide_site):
+        return term
+    entropy = closed.site_entropy()
+    return term + (_scaled(entropy, guide_site) - _scaled(entropy, site))
+
+
+def _weighted_alike(a: dict, b: dict) -> bool:
+    """Whether two sites carry the same scale and mask (tensors only by identity: comparing
+    their values would read them back from their device)."""
+
+    def same(x, y) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return x is y
+        return x == y
+
+    return same(a["scale"], b["scale"]) and same(a["mask"], b["mask"])
 
 
 def _jacobian_scale(name: str, trace: Trace, replay_trace: Trace | None):
@@ -670,8 +717,32 @@ def _name_the_invalid_site(
             raise ValueError(f"{why}. ({first_line(error)})") from None
 
 
-def _per_particle(log_prob: torch.Tensor, K: int, particle_dims: int) -> torch.Tensor:
-    """Sum a log density over every dim but the particle dim ``-particle_dims``; shape ``(K,)``."""
+def _per_particle(name: str, log_prob: torch.Tensor, K: int, mpn: int) -> torch.Tensor:
+    """Sum a site's log density over every dim but the particle dim ``-(mpn + 1)``, left of the
+    model's ``mpn`` plates; shape ``(K,)``.
+
+    Raises:
+        BatchMismatch: where the log density has dims left of the particle dim: the model put a
+            value onto a dim outside of its plates (``w.unsqueeze(-2)`` on a latent ``w`` that
+            the pass holds as ``(K, 1, d)``), so the particle dim is not where the sum reads it
+            and the sum would mix the points.
+    """
+    particle_dims = mpn + 1
+    if log_prob.dim() > particle_dims:
+        raise BatchMismatch(
+            f"site {name!r}: its log density in the vectorized pass has shape "
+            f"{tuple(log_prob.shape)}, {log_prob.dim() - particle_dims} dim(s) left of the "
+            f"quadrature points' dim {-particle_dims} (left of max_plate_nesting={mpn} plates), "
+            "so the points do not line up at one dim: the model adds a dim to a latent that "
+            "the pass holds with batch dims (e.g. w.unsqueeze(-2) on a w of shape (K, 1, d)). "
+            "Pass vectorize=False (a loop over the points) or vectorize=None (try the pass, "
+            "fall back to the loop), or broadcast from the right ((X * w).sum(-1))"
+        )
+    return _sum_but_particles(log_prob, K, particle_dims)
+
+
+def _sum_but_particles(log_prob: torch.Tensor, K: int, particle_dims: int) -> torch.Tensor:
+    """Sum over every dim but the particle dim ``-particle_dims``; shape ``(K,)``."""
     if log_prob.dim() < particle_dims or log_prob.shape[-particle_dims] == 1:
         return log_prob.sum().expand(K)
     moved = log_prob.movedim(-particle_dims, 0)

@@ -183,7 +183,7 @@ class PointsELBO(ELBO):
             model,
             description.latent_sites,
             max_plate_nesting=fit.max_plate_nesting,
-            closed_form=description.closed_form_kls(),
+            closed_form=description.closed_form_sites(),
             expected_log_priors=expected_log_priors,
         )
         given = not math.isinf(self.max_plate_nesting)
@@ -396,6 +396,8 @@ class QuadratureELBO(PointsELBO):
                 f"QuadratureELBO: the loss is not finite ({loss.item()}); the guide's entropy is "
                 f"{entropy.item()}: a scale collapsed to zero or overflowed"
             )
+        if description.joint is None:
+            closed.loss = loss.detach()  # published with the moments (SparseQNVB's check)
         return loss, description
 
     def local_nodes(
@@ -472,7 +474,7 @@ class _NodePoints(torch.autograd.Function):
         g_all = grad.sum(0)
         gx_all = (grad * x).sum(0)
         g_pub, gx_pub = ctx.closed.with_priors(g_all, gx_all, loc, scale)
-        _publish(ctx.closed.description, g_pub, gx_pub, scale)
+        _publish(ctx.closed.description, g_pub, gx_pub, scale, ctx.closed.loss)
         return g_all, gx_all, None, None
 
 
@@ -499,6 +501,7 @@ class _ClosedPriors:
         self.description = description
         self.pieces: list[tuple[int, int, float, float, float]] = []  # start, stop, m, s, c
         self.total_weight: torch.Tensor | None = None
+        self.loss: torch.Tensor | None = None  # the step's, detached: published with the moments
 
     def expected_log_prior(
         self, priors: dict[str, tuple[float, float, float]], total_weight: torch.Tensor
@@ -534,9 +537,14 @@ class _ClosedPriors:
 
 
 def _publish(
-    description: GuideDescription, g_all: torch.Tensor, gx_all: torch.Tensor, scale: torch.Tensor
+    description: GuideDescription,
+    g_all: torch.Tensor,
+    gx_all: torch.Tensor,
+    scale: torch.Tensor,
+    loss: torch.Tensor | None,
 ) -> None:
-    """Publish each elementwise site's ``g``, ``h`` from the node sums of :class:`_NodePoints`."""
+    """Publish each elementwise site's ``g``, ``h`` from the node sums of :class:`_NodePoints`,
+    with the step's ``loss`` (detached)."""
     # a scale at zero (a collapsed mixture) has h = 0, not 0 / 0
     h_all = torch.where(scale > 0, gx_all / scale, torch.zeros_like(scale))
     start = 0
@@ -552,5 +560,5 @@ def _publish(
             if site.scale_factor != 1.0:
                 g, h = g / site.scale_factor, h / site.scale_factor
             version = site.params["loc"]._version
-            publish_moments(PublishedMoments(site, g, h, version))
+            publish_moments(PublishedMoments(site, g, h, version, loss))
         start = stop

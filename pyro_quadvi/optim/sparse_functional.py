@@ -81,6 +81,7 @@ __all__ = [
     "hybrid_sum",
     "init_sparse_block",
     "init_sparse_counters",
+    "loss_growth_message",
     "mixture_moments",
     "result_messages",
     "run_settings",
@@ -268,6 +269,30 @@ def result_messages(result: SparseQNVBResult, warned: set[str]) -> list[str]:
             warned.add(kind)
             messages.append(texts[kind].format(count))
     return messages
+
+
+LOSS_GROWTH = 1e3
+"""A step whose loss exceeds the first step's by more than ``LOSS_GROWTH`` times the first's
+magnitude is taken as divergence (:func:`loss_growth_message`)."""
+
+
+def loss_growth_message(first: float, value: float, step: int, what: str) -> str | None:
+    """The warning for a loss that grew beyond ``first + 1000 |first|``, else ``None``.
+
+    ``first`` is the first step's loss, that of the untrained model, which a converging run stays
+    below up to minibatch noise (a small factor), while diverging means (see 'Limits' in the
+    docs) grow it by many orders of magnitude. A first loss of exactly 0 gives no scale, and no
+    warning. ``step`` (1-based) and ``what`` (the loss, in words) go into the message.
+    """
+    if not value - first > LOSS_GROWTH * abs(first) > 0:
+        return None
+    return (
+        f"{what} is {value:.3g} at step {step}, more than {LOSS_GROWTH:g} times the first step's "
+        f"{first:.3g} above it: the Gaussian means may be diverging (see 'Limits' in "
+        "docs/sparse_qnvb.md: lower tau_max or max_lr, or use float64; from a warm start whose "
+        "first loss is near 0 the sieve zeroing weights can do this too). This warning is shown "
+        "once"
+    )
 
 
 def run_settings(

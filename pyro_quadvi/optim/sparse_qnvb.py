@@ -36,6 +36,7 @@ from .sparse_functional import (
     SparseQNVBHyperparameters,
     epoch_progress,
     init_sparse_counters,
+    loss_growth_message,
     mixture_moments,
     result_messages,
     run_settings,
@@ -127,6 +128,8 @@ class SparseQNVB(QNVB):
         self.num_cases = num_cases
         self.cases_per_step = 1.0 if num_cases is None else num_cases / steps_per_epoch
         self.blocks: dict[str, SparseQNVBBlock] = {}
+        self.first_loss: float | None = None
+        """The loss of the first step with spike-and-slab moments (:meth:`_check_growth`)."""
         self._sparse_warned: set[str] = set()
 
     @property
@@ -170,6 +173,7 @@ class SparseQNVB(QNVB):
         received = {id(p) for p in params}
         sites: list[tuple[MeanFieldSite, torch.Tensor, torch.Tensor]] = []
         families: set[str] = set()  # of the blocks published in this step
+        loss = None  # the step's, published with the moments (one loss for all blocks)
         for p in params:
             moments = published_moments(p)
             if moments is not None:
@@ -184,22 +188,43 @@ class SparseQNVB(QNVB):
                     "parameters in this step (frozen or detached?); they go to the fallback",
                 )
                 continue
-            if site.rows or site.rows is None or site.scale_factor != 1.0:
+            # rows: a subsampled plate (a poutine.scale alone is divided out of the moments)
+            if site.rows or site.rows is None:
                 raise ValueError(
                     f"SparseQNVB: site {site.name!r} is in a subsampled plate; the sieve ranks "
                     "every coordinate at every step, so only global sites can be sparsified. Fit "
                     "local latents with another guide (e.g. AutoMeanFieldNormal on a sub-model)"
                 )
             sites.append((site, moments.g, moments.h))
+            loss = moments.loss if loss is None else loss
         if params and "dirac_gauss" not in families:
             _refuse_unpaired(len(params), families)
         paired = {id(leaf) for site, _, _ in sites for leaf in site.params.values()}
+        if loss is not None:
+            self._check_growth(loss)
         if sites:
             self._update(sites)
         rest = [p for p in params if id(p) not in paired]
         if rest:
             self._guarded_fallback(rest, *args, **kwargs)
         self.num_steps += 1
+
+    def _check_growth(self, loss: torch.Tensor) -> None:
+        """Warn once where the step's loss (published by ``QuadratureELBO`` with the moments)
+        grew beyond ``first + 1000 |first|``, as :class:`SparseQNVBOptimizer` does
+        (:func:`~pyro_quadvi.optim.sparse_functional.loss_growth_message`): the Gaussian means
+        may be diverging. The first loss is kept in :meth:`get_state`."""
+        if "growth" in self._warned:
+            return
+        value = float(loss)  # (one read from the device, this optimizer's only)
+        if self.first_loss is None:
+            self.first_loss = value
+            return
+        message = loss_growth_message(
+            self.first_loss, value, self.counters.step + 1, "the loss (QuadratureELBO's)"
+        )
+        if message is not None:
+            self._warn_once("growth", f"SparseQNVB: {message}")
 
     @torch.no_grad()
     def _update(self, sites: list[tuple[MeanFieldSite, torch.Tensor, torch.Tensor]]) -> None:
@@ -263,12 +288,14 @@ class SparseQNVB(QNVB):
         )
 
     def get_state(self) -> dict:
-        """Deep copies of the counters, every block's state and the fallback's state, and the
-        settings of the run (:func:`~pyro_quadvi.optim.sparse_functional.run_settings`)."""
+        """Deep copies of the counters, the first step's loss, every block's state and the
+        fallback's state, and the settings of the run
+        (:func:`~pyro_quadvi.optim.sparse_functional.run_settings`)."""
         return {
             "sparse_qnvb": {
                 "num_steps": self.num_steps,
                 "counters": tuple(self.counters),
+                "first_loss": self.first_loss,
                 "blocks": {
                     name: {k: v.clone() for k, v in b._asdict().items()}
                     for name, b in self.blocks.items()
@@ -286,6 +313,7 @@ class SparseQNVB(QNVB):
         check_settings("SparseQNVB.set_state", state["settings"], self._settings())
         self.num_steps = state["num_steps"]
         self.counters = SparseQNVBCounters(*state["counters"])
+        self.first_loss = state.get("first_loss")  # absent from states saved before it was kept
         self.blocks = {
             name: SparseQNVBBlock(**{k: v.clone() for k, v in b.items()})
             for name, b in state["blocks"].items()

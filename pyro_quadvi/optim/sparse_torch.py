@@ -35,6 +35,7 @@ from .sparse_functional import (
     epoch_progress,
     init_sparse_block,
     init_sparse_counters,
+    loss_growth_message,
     mixture_moments,
     result_messages,
     run_settings,
@@ -57,10 +58,6 @@ from .torch_qnvb import (
 )
 
 __all__ = ["SparseQNVBOptimizer"]
-
-_GROWTH = 1e3
-"""A step whose quadrature-averaged loss exceeds the first step's by more than ``_GROWTH`` times
-the first's magnitude is taken as divergence (:meth:`SparseQNVBOptimizer.step`)."""
 
 _BLOCK_NAMES = SparseQNVBBlock._fields
 
@@ -407,24 +404,20 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         return loss_avg
 
     def _check_growth(self, value: float) -> None:
-        """Warn once where the loss grew beyond ``first + 1000 |first|``: the first step's loss is
-        the untrained network's, which a converging run stays below up to minibatch noise (a
-        small factor), while diverging means (see 'Limits' in the docs) grow it by many orders
-        of magnitude. A first loss of exactly 0 gives no scale, and no warning. ``value`` is the
+        """Warn once where the loss grew beyond ``first + 1000 |first|``
+        (:func:`~pyro_quadvi.optim.sparse_functional.loss_growth_message`). ``value`` is the
         step's average loss as :func:`check_finite_loss` read it (no second host sync)."""
         if "growth" in self._warned:
             return
         if self.first_loss is None:
             self.first_loss = value
-        elif value - self.first_loss > _GROWTH * abs(self.first_loss) > 0:
+            return
+        what = "the loss averaged over the quadrature nodes"
+        message = loss_growth_message(self.first_loss, value, self.counters.step + 1, what)
+        if message is not None:
             self._warned.add("growth")
             warnings.warn(
-                f"SparseQNVBOptimizer: the loss averaged over the quadrature nodes is {value:.3g} "
-                f"at step {self.counters.step + 1}, more than {_GROWTH:g} times the first step's "
-                f"{self.first_loss:.3g} above it: the Gaussian means may be diverging (see "
-                "'Limits' in docs/sparse_qnvb.md: lower tau_max or max_lr, or use float64; from a "
-                "warm start whose first loss is near 0 the sieve zeroing weights can do this "
-                "too). This warning is shown once",
+                f"SparseQNVBOptimizer: {message}",
                 RuntimeWarning,
                 stacklevel=5,  # _check_growth <- step <- no_grad <- torch's step hook <- caller
             )
