@@ -16,7 +16,8 @@ import torch
 from pyro.infer.autoguide import AutoDiagonalNormal
 from torch.distributions import transform_to
 
-from pyro_quadvi import AutoMeanFieldNormal, opqa_evidence
+from pyro_quadvi import AutoMeanFieldNormal, AutoSpikeSlab, opqa_evidence
+from pyro_quadvi.distributions import SpikeSlab
 
 Y = torch.tensor([0.3, -1.2, 2.1, 0.8, 1.5], dtype=torch.float64)
 N = len(Y)
@@ -78,3 +79,23 @@ def test_median_quantiles_and_sites_read_a_restored_store(float64_store):
     (site,) = guide.mean_field_sites()
     assert float(site.loc.detach()) == pytest.approx(POST_MEAN, abs=1e-15)
     assert float(site.scale.detach()) == pytest.approx(POST_SD, abs=1e-15)
+
+
+def test_spike_slab_summaries_read_a_restored_store(fresh_param_store):
+    def sparse_model(y):
+        w = pyro.sample("w", SpikeSlab(0.5, 2.0).expand([3]).to_event(1))
+        pyro.sample("y", dist.Normal(w.sum(), 1.0), obs=y)
+
+    guide = AutoSpikeSlab(sparse_model)
+    guide(torch.tensor(1.0))
+    nu = torch.tensor([1.5, -2.0, 0.7])
+    zero_logits = torch.tensor([-5.0, -5.0, 5.0])  # the third coordinate is zero w.p. sigmoid(5)
+    _restore_with({"AutoSpikeSlab.locs.w": nu, "AutoSpikeSlab.logits.w": zero_logits})
+    inclusion = torch.sigmoid(-zero_logits)
+    torch.testing.assert_close(guide.inclusion_probs()["w"], inclusion, rtol=1e-6, atol=0)
+    # the realized estimate: nu where q(not z) > 1/2, exactly 0 elsewhere
+    expected = torch.tensor([1.5, -2.0, 0.0])
+    torch.testing.assert_close(guide.sparse_point_estimate()["w"], expected, rtol=0, atol=0)
+    # the mixture's median sits below nu by the spike's mass: equal to the icdf of the mixture
+    median = guide.median()["w"]
+    assert median[2] == 0.0 and (median[:2] - nu[:2]).abs().max() < 2e-3

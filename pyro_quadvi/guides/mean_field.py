@@ -9,6 +9,7 @@ import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
+import pyro
 import torch
 from pyro import poutine
 from pyro.infer.autoguide import AutoNormal
@@ -22,18 +23,26 @@ __all__ = ["AutoMeanFieldNormal"]
 
 
 def read_from_store(method: Callable) -> Callable:
-    """Run a guide's summary ``method`` inside the guide's Pyro context.
+    """Give a guide's ``PyroParam`` leaves the param store's tensors, then run its summary
+    ``method``.
 
-    Outside it a ``PyroModule`` reads its own cached ``PyroParam`` leaves, which stay those of
-    the guide's last run: after ``pyro.get_param_store().set_state(...)`` (a checkpoint restored
-    into a guide already run once, as the docs' recipe does) ``median()`` and ``quantiles()``
-    returned the values from before the restore. Inside it each leaf is the store's.
+    A ``PyroModule`` takes the store's tensor for a ``PyroParam`` only when the parameter is read
+    inside the module's Pyro context (while the guide runs); elsewhere it keeps the leaves of its
+    last run. After ``pyro.get_param_store().set_state(...)`` (a checkpoint restored into a guide
+    already run once, as the docs' recipe does) ``median()`` and ``quantiles()`` returned the
+    values from before the restore. Each ``PyroParam`` is read here in that context, as a run
+    would read it.
     """
 
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
+        store = pyro.get_param_store()
         with self._pyro_context:
-            return method(self, *args, **kwargs)
+            for part in self.modules():
+                for name in part.__dict__.get("_pyro_params", ()):
+                    if part._pyro_get_fullname(name) in store:  # else: nothing to take
+                        getattr(part, name)
+        return method(self, *args, **kwargs)
 
     return wrapped
 

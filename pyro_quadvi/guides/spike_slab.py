@@ -38,7 +38,7 @@ from ..distributions import SpikeSlab
 from ..infer.log_joint import LatentSite, look_through
 from .adapters import _leaf, _select, check_set_up, gaussian_block, site_run
 from .interface import GuideDescription, MeanFieldSite, no_point_mass_message, unwrap_guide
-from .mean_field import AutoMeanFieldNormal, check_probabilities
+from .mean_field import AutoMeanFieldNormal, check_probabilities, read_from_store
 
 __all__ = ["AutoSpikeSlab"]
 
@@ -180,6 +180,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
 
     # -- summaries ---------------------------------------------------------------------------------
 
+    @read_from_store
     @torch.no_grad()
     def quantiles(
         self, quantiles: Sequence[float] | torch.Tensor, *args, **kwargs
@@ -220,6 +221,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
             validate_args=False,
         )
 
+    @read_from_store
     @torch.no_grad()
     def inclusion_probs(self) -> dict[str, torch.Tensor]:
         """Per spike-and-slab site, ``q(not z)``: the probability that each coordinate is nonzero
@@ -237,6 +239,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
         probs = torch.cat([p.reshape(-1) for p in self.inclusion_probs().values()])
         return float(1.0 - probs.mean()) if probs.numel() else 0.0
 
+    @read_from_store
     @torch.no_grad()
     def sparse_point_estimate(self, threshold: float = 0.5) -> dict[str, torch.Tensor]:
         """Per site, the realized sparse point estimate (constrained): the slab mean ``nu`` where
