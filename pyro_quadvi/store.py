@@ -11,11 +11,16 @@ which nothing steps: the fit silently stops. Pyro's ``PyroParam`` (``AutoNormal`
 ``AutoMeanFieldNormal``'s) is synchronized by Pyro itself and is left alone here.
 
 :func:`follow_store` mends one parameter; :func:`follow_param_store` every plain parameter of the
-``PyroModule`` s of a guide or a model (through ``torch.compile``).
+``PyroModule`` s of a guide or a model (through ``torch.compile``);
+:func:`detached_parameters` names those a restore cut off.
 :class:`~pyro_quadvi.QuadratureELBO`, :func:`~pyro_quadvi.nn.fit`,
 :func:`~pyro_quadvi.export.to_inference_data` and :func:`~pyro_quadvi.evidence.opqa_evidence`
 call it on the guide and the model before they run them, :func:`~pyro_quadvi.nn.predict` on the
-guide.
+guide; and once a ``QNVB`` exists, its guide watch
+(:func:`~pyro_quadvi.guides.interface.watch_guides`) calls it on every describable guide before
+each run of it, whatever the ELBO (Pyro's ``Trace_ELBO`` included). What is left to the user:
+readers that do not run the guide (``guide.median()``, ``quantiles``) right after a restore, and
+a fit by another optimizer under Pyro's ELBOs.
 """
 
 from __future__ import annotations
@@ -100,9 +105,10 @@ def follow_param_store(module: object) -> None:
     plain parameters (Pyro's ``AutoDiagonalNormal``, ``AutoMultivariateNormal``,
     ``AutoLowRankMultivariateNormal``) or a ``PyroModule`` model with plain parameters (a
     ``PyroModule[nn.Linear]`` whose bias is not a ``PyroSample``) is trained on by Pyro's own
-    ELBOs, ``Predictive`` or the guide's ``median``/``quantiles``; the package's
-    ``QuadratureELBO``, ``fit``, ``to_inference_data`` and ``opqa_evidence`` (guide and model)
-    and ``predict`` (guide) call it themselves. Anything else does
+    ELBOs with another optimizer than QNVB, or read by ``Predictive`` or the guide's
+    ``median``/``quantiles``; the package's ``QuadratureELBO``, ``fit``, ``to_inference_data``
+    and ``opqa_evidence`` (guide and model), ``predict`` (guide) and QNVB's guide watch (every
+    describable guide, before each run) call it themselves. Anything else does
     nothing: an object that is not a ``PyroModule``, a parameter not in the store (a module not
     run yet), a ``PyroParam``'s unconstrained leaf (Pyro synchronizes those), the parameters of
     plain ``nn.Module`` s inside it (which Pyro registers with ``pyro.module``; restore those

@@ -84,8 +84,13 @@ class DistributedOptimizer(PyroOptim):
         ValueError: QNVB's refusal of a block it would update from gradients alone (Pyro's
             ``AutoNormal`` under Pyro's ELBOs) whose guide does not record its minibatch, when
             some of its entries have no gradient on some rank (checked before the mean, which
-            would give them the other ranks' gradients).
-        RuntimeError: when the ranks received different parameters or different values of them
+            would give them the other ranks' gradients); and when the ranks' guides last ran on
+            minibatches of different sizes (:func:`~pyro_quadvi.guides.interface.run_rows`)
+            and no rank's ELBO published moments (Pyro's ELBOs, which cannot weight a rank by
+            its rows).
+        RuntimeError: when the ranks' guides last ran under different scales (a
+            ``poutine.scale`` per rank; :func:`~pyro_quadvi.guides.interface.run_scale`); when
+            the ranks received different parameters or different values of them
             (ranks seeded differently: a projection of the values is compared), when their QNVBs
             give a block other hyperparameters (naming the block and the setting), disagree on which
             parameters have moments, or on the rows of a block in a subsampled plate (a local
@@ -242,7 +247,6 @@ class DistributedOptimizer(PyroOptim):
             self.group,
         )
         refuse_disagreement(rows[:, 2:], sections)
-        _refuse_unequal_minibatches(rows[:, 0], bool(rows[:, 1].any()))
         if bool((rows[:, -1] != rows[0, -1]).any()):
             self._refuse_settings(settings)  # (every rank: each sees every rank's fingerprint)
         unknown = _unknown_minibatches(read_from_gradients)
@@ -259,6 +263,7 @@ class DistributedOptimizer(PyroOptim):
         any_grad, any_moments, all_moments = both[:, 0], both[:, 1], -both[:, 3]
         if bool(both[:, 2].any()):  # before the mean hides the entries no rank's rows reached
             raise_together(next(iter(unknown.values()), None), "QNVB", self.group)
+        _refuse_unequal_minibatches(rows[:, 0], bool(rows[:, 1].any()))  # (QNVB's cause first)
         mixed = (any_moments != all_moments).nonzero()
         if mixed.numel():
             raise RuntimeError(
