@@ -11,11 +11,16 @@ which nothing steps: the fit silently stops. Pyro's ``PyroParam`` (``AutoNormal`
 ``AutoMeanFieldNormal``'s) is synchronized by Pyro itself and is left alone here.
 
 :func:`follow_store` mends one parameter; :func:`follow_param_store` every plain parameter of the
-``PyroModule`` s of a guide or a model (through ``torch.compile``).
+``PyroModule`` s of a guide or a model (through ``torch.compile``);
+:func:`detached_parameters` names those a restore cut off.
 :class:`~pyro_quadvi.QuadratureELBO`, :func:`~pyro_quadvi.nn.fit`,
 :func:`~pyro_quadvi.export.to_inference_data` and :func:`~pyro_quadvi.evidence.opqa_evidence`
 call it on the guide and the model before they run them, :func:`~pyro_quadvi.nn.predict` on the
-guide.
+guide; and once a ``QNVB`` exists, its guide watch
+(:func:`~pyro_quadvi.guides.interface.watch_guides`) calls it on every describable guide before
+each run of it, whatever the ELBO (Pyro's ``Trace_ELBO`` included). What is left to the user:
+readers that do not run the guide (``guide.median()``, ``quantiles``) right after a restore, and
+a fit by another optimizer under Pyro's ELBOs.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 from pyro.nn import PyroModule
 from torch import nn
 
-__all__ = ["follow_param_store", "follow_store"]
+__all__ = ["detached_parameters", "follow_param_store", "follow_store"]
 
 # guide or model -> the store's tensor of each of its parameters, as last installed
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = (
@@ -100,9 +105,10 @@ def follow_param_store(module: object) -> None:
     plain parameters (Pyro's ``AutoDiagonalNormal``, ``AutoMultivariateNormal``,
     ``AutoLowRankMultivariateNormal``) or a ``PyroModule`` model with plain parameters (a
     ``PyroModule[nn.Linear]`` whose bias is not a ``PyroSample``) is trained on by Pyro's own
-    ELBOs, ``Predictive`` or the guide's ``median``/``quantiles``; the package's
-    ``QuadratureELBO``, ``fit``, ``to_inference_data`` and ``opqa_evidence`` (guide and model)
-    and ``predict`` (guide) call it themselves. Anything else does
+    ELBOs with another optimizer than QNVB, or read by ``Predictive`` or the guide's
+    ``median``/``quantiles``; the package's ``QuadratureELBO``, ``fit``, ``to_inference_data``
+    and ``opqa_evidence`` (guide and model), ``predict`` (guide) and QNVB's guide watch (every
+    describable guide, before each run) call it themselves. Anything else does
     nothing: an object that is not a ``PyroModule``, a parameter not in the store (a module not
     run yet), a ``PyroParam``'s unconstrained leaf (Pyro synchronizes those), the parameters of
     plain ``nn.Module`` s inside it (which Pyro registers with ``pyro.module``; restore those
@@ -117,18 +123,44 @@ def follow_param_store(module: object) -> None:
         ValueError: if the store holds one of the parameters with another shape or dtype.
     """
     module = compiled_original(module) or module
+    installed = None
+    for fullname, param in _plain_parameters(module):
+        if installed is None:
+            installed = _INSTALLED.setdefault(module, {})
+        follow_store(fullname, param, installed)
+
+
+def detached_parameters(module: object) -> list[str]:
+    """The param store names of ``module``'s plain ``nn.Parameter`` s (as
+    :func:`follow_param_store` finds them) under which the store holds another tensor than the
+    parameter (or the contiguous copy :func:`follow_store` installed for it): the parameters a
+    restore cut off, until :func:`follow_param_store` (or the guide's next run under QNVB's guide
+    watch) puts them back."""
+    module = compiled_original(module) or module
+    store = pyro.get_param_store()
+    installed = _INSTALLED.get(module, {})
+    return [
+        fullname
+        for fullname, param in _plain_parameters(module)
+        if fullname in store
+        and store[fullname] is not param
+        and store[fullname] is not installed.get(fullname)
+    ]
+
+
+def _plain_parameters(module: object) -> Iterator[tuple[str, nn.Parameter]]:
+    """The plain ``nn.Parameter`` s of ``module``'s ``PyroModule`` s with their param store
+    names; none for an object that is not a ``PyroModule`` or under
+    ``pyro.settings.set(module_local_params=True)``. A ``PyroParam``'s unconstrained leaf is left
+    out: Pyro keeps it in step with the store."""
     if not isinstance(module, PyroModule) or pyro.settings.get("module_local_params"):
         return
-    installed = None
     for part in _pyro_modules(module):
         prefix = part.__dict__["_pyro_name"]
         leaves = {f"{name}_unconstrained" for name in part.__dict__["_pyro_params"]}
         for name, param in part._parameters.items():
-            if param is None or name in leaves:  # a PyroParam's leaf: Pyro keeps it in step
-                continue
-            if installed is None:
-                installed = _INSTALLED.setdefault(module, {})
-            follow_store(f"{prefix}.{name}" if prefix else name, param, installed)
+            if param is not None and name not in leaves:
+                yield (f"{prefix}.{name}" if prefix else name), param
 
 
 def _pyro_modules(root: PyroModule) -> Iterator[PyroModule]:

@@ -26,10 +26,19 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from pyro.poutine.messenger import Messenger
 
 from ..infer import QuadratureELBO
+from ..infer.log_joint import _NODE_PLATE
 from ..quadrature import QuadratureRule
-from .comm import arguments_section, gather_rows, node_sections, refuse_disagreement, world
+from .comm import (
+    arguments_section,
+    gather_rows,
+    node_sections,
+    projection,
+    refuse_disagreement,
+    world,
+)
 
 __all__ = ["PARALLEL_MODES", "DistributedQuadratureELBO"]
 
@@ -90,6 +99,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
         self.group = group
         self.share: float | None = None
         self._node_sections: list | None = None
+        self._whole_plates: dict[str, tuple[str, torch.Tensor]] = {}
 
     def _factor(self) -> float:
         """What this rank's loss is multiplied by so that the plain mean over ranks is right."""
@@ -132,6 +142,49 @@ class DistributedQuadratureELBO(QuadratureELBO):
                 "parallel='data'"
             )
         return x[rank::size], weights[rank::size] * size
+
+    def _quadrature_loss(self, model: Callable, guide: Callable, args, kwargs):
+        """``QuadratureELBO``'s loss; in data mode with several ranks, watching the model's
+        observed sites in data plates that are not subsampled (:class:`_WholePlateObservations`)."""
+        self._whole_plates = {}
+        if self.parallel != "data" or world(self.group)[1] == 1:
+            return super()._quadrature_loss(model, guide, args, kwargs)
+        with _WholePlateObservations() as watch:
+            result = super()._quadrature_loss(model, guide, args, kwargs)
+        self._whole_plates = watch.found
+        return result
+
+    def _whole_plates_section(self) -> torch.Tensor:
+        """The number of observed sites in unsubsampled plates and a fingerprint of their
+        values (by name): equal on every rank when each rank observes the same rows there."""
+        found = sorted(self._whole_plates.items())
+        values = [projection(value).cpu() * (i + 1) for i, (_, (_, value)) in enumerate(found)]
+        return torch.stack(
+            [torch.tensor(float(len(found)), dtype=torch.float64), sum(values, torch.zeros(()))]
+        ).to(torch.float64)
+
+    def _refuse_whole_plates(self, columns: torch.Tensor) -> None:
+        """Raise when the ranks observe different values in a plate that is not subsampled:
+        each rank's likelihood there then counts its own rows at scale 1, and the mean over the
+        ranks weights every row by ``1 / W`` (rasp paper, eq. 9: the minibatch term must be
+        scaled by ``N / B``)."""
+        bits = columns.contiguous().view(torch.int64)
+        if not bool((bits != bits[:1]).any()):
+            return
+        if self._whole_plates:
+            site, (plate, _) = sorted(self._whole_plates.items())[0]
+            where = f"the observed site {site!r} sits in the plate {plate!r}"
+        else:
+            where = "some rank's observed site sits in a plate"
+        raise ValueError(
+            f"DistributedQuadratureELBO(parallel='data'): {where}, which is not subsampled (its "
+            "size is the rows this rank was given), and the ranks observe different values "
+            "there, so each rank's likelihood counts its shard at scale 1 and the mean over the "
+            "ranks weights every row by 1 / world size: a silently wrong fit. Give the data plate "
+            "the size N of the whole data set and this rank's rows, pyro.plate('data', N, "
+            "subsample=idx) (in a BayesianModule, likelihoods.X(dataset_size=N)); no rank has "
+            "changed anything"
+        )
 
     def _refuse_empty(self, args: tuple, kwargs: dict) -> None:
         if self.parallel != "data":
@@ -194,7 +247,14 @@ class DistributedQuadratureELBO(QuadratureELBO):
             dtype=torch.float64,
         )
         rows = gather_rows(
-            torch.cat([status, *(v.reshape(-1).cpu() for v, _, _ in sections)]), self.group
+            torch.cat(
+                [
+                    status,
+                    self._whole_plates_section(),
+                    *(v.reshape(-1).cpu() for v, _, _ in sections),
+                ]
+            ),
+            self.group,
         )
         if error is not None:
             raise error
@@ -206,7 +266,8 @@ class DistributedQuadratureELBO(QuadratureELBO):
                 "error); no rank accumulated gradients or advanced, so catching the error on every "
                 "rank skips the step everywhere"
             )
-        refuse_disagreement(rows[:, 6:], sections)
+        self._refuse_whole_plates(rows[:, 6:8])
+        refuse_disagreement(rows[:, 8:], sections)
         counts = rows[:, 4]
         unequal = bool((counts != counts[0]).any()) and not bool(counts.isnan().any())
         if self.parallel == "data" and unequal and not bool(rows[:, 5].any()):
@@ -274,6 +335,27 @@ class DistributedQuadratureELBO(QuadratureELBO):
             f"DistributedQuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize}, "
             f"parallel={self.parallel!r})"
         )
+
+
+class _WholePlateObservations(Messenger):
+    """Notes each observed sample site inside a vectorized plate that is not subsampled (its
+    frame's ``size`` is its ``full_size``; the ELBO's own node plate aside): ``found`` maps the
+    site's name to the plate's name and the observed value (the last run's).
+
+    Entered around the whole loss, it is the outermost handler, so it sees each site's plates.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.found: dict[str, tuple[str, torch.Tensor]] = {}
+
+    def _process_message(self, msg) -> None:
+        if msg["type"] != "sample" or not msg["is_observed"]:
+            return
+        for frame in msg["cond_indep_stack"]:
+            if frame.vectorized and frame.name != _NODE_PLATE and frame.size == frame.full_size:
+                self.found[msg["name"]] = (frame.name, torch.as_tensor(msg["value"]).detach())
+                return
 
 
 def _first_rows(args: tuple, kwargs: dict) -> tuple[int | str | None, float]:

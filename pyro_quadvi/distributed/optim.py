@@ -10,6 +10,7 @@ values (its module docstring says why), so every rank takes the same step.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
@@ -23,8 +24,12 @@ from ..guides.interface import (
     GuideDescription,
     MeanFieldSite,
     PublishedMoments,
+    live_guides,
     publish_moments,
     published_moments,
+    run_rows,
+    run_scale,
+    unwrap_guide,
 )
 from ..optim import QNVB, SparseQNVB
 from ..optim.qnvb import minibatch_refusal
@@ -79,8 +84,13 @@ class DistributedOptimizer(PyroOptim):
         ValueError: QNVB's refusal of a block it would update from gradients alone (Pyro's
             ``AutoNormal`` under Pyro's ELBOs) whose guide does not record its minibatch, when
             some of its entries have no gradient on some rank (checked before the mean, which
-            would give them the other ranks' gradients).
-        RuntimeError: when the ranks received different parameters or different values of them
+            would give them the other ranks' gradients); and when the ranks' guides last ran on
+            minibatches of different sizes (:func:`~pyro_quadvi.guides.interface.run_rows`)
+            and no rank's ELBO published moments (Pyro's ELBOs, which cannot weight a rank by
+            its rows).
+        RuntimeError: when the ranks' guides last ran under different scales (a
+            ``poutine.scale`` per rank; :func:`~pyro_quadvi.guides.interface.run_scale`); when
+            the ranks received different parameters or different values of them
             (ranks seeded differently: a projection of the values is compared), when their QNVBs
             give a block other hyperparameters (naming the block and the setting), disagree on which
             parameters have moments, or on the rows of a block in a subsampled plate (a local
@@ -214,11 +224,29 @@ class DistributedOptimizer(PyroOptim):
                 "(pyro.set_rng_seed) before the guide's first run, or load one checkpoint",
             ),
         ]
-        fingerprint = _settings_fingerprint(settings)
-        rows = gather_rows(
-            torch.cat([v.reshape(-1) for v, _, _ in sections] + [fingerprint]), self.group
+        scales, minibatch = _guide_runs(named)
+        sections.append(
+            (
+                scales,
+                "the scale of the guides' last run (the poutine.scale around the guide, times "
+                "the scale of any subsampled plate around it)",
+                "every rank must run the model and guide under the same poutine.scale (the "
+                "mean over the ranks weights them equally); weight the data by the data plate "
+                "alone, pyro.plate('data', N, subsample=idx), which scales each rank's rows by "
+                "N / B",
+            )
         )
-        refuse_disagreement(rows, sections)
+        fingerprint = _settings_fingerprint(settings)
+        published = float(any(m is not None for m in moments))
+        rows = gather_rows(
+            torch.cat(
+                [torch.tensor([minibatch, published], dtype=torch.float64)]
+                + [v.reshape(-1) for v, _, _ in sections]
+                + [fingerprint]
+            ),
+            self.group,
+        )
+        refuse_disagreement(rows[:, 2:], sections)
         if bool((rows[:, -1] != rows[0, -1]).any()):
             self._refuse_settings(settings)  # (every rank: each sees every rank's fingerprint)
         unknown = _unknown_minibatches(read_from_gradients)
@@ -235,6 +263,7 @@ class DistributedOptimizer(PyroOptim):
         any_grad, any_moments, all_moments = both[:, 0], both[:, 1], -both[:, 3]
         if bool(both[:, 2].any()):  # before the mean hides the entries no rank's rows reached
             raise_together(next(iter(unknown.values()), None), "QNVB", self.group)
+        _refuse_unequal_minibatches(rows[:, 0], bool(rows[:, 1].any()))  # (QNVB's cause first)
         mixed = (any_moments != all_moments).nonzero()
         if mixed.numel():
             raise RuntimeError(
@@ -353,6 +382,55 @@ class DistributedOptimizer(PyroOptim):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optim!r})"
+
+
+def _guide_runs(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, float]:
+    """The run scales (:func:`~pyro_quadvi.guides.interface.run_scale`) of the live guides that
+    hold one of the parameters, as their sum and position-weighted sum (in the order of their
+    first parameter's name), and the sum of their run rows
+    (:func:`~pyro_quadvi.guides.interface.run_rows`; NaN where some guide's are unknown)."""
+    names = {id(p): name for name, p in named}
+    found = []
+    for guide in live_guides():
+        if not isinstance(guide, torch.nn.Module):
+            continue
+        held = [names[id(p)] for p in guide.parameters() if id(p) in names]
+        if not held:
+            continue
+        target = unwrap_guide(guide)
+        try:
+            scale = float(run_scale(target))
+        except ValueError:  # a tensor scale: QNVB's own step names it
+            scale = math.nan
+        found.append((min(held), scale, run_rows(target)))
+    found.sort()
+    scales = [scale for _, scale, _ in found]
+    weighted = sum((scale * (i + 1) for i, scale in enumerate(scales)), 0.0)
+    return (
+        torch.tensor([sum(scales, 0.0), weighted], dtype=torch.float64),
+        sum((minibatch for _, _, minibatch in found), 0.0),
+    )
+
+
+def _refuse_unequal_minibatches(minibatches: torch.Tensor, published: bool) -> None:
+    """Raise on every rank when the ranks' guides ran on minibatches of different numbers of
+    rows and no rank's ELBO published moments (Pyro's ELBOs): each rank's gradients carry its
+    own plate scale ``N / B_r``, and their plain mean weights the ranks' rows unequally (rasp
+    paper, eq. 9 needs ``N / B`` on every row). ``DistributedQuadratureELBO`` publishes moments
+    and weights its shards itself (its ``share``)."""
+    if published or bool(minibatches.isnan().any()):
+        return
+    if bool((minibatches != minibatches[0]).any()):
+        raise ValueError(
+            "DistributedOptimizer: the ranks' guides ran on minibatches of different sizes "
+            f"({[int(b) for b in minibatches.tolist()]} rows by rank, the first tensor argument "
+            "of svi.step) under an ELBO that publishes no moments (Pyro's Trace_ELBO, say): each "
+            "rank's gradients carry its own plate scale N / B_r, so their plain mean over the "
+            "ranks weights the ranks' rows unequally (a silently wrong fit). Give every rank the "
+            "same number of rows (a minibatch size the world size divides), or fit with "
+            "DistributedQuadratureELBO and set its share to this rank's rows / the minibatch's "
+            "rows; no rank has changed anything"
+        )
 
 
 def _settings_fingerprint(settings: dict[str, QNVBHyperparameters]) -> torch.Tensor:

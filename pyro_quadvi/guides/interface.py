@@ -35,6 +35,7 @@ them back with :func:`published_moments`.
 from __future__ import annotations
 
 import functools
+import math
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -58,7 +59,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..distributions import SpikeSlab
 from ..distributions.spike_slab import HALF_LOG_2PI_E
 from ..infer.log_joint import LatentSite, look_through
-from ..store import compiled_original
+from ..store import compiled_original, follow_param_store
 
 __all__ = [
     "CLOSED_FORM_FAMILIES",
@@ -75,6 +76,7 @@ __all__ = [
     "published_moments",
     "register_adapter",
     "register_guide",
+    "run_rows",
     "run_scale",
     "supported_guides",
     "trace_for_description",
@@ -576,6 +578,18 @@ def run_scale(guide: torch.nn.Module) -> float:
     return scale
 
 
+def run_rows(guide: torch.nn.Module) -> float:
+    """The rows (dim 0) of the first positional tensor argument with a dim of ``guide``'s last
+    run under autograd: the minibatch a data-parallel rank was given, when the guide is called
+    with the model's arguments (as Pyro's ELBOs call it). NaN for a guide not seen running
+    (:func:`watch_guides`) or called without such an argument."""
+    return _RUN_ROWS.get(guide, math.nan)
+
+
+# guide -> the rows of the first tensor argument of its last run under autograd (:func:`run_rows`)
+_RUN_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @torch.compiler.disable  # bookkeeping, run eagerly: dynamo must not trace the WeakSet
 def _on_module_call(module: torch.nn.Module, args) -> None:
     cls = type(module)
@@ -584,16 +598,30 @@ def _on_module_call(module: torch.nn.Module, args) -> None:
         known = _DESCRIBABLE[cls] = is_describable(module)
     if known:
         _LIVE_GUIDES.add(module)
+        # a restored param store holds other tensors than the guide's plain nn.Parameters
+        # (AutoDiagonalNormal's loc): they take the store's values and go back into it, so any
+        # ELBO's run uses and trains the store's tensors
+        follow_param_store(module)
         if torch.is_grad_enabled():
-            _RUN_SCALES[unwrap_guide(module)] = _handler_scale()
+            guide = unwrap_guide(module)
+            _RUN_SCALES[guide] = _handler_scale()
+            _RUN_ROWS[guide] = next(
+                (float(a.shape[0]) for a in args if isinstance(a, torch.Tensor) and a.dim()),
+                math.nan,
+            )
     elif isinstance(module, AutoGuide) and not isinstance(module, AutoGuideList):
         _UNDESCRIBED_GUIDES.add(module)
 
 
 def watch_guides() -> None:
-    """Note every describable ``nn.Module`` guide when it runs (installed once, by QNVB).
+    """Note every describable ``nn.Module`` guide when it runs (installed once, by QNVB): its
+    run scale and rows (:func:`run_scale`, :func:`run_rows`), and, first,
+    :func:`~pyro_quadvi.store.follow_param_store` on it, so that a guide run after the param
+    store was restored computes with, and trains, the store's tensors.
 
-    A global forward pre-hook of torch: one dictionary look-up per module call.
+    A global forward pre-hook of torch: one dictionary look-up per module call, and for a
+    describable guide a walk over its ``PyroModule`` s' parameters (see ``docs/guides.md`` for
+    its cost).
     """
     global _WATCH_HANDLE
     if _WATCH_HANDLE is None:

@@ -54,11 +54,13 @@ from ..guides.interface import (
     MeanFieldSite,
     PublishedMoments,
     describe_live_guides,
+    live_guides,
     published_moments,
     undescribed_guides,
     watch_guides,
 )
 from ..guides.mean_field import RunStamp, last_run_stamp
+from ..store import detached_parameters
 from .annealing import anneal_likelihood, annealing_factor, check_schedule
 from .qnvb_functional import (
     QNVBHyperparameters,
@@ -247,7 +249,10 @@ def outside_rows_refusal(site: MeanFieldSite, index: tuple | None) -> ValueError
     that several runs on different minibatches did (Pyro's ``Trace_ELBO(num_particles=2)`` without
     ``vectorize_particles`` draws a plate's subsample per particle) or that something else
     reached the parameters, and QNVB, updating the last run's rows, would drop the others'
-    gradients. One host sync, for subsampled blocks only.
+    gradients. A JIT ELBO (Pyro's ``JitTrace_ELBO``) with a subsample the guide draws
+    (``create_plates`` with ``subsample_size``) draws other rows in its compiled run than in the
+    Python run the guide recorded, from the first step on: the same refusal.
+    One host sync, for subsampled blocks only.
     """
     grad = site.params["scale"].grad
     if index is None or grad is None:
@@ -260,10 +265,14 @@ def outside_rows_refusal(site: MeanFieldSite, index: tuple | None) -> ValueError
         f"QNVB: site {site.name!r} sits in a subsampled plate, and this step's gradients reach "
         "entries outside the minibatch its guide recorded last, so the guide ran on several "
         "minibatches in one step (Trace_ELBO with num_particles > 1 and no "
-        "vectorize_particles=True draws one per particle) or another term reached its "
-        "parameters; QNVB updates one minibatch's rows and would drop the other gradients. Use "
+        "vectorize_particles=True draws one per particle), or a JIT ELBO (JitTrace_ELBO) "
+        "ran a guide that draws its own subsample (the compiled run draws other rows than the "
+        "Python run the guide recorded), or another term reached its parameters; QNVB updates "
+        "one minibatch's rows and would drop the other gradients. Use "
         "Trace_ELBO(num_particles=K, vectorize_particles=True) (one minibatch for all "
-        "particles), one particle, or pyro_quadvi's QuadratureELBO"
+        "particles), one particle, Trace_ELBO instead of a JIT ELBO, or pyro_quadvi's "
+        "QuadratureELBO, which publishes the moments; or keep the JIT ELBO and use "
+        "pyro.optim.Adam"
     )
 
 
@@ -540,17 +549,39 @@ class QNVB(PyroOptim):
             warnings.warn(f"QNVB: {message} (this warning is shown once)", RuntimeWarning, 2)
         rest = [p for p in params if id(p) not in paired]
         if params and not paired and not explained:
-            self._warn_once(
-                "nothing paired",
-                f"QNVB: none of the {len(params)} parameters it received belongs to a guide it "
-                "can update, so all of them go to the fallback optimizer "
-                f"({self.pt_optim_constructor.__name__}). Use AutoMeanFieldNormal (or Pyro's "
-                "AutoNormal / AutoDiagonalNormal), or describe a guide of your own "
-                "(quadrature_description; see 'Writing a guide for QuadratureELBO and QNVB').",
-            )
+            self._warn_once("nothing paired", self._nothing_paired(params))
         if rest:
             self._guarded_fallback(rest, *args, **kwargs)
         self.num_steps += 1
+
+    def _nothing_paired(self, params: list[torch.Tensor]) -> str:
+        """The warning of a step that paired none of ``params`` with a guide: its cause, where
+        the received parameters are store tensors a live guide's own plain parameters were cut
+        off from (:func:`~pyro_quadvi.store.detached_parameters`: the store was restored after
+        the guide's last run), or the guides QNVB updates."""
+        head = (
+            f"QNVB: none of the {len(params)} parameters it received belongs to a guide it can "
+            "update, so all of them go to the fallback optimizer "
+            f"({self.pt_optim_constructor.__name__})."
+        )
+        store = pyro.get_param_store()
+        received = {store.param_name(p) for p in params}
+        cut = sorted(
+            {name for guide in live_guides() for name in detached_parameters(guide)} & received
+        )
+        if cut:
+            return (
+                f"{head} The guide's own parameter(s) {cut} are not the param store's tensors "
+                "under those names (the store was restored, set_state or load, after the guide's "
+                "last run), so the store's tensors it received reach no guide. Call "
+                "pyro_quadvi.store.follow_param_store(guide) after restoring the store (the "
+                "guide's next run does it under QNVB)."
+            )
+        return (
+            f"{head} Use AutoMeanFieldNormal (or Pyro's AutoNormal / AutoDiagonalNormal), or "
+            "describe a guide of your own (quadrature_description; see 'Writing a guide for "
+            "QuadratureELBO and QNVB')."
+        )
 
     def _warn_if_annealing_elsewhere(self, prepared: list[_Prepared]) -> None:
         """Warn once when every block of this step starts afresh while the annealing schedule is

@@ -1,0 +1,314 @@
+"""Findings of a user trial of distributed training (session 13): a data plate sized to the rank's
+shard, a restored store under Trace_ELBO + QNVB, unequal shards and per-rank scales under Pyro's
+ELBOs, the JIT refusal's message. The distributed scenarios run in one spawn of two gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import pyro
+import pyro.distributions as pdist
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer import SVI, JitTrace_ELBO, Trace_ELBO
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.distributed import (
+    DistributedOptimizer,
+    DistributedQuadratureELBO,
+    load_checkpoint,
+    save_checkpoint,
+    shard,
+    world,
+)
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi.testing.ranks import outcome
+
+N = 40
+ROWS = 12
+TIMEOUT_S = 90
+
+
+def _xy() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(N, generator=g, dtype=torch.float64)
+    return x, 2 * x + 1 + torch.randn(N, generator=g, dtype=torch.float64)
+
+
+X, Y = _xy()
+
+
+def regression(idx: torch.Tensor) -> None:
+    w = pyro.sample("w", pdist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+    b = pyro.sample("b", pdist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+    with pyro.plate("data", N, subsample=idx):
+        pyro.sample("obs", pdist.Normal(w * X[idx] + b, 1.0), obs=Y[idx])
+
+
+def shard_sized(x: torch.Tensor, y: torch.Tensor) -> None:
+    """The trial's plain model: the data plate is the rows given, a local latent per row."""
+    w = pyro.sample("w", pdist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+    with pyro.plate("data", len(x)):
+        z = pyro.sample("z", pdist.Normal(w * x, 1.0))
+        pyro.sample("obs", pdist.Normal(z, 0.5), obs=y)
+
+
+def with_global_observation(idx: torch.Tensor) -> None:
+    """A correct model with an observed site outside every plate (the same on every rank)."""
+    w = pyro.sample("w", pdist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+    pyro.sample("anchor", pdist.Normal(w, 1.0), obs=torch.tensor(1.5, dtype=torch.float64))
+    with pyro.plate("data", N, subsample=idx):
+        pyro.sample("obs", pdist.Normal(w * X[idx], 1.0), obs=Y[idx])
+
+
+def _batches(rows: int, steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randperm(N, generator=g)[:rows] for _ in range(steps)]
+
+
+def _store() -> dict[str, torch.Tensor]:
+    store = pyro.get_param_store()
+    return {name: store[name].detach().clone() for name in sorted(store.keys())}
+
+
+def _quadrature_fit(case: str, distributed: bool) -> dict[str, torch.Tensor]:
+    """Four QNVB steps with QuadratureELBO (distributed: this rank's shard of each batch)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    if case == "bnn":  # the trial's BayesianModule: no dataset_size
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(1, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3)
+        ).double()
+        model = BayesianModule(net, priors.Normal(1.0), likelihoods.Categorical())
+        xs = X[:ROWS, None]
+        ys = (Y[:ROWS] > 1).long() + (Y[:ROWS] > 3).long()
+    else:
+        model = {"plain": shard_sized, "global": with_global_observation}[case]
+    guide = AutoMeanFieldNormal(model)
+    elbo = (
+        DistributedQuadratureELBO("hadamard", 4) if distributed else QuadratureELBO("hadamard", 4)
+    )
+    svi = SVI(model, guide, DistributedOptimizer(QNVB()) if distributed else QNVB(), elbo)
+    for idx in _batches(ROWS, 4):
+        part = shard(ROWS) if distributed else slice(None)
+        if case == "bnn":
+            svi.step(xs[part], ys[part])
+        elif case == "plain":
+            svi.step(X[:ROWS][part], Y[:ROWS][part])
+        else:
+            svi.step(idx[part])
+    return _store()
+
+
+def _trace_fit(
+    guide_class: type, rows: int, steps: int, scale: float = 1.0, distributed: bool = True
+) -> dict[str, torch.Tensor]:
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = guide_class(regression)
+    optim = DistributedOptimizer(QNVB()) if distributed else QNVB()
+    model, run = poutine.scale(regression, scale), poutine.scale(guide, scale)
+    svi = SVI(model, run, optim, Trace_ELBO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for idx in _batches(rows, steps):
+            svi.step(idx[shard(rows)] if distributed else idx)
+    return _store()
+
+
+def _checkpointed(path: Path) -> tuple[list[float], list[float], dict, dict]:
+    """AutoDiagonalNormal under Trace_ELBO + DistributedOptimizer(QNVB): six steps with a
+    checkpoint after the third, then a new guide restored from it and the last three again."""
+
+    def build():
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoDiagonalNormal(regression)
+        optim = DistributedOptimizer(QNVB())
+        return guide, optim, SVI(regression, guide, optim, Trace_ELBO())
+
+    batches = [idx[shard(ROWS)] for idx in _batches(ROWS, 6)]
+    guide, optim, svi = build()
+    full = []
+    for step, idx in enumerate(batches):
+        full.append(svi.step(idx))
+        if step == 2:
+            save_checkpoint(path, optim)
+            rng = torch.get_rng_state()
+    store = _store()
+    guide, optim, svi = build()
+    with torch.no_grad():
+        guide(batches[0])  # its parameters exist
+    load_checkpoint(path, optim)
+    torch.set_rng_state(rng)
+    resumed = [svi.step(idx) for idx in batches[3:]]
+    return full[3:], resumed, store, _store()
+
+
+def _scenarios(outdir: Path) -> dict:
+    torch.set_default_dtype(torch.float64)
+    try:
+        return {
+            "bnn": outcome(lambda: _quadrature_fit("bnn", True)),
+            "plain": outcome(lambda: _quadrature_fit("plain", True)),
+            "global": outcome(lambda: _quadrature_fit("global", True)),
+            "checkpoint": outcome(lambda: _checkpointed(outdir / "adn.pt")),
+            "unequal": outcome(lambda: _trace_fit(AutoNormal, 13, 2)),
+            "equal": outcome(lambda: _trace_fit(AutoNormal, ROWS, 3)),
+            "rankscale": outcome(
+                lambda: _trace_fit(AutoNormal, ROWS, 2, scale=0.5 if world()[0] == 0 else 0.25)
+            ),
+        }
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def ranks(spawn_ranks, tmp_path_factory) -> list[dict]:
+    return spawn_ranks(_scenarios, tmp_path_factory.mktemp("s13dist"), timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("case", ["bnn", "plain"])
+def test_a_data_plate_sized_to_the_shard_is_refused_on_every_rank(ranks, case):
+    for result in ranks:
+        kind, message = result[case]
+        assert kind == "ValueError"
+        assert "'obs'" in message and "'data'" in message
+        assert "subsample=idx" in message and "dataset_size=N" in message
+
+
+def test_an_observation_outside_the_plates_is_allowed_and_matches_one_process(ranks):
+    torch.set_default_dtype(torch.float64)
+    try:
+        one = _quadrature_fit("global", False)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for result in ranks:
+        kind, store = result["global"]
+        assert kind == "ok"
+        for name, value in one.items():
+            torch.testing.assert_close(store[name], value, rtol=0, atol=1e-12)
+
+
+def test_a_distributed_checkpoint_of_autodiagonalnormal_resumes_bit_for_bit(ranks):
+    for result in ranks:
+        kind, (full, resumed, store, again) = result["checkpoint"]
+        assert kind == "ok"
+        assert resumed == full
+        assert store.keys() == again.keys()
+        for name in store:
+            assert torch.equal(store[name], again[name]), name
+
+
+def test_unequal_shards_under_trace_elbo_are_refused_at_the_first_step(ranks):
+    for result in ranks:
+        kind, message = result["unequal"]
+        assert kind == "ValueError"
+        assert "[7, 6] rows" in message and "share" in message
+
+
+def test_equal_shards_under_trace_elbo_still_match_one_process(ranks):
+    torch.set_default_dtype(torch.float64)
+    try:
+        one = _trace_fit(AutoNormal, ROWS, 3, distributed=False)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for result in ranks:
+        kind, store = result["equal"]
+        assert kind == "ok"
+        for name, value in one.items():
+            torch.testing.assert_close(store[name], value, rtol=0, atol=1e-12)
+
+
+def test_a_different_scale_per_rank_is_refused_at_the_first_step_naming_it(ranks):
+    for result in ranks:
+        kind, message = result["rankscale"]
+        assert kind == "RuntimeError"
+        assert "poutine.scale" in message and "from 0.25 to 0.5" in message
+        assert "seed" not in message
+
+
+# ----------------------------------------------------------------------------- one process
+def _adn_trace_run(steps: list[torch.Tensor], restore: tuple | None = None):
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoDiagonalNormal(regression)
+    optim = QNVB()
+    svi = SVI(regression, guide, optim, Trace_ELBO())
+    if restore is not None:
+        store_state, optim_state, rng = restore
+        with torch.no_grad():
+            guide(steps[0])  # its parameters exist, then the store is restored over them
+        pyro.get_param_store().set_state(copy.deepcopy(store_state))
+        optim.set_state(copy.deepcopy(optim_state))
+        torch.set_rng_state(rng)
+    losses = [svi.step(idx) for idx in steps]
+    return losses, guide, optim
+
+
+def test_a_restored_store_under_trace_elbo_and_qnvb_resumes_bit_for_bit():
+    torch.set_default_dtype(torch.float64)
+    try:
+        batches = _batches(ROWS, 6)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the 'nothing paired' warning would be an error
+            _, _, optim = _adn_trace_run(batches[:3])
+            saved = (
+                copy.deepcopy(pyro.get_param_store().get_state()),
+                copy.deepcopy(optim.get_state()),
+                torch.get_rng_state(),
+            )
+            full, _, _ = _adn_trace_run(batches)
+            expected = _store()
+            rest, guide, _ = _adn_trace_run(batches[3:], restore=saved)
+        assert rest == full[3:]
+        again = _store()
+        for name in expected:
+            assert torch.equal(again[name], expected[name]), name
+        assert pyro.get_param_store()["AutoDiagonalNormal.loc"] is guide.loc
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_nothing_paired_names_parameters_cut_off_by_a_restore():
+    torch.set_default_dtype(torch.float64)
+    try:
+        _, guide, _ = _adn_trace_run(_batches(ROWS, 1))  # (the guide kept alive: it is live)
+        store = pyro.get_param_store()
+        store.set_state(copy.deepcopy(store.get_state()))  # new tensors; the guide has not run
+        assert store["AutoDiagonalNormal.loc"] is not guide.loc
+        params = [p for _, p in store.named_parameters()]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        with pytest.warns(RuntimeWarning, match=r"follow_param_store") as caught:
+            QNVB()(params)
+        assert "'AutoDiagonalNormal.loc'" in str(caught[0].message)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _subsampling_model() -> None:
+    w = pyro.sample("w", pdist.Normal(0.0, 1.0))
+    with pyro.plate("data", N, subsample_size=6) as idx:
+        z = pyro.sample("z", pdist.Normal(w * X[idx].float(), 1.0))
+        pyro.sample("obs", pdist.Normal(z, 0.5), obs=Y[idx].float())
+
+
+def test_the_outside_rows_refusal_names_jit_elbos():
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMeanFieldNormal(
+        _subsampling_model, create_plates=lambda: pyro.plate("data", N, subsample_size=6)
+    )
+    svi = SVI(_subsampling_model, guide, QNVB(), JitTrace_ELBO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"outside the minibatch") as caught:
+            for _ in range(3):
+                svi.step()
+    assert "JitTrace_ELBO" in str(caught.value) and "Trace_ELBO instead" in str(caught.value)
