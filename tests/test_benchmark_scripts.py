@@ -95,7 +95,12 @@ RUNS = {
         ("w.jsonl",),
     ),
     "whvi_toy": ("bench_whvi.py", "toy --steps 5 --out {tmp}/t.png", ("t.png",)),
+    "guide_hook": ("bench_guide_hook.py", "--depth 2 --repeats 1 --calls 10 --steps 2", ()),
+    "qnvb_float32_forms": ("qnvb_float32_forms.py", "", ()),
 }
+
+# scripts that report in prose lines, not a markdown table
+NO_TABLE = {"qnvb_float32_forms"}
 
 
 def _run(script: str, arguments: str, tmp: Path) -> subprocess.CompletedProcess:
@@ -149,5 +154,5 @@ def test_the_benchmark_script_finishes(name, tmp_path):
     assert done.returncode == 0, f"{script} {arguments}\n{done.stderr[-3000:]}"
     missing = [f for f in files if not (tmp_path / f).is_file()]
     assert not missing, f"{script} did not write {missing}"
-    if not files:
+    if not files and name not in NO_TABLE:
         assert _table_rows(done.stdout) >= 1, f"{script} printed no table:\n{done.stdout[-2000:]}"
