@@ -222,6 +222,24 @@ def test_a_zero_gradient_without_curvature_or_eps_steps_by_zero(flat):
     assert float(result.sigma) == 10.0  # the rate limit toward sigma_max = 100
 
 
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("dtype, g", [(torch.float32, 1e-23), (torch.float64, 1e-170)])
+def test_a_gradient_whose_square_underflows_steps_by_zero(flat, dtype, g):
+    # rms curvature of h = 0 and eps = 0: s = g^2 underflows to 0, so the divisor
+    # max(w H, (sqrt(s) + eps) / lr) is exactly 0. A floor of the divisor at the dtype's smallest
+    # number gave g / 1e-38 = 8.5e14 in float32 (review); such a coordinate now steps by 0
+    mu = torch.tensor([0.3, 0.3], dtype=dtype)
+    grad = torch.tensor([g, -g], dtype=dtype)
+    zero, one = torch.zeros(2, dtype=dtype), torch.ones(2, dtype=dtype)
+    hp = QNVBHyperparameters(eps=0.0, curvature="rms")
+    if flat:
+        (result,) = qnvb_update_many([mu], [one], [grad], [zero], [init_qnvb_state(mu)], hp)
+    else:
+        result = qnvb_update(mu, one, grad, zero, init_qnvb_state(mu), hp)
+    assert float(result.state.s_avg.max()) == 0.0  # the premise: g^2 underflowed
+    assert torch.equal(result.mu, mu)
+
+
 def test_negative_curvature_holds_sigma_and_takes_a_natural_gradient_step():
     mu = torch.zeros(1, dtype=DTYPE)
     sigma = torch.full((1,), 0.5, dtype=DTYPE)

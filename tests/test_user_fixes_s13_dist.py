@@ -65,6 +65,15 @@ def with_global_observation(idx: torch.Tensor) -> None:
         pyro.sample("obs", pdist.Normal(w * X[idx], 1.0), obs=Y[idx])
 
 
+def features_in_data_plate(idx: torch.Tensor) -> None:
+    """A correct model with a full plate of features inside the subsampled data plate (review):
+    the data plate scales the site by N / B, so the features plate's full size is no shard."""
+    w = pyro.sample("w", pdist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+    signs = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    with pyro.plate("data", N, subsample=idx, dim=-2), pyro.plate("features", 2, dim=-1):
+        pyro.sample("obs", pdist.Normal(w * X[idx, None] * signs, 1.0), obs=Y[idx, None] * signs)
+
+
 def _batches(rows: int, steps: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     return [torch.randperm(N, generator=g)[:rows] for _ in range(steps)]
@@ -88,7 +97,11 @@ def _quadrature_fit(case: str, distributed: bool) -> dict[str, torch.Tensor]:
         xs = X[:ROWS, None]
         ys = (Y[:ROWS] > 1).long() + (Y[:ROWS] > 3).long()
     else:
-        model = {"plain": shard_sized, "global": with_global_observation}[case]
+        model = {
+            "plain": shard_sized,
+            "global": with_global_observation,
+            "features": features_in_data_plate,
+        }[case]
     guide = AutoMeanFieldNormal(model)
     elbo = (
         DistributedQuadratureELBO("hadamard", 4) if distributed else QuadratureELBO("hadamard", 4)
@@ -157,6 +170,7 @@ def _scenarios(outdir: Path) -> dict:
             "bnn": outcome(lambda: _quadrature_fit("bnn", True)),
             "plain": outcome(lambda: _quadrature_fit("plain", True)),
             "global": outcome(lambda: _quadrature_fit("global", True)),
+            "features": outcome(lambda: _quadrature_fit("features", True)),
             "checkpoint": outcome(lambda: _checkpointed(outdir / "adn.pt")),
             "unequal": outcome(lambda: _trace_fit(AutoNormal, 13, 2)),
             "equal": outcome(lambda: _trace_fit(AutoNormal, ROWS, 3)),
@@ -182,14 +196,16 @@ def test_a_data_plate_sized_to_the_shard_is_refused_on_every_rank(ranks, case):
         assert "subsample=idx" in message and "dataset_size=N" in message
 
 
-def test_an_observation_outside_the_plates_is_allowed_and_matches_one_process(ranks):
+@pytest.mark.parametrize("case", ["global", "features"])
+def test_correct_plates_are_allowed_and_match_one_process(ranks, case):
+    # an observation outside every plate; a full features plate inside the subsampled data plate
     torch.set_default_dtype(torch.float64)
     try:
-        one = _quadrature_fit("global", False)
+        one = _quadrature_fit(case, False)
     finally:
         torch.set_default_dtype(torch.float32)
     for result in ranks:
-        kind, store = result["global"]
+        kind, store = result[case]
         assert kind == "ok"
         for name, value in one.items():
             torch.testing.assert_close(store[name], value, rtol=0, atol=1e-12)

@@ -21,13 +21,13 @@ averages gradients and moments, and :meth:`loss_and_grads` reports the averaged 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from pyro.poutine.messenger import Messenger
 
+from ..guides.interface import first_rows
 from ..infer import QuadratureELBO
 from ..infer.log_joint import _NODE_PLATE
 from ..quadrature import QuadratureRule
@@ -35,7 +35,7 @@ from .comm import (
     arguments_section,
     gather_rows,
     node_sections,
-    projection,
+    projections,
     refuse_disagreement,
     world,
 )
@@ -158,10 +158,12 @@ class DistributedQuadratureELBO(QuadratureELBO):
         """The number of observed sites in unsubsampled plates and a fingerprint of their
         values (by name): equal on every rank when each rank observes the same rows there."""
         found = sorted(self._whole_plates.items())
-        values = [projection(value).cpu() * (i + 1) for i, (_, (_, value)) in enumerate(found)]
         return torch.stack(
-            [torch.tensor(float(len(found)), dtype=torch.float64), sum(values, torch.zeros(()))]
-        ).to(torch.float64)
+            [
+                torch.tensor(float(len(found)), dtype=torch.float64),
+                projections([value for _, (_, value) in found]),
+            ]
+        )
 
     def _refuse_whole_plates(self, columns: torch.Tensor) -> None:
         """Raise when the ranks observe different values in a plate that is not subsampled:
@@ -180,16 +182,17 @@ class DistributedQuadratureELBO(QuadratureELBO):
             f"DistributedQuadratureELBO(parallel='data'): {where}, which is not subsampled (its "
             "size is the rows this rank was given), and the ranks observe different values "
             "there, so each rank's likelihood counts its shard at scale 1 and the mean over the "
-            "ranks weights every row by 1 / world size: a silently wrong fit. Give the data plate "
-            "the size N of the whole data set and this rank's rows, pyro.plate('data', N, "
-            "subsample=idx) (in a BayesianModule, likelihoods.X(dataset_size=N)); no rank has "
+            "ranks weights every row by 1 / world size (not the fit of the whole data set). Give "
+            "the data plate the size N of the whole data set and this rank's rows, "
+            "pyro.plate('data', N, subsample=idx) (in a BayesianModule, "
+            "likelihoods.X(dataset_size=N)); no rank has "
             "changed anything"
         )
 
     def _refuse_empty(self, args: tuple, kwargs: dict) -> None:
         if self.parallel != "data":
             return
-        where, rows = _first_rows(args, kwargs)
+        where, rows = first_rows(args, kwargs)
         if rows == 0:
             argument = f"argument {where}" if isinstance(where, int) else f"{where}="
             raise ValueError(
@@ -241,7 +244,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
                 share,
                 isinstance(error, ValueError),
                 error is not None,
-                _first_rows(args, kwargs)[1],
+                first_rows(args, kwargs)[1],
                 self.share is not None,
             ],
             dtype=torch.float64,
@@ -339,8 +342,9 @@ class DistributedQuadratureELBO(QuadratureELBO):
 
 class _WholePlateObservations(Messenger):
     """Notes each observed sample site inside a vectorized plate that is not subsampled (its
-    frame's ``size`` is its ``full_size``; the ELBO's own node plate aside): ``found`` maps the
-    site's name to the plate's name and the observed value (the last run's).
+    frame's ``size`` is its ``full_size``; the ELBO's own node plate aside) and inside no plate
+    that is (a full plate of features within a subsampled data plate is scaled by the latter):
+    ``found`` maps the site's name to the plate's name and the observed value (the last run's).
 
     Entered around the whole loss, it is the outermost handler, so it sees each site's plates.
     """
@@ -352,17 +356,12 @@ class _WholePlateObservations(Messenger):
     def _process_message(self, msg) -> None:
         if msg["type"] != "sample" or not msg["is_observed"]:
             return
-        for frame in msg["cond_indep_stack"]:
-            if frame.vectorized and frame.name != _NODE_PLATE and frame.size == frame.full_size:
-                self.found[msg["name"]] = (frame.name, torch.as_tensor(msg["value"]).detach())
-                return
-
-
-def _first_rows(args: tuple, kwargs: dict) -> tuple[int | str | None, float]:
-    """Where the first tensor argument of ``svi.step`` with a dim is (its position or keyword)
-    and its number of rows (dim 0): the shard's size in data parallel; ``(None, nan)`` without
-    one."""
-    for where, value in [*enumerate(args), *kwargs.items()]:
-        if isinstance(value, torch.Tensor) and value.dim():
-            return where, float(value.shape[0])
-    return None, math.nan
+        plates = [
+            frame
+            for frame in msg["cond_indep_stack"]
+            if frame.vectorized and frame.name != _NODE_PLATE
+        ]
+        if any(frame.size != frame.full_size for frame in plates):
+            return  # a subsampled plate scales the site by N / B
+        if plates:
+            self.found[msg["name"]] = (plates[0].name, torch.as_tensor(msg["value"]).detach())

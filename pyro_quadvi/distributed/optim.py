@@ -426,8 +426,8 @@ def _refuse_unequal_minibatches(minibatches: torch.Tensor, published: bool) -> N
             f"({[int(b) for b in minibatches.tolist()]} rows by rank, the first tensor argument "
             "of svi.step) under an ELBO that publishes no moments (Pyro's Trace_ELBO, say): each "
             "rank's gradients carry its own plate scale N / B_r, so their plain mean over the "
-            "ranks weights the ranks' rows unequally (a silently wrong fit). Give every rank the "
-            "same number of rows (a minibatch size the world size divides), or fit with "
+            "ranks weights the ranks' rows unequally (not the whole data set's fit). Give every "
+            "rank the same number of rows (a minibatch size the world size divides), or fit with "
             "DistributedQuadratureELBO and set its share to this rank's rows / the minibatch's "
             "rows; no rank has changed anything"
         )

@@ -71,6 +71,7 @@ __all__ = [
     "QuadratureGuide",
     "describe_guide",
     "describe_live_guides",
+    "first_rows",
     "live_guides",
     "publish_moments",
     "published_moments",
@@ -578,11 +579,21 @@ def run_scale(guide: torch.nn.Module) -> float:
     return scale
 
 
+def first_rows(args: tuple, kwargs: dict) -> tuple[int | str | None, float]:
+    """Where the first tensor argument with a dim is (its position, else its keyword) and its
+    number of rows (dim 0): the minibatch a data-parallel rank was given, for a model called
+    with its data first; ``(None, nan)`` without one."""
+    for where, value in [*enumerate(args), *kwargs.items()]:
+        if isinstance(value, torch.Tensor) and value.dim():
+            return where, float(value.shape[0])
+    return None, math.nan
+
+
 def run_rows(guide: torch.nn.Module) -> float:
-    """The rows (dim 0) of the first positional tensor argument with a dim of ``guide``'s last
-    run under autograd: the minibatch a data-parallel rank was given, when the guide is called
-    with the model's arguments (as Pyro's ELBOs call it). NaN for a guide not seen running
-    (:func:`watch_guides`) or called without such an argument."""
+    """The rows (:func:`first_rows`) of the positional arguments of ``guide``'s last run under
+    autograd, as Pyro's ELBOs call it with the model's arguments. NaN for a guide not seen
+    running (:func:`watch_guides`), or called with its data by keyword only: torch's global
+    forward pre-hook, by which the runs are seen, is not given keyword arguments."""
     return _RUN_ROWS.get(guide, math.nan)
 
 
@@ -605,10 +616,7 @@ def _on_module_call(module: torch.nn.Module, args) -> None:
         if torch.is_grad_enabled():
             guide = unwrap_guide(module)
             _RUN_SCALES[guide] = _handler_scale()
-            _RUN_ROWS[guide] = next(
-                (float(a.shape[0]) for a in args if isinstance(a, torch.Tensor) and a.dim()),
-                math.nan,
-            )
+            _RUN_ROWS[guide] = first_rows(args, {})[1]
     elif isinstance(module, AutoGuide) and not isinstance(module, AutoGuideList):
         _UNDESCRIBED_GUIDES.add(module)
 

@@ -365,8 +365,10 @@ def _divisor_may_vanish(hp: QNVBHyperparameters, dtype: torch.dtype) -> bool:
     """Whether the step's divisor ``max(w H + prior, (sqrt(s) + eps) / lr)`` (rule 7) can be 0
     in ``dtype``: where no gradient has been seen (``s = 0``) the cap is ``eps / lr``, which is 0
     below the dtype's smallest normal number (``eps = 0``, ``lr = inf``), and the curvature of
-    the loss is 0 with ``curvature="rms"`` and ``h = 0``. Only then is the divisor floored at
-    that smallest number, so that a zero gradient steps by 0 rather than by ``0 / 0``."""
+    the loss is 0 with ``curvature="rms"`` and ``h = 0``. Only then are the coordinates whose
+    divisor is 0 given a step of 0: a zero gradient (or one whose square underflows, ``s = 0``)
+    rather than ``0 / 0``, or a gradient divided by nothing (a floor at the smallest number
+    made ``1e-23 / 1e-38`` a step of ``1e15`` in float32)."""
     tiny = torch.finfo(dtype).tiny
     return min(hp.eps, hp.eps / hp.lr) < tiny
 
@@ -467,10 +469,10 @@ def _reference_rules(
     else:
         cap = (s_avg.sqrt() + hp.eps) / hp.lr
         divisor = torch.maximum(total_curv, cap)
-        if _divisor_may_vanish(hp, mu.dtype):  # no curvature, no gradient yet: no step
-            divisor = divisor.clamp(min=torch.finfo(mu.dtype).tiny)
         total_grad = weight * g_avg + prior_precision * mu
         step = total_grad / (damping * divisor)
+        if _divisor_may_vanish(hp, mu.dtype):  # no curvature, no gradient seen: no step
+            step = torch.where(divisor > 0, step, 0.0)
     if hp.trust_region < math.inf:  # the mean moves at most trust_region * sigma
         radius = hp.trust_region * sigma
         step = torch.minimum(torch.maximum(step, -radius), radius)
@@ -652,10 +654,10 @@ def _flat_update(
             cap /= hp.lr
         divisor = torch.maximum(total_curv, cap)
         del cap  # temporaries go as soon as they are used: the flat update holds every coordinate
-        if _divisor_may_vanish(hp, mu.dtype):
-            divisor.clamp_(min=torch.finfo(mu.dtype).tiny)
         divisor *= damping
         step = scaled(g_avg) / divisor
+        if _divisor_may_vanish(hp, mu.dtype):
+            step = torch.where(divisor > 0, step, 0.0)
         del divisor
     if hp.trust_region < math.inf:
         radius = hp.trust_region * sigma
