@@ -74,6 +74,12 @@ def features_in_data_plate(idx: torch.Tensor) -> None:
         pyro.sample("obs", pdist.Normal(w * X[idx, None] * signs, 1.0), obs=Y[idx, None] * signs)
 
 
+def regression_with_setting(setting: torch.Tensor, idx: torch.Tensor) -> None:
+    """``regression`` with a first tensor argument that is no data: its rows say nothing of the
+    shard (trial: a setting, or this rank's group ids)."""
+    regression(idx)
+
+
 def _batches(rows: int, steps: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     return [torch.randperm(N, generator=g)[:rows] for _ in range(steps)]
@@ -134,6 +140,24 @@ def _trace_fit(
     return _store()
 
 
+def _setting_fit(rows: int, ragged: bool) -> dict[str, torch.Tensor]:
+    """Two DistributedQuadratureELBO steps of ``regression_with_setting`` on ``rows`` rows split
+    across the ranks; the setting's length is 1 on rank 0 and 2 on rank 1 when ``ragged``."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMeanFieldNormal(regression_with_setting)
+    svi = SVI(
+        regression_with_setting,
+        guide,
+        DistributedOptimizer(QNVB()),
+        DistributedQuadratureELBO("hadamard", 4),
+    )
+    setting = torch.ones(world()[0] + 1 if ragged else 3)
+    for idx in _batches(rows, 2):
+        svi.step(setting, idx[shard(rows)])
+    return _store()
+
+
 def _checkpointed(path: Path) -> tuple[list[float], list[float], dict, dict]:
     """AutoDiagonalNormal under Trace_ELBO + DistributedOptimizer(QNVB): six steps with a
     checkpoint after the third, then a new guide restored from it and the last three again."""
@@ -174,6 +198,8 @@ def _scenarios(outdir: Path) -> dict:
             "checkpoint": outcome(lambda: _checkpointed(outdir / "adn.pt")),
             "unequal": outcome(lambda: _trace_fit(AutoNormal, 13, 2)),
             "equal": outcome(lambda: _trace_fit(AutoNormal, ROWS, 3)),
+            "setting_unequal": outcome(lambda: _setting_fit(13, False)),
+            "setting_ragged": outcome(lambda: _setting_fit(ROWS, True)),
             "rankscale": outcome(
                 lambda: _trace_fit(AutoNormal, ROWS, 2, scale=0.5 if world()[0] == 0 else 0.25)
             ),
@@ -239,6 +265,20 @@ def test_equal_shards_under_trace_elbo_still_match_one_process(ranks):
         assert kind == "ok"
         for name, value in one.items():
             torch.testing.assert_close(store[name], value, rtol=0, atol=1e-12)
+
+
+def test_the_elbo_reads_the_shard_from_the_data_plate_not_the_first_argument(ranks):
+    # trial: a first tensor argument that is no data hid 7 + 6 rows, and a ragged one (1 and 2
+    # entries) refused equal shards; the rows are now the model's subsampled plate's minibatch
+    for result in ranks:
+        kind, message = result["setting_unequal"]
+        assert kind == "ValueError" and "([7, 6]" in message
+        kind, _ = result["setting_ragged"]
+        assert kind == "ok"
+    assert torch.equal(
+        ranks[0]["setting_ragged"][1]["AutoMeanFieldNormal.locs.w"],
+        ranks[1]["setting_ragged"][1]["AutoMeanFieldNormal.locs.w"],
+    )
 
 
 def test_a_different_scale_per_rank_is_refused_at_the_first_step_naming_it(ranks):

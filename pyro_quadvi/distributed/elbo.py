@@ -21,6 +21,7 @@ averages gradients and moments, and :meth:`loss_and_grads` reports the averaged 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -100,6 +101,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
         self.share: float | None = None
         self._node_sections: list | None = None
         self._whole_plates: dict[str, tuple[str, torch.Tensor]] = {}
+        self._minibatch_rows = math.nan
 
     def _factor(self) -> float:
         """What this rank's loss is multiplied by so that the plain mean over ranks is right."""
@@ -145,14 +147,23 @@ class DistributedQuadratureELBO(QuadratureELBO):
 
     def _quadrature_loss(self, model: Callable, guide: Callable, args, kwargs):
         """``QuadratureELBO``'s loss; in data mode with several ranks, watching the model's
-        observed sites in data plates that are not subsampled (:class:`_WholePlateObservations`)."""
-        self._whole_plates = {}
+        observed sites in data plates that are not subsampled and the size of the minibatch of
+        those that are (:class:`_WholePlateObservations`)."""
+        self._whole_plates, self._minibatch_rows = {}, math.nan
         if self.parallel != "data" or world(self.group)[1] == 1:
             return super()._quadrature_loss(model, guide, args, kwargs)
         with _WholePlateObservations() as watch:
             result = super()._quadrature_loss(model, guide, args, kwargs)
-        self._whole_plates = watch.found
+        self._whole_plates, self._minibatch_rows = watch.found, watch.minibatch_rows
         return result
+
+    def _shard_rows(self, args: tuple, kwargs: dict) -> float:
+        """This rank's rows: the size of the minibatch of the model's subsampled data plate, as
+        the model ran it; for a model without one, dim 0 of the first tensor argument of
+        ``svi.step`` (:func:`~pyro_quadvi.guides.interface.first_rows`)."""
+        if not math.isnan(self._minibatch_rows):
+            return self._minibatch_rows
+        return first_rows(args, kwargs)[1]
 
     def _whole_plates_section(self) -> torch.Tensor:
         """The number of observed sites in unsubsampled plates and a fingerprint of their
@@ -244,7 +255,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
                 share,
                 isinstance(error, ValueError),
                 error is not None,
-                first_rows(args, kwargs)[1],
+                self._shard_rows(args, kwargs),
                 self.share is not None,
             ],
             dtype=torch.float64,
@@ -276,8 +287,9 @@ class DistributedQuadratureELBO(QuadratureELBO):
         if self.parallel == "data" and unequal and not bool(rows[:, 5].any()):
             raise ValueError(
                 "DistributedQuadratureELBO(parallel='data'): the ranks' shards hold different "
-                f"numbers of rows ({[int(c) for c in counts.tolist()]}, the first tensor argument "
-                "of svi.step) and no share is set, so the plain mean over ranks would weight each "
+                f"numbers of rows ({[int(c) for c in counts.tolist()]}: the minibatch of the "
+                "model's subsampled data plate, or without one the first tensor argument of "
+                "svi.step) and no share is set, so the plain mean over ranks would weight each "
                 "rank's rows wrongly. Set elbo.share = this rank's rows / the minibatch's rows "
                 "on every rank before the step"
             )
@@ -345,6 +357,9 @@ class _WholePlateObservations(Messenger):
     frame's ``size`` is its ``full_size``; the ELBO's own node plate aside) and inside no plate
     that is (a full plate of features within a subsampled data plate is scaled by the latter):
     ``found`` maps the site's name to the plate's name and the observed value (the last run's).
+    ``minibatch_rows`` is the number of rows of the first observed site that sits in subsampled
+    plates (the product of their minibatch sizes): the shard this rank was given; NaN without
+    one.
 
     Entered around the whole loss, it is the outermost handler, so it sees each site's plates.
     """
@@ -352,6 +367,7 @@ class _WholePlateObservations(Messenger):
     def __init__(self):
         super().__init__()
         self.found: dict[str, tuple[str, torch.Tensor]] = {}
+        self.minibatch_rows = math.nan
 
     def _process_message(self, msg) -> None:
         if msg["type"] != "sample" or not msg["is_observed"]:
@@ -361,7 +377,10 @@ class _WholePlateObservations(Messenger):
             for frame in msg["cond_indep_stack"]
             if frame.vectorized and frame.name != _NODE_PLATE
         ]
-        if any(frame.size != frame.full_size for frame in plates):
-            return  # a subsampled plate scales the site by N / B
+        subsampled = [frame.size for frame in plates if frame.size != frame.full_size]
+        if subsampled:  # a subsampled plate scales the site by N / B
+            if math.isnan(self.minibatch_rows):
+                self.minibatch_rows = float(math.prod(subsampled))
+            return
         if plates:
             self.found[msg["name"]] = (plates[0].name, torch.as_tensor(msg["value"]).detach())

@@ -429,7 +429,8 @@ def _refuse_unequal_minibatches(minibatches: torch.Tensor, published: bool) -> N
             "ranks weights the ranks' rows unequally (not the whole data set's fit). Give every "
             "rank the same number of rows (a minibatch size the world size divides), or fit with "
             "DistributedQuadratureELBO and set its share to this rank's rows / the minibatch's "
-            "rows; no rank has changed anything"
+            "rows. (The rows are dim 0 of the first tensor argument: if yours is not the data, "
+            "pass the data first.) No rank has changed anything"
         )
 
 
