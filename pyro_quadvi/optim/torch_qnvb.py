@@ -610,7 +610,8 @@ def _check_tolerances(device_type: str) -> tuple[float, float]:
     under ``torch.autocast`` the square root of the autocast dtype's machine epsilon (a batched
     product rounds differently in half precision: by more than ``1e-5`` relative on a 20-64-1 net
     in bfloat16 on the CPU), as ``predict`` allows its dtype."""
-    if torch.is_autocast_enabled(device_type):
+    # (a device without autocast, "meta" say, cannot be asked whether it is on)
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         tolerance = torch.finfo(torch.get_autocast_dtype(device_type)).eps ** 0.5
         return tolerance, tolerance
     return 1e-5, 1e-6
