@@ -101,10 +101,10 @@ def single(x):
     return x**2
 
 
-def test_true_runs_only_the_vectorized_pass_and_its_errors_propagate():
+def test_true_without_probes_runs_only_the_vectorized_pass_and_its_errors_propagate():
     calls = []
     values, decision = evaluate_batch(
-        lambda p: p**2, lambda x: calls.append(x) or single(x), POINTS, True
+        lambda p: p**2, lambda x: calls.append(x) or single(x), POINTS, True, probe=()
     )
     assert torch.equal(values, POINTS**2) and calls == []
     assert decision == BatchDecision(True, None, 0)

@@ -97,6 +97,7 @@ RUNS = {
     "whvi_toy": ("bench_whvi.py", "toy --steps 5 --out {tmp}/t.png", ("t.png",)),
     "guide_hook": ("bench_guide_hook.py", "--depth 2 --repeats 1 --calls 10 --steps 2", ()),
     "qnvb_float32_forms": ("qnvb_float32_forms.py", "", ()),
+    "vectorize_check": ("bench_vectorize_check.py", "--repeats 2 --steps 3", ()),
 }
 
 # scripts that report in prose lines, not a markdown table

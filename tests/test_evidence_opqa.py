@@ -444,7 +444,8 @@ def test_vectorize_true_forces_the_vectorized_pass():
     with pytest.raises(RuntimeError, match="Expected size for first two dimensions"):
         opqa_evidence(linear_regression_matmul, X, y, num_points=2, vectorize=True)
     result = opqa_evidence(linear_regression, X, y, num_points=2, vectorize=True)
-    assert result.diagnostics["vectorized"] and result.diagnostics["probe_evaluations"] == 0
+    # the first chunk checked at its first, middle and last node (vectorize=True's meaning)
+    assert result.diagnostics["vectorized"] and result.diagnostics["probe_evaluations"] == 3
 
 
 def test_an_error_of_the_model_propagates_instead_of_a_fallback():

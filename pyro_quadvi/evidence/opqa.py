@@ -136,8 +136,10 @@ def opqa_evidence(
         vectorize: ``None`` (default) evaluates the first chunk in one run of the model under a
             particle plate, checks it against node-by-node runs at three nodes and, if the model
             does not broadcast (a shape error, or values that differ), loops over the nodes with
-            one warning; ``True`` forces the vectorized runs (their errors propagate); ``False``
-            always loops. Errors of the model itself propagate in every case.
+            one warning; ``True`` runs every chunk vectorized, checking the first chunk the same
+            way (their errors propagate, and a disagreement raises
+            :class:`~pyro_quadvi.infer.batched.BatchMismatch` naming the reason and the ways
+            out); ``False`` always loops. Errors of the model itself propagate in every case.
         progress: show a progress bar over the chunks (``None``: for grids of several chunks, on
             a terminal).
         **kwargs: the model's keyword arguments (the names above are taken).
@@ -547,7 +549,14 @@ def _evaluate_grid(
             z = weight.loc + nodes[torch.stack(digits, -1)] @ weight.scale_tril.T
             mode = vectorize if decision is None else decision.vectorized
             try:
-                chunk, chosen = evaluate_batch(batched, single, z, mode, what="opqa_evidence")
+                chunk, chosen = evaluate_batch(
+                    batched,
+                    single,
+                    z,
+                    mode,
+                    probe=None if decision is None else (),  # the first chunk checks the pass
+                    what="opqa_evidence",
+                )
             except ValueError as error:
                 raise ValueError(
                     f"opqa_evidence: at the grid chunk starting at node {start}: {error}. "

@@ -541,7 +541,11 @@ def draw(
 ) -> Draws:
     """Draw the posterior, log likelihood, posterior predictive, observed data and (with
     ``prior``) the prior and prior predictive, batched over the draws if the model allows it
-    (``vectorize``: ``None`` tries, ``True`` forces, ``False`` loops).
+    (``vectorize``: ``None`` tries, ``True`` forces, ``False`` loops). The points are random
+    draws, so :func:`~pyro_quadvi.infer.batched.evaluate_batch` has no single evaluation to
+    compare them with (``probe=()``): the batched run checks itself instead, on every call, against
+    unbatched runs at its first and last draws, and under ``True`` a disagreement raises
+    :class:`~pyro_quadvi.infer.batched.BatchMismatch` naming the ways out.
     """
     check_guide_was_run(guide, args, kwargs)
     follow_param_store(unwrap_guide(guide))  # a restored param store's values, not stale ones
@@ -572,12 +576,24 @@ def _all_draws(run: Callable, num_samples: int, vectorize: bool | None, label: s
         bar.update()
         return run(None)
 
+    def batched(draws: torch.Tensor) -> dict:
+        try:
+            return run(len(draws))
+        except BatchMismatch as error:
+            if vectorize is not True:
+                raise  # vectorize=None falls back to the loop
+            raise BatchMismatch(
+                f"to_inference_data(vectorize=True): the batched run of the {label} draws cannot "
+                f"be trusted: {error}. Pass vectorize=None to fall back to a loop over the draws "
+                "(with one warning), or vectorize=False to loop without trying the batched run"
+            ) from error
+
     groups, decision = evaluate_batch(
-        lambda draws: run(len(draws)),
+        batched,
         one_draw,
         torch.arange(num_samples),
         vectorize,
-        probe=(),  # random draws: the batched pass compares itself with unbatched runs
+        probe=(),  # random draws: the batched run compares itself with unbatched runs (_verify)
         what=f"to_inference_data ({label} draws)",
     )
     if bar is not None:

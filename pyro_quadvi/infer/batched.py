@@ -5,7 +5,10 @@ a model at many points. One vectorized pass (the model under a particle plate) i
 model broadcasts over the points; a loop always works. :func:`evaluate_batch` gives ``vectorize``
 one meaning across the package:
 
-- ``True``: the vectorized pass only; its errors propagate.
+- ``True``: one vectorized pass; on the first call for a model it is compared with single
+  evaluations at a few probe points, and a disagreement raises :class:`BatchMismatch` naming the
+  reason and the ways out (``vectorize=None`` to fall back, ``False``); later calls are not
+  checked. The pass's own errors propagate.
 - ``False``: the loop only.
 - ``None``: try the vectorized pass, check it against single evaluations at a few probe points,
   and fall back to the loop, with one warning saying why, if the pass fails with a *broadcasting*
@@ -14,8 +17,10 @@ one meaning across the package:
   the model itself, a NaN in the data, a density that is not finite) propagates with its own
   message: it would be raised by the loop too.
 
-:class:`DecisionCache` remembers the decision per model and guide, weakly, so that an object reused
-for another model decides again instead of carrying the first model's answer over.
+Where the caller has already checked this model (a later call), it passes ``probe=()``: nothing is
+compared, and the pass costs what it costs unchecked. :class:`DecisionCache` remembers the decision
+per model and guide, weakly, so that an object reused for another model decides (and checks) again
+instead of carrying the first model's answer over.
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ class BatchMismatch(Exception):
     cannot be placed under the particle plate, or values that differ from single evaluations.
 
     Raised by a ``batched`` callable that checks itself; :func:`evaluate_batch` falls back to the
-    loop on it (with ``vectorize=None``).
+    loop on it (with ``vectorize=None``), and raises it under ``vectorize=True`` when the pass
+    disagrees with single evaluations at the probe points.
     """
 
 
@@ -187,10 +193,12 @@ def evaluate_batch(
         single: one point, ``points[k] -> value``; the loop stacks the values along a new dim 0.
             Values may be tensors or (nested) mappings of tensors.
         points: the ``K`` points.
-        vectorize: ``True``: only ``batched`` (errors propagate); ``False``: only the loop;
+        vectorize: ``True``: ``batched``, checked against ``single`` at the probe points (errors
+            propagate; a disagreement raises :class:`BatchMismatch`); ``False``: only the loop;
             ``None``: ``batched``, checked against ``single`` at the probe points, else the loop.
-        probe: the indices checked with ``vectorize=None`` (default: first, middle and last);
-            ``()`` skips the comparison (for a ``batched`` that checks itself, or random draws).
+        probe: the indices checked (default: first, middle and last); ``()`` skips the
+            comparison: for a model already checked on an earlier call, a ``batched`` that checks
+            itself, or random draws (nothing to compare a single run with).
         rtol: relative tolerance of the comparison.
         atol: absolute tolerance of the comparison.
         what: who evaluates, for the warning (``"QuadratureELBO"``, ``"opqa_evidence"``).
@@ -202,18 +210,21 @@ def evaluate_batch(
 
     Whatever ``batched`` or ``single`` raise propagates, except the broadcasting errors of
     ``batched`` under ``vectorize=None``.
+
+    Raises:
+        BatchMismatch: with ``vectorize=True``, where the pass disagrees with the probes (or the
+            model gives other values when a probe is run twice: it is random apart from the
+            points).
     """
     if vectorize not in (None, True, False):
         raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
     K = len(points)
-    if vectorize is True:
-        return batched(points), BatchDecision(True)
     if vectorize is False:
         return _loop(single, points, {}), BatchDecision(False)
     try:
         values = batched(points)
     except Exception as error:
-        if not is_broadcast_error(error):
+        if vectorize is True or not is_broadcast_error(error):
             raise
         reason = f"{type(error).__name__}: {first_line(error)}"
         known: dict[int, Any] = {}
@@ -226,19 +237,33 @@ def evaluate_batch(
         first = indices[0]
         again = _repeat_difference(single(points[first]), known[first], first, rtol, atol)
         if again is not None:  # not the vectorized pass: the model itself is random
-            warnings.warn(
-                f"{what}: the model gives other values at the same point when run twice "
-                f"({again}): it draws "
-                "random numbers besides the latent sites the guide covers (a sample site hidden "
-                "by poutine.block, a torch.randn in the model, dropout in training mode), so its "
-                "log density given the latents is not a function, and the loss is a noisy "
+            random = (
+                f"the model gives other values at the same point when run twice ({again}): it "
+                "draws random numbers besides the latent sites the guide covers (a sample site "
+                "hidden by poutine.block, a torch.randn in the model, dropout in training mode), "
+                "so its log density given the latents is not a function, and the loss is a noisy "
                 "estimate of another objective than the ELBO. Make the model deterministic given "
-                "its latents (let the guide see every latent site; net.eval()). Evaluating the "
-                "points one by one.",
+                "its latents (let the guide see every latent site; net.eval())"
+            )
+            if vectorize is True:
+                raise BatchMismatch(
+                    f"{what}(vectorize=True): {random}; vectorize=None or vectorize=False "
+                    "evaluate the points one by one"
+                )
+            warnings.warn(
+                f"{what}: {random}. Evaluating the points one by one.",
                 UserWarning,
                 stacklevel=2,
             )
             return _loop(single, points, known), BatchDecision(False, again, 0)
+        if vectorize is True:
+            raise BatchMismatch(
+                f"{what}(vectorize=True): the vectorized pass over all {K} points cannot be "
+                f"trusted: {reason}, so the model does not broadcast over the points (a latent "
+                "with batch dims outside every plate, say). Pass "
+                "vectorize=None to fall back to a loop over the points (with one warning), or "
+                "vectorize=False to loop without trying the pass"
+            )
     warnings.warn(
         f"{what}: the model does not evaluate all {K} points in one vectorized pass ({reason}); "
         "evaluating them one by one. Pass vectorize=False to skip the vectorized pass and this "

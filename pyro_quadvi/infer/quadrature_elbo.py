@@ -98,7 +98,9 @@ class PointsELBO(ELBO):
 
     Args:
         num_particles: as in Pyro's ``ELBO``.
-        vectorize: ``True``, ``False`` or ``None`` (try, check, fall back once with a warning).
+        vectorize: ``True`` (one pass, checked on the first call for a model and guide: a
+            disagreement raises), ``False`` or ``None`` (try, check, fall back once with a
+            warning).
         max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of each model (again if a
             later call nests deeper).
     """
@@ -190,12 +192,13 @@ class PointsELBO(ELBO):
         if fit.decision is None and given:
             log_joint.check_plate_nesting(z, args, kwargs, guide_trace)  # a given one, once
         vectorize, cached = self.vectorize, False
-        if vectorize is None and fit.decision is not None:
-            # a loop decided on an earlier call stays a loop; a vectorized pass is tried again
-            # without the probes, and falls back to the loop with one warning, as on a first
-            # call, if this call takes a branch of the model that cannot broadcast
+        if vectorize is not False and fit.decision is not None:
+            # a vectorized pass checked on an earlier call runs without the probes (under None
+            # it falls back to the loop with one warning, as on a first call, if this call takes
+            # a branch of the model that cannot broadcast); under None a loop stays a loop
             cached = fit.decision.vectorized
-            vectorize = None if cached else False
+            if vectorize is None and not cached:
+                vectorize = False
 
         def evaluate() -> tuple[torch.Tensor, BatchDecision]:
             return evaluate_batch(
@@ -217,7 +220,8 @@ class PointsELBO(ELBO):
                 log_joint.max_plate_nesting = None  # found again, from a run of this call
                 values, decision = evaluate()
         except Exception as error:
-            if self.vectorize is True and is_broadcast_error(error):
+            # (a message that names the ways out already, as the probes' BatchMismatch, is kept)
+            if self.vectorize is True and is_broadcast_error(error) and not _names_ways_out(error):
                 _add_hint(
                     error,
                     f"{type(self).__name__}(vectorize=True): the model does not evaluate all "
@@ -244,13 +248,16 @@ class QuadratureELBO(PointsELBO):
             ``"rasp_cross"``, ``"hadamard"``, ``"blocked_simplex"``, ``"gauss_hermite"``, ``"mc"``,
             ``"vrmc1"``, ``"vrmc2"``) or a :class:`~pyro_quadvi.quadrature.QuadratureRule`.
         num_points: the rule's ``num_points`` (``None``: its default); only with a rule name.
-        vectorize: ``True`` evaluates all nodes in one pass of the model under a particle plate;
-            ``False`` loops over nodes; ``None`` tries the vectorized pass on the first call,
-            checks it against a looped evaluation of two nodes, and falls back to the loop with
-            one warning if the model cannot broadcast over nodes (``PyroModule[nn.Linear]``
-            networks, say). The decision is kept per model and guide; a later call on a branch
-            of the model that cannot broadcast falls back the same way. With ``True``, a
-            broadcasting error propagates with a hint added to its message.
+        vectorize: ``True`` evaluates all nodes in one pass of the model under a particle plate,
+            compared on the first call for a model and guide with single evaluations of two
+            nodes (a disagreement raises :class:`~pyro_quadvi.infer.batched.BatchMismatch`
+            naming the reason and the ways out; later calls are not checked); ``False`` loops
+            over nodes; ``None`` tries the vectorized pass on the first call, checks it the
+            same way, and falls back to the loop with one warning if the model cannot broadcast
+            over nodes (``PyroModule[nn.Linear]`` networks, say). The decision is kept per model
+            and guide; a later call on a branch of the model that cannot broadcast falls back
+            the same way. With ``True``, a broadcasting error propagates with a hint added to
+            its message.
         max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of each model, and
             again on a later call that nests its plates deeper; a given value below the model's
             plates is refused, naming the plate.
@@ -438,6 +445,11 @@ class QuadratureELBO(PointsELBO):
 def _guide_words(owner: tuple[str, tuple[str, ...]]) -> str:
     guide, sites = owner
     return f"the guide {guide!r} of the sites {', '.join(map(repr, sites))}"
+
+
+def _names_ways_out(error: BaseException) -> bool:
+    """Whether ``error``'s message already tells the user to pass ``vectorize=None``."""
+    return "vectorize=None" in str(error)
 
 
 def _add_hint(error: BaseException, hint: str) -> None:

@@ -94,12 +94,14 @@ def predict(
             moment-matched Gaussian, not the mixture; predict it with ``num_samples``.
         num_points: the rule's ``num_points`` (with a rule name).
         vectorize: as everywhere in the package (:func:`~pyro_quadvi.infer.evaluate_batch`):
-            ``True`` runs all draws or nodes through the net in one ``torch.func.vmap`` pass;
-            ``False`` one at a time; ``None`` tries the pass, checks it against the first and last
-            draw run alone (to the square root of the dtype's machine epsilon, relative and
-            absolute: a batched product rounds differently) and falls back to the loop, with one
-            warning, where ``vmap`` cannot batch the net (an ``nn.GRU``, say). The decision is
-            kept per ``bnn``.
+            ``True`` runs all draws or nodes through the net in one ``torch.func.vmap`` pass,
+            checked on the first call for a ``bnn`` against the first and last draw run alone (a
+            disagreement raises :class:`~pyro_quadvi.infer.batched.BatchMismatch` naming the
+            reason and the ways out; later calls are not checked); ``False`` one at a time;
+            ``None`` tries the pass, checks it the same way (to the square root of the dtype's
+            machine epsilon, relative and absolute: a batched product rounds differently) and
+            falls back to the loop, with one warning, where ``vmap`` cannot batch the net (an
+            ``nn.GRU``, say). The decision is kept per ``bnn``.
         steps: with ``quadrature``, how many consecutive steps of the rule's sequence to
             average: the nodes of steps ``0, ..., steps - 1`` together, each step's weights
             divided by ``steps`` (``steps * K`` passes of the net). One step of ``"hadamard"`` or
@@ -170,7 +172,8 @@ def predict(
             values, noise_scales, weights = _quadrature_nodes(
                 bnn, guide, x, quadrature, num_points, noise, steps
             )
-        known = _DECISIONS.get(bnn) if vectorize is None else None
+        known = _DECISIONS.get(bnn) if vectorize is not False else None
+        mode = known.vectorized if vectorize is None and known is not None else vectorize
         tolerance = torch.finfo(weights.dtype).eps ** 0.5
         pieces = (x,) if batch_size is None else x.split(batch_size)
         if len(pieces) <= 1:
@@ -184,13 +187,14 @@ def predict(
             lambda _: net_on(values, 1),
             lambda k: net_on({name: value[k] for name, value in values.items()}, 0),
             torch.arange(len(weights)),
-            vectorize if known is None else known.vectorized,
-            probe=(0, len(weights) - 1),
+            mode,
+            # a pass checked on an earlier call for this bnn is not checked again
+            probe=() if mode and known is not None and known.vectorized else (0, len(weights) - 1),
             rtol=tolerance,
             atol=tolerance,
             what="predict",
         )
-        if vectorize is None and known is None:  # an explicit True or False decides nothing
+        if vectorize is not False and known is None:  # an explicit False decides nothing
             _DECISIONS.set(bnn, decision=decision)
         weights = weights.to(outputs.dtype)
         mean = _average(outputs, weights)

@@ -605,9 +605,21 @@ def _decision_key(loss_fn: LossFunction) -> tuple[tuple, tuple[bool, ...] | None
     return (loss_fn,), flags
 
 
+def _check_tolerances(device_type: str) -> tuple[float, float]:
+    """The relative and absolute tolerances of the probes' check: ``1e-5`` and ``1e-6``, or
+    under ``torch.autocast`` the square root of the autocast dtype's machine epsilon (a batched
+    product rounds differently in half precision: by more than ``1e-5`` relative on a 20-64-1 net
+    in bfloat16 on the CPU), as ``predict`` allows its dtype."""
+    # (a device without autocast, "meta" say, cannot be asked whether it is on)
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        tolerance = torch.finfo(torch.get_autocast_dtype(device_type)).eps ** 0.5
+        return tolerance, tolerance
+    return 1e-5, 1e-6
+
+
 class _BufferSnapshot:
     """The buffers of the network a ``loss_fn`` exposes (:func:`loss_module`) around a
-    vectorized pass that is tried (``vectorize=None`` before the decision), so that the pass
+    vectorized pass that is tried or checked (before the decision), so that the pass
     leaves them as one evaluation of the chosen kind would: abandoned (an error, or values that
     differ from single evaluations), its changes are undone (BatchNorm in train mode updates
     ``num_batches_tracked`` before ``vmap`` refuses its running statistics); kept, the probes'
@@ -650,6 +662,11 @@ class _BufferSnapshot:
         """The buffers the vectorized pass left, if it was kept."""
         if vectorized and self.after is not None:
             self._restore(self.after)
+
+    def undo(self) -> None:
+        """The buffers as they were before the pass (a step refused after its probes)."""
+        if self.before is not None:
+            self._restore(self.before)
 
 
 class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
@@ -934,11 +951,13 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             batch: the further arguments of ``loss_fn`` (e.g. ``(x, y)``).
             vectorize: with ``loss_fn``, as for
                 :func:`~pyro_quadvi.infer.batched.evaluate_batch`: ``True`` one ``vmap`` pass
-                (an error if the loss does not run under ``vmap``), ``False`` a loop over the
-                nodes (one backward still), ``None`` (default) the pass checked against single
-                evaluations at three nodes on the first step with this ``loss_fn``, and the loop
-                with one warning if they disagree or the loss does not run under ``vmap``; the
-                decision is kept for later steps with the same ``loss_fn`` (for a
+                (an error if the loss does not run under ``vmap``), checked against single
+                evaluations at three nodes on the first step with this ``loss_fn`` (a
+                disagreement raises :class:`~pyro_quadvi.infer.batched.BatchMismatch` naming the
+                reason and the ways out; later steps are not checked), ``False`` a loop over the
+                nodes (one backward still), ``None`` (default) the pass checked the same way,
+                and the loop with one warning if they disagree or the loss does not run under
+                ``vmap``; the decision is kept for later steps with the same ``loss_fn`` (for a
                 :func:`module_loss`: the same module and criterion, in the same ``train()`` /
                 ``eval()`` modes). A tried pass that is abandoned leaves the buffers
                 (BatchNorm's running statistics) of the network the loss exposes as it found
@@ -1053,17 +1072,24 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         key, flags = _decision_key(loss_fn)
         known = self._decisions.get(*key) or {}  # the modules' training flags -> vectorized
         mode = known.get(flags) if vectorize is None else vectorize
-        buffers = _BufferSnapshot(loss_fn if mode is None else None)
+        checked = mode is True and known.get(flags) is True  # on an earlier step: no probes
+        buffers = _BufferSnapshot(None if mode is False or checked else loss_fn)
+        rtol, atol = _check_tolerances(stacked[0].device.type)
         with torch.enable_grad():
-            losses, decision = evaluate_batch(
-                buffers.tried(batched),
-                single,
-                _NodeStack(stacked),
-                mode,
-                rtol=1e-5,
-                atol=1e-6,
-                what="QNVBOptimizer",
-            )
+            try:
+                losses, decision = evaluate_batch(
+                    buffers.tried(batched),
+                    single,
+                    _NodeStack(stacked),
+                    mode,
+                    probe=() if checked else None,
+                    rtol=rtol,
+                    atol=atol,
+                    what="QNVBOptimizer",
+                )
+            except BatchMismatch:  # vectorize=True refused by the probes: a step not taken
+                buffers.undo()
+                raise
             buffers.settle(decision.vectorized)
             weights = nodes.weights.to(losses.dtype)
             total = (weights * losses).sum()
@@ -1076,7 +1102,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 "QNVBOptimizer: the loss does not depend on any parameter of the optimizer; "
                 "loss_fn must use the params it is given (by the names of named_parameters())"
             )
-        if vectorize is None:
+        if vectorize is not False:  # True: checked once, as None decides once
             self._decisions.set(*key, decision={**known, flags: decision.vectorized})
         moments = []
         for grad, x_p in zip(grads, offsets):
