@@ -248,3 +248,58 @@ def test_qnvb_optimizer_under_autocast_keeps_the_pass_under_true_and_none():
                     for _ in range(2)
                 ]
     assert all(torch.equal(a, b) for a, b in zip(losses[True], losses[None]))
+
+
+class _Switch(nn.Module):
+    """A layer that reads a value to the host while ``host`` is set (no vmap then)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 1).double()
+        self.host = True
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out * (1.0 + 0.0 * out.sum().item()) if self.host else out
+
+
+def test_predict_under_true_after_a_loop_decision_checks_once():
+    # a net that cannot be vmapped makes None decide the loop; changed so that it can, a True
+    # call's passed check replaces that decision, and the next True call is not probed again
+    x = torch.randn(5, 2, generator=torch.Generator().manual_seed(4), dtype=F64)
+    torch.manual_seed(0)
+    net = _Switch()
+    forwards = []
+    net.register_forward_hook(lambda *_: forwards.append(1))
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(5, scale=0.5))
+    guide = AutoMeanFieldNormal(bnn)
+    guide(x, torch.zeros(5, 1, dtype=F64))
+    with pytest.warns(UserWarning, match="one by one"):
+        bnn.predict(guide, x, quadrature="hadamard", num_points=4, vectorize=None)
+    net.host = False
+    counts = []
+    for _ in range(2):
+        forwards.clear()
+        bnn.predict(guide, x, quadrature="hadamard", num_points=4, vectorize=True)
+        counts.append(len(forwards))
+    assert counts == [3, 1]
+
+
+def test_qnvb_optimizer_under_autocast_still_refuses_a_drifting_loss():
+    # the autocast tolerance (the dtype's epsilon, 7.8e-3 in bfloat16) admits the batched
+    # pass's rounding, not a loss that moves by 3% from one call to the next
+    generator = torch.Generator().manual_seed(5)
+    x, y = torch.randn(64, 20, generator=generator), torch.randn(64, 1, generator=generator)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 1))
+    calls = []
+
+    def drifting(params, x, y):
+        calls.append(1)
+        loss = F.mse_loss(torch.func.functional_call(net, params, (x,)), y)
+        return loss * (1.0 + 0.03 * len(calls))
+
+    optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=64, init_sigma=0.05)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(BatchMismatch, match="run twice"):
+            optimizer.step(loss_fn=drifting, batch=(x, y), vectorize=True)

@@ -247,8 +247,8 @@ def evaluate_batch(
             )
             if vectorize is True:
                 raise BatchMismatch(
-                    f"{what}(vectorize=True): {random}; vectorize=None or vectorize=False "
-                    "evaluate the points one by one"
+                    f"{what}(vectorize=True): {random} (vectorize=None or False would evaluate "
+                    "the points one by one, which leaves the model as random)"
                 )
             warnings.warn(
                 f"{what}: {random}. Evaluating the points one by one.",

@@ -194,7 +194,9 @@ def predict(
             atol=tolerance,
             what="predict",
         )
-        if vectorize is not False and known is None:  # an explicit False decides nothing
+        # an explicit False decides nothing; a pass checked under True replaces a loop decided
+        # before, so that later calls take it unchecked
+        if vectorize is not False and (known is None or decision.vectorized > known.vectorized):
             _DECISIONS.set(bnn, decision=decision)
         weights = weights.to(outputs.dtype)
         mean = _average(outputs, weights)
