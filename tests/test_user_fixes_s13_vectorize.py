@@ -201,14 +201,21 @@ def test_qnvb_optimizer_refuses_a_loss_that_changes_between_calls_under_true():
     assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))  # no step taken
 
 
-def test_predict_checks_the_first_call_for_a_bnn_only():
+def _counted_bnn(net: nn.Module):
+    """Rows, a Gaussian ``BayesianModule`` of ``net``, its set-up guide, and the list a forward
+    hook appends to at each call of ``net``."""
     x = torch.randn(5, 2, generator=torch.Generator().manual_seed(4), dtype=F64)
-    net = _net()
     forwards = []
     net.register_forward_hook(lambda *_: forwards.append(1))
     bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(5, scale=0.5))
     guide = AutoMeanFieldNormal(bnn)
     guide(x, torch.zeros(5, 1, dtype=F64))
+    return x, bnn, guide, forwards
+
+
+def test_predict_checks_the_first_call_for_a_bnn_only():
+    net = _net()
+    x, bnn, guide, forwards = _counted_bnn(net)
     outputs = []
     for _ in range(2):
         forwards.clear()
@@ -266,14 +273,9 @@ class _Switch(nn.Module):
 def test_predict_under_true_after_a_loop_decision_checks_once():
     # a net that cannot be vmapped makes None decide the loop; changed so that it can, a True
     # call's passed check replaces that decision, and the next True call is not probed again
-    x = torch.randn(5, 2, generator=torch.Generator().manual_seed(4), dtype=F64)
     torch.manual_seed(0)
     net = _Switch()
-    forwards = []
-    net.register_forward_hook(lambda *_: forwards.append(1))
-    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(5, scale=0.5))
-    guide = AutoMeanFieldNormal(bnn)
-    guide(x, torch.zeros(5, 1, dtype=F64))
+    x, bnn, guide, forwards = _counted_bnn(net)
     with pytest.warns(UserWarning, match="one by one"):
         bnn.predict(guide, x, quadrature="hadamard", num_points=4, vectorize=None)
     net.host = False
