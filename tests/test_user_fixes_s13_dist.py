@@ -74,14 +74,22 @@ def features_in_data_plate(idx: torch.Tensor) -> None:
         pyro.sample("obs", pdist.Normal(w * X[idx, None] * signs, 1.0), obs=Y[idx, None] * signs)
 
 
-def subsampled_features_in_shard(x: torch.Tensor, y: torch.Tensor) -> None:
-    """A data plate sized to the rank's rows around a subsampled plate of features (review):
-    the features' minibatch is the same on every rank, so nothing splits the rows by N / B."""
+def local_rows_with_features(x: torch.Tensor, y: torch.Tensor) -> None:
+    """The shard's rows indexed from 0 (``subsample=arange(B_r)``, as a ``BayesianModule``'s
+    likelihood does) around a full plate of features (last trial): the same indices on every
+    rank, and the data plate scales the rows by ``N / B_r``."""
     w = pyro.sample("w", pdist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
-    features = torch.arange(2)
-    with pyro.plate("data", len(x), dim=-2), pyro.plate("features", 4, subsample=features):
-        mean = w * x[:, None] * (1.0 + features.to(x.dtype))
-        pyro.sample("obs", pdist.Normal(mean, 1.0), obs=y[:, None].expand(-1, 2))
+    signs = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    with pyro.plate("data", N, subsample=torch.arange(len(x)), dim=-2):
+        with pyro.plate("features", 2, dim=-1):
+            pyro.sample("obs", pdist.Normal(w * x[:, None] * signs, 1.0), obs=y[:, None] * signs)
+
+
+def scaled_by_hand(x: torch.Tensor, y: torch.Tensor) -> None:
+    """A shard-sized data plate under ``poutine.scale(N / B_r)``, Pyro's minibatch by hand."""
+    w = pyro.sample("w", pdist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+    with poutine.scale(scale=N / len(x)), pyro.plate("data", len(x)):
+        pyro.sample("obs", pdist.Normal(w * x, 1.0), obs=y)
 
 
 def groups_then_data(idx: torch.Tensor) -> None:
@@ -127,7 +135,8 @@ def _quadrature_fit(case: str, distributed: bool) -> dict[str, torch.Tensor]:
             "plain": shard_sized,
             "global": with_global_observation,
             "features": features_in_data_plate,
-            "reverse": subsampled_features_in_shard,
+            "local_rows": local_rows_with_features,
+            "by_hand": scaled_by_hand,
             "groups": groups_then_data,
         }[case]
     guide = AutoMeanFieldNormal(model)
@@ -139,7 +148,7 @@ def _quadrature_fit(case: str, distributed: bool) -> dict[str, torch.Tensor]:
         part = shard(ROWS) if distributed else slice(None)
         if case == "bnn":
             svi.step(xs[part], ys[part])
-        elif case in ("plain", "reverse"):
+        elif case in ("plain", "local_rows", "by_hand"):
             svi.step(X[:ROWS][part], Y[:ROWS][part])
         else:
             svi.step(idx[part])
@@ -229,7 +238,8 @@ def _scenarios(outdir: Path) -> dict:
             "plain": outcome(lambda: _quadrature_fit("plain", True)),
             "global": outcome(lambda: _quadrature_fit("global", True)),
             "features": outcome(lambda: _quadrature_fit("features", True)),
-            "reverse": outcome(lambda: _quadrature_fit("reverse", True)),
+            "local_rows": outcome(lambda: _quadrature_fit("local_rows", True)),
+            "by_hand": outcome(lambda: _quadrature_fit("by_hand", True)),
             "groups": outcome(lambda: _groups_fit()),
             "checkpoint": outcome(lambda: _checkpointed(outdir / "adn.pt")),
             "unequal": outcome(lambda: _trace_fit(AutoNormal, 13, 2)),
@@ -303,11 +313,15 @@ def test_equal_shards_under_trace_elbo_still_match_one_process(ranks):
             torch.testing.assert_close(store[name], value, rtol=0, atol=1e-12)
 
 
-def test_a_shard_sized_data_plate_around_subsampled_features_is_refused(ranks):
-    # review: skipping every site inside a subsampled plate let this model through
+@pytest.mark.parametrize("case", ["local_rows", "by_hand"])
+def test_rows_scaled_by_a_local_subsample_or_by_hand_are_allowed(ranks, case):
+    # last trial: equal local indices arange(B_r) around a features plate, and a minibatch
+    # scaled by poutine.scale, were refused; both scale each rank's rows by N / B_r
     for result in ranks:
-        kind, message = result["reverse"]
-        assert kind == "ValueError" and "'obs'" in message and "'data'" in message
+        kind, _ = result[case]
+        assert kind == "ok"
+    for name, value in ranks[0][case][1].items():
+        assert torch.equal(ranks[1][case][1][name], value), name
 
 
 def test_the_shard_is_the_largest_minibatch_of_an_observed_site(ranks):

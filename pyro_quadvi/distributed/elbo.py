@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from pyro.distributions.util import is_identically_one
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
@@ -167,31 +168,27 @@ class DistributedQuadratureELBO(QuadratureELBO):
         return first_rows(args, kwargs)[1]
 
     def _whole_plates_section(self) -> torch.Tensor:
-        """The number of observed sites in unsubsampled plates, a fingerprint of their values
-        and one of the minibatch indices of the subsampled plates around them (by name)."""
+        """The number of unscaled observed sites in full-size plates and a fingerprint of their
+        values (by name): equal on every rank when each rank observes the same rows there."""
         found = sorted(self._whole_plates.items())
         return torch.stack(
             [
                 torch.tensor(float(len(found)), dtype=torch.float64),
-                projections([value for _, (_, value, _) in found]),
-                projections([i for _, (_, _, indices) in found for i in indices]),
+                projections([value for _, (_, value) in found]),
             ]
         )
 
     def _refuse_whole_plates(self, columns: torch.Tensor) -> None:
-        """Raise when the ranks observe different values in a plate that is not subsampled,
-        and no subsampled plate around those sites tells the ranks' rows apart: each rank's
+        """Raise when the ranks observe different values at a site that sits in a full-size
+        plate with nothing scaling it (no subsampled plate, no ``poutine.scale``): each rank's
         likelihood then counts its own rows at scale 1, and the mean over the ranks weights
         every row by ``1 / W`` (rasp paper, eq. 9: the minibatch term must be scaled by
-        ``N / B``). Where the ranks' minibatch indices differ, the subsampled plate is the one
-        that splits the rows (a full plate of features inside the data plate), and scales them."""
+        ``N / B``)."""
         bits = columns.contiguous().view(torch.int64)
-        values_differ = bool((bits[:, :2] != bits[:1, :2]).any())
-        rows_differ = bool((bits[:, 2] != bits[0, 2]).any())
-        if not values_differ or rows_differ:
+        if not bool((bits != bits[:1]).any()):
             return
         if self._whole_plates:
-            site, (plate, _, _) = sorted(self._whole_plates.items())[0]
+            site, (plate, _) = sorted(self._whole_plates.items())[0]
             where = f"the observed site {site!r} sits in the plate {plate!r}"
         else:
             where = "some rank's observed site sits in a plate"
@@ -286,8 +283,8 @@ class DistributedQuadratureELBO(QuadratureELBO):
                 "error); no rank accumulated gradients or advanced, so catching the error on every "
                 "rank skips the step everywhere"
             )
-        self._refuse_whole_plates(rows[:, 6:9])
-        refuse_disagreement(rows[:, 9:], sections)
+        self._refuse_whole_plates(rows[:, 6:8])
+        refuse_disagreement(rows[:, 8:], sections)
         counts = rows[:, 4]
         unequal = bool((counts != counts[0]).any()) and not bool(counts.isnan().any())
         if self.parallel == "data" and unequal and not bool(rows[:, 5].any()):
@@ -360,25 +357,24 @@ class DistributedQuadratureELBO(QuadratureELBO):
 
 class _WholePlateObservations(Messenger):
     """Notes each observed sample site inside a vectorized plate that is not subsampled (its
-    frame's ``size`` is its ``full_size``; the ELBO's own node plate aside): ``found`` maps the
-    site's name to that plate's name, the observed value (the last run's) and the minibatch
-    indices of the subsampled plates around the site, if any (a full plate of features inside a
-    subsampled data plate: the ranks' indices then differ, and the data plate scales the rows).
-    ``minibatch_rows`` is the most rows of an observed site in subsampled plates (the product of
-    their minibatch sizes): the shard this rank was given; NaN without one.
+    frame's ``size`` is its ``full_size``; the ELBO's own node plate aside) with nothing that
+    scales it: no subsampled plate around it (a full plate of features inside the subsampled
+    data plate is scaled by the latter) and no ``poutine.scale`` (a minibatch scaled by hand).
+    ``found`` maps the site's name to that plate's name and the observed value (the last
+    run's). ``minibatch_rows`` is the most rows of an observed site in subsampled plates (the
+    product of their minibatch sizes): the shard this rank was given; NaN without one.
 
-    Entered around the whole loss, it is the outermost handler, so it sees each site's plates.
+    A site that something scales is trusted: a shard-sized data plate around a subsampled plate
+    of features, or under a ``poutine.scale`` that is not ``N / B``, is not caught.
+
+    Entered around the whole loss, it is the outermost handler, so it sees each site's plates
+    and its whole scale.
     """
 
     def __init__(self):
         super().__init__()
-        self.found: dict[str, tuple[str, torch.Tensor, list[torch.Tensor]]] = {}
+        self.found: dict[str, tuple[str, torch.Tensor]] = {}
         self.minibatch_rows = math.nan
-        self._indices: dict[str, torch.Tensor] = {}  # plate -> its minibatch's indices
-
-    def _postprocess_message(self, msg) -> None:
-        if msg["type"] == "sample" and site_is_subsample(msg):  # a plate's minibatch
-            self._indices[msg["name"]] = torch.as_tensor(msg["value"]).detach()
 
     def _process_message(self, msg) -> None:
         if msg["type"] != "sample" or not msg["is_observed"] or site_is_subsample(msg):
@@ -393,8 +389,9 @@ class _WholePlateObservations(Messenger):
             rows = float(math.prod(frame.size for frame in subsampled))
             if math.isnan(self.minibatch_rows) or rows > self.minibatch_rows:
                 self.minibatch_rows = rows
+            return
+        if not is_identically_one(msg["scale"]):
+            return  # a poutine.scale around the site: a minibatch scaled by hand
         full = [frame for frame in plates if frame.size == frame.full_size]
         if full:
-            indices = [self._indices[f.name] for f in subsampled if f.name in self._indices]
-            value = torch.as_tensor(msg["value"]).detach()
-            self.found[msg["name"]] = (full[0].name, value, indices)
+            self.found[msg["name"]] = (full[0].name, torch.as_tensor(msg["value"]).detach())
