@@ -201,6 +201,35 @@ def _groups_fit() -> dict[str, torch.Tensor]:
     return _store()
 
 
+def _fit_bnn(distributed: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``nn.fit`` over four minibatches of 12 rows of a regression ``BayesianModule`` (the
+    likelihood scaled to the 24 rows by ``dataset_size``): on two ranks each step takes this
+    rank's 6 rows of the batch, with an ELBO metric evaluated on every rank."""
+    from pyro_quadvi.nn import fit
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(1, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    bnn = BayesianModule(
+        net.double(), priors.Normal(1.0), likelihoods.Gaussian(dataset_size=24, scale=0.5)
+    )
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
+    elbo = (
+        DistributedQuadratureELBO("hadamard", 4) if distributed else QuadratureELBO("hadamard", 4)
+    )
+    svi = SVI(bnn, guide, DistributedOptimizer(QNVB()) if distributed else QNVB(), elbo)
+    batches = []
+    for start in (0, 12, 0, 12):
+        rows = slice(start, start + 12)
+        x, y = X[rows, None], Y[rows, None]
+        part = shard(12) if distributed else slice(None)
+        batches.append((x[part], y[part]))
+    metric = {"elbo": lambda: elbo.loss(bnn, guide, *batches[0])}
+    history = fit(svi, batches, 4, metrics=metric, every=2, progress=False)
+    return history.loss, _store()
+
+
 def _checkpointed(path: Path) -> tuple[list[float], list[float], dict, dict]:
     """AutoDiagonalNormal under Trace_ELBO + DistributedOptimizer(QNVB): six steps with a
     checkpoint after the third, then a new guide restored from it and the last three again."""
@@ -242,6 +271,7 @@ def _scenarios(outdir: Path) -> dict:
             "by_hand": outcome(lambda: _quadrature_fit("by_hand", True)),
             "groups": outcome(lambda: _groups_fit()),
             "checkpoint": outcome(lambda: _checkpointed(outdir / "adn.pt")),
+            "fit": outcome(lambda: _fit_bnn(True)),
             "unequal": outcome(lambda: _trace_fit(AutoNormal, 13, 2)),
             "equal": outcome(lambda: _trace_fit(AutoNormal, ROWS, 3)),
             "setting_unequal": outcome(lambda: _setting_fit(13, False)),
@@ -279,6 +309,21 @@ def test_correct_plates_are_allowed_and_match_one_process(ranks, case):
     for result in ranks:
         kind, store = result[case]
         assert kind == "ok"
+        for name, value in one.items():
+            torch.testing.assert_close(store[name], value, rtol=0, atol=1e-12)
+
+
+def test_fit_on_two_ranks_matches_one_process(ranks):
+    # docs/scaling.md, "fit on several ranks": the same losses and parameters as one process
+    torch.set_default_dtype(torch.float64)
+    try:
+        losses, one = _fit_bnn(False)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for result in ranks:
+        kind, (rank_losses, store) = result["fit"]
+        assert kind == "ok"
+        assert rank_losses == pytest.approx(losses, rel=1e-12)
         for name, value in one.items():
             torch.testing.assert_close(store[name], value, rtol=0, atol=1e-12)
 

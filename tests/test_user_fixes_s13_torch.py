@@ -243,3 +243,49 @@ def test_sparse_load_refusal_names_its_owner():
         "SparseQNVBOptimizer.load_state_dict: the saved state holds a generator state; "
         "construct the optimizer with a generator to restore it"
     )
+
+
+@pytest.mark.parametrize("vectorize, frames", [(True, 0), (None, 0), (False, 1)])
+def test_a_compiled_net_compiles_only_in_the_one_pass_loop(vectorize, frames):
+    # docs/qnvb_torch.md: under vmap dynamo compiles no frame of torch.compile(net) (the net runs
+    # eagerly); the loop over the nodes compiles it once and reuses the graph at every step
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    counter = CompileCounter()
+    compiled = torch.compile(net, backend=counter)
+    optimizer = QNVBOptimizer(
+        net.named_parameters(), likelihood_weight=32, generator=torch.Generator().manual_seed(0)
+    )
+    counts = []
+    for _ in range(3):
+        loss_fn = module_loss(compiled, F.mse_loss)
+        optimizer.step(loss_fn=loss_fn, batch=(x, y), vectorize=vectorize)
+        counts.append(counter.frame_count)
+    assert counts == [frames] * 3
+    torch._dynamo.reset()
+
+
+def test_a_qnvb_in_the_process_leaves_torch_compile_of_a_network_whole():
+    # QNVB's guide watch is a global module pre-hook; run at every submodule call as a
+    # compiler-disabled function, it broke dynamo's graph so that a compiled network ran
+    # eagerly (0 frames, 0 ops) in any process where a QNVB had been built
+    from torch._dynamo.testing import CompileCounter
+
+    from pyro_quadvi import QNVB
+
+    QNVB()  # installs the watch
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    counter = CompileCounter()
+    compiled = torch.compile(net, backend=counter)
+    x = torch.randn(8, 16)
+    outputs = [compiled(x) for _ in range(3)]
+    assert (counter.frame_count, counter.op_count) == (1, 3)
+    for output in outputs:
+        torch.testing.assert_close(output, net(x))
+    torch._dynamo.reset()

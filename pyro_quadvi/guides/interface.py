@@ -354,6 +354,7 @@ def register_adapter(cls: type) -> Callable:
     def decorate(fn: Callable[[object, Trace | None], GuideDescription]) -> Callable:
         _ADAPTERS[cls] = fn
         _DESCRIBABLE.clear()
+        _PASSIVE.clear()
         return fn
 
     return decorate
@@ -478,6 +479,7 @@ def is_describable(guide: object) -> bool:
 _LIVE_GUIDES: weakref.WeakSet = weakref.WeakSet()
 _UNDESCRIBED_GUIDES: weakref.WeakSet = weakref.WeakSet()
 _DESCRIBABLE: dict[type, bool] = {}
+_PASSIVE: dict[type, bool] = {}  # class -> nothing to note at its calls (_on_module_call)
 _WATCH_HANDLE = None
 
 
@@ -601,12 +603,34 @@ def run_rows(guide: torch.nn.Module) -> float:
 _RUN_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-@torch.compiler.disable  # bookkeeping, run eagerly: dynamo must not trace the WeakSet
 def _on_module_call(module: torch.nn.Module, args) -> None:
+    """The guide watch, at every module call. A class already known to need nothing (neither a
+    guide QNVB can pair with nor an AutoGuide) returns at once; so does, inside a network that
+    dynamo compiles, any module that cannot be a guide, in plain Python that dynamo traces: the
+    compiled network keeps its graph (with a bookkeeping call there, the graph breaks and
+    dynamo ran every module of a compiled network eagerly once a QNVB existed). The
+    bookkeeping runs eagerly, for guides, and once per class to learn which it is."""
+    cls = type(module)
+    if _PASSIVE.get(cls, False):
+        return
+    if torch.compiler.is_compiling() and not _may_be_guide(cls):
+        return
+    _note_module_call(module, args)
+
+
+def _may_be_guide(cls: type) -> bool:
+    """Whether a module of class ``cls`` may be a guide to note: an AutoGuide, or a class that
+    describes itself (:class:`QuadratureGuide`)."""
+    return issubclass(cls, AutoGuide) or hasattr(cls, "quadrature_description")
+
+
+@torch.compiler.disable  # bookkeeping, run eagerly: dynamo must not trace the WeakSet
+def _note_module_call(module: torch.nn.Module, args) -> None:
     cls = type(module)
     known = _DESCRIBABLE.get(cls)
     if known is None:
         known = _DESCRIBABLE[cls] = is_describable(module)
+        _PASSIVE[cls] = not known and not _is_undescribed_guide(cls)
     if known:
         _LIVE_GUIDES.add(module)
         # a restored param store holds other tensors than the guide's plain nn.Parameters
@@ -617,8 +641,12 @@ def _on_module_call(module: torch.nn.Module, args) -> None:
             guide = unwrap_guide(module)
             _RUN_SCALES[guide] = _handler_scale()
             _RUN_ROWS[guide] = first_rows(args, {})[1]
-    elif isinstance(module, AutoGuide) and not isinstance(module, AutoGuideList):
+    elif _is_undescribed_guide(cls):
         _UNDESCRIBED_GUIDES.add(module)
+
+
+def _is_undescribed_guide(cls: type) -> bool:
+    return issubclass(cls, AutoGuide) and not issubclass(cls, AutoGuideList)
 
 
 def watch_guides() -> None:
