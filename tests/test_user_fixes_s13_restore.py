@@ -99,3 +99,21 @@ def test_spike_slab_summaries_read_a_restored_store(fresh_param_store):
     # the mixture's median sits below nu by the spike's mass: equal to the icdf of the mixture
     median = guide.median()["w"]
     assert median[2] == 0.0 and (median[:2] - nu[:2]).abs().max() < 2e-3
+
+
+def test_the_guide_watch_classifies_a_compiled_module_by_what_it_wraps(fresh_param_store):
+    # one OptimizedModule class wraps guides and networks alike: classified once by that class,
+    # a compiled network called after a compiled guide was taken for a guide (a live guide)
+    from pyro_quadvi import QNVB
+    from pyro_quadvi.guides.interface import live_guides, unwrap_guide
+
+    QNVB()  # installs the watch
+    guide = AutoMeanFieldNormal(model)
+    compiled_guide = torch.compile(guide, backend="eager")  # (held: the watch's set is weak)
+    compiled_guide(Y)
+    net = torch.nn.Linear(2, 1).double()
+    compiled_net = torch.compile(net, backend="eager")
+    compiled_net(Y[:4].reshape(2, 2))
+    watched = [unwrap_guide(g) for g in live_guides()]
+    assert any(g is guide for g in watched)
+    assert not any(g is net for g in watched)

@@ -619,14 +619,20 @@ def _on_module_call(module: torch.nn.Module, args) -> None:
 
 
 def _may_be_guide(cls: type) -> bool:
-    """Whether a module of class ``cls`` may be a guide to note: an AutoGuide, or a class that
-    describes itself (:class:`QuadratureGuide`)."""
-    return issubclass(cls, AutoGuide) or hasattr(cls, "quadrature_description")
+    """Whether a module of class ``cls`` may be a guide to note: an AutoGuide, a class that
+    describes itself (:class:`QuadratureGuide`) or one with a registered adapter."""
+    return (
+        issubclass(cls, AutoGuide)
+        or hasattr(cls, "quadrature_description")
+        or any(base in _ADAPTERS for base in cls.__mro__)
+    )
 
 
 @torch.compiler.disable  # bookkeeping, run eagerly: dynamo must not trace the WeakSet
 def _note_module_call(module: torch.nn.Module, args) -> None:
-    cls = type(module)
+    # by the class of the module a compiled wrapper holds: one OptimizedModule class wraps
+    # networks and guides alike, and is never cached as passive
+    cls = type(unwrap_guide(module))
     known = _DESCRIBABLE.get(cls)
     if known is None:
         known = _DESCRIBABLE[cls] = is_describable(module)
