@@ -611,9 +611,10 @@ def _on_module_call(module: torch.nn.Module, args) -> None:
     dynamo ran every module of a compiled network eagerly once a QNVB existed). The
     bookkeeping runs eagerly, for guides, and once per class to learn which it is."""
     cls = type(module)
-    if _PASSIVE.get(cls, False):
-        return
-    if torch.compiler.is_compiling() and not _may_be_guide(cls):
+    if torch.compiler.is_compiling():  # (_PASSIVE is not read there: dynamo would guard on it
+        if not _may_be_guide(cls):  # and recompile at each class the watch learns)
+            return
+    elif _PASSIVE.get(cls, False):
         return
     _note_module_call(module, args)
 

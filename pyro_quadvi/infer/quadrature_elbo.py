@@ -72,7 +72,6 @@ from ..quadrature import QuadratureRule, make_rule
 from ..store import follow_param_store
 from .batched import (
     BatchDecision,
-    BatchMismatch,
     DecisionCache,
     evaluate_batch,
     is_broadcast_error,
@@ -454,9 +453,9 @@ def _guide_words(owner: tuple[str, tuple[str, ...]]) -> str:
 
 
 def _names_ways_out(error: BaseException) -> bool:
-    """Whether ``error`` is one of the package's :class:`BatchMismatch` es whose message already
-    tells the user to pass ``vectorize=None`` (a model's own error is never taken for one)."""
-    return isinstance(error, BatchMismatch) and "vectorize=None" in str(error)
+    """Whether ``error``'s message already tells the user to pass ``vectorize=None`` (the
+    probes' :class:`BatchMismatch`, a ``BayesianModule``'s vmap refusal)."""
+    return "vectorize=None" in str(error)
 
 
 def _add_hint(error: BaseException, hint: str) -> None:
