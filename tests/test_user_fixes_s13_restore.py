@@ -117,3 +117,31 @@ def test_the_guide_watch_classifies_a_compiled_module_by_what_it_wraps(fresh_par
     watched = [unwrap_guide(g) for g in live_guides()]
     assert any(g is guide for g in watched)
     assert not any(g is net for g in watched)
+
+
+def test_a_bayesian_module_of_a_compiled_net_names_its_sites_as_the_eager_one(fresh_param_store):
+    # trial: sites named "_orig_mod.0.weight", so an eager fit's saved store was silently
+    # ignored by the compiled net's fit
+    from pyro_quadvi import QuadratureELBO
+    from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    x, y = torch.randn(6, 2), torch.randn(6, 1)
+
+    def loss_of(module):
+        bnn = BayesianModule(module, priors.Normal(1.0), likelihoods.Gaussian(6, scale=0.5))
+        guide = AutoMeanFieldNormal(bnn)
+        guide(x, y)
+        return guide, QuadratureELBO("hadamard", 4).loss(bnn, guide, x, y)
+
+    eager_guide, eager_loss = loss_of(net)
+    saved = copy.deepcopy(pyro.get_param_store().get_state())
+    pyro.clear_param_store()
+    compiled_guide, _ = loss_of(torch.compile(net, backend="eager"))
+    pyro.get_param_store().set_state(saved)
+    assert sorted(n for n, _ in compiled_guide.named_parameters()) == sorted(
+        n for n, _ in eager_guide.named_parameters()
+    )
+    _, restored_loss = loss_of(torch.compile(net, backend="eager"))
+    assert restored_loss == eager_loss

@@ -353,6 +353,9 @@ def register_adapter(cls: type) -> Callable:
 
     def decorate(fn: Callable[[object, Trace | None], GuideDescription]) -> Callable:
         _ADAPTERS[cls] = fn
+        # marked on the class, which compiled code reads (:func:`_may_be_guide`): a guard on the
+        # registry would recompile every compiled network at each registration
+        cls._pyro_quadvi_adapter = True
         _DESCRIBABLE.clear()
         _PASSIVE.clear()
         return fn
@@ -625,15 +628,15 @@ def _may_be_guide(cls: type) -> bool:
     return (
         issubclass(cls, AutoGuide)
         or hasattr(cls, "quadrature_description")
-        or any(base in _ADAPTERS for base in cls.__mro__)
+        or hasattr(cls, "_pyro_quadvi_adapter")
     )
 
 
 @torch.compiler.disable  # bookkeeping, run eagerly: dynamo must not trace the WeakSet
 def _note_module_call(module: torch.nn.Module, args) -> None:
-    # by the class of the module a compiled wrapper holds: one OptimizedModule class wraps
-    # networks and guides alike, and is never cached as passive
-    cls = type(unwrap_guide(module))
+    if compiled_original(module) is not None:
+        return  # a torch.compile wrapper: the module it holds is noted at its own call
+    cls = type(module)
     known = _DESCRIBABLE.get(cls)
     if known is None:
         known = _DESCRIBABLE[cls] = is_describable(module)

@@ -44,7 +44,7 @@ from ..infer.batched import DtypeMismatch, first_line, is_vmap_refusal, vmap_saf
 from ..optim.qnvb_functional import QNVBHyperparameters
 from ..optim.torch_qnvb import check_tensor_output
 from ..quadrature import QuadratureRule
-from ..store import follow_store
+from ..store import compiled_original, follow_store
 from .likelihoods import Likelihood
 from .priors import LayerwiseNormal
 
@@ -66,7 +66,10 @@ class BayesianModule(PyroModule):
 
     Args:
         net: any ``torch.nn.Module`` taking one input tensor ``x`` of ``B`` rows; it is used
-            unmodified, and put in eval mode (see below).
+            unmodified, and put in eval mode (see below). A ``torch.compile`` wrapper is looked
+            through: the module it holds is the net (its sites named as the eager net's, so a
+            store saved from one restores into the other), since the vectorized pass runs under
+            ``vmap``, where dynamo compiles nothing.
         prior: a callable ``(name, param) -> distribution`` of the parameter's shape
             (:mod:`pyro_quadvi.nn.priors`); all its dims become event dims.
         likelihood: how the outputs explain ``y`` (:mod:`pyro_quadvi.nn.likelihoods`).
@@ -119,6 +122,7 @@ class BayesianModule(PyroModule):
         super().__init__()
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+        net = compiled_original(net) or net
         if not callable(prior):
             raise TypeError(f"prior must be callable (name, param) -> distribution, got {prior!r}")
         names = [name for name, _ in net.named_parameters()]
