@@ -13,6 +13,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal
 from torch.distributions import transform_to
 
@@ -145,3 +146,25 @@ def test_a_bayesian_module_of_a_compiled_net_names_its_sites_as_the_eager_one(fr
     )
     _, restored_loss = loss_of(torch.compile(net, backend="eager"))
     assert restored_loss == eager_loss
+
+
+def test_a_stale_store_parameter_of_another_network_names_the_way_out(fresh_param_store):
+    # trial: the docs' examples run top to bottom in one process; the second network's new
+    # guide took the first's stored '0.weight' of shape (50, 1) and the error said nothing of it
+    from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+
+    x, y = torch.randn(4, 1), torch.randn(4, 1)
+    first = BayesianModule(
+        torch.nn.Sequential(torch.nn.Linear(1, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1)),
+        priors.Normal(1.0),
+        likelihoods.Gaussian(4, scale=0.5),
+    )
+    AutoMeanFieldNormal(first)(x, y)
+    second = BayesianModule(
+        torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)),
+        priors.Normal(1.0),
+        likelihoods.Gaussian(4, scale=0.5),
+    )
+    guide = AutoMeanFieldNormal(second)
+    with pytest.raises(ValueError, match=r"\(5, 1\).*\(3, 2\).*pyro\.clear_param_store\(\)"):
+        Trace_ELBO().loss(second, guide, torch.randn(4, 2), y)

@@ -640,7 +640,9 @@ def _lead(name: str, value: torch.Tensor, param: torch.Tensor) -> torch.Size:
     if value.dim() < param.dim() or value.shape[value.dim() - param.dim() :] != param.shape:
         raise ValueError(
             f"the value of {name!r} has shape {tuple(value.shape)}; expected the parameter's "
-            f"shape {tuple(param.shape)} after any batch dims"
+            f"shape {tuple(param.shape)} after any batch dims (a guide of another network? or "
+            "a parameter of that name left in Pyro's param store by another model: call "
+            "pyro.clear_param_store() before building this model's guide)"
         )
     lead = value.shape[: value.dim() - param.dim()]
     if len(lead) > 0 and lead[-1] == 1:
