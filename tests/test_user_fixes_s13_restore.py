@@ -136,16 +136,20 @@ def test_a_bayesian_module_of_a_compiled_net_names_its_sites_as_the_eager_one(fr
         guide(x, y)
         return guide, QuadratureELBO("hadamard", 4).loss(bnn, guide, x, y)
 
-    eager_guide, eager_loss = loss_of(net)
+    eager_guide, _ = loss_of(net)
+    with torch.no_grad():  # a fitted store: moved away from the guide's start
+        for value in pyro.get_param_store().values():
+            value.add_(0.3)
+    _, eager_loss = loss_of(net)
     saved = copy.deepcopy(pyro.get_param_store().get_state())
     pyro.clear_param_store()
-    compiled_guide, _ = loss_of(torch.compile(net, backend="eager"))
+    compiled_guide, fresh_loss = loss_of(torch.compile(net, backend="eager"))
     pyro.get_param_store().set_state(saved)
     assert sorted(n for n, _ in compiled_guide.named_parameters()) == sorted(
         n for n, _ in eager_guide.named_parameters()
     )
     _, restored_loss = loss_of(torch.compile(net, backend="eager"))
-    assert restored_loss == eager_loss
+    assert restored_loss == eager_loss != fresh_loss
 
 
 def test_a_stale_store_parameter_of_another_network_names_the_way_out(fresh_param_store):
@@ -168,3 +172,28 @@ def test_a_stale_store_parameter_of_another_network_names_the_way_out(fresh_para
     guide = AutoMeanFieldNormal(second)
     with pytest.raises(ValueError, match=r"\(5, 1\).*\(3, 2\).*pyro\.clear_param_store\(\)"):
         Trace_ELBO().loss(second, guide, torch.randn(4, 2), y)
+
+
+def test_a_compiled_net_that_is_falsy_is_looked_through_too(fresh_param_store):
+    # review: `compiled_original(net) or net` kept the wrapper of a module whose len() is 0
+    from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+
+    class Empty(torch.nn.Module):  # falsy: a container of no layers, one weight of its own
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 1)
+
+        def __len__(self):
+            return 0
+
+        def forward(self, x):
+            return self.linear(x)
+
+    bnn = BayesianModule(
+        torch.compile(Empty(), backend="eager"),
+        priors.Normal(1.0),
+        likelihoods.Gaussian(4, scale=0.5),
+    )
+    guide = AutoMeanFieldNormal(bnn)
+    guide(torch.randn(4, 2), torch.randn(4, 1))
+    assert sorted(guide.median()) == ["linear.bias", "linear.weight"]

@@ -122,7 +122,9 @@ class BayesianModule(PyroModule):
         super().__init__()
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
-        net = compiled_original(net) or net
+        original = compiled_original(net)  # (not `or`: a module may be falsy, len() == 0)
+        if original is not None:
+            net = original
         if not callable(prior):
             raise TypeError(f"prior must be callable (name, param) -> distribution, got {prior!r}")
         names = [name for name, _ in net.named_parameters()]
@@ -640,9 +642,9 @@ def _lead(name: str, value: torch.Tensor, param: torch.Tensor) -> torch.Size:
     if value.dim() < param.dim() or value.shape[value.dim() - param.dim() :] != param.shape:
         raise ValueError(
             f"the value of {name!r} has shape {tuple(value.shape)}; expected the parameter's "
-            f"shape {tuple(param.shape)} after any batch dims (a guide of another network? or "
-            "a parameter of that name left in Pyro's param store by another model: call "
-            "pyro.clear_param_store() before building this model's guide)"
+            f"shape {tuple(param.shape)} after any batch dims (if a guide gave it: a guide of "
+            "another network, or a parameter of that name left in Pyro's param store by another "
+            "model; call pyro.clear_param_store() before building this model's guide)"
         )
     lead = value.shape[: value.dim() - param.dim()]
     if len(lead) > 0 and lead[-1] == 1:
