@@ -97,6 +97,13 @@ def compiled_original(module: object) -> nn.Module | None:
     return None
 
 
+def uncompiled(module: object) -> object:
+    """The module ``torch.compile`` wrapped, if ``module`` is its wrapper; else ``module``
+    (tested against ``None``, not for truth: a module of no length is falsy)."""
+    original = compiled_original(module)
+    return module if original is None else original
+
+
 def follow_param_store(module: object) -> None:
     """Give every plain ``nn.Parameter`` of ``module``'s ``PyroModule`` s the value the param
     store holds under its name, and put the parameter itself back into the store.
@@ -122,7 +129,7 @@ def follow_param_store(module: object) -> None:
     Raises:
         ValueError: if the store holds one of the parameters with another shape or dtype.
     """
-    module = compiled_original(module) or module
+    module = uncompiled(module)
     installed = None
     for fullname, param in _plain_parameters(module):
         if installed is None:
@@ -136,7 +143,7 @@ def detached_parameters(module: object) -> list[str]:
     parameter (or the contiguous copy :func:`follow_store` installed for it): the parameters a
     restore cut off, until :func:`follow_param_store` (or the guide's next run under QNVB's guide
     watch) puts them back."""
-    module = compiled_original(module) or module
+    module = uncompiled(module)
     store = pyro.get_param_store()
     installed = _INSTALLED.get(module, {})
     return [

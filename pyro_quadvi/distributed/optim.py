@@ -29,7 +29,6 @@ from ..guides.interface import (
     published_moments,
     run_rows,
     run_scale,
-    unwrap_guide,
 )
 from ..optim import QNVB, SparseQNVB
 from ..optim.qnvb import minibatch_refusal
@@ -397,12 +396,11 @@ def _guide_runs(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, fl
         held = [names[id(p)] for p in guide.parameters() if id(p) in names]
         if not held:
             continue
-        target = unwrap_guide(guide)
-        try:
-            scale = float(run_scale(target))
+        try:  # (the live guides are the guides themselves, never their wrappers)
+            scale = float(run_scale(guide))
         except ValueError:  # a tensor scale: QNVB's own step names it
             scale = math.nan
-        found.append((min(held), scale, run_rows(target)))
+        found.append((min(held), scale, run_rows(guide)))
     found.sort()
     scales = [scale for _, scale, _ in found]
     weighted = sum((scale * (i + 1) for i, scale in enumerate(scales)), 0.0)

@@ -647,10 +647,9 @@ def _note_module_call(module: torch.nn.Module, args) -> None:
         # (AutoDiagonalNormal's loc): they take the store's values and go back into it, so any
         # ELBO's run uses and trains the store's tensors
         follow_param_store(module)
-        if torch.is_grad_enabled():
-            guide = unwrap_guide(module)
-            _RUN_SCALES[guide] = _handler_scale()
-            _RUN_ROWS[guide] = first_rows(args, {})[1]
+        if torch.is_grad_enabled():  # (module is the guide itself: wrappers returned above)
+            _RUN_SCALES[module] = _handler_scale()
+            _RUN_ROWS[module] = first_rows(args, {})[1]
     elif _is_undescribed_guide(cls):
         _UNDESCRIBED_GUIDES.add(module)
 

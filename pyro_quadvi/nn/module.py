@@ -44,7 +44,7 @@ from ..infer.batched import DtypeMismatch, first_line, is_vmap_refusal, vmap_saf
 from ..optim.qnvb_functional import QNVBHyperparameters
 from ..optim.torch_qnvb import check_tensor_output
 from ..quadrature import QuadratureRule
-from ..store import compiled_original, follow_store
+from ..store import follow_store, uncompiled
 from .likelihoods import Likelihood
 from .priors import LayerwiseNormal
 
@@ -122,9 +122,7 @@ class BayesianModule(PyroModule):
         super().__init__()
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
-        original = compiled_original(net)  # (not `or`: a module may be falsy, len() == 0)
-        if original is not None:
-            net = original
+        net = uncompiled(net)
         if not callable(prior):
             raise TypeError(f"prior must be callable (name, param) -> distribution, got {prior!r}")
         names = [name for name, _ in net.named_parameters()]

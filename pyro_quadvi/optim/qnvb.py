@@ -67,6 +67,7 @@ from .qnvb_functional import (
     QNVBResult,
     QNVBState,
     _flatten,
+    cast_state_to,
     check_settings,
     consecutive_base,
     count_messages,
@@ -791,12 +792,8 @@ class QNVB(PyroOptim):
             self._fresh.add(name)
         else:  # a state saved on another device or in another float type follows its
             # parameter, as torch's Optimizer.load_state_dict casts its state
-            state = {
-                key: value.to(loc_leaf.device, loc_leaf.dtype)
-                if value.is_floating_point()
-                else value.to(loc_leaf.device)
-                for key, value in state.items()
-            }
+            state = dict(state)
+            cast_state_to(loc_leaf, state)
         self._bound[name] = (loc_leaf, state)
         return state
 

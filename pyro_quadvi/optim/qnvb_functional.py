@@ -95,6 +95,7 @@ __all__ = [
     "QNVBHyperparameters",
     "QNVBResult",
     "QNVBState",
+    "cast_state_to",
     "check_settings",
     "count_messages",
     "init_qnvb_state",
@@ -371,6 +372,21 @@ def _divisor_may_vanish(hp: QNVBHyperparameters, dtype: torch.dtype) -> bool:
     made ``1e-23 / 1e-38`` a step of ``1e15`` in float32)."""
     tiny = torch.finfo(dtype).tiny
     return min(hp.eps, hp.eps / hp.lr) < tiny
+
+
+def cast_state_to(p: torch.Tensor, state: dict) -> None:
+    """Every tensor of ``state`` (one parameter's) moved, in place of the entry, to ``p``'s device
+    and, for a floating-point ``p``, cast to its dtype: torch's policy when ``load_state_dict``
+    pairs a saved state with a parameter of a group that is neither fused nor capturable
+    (``Optimizer._process_value_according_to_param_policy``, private, hence written out here),
+    applied where an optimizer sees a parameter cast or moved between steps (``net.float()``,
+    ``net.to("cuda")``), so that its state follows the parameter rather than keeping the old
+    dtype (a float64 state silently driving a float32 net, or a dtype error in a one-pass
+    step). Nothing is copied where the state is already of ``p``'s dtype and device."""
+    dtype = p.dtype if p.is_floating_point() else None
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            state[key] = value.to(device=p.device, dtype=dtype)
 
 
 def _average(avg: torch.Tensor, new: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 from ..quadrature import make_rule
 from ..quadrature.base import draw_device
 from ..quadrature.hadamard import HadamardRule
-from .qnvb_functional import _check_number, check_settings
+from .qnvb_functional import _check_number, cast_state_to, check_settings
 from .sparse_functional import (
     SparseQNVBBlock,
     SparseQNVBCounters,
@@ -43,7 +43,6 @@ from .sparse_functional import (
 )
 from .torch_qnvb import (
     CheckpointHooks,
-    cast_state_to,
     changed_parameters,
     check_finite_loss,
     check_saved_parameters,
@@ -257,7 +256,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         Either way ``mu = v`` and eq. 4.2 gives ``sigma`` (``tau``, or ``0``), ``tau`` and the
         sums stay, and once the pattern is realized (:attr:`finished`) it follows (``1``, or
         ``0``). A parameter cast or moved (``net.float()``) takes its whole state along
-        (:func:`~pyro_quadvi.optim.torch_qnvb.cast_state_to`). Parameters without a state yet
+        (:func:`~pyro_quadvi.optim.qnvb_functional.cast_state_to`). Parameters without a state yet
         are left alone.
         """
         realized = self.finished

@@ -52,6 +52,7 @@ from .qnvb_functional import (
     QNVBHyperparameters,
     QNVBState,
     _check_number,
+    cast_state_to,
     check_settings,
     count_messages,
     init_qnvb_state,
@@ -295,21 +296,6 @@ def changed_parameters(
     seen.
     """
     return [p for p in params if marks.get(id(p)) != (p._version, p.data_ptr())]
-
-
-def cast_state_to(p: torch.Tensor, state: dict) -> None:
-    """Every tensor of ``state`` (one parameter's) moved, in place of the entry, to ``p``'s device
-    and, for a floating-point ``p``, cast to its dtype: torch's policy when ``load_state_dict``
-    pairs a saved state with a parameter of a group that is neither fused nor capturable
-    (``Optimizer._process_value_according_to_param_policy``, private, hence written out here),
-    applied where an optimizer sees a parameter cast or moved between steps (``net.float()``,
-    ``net.to("cuda")``), so that its state follows the parameter rather than keeping the old
-    dtype (a float64 state silently driving a float32 net, or a dtype error in a one-pass
-    step). Nothing is copied where the state is already of ``p``'s dtype and device."""
-    dtype = p.dtype if p.is_floating_point() else None
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            state[key] = value.to(device=p.device, dtype=dtype)
 
 
 def check_saved_parameters(owner: str, state_dict: dict, param_groups: list[dict]) -> None:
