@@ -183,6 +183,42 @@ def opqa_evidence(
     """
     start_time = time.perf_counter()
     _check_arguments(num_points, max_degree, center, guide, max_nodes, chunk_size, vectorize)
+    # The evidence does not depend on torch's random state, but the model's runs that find its
+    # latent sites draw from the prior: they leave the random state as it was, so a call between
+    # a fit's steps does not move the fit (the CPU's state, and the CUDA devices' of the model's
+    # tensors).
+    with torch.random.fork_rng(devices=cuda_devices(model, guide, args, kwargs)):
+        return _evidence(
+            model,
+            args,
+            kwargs,
+            num_points,
+            max_degree,
+            center,
+            guide,
+            max_nodes,
+            chunk_size,
+            vectorize,
+            progress,
+            start_time,
+        )
+
+
+def _evidence(
+    model,
+    args,
+    kwargs,
+    num_points,
+    max_degree,
+    center,
+    guide,
+    max_nodes,
+    chunk_size,
+    vectorize,
+    progress,
+    start_time,
+) -> OPQAResult:
+    """:func:`opqa_evidence` after its arguments' check, inside its fork of the random state."""
     # a restored param store's values, not the stale ones of plain parameters (store.py)
     follow_param_store(unwrap_guide(model))
     if guide is not None:
