@@ -9,10 +9,11 @@ import math
 
 import pyro
 import pyro.distributions as dist
+import pytest
 import torch
 from pyro.infer import SVI
 
-from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, opqa_evidence
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, opqa_evidence, to_inference_data
 
 Y = torch.tensor([0.3, -1.2, 2.1, 0.8, 1.5], dtype=torch.float64)
 N = len(Y)
@@ -61,3 +62,67 @@ def _fit(with_evidence: bool) -> list[float]:
 
 def test_opqa_evidence_between_steps_leaves_a_random_rule_fit(fresh_param_store):
     assert _fit(with_evidence=True) == _fit(with_evidence=False)
+
+
+def _wide_model(dim: int):
+    def model():
+        pyro.sample("w", dist.Normal(torch.zeros(dim, dtype=torch.float64), 1.0).to_event(1))
+
+    return model
+
+
+def test_opqa_evidence_refuses_a_million_latents_by_name(fresh_param_store):
+    # 8^1000000 has more digits than Python will write: the refusal said nothing about the model
+    with pytest.raises(
+        ValueError, match=r"8\^1000000 log-joint.*even num_points=2.*QuadratureELBO"
+    ):
+        opqa_evidence(_wide_model(10**6), progress=False)
+
+
+def test_opqa_evidence_names_the_largest_num_points_that_fits(fresh_param_store):
+    # 8^14 = 2^42 nodes; 2^14 = 16384 fit under max_nodes = 2^20, 3^14 = 4782969 do not
+    with pytest.raises(ValueError, match=r"8\^14 = 4398046511104 .* num_points <= 2 or raise"):
+        opqa_evidence(_wide_model(14), progress=False)
+    # 30 latents: not even 2 points fit, and 1 point is no grid to advise silently
+    with pytest.raises(ValueError, match=r"even num_points=2 needs 2\^30 nodes"):
+        opqa_evidence(_wide_model(30), progress=False)
+
+
+X = torch.randn(100, 10, generator=torch.Generator().manual_seed(0))
+
+
+def regression(x, y=None):
+    w = pyro.sample("w", dist.Normal(torch.zeros(10), 1.0).to_event(1))
+    pyro.deterministic("f", (x * w.unsqueeze(-2)).sum(-1), event_dim=1)
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Normal((x * w.unsqueeze(-2)).sum(-1), 1.0), obs=y)
+
+
+# a draw holds w (10) and f (100) in the posterior and again in the prior, y (100) in both
+# predictive groups, all float32, and y's pointwise log likelihood (100) in float64
+BYTES_PER_DRAW = 2 * (10 + 100) * 4 + 2 * 100 * 4 + 100 * 8
+
+
+def test_export_size_is_what_the_groups_hold(fresh_param_store):
+    guide = AutoMeanFieldNormal(regression)
+    guide(X, X[:, 0])
+    idata = to_inference_data(regression, guide, X, X[:, 0], num_samples=7, vectorize=False)
+    groups = ["posterior", "posterior_predictive", "log_likelihood", "prior", "prior_predictive"]
+    held = sum(v.values.nbytes for g in groups for v in getattr(idata, g).data_vars.values())
+    assert held == 7 * BYTES_PER_DRAW
+    # exactly at the limit it runs; one byte under, it is refused before any draw
+    to_inference_data(regression, guide, X, X[:, 0], num_samples=7, max_bytes=held, vectorize=False)
+    with pytest.raises(ValueError, match=r"need 17360 bytes .* use num_samples <= 6, prior=False"):
+        to_inference_data(regression, guide, X, X[:, 0], num_samples=7, max_bytes=held - 1)
+
+
+def test_export_of_a_million_latents_is_refused_by_size(fresh_param_store):
+    # 1000 draws of 10^6 float32 latents, twice (posterior, prior): 8 GB, over the 4 GiB default;
+    # torch's "can't allocate" came after Pyro printed its trace shapes
+    def wide():
+        pyro.sample("w", dist.Normal(torch.zeros(10**6), 1.0).to_event(1))
+
+    guide = AutoMeanFieldNormal(wide)
+    guide()
+    with pytest.raises(ValueError, match=r"8000000000 bytes .* num_samples <= 536, prior=False"):
+        to_inference_data(wide, guide)

@@ -232,15 +232,11 @@ def _evidence(
             "opqa_evidence: the model has no continuous latent sites; its evidence is "
             "exp(log p(x)) with nothing to integrate"
         )
+    # the grid's size compared without writing out num_points**dim where it has more digits than
+    # a message can hold (10^6 latents: 8^1000000)
+    if (num_points > 1 and dim * math.log2(num_points) > 64) or num_points**dim > max_nodes:
+        raise ValueError(_grid_too_large(sites, dim, num_points, max_nodes))
     grid_size = num_points**dim
-    if grid_size > max_nodes:
-        fewer = max(1, math.floor(max_nodes ** (1.0 / dim) + 1e-9))
-        raise ValueError(
-            f"opqa_evidence: {dim} latent coordinates ({', '.join(s.name for s in sites)}) with "
-            f"num_points={num_points} need a grid of {num_points}^{dim} = {grid_size} log-joint "
-            f"evaluations, more than max_nodes={max_nodes}; use num_points <= {fewer} or raise "
-            "max_nodes (OPQA suits models with a handful of latents)"
-        )
 
     log_joint = LogJoint(model, sites)
     weight = _build_weight(center, guide, log_joint, sites, dim, device, args, kwargs)
@@ -312,6 +308,31 @@ def _evidence(
     num_evaluations = grid_size + weight.evaluations + decision.probe_evaluations + 1
     diagnostics["time_s"] = time.perf_counter() - start_time
     return OPQAResult(log_evidence, normalized, posterior, num_evaluations, diagnostics)
+
+
+def _grid_too_large(sites: list[LatentSite], dim: int, num_points: int, max_nodes: int) -> str:
+    """The refusal of a grid of more than ``max_nodes`` nodes, with the largest ``num_points``
+    that fits, or, where not even 2 points fit, what to use instead."""
+    names = ", ".join(site.name for site in sites[:5])
+    if len(sites) > 5:
+        names += f", ... ({len(sites)} sites)"
+    size = f"{num_points}^{dim}"
+    if dim * math.log2(num_points) <= 64:
+        size += f" = {num_points**dim}"
+    fewer = math.floor(max_nodes ** (1.0 / dim) + 1e-9)
+    if fewer >= 2:
+        way = f"use num_points <= {fewer} or raise max_nodes"
+    else:
+        way = (
+            f"even num_points=2 needs 2^{dim} nodes: OPQA suits models with a handful of latents "
+            f"(at most {int(math.log2(max_nodes))} with 2 points and max_nodes={max_nodes}); fit "
+            "this model with an ELBO (QuadratureELBO), or pass num_points=1 for the one node at "
+            "the weight's centre (with center='laplace', the Laplace approximation)"
+        )
+    return (
+        f"opqa_evidence: {dim} latent coordinates ({names}) with num_points={num_points} need a "
+        f"grid of {size} log-joint evaluations, more than max_nodes={max_nodes}; {way}"
+    )
 
 
 def _check_arguments(

@@ -34,6 +34,7 @@ the dtype it is given, and float32 overflows there (``az.loo`` returns nan).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ from tqdm.auto import tqdm
 from ..guides.interface import unwrap_guide
 from ..infer.batched import BatchMismatch, evaluate_batch
 from ..infer.log_joint import model_max_plate_nesting
+from ..quadrature.base import check_max_bytes, format_bytes
 from ..store import follow_param_store
 
 __all__ = ["Draws", "SiteSpec", "check_observed_not_nan", "draw"]
@@ -268,6 +270,9 @@ class _Runner:
                     "built from this model"
                 )
         self.sites = self._site_specs(guide_trace, model_trace)
+        self.itemsize = {
+            name: model_trace.nodes[name]["value"].dtype.itemsize for name in self.sites
+        }
         self.max_plate_nesting = max(
             model_max_plate_nesting(guide_trace), model_max_plate_nesting(model_trace)
         )
@@ -538,6 +543,7 @@ def draw(
     num_samples: int,
     prior: bool,
     vectorize: bool | None = None,
+    max_bytes: int = 2**32,
 ) -> Draws:
     """Draw the posterior, log likelihood, posterior predictive, observed data and (with
     ``prior``) the prior and prior predictive, batched over the draws if the model allows it
@@ -545,13 +551,16 @@ def draw(
     draws, so :func:`~pyro_quadvi.infer.batched.evaluate_batch` has no single evaluation to
     compare them with (``probe=()``): the batched run checks itself instead, on every call, against
     unbatched runs at its first and last draws, and under ``True`` a disagreement raises
-    :class:`~pyro_quadvi.infer.batched.BatchMismatch` naming the ways out.
+    :class:`~pyro_quadvi.infer.batched.BatchMismatch` naming the ways out. Groups that would
+    hold more than ``max_bytes`` in all are refused before any draw (:func:`_check_size`).
     """
+    check_max_bytes(max_bytes)
     check_guide_was_run(guide, args, kwargs)
     follow_param_store(unwrap_guide(guide))  # a restored param store's values, not stale ones
     follow_param_store(unwrap_guide(model))
     with torch.no_grad():
         runner = _Runner(model, guide, args, kwargs)
+        _check_size(runner, num_samples, prior, max_bytes)
         groups, vectorized = _all_draws(runner.posterior, num_samples, vectorize, "posterior")
         prior_groups = {"prior": None, "prior_predictive": None}
         if prior:
@@ -563,6 +572,32 @@ def draw(
         **groups,
         **prior_groups,
     )
+
+
+def _check_size(runner: _Runner, num_samples: int, prior: bool, max_bytes: int) -> None:
+    """Refuse an export whose groups would exceed ``max_bytes``: per draw, the latent and
+    deterministic sites (``posterior``, and ``prior``), the observed sites
+    (``posterior_predictive``, and ``prior_predictive``) and their pointwise log likelihood in
+    float64, over the full data, in the sites' dtypes (the draws' own size; a batched run holds
+    about as much again while it runs)."""
+    per_draw = 0
+    copies = 2 if prior else 1  # posterior (predictive), and prior (predictive)
+    for site in runner.sites.values():
+        shape = site.full_shape(runner.full_sizes)
+        per_draw += copies * math.prod(shape) * runner.itemsize[site.name]
+        if site.kind == "observed":  # its pointwise log likelihood
+            per_draw += math.prod(shape[: site.batch_ndim]) * torch.float64.itemsize
+    needed = num_samples * per_draw
+    if needed > max_bytes:
+        fits = max_bytes // per_draw
+        ways = f"num_samples <= {fits}" if fits >= 1 else "a larger max_bytes"
+        raise ValueError(
+            f"to_inference_data: {num_samples} draws of the model's sites over the full data "
+            f"need {format_bytes(needed)} ({format_bytes(per_draw)} a draw"
+            f"{', prior groups included' if prior else ''}), more than "
+            f"max_bytes={format_bytes(max_bytes)}; use {ways}"
+            f"{', prior=False' if prior else ''}, or raise max_bytes if the memory is there"
+        )
 
 
 def _all_draws(run: Callable, num_samples: int, vectorize: bool | None, label: str):

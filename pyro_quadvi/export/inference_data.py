@@ -28,6 +28,7 @@ def to_inference_data(
     coords: Mapping[str, Sequence] | None = None,
     dims: Mapping[str, Sequence[str]] | None = None,
     vectorize: bool | None = None,
+    max_bytes: int = 2**32,
     **kwargs: Any,
 ) -> InferenceData:
     """Export a fitted variational posterior to ArviZ: summaries, LOO, predictive checks, plots.
@@ -69,6 +70,10 @@ def to_inference_data(
             forces the batched run (its errors propagate, and draws that differ from unbatched
             runs raise :class:`~pyro_quadvi.infer.batched.BatchMismatch` naming the ways out);
             ``False`` always loops. Errors of the model itself propagate in every case.
+        max_bytes: the most the groups' draws may hold (4 GiB by default): the latent,
+            deterministic and observed sites over the full data in their dtypes, per posterior
+            draw and again per prior draw, and the pointwise log likelihood in float64. A larger
+            export is refused before any draw, naming the largest ``num_samples`` that fits.
         **kwargs: the model's keyword arguments.
 
     Returns:
@@ -76,9 +81,10 @@ def to_inference_data(
 
     Raises:
         RuntimeError: if the guide was never run (fit it with ``svi.step`` first).
-        ValueError: for a bad ``num_samples``, ``dims`` or ``vectorize``, a plate given only some
-            of its indices by the model's arguments, observed data with NaN (naming the site), or
-            a log likelihood that is not finite.
+        ValueError: for a bad ``num_samples``, ``dims``, ``vectorize`` or ``max_bytes``, an
+            export larger than ``max_bytes``, a plate given only some of its indices by the
+            model's arguments, observed data with NaN (naming the site), or a log likelihood
+            that is not finite.
         NotImplementedError: with ArviZ 1.x.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
@@ -89,7 +95,7 @@ def to_inference_data(
             f"to_inference_data supports ArviZ 0.x; ArviZ {version('arviz')} is installed: "
             "install arviz<1"
         )
-    draws = draw(model, guide, args, kwargs, num_samples, prior, vectorize)
+    draws = draw(model, guide, args, kwargs, num_samples, prior, vectorize, max_bytes)
     if log_likelihood:
         for name, values in draws.log_likelihood.items():
             bad = ~torch.isfinite(values)
