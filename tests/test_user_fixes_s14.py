@@ -11,9 +11,11 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+import torch.nn.functional as F
 from pyro.infer import SVI
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, opqa_evidence, to_inference_data
+from pyro_quadvi.optim import QNVBOptimizer, module_loss
 
 Y = torch.tensor([0.3, -1.2, 2.1, 0.8, 1.5], dtype=torch.float64)
 N = len(Y)
@@ -126,3 +128,30 @@ def test_export_of_a_million_latents_is_refused_by_size(fresh_param_store):
     guide()
     with pytest.raises(ValueError, match=r"8000000000 bytes .* num_samples <= 536, prior=False"):
         to_inference_data(wide, guide)
+
+
+class _Recurrent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.GRU(2, 3, batch_first=True)
+        self.head = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+def test_the_fallback_warning_does_not_advise_the_setting_in_use():
+    # under vectorize=None the reason a GRU falls back to the loop advised "vectorize=None to try
+    # the pass and fall back": what the run was already doing
+    torch.manual_seed(0)
+    net = _Recurrent()
+    x, y = torch.randn(4, 5, 2), torch.randint(0, 2, (4,))
+    optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=10)
+    with pytest.warns(UserWarning) as record:
+        optimizer.step(loss_fn=module_loss(net, F.cross_entropy), batch=(x, y))
+    (message,) = [str(w.message) for w in record if "QNVBOptimizer" in str(w.message)]
+    assert "aten::gru.input" in message
+    assert "vectorize=None" not in message
+    assert "vectorize=False" in message  # the fallback's own way out
+    assert optimizer.num_steps == 1

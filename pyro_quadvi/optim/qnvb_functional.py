@@ -279,7 +279,9 @@ def _count_message(kind: str, hp: QNVBHyperparameters, where: str) -> str:
     if kind == "num_overflow":
         return (
             "the update overflowed while the gradient was finite (e.g. g^2 beyond the dtype's "
-            f"range) at {where}; they were left unchanged: rescale the loss or use float64"
+            f"range) at {where}; they were left unchanged: rescale the loss or use float64. If "
+            "the loss has been growing, the means have diverged: cap their steps (trust_region="
+            "0.3, the network settings a BayesianModule declares, or a smaller lr)"
         )
     if kind == "num_sigma_min":
         return (

@@ -1049,10 +1049,17 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             except RuntimeError as error:
                 if not (is_vmap_refusal(error) or "vmap" in str(error)):
                     raise
+                # under vectorize=None this is the reason the fallback's warning gives, which
+                # names its own way out
+                ways = (
+                    "; pass vectorize=False to loop over the nodes, or vectorize=None to try the "
+                    "pass and fall back"
+                    if vectorize is True
+                    else ""
+                )
                 raise BatchMismatch(
                     f"QNVBOptimizer: loss_fn does not run under torch.func.vmap over the {K} "
-                    f"nodes ({first_line(error)}); pass vectorize=False to loop over the nodes, "
-                    "or vectorize=None to try the pass and fall back"
+                    f"nodes ({first_line(error)}){ways}"
                 ) from error
             return losses
 
