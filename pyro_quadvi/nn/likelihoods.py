@@ -1,4 +1,4 @@
-"""Likelihoods of a :class:`~pyro_quadvi.nn.BayesianModule`: the observation site of the data.
+"""Likelihoods of a `BayesianModule`: the observation site of the data.
 
 A likelihood receives the network's outputs of shape ``batch + (B,) + row`` (``batch``: the
 particle or quadrature-node dims of a vectorized pass, empty otherwise; ``B``: the rows of the
@@ -17,7 +17,7 @@ import torch
 __all__ = ["Bernoulli", "Categorical", "Gaussian", "Likelihood"]
 
 NOISE_SITE = "noise_scale"
-"""The latent site of the noise scale that :class:`Gaussian` learns with ``scale=None``."""
+"""The latent site of the noise scale that `Gaussian` learns with ``scale=None``."""
 
 
 class Likelihood:
@@ -127,7 +127,7 @@ class Gaussian(Likelihood):
     """``y ~ Normal(net(x), scale)`` per entry, each row's entries one event.
 
     Args:
-        dataset_size: rows of the whole data set (see :class:`Likelihood`).
+        dataset_size: rows of the whole data set (see `Likelihood`).
         scale: the noise standard deviation; ``None`` learns it: a latent site
             ``"noise_scale"`` with prior ``noise_prior`` (default ``HalfNormal(1.0)``), sampled
             outside the data plate.

@@ -84,7 +84,7 @@ class MonteCarloRule(QuadratureRule):
         max_bytes: the largest node matrix (``K * dim * itemsize`` bytes) the rule builds.
 
     One draw (``mc`` with ``num_points=1``) integrates without bias but cannot fit a scale
-    (:meth:`~pyro_quadvi.quadrature.QuadratureRule.check_sees_curvature`).
+    (`check_sees_curvature`).
     """
 
     is_random = True
