@@ -76,9 +76,9 @@ class AutoMeanFieldNormal(AutoNormal):
     In addition it remembers the minibatch of its last run (the rows and scale of each subsampled
     site; plain tensors, so the guide pickles and deep-copies like ``AutoNormal``), so that
     `quadrature_description` tells QNVB which rows to update and which minibatch scale to
-    remove even under Pyro's own ELBOs (rasp paper, eq. 4-8). Each run is stamped
-    (`RunStamp`, `last_run_stamp`): Pyro's ``JitTrace_ELBO`` replays the traced guide
-    without running it in Python, and QNVB refuses rows no run of this step recorded.
+    remove even under Pyro's own ELBOs (rasp paper, eq. 4-8). Each run is stamped: Pyro's
+    ``JitTrace_ELBO`` replays the traced guide without running it in Python, and QNVB refuses
+    rows no run of this step recorded.
 
     Args:
         model: a Pyro model with continuous latent sites.

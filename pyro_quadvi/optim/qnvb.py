@@ -357,7 +357,7 @@ class QNVB(PyroOptim):
             and the dict or callable overrides them.
         annealing: optional schedule ``step -> factor`` of the likelihood; it takes effect through
             the model returned by `anneal`. Under a schedule QNVB's own default
-            ``recent_fraction`` is `ANNEALED_RECENT_FRACTION` (any setting given wins).
+            ``recent_fraction`` is 0.1 (any setting given wins).
         fallback: the optimizer of every parameter QNVB does not update: a ``pyro.optim``
             optimizer such as ``pyro.optim.Adam({"lr": 1e-2})`` (its constructor and arguments
             are used), or a pair ``(torch optimizer class, arguments dict)``. Default: Adam with

@@ -657,7 +657,7 @@ class _BufferSnapshot:
 
 
 class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
-    """Quasi-newton variational Bayes for ``torch.nn`` parameters (rasp paper, eq. 4-8).
+    """Quasi-Newton variational Bayes for ``torch.nn`` parameters (rasp paper, eq. 4-8).
 
     Args:
         params: parameters or parameter groups, in float32 or float64 (half precision is
@@ -801,8 +801,12 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch's rule), after checking it: a key that is not a per-group setting
-        (`_GROUP_KEYS`), a bad hyperparameter (of the group filled with the defaults) or a
-        half-precision parameter is refused by name, and ``param_groups`` is left as it was."""
+        (``lr``, ``betas``, ``eps``, ``sigma_min``, ``sigma_max``, ``scale_min``, ``scale_max``,
+        ``curvature``, ``significance``, ``damping``, ``damping_recovery``, ``drift_forgetting``,
+        ``recent_fraction``, ``trust_region``, ``prior_precision``, ``init_sigma``, besides
+        ``params``, ``param_names``, ``name`` and the keys torch's lr schedulers write), a bad
+        hyperparameter (of the group filled with the defaults) or a half-precision parameter is
+        refused by name, and ``param_groups`` is left as it was."""
         group = group_params(param_group)
         if isinstance(group, dict):
             unknown = sorted(
