@@ -247,7 +247,7 @@ def all_reduce_mean_(
     group: dist.ProcessGroup | None = None,
     *,
     check_shapes: bool = True,
-):
+) -> None:
     """Replace each tensor by its mean over the ranks, in one all-reduce per dtype and device.
 
     **Every rank must pass the same tensors in the same order**: the tensors are laid end to end
@@ -283,7 +283,7 @@ def all_reduce_sum_(
     group: dist.ProcessGroup | None = None,
     *,
     check_shapes: bool = True,
-):
+) -> None:
     """Replace each tensor by its sum over the ranks, as `all_reduce_mean_` does its mean
     (one all-reduce per dtype and device; the same bits on every rank).
 

@@ -305,7 +305,9 @@ class DistributedQuadratureELBO(QuadratureELBO):
             )
         return loss, description, rows[:, 0].sum().item() / size
 
-    def differentiable_loss(self, model: Callable, guide: Callable, *args, **kwargs):
+    def differentiable_loss(
+        self, model: Callable, guide: Callable, *args, **kwargs
+    ) -> torch.Tensor:
         """This rank's term ``L_r`` (differentiable); the mean over ranks is the negative ELBO.
 
         A collective call (every rank makes it): the ranks check their nodes, shares and errors

@@ -52,7 +52,11 @@ class IidNormal(dist.Normal):
         prior.iid = (float(loc), float(scale))
         return prior
 
-    def expand(self, batch_shape, _instance=None):
+    def expand(
+        self,
+        batch_shape: torch.Size | list[int] | tuple[int, ...],
+        _instance: IidNormal | None = None,
+    ) -> IidNormal:
         new = self._get_checked_instance(IidNormal, _instance)
         new.iid = self.iid
         return super().expand(batch_shape, _instance=new)

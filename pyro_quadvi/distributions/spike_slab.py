@@ -116,7 +116,11 @@ class SpikeSlab(TorchDistribution):
         """``log P(theta = 0)`` (``-inf`` for inclusion 1)."""
         return F.logsigmoid(self.zero_logits)
 
-    def expand(self, batch_shape, _instance=None):
+    def expand(
+        self,
+        batch_shape: torch.Size | list[int] | tuple[int, ...],
+        _instance: SpikeSlab | None = None,
+    ) -> SpikeSlab:
         new = self._get_checked_instance(SpikeSlab, _instance)
         batch_shape = torch.Size(batch_shape)
         new.zero_logits = self.zero_logits.expand(batch_shape)

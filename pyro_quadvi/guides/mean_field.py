@@ -6,7 +6,7 @@ import functools
 import itertools
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import pyro
@@ -112,7 +112,7 @@ class AutoMeanFieldNormal(AutoNormal):
         self._model, self.master = model, master
         return state
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         tracer = poutine.trace(self._draw)
         result = tracer(*args, **kwargs)
         trace = tracer.trace
@@ -133,7 +133,9 @@ class AutoMeanFieldNormal(AutoNormal):
         return super().median(*args, **kwargs)
 
     @read_from_store
-    def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
+    def quantiles(
+        self, quantiles: Sequence[float] | torch.Tensor, *args, **kwargs
+    ) -> dict[str, torch.Tensor]:
         """Pyro's ``AutoNormal.quantiles``, after checks that the guide has run and that the
         probabilities lie in ``[0, 1]``; of the param store's values."""
         check_set_up(self)

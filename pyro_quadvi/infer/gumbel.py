@@ -140,7 +140,9 @@ class GumbelSpikeSlabELBO(PointsELBO):
         with torch.no_grad():
             return self._gumbel_loss(model, guide, args, kwargs).item()
 
-    def differentiable_loss(self, model: Callable, guide: Callable, *args, **kwargs):
+    def differentiable_loss(
+        self, model: Callable, guide: Callable, *args, **kwargs
+    ) -> torch.Tensor:
         """A draw of the negative ELBO, differentiable through the straight-through draws."""
         return self._gumbel_loss(model, guide, args, kwargs)
 

@@ -427,7 +427,9 @@ class QuadratureELBO(PointsELBO):
         with torch.no_grad():
             return self._quadrature_loss(model, guide, args, kwargs)[0].item()
 
-    def differentiable_loss(self, model: Callable, guide: Callable, *args, **kwargs):
+    def differentiable_loss(
+        self, model: Callable, guide: Callable, *args, **kwargs
+    ) -> torch.Tensor:
         """The negative ELBO as a differentiable tensor; advances the sequence by one step.
 
         Its backward pass publishes the moments ``g``, ``h`` of every elementwise site.

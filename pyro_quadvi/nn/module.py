@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import pyro
 import torch
@@ -47,6 +48,9 @@ from ..quadrature import QuadratureRule
 from ..store import follow_store, uncompiled
 from .likelihoods import Likelihood
 from .priors import LayerwiseNormal
+
+if TYPE_CHECKING:
+    from .predict import Prediction
 
 __all__ = ["NETWORK_QNVB_SETTINGS", "BayesianModule"]
 
@@ -189,7 +193,7 @@ class BayesianModule(PyroModule):
         # making every parameter of the net a pyro.param.
         return self._modules["net"]
 
-    def train(self, mode: bool = True):
+    def train(self, mode: bool = True) -> BayesianModule:
         """Sets this module's mode; the net stays in eval mode (running statistics as they are)."""
         super().train(mode)
         self._net.eval()
@@ -246,7 +250,7 @@ class BayesianModule(PyroModule):
             "AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())"
         )
 
-    def prior_of(self, name: str, param: torch.Tensor):
+    def prior_of(self, name: str, param: torch.Tensor) -> Distribution:
         """The prior of one parameter, all its dims event dims: its layer's declared prior if it
         has one, else the network's ``prior(name, param)``."""
         if name in self._declared:
@@ -425,7 +429,7 @@ class BayesianModule(PyroModule):
         *,
         batch_size: int | None = None,
         steps: int | str = 1,
-    ):
+    ) -> Prediction:
         """The Bayesian model average under ``guide``: `predict`
         (``batch_size``: rows of ``x`` per pass through the net, ``None`` all; ``steps``: steps
         of the quadrature rule averaged, ``"period"`` a full period)."""

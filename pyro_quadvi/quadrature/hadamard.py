@@ -229,7 +229,14 @@ class HadamardRule(QuadratureRule):
         length = self.sequence_length(dim)
         return length // math.gcd(length, self.num_points // 2)
 
-    def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
+    def draw(
+        self,
+        dim: int,
+        step: int = 0,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> NodeSet:
         dim, step, dtype = self.check_draw(dim, step, generator, dtype)
         if dim > MAX_HADAMARD_DIM:
             raise ValueError(f"hadamard supports dim <= 2^31, got {dim}")

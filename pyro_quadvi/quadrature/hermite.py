@@ -137,7 +137,14 @@ class GaussHermiteRule(QuadratureRule):
     def num_nodes(self, dim: int) -> int:
         return self.num_points ** check_dim(dim)
 
-    def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
+    def draw(
+        self,
+        dim: int,
+        step: int = 0,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> NodeSet:
         dim = check_dim(dim)
         # m^dim for a large dim has thousands of digits (Python refuses to print an int of more
         # than 4,300): compared and shown through its logarithm there

@@ -137,7 +137,14 @@ class RASPRule(QuadratureRule):
         self._reference = build(self.r)
         self._signed = torch.cat([self._reference, -self._reference], dim=0)  # (2r, K)
 
-    def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
+    def draw(
+        self,
+        dim: int,
+        step: int = 0,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> NodeSet:
         dim, step, dtype = self.check_draw(dim, step, generator, dtype)
         num_rows = 2 * self.r
         # drawn where the generator lives (a CPU generator serves any device), then moved
@@ -252,7 +259,14 @@ class BlockedSimplexRule(QuadratureRule):
         super().__init__(num_points, max_bytes=max_bytes)
         self._reference = simplex_reference(self.block_size)
 
-    def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
+    def draw(
+        self,
+        dim: int,
+        step: int = 0,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> NodeSet:
         dim, step, dtype = self.check_draw(dim, step, generator, dtype)
         num_blocks = -(-dim // self.block_size)
         # drawn where the generator lives (a CPU generator serves any device), then moved
