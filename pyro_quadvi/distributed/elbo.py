@@ -182,8 +182,8 @@ class DistributedQuadratureELBO(QuadratureELBO):
         """Raise when the ranks observe different values at a site that sits in a full-size
         plate with nothing scaling it (no subsampled plate, no ``poutine.scale``): each rank's
         likelihood then counts its own rows at scale 1, and the mean over the ranks weights
-        every row by ``1 / W`` (rasp paper, eq. 9: the minibatch term must be scaled by
-        ``N / B``)."""
+        every row by ``1 / W`` (the sparse-VI paper's eq. 1: a minibatch's term is scaled by
+        ``n / m``, here ``N / B``)."""
         bits = columns.contiguous().view(torch.int64)
         if not bool((bits != bits[:1]).any()):
             return

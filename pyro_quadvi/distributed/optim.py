@@ -413,9 +413,10 @@ def _guide_runs(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, fl
 def _refuse_unequal_minibatches(minibatches: torch.Tensor, published: bool) -> None:
     """Raise on every rank when the ranks' guides ran on minibatches of different numbers of
     rows and no rank's ELBO published moments (Pyro's ELBOs): each rank's gradients carry its
-    own plate scale ``N / B_r``, and their plain mean weights the ranks' rows unequally (rasp
-    paper, eq. 9 needs ``N / B`` on every row). ``DistributedQuadratureELBO`` publishes moments
-    and weights its shards itself (its ``share``)."""
+    own plate scale ``N / B_r``, and their plain mean weights the ranks' rows unequally (the
+    sparse-VI paper's eq. 1 scales a minibatch by ``n / m``: ``N / B`` on every row).
+    ``DistributedQuadratureELBO`` publishes moments and weights its shards itself (its
+    ``share``)."""
     if published or bool(minibatches.isnan().any()):
         return
     if bool((minibatches != minibatches[0]).any()):

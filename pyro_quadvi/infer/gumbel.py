@@ -60,7 +60,8 @@ class GumbelSpikeSlabELBO(PointsELBO):
         svi = SVI(model, guide, Adam({"lr": 5e-3}), GumbelSpikeSlabELBO(temperature=0.5))
 
     Args:
-        temperature: the Gumbel-softmax temperature of the relaxed Bernoulli (0.5, the paper's).
+        temperature: the Gumbel-softmax temperature ``tau`` of the relaxed Bernoulli; the paper
+            asks only ``tau > 0``; default 0.5.
         num_particles: ``K``, the Monte Carlo draws per step, averaged.
         vectorize: ``True`` evaluates the ``K`` draws in one pass of the model under a particle
             plate, ``False`` one by one, ``None`` tries the pass and falls back once, as

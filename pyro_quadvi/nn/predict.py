@@ -5,8 +5,8 @@ the predictive distribution has (law of total variance)
 
     E[y] = E_q[f],        Var[y] = Var_q[f] + E_q[noise_scale^2],
 
-each expectation the weighted average over the draws or quadrature nodes of ``q`` (rasp paper,
-eq. 11, as a quadrature of the posterior predictive).
+each expectation the weighted average over the draws or quadrature nodes of ``q``: the
+variational-predictive integral of the rasp paper's eq. 1, taken by a quadrature as in its eq. 9.
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ class SparseQNVBHyperparameters:
 
     def curvature_floor(self, epoch: int) -> float:
         """The floor on the curvature sums in ``epoch`` (1-based): ``1 / tau_max^2``
-        (Algorithm 5.3, line 4), or ``1 / late_tau_max^2`` from ``late_epoch`` on."""
+        (Algorithm 5.3, line 3), or ``1 / late_tau_max^2`` from ``late_epoch`` on."""
         late = self.late_tau_max is not None and epoch >= self.late_epoch
         return (self.late_tau_max if late else self.tau_max) ** -2
 

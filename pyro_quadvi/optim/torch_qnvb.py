@@ -869,8 +869,8 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     @contextmanager
     def sampled_params(self, generator: torch.Generator | None = None) -> Iterator[None]:
         """Set every parameter to one draw ``mu + sigma * eps``, ``eps ~ N(0, 1)``, of the mean
-        field (rasp paper, eq. 4) for the block, and back to the means ``mu`` on exit (also when
-        the block raises).
+        field (rasp paper, Section 2.2) for the block, and back to the means ``mu`` on exit (also
+        when the block raises).
 
         Args:
             generator: the random generator of the draw (torch's global one when ``None``); a
