@@ -67,6 +67,8 @@ class GumbelSpikeSlabELBO(PointsELBO):
             plate, ``False`` one by one, ``None`` tries the pass and falls back once, as
             `QuadratureELBO` does.
         max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of the model.
+        vectorize_particles: refused (a ``TypeError``): Pyro's ``vectorize_particles=True`` is
+            ``vectorize=True`` here.
 
     Draws come from torch's global generator (``pyro.set_rng_seed`` makes runs reproducible).
 
@@ -82,6 +84,8 @@ class GumbelSpikeSlabELBO(PointsELBO):
         num_particles: int = 1,
         vectorize: bool | None = None,
         max_plate_nesting: float = float("inf"),
+        *,
+        vectorize_particles: None = None,
     ):
         if (
             isinstance(temperature, bool)
@@ -99,7 +103,9 @@ class GumbelSpikeSlabELBO(PointsELBO):
             raise ValueError(
                 f"num_particles must be a positive integer (not a bool), got {num_particles!r}"
             )
-        super().__init__(num_particles, vectorize, max_plate_nesting)
+        super().__init__(
+            num_particles, vectorize, max_plate_nesting, vectorize_particles=vectorize_particles
+        )
         self.temperature = float(temperature)
 
     def draw(self, description: GuideDescription) -> torch.Tensor:

@@ -108,6 +108,8 @@ class PointsELBO(ELBO):
             warning).
         max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of each model (again if a
             later call nests deeper).
+        vectorize_particles: refused (a ``TypeError``): Pyro's switch is ``vectorize`` here, with
+            the meaning it has everywhere in the package.
     """
 
     def __init__(
@@ -115,7 +117,18 @@ class PointsELBO(ELBO):
         num_particles: int = 1,
         vectorize: bool | None = None,
         max_plate_nesting: float = float("inf"),
+        *,
+        vectorize_particles: None = None,
     ):
+        if vectorize_particles is not None:  # Trace_ELBO's argument, as a user porting code passes
+            raise TypeError(
+                f"{type(self).__name__} takes no vectorize_particles: its switch is vectorize, "
+                "as everywhere in the package. vectorize=True evaluates all its points (the "
+                "rule's nodes, or the Monte Carlo draws) in one pass of the model under a "
+                "particle plate, checked on the first call; False evaluates them one at a time; "
+                "None (the default) tries the pass, checks it, and falls back to the loop once, "
+                "with a warning, where the model cannot broadcast over the points"
+            )
         super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting)
         if vectorize not in (None, True, False):
             raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
@@ -270,6 +283,8 @@ class QuadratureELBO(PointsELBO):
             generator, so ``pyro.set_rng_seed`` makes runs reproducible.
         name: key of the sequence position in Pyro's param store (``"{name}.step"``), for one
             guide; ``None`` (default) keeps one position per guide (`step_key`).
+        num_particles: refused (a ``TypeError``): the points are the rule's nodes.
+        vectorize_particles: refused (a ``TypeError``): the switch is ``vectorize`` (above).
 
     Raises:
         ValueError: for a rule that cannot fit the scales (``gauss_hermite`` with one point); on
@@ -296,6 +311,8 @@ class QuadratureELBO(PointsELBO):
         generator: torch.Generator | None = None,
         name: str | None = None,
         num_particles: None = None,
+        *,
+        vectorize_particles: None = None,
     ):
         if num_particles is not None:  # Trace_ELBO's argument, as a user porting code passes it
             raise TypeError(
@@ -303,7 +320,7 @@ class QuadratureELBO(PointsELBO):
                 "their number with num_points (e.g. QuadratureELBO('hadamard', num_points=8)), "
                 "or draw Monte Carlo points with rule='mc' (or 'vrmc2')"
             )
-        super().__init__(1, vectorize, max_plate_nesting)
+        super().__init__(1, vectorize, max_plate_nesting, vectorize_particles=vectorize_particles)
         if isinstance(rule, str):
             rule = make_rule(rule, num_points)
         elif not isinstance(rule, QuadratureRule):

@@ -361,14 +361,18 @@ class QNVB(PyroOptim):
         fallback: the optimizer of every parameter QNVB does not update: a ``pyro.optim``
             optimizer such as ``pyro.optim.Adam({"lr": 1e-2})`` (its constructor and arguments
             are used), or a pair ``(torch optimizer class, arguments dict)``. Default: Adam with
-            ``lr = 1e-2``.
+            ``lr = 1e-2``. Pyro's ``clip_args`` is refused (a ``TypeError``): QNVB's steps are
+            bounded by ``trust_region`` and ``lr``, not by clipping; the fallback's parameters
+            take Pyro's clipping through ``fallback=pyro.optim.ClippedAdam({...})`` or a
+            ``PyroOptim`` with ``clip_args``.
         compile: run the update through ``torch.compile``
             (`qnvb_update_many`): an opt-in, it needs a
             C++ compiler on the CPU (Triton on a GPU) and compiles on the first step (seconds
             to a minute).
-        **hyperparameters: any field of
-            `QNVBHyperparameters` (``lr``, ``betas``,
-            ``sigma_min``, ...); see ``docs/qnvb.md`` for their defaults and why.
+        **hyperparameters: any field of `QNVBHyperparameters` (``lr``, ``betas``,
+            ``sigma_min``, ...), whose defaults are QNVB's (``help(QNVBHyperparameters)``, from
+            ``pyro_quadvi.optim``); ``docs/qnvb.md`` says why. ``repr(qnvb)`` shows the
+            settings that differ from them.
 
     The blocks of a family that share hyperparameters are updated together, on one flat buffer
     (`qnvb_update_many`).
@@ -388,6 +392,15 @@ class QNVB(PyroOptim):
         compile: bool = False,
         **hyperparameters: float | tuple[float, float] | bool | str,
     ):
+        if "clip_args" in hyperparameters:  # PyroOptim's argument, as a user porting code passes it
+            raise TypeError(
+                "QNVB takes no clip_args: its steps are bounded by trust_region (the mean moves "
+                "at most trust_region * sigma per step) and lr (at most an Adam step of size lr), "
+                "not by clipping gradients. The parameters QNVB does not update take Pyro's "
+                "clipping through their optimizer: fallback=pyro.optim.ClippedAdam({'lr': 1e-2, "
+                "'clip_norm': 10.0}), or fallback=pyro.optim.PyroOptim(torch.optim.Adam, "
+                "{'lr': 1e-2}, clip_args={'clip_norm': 10.0})"
+            )
         if optim_args is not None and not (isinstance(optim_args, dict) or callable(optim_args)):
             raise TypeError(
                 "QNVB's first argument is a dict of hyperparameters or a callable name -> dict, "
@@ -474,6 +487,35 @@ class QNVB(PyroOptim):
         if key not in self._by_block:
             self._by_block[key] = self._hyperparameters_for(name, hints)
         return self._by_block[key]
+
+    def __repr__(self) -> str:
+        defaults = QNVBHyperparameters(
+            **({} if self.annealing is None else {"recent_fraction": ANNEALED_RECENT_FRACTION})
+        )
+        parts = [] if not callable(self.optim_args) else [f"optim_args={self.optim_args!r}"]
+        for name in _HP_NAMES:
+            value = getattr(self.hyperparameters, name)
+            if value != getattr(defaults, name):
+                parts.append(f"{name}={value!r}")
+        if self.annealing is not None:
+            parts.append(f"annealing={self.annealing!r}")
+        parts += self._fallback_words()
+        if self.compile:
+            parts.append("compile=True")
+        return f"QNVB({', '.join(parts)})"
+
+    def _fallback_words(self) -> list[str]:
+        """``["fallback=..."]`` for a fallback other than the default, else ``[]`` (repr)."""
+        constructor, args, clip_args = (
+            self.pt_optim_constructor,
+            self.pt_optim_args,
+            self.pt_clip_args,
+        )
+        if not clip_args and (constructor, args) == _DEFAULT_FALLBACK:
+            return []
+        if not clip_args:  # PyroOptim keeps no clipping as {}
+            return [f"fallback=({constructor.__name__}, {args!r})"]
+        return [f"fallback=PyroOptim({constructor.__name__}, {args!r}, {clip_args!r})"]
 
     @staticmethod
     def _fallback_arguments(fallback) -> tuple:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable
+from dataclasses import fields
 
 import torch
 from pyro.optim import PyroOptim
@@ -34,6 +35,7 @@ from .sparse_functional import (
     SparseQNVBBlock,
     SparseQNVBCounters,
     SparseQNVBHyperparameters,
+    _check_int,
     epoch_progress,
     init_sparse_counters,
     loss_growth_message,
@@ -54,7 +56,8 @@ class SparseQNVB(QNVB):
     """The sparsifying QNVB for ``"dirac_gauss"`` guides (``AutoSpikeSlab``) in ``SVI``.
 
     Args:
-        num_epochs: ``n_e`` (Table 1: 10).
+        num_epochs: ``n_e`` (Table 1: 10), an int; a dict of optim args (as ``pyro.optim``
+            optimizers take) is refused: the settings are keyword arguments.
         steps_per_epoch: ``S``, SVI steps per epoch, e.g. ``len(loader)``.
         prior_precision: ``h_p``, the slab's prior precision, ``1 / slab_scale^2`` of the model's
             `SpikeSlab` prior; ``None``: ``1 / tau_max^2``.
@@ -100,6 +103,14 @@ class SparseQNVB(QNVB):
         num_cases: int | None = None,
         fallback: PyroOptim | tuple[type, dict] | None = None,
     ):
+        if isinstance(num_epochs, dict):  # pyro.optim's optim_args, as a user porting code passes
+            raise TypeError(
+                f"SparseQNVB's first argument is num_epochs, an int; got the dict {num_epochs!r}. "
+                "SparseQNVB takes its settings as keyword arguments, not as a dict of optim args "
+                "like pyro.optim optimizers: e.g. SparseQNVB(steps_per_epoch=len(loader), "
+                "max_lr=0.1, tau_max=0.3) (the settings: help(SparseQNVB))"
+            )
+        _check_int("num_epochs", num_epochs, 3)
         if steps_per_epoch is None:
             raise TypeError(
                 "SparseQNVB needs steps_per_epoch, the number of SVI steps per epoch (e.g. "
@@ -131,6 +142,21 @@ class SparseQNVB(QNVB):
         self.first_loss: float | None = None
         """The loss of the first step with spike-and-slab moments (`_check_growth`)."""
         self._sparse_warned: set[str] = set()
+
+    def __repr__(self) -> str:
+        hp = self.sparse_hyperparameters
+        defaults = SparseQNVBHyperparameters()
+        parts = [f"steps_per_epoch={self.steps_per_epoch!r}"]
+        for field in fields(hp):
+            value = getattr(hp, field.name)
+            if value != getattr(defaults, field.name):
+                parts.append(f"{field.name}={value!r}")
+        if self.prior_precision != hp.tau_max**-2:
+            parts.append(f"prior_precision={self.prior_precision!r}")
+        if self.num_cases is not None:
+            parts.append(f"num_cases={self.num_cases!r}")
+        parts += self._fallback_words()
+        return f"SparseQNVB({', '.join(parts)})"
 
     @property
     def epoch(self) -> int:

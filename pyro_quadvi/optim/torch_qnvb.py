@@ -685,6 +685,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             to a minute).
         weight_decay: refused (a ``TypeError``): the prior is ``prior_precision``, and torch's
             ``weight_decay`` is ``prior_precision = weight_decay * likelihood_weight``.
+        num_points: refused (a ``TypeError``): the number of nodes is ``num_eval``.
 
     The keyword arguments ``lr``, ``betas``, ``eps``, ``sigma_min``, ``sigma_max``,
     ``scale_min``, ``scale_max``, ``curvature``, ``significance``, ``damping``,
@@ -757,7 +758,14 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         trust_region: float = math.inf,
         compile: bool = False,
         weight_decay: float | None = None,
+        num_points: None = None,
     ):
+        if num_points is not None:  # QuadratureELBO's and make_rule's name, as a user passes it
+            raise TypeError(
+                "QNVBOptimizer takes no num_points: the number of nodes (closure evaluations per "
+                "step) is num_eval, of the rule named by quadrature=, e.g. "
+                f"QNVBOptimizer(params, quadrature={quadrature!r}, num_eval={num_points!r})"
+            )
         if weight_decay is not None:
             raise TypeError(
                 "QNVBOptimizer takes no weight_decay. "
