@@ -201,3 +201,22 @@ def test_qnvb_repr_shows_the_settings_that_differ_from_the_defaults():
     assert repr(SparseQNVB(steps_per_epoch=5)) == "SparseQNVB(steps_per_epoch=5)"
     sparse = SparseQNVB(4, 5, max_lr=0.2, num_cases=100)
     assert repr(sparse) == "SparseQNVB(steps_per_epoch=5, max_lr=0.2, num_epochs=4, num_cases=100)"
+
+
+def test_testing_exports_agree_with_its_problems_module():
+    import pyro_quadvi.testing as testing
+    from pyro_quadvi.testing import problems
+
+    assert sorted(testing.__all__) == sorted(problems.__all__)
+    assert [name for name in problems.__all__ if not hasattr(problems, name)] == []
+
+
+def test_api_pages_show_public_names_and_the_datasets_module():
+    yaml = pytest.importorskip("yaml")
+    config, api = PACKAGE.parent / "mkdocs.yml", PACKAGE.parent / "docs" / "api" / "nn.md"
+    if not (config.exists() and api.exists()):
+        pytest.skip("the docs are not shipped with this install")
+    handlers = yaml.safe_load(config.read_text())["plugins"][1]["mkdocstrings"]["handlers"]
+    # "public": a module's __all__ where it has one (helpers outside it are not rendered)
+    assert handlers["python"]["options"]["filters"] == "public"
+    assert "::: pyro_quadvi.testing.datasets" in api.read_text().splitlines()

@@ -32,12 +32,12 @@ __all__ = [
     "regression_split",
 ]
 
-#: Name -> (source, target column); see `load_regression`.
 REGRESSION_DATASETS = {
     "diabetes": ("sklearn", "target"),
     "boston": ("MASS/Boston", "medv"),
     "concrete": ("modeldata/concrete", "compressive_strength"),
 }
+"""Name -> (source, target column); see `load_regression`."""
 
 
 def load_regression(name: str) -> tuple[np.ndarray, np.ndarray]:
