@@ -41,7 +41,7 @@ def exactness_table(
     (fresh draws for the random rules, successive windows of the Hadamard sequence) of
     ``"cross"``: the fraction of the ``d(d-1)/2`` mixed terms ``x_i x_j`` that are exact, and
     ``"total"``: the fraction of all ``1 + 2d + d(d-1)/2`` quadratic basis functions (rasp paper
-    Fig. 1, sequence paper Fig. 2), as counted by :func:`quadratic_exactness`.
+    Fig. 1, sequence paper Fig. 2), as counted by `quadratic_exactness`.
 
     Returns ``{rule: {K: {"cross": fraction, "total": fraction}}}``; a rule that does not exist
     for some ``K`` (odd ``K`` for the pair rules, ``K = 1``) is left out of that row. ``rules``
@@ -69,7 +69,7 @@ def exactness_table(
 
 
 def format_table(table: dict, evaluations: list[int], key: str = "cross") -> str:
-    """A markdown table of ``table[rule][K][key]`` (see :func:`exactness_table`)."""
+    """A markdown table of ``table[rule][K][key]`` (see `exactness_table`)."""
     header = "| rule | " + " | ".join(f"K={K}" for K in evaluations) + " |"
     lines = [header, "|---" * (len(evaluations) + 1) + "|"]
     for name, row in table.items():
@@ -90,7 +90,7 @@ def linear_regression(X, y=None):
 
 
 def optimal_mean_field(X, y) -> tuple[torch.Tensor, torch.Tensor]:
-    """The optimal Gaussian mean field of :func:`linear_regression`: exact mean, 1/sqrt(diag)."""
+    """The optimal Gaussian mean field of `linear_regression`: exact mean, 1/sqrt(diag)."""
     precision = X.T @ X / NOISE_SD**2 + torch.eye(X.shape[1]) / PRIOR_SD**2
     mean = torch.linalg.solve(precision, X.T @ y / NOISE_SD**2)
     return mean, precision.diagonal().rsqrt()

@@ -1,7 +1,7 @@
 """Linear algebra helpers: the fast Walsh-Hadamard transform.
 
-:func:`fwht` is implemented beside the Hadamard quadrature
-(:mod:`pyro_quadvi.quadrature.hadamard`), whose sign helper gives its matrix entries; this module
+`fwht` is implemented beside the Hadamard quadrature
+(`pyro_quadvi.quadrature.hadamard`), whose sign helper gives its matrix entries; this module
 is its public home.
 """
 

@@ -14,8 +14,8 @@ floating dtype), so it runs on CUDA unchanged. Conventions:
 
 Calibration follows Guo et al. (2017), "On Calibration of Modern Neural Networks", ICML, Sec. 2:
 the top-class confidence ``max_c p_c`` of every case is put into one of ``M`` equal-width bins
-``B_m``, and ``ECE = sum_m |B_m|/n * |acc(B_m) - conf(B_m)|``. :func:`calibration_bins` is the one
-binning used by both :func:`expected_calibration_error` and :func:`reliability_diagram`.
+``B_m``, and ``ECE = sum_m |B_m|/n * |acc(B_m) - conf(B_m)|``. `calibration_bins` is the one
+binning used by both `expected_calibration_error` and `reliability_diagram`.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def _check_num_bins(num_bins: object) -> int:
 def gaussian_nll(mean: torch.Tensor, scale: torch.Tensor | float, y: torch.Tensor) -> torch.Tensor:
     """Average negative log likelihood of ``y`` under Gaussian predictions ``N(mean, scale^2)``.
 
-    The full Gaussian log density, constant included::
+    The full Gaussian log density, constant included:
 
         nll_i = sum_d [ log(scale_id) + log(2 pi) / 2 + (y_id - mean_id)^2 / (2 scale_id^2) ]
 
@@ -325,7 +325,7 @@ def brier_score(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 class CalibrationBins(NamedTuple):
-    """Per-bin summary of the top-class confidence; see :func:`calibration_bins`.
+    """Per-bin summary of the top-class confidence; see `calibration_bins`.
 
     Attributes:
         confidence: Mean top-class confidence of the cases in each bin, shape ``(num_bins,)``;
@@ -384,7 +384,7 @@ def expected_calibration_error(
 ) -> torch.Tensor:
     """Expected calibration error with equal-width bins (Guo et al. 2017, Eq. 3).
 
-    ``ECE = sum_m (n_m / n) * |acc(B_m) - conf(B_m)|`` over the bins of :func:`calibration_bins`
+    ``ECE = sum_m (n_m / n) * |acc(B_m) - conf(B_m)|`` over the bins of `calibration_bins`
     (see there for the edges); empty bins contribute nothing. This is the top-label, L1 ECE, the
     quantity ``torchmetrics.classification.MulticlassCalibrationError(n_bins=num_bins,
     norm="l1")`` computes (torchmetrics puts a confidence exactly on an inner edge into the bin
@@ -412,9 +412,9 @@ def reliability_diagram(
 ) -> Axes:
     """Plot a reliability diagram (Guo et al. 2017, Fig. 1, bottom row) with matplotlib.
 
-    One bar per bin of :func:`calibration_bins`, spanning the bin on the confidence axis, with the
+    One bar per bin of `calibration_bins`, spanning the bin on the confidence axis, with the
     bin's accuracy as its height (0 for an empty bin); the diagonal ``accuracy = confidence`` of
-    perfect calibration; and the :func:`expected_calibration_error` in the title. matplotlib (the
+    perfect calibration; and the `expected_calibration_error` in the title. matplotlib (the
     ``plots`` extra) is imported only when this function is called.
 
     Args:

@@ -10,14 +10,14 @@ steps the store's tensor, which no gradient reaches, while the module computes w
 which nothing steps: the fit silently stops. Pyro's ``PyroParam`` (``AutoNormal``'s parameters,
 ``AutoMeanFieldNormal``'s) is synchronized by Pyro itself and is left alone here.
 
-:func:`follow_store` mends one parameter; :func:`follow_param_store` every plain parameter of the
+`follow_store` mends one parameter; `follow_param_store` every plain parameter of the
 ``PyroModule`` s of a guide or a model (through ``torch.compile``);
-:func:`detached_parameters` names those a restore cut off.
-:class:`~pyro_quadvi.QuadratureELBO`, :func:`~pyro_quadvi.nn.fit`,
-:func:`~pyro_quadvi.export.to_inference_data` and :func:`~pyro_quadvi.evidence.opqa_evidence`
-call it on the guide and the model before they run them, :func:`~pyro_quadvi.nn.predict` on the
+`detached_parameters` names those a restore cut off.
+`QuadratureELBO`, `fit`,
+`to_inference_data` and `opqa_evidence`
+call it on the guide and the model before they run them, `predict` on the
 guide; and once a ``QNVB`` exists, its guide watch
-(:func:`~pyro_quadvi.guides.interface.watch_guides`) calls it on every describable guide before
+(`watch_guides`) calls it on every describable guide before
 each run of it, whatever the ELBO (Pyro's ``Trace_ELBO`` included). What is left to the user:
 readers that do not run the guide (``guide.median()``, ``quantiles``) right after a restore, and
 a fit by another optimizer under Pyro's ELBOs.
@@ -139,9 +139,9 @@ def follow_param_store(module: object) -> None:
 
 def detached_parameters(module: object) -> list[str]:
     """The param store names of ``module``'s plain ``nn.Parameter`` s (as
-    :func:`follow_param_store` finds them) under which the store holds another tensor than the
-    parameter (or the contiguous copy :func:`follow_store` installed for it): the parameters a
-    restore cut off, until :func:`follow_param_store` (or the guide's next run under QNVB's guide
+    `follow_param_store` finds them) under which the store holds another tensor than the
+    parameter (or the contiguous copy `follow_store` installed for it): the parameters a
+    restore cut off, until `follow_param_store` (or the guide's next run under QNVB's guide
     watch) puts them back."""
     module = uncompiled(module)
     store = pyro.get_param_store()

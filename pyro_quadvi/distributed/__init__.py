@@ -1,14 +1,14 @@
 """Data- and node-parallel ``QuadratureELBO`` and ``QNVB`` on ``torch.distributed``.
 
-* :class:`DistributedQuadratureELBO`: every rank draws the same nodes; ``parallel="data"``
+* `DistributedQuadratureELBO`: every rank draws the same nodes; ``parallel="data"``
   evaluates them all on the rank's shard of the minibatch, ``parallel="nodes"`` every ``W``-th
   node on the whole minibatch.
-* :class:`DistributedOptimizer`: wraps ``QNVB`` (or any ``PyroOptim``); averages gradients and the
+* `DistributedOptimizer`: wraps ``QNVB`` (or any ``PyroOptim``); averages gradients and the
   published moments ``g``, ``h`` over the ranks before the step.
-* :class:`NodeParallelQNVBOptimizer`: the plain-torch ``QNVBOptimizer`` with each step's nodes
+* `NodeParallelQNVBOptimizer`: the plain-torch ``QNVBOptimizer`` with each step's nodes
   divided between the ranks, their weighted sums added up by one all-reduce.
-* :func:`save_checkpoint` / :func:`load_checkpoint`: one copy, written by rank 0.
-* :func:`world`, :func:`shard`, :func:`broadcast_generator`, :func:`check_agreement`: plain helpers.
+* `save_checkpoint` / `load_checkpoint`: one copy, written by rank 0.
+* `world`, `shard`, `broadcast_generator`, `check_agreement`: plain helpers.
 
 Data parallel in plain PyTorch needs nothing of its own: ``QNVBOptimizer`` steps a
 ``DistributedDataParallel`` network as it steps any network (see the guide page "Scaling out").

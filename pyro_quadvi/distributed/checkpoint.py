@@ -71,7 +71,7 @@ def save_checkpoint(
         generator: every ``torch.Generator`` of your own whose state the run depends on, one or
             a sequence of them: the generator given to the ELBO (or to an optimizer) for a random
             rule, the generator that draws your minibatches. torch's, Python's and NumPy's
-            global states are always saved. :func:`load_checkpoint` takes the same generators
+            global states are always saved. `load_checkpoint` takes the same generators
             in the same order.
         group: the process group (``None``: the default group).
 
@@ -101,7 +101,7 @@ def save_checkpoint(
 
 
 def _write(path, optim_state: dict, size: int, generators: list[torch.Generator]) -> None:
-    """Rank 0's part of :func:`save_checkpoint`: the state, to ``path`` through a temporary. An
+    """Rank 0's part of `save_checkpoint`: the state, to ``path`` through a temporary. An
     error writing it is reworded to name the file and the fix (what every rank then raises)."""
     state = {
         "format": _FORMAT,
@@ -166,7 +166,7 @@ def _load_state(path: str, group: dist.ProcessGroup | None) -> dict:
     """The checkpoint's contents on every rank, or the same error on every rank: rank 0 reads
     the file and broadcasts its bytes (or the error reading them); each rank loads them, with
     several ranks every CUDA tensor onto its own device; the ranks compare outcomes
-    (:func:`~pyro_quadvi.distributed.comm.raise_together`), so a load failing on one rank only
+    (`raise_together`), so a load failing on one rank only
     (a rank without CUDA reading a GPU fit's tensors) raises on all."""
     rank, size = world(group)
     box = [_read(path) if rank == 0 else None]
@@ -203,7 +203,7 @@ def load_checkpoint(
     generator: Generators = None,
     group: dist.ProcessGroup | None = None,
 ) -> dict:
-    """Restore what :func:`save_checkpoint` wrote, on every rank (rank 0 reads, then broadcasts).
+    """Restore what `save_checkpoint` wrote, on every rank (rank 0 reads, then broadcasts).
 
     Only rank 0 needs to see the file, but every rank makes the call (a collective: a
     broadcast of the file's bytes). Restore before the first step, into a fresh param store or

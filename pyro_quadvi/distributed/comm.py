@@ -34,7 +34,7 @@ __all__ = [
 def world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """``(rank, world size)`` in ``group``; ``(0, 1)`` when ``torch.distributed`` is not set up.
 
-    Every function and class of :mod:`pyro_quadvi.distributed` finds its rank here, so each
+    Every function and class of `pyro_quadvi.distributed` finds its rank here, so each
     refuses a group the calling process is not a member of.
 
     Raises:
@@ -70,7 +70,7 @@ def shard(num_rows: int, group: dist.ProcessGroup | None = None) -> slice:
 
     Rows are split as ``numpy.array_split`` does: the first ``num_rows % W`` ranks get one row
     more. Shards of unequal size need their share set on the ELBO
-    (:attr:`~pyro_quadvi.distributed.DistributedQuadratureELBO.share`).
+    (`share`).
 
     Raises:
         ValueError: when there are fewer rows than ranks (a rank would have no data).
@@ -120,7 +120,7 @@ def check_agreement(
 
 
 def check_sections(sections: Sequence[Section], group: dist.ProcessGroup | None = None) -> None:
-    """:func:`check_agreement` of several fingerprints in one collective; the first section that
+    """`check_agreement` of several fingerprints in one collective; the first section that
     differs names the error. Every rank must pass the same number of entries in each section."""
     _, size = world(group)
     if size == 1:
@@ -143,7 +143,7 @@ def gather_rows(values: torch.Tensor, group: dist.ProcessGroup | None = None) ->
 
 
 def refuse_disagreement(rows: torch.Tensor, sections: Sequence[Section]) -> None:
-    """Raise unless the rows of :func:`gather_rows` agree bit for bit on the entries of
+    """Raise unless the rows of `gather_rows` agree bit for bit on the entries of
     ``sections`` (their columns, in order, from the first)."""
     start = 0
     for values, what, fix in sections:
@@ -247,7 +247,7 @@ def all_reduce_mean_(
     group: dist.ProcessGroup | None = None,
     *,
     check_shapes: bool = True,
-):
+) -> None:
     """Replace each tensor by its mean over the ranks, in one all-reduce per dtype and device.
 
     **Every rank must pass the same tensors in the same order**: the tensors are laid end to end
@@ -255,7 +255,7 @@ def all_reduce_mean_(
     passes ``[b, a]`` (same sizes) adds ``a`` to ``b`` without any error. ``SVI`` hands an
     optimizer its parameters as a set whose order differs between ranks: sort them by their name
     in Pyro's param store (``pyro.get_param_store().param_name(p)``), as
-    :class:`~pyro_quadvi.distributed.DistributedOptimizer` does.
+    `DistributedOptimizer` does.
 
     The sum is IEEE arithmetic: a value that is not finite on any rank makes that entry not finite
     (NaN or infinite) on every rank, and every rank receives the same bits (ring and tree
@@ -283,12 +283,12 @@ def all_reduce_sum_(
     group: dist.ProcessGroup | None = None,
     *,
     check_shapes: bool = True,
-):
-    """Replace each tensor by its sum over the ranks, as :func:`all_reduce_mean_` does its mean
+) -> None:
+    """Replace each tensor by its sum over the ranks, as `all_reduce_mean_` does its mean
     (one all-reduce per dtype and device; the same bits on every rank).
 
     **Every rank must pass the same tensors in the same order** (sorted by a name the ranks share,
-    such as Pyro's param store name): :func:`all_reduce_mean_` says why, and what
+    such as Pyro's param store name): `all_reduce_mean_` says why, and what
     ``check_shapes`` checks.
     """
     _fused_all_reduce_(tensors, group, mean=False, check_shapes=check_shapes)
@@ -369,7 +369,7 @@ def projection(values: torch.Tensor) -> torch.Tensor:
 
 def arguments_section(args: Sequence, what: str, fix: str) -> Section:
     """An agreement section of the tensors among ``args`` (a step's batch): their number, a
-    checksum of their shapes, and the sum of their :func:`projection` times their position. Three
+    checksum of their shapes, and the sum of their `projection` times their position. Three
     entries whatever the batch."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     shapes = repr([tuple(t.shape) for t in tensors]).encode()
@@ -384,7 +384,7 @@ def arguments_section(args: Sequence, what: str, fix: str) -> Section:
 
 
 def projections(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The sum of the tensors' :func:`projection` times their position (from 1): one 0-d float64
+    """The sum of the tensors' `projection` times their position (from 1): one 0-d float64
     number on the CPU that changes (almost surely) when any value, or the order, does."""
     return sum(
         (projection(t).cpu() * (i + 1) for i, t in enumerate(tensors)),

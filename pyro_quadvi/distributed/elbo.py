@@ -1,6 +1,6 @@
 """``DistributedQuadratureELBO``: ``QuadratureELBO`` shared across ranks, by data or by nodes.
 
-The loss is (1) of :mod:`pyro_quadvi.infer.quadrature_elbo`, the quadrature estimate of the
+The loss is (1) of `pyro_quadvi.infer.quadrature_elbo`, the quadrature estimate of the
 negative ELBO (rasp paper, eq. 9 and 13). Every rank draws the same quadrature of the step (same
 sequence position, same random state; the nodes are checked across ranks when ``check_nodes``).
 What a rank evaluates depends on the mode:
@@ -8,14 +8,14 @@ What a rank evaluates depends on the mode:
 * ``parallel="data"``: all ``K`` nodes, on the rank's shard of the minibatch. With the model's
   data plate scaled by ``N / B_r`` (its own rows ``B_r``), rank ``r``'s loss ``L_r`` is an
   estimate of the whole loss and the weighted mean ``sum_r (B_r / B) L_r`` with ``B = sum_r B_r``
-  is the full-batch loss (1) of :mod:`pyro_quadvi.infer.quadrature_elbo`: prior and entropy are
+  is the full-batch loss (1) of `pyro_quadvi.infer.quadrature_elbo`: prior and entropy are
   the same on every rank, and the likelihood terms add up to ``N / B`` times the batch's.
 * ``parallel="nodes"``: nodes ``r, r + W, r + 2 W, ...`` on the whole minibatch. Rank ``r`` forms
   ``L_r = -W sum_{k = r mod W} w_k log p(x, z_k) - H[q]``, so that the mean over ranks is (1).
 
 In both modes the mean over ranks of the losses, of their gradients and of the moments ``g``, ``h``
-they publish is the single-process value: :class:`~pyro_quadvi.distributed.DistributedOptimizer`
-averages gradients and moments, and :meth:`loss_and_grads` reports the averaged loss.
+they publish is the single-process value: `DistributedOptimizer`
+averages gradients and moments, and `loss_and_grads` reports the averaged loss.
 """
 
 from __future__ import annotations
@@ -50,15 +50,15 @@ PARALLEL_MODES = ("data", "nodes")
 
 
 class DistributedQuadratureELBO(QuadratureELBO):
-    """:class:`~pyro_quadvi.infer.QuadratureELBO` on ``torch.distributed``, data- or node-parallel.
+    """`QuadratureELBO` on ``torch.distributed``, data- or node-parallel.
 
     Args:
-        rule: as for :class:`~pyro_quadvi.infer.QuadratureELBO`.
+        rule: as for `QuadratureELBO`.
         num_points: as for ``QuadratureELBO``.
         vectorize: as for ``QuadratureELBO``.
         max_plate_nesting: as for ``QuadratureELBO``.
         generator: as for ``QuadratureELBO``; it (or torch's global generator) must hold the
-            same state on every rank (:func:`~pyro_quadvi.distributed.broadcast_generator`).
+            same state on every rank (`broadcast_generator`).
         name: as for ``QuadratureELBO``.
         parallel: ``"data"`` (each rank passes its shard of the minibatch to ``svi.step``) or
             ``"nodes"`` (each rank passes the whole minibatch and evaluates every ``W``-th node).
@@ -74,7 +74,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
             ``None`` (default) means equal shards, ``1 / W``. Set it before each step when shards
             differ in size (the remainder of a batch that ``W`` does not divide).
 
-    Use it with :class:`~pyro_quadvi.distributed.DistributedOptimizer` around ``QNVB`` (or any
+    Use it with `DistributedOptimizer` around ``QNVB`` (or any
     ``PyroOptim``). Without an initialized process group it is a ``QuadratureELBO`` of one rank.
     """
 
@@ -150,7 +150,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
     def _quadrature_loss(self, model: Callable, guide: Callable, args, kwargs):
         """``QuadratureELBO``'s loss; in data mode with several ranks, watching the model's
         observed sites in data plates that are not subsampled and the size of the minibatch of
-        those that are (:class:`_WholePlateObservations`)."""
+        those that are (`_WholePlateObservations`)."""
         self._whole_plates, self._minibatch_rows = {}, math.nan
         if self.parallel != "data" or world(self.group)[1] == 1:
             return super()._quadrature_loss(model, guide, args, kwargs)
@@ -162,7 +162,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
     def _shard_rows(self, args: tuple, kwargs: dict) -> float:
         """This rank's rows: the size of the minibatch of the model's subsampled data plate, as
         the model ran it; for a model without one, dim 0 of the first tensor argument of
-        ``svi.step`` (:func:`~pyro_quadvi.guides.interface.first_rows`)."""
+        ``svi.step`` (`first_rows`)."""
         if not math.isnan(self._minibatch_rows):
             return self._minibatch_rows
         return first_rows(args, kwargs)[1]
@@ -182,8 +182,8 @@ class DistributedQuadratureELBO(QuadratureELBO):
         """Raise when the ranks observe different values at a site that sits in a full-size
         plate with nothing scaling it (no subsampled plate, no ``poutine.scale``): each rank's
         likelihood then counts its own rows at scale 1, and the mean over the ranks weights
-        every row by ``1 / W`` (rasp paper, eq. 9: the minibatch term must be scaled by
-        ``N / B``)."""
+        every row by ``1 / W`` (the sparse-VI paper's eq. 1: a minibatch's term is scaled by
+        ``n / m``, here ``N / B``)."""
         bits = columns.contiguous().view(torch.int64)
         if not bool((bits != bits[:1]).any()):
             return
@@ -305,11 +305,13 @@ class DistributedQuadratureELBO(QuadratureELBO):
             )
         return loss, description, rows[:, 0].sum().item() / size
 
-    def differentiable_loss(self, model: Callable, guide: Callable, *args, **kwargs):
+    def differentiable_loss(
+        self, model: Callable, guide: Callable, *args, **kwargs
+    ) -> torch.Tensor:
         """This rank's term ``L_r`` (differentiable); the mean over ranks is the negative ELBO.
 
         A collective call (every rank makes it): the ranks check their nodes, shares and errors
-        together (see :meth:`loss_and_grads`).
+        together (see `loss_and_grads`).
         """
         loss, description, _ = self._evaluate(model, guide, args, kwargs, grad=True)
         self._advance(description)
@@ -321,7 +323,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
         A collective call: **every** rank must make it, with its own shard (data parallel) or the
         same batch (node parallel); called under ``if rank == 0`` it waits for the others until
         the process group's timeout. To evaluate on one rank only, use a plain
-        :class:`~pyro_quadvi.infer.QuadratureELBO` with the same rule there: it communicates
+        `QuadratureELBO` with the same rule there: it communicates
         nothing.
         """
         return self._evaluate(model, guide, args, kwargs, grad=False)[2]

@@ -2,9 +2,9 @@
 
 In the spirit of Pyro's ``HorovodOptimizer``, on ``torch.distributed``: before the wrapped
 optimizer steps, the gradients of the parameters ``SVI`` hands it and the moments ``g``, ``h`` that
-``QuadratureELBO`` published for them (:func:`~pyro_quadvi.guides.interface.published_moments`)
+``QuadratureELBO`` published for them (`published_moments`)
 are replaced by their means over the ranks. With
-:class:`~pyro_quadvi.distributed.DistributedQuadratureELBO` those means are the single-process
+`DistributedQuadratureELBO` those means are the single-process
 values (its module docstring says why), so every rank takes the same step.
 """
 
@@ -60,7 +60,7 @@ class DistributedOptimizer(PyroOptim):
             the least loaded rank): each rank updates its blocks and broadcasts their new values
             (one broadcast per rank), instead of every rank updating every block. The result is
             the same bit for bit (the update is elementwise); each block's QNVB state then lives
-            on its rank only, and :meth:`get_state` gathers it (with the settings each block
+            on its rank only, and `get_state` gathers it (with the settings each block
             was updated with, which a restore checks).
         group: the process group (``None``: the default group).
 
@@ -77,18 +77,18 @@ class DistributedOptimizer(PyroOptim):
     Attribute look-ups it does not know go to ``optim`` (``num_steps``, ``anneal``, ...);
     ``get_state`` / ``set_state`` (and ``save`` / ``load``) are ``optim``'s, the same on every
     rank (gathered first with ``shard_update``), so rank 0 saves them
-    (:func:`~pyro_quadvi.distributed.save_checkpoint`).
+    (`save_checkpoint`).
 
     Raises (on every rank together):
         ValueError: QNVB's refusal of a block it would update from gradients alone (Pyro's
             ``AutoNormal`` under Pyro's ELBOs) whose guide does not record its minibatch, when
             some of its entries have no gradient on some rank (checked before the mean, which
             would give them the other ranks' gradients); and when the ranks' guides last ran on
-            minibatches of different sizes (:func:`~pyro_quadvi.guides.interface.run_rows`)
+            minibatches of different sizes (`run_rows`)
             and no rank's ELBO published moments (Pyro's ELBOs, which cannot weight a rank by
             its rows).
         RuntimeError: when the ranks' guides last ran under different scales (a
-            ``poutine.scale`` per rank; :func:`~pyro_quadvi.guides.interface.run_scale`); when
+            ``poutine.scale`` per rank; `run_scale`); when
             the ranks received different parameters or different values of them
             (ranks seeded differently: a projection of the values is compared), when their QNVBs
             give a block other hyperparameters (naming the block and the setting), disagree on which
@@ -100,8 +100,8 @@ class DistributedOptimizer(PyroOptim):
 
     Built with ``group=`` (a ``ProcessGroup``), it cannot be deep-copied or pickled (torch
     cannot pickle a ``ProcessGroup``): save and restore it with
-    :func:`~pyro_quadvi.distributed.save_checkpoint` and
-    :func:`~pyro_quadvi.distributed.load_checkpoint`.
+    `save_checkpoint` and
+    `load_checkpoint`.
     """
 
     def __init__(
@@ -183,7 +183,7 @@ class DistributedOptimizer(PyroOptim):
         list[tuple[int, list[torch.Tensor]]], list[tuple[Callable, GuideDescription]] | None
     ]:
         """Average gradients and moments; return the moment blocks as ``(owner, leaves)``, and
-        the descriptions of the live guides made for the checks (:meth:`_gradient_sites`;
+        the descriptions of the live guides made for the checks (`_gradient_sites`;
         ``None`` when none were needed)."""
         store = pyro.get_param_store()
         named = sorted(((store.param_name(p), p) for p in params), key=lambda n: n[0] or "")
@@ -301,7 +301,7 @@ class DistributedOptimizer(PyroOptim):
 
     def _block_settings(self, sites: list[MeanFieldSite]) -> dict[str, QNVBHyperparameters]:
         """The hyperparameters QNVB gives each block this step (by loc name): those with
-        moments, and those read from gradients (:meth:`_gradient_sites`)."""
+        moments, and those read from gradients (`_gradient_sites`)."""
         qnvb = self._qnvb()
         if qnvb is None:
             return {}
@@ -334,7 +334,7 @@ class DistributedOptimizer(PyroOptim):
     ) -> tuple[list[MeanFieldSite], list[tuple[Callable, GuideDescription]] | None]:
         """The sites of the blocks QNVB would update from their gradients alone (no moments
         published): their rows, where the guide records them (``AutoMeanFieldNormal``), join the
-        rows compared across the ranks; where it does not, :func:`_unknown_minibatches`. And the
+        rows compared across the ranks; where it does not, `_unknown_minibatches`. And the
         descriptions of the live guides they came from, which QNVB's step then takes instead of
         describing the guides again (``None``: none were made)."""
         qnvb = self._qnvb()
@@ -384,10 +384,10 @@ class DistributedOptimizer(PyroOptim):
 
 
 def _guide_runs(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, float]:
-    """The run scales (:func:`~pyro_quadvi.guides.interface.run_scale`) of the live guides that
+    """The run scales (`run_scale`) of the live guides that
     hold one of the parameters, as their sum and position-weighted sum (in the order of their
     first parameter's name), and the sum of their run rows
-    (:func:`~pyro_quadvi.guides.interface.run_rows`; NaN where some guide's are unknown)."""
+    (`run_rows`; NaN where some guide's are unknown)."""
     names = {id(p): name for name, p in named}
     found = []
     for guide in live_guides():
@@ -413,9 +413,10 @@ def _guide_runs(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, fl
 def _refuse_unequal_minibatches(minibatches: torch.Tensor, published: bool) -> None:
     """Raise on every rank when the ranks' guides ran on minibatches of different numbers of
     rows and no rank's ELBO published moments (Pyro's ELBOs): each rank's gradients carry its
-    own plate scale ``N / B_r``, and their plain mean weights the ranks' rows unequally (rasp
-    paper, eq. 9 needs ``N / B`` on every row). ``DistributedQuadratureELBO`` publishes moments
-    and weights its shards itself (its ``share``)."""
+    own plate scale ``N / B_r``, and their plain mean weights the ranks' rows unequally (the
+    sparse-VI paper's eq. 1 scales a minibatch by ``n / m``: ``N / B`` on every row).
+    ``DistributedQuadratureELBO`` publishes moments and weights its shards itself (its
+    ``share``)."""
     if published or bool(minibatches.isnan().any()):
         return
     if bool((minibatches != minibatches[0]).any()):
@@ -440,7 +441,7 @@ def _settings_fingerprint(settings: dict[str, QNVBHyperparameters]) -> torch.Ten
 
 
 def _unknown_minibatches(sites: list[MeanFieldSite]) -> dict[str, ValueError]:
-    """QNVB's refusal (:func:`~pyro_quadvi.optim.qnvb.minibatch_refusal`) of each block it would
+    """QNVB's refusal (`minibatch_refusal`) of each block it would
     update from gradients alone whose guide does not record its minibatch and that has entries
     without gradients on this rank (by loc name): the mean over the ranks would give those
     entries the other ranks' gradients, and QNVB's own check would then pass."""

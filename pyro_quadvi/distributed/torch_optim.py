@@ -56,13 +56,13 @@ class _NodeShare(NodeSet):
 
 
 class NodeParallelQNVBOptimizer(QNVBOptimizer):
-    """:class:`~pyro_quadvi.optim.QNVBOptimizer` whose nodes are divided between the ranks.
+    """`QNVBOptimizer` whose nodes are divided between the ranks.
 
-    Every rank passes the **whole** minibatch to :meth:`step` (a closure, or ``loss_fn`` and
+    Every rank passes the **whole** minibatch to `step` (a closure, or ``loss_fn`` and
     ``batch``); rank ``r`` evaluates nodes ``r, r + W, ...`` of the step. The weighted sums of the
     loss, of the gradients and of the gradients times the offsets (rasp paper, eq. 11) are summed
     over the ranks in one all-reduce per dtype, so every rank takes the same QNVB step (eq. 4-8),
-    bit for bit, and :meth:`step` returns the quadrature average of the loss over all ``K`` nodes
+    bit for bit, and `step` returns the quadrature average of the loss over all ``K`` nodes
     on every rank. Without an initialized process group it is a ``QNVBOptimizer``.
 
     Args:
@@ -82,7 +82,7 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
     ``DistributedDataParallel`` does) and the state of ``generator`` when one is given (random
     rules draw their nodes from it; without one they draw from torch's global generator, which
     the ranks must then seed alike or share with
-    :func:`~pyro_quadvi.distributed.broadcast_generator`). ``state_dict`` is the same on every
+    `broadcast_generator`). ``state_dict`` is the same on every
     rank: rank 0 saves it, every rank loads it, and the run continues bit for bit.
 
     Raises:
@@ -149,7 +149,7 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         batch: tuple = (),
         vectorize: bool | None = None,
     ) -> torch.Tensor:
-        """:meth:`QNVBOptimizer.step <pyro_quadvi.optim.QNVBOptimizer.step>`, this rank's nodes.
+        """`QNVBOptimizer.step`, this rank's nodes.
 
         With ``check_nodes``, a one-pass step's ``batch`` is part of the step's agreement check
         (its tensors' shapes and a projection of their values): node parallel needs the same
@@ -197,18 +197,18 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         return _NodeShare(nodes, rank, size)
 
     def _closure_moments(self, params, nodes, closure):
-        """:meth:`QNVBOptimizer._closure_moments`, an error kept for :meth:`_combine` to raise on
+        """`QNVBOptimizer._closure_moments`, an error kept for `_combine` to raise on
         every rank."""
         return self._caught(super()._closure_moments, params, nodes, closure)
 
     def _one_pass_moments(self, params, nodes, loss_fn, batch, vectorize):
-        """:meth:`QNVBOptimizer._one_pass_moments`, an error kept for :meth:`_combine` to raise on
+        """`QNVBOptimizer._one_pass_moments`, an error kept for `_combine` to raise on
         every rank."""
         return self._caught(super()._one_pass_moments, params, nodes, loss_fn, batch, vectorize)
 
     def _caught(self, evaluate: Callable, params, *args):
         """``evaluate(params, *args)``; with several ranks, an error it raises is kept
-        (:attr:`_failure`) and the step goes on to :meth:`_combine` with no moments, so that the
+        (`_failure`) and the step goes on to `_combine` with no moments, so that the
         other ranks, waiting there, hear of it instead of waiting for the process group's timeout.
         """
         if world(self.group)[1] == 1:
@@ -226,7 +226,7 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         a zero gradient on the others.
 
         The flags of which parameters have gradients carry one more: whether this rank's
-        evaluation raised. If any rank's did, every rank refuses the step (:meth:`_refuse`)."""
+        evaluation raised. If any rank's did, every rank refuses the step (`_refuse`)."""
         _, size = world(self.group)
         if size == 1:
             return loss_avg, moments

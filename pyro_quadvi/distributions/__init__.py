@@ -1,5 +1,5 @@
 """Distributions of pyro-quadvi: the spike-and-slab (Dirac-Gauss) mixture, and the iid Normal
-prior of :mod:`pyro_quadvi.nn`'s priors."""
+prior of `pyro_quadvi.nn`'s priors."""
 
 from .iid_normal import IidNormal
 from .spike_slab import SpikeSlab

@@ -1,8 +1,8 @@
 """``IidNormal``: a Normal prior with one loc and one scale for every entry of a parameter.
 
-The priors of :mod:`pyro_quadvi.nn` build it, and :class:`~pyro_quadvi.infer.QuadratureELBO`
+The priors of `pyro_quadvi.nn` build it, and `QuadratureELBO`
 recognizes it to integrate the prior of a Gaussian guide's site in closed form
-(:class:`~pyro_quadvi.infer.LogJoint`, ``expected_log_priors``).
+(`LogJoint`, ``expected_log_priors``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 class IidNormal(dist.Normal):
     """A ``Normal`` with one ``loc`` and one ``scale`` (numbers) for every entry of a parameter.
 
-    Built by :meth:`of`: its ``loc`` and ``scale`` are those numbers expanded to the parameter's
+    Built by `of`: its ``loc`` and ``scale`` are those numbers expanded to the parameter's
     shape (one element in memory each), checked once there rather than entry by entry, and its
     log density
 
@@ -52,7 +52,11 @@ class IidNormal(dist.Normal):
         prior.iid = (float(loc), float(scale))
         return prior
 
-    def expand(self, batch_shape, _instance=None):
+    def expand(
+        self,
+        batch_shape: torch.Size | list[int] | tuple[int, ...],
+        _instance: IidNormal | None = None,
+    ) -> IidNormal:
         new = self._get_checked_instance(IidNormal, _instance)
         new.iid = self.iid
         return super().expand(batch_shape, _instance=new)

@@ -12,7 +12,7 @@ Densities are taken with respect to the sum of Lebesgue measure and a unit point
 the measure the sequence paper reaches as its carve-out ``epsilon -> 0`` (eq. 4.3, 4.4): at exactly
 ``0`` the log density is ``log(1 - phi)``, anywhere else ``log phi + log N(theta | nu, tau^2)``.
 Two spike-and-slab distributions compared under this one measure give the closed-form
-:func:`kl_spike_slab`, the quantity the sparse-VI paper's estimator (its eq. 1) needs.
+`kl_spike_slab`, the quantity the sparse-VI paper's estimator (its eq. 1) needs.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class SpikeSlab(TorchDistribution):
 
     ``log_prob`` is with respect to Lebesgue measure plus a unit mass at zero (see the module),
     so ``log_prob(0) = log(1 - inclusion)``. ``sample`` is exact; there is no ``rsample`` (the
-    Bernoulli choice has no reparameterization: :class:`~pyro_quadvi.infer.GumbelSpikeSlabELBO`
-    relaxes it, :class:`~pyro_quadvi.infer.QuadratureELBO` integrates the moments of eq. 4.2).
+    Bernoulli choice has no reparameterization: `GumbelSpikeSlabELBO`
+    relaxes it, `QuadratureELBO` integrates the moments of eq. 4.2).
     """
 
     arg_constraints: ClassVar[dict] = {
@@ -116,7 +116,11 @@ class SpikeSlab(TorchDistribution):
         """``log P(theta = 0)`` (``-inf`` for inclusion 1)."""
         return F.logsigmoid(self.zero_logits)
 
-    def expand(self, batch_shape, _instance=None):
+    def expand(
+        self,
+        batch_shape: torch.Size | list[int] | tuple[int, ...],
+        _instance: SpikeSlab | None = None,
+    ) -> SpikeSlab:
         new = self._get_checked_instance(SpikeSlab, _instance)
         batch_shape = torch.Size(batch_shape)
         new.zero_logits = self.zero_logits.expand(batch_shape)

@@ -1,6 +1,6 @@
 """Model evidence: OPQA, the orthogonal-polynomials quadrature algorithm, with a centred weight.
 
-:mod:`~pyro_quadvi.evidence.baselines` holds the estimators it is compared with (importance
+`baselines` holds the estimators it is compared with (importance
 sampling, nested sampling).
 """
 

@@ -1,11 +1,11 @@
 """Reference evidence estimators to compare OPQA with: importance sampling and nested sampling.
 
-- :func:`importance_log_evidence`: Pyro's ``vectorized_importance_weights`` with any proposal (a
-  fitted guide, or the prior through :func:`prior_guide`), in batches;
-- :func:`nested_sampling_log_evidence`: dynesty's static nested sampler (the optional extra
+- `importance_log_evidence`: Pyro's ``vectorized_importance_weights`` with any proposal (a
+  fitted guide, or the prior through `prior_guide`), in batches;
+- `nested_sampling_log_evidence`: dynesty's static nested sampler (the optional extra
   ``pip install "pyro-quadvi[evidence]"``).
 
-Each returns an :class:`EvidenceEstimate` with the number of likelihood evaluations it spent.
+Each returns an `EvidenceEstimate` with the number of likelihood evaluations it spent.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def importance_log_evidence(
     """``log p(x) ~= log mean_k p(x, z_k) / q(z_k)`` with ``z_k ~ q``, Pyro's importance sampling.
 
     Draws ``num_samples`` proposals in batches of ``batch_size`` with
-    :func:`pyro.infer.importance.vectorized_importance_weights` (the model and the guide must run
+    `pyro.infer.importance.vectorized_importance_weights` (the model and the guide must run
     under a particle plate). Seed with ``pyro.set_rng_seed``.
     """
     start = time.perf_counter()

@@ -2,7 +2,7 @@
 
 The evidence ``p(x) = int f(z) dz`` with ``f(z) = p(x, T(z)) |J_T(z)|`` on Pyro's unconstrained
 latent space is written through standard offsets ``z = m + L x`` (the Gaussian weight of
-:mod:`~pyro_quadvi.evidence.weight`) as
+`weight`) as
 
     p(x) = E_{x ~ N(0, I)}[g(x)],     g(x) = |det L| f(m + L x) / phi(x),
 
@@ -61,7 +61,7 @@ CENTERS = ("laplace", "guide", "none")
 
 @dataclass
 class OPQAResult:
-    """What :func:`opqa_evidence` returns.
+    """What `opqa_evidence` returns.
 
     Attributes:
         log_evidence: ``log p(x) = log sum_{tau in T} a_tau^2`` (eq. 11), in nats.
@@ -73,10 +73,10 @@ class OPQAResult:
         normalized_coefficients: ``a_tau / sqrt(sum_T a^2)``, unit norm (the paper's ``p_T``
             coefficients, Section 2.1).
         posterior: the density ``p_T(x)^2 phi(x)`` mapped to the model's latents
-            (:class:`~pyro_quadvi.evidence.posterior.OPQAPosterior`).
+            (`OPQAPosterior`).
         num_evaluations: every evaluation of the log joint, the grid's and the weight's (the MAP
             search and the Hessian for ``center="laplace"``).
-        diagnostics: see :func:`opqa_evidence`.
+        diagnostics: see `opqa_evidence`.
     """
 
     log_evidence: float
@@ -138,7 +138,7 @@ def opqa_evidence(
             does not broadcast (a shape error, or values that differ), loops over the nodes with
             one warning; ``True`` runs every chunk vectorized, checking the first chunk the same
             way (their errors propagate, and a disagreement raises
-            :class:`~pyro_quadvi.infer.batched.BatchMismatch` naming the reason and the ways
+            `BatchMismatch` naming the reason and the ways
             out); ``False`` always loops. Errors of the model itself propagate in every case.
         progress: show a progress bar over the chunks (``None``: for grids of several chunks, on
             a terminal).
@@ -161,7 +161,7 @@ def opqa_evidence(
     away from the CUDA device of the model's tensors, are refused, naming the sites.
 
     Returns:
-        An :class:`OPQAResult`. Its ``diagnostics`` hold ``center``, ``dim``, ``num_points``,
+        An `OPQAResult`. Its ``diagnostics`` hold ``center``, ``dim``, ``num_points``,
         ``max_degree``, ``grid_size``, ``loc`` and ``scale_tril`` (the weight),
         ``log_joint_at_center``, ``quadrature_log_evidence`` (plain Gauss-Hermite, all nodes),
         ``laplace_log_evidence`` (for ``center="laplace"``), ``energy_by_degree`` (the share of
@@ -218,7 +218,7 @@ def _evidence(
     progress,
     start_time,
 ) -> OPQAResult:
-    """:func:`opqa_evidence` after its arguments' check, inside its fork of the random state."""
+    """`opqa_evidence` after its arguments' check, inside its fork of the random state."""
     # a restored param store's values, not the stale ones of plain parameters (store.py)
     follow_param_store(unwrap_guide(model))
     if guide is not None:
@@ -377,7 +377,7 @@ def _to_float64(value):
 
 class _Float64Prior(Messenger):
     """Draws the latent sites from the prior in float64 (a float32 prior's draws are cast), and
-    records the device of each draw in :attr:`devices` (site -> device, in the model's order)."""
+    records the device of each draw in `devices` (site -> device, in the model's order)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -410,10 +410,10 @@ def _latent_sites_and_device(
     """The model's latent sites, from a run in float64, and the device its latents live on.
 
     The device is the one the prior draws its latents on, the device of the prototype values
-    from which Pyro's AutoGuides (and so :class:`~pyro_quadvi.infer.QuadratureELBO`'s nodes)
+    from which Pyro's AutoGuides (and so `QuadratureELBO`'s nodes)
     take theirs. Refuses a model that cannot run in float64, latents drawn on two devices, and
     latents drawn away from the CUDA device holding the model's tensors
-    (:func:`~pyro_quadvi.infer.log_joint.cuda_devices` of the model and its arguments), each
+    (`cuda_devices` of the model and its arguments), each
     named, with the fix.
     """
     prior = _Float64Prior()
@@ -580,7 +580,7 @@ def _evaluate_grid(
     log_joint, weight, nodes, dim, args, kwargs, vectorize, chunk_size, progress
 ) -> tuple[torch.Tensor, BatchDecision]:
     """``log f(m + L x_j)`` on the tensor grid, in chunks; the first chunk decides ``vectorize``
-    (:func:`~pyro_quadvi.infer.batched.evaluate_batch`) for all of them. The points are made on
+    (`evaluate_batch`) for all of them. The points are made on
     the device of ``nodes`` and of the weight (the model's), and so are the values."""
     num_points = len(nodes)
     grid_size = num_points**dim

@@ -51,7 +51,7 @@ class Marginal:
             elementwise (a simplex, say), where a constrained coordinate is not a function of one
             unconstrained coordinate.
         exact: whether the integral over the other coordinates was exact (always, unless the
-            expansion has a high degree in many dimensions; see :meth:`OPQAPosterior.marginals`).
+            expansion has a high degree in many dimensions; see `OPQAPosterior.marginals`).
     """
 
     values: torch.Tensor
@@ -77,7 +77,7 @@ class OPQAPosterior:
     prior's ``Sigmoid`` and ``Affine`` parts, say), into copies of the sites: the sites of a model
     on a GPU hold transforms built from its priors there. Every density, moment and marginal is
     computed there, and values passed to the densities may be on any device: they are copied to
-    it too. :func:`~pyro_quadvi.evidence.opqa_evidence` gives ``loc`` on the CPU whatever the
+    it too. `opqa_evidence` gives ``loc`` on the CPU whatever the
     model's device (the densities and moments are small computations, and a posterior on the CPU
     is the same object for a CPU model and a GPU one); a CPU model's transforms hold CPU tensors
     already, and its posterior computes with the same numbers as before the copy.

@@ -5,10 +5,10 @@ weight (opqa paper, eq. 4-9). The paper fixes the weight to ``exp(-theta^2)``; h
 ``N(loc, L L^T)`` on Pyro's unconstrained latent space, written through standard offsets
 ``z = loc + L x`` with ``x ~ N(0, I)``. Three choices:
 
-- :func:`laplace_weight`: a Laplace approximation, ``N(mode, H^-1)`` with the MAP mode found by
+- `laplace_weight`: a Laplace approximation, ``N(mode, H^-1)`` with the MAP mode found by
   L-BFGS and the Hessian ``H`` of the negative log joint by autograd;
-- :func:`guide_weight`: the loc and scale of a fitted Gaussian guide;
-- :func:`fixed_weight`: the paper's ``exp(-theta^2)``, i.e. ``loc = 0`` and ``L = I / sqrt(2)``.
+- `guide_weight`: the loc and scale of a fitted Gaussian guide;
+- `fixed_weight`: the paper's ``exp(-theta^2)``, i.e. ``loc = 0`` and ``L = I / sqrt(2)``.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def guide_weight(
 ) -> GaussianWeight:
     """The weight given by a fitted Gaussian guide's unconstrained mean and covariance.
 
-    The guide is read through :func:`~pyro_quadvi.guides.describe_guide` from one run: a mean
+    The guide is read through `describe_guide` from one run: a mean
     field gives a diagonal ``L``; a joint Gaussian (``AutoMultivariateNormal``,
     ``AutoLowRankMultivariateNormal``) the Cholesky factor of its covariance.
 

@@ -14,13 +14,13 @@ Every pass runs on the full data. A plate that subsamples (``pyro.plate(name, N,
 subsample_size=B)``) is swept in chunks of ``B`` consecutive rows: Pyro requires ``B`` indices per
 run, so the rows ``0..N-1`` are cut into chunks of ``B`` (the last one ending at ``N``, overlapping
 its neighbour) and each chunk is set as the plate's subsample. Latents outside the chunked plates
-are drawn once per draw and held fixed over the chunks (:func:`poutine.condition`); a local latent
+are drawn once per draw and held fixed over the chunks (`poutine.condition`); a local latent
 is drawn once per row. The guide's local latents are thus drawn for every row.
 
 A pass is *vectorized* when the model and guide broadcast over a draw plate left of their own plates
 (one run for all ``S`` draws, as ``Predictive(parallel=True)``), and *looped* otherwise (one run per
 draw, e.g. a ``PyroModule`` network whose ``nn.Linear`` cannot take a batch of weights).
-:func:`~pyro_quadvi.infer.batched.evaluate_batch` chooses, with the package's one meaning of
+`evaluate_batch` chooses, with the package's one meaning of
 ``vectorize``: with ``None`` the vectorized pass is tried first and accepted only if every site has
 the expected shape and two of its draws (the first and the last) reproduce, site by site, the log
 densities and deterministic values of an unbatched run of the model at the same values; a
@@ -154,7 +154,7 @@ class _PlateRows(Messenger):
 class _ReleaseObserved(Messenger):
     """Samples the named observed sites from their distribution instead of observing the data.
 
-    Unlike :func:`pyro.poutine.uncondition`, it leaves deterministic and factor sites alone (those
+    Unlike `pyro.poutine.uncondition`, it leaves deterministic and factor sites alone (those
     are observed sites too in Pyro, and resampling an expanded ``Delta`` changes its shape).
     """
 
@@ -548,11 +548,11 @@ def draw(
     """Draw the posterior, log likelihood, posterior predictive, observed data and (with
     ``prior``) the prior and prior predictive, batched over the draws if the model allows it
     (``vectorize``: ``None`` tries, ``True`` forces, ``False`` loops). The points are random
-    draws, so :func:`~pyro_quadvi.infer.batched.evaluate_batch` has no single evaluation to
+    draws, so `evaluate_batch` has no single evaluation to
     compare them with (``probe=()``): the batched run checks itself instead, on every call, against
     unbatched runs at its first and last draws, and under ``True`` a disagreement raises
-    :class:`~pyro_quadvi.infer.batched.BatchMismatch` naming the ways out. Groups that would
-    hold more than ``max_bytes`` in all are refused before any draw (:func:`_check_size`).
+    `BatchMismatch` naming the ways out. Groups that would hold more than ``max_bytes`` in all
+    are refused before any draw (`_check_size`).
     """
     check_max_bytes(max_bytes)
     check_guide_was_run(guide, args, kwargs)

@@ -68,7 +68,7 @@ def to_inference_data(
         vectorize: ``None`` (default) tries the batched run and loops over the draws if the model
             does not broadcast (a shape error, or draws that differ from unbatched runs); ``True``
             forces the batched run (its errors propagate, and draws that differ from unbatched
-            runs raise :class:`~pyro_quadvi.infer.batched.BatchMismatch` naming the ways out);
+            runs raise `BatchMismatch` naming the ways out);
             ``False`` always loops. Errors of the model itself propagate in every case.
         max_bytes: the most the groups' draws may hold (4 GiB by default): the latent,
             deterministic and observed sites over the full data in their dtypes, per posterior

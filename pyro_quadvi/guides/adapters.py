@@ -137,7 +137,7 @@ def describe_auto_normal(
         last_run: without a trace, ``site -> (scale factor, rows)`` of the guide's last run where
             the guide keeps it (``AutoMeanFieldNormal``); otherwise rows are unknown (``None``)
             and each site's scale factor is the handler scale around the guide's last run
-            (:func:`~pyro_quadvi.guides.interface.run_scale`: a ``poutine.scale``; the minibatch
+            (`run_scale`: a ``poutine.scale``; the minibatch
             scale of the plates the guide opens is not known then).
     """
     check_set_up(guide)
@@ -226,7 +226,7 @@ def check_set_up(guide: AutoGuide) -> None:
 def _posterior(guide: AutoContinuous, trace: Trace | None) -> tuple[object, float]:
     """The guide's posterior over its latent vector, and that site's scale (a ``poutine.scale``
     around the guide), from ``trace`` or, without one, from its current parameters and the
-    handlers around its last run (:func:`~pyro_quadvi.guides.interface.run_scale`)."""
+    handlers around its last run (`run_scale`)."""
     if trace is not None:
         node = trace.nodes[f"_{guide._pyro_name}_latent"]
         return node["fn"], scale_factor(node)

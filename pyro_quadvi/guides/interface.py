@@ -1,25 +1,25 @@
 """How a guide tells the quadrature ELBO, OPQA and QNVB what it is.
 
-One hook: a guide describes its posterior in a :class:`GuideDescription`, either by implementing
-:class:`QuadratureGuide` (a method ``quadrature_description(trace=None)``, the way Pyro's
+One hook: a guide describes its posterior in a `GuideDescription`, either by implementing
+`QuadratureGuide` (a method ``quadrature_description(trace=None)``, the way Pyro's
 ``AutoContinuous`` exposes ``get_posterior``) or through an adapter registered for its class with
-:func:`register_adapter` (Pyro's own guides, in :mod:`pyro_quadvi.guides.adapters`).
-:func:`describe_guide` finds whichever applies; ``QuadratureELBO``,
+`register_adapter` (Pyro's own guides, in `pyro_quadvi.guides.adapters`).
+`describe_guide` finds whichever applies; ``QuadratureELBO``,
 ``opqa_evidence(center="guide")`` and ``QNVB`` all go through it.
 
 A description lays the model's latent sites end to end in one flat unconstrained vector ``z`` and
 says how the guide's posterior covers it:
 
-* **elementwise families** (one :class:`MeanFieldSite` per block of coordinates, in layout order):
+* **elementwise families** (one `MeanFieldSite` per block of coordinates, in layout order):
   ``"gaussian"`` is ``z = loc + scale * x`` with ``x ~ N(0, I)``; the block names the leaf tensors
   holding its parameters by role (``"loc"``, ``"scale"``), so an optimizer pairs them by identity,
   never by name; ``"dirac_gauss"`` is the spike-and-slab factor of the sequence paper's eq. 4.1
   (a point mass at zero with probability ``q(z)``, ``N(nu, tau^2)`` otherwise), whose nodes are
   ``mean + sd * x`` at the mixture's moments (eq. 4.2), with parameters ``"loc"`` (``nu``),
   ``"scale"`` (``tau``) and ``"logit"`` (``zeta``, the logit of a zero); it meets a
-  :class:`~pyro_quadvi.distributions.SpikeSlab` prior in their closed-form KL
-  (:meth:`MeanFieldSite.kl_to_prior`) instead of through the prior's density at the nodes;
-* a **joint Gaussian** (:class:`JointGaussian`, family ``"mvn"``): ``z = loc + A x`` for a dense or
+  `SpikeSlab` prior in their closed-form KL
+  (`MeanFieldSite.kl_to_prior`) instead of through the prior's density at the nodes;
+* a **joint Gaussian** (`JointGaussian`, family ``"mvn"``): ``z = loc + A x`` for a dense or
   low-rank ``A`` (``AutoMultivariateNormal``, ``AutoLowRankMultivariateNormal``), which quadrature
   integrates but QNVB does not update.
 
@@ -27,9 +27,9 @@ With a ``trace`` of one run of the guide the description is that run's: differen
 scales of the rows a subsampled plate used, and each site's minibatch scale. Without one it
 describes the current parameters (at the rows of the guide's last run, where the guide knows them).
 
-The ELBO hands the optimizer the moments it integrated through :func:`publish_moments` (expected
+The ELBO hands the optimizer the moments it integrated through `publish_moments` (expected
 gradient ``g`` and Hessian diagonal ``h`` per block, minibatch scale removed); the optimizer takes
-them back with :func:`published_moments`.
+them back with `published_moments`.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ ELEMENTWISE_FAMILIES = ("gaussian", "dirac_gauss")
 """Families whose nodes are ``loc + scale * x`` coordinate by coordinate."""
 
 CLOSED_FORM_FAMILIES = ("dirac_gauss",)
-"""Elementwise families whose prior term is a closed-form KL (:meth:`MeanFieldSite.kl_to_prior`)
+"""Elementwise families whose prior term is a closed-form KL (`MeanFieldSite.kl_to_prior`)
 rather than the prior's log density integrated at the nodes plus the guide's entropy."""
 
 
@@ -100,7 +100,7 @@ class MeanFieldSite:
     Attributes:
         name: the block's name: the model's sample site, or the guide's own latent site for a guide
             that keeps all sites in one vector (``AutoDiagonalNormal``).
-        family: ``"gaussian"`` or ``"dirac_gauss"`` (:data:`ELEMENTWISE_FAMILIES`).
+        family: ``"gaussian"`` or ``"dirac_gauss"`` (`ELEMENTWISE_FAMILIES`).
         loc: where the quadrature nodes are centred, unconstrained, in the run's shape (rows of
             subsampled plates only); differentiable with respect to the guide's parameters. For a
             mixture family, its mean (``dirac_gauss``: ``q(not z) nu``, eq. 4.2).
@@ -126,8 +126,8 @@ class MeanFieldSite:
             than the parameters (``dirac_gauss``: ``"loc"`` nu, ``"scale"`` tau, ``"logit"``
             zeta); empty for ``"gaussian"``.
         hints: optimizer settings the model declares for this block (its sample site's
-            ``infer["qnvb"]``, e.g. a :class:`~pyro_quadvi.nn.BayesianModule`'s
-            ``qnvb_settings``): :class:`~pyro_quadvi.optim.QNVB` takes them in place of its own
+            ``infer["qnvb"]``, e.g. a `BayesianModule`'s
+            ``qnvb_settings``): `QNVB` takes them in place of its own
             defaults; the settings a user passes to it override them. A block over several
             sites (``AutoDiagonalNormal``) carries them when every site declares the same.
     """
@@ -153,7 +153,7 @@ class MeanFieldSite:
         return self.loc.shape
 
     def mixture(self) -> SpikeSlab:
-        """A ``dirac_gauss`` block's factor ``q`` as a :class:`SpikeSlab` (eq. 4.1).
+        """A ``dirac_gauss`` block's factor ``q`` as a `SpikeSlab` (eq. 4.1).
 
         Raises:
             TypeError: for another family.
@@ -170,7 +170,7 @@ class MeanFieldSite:
     def entropy(self) -> torch.Tensor:
         """The block's entropy in the unconstrained space, times its minibatch scale.
 
-        For ``dirac_gauss`` under the measure of :class:`SpikeSlab`'s ``log_prob`` (Lebesgue
+        For ``dirac_gauss`` under the measure of `SpikeSlab`'s ``log_prob`` (Lebesgue
         plus a unit mass at zero): ``H(Bernoulli) + q(not z) H(N(nu, tau^2))`` per coordinate.
         """
         if self.family == "dirac_gauss":
@@ -184,11 +184,11 @@ class MeanFieldSite:
         ``prior`` is the model's distribution at the site in one run (Pyro's wrappers such as
         ``to_event`` and ``expand`` are looked through; its batch shape may carry the node
         plate's dim, the result then carries it too). Closed form for a ``dirac_gauss`` block
-        against a :class:`SpikeSlab` (the sparse-VI paper's KL; sequence paper, eq. 4.3-4.4).
+        against a `SpikeSlab` (the sparse-VI paper's KL; sequence paper, eq. 4.3-4.4).
 
         Raises:
             ValueError: if the prior has no point mass at zero: a spike against a density has an
-                infinite KL, so the message names :class:`SpikeSlab` as the prior to use.
+                infinite KL, so the message names `SpikeSlab` as the prior to use.
         """
         base = look_through(prior)
         if not isinstance(base, SpikeSlab):
@@ -198,13 +198,13 @@ class MeanFieldSite:
 
     def site_entropy(self) -> torch.Tensor:
         """The block's entropy summed over event dims: its batch shape, unscaled, as
-        :meth:`kl_to_prior` (whose KL holds it: ``KL = -E_q[log prior] - entropy``).
+        `kl_to_prior` (whose KL holds it: ``KL = -E_q[log prior] - entropy``).
 
-        A ``dirac_gauss`` block under :class:`SpikeSlab`'s measure: ``H(Bernoulli) + q(not z)
+        A ``dirac_gauss`` block under `SpikeSlab`'s measure: ``H(Bernoulli) + q(not z)
         H(N(nu, tau^2))`` per coordinate (sequence paper, eq. 4.4). The ELBO needs it beside
         the KL where the guide's site is weighted otherwise than the model's (Pyro's rule: the
         model's log density times the model site's scale and mask, the guide's times the guide
-        site's; :class:`~pyro_quadvi.infer.LogJoint`).
+        site's; `LogJoint`).
 
         Raises:
             TypeError: for another family.
@@ -306,8 +306,8 @@ class GuideDescription:
         return sum(site.entropy() for site in self.sites)
 
     def entropy_outside_kl(self) -> torch.Tensor:
-        """:meth:`entropy` without the sites whose entropy is inside their closed-form KL
-        (:data:`CLOSED_FORM_FAMILIES`): what an ELBO adds to ``E_q[log p]`` besides those KLs."""
+        """`entropy` without the sites whose entropy is inside their closed-form KL
+        (`CLOSED_FORM_FAMILIES`): what an ELBO adds to ``E_q[log p]`` besides those KLs."""
         if self.joint is not None:
             return self.joint.entropy
         # the dtype of self.loc, without concatenating every loc for it
@@ -319,9 +319,9 @@ class GuideDescription:
         return entropy
 
     def closed_form_sites(self) -> dict[str, MeanFieldSite]:
-        """Site -> its block, for the :data:`CLOSED_FORM_FAMILIES` sites (the ``closed_form`` of
-        :class:`~pyro_quadvi.infer.LogJoint`, which reads :meth:`MeanFieldSite.kl_to_prior` and
-        :meth:`MeanFieldSite.site_entropy`)."""
+        """Site -> its block, for the `CLOSED_FORM_FAMILIES` sites (the ``closed_form`` of
+        `LogJoint`, which reads `MeanFieldSite.kl_to_prior` and
+        `MeanFieldSite.site_entropy`)."""
         return {s.name: s for s in self.sites if s.family in CLOSED_FORM_FAMILIES}
 
     def covariance(self) -> torch.Tensor:
@@ -348,12 +348,12 @@ def register_adapter(cls: type) -> Callable:
     """Decorator: ``fn(guide, trace)`` describes guides of class ``cls`` (and its subclasses).
 
     The adapter of the nearest class in the guide's method resolution order applies; a guide that
-    implements :class:`QuadratureGuide` itself wins over any adapter.
+    implements `QuadratureGuide` itself wins over any adapter.
     """
 
     def decorate(fn: Callable[[object, Trace | None], GuideDescription]) -> Callable:
         _ADAPTERS[cls] = fn
-        # marked on the class, which compiled code reads (:func:`_may_be_guide`): a guard on the
+        # marked on the class, which compiled code reads (`_may_be_guide`): a guard on the
         # registry would recompile every compiled network at each registration
         cls._pyro_quadvi_adapter = True
         _DESCRIBABLE.clear()
@@ -407,7 +407,7 @@ def unwrap_guide(guide: Callable) -> Callable:
     return guide
 
 
-#: Auxiliary draws that :class:`_UnreadDraws` replaces by their (finite) means.
+#: Auxiliary draws that `_UnreadDraws` replaces by their (finite) means.
 _MEAN_DRAWN = (dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNormal, SpikeSlab)
 
 
@@ -426,7 +426,7 @@ class _UnreadDraws(Messenger):
 
 
 def trace_for_description(guide: Callable, *args, **kwargs) -> Trace:
-    """A traced run of ``guide`` for :func:`describe_guide`: its parameters, plates and
+    """A traced run of ``guide`` for `describe_guide`: its parameters, plates and
     minibatch, with each auxiliary draw given its mean.
 
     A description reads a guide's parameters, never the values its run draws, and the package's
@@ -438,7 +438,7 @@ def trace_for_description(guide: Callable, *args, **kwargs) -> Trace:
 
 
 def describe_guide(guide: Callable, trace: Trace | None = None) -> GuideDescription:
-    """The :class:`GuideDescription` of ``guide`` (through its hook or its class's adapter).
+    """The `GuideDescription` of ``guide`` (through its hook or its class's adapter).
 
     Raises:
         TypeError: for a guide with neither; the message lists the supported guides and the hook.
@@ -473,7 +473,7 @@ def describe_guide(guide: Callable, trace: Trace | None = None) -> GuideDescript
 
 
 def is_describable(guide: object) -> bool:
-    """Whether :func:`describe_guide` knows ``guide``'s kind (without describing it)."""
+    """Whether `describe_guide` knows ``guide``'s kind (without describing it)."""
     target = unwrap_guide(guide)
     return isinstance(target, QuadratureGuide) or _adapter(type(target)) is not None
 
@@ -503,15 +503,15 @@ def live_guides() -> Iterator:
 
 
 def undescribed_guides() -> Iterator[AutoGuide]:
-    """The AutoGuides seen running (:func:`watch_guides`) of a kind no adapter describes (an
+    """The AutoGuides seen running (`watch_guides`) of a kind no adapter describes (an
     ``AutoDelta``, say), still alive: their parameters go to a fallback optimizer. Containers
     (``AutoGuideList``) are not among them; their parts are."""
     return iter(list(_UNDESCRIBED_GUIDES))
 
 
 def describe_live_guides(params: Iterable[torch.Tensor]) -> list[tuple[Callable, GuideDescription]]:
-    """Each live guide (:func:`live_guides`) that may hold one of ``params``, with its description
-    (:func:`describe_guide`, of its current parameters): what an optimizer pairs ``params`` with,
+    """Each live guide (`live_guides`) that may hold one of ``params``, with its description
+    (`describe_guide`, of its current parameters): what an optimizer pairs ``params`` with,
     by identity.
 
     A guide module holding parameters of its own, none of them among ``params``, is skipped
@@ -533,7 +533,7 @@ def describe_live_guides(params: Iterable[torch.Tensor]) -> list[tuple[Callable,
     return described
 
 
-# guide -> the handler scale around its last run under autograd (:func:`run_scale`)
+# guide -> the handler scale around its last run under autograd (`run_scale`)
 _RUN_SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -557,7 +557,7 @@ def run_scale(guide: torch.nn.Module) -> float:
     """The scale ``poutine.scale`` handlers (and subsampled plates) around ``guide``'s last run
     under autograd put on each of its sites: what the gradients of its parameters carry besides
     the minibatch scale of the plates the guide opens itself. 1.0 for a guide not seen running
-    (:func:`watch_guides` records the runs).
+    (`watch_guides` records the runs).
 
     The last run wins, as for ``AutoMeanFieldNormal``'s own record of its minibatch: in a step the
     guide's run inside the loss comes last, after any evaluation between steps (Pyro's
@@ -595,14 +595,14 @@ def first_rows(args: tuple, kwargs: dict) -> tuple[int | str | None, float]:
 
 
 def run_rows(guide: torch.nn.Module) -> float:
-    """The rows (:func:`first_rows`) of the positional arguments of ``guide``'s last run under
+    """The rows (`first_rows`) of the positional arguments of ``guide``'s last run under
     autograd, as Pyro's ELBOs call it with the model's arguments. NaN for a guide not seen
-    running (:func:`watch_guides`), or called with its data by keyword only: torch's global
+    running (`watch_guides`), or called with its data by keyword only: torch's global
     forward pre-hook, by which the runs are seen, is not given keyword arguments."""
     return _RUN_ROWS.get(guide, math.nan)
 
 
-# guide -> the rows of the first tensor argument of its last run under autograd (:func:`run_rows`)
+# guide -> the rows of the first tensor argument of its last run under autograd (`run_rows`)
 _RUN_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -624,7 +624,7 @@ def _on_module_call(module: torch.nn.Module, args) -> None:
 
 def _may_be_guide(cls: type) -> bool:
     """Whether a module of class ``cls`` may be a guide to note: an AutoGuide, a class that
-    describes itself (:class:`QuadratureGuide`) or one with a registered adapter."""
+    describes itself (`QuadratureGuide`) or one with a registered adapter."""
     return (
         issubclass(cls, AutoGuide)
         or hasattr(cls, "quadrature_description")
@@ -660,8 +660,8 @@ def _is_undescribed_guide(cls: type) -> bool:
 
 def watch_guides() -> None:
     """Note every describable ``nn.Module`` guide when it runs (installed once, by QNVB): its
-    run scale and rows (:func:`run_scale`, :func:`run_rows`), and, first,
-    :func:`~pyro_quadvi.store.follow_param_store` on it, so that a guide run after the param
+    run scale and rows (`run_scale`, `run_rows`), and, first,
+    `follow_param_store` on it, so that a guide run after the param
     store was restored computes with, and trains, the store's tensors.
 
     A global forward pre-hook of torch: one dictionary look-up per module call, and for a

@@ -6,7 +6,7 @@ import functools
 import itertools
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import pyro
@@ -48,7 +48,7 @@ def read_from_store(method: Callable) -> Callable:
 
 
 class RunStamp(NamedTuple):
-    """Which Python run of an :class:`AutoMeanFieldNormal` recorded its minibatch (``_last_run``).
+    """Which Python run of an `AutoMeanFieldNormal` recorded its minibatch (``_last_run``).
 
     Attributes:
         number: the run's place in one sequence shared by every such guide of the process, so
@@ -69,16 +69,16 @@ class AutoMeanFieldNormal(AutoNormal):
 
     ``q(z) = prod_site N(z_site | loc_site, diag(scale_site^2))`` in Pyro's unconstrained space,
     pushed through ``biject_to(support)`` for constrained sites, exactly like Pyro's
-    :class:`~pyro.infer.autoguide.AutoNormal`, from which it inherits ``Predictive`` support,
+    `AutoNormal`, from which it inherits ``Predictive`` support,
     ``median()``, ``quantiles()``, plates, subsampling (a local latent's parameters have the full
     plate size and each run uses the rows of its minibatch) and ``PyroModule`` models.
 
     In addition it remembers the minibatch of its last run (the rows and scale of each subsampled
     site; plain tensors, so the guide pickles and deep-copies like ``AutoNormal``), so that
-    :meth:`quadrature_description` tells QNVB which rows to update and which minibatch scale to
-    remove even under Pyro's own ELBOs (rasp paper, eq. 4-8). Each run is stamped
-    (:class:`RunStamp`, :func:`last_run_stamp`): Pyro's ``JitTrace_ELBO`` replays the traced guide
-    without running it in Python, and QNVB refuses rows no run of this step recorded.
+    `quadrature_description` tells QNVB which rows to update and which minibatch scale to
+    remove even under Pyro's own ELBOs (rasp paper, eq. 4-8). Each run is stamped: Pyro's
+    ``JitTrace_ELBO`` replays the traced guide without running it in Python, and QNVB refuses
+    rows no run of this step recorded.
 
     Args:
         model: a Pyro model with continuous latent sites.
@@ -112,7 +112,7 @@ class AutoMeanFieldNormal(AutoNormal):
         self._model, self.master = model, master
         return state
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         tracer = poutine.trace(self._draw)
         result = tracer(*args, **kwargs)
         trace = tracer.trace
@@ -133,7 +133,9 @@ class AutoMeanFieldNormal(AutoNormal):
         return super().median(*args, **kwargs)
 
     @read_from_store
-    def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
+    def quantiles(
+        self, quantiles: Sequence[float] | torch.Tensor, *args, **kwargs
+    ) -> dict[str, torch.Tensor]:
         """Pyro's ``AutoNormal.quantiles``, after checks that the guide has run and that the
         probabilities lie in ``[0, 1]``; of the param store's values."""
         check_set_up(self)
@@ -154,14 +156,14 @@ class AutoMeanFieldNormal(AutoNormal):
 
     @read_from_store
     def mean_field_sites(self) -> list[MeanFieldSite]:
-        """The sites of :meth:`quadrature_description`: the param store's current parameters,
+        """The sites of `quadrature_description`: the param store's current parameters,
         the last run's rows."""
         return self.quadrature_description().sites
 
 
 def last_run_stamp(guide: object) -> RunStamp | None:
     """The stamp of the Python run whose minibatch ``guide`` recorded (an
-    :class:`AutoMeanFieldNormal`, subclasses included, that has run); ``None`` for any other
+    `AutoMeanFieldNormal`, subclasses included, that has run); ``None`` for any other
     guide."""
     if not isinstance(guide, AutoMeanFieldNormal):
         return None

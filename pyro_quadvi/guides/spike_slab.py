@@ -11,8 +11,8 @@ through a softplus as in the sparse-VI paper's Algorithm 1) and the logit of a z
 
     mean = q(not z) nu,    variance = q(z) q(not z) nu^2 + q(not z) tau^2,
 
-are where :class:`~pyro_quadvi.infer.QuadratureELBO` places its nodes; its exact draws feed
-``Predictive``; :class:`~pyro_quadvi.infer.GumbelSpikeSlabELBO` relaxes its Bernoulli choice.
+are where `QuadratureELBO` places its nodes; its exact draws feed
+``Predictive``; `GumbelSpikeSlabELBO` relaxes its Bernoulli choice.
 """
 
 from __future__ import annotations
@@ -46,19 +46,19 @@ __all__ = ["AutoSpikeSlab"]
 class AutoSpikeSlab(AutoMeanFieldNormal):
     """A Dirac-Gauss mean field over the unconstrained latents: ``(nu, tau, zeta)`` per coordinate.
 
-    Built on Pyro's :class:`~pyro.infer.autoguide.AutoNormal` (plates, subsampled local latents,
+    Built on Pyro's `AutoNormal` (plates, subsampled local latents,
     ``PyroModule`` models, ``create_plates``), with the Gaussian replaced by the mixture of
-    :class:`~pyro_quadvi.distributions.SpikeSlab`: a draw is exactly zero with probability
+    `SpikeSlab`: a draw is exactly zero with probability
     ``q(z)``. The point mass sits at zero of the *unconstrained* space, i.e. at
     ``biject_to(support)(0)`` of a constrained site (1 for a positive one); spike-and-slab
     models put it on real-valued sites. A constrained site (a learned noise scale), which cannot
-    carry a :class:`~pyro_quadvi.distributions.SpikeSlab` prior, gets AutoNormal's Gaussian
+    carry a `SpikeSlab` prior, gets AutoNormal's Gaussian
     factor (family ``"gaussian"``); a real-valued site whose prior has no point mass at zero is
     refused when the guide is set up (its KL would be infinite), naming the layer that declared
-    the prior under a :class:`~pyro_quadvi.nn.BayesianModule`.
+    the prior under a `BayesianModule`.
 
-    Like :class:`~pyro_quadvi.guides.AutoMeanFieldNormal` it remembers the rows and minibatch
-    scale of its last run for :meth:`quadrature_description`, whose family is ``"dirac_gauss"``.
+    Like `AutoMeanFieldNormal` it remembers the rows and minibatch
+    scale of its last run for `quadrature_description`, whose family is ``"dirac_gauss"``.
 
     Args:
         model: a Pyro model with continuous latent sites.
@@ -117,7 +117,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
 
     def _no_point_mass_message(self, name: str, prior) -> str:
         """Why a real-valued site whose prior has no point mass at zero cannot be fit, and, for a
-        :class:`~pyro_quadvi.nn.BayesianModule` whose layer declared that prior, the way out."""
+        `BayesianModule` whose layer declared that prior, the way out."""
         message = no_point_mass_message(name, prior, "(AutoSpikeSlab)")
         model = unwrap_guide(self.model)  # through Pyro's InitMessenger wrap
         if not isinstance(model, torch.nn.Module):
@@ -142,7 +142,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
 
     def _get_mixture(self, name: str) -> SpikeSlab | dist.Normal:
         """The site's factor at its current parameters (rows of the enclosing subsampled plates):
-        a Gaussian for a site of :attr:`_gaussian_sites`."""
+        a Gaussian for a site of `_gaussian_sites`."""
         loc, scale = self._get_loc_and_scale(name)
         if name in self._gaussian_sites:
             return dist.Normal(loc, scale)
@@ -185,7 +185,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
     def quantiles(
         self, quantiles: Sequence[float] | torch.Tensor, *args, **kwargs
     ) -> dict[str, torch.Tensor]:
-        """Exact quantiles of each site's mixture (:meth:`SpikeSlab.icdf`), constrained.
+        """Exact quantiles of each site's mixture (`SpikeSlab.icdf`), constrained.
 
         Args:
             quantiles: probabilities in ``[0, 1]``; the result has a leading dim of their number.
@@ -225,7 +225,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
     @torch.no_grad()
     def inclusion_probs(self) -> dict[str, torch.Tensor]:
         """Per spike-and-slab site, ``q(not z)``: the probability that each coordinate is nonzero
-        (a Gaussian site, see :attr:`_gaussian_sites`, is never zero and not listed)."""
+        (a Gaussian site, see `_gaussian_sites`, is never zero and not listed)."""
         check_set_up(self)
         return {
             name: self._full_mixture(name).inclusion

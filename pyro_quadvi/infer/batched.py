@@ -2,23 +2,23 @@
 
 The quadrature ELBO (nodes), OPQA (grid nodes) and the ArviZ export (posterior draws) each evaluate
 a model at many points. One vectorized pass (the model under a particle plate) is fast when the
-model broadcasts over the points; a loop always works. :func:`evaluate_batch` gives ``vectorize``
+model broadcasts over the points; a loop always works. `evaluate_batch` gives ``vectorize``
 one meaning across the package:
 
 - ``True``: one vectorized pass; on the first call for a model it is compared with single
-  evaluations at a few probe points, and a disagreement raises :class:`BatchMismatch` naming the
+  evaluations at a few probe points, and a disagreement raises `BatchMismatch` naming the
   reason and the ways out (``vectorize=None`` to fall back, ``False``); later calls are not
   checked. The pass's own errors propagate.
 - ``False``: the loop only.
 - ``None``: try the vectorized pass, check it against single evaluations at a few probe points,
   and fall back to the loop, with one warning saying why, if the pass fails with a *broadcasting*
-  error or an operation that ``vmap`` cannot batch (:func:`is_broadcast_error`) or disagrees with
+  error or an operation that ``vmap`` cannot batch (`is_broadcast_error`) or disagrees with
   the probes. Any other exception (raised by
   the model itself, a NaN in the data, a density that is not finite) propagates with its own
   message: it would be raised by the loop too.
 
 Where the caller has already checked this model (a later call), it passes ``probe=()``: nothing is
-compared, and the pass costs what it costs unchecked. :class:`DecisionCache` remembers the decision
+compared, and the pass costs what it costs unchecked. `DecisionCache` remembers the decision
 per model and guide, weakly, so that an object reused for another model decides (and checks) again
 instead of carrying the first model's answer over.
 """
@@ -58,7 +58,7 @@ class BatchMismatch(Exception):
     """A vectorized pass that ran but cannot be trusted: a result of the wrong shape, a site that
     cannot be placed under the particle plate, or values that differ from single evaluations.
 
-    Raised by a ``batched`` callable that checks itself; :func:`evaluate_batch` falls back to the
+    Raised by a ``batched`` callable that checks itself; `evaluate_batch` falls back to the
     loop on it (with ``vectorize=None``), and raises it under ``vectorize=True`` when the pass
     disagrees with single evaluations at the probe points.
     """
@@ -133,7 +133,7 @@ def is_broadcast_error(error: BaseException) -> bool:
     """Whether ``error`` says that the points cannot be evaluated together (so a loop over them
     may work): shapes that do not broadcast, or an operation ``torch.func.vmap`` cannot batch.
 
-    ``True`` for :class:`BatchMismatch`, for the ``RuntimeError``, ``ValueError`` and
+    ``True`` for `BatchMismatch`, for the ``RuntimeError``, ``ValueError`` and
     ``IndexError`` that torch, torch.distributions and Pyro raise on incompatible shapes (sizes
     that must match, matrix products, reshapes, indexing, Pyro's plate shape checks), and for
     vmap's refusals: an operator without a batching rule (``nn.GRU``), ``.item()``, control flow
@@ -150,7 +150,7 @@ def is_broadcast_error(error: BaseException) -> bool:
 
 def is_vmap_refusal(error: BaseException) -> bool:
     """Whether ``error`` is ``torch.func.vmap`` refusing to batch an operation (one of the
-    refusals :func:`is_broadcast_error` recognises), which runs one point at a time."""
+    refusals `is_broadcast_error` recognises), which runs one point at a time."""
     return isinstance(error, RuntimeError) and _VMAP_REFUSAL.search(str(error)) is not None
 
 
@@ -188,13 +188,13 @@ def evaluate_batch(
     """Evaluate ``points`` (``K`` of them, along dim 0) vectorized, looped, or tried then checked.
 
     Args:
-        batched: all points at once, ``(K, ...) -> (K, ...)``; may raise :class:`BatchMismatch`
+        batched: all points at once, ``(K, ...) -> (K, ...)``; may raise `BatchMismatch`
             when it checks itself.
         single: one point, ``points[k] -> value``; the loop stacks the values along a new dim 0.
             Values may be tensors or (nested) mappings of tensors.
         points: the ``K`` points.
         vectorize: ``True``: ``batched``, checked against ``single`` at the probe points (errors
-            propagate; a disagreement raises :class:`BatchMismatch`); ``False``: only the loop;
+            propagate; a disagreement raises `BatchMismatch`); ``False``: only the loop;
             ``None``: ``batched``, checked against ``single`` at the probe points, else the loop.
         probe: the indices checked (default: first, middle and last); ``()`` skips the
             comparison: for a model already checked on an earlier call, a ``batched`` that checks
@@ -204,9 +204,9 @@ def evaluate_batch(
         what: who evaluates, for the warning (``"QuadratureELBO"``, ``"opqa_evidence"``).
 
     Returns:
-        The values and the :class:`BatchDecision` taken. With ``vectorize=None`` a fallback warns
+        The values and the `BatchDecision` taken. With ``vectorize=None`` a fallback warns
         once per call, naming the reason; pass the decision's ``vectorized`` next time (see
-        :class:`DecisionCache`) to decide once.
+        `DecisionCache`) to decide once.
 
     Whatever ``batched`` or ``single`` raise propagates, except the broadcasting errors of
     ``batched`` under ``vectorize=None``.
@@ -332,7 +332,7 @@ def _brief(x: torch.Tensor) -> str:
 
 
 class DecisionCache:
-    """Remembers a value (a :class:`BatchDecision`, or what a caller learns with it) per key of
+    """Remembers a value (a `BatchDecision`, or what a caller learns with it) per key of
     objects (a model and a guide), weakly.
 
     An entry lives as long as every object of its key: it is never found for another model or
@@ -356,7 +356,7 @@ class DecisionCache:
         return decision
 
     def set(self, *key: Any, decision: Any) -> None:
-        """Store ``decision`` (a :class:`BatchDecision` or any value) for these objects."""
+        """Store ``decision`` (a `BatchDecision` or any value) for these objects."""
         identity = _identity(key)
         entries = weakref.ref(self._entries)
 

@@ -10,10 +10,10 @@ choice ``gamma ~ Bern(phi)`` relaxed by Gumbel-softmax (its "Implementation" sec
     eta = logit(phi) + log(u / (1 - u)),  u ~ U(0, 1),   gamma~ = sigmoid(eta / temperature).
 
 As in its Algorithm 1 the forward pass uses the hard choice ``gamma = 1[eta > 0]`` (exactly 0 or
-1, a Bernoulli(phi) draw) and the backward pass the relaxed one (:func:`straight_through_gate`).
+1, a Bernoulli(phi) draw) and the backward pass the relaxed one (`straight_through_gate`).
 ``KL(q || pi)`` between the spike-and-slab guide and a
-:class:`~pyro_quadvi.distributions.SpikeSlab` prior is closed form
-(:func:`~pyro_quadvi.distributions.spike_slab.kl_spike_slab`); the likelihood carries the
+`SpikeSlab` prior is closed form
+(`kl_spike_slab`); the likelihood carries the
 minibatch scale ``n / m`` of the model's subsampled plates. Gaussian sites of the same guide (if
 any) are reparameterized and keep their analytic entropy.
 """
@@ -54,18 +54,21 @@ def straight_through_gate(
 class GumbelSpikeSlabELBO(PointsELBO):
     """The sparse-VI paper's estimator (its eq. 1 and Algorithm 1) as a Pyro ``ELBO``.
 
-    For :class:`~pyro_quadvi.guides.AutoSpikeSlab` (or any guide describing ``"dirac_gauss"``
-    sites) over a model whose sites carry :class:`~pyro_quadvi.distributions.SpikeSlab` priors::
+    For `AutoSpikeSlab` (or any guide describing ``"dirac_gauss"``
+    sites) over a model whose sites carry `SpikeSlab` priors:
 
         svi = SVI(model, guide, Adam({"lr": 5e-3}), GumbelSpikeSlabELBO(temperature=0.5))
 
     Args:
-        temperature: the Gumbel-softmax temperature of the relaxed Bernoulli (0.5, the paper's).
+        temperature: the Gumbel-softmax temperature ``tau`` of the relaxed Bernoulli; the paper
+            asks only ``tau > 0``; default 0.5.
         num_particles: ``K``, the Monte Carlo draws per step, averaged.
         vectorize: ``True`` evaluates the ``K`` draws in one pass of the model under a particle
             plate, ``False`` one by one, ``None`` tries the pass and falls back once, as
-            :class:`~pyro_quadvi.infer.QuadratureELBO` does.
+            `QuadratureELBO` does.
         max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of the model.
+        vectorize_particles: refused (a ``TypeError``): Pyro's ``vectorize_particles=True`` is
+            ``vectorize=True`` here.
 
     Draws come from torch's global generator (``pyro.set_rng_seed`` makes runs reproducible).
 
@@ -81,6 +84,8 @@ class GumbelSpikeSlabELBO(PointsELBO):
         num_particles: int = 1,
         vectorize: bool | None = None,
         max_plate_nesting: float = float("inf"),
+        *,
+        vectorize_particles: None = None,
     ):
         if (
             isinstance(temperature, bool)
@@ -98,7 +103,9 @@ class GumbelSpikeSlabELBO(PointsELBO):
             raise ValueError(
                 f"num_particles must be a positive integer (not a bool), got {num_particles!r}"
             )
-        super().__init__(num_particles, vectorize, max_plate_nesting)
+        super().__init__(
+            num_particles, vectorize, max_plate_nesting, vectorize_particles=vectorize_particles
+        )
         self.temperature = float(temperature)
 
     def draw(self, description: GuideDescription) -> torch.Tensor:
@@ -140,7 +147,9 @@ class GumbelSpikeSlabELBO(PointsELBO):
         with torch.no_grad():
             return self._gumbel_loss(model, guide, args, kwargs).item()
 
-    def differentiable_loss(self, model: Callable, guide: Callable, *args, **kwargs):
+    def differentiable_loss(
+        self, model: Callable, guide: Callable, *args, **kwargs
+    ) -> torch.Tensor:
         """A draw of the negative ELBO, differentiable through the straight-through draws."""
         return self._gumbel_loss(model, guide, args, kwargs)
 

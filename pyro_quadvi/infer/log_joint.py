@@ -5,7 +5,7 @@ Both the quadrature ELBO and the OPQA evidence evaluate
     log p(x, T(z)) + log |det dT/dz|
 
 at a batch of flat unconstrained points ``z`` of shape ``(K, dim)``: the latent sites laid end to
-end, each pushed through ``T = biject_to(support)``. :class:`LogJoint` does this either in one pass
+end, each pushed through ``T = biject_to(support)``. `LogJoint` does this either in one pass
 of the model under a particle plate (``vectorize=True``) or node by node.
 
 **Closed-form sites.** A site listed in ``closed_form`` contributes ``-KL(q_site || prior)`` in
@@ -24,10 +24,10 @@ the ``replay_trace``); the second part is added only where the two differ (a ``p
 or ``poutine.mask`` on the model alone or on the guide alone).
 
 **Priors integrated by the caller.** A site listed in ``expected_log_priors`` whose prior is an
-:class:`~pyro_quadvi.distributions.IidNormal` (the Normal priors of :mod:`pyro_quadvi.nn`), on
+`IidNormal` (the Normal priors of `pyro_quadvi.nn`), on
 the real line and unmasked, contributes nothing here: its log density is not evaluated at the
-points, and its ``(loc, scale, site scale)`` is recorded in :attr:`LogJoint.closed_priors` for
-the caller, which integrates it in closed form (:class:`~pyro_quadvi.infer.QuadratureELBO`). Any
+points, and its ``(loc, scale, site scale)`` is recorded in `LogJoint.closed_priors` for
+the caller, which integrates it in closed form (`QuadratureELBO`). Any
 other prior at such a site is evaluated at the points as usual.
 """
 
@@ -127,7 +127,7 @@ def latent_sites_of_model(model: Callable, *args, **kwargs) -> list[LatentSite]:
     The run draws its values from the prior and only finds the sites: without Pyro's
     validation, since nothing scores these values (a ``pyro.factor`` that is not finite somewhere
     in the prior's range is the model's own business until a point lands there, where
-    :class:`LogJoint` names the site and the point).
+    `LogJoint` names the site and the point).
     """
     blocked = poutine.block(model, hide_types=["param"])
     with pyro.validation_enabled(False):
@@ -200,14 +200,14 @@ class LogJoint:
         sites: the latent sites, in the order they are laid out in ``z``.
         max_plate_nesting: plates the model nests (the node plate goes left of them); ``None``
             finds it from a first, looped run of the model.
-        closed_form: site -> the guide's block there (:class:`ClosedFormSite`, e.g. a
-            :class:`~pyro_quadvi.guides.interface.MeanFieldSite` of a spike-and-slab guide);
+        closed_form: site -> the guide's block there (`ClosedFormSite`, e.g. a
+            `MeanFieldSite` of a spike-and-slab guide);
             those sites contribute ``-KL`` (times their minibatch scale) instead of their log
             density, plus the entropy where the guide's site is weighted otherwise than the
             model's (see the module).
         expected_log_priors: sites whose prior, if an iid Normal, the caller integrates in
             closed form: they contribute nothing, and each run records their priors in
-            :attr:`closed_priors` (see the module).
+            `closed_priors` (see the module).
 
     One minibatch per object: the first run of the model records the subsample indices of the
     plates that the ``replay_trace`` does not supply (plates only the model has, such as
@@ -263,7 +263,7 @@ class LogJoint:
         """Log joint plus log-Jacobian at each of the ``K`` points ``z`` (shape ``(K, dim)``).
 
         ``vectorize=True`` runs the model once under a particle plate of size ``K``; ``False``
-        runs it once per point (:func:`~pyro_quadvi.infer.batched.evaluate_batch` chooses between
+        runs it once per point (`evaluate_batch` chooses between
         them). ``replay_trace`` supplies the subsample indices of the model's plates (the guide's
         trace); the other subsampled plates keep the rows of this object's first run. Site
         scales (minibatch factors) apply to the log density and to the Jacobian alike.
@@ -432,7 +432,7 @@ class LogJoint:
 
     def _compute_log_prob(self, trace: Trace) -> None:
         """The log densities of the trace's sites but those left to the caller
-        (:attr:`closed_priors`, recorded here) and the plates' subsample sites: theirs is a zero
+        (`closed_priors`, recorded here) and the plates' subsample sites: theirs is a zero
         that Pyro makes on the CPU, whatever the device of the model."""
         self.closed_priors = {}
         for site in self.sites:
@@ -490,7 +490,7 @@ class LogJoint:
 
 
 class ClosedFormSite(Protocol):
-    """The guide's block at a closed-form site, as :class:`LogJoint` reads it."""
+    """The guide's block at a closed-form site, as `LogJoint` reads it."""
 
     def kl_to_prior(self, prior: torch.distributions.Distribution) -> torch.Tensor:
         """``KL(q_site || prior)`` summed over event dims: the site's batch shape, unscaled."""
@@ -553,7 +553,7 @@ def look_through(fn: torch.distributions.Distribution) -> torch.distributions.Di
 
 
 def _iid_normal(fn) -> tuple[float, float] | None:
-    """``(loc, scale)`` of an :class:`IidNormal` seen through ``to_event`` and ``expand``."""
+    """``(loc, scale)`` of an `IidNormal` seen through ``to_event`` and ``expand``."""
     fn = look_through(fn)
     return fn.iid if isinstance(fn, IidNormal) else None
 
@@ -650,7 +650,7 @@ class RandomState:
 
     @classmethod
     def get(cls, devices: Sequence[int] = ()) -> RandomState:
-        """The current states of the CPU and of the CUDA ``devices`` (:func:`cuda_devices`)."""
+        """The current states of the CPU and of the CUDA ``devices`` (`cuda_devices`)."""
         return cls(torch.get_rng_state(), {i: torch.cuda.get_rng_state(i) for i in devices})
 
     def restore(self) -> None:
@@ -667,7 +667,7 @@ def name_the_invalid_initial_site(
     itself up: its set-up runs the model at the values of its ``init_loc_fn`` (``guide.model``,
     Pyro's ``InitMessenger`` on the model), drawn from ``rng_state`` (the CPU's and the model's
     CUDA devices'). The same run, from the same
-    state, without validation, shows the site (:func:`_name_the_invalid_site`)."""
+    state, without validation, shows the site (`_name_the_invalid_site`)."""
     initialized = getattr(guide, "model", None)
     if initialized is None:
         return

@@ -1,7 +1,7 @@
 """``QuadratureELBO``: the ELBO and its gradients from quadrature nodes instead of random draws.
 
 For a Gaussian guide ``q(z) = N(loc, A A^T)`` in Pyro's unconstrained space and a rule with offsets
-``x_k`` and weights ``w_k`` (:mod:`pyro_quadvi.quadrature`),
+``x_k`` and weights ``w_k`` (`pyro_quadvi.quadrature`),
 
     loss = -sum_k w_k [log p(x, T(loc + A x_k)) + log|det J_T(loc + A x_k)|] - H[q]     (1)
 
@@ -16,23 +16,23 @@ of the expected gradient ``g`` and, by Stein's identity, the expected Hessian di
 quantities a QNVB step needs. The nodes span all latent coordinates of the model laid end to end,
 so a rule's exactness holds across sites, not only within one.
 
-The guide is read through :func:`~pyro_quadvi.guides.describe_guide` (its
+The guide is read through `describe_guide` (its
 ``quadrature_description`` hook, or the adapter of its class). During the backward pass the node
 points ``z_k`` receive ``dloss/dz_k``, from which the ELBO publishes, per elementwise site, the
 moments it integrated (the same two sums over the nodes make the gradients of ``loc`` and
-``sigma``) (:func:`~pyro_quadvi.guides.interface.publish_moments`):
+``sigma``) (`publish_moments`):
 
     g = sum_k dloss/dz_k / s,        h = sum_k dloss/dz_k * x_k / (sigma s)
 
 with ``s`` the site's minibatch scale, plus, for a Normal prior integrated in closed form
-(:class:`_ClosedPriors`), its parts ``W c (mu - m) / s^2`` and ``W c / s^2``: ``QNVB`` uses them
+(`_ClosedPriors`), its parts ``W c (mu - m) / s^2`` and ``W c / s^2``: ``QNVB`` uses them
 directly, so a family whose parameter gradients do not carry ``g`` and ``h`` (a mixture) is
 updated all the same.
 
-**Spike-and-slab sites** (family ``"dirac_gauss"``, :class:`~pyro_quadvi.guides.AutoSpikeSlab`):
+**Spike-and-slab sites** (family ``"dirac_gauss"``, `AutoSpikeSlab`):
 the nodes sit at each mixture's mean and standard deviation (sequence paper, eq. 4.2), where the
 likelihood and every smooth prior term are integrated. The site's own prior, a
-:class:`~pyro_quadvi.distributions.SpikeSlab`, meets the guide in their closed-form KL (the
+`SpikeSlab`, meets the guide in their closed-form KL (the
 sparse-VI paper's KL term), which also holds the site's entropy:
 
     loss = -sum_k w_k log p_smooth(x, T(z_k)) - H[gaussian sites] + sum_ss KL(q_ss || p_ss)
@@ -41,7 +41,7 @@ This is a deterministic **moment-matched surrogate**: the expectations are taken
 Gaussian with the mixture's two moments, not under the mixture. A sigma-point rule integrates
 univariate quadratics exactly against any distribution with those moments, so for a likelihood
 that is a sum of quadratics, one per coordinate, the surrogate equals the negative ELBO of
-:class:`~pyro_quadvi.infer.GumbelSpikeSlabELBO` (without its noise); for a network it is a
+`GumbelSpikeSlabELBO` (without its noise); for a network it is a
 different objective and not a bound on the evidence: do not compare the two losses. The
 published ``g`` and ``h`` of such a site are those of the smooth loss under the moment-matched
 Gaussian, which is what the sequence paper's eq. 4.6 takes.
@@ -98,7 +98,7 @@ class _Fit:
 
 class PointsELBO(ELBO):
     """What the package's ELBOs share: the guide described from a trace of one run, and the
-    model's log joint (:class:`~pyro_quadvi.infer.LogJoint`, closed-form KLs included) at a batch
+    model's log joint (`LogJoint`, closed-form KLs included) at a batch
     of points, vectorized or looped as decided once per model and guide.
 
     Args:
@@ -108,6 +108,8 @@ class PointsELBO(ELBO):
             warning).
         max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of each model (again if a
             later call nests deeper).
+        vectorize_particles: refused (a ``TypeError``): Pyro's switch is ``vectorize`` here, with
+            the meaning it has everywhere in the package.
     """
 
     def __init__(
@@ -115,7 +117,18 @@ class PointsELBO(ELBO):
         num_particles: int = 1,
         vectorize: bool | None = None,
         max_plate_nesting: float = float("inf"),
+        *,
+        vectorize_particles: None = None,
     ):
+        if vectorize_particles is not None:  # Trace_ELBO's argument, as a user porting code passes
+            raise TypeError(
+                f"{type(self).__name__} takes no vectorize_particles: its switch is vectorize, "
+                "as everywhere in the package. vectorize=True evaluates all its points (the "
+                "rule's nodes, or the Monte Carlo draws) in one pass of the model under a "
+                "particle plate, checked on the first call; False evaluates them one at a time; "
+                "None (the default) tries the pass, checks it, and falls back to the loop once, "
+                "with a warning, where the model cannot broadcast over the points"
+            )
         super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting)
         if vectorize not in (None, True, False):
             raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
@@ -183,7 +196,7 @@ class PointsELBO(ELBO):
         expected_log_priors: frozenset[str] = frozenset(),
     ) -> tuple[torch.Tensor, dict[str, tuple[float, float, float]]]:
         """The log joint at the points ``z``, and the priors of ``expected_log_priors`` left to
-        the caller (:attr:`~pyro_quadvi.infer.LogJoint.closed_priors`)."""
+        the caller (`closed_priors`)."""
         fit = self._fit(model, guide)
         # one LogJoint per step: all points of the step see one minibatch
         log_joint = LogJoint(
@@ -249,13 +262,13 @@ class QuadratureELBO(PointsELBO):
     likelihoods quadratic in each coordinate, not a bound otherwise).
 
     Args:
-        rule: a rule name for :func:`~pyro_quadvi.quadrature.make_rule` (``"rasp_simplex"``,
+        rule: a rule name for `make_rule` (``"rasp_simplex"``,
             ``"rasp_cross"``, ``"hadamard"``, ``"blocked_simplex"``, ``"gauss_hermite"``, ``"mc"``,
-            ``"vrmc1"``, ``"vrmc2"``) or a :class:`~pyro_quadvi.quadrature.QuadratureRule`.
+            ``"vrmc1"``, ``"vrmc2"``) or a `QuadratureRule`.
         num_points: the rule's ``num_points`` (``None``: its default); only with a rule name.
         vectorize: ``True`` evaluates all nodes in one pass of the model under a particle plate,
             compared on the first call for a model and guide with single evaluations of two
-            nodes (a disagreement raises :class:`~pyro_quadvi.infer.batched.BatchMismatch`
+            nodes (a disagreement raises `BatchMismatch`
             naming the reason and the ways out; later calls are not checked); ``False`` loops
             over nodes; ``None`` tries the vectorized pass on the first call, checks it the
             same way, and falls back to the loop with one warning if the model cannot broadcast
@@ -269,7 +282,9 @@ class QuadratureELBO(PointsELBO):
         generator: the ``torch.Generator`` of random rules; ``None`` draws from torch's global
             generator, so ``pyro.set_rng_seed`` makes runs reproducible.
         name: key of the sequence position in Pyro's param store (``"{name}.step"``), for one
-            guide; ``None`` (default) keeps one position per guide (:meth:`step_key`).
+            guide; ``None`` (default) keeps one position per guide (`step_key`).
+        num_particles: refused (a ``TypeError``): the points are the rule's nodes.
+        vectorize_particles: refused (a ``TypeError``): the switch is ``vectorize`` (above).
 
     Raises:
         ValueError: for a rule that cannot fit the scales (``gauss_hermite`` with one point); on
@@ -281,7 +296,7 @@ class QuadratureELBO(PointsELBO):
     models.
 
     The sequence position (which matters for the ``hadamard`` rule) advances once per
-    :meth:`loss_and_grads` or :meth:`differentiable_loss` call, never on :meth:`loss` (that is,
+    `loss_and_grads` or `differentiable_loss` call, never on `loss` (that is,
     not on ``SVI.evaluate_loss``). It lives in Pyro's param store, so saving and restoring the
     param store resumes the sequence where it stopped; ``pyro.clear_param_store()`` restarts it.
     Guides of two models fitted side by side each follow their own sequence.
@@ -296,6 +311,8 @@ class QuadratureELBO(PointsELBO):
         generator: torch.Generator | None = None,
         name: str | None = None,
         num_particles: None = None,
+        *,
+        vectorize_particles: None = None,
     ):
         if num_particles is not None:  # Trace_ELBO's argument, as a user porting code passes it
             raise TypeError(
@@ -303,7 +320,7 @@ class QuadratureELBO(PointsELBO):
                 "their number with num_points (e.g. QuadratureELBO('hadamard', num_points=8)), "
                 "or draw Monte Carlo points with rule='mc' (or 'vrmc2')"
             )
-        super().__init__(1, vectorize, max_plate_nesting)
+        super().__init__(1, vectorize, max_plate_nesting, vectorize_particles=vectorize_particles)
         if isinstance(rule, str):
             rule = make_rule(rule, num_points)
         elif not isinstance(rule, QuadratureRule):
@@ -418,7 +435,7 @@ class QuadratureELBO(PointsELBO):
         """The nodes ``(K, dim)`` this process evaluates, and their weights: all of them.
 
         The hook of node-parallel evaluation
-        (:class:`~pyro_quadvi.distributed.DistributedQuadratureELBO`), which keeps a share.
+        (`DistributedQuadratureELBO`), which keeps a share.
         """
         return x, weights
 
@@ -427,7 +444,9 @@ class QuadratureELBO(PointsELBO):
         with torch.no_grad():
             return self._quadrature_loss(model, guide, args, kwargs)[0].item()
 
-    def differentiable_loss(self, model: Callable, guide: Callable, *args, **kwargs):
+    def differentiable_loss(
+        self, model: Callable, guide: Callable, *args, **kwargs
+    ) -> torch.Tensor:
         """The negative ELBO as a differentiable tensor; advances the sequence by one step.
 
         Its backward pass publishes the moments ``g``, ``h`` of every elementwise site.
@@ -454,7 +473,7 @@ def _guide_words(owner: tuple[str, tuple[str, ...]]) -> str:
 
 def _names_ways_out(error: BaseException) -> bool:
     """Whether ``error``'s message already tells the user to pass ``vectorize=None`` (the
-    probes' :class:`BatchMismatch`, a ``BayesianModule``'s vmap refusal)."""
+    probes' `BatchMismatch`, a ``BayesianModule``'s vmap refusal)."""
     return "vectorize=None" in str(error)
 
 
@@ -498,7 +517,7 @@ class _NodePoints(torch.autograd.Function):
 
 class _ClosedPriors:
     """The priors of Gaussian sites integrated in closed form, for a rule exact on ``1``,
-    ``x_j``, ``x_j^2`` (:attr:`~pyro_quadvi.quadrature.QuadratureRule.exact_coordinate_quadratics`).
+    ``x_j``, ``x_j^2`` (`exact_coordinate_quadratics`).
 
     With ``U(z) = -c log N(z | m, s^2)`` per coordinate (``c`` the site's scale) and nodes
     ``z_k = mu + sigma x_k`` of total weight ``W``, such a rule gives exactly
@@ -507,7 +526,7 @@ class _ClosedPriors:
         sum_k w_k U'(z_k)       = W c (mu - m) / s^2
         sum_k w_k U'(z_k) x_k   = W c sigma / s^2,
 
-    the prior's parts of the loss and of the two sums :class:`_NodePoints` makes (rasp paper,
+    the prior's parts of the loss and of the two sums `_NodePoints` makes (rasp paper,
     eq. 7, 8 and 11, with the prior's Hessian ``1 / s^2``). So the prior is never evaluated at
     the K nodes (``K x D`` work, forward and backward, on a network's every weight): the loss
     takes the first line, differentiable in ``mu`` and ``sigma`` (its gradients in them are the
@@ -525,7 +544,7 @@ class _ClosedPriors:
         self, priors: dict[str, tuple[float, float, float]], total_weight: torch.Tensor
     ) -> torch.Tensor:
         """``W sum_sites c E_q[log N(z | m, s^2)]``, differentiable in the sites' ``mu`` and
-        ``sigma``; records the pieces for :meth:`with_priors`."""
+        ``sigma``; records the pieces for `with_priors`."""
         self.total_weight = total_weight
         value = torch.zeros((), dtype=total_weight.dtype, device=total_weight.device)
         start = 0
@@ -561,7 +580,7 @@ def _publish(
     scale: torch.Tensor,
     loss: torch.Tensor | None,
 ) -> None:
-    """Publish each elementwise site's ``g``, ``h`` from the node sums of :class:`_NodePoints`,
+    """Publish each elementwise site's ``g``, ``h`` from the node sums of `_NodePoints`,
     with the step's ``loss`` (detached)."""
     # a scale at zero (a collapsed mixture) has h = 0, not 0 / 0
     h_all = torch.where(scale > 0, gx_all / scale, torch.zeros_like(scale))

@@ -1,9 +1,9 @@
 """Bayesian neural networks from any ``torch.nn.Module``.
 
 ``BayesianModule(net, prior, likelihood)`` is a Pyro model whose latent sites are the net's
-parameters; :mod:`~pyro_quadvi.nn.priors` and :mod:`~pyro_quadvi.nn.likelihoods` hold the pieces,
-:func:`~pyro_quadvi.nn.predict` the Bayesian model average, :func:`~pyro_quadvi.nn.fit` the SVI
-loop of the tutorials, :func:`~pyro_quadvi.nn.sparse_network` the realized network of a
+parameters; `priors` and `likelihoods` hold the pieces,
+`predict` the Bayesian model average, `fit` the SVI
+loop of the tutorials, `sparse_network` the realized network of a
 spike-and-slab fit.
 """
 

@@ -1,4 +1,4 @@
-"""Likelihoods of a :class:`~pyro_quadvi.nn.BayesianModule`: the observation site of the data.
+"""Likelihoods of a `BayesianModule`: the observation site of the data.
 
 A likelihood receives the network's outputs of shape ``batch + (B,) + row`` (``batch``: the
 particle or quadrature-node dims of a vectorized pass, empty otherwise; ``B``: the rows of the
@@ -17,7 +17,7 @@ import torch
 __all__ = ["Bernoulli", "Categorical", "Gaussian", "Likelihood"]
 
 NOISE_SITE = "noise_scale"
-"""The latent site of the noise scale that :class:`Gaussian` learns with ``scale=None``."""
+"""The latent site of the noise scale that `Gaussian` learns with ``scale=None``."""
 
 
 class Likelihood:
@@ -64,7 +64,9 @@ class Likelihood:
         """``y`` as the observed site takes it (rows already shaped); unchanged by default."""
         return y
 
-    def distribution(self, outputs: torch.Tensor, latents: dict[str, torch.Tensor], row_dims: int):
+    def distribution(
+        self, outputs: torch.Tensor, latents: dict[str, torch.Tensor], row_dims: int
+    ) -> dist.Distribution:
         """The distribution of one row's observation given the net's ``outputs``."""
         raise NotImplementedError
 
@@ -127,7 +129,7 @@ class Gaussian(Likelihood):
     """``y ~ Normal(net(x), scale)`` per entry, each row's entries one event.
 
     Args:
-        dataset_size: rows of the whole data set (see :class:`Likelihood`).
+        dataset_size: rows of the whole data set (see `Likelihood`).
         scale: the noise standard deviation; ``None`` learns it: a latent site
             ``"noise_scale"`` with prior ``noise_prior`` (default ``HalfNormal(1.0)``), sampled
             outside the data plate.
@@ -153,7 +155,8 @@ class Gaussian(Likelihood):
         self.scale = None if scale is None else float(scale)
         self.noise_prior = noise_prior
 
-    def sample_latents(self, dtype, device):
+    def sample_latents(self, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """The learned noise scale ``"noise_scale"`` (with ``scale=None``); none otherwise."""
         if self.scale is not None:
             return {}
         prior = self.noise_prior
@@ -161,7 +164,10 @@ class Gaussian(Likelihood):
             prior = dist.HalfNormal(torch.ones((), dtype=dtype, device=device))
         return {NOISE_SITE: pyro.sample(NOISE_SITE, prior)}
 
-    def distribution(self, outputs, latents, row_dims):
+    def distribution(
+        self, outputs: torch.Tensor, latents: dict[str, torch.Tensor], row_dims: int
+    ) -> dist.Distribution:
+        """``Normal(outputs, scale)``, each row's entries one event."""
         if self.scale is None:
             scale = _expand_to_rows(latents[NOISE_SITE], row_dims)
         else:
@@ -172,10 +178,11 @@ class Gaussian(Likelihood):
 class Categorical(Likelihood):
     """``y ~ Categorical(logits=net(x))``: the net's last output dim holds the class logits."""
 
-    def row_shape(self, outputs, batch_dims):
+    def row_shape(self, outputs: torch.Tensor, batch_dims: int) -> torch.Size:
+        """The outputs' shape per row without the last dim (the classes): one label per vector."""
         return torch.Size(outputs.shape[batch_dims + 1 : -1])
 
-    def _layout(self, outputs, row, y):
+    def _layout(self, outputs: torch.Size, row: torch.Size, y: torch.Size) -> str:
         classes = (
             f"the classes are the last dim of the network's outputs {tuple(outputs)} "
             f"({outputs[-1]} classes)"
@@ -189,7 +196,10 @@ class Categorical(Likelihood):
             )
         return f"{classes}, so y must be {(outputs[0], *row)}, one label per vector of logits"
 
-    def distribution(self, outputs, latents, row_dims):
+    def distribution(
+        self, outputs: torch.Tensor, latents: dict[str, torch.Tensor], row_dims: int
+    ) -> dist.Distribution:
+        """``Categorical(logits=outputs)``, each row's labels one event."""
         return dist.Categorical(logits=outputs).to_event(row_dims)
 
 
@@ -200,9 +210,12 @@ class Bernoulli(Likelihood):
 
     squeeze_single_output = True
 
-    def observation(self, y, outputs):
+    def observation(self, y: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
         """Integer or boolean labels are taken as 0 / 1 in the outputs' dtype."""
         return y if y.is_floating_point() else y.to(outputs.dtype)
 
-    def distribution(self, outputs, latents, row_dims):
+    def distribution(
+        self, outputs: torch.Tensor, latents: dict[str, torch.Tensor], row_dims: int
+    ) -> dist.Distribution:
+        """``Bernoulli(logits=outputs)``, each row's labels one event."""
         return dist.Bernoulli(logits=outputs).to_event(row_dims)

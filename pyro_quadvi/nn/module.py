@@ -15,7 +15,7 @@ that the data plate lines up at dim -1 and the particle plate at its own dim.
 ``bayesian_parameters() -> Mapping[str, "deterministic" | Distribution]`` over (some of) its own
 parameters, by their names in the module (``"s1"``, not ``"0.s1"``): ``"deterministic"`` makes
 the parameter a point estimate (a hidden ``pyro.param``), a distribution of its shape is its prior,
-in place of the network's prior. :class:`~pyro_quadvi.nn.WHVILinear` declares its ``s1``, ``s2``
+in place of the network's prior. `WHVILinear` declares its ``s1``, ``s2``
 deterministic and ``g ~ N(0, prior_scale^2)`` (Rossi et al. 2020, Sec. 2).
 """
 
@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import pyro
 import torch
@@ -48,6 +49,9 @@ from ..store import follow_store, uncompiled
 from .likelihoods import Likelihood
 from .priors import LayerwiseNormal
 
+if TYPE_CHECKING:
+    from .predict import Prediction
+
 __all__ = ["NETWORK_QNVB_SETTINGS", "BayesianModule"]
 
 DETERMINISTIC = "deterministic"  # a declared role: a point estimate (see the module docstring)
@@ -55,7 +59,7 @@ DETERMINISTIC = "deterministic"  # a declared role: a point estimate (see the mo
 NETWORK_QNVB_SETTINGS: Mapping[str, float] = MappingProxyType(
     {"trust_region": 0.3, "scale_max": 2.0, "significance": 1.0}
 )
-"""What a :class:`BayesianModule` declares for QNVB at each of its weights (``qnvb_settings``):
+"""What a `BayesianModule` declares for QNVB at each of its weights (``qnvb_settings``):
 the mean moves at most ``0.3 sigma`` a step, ``sigma`` at most doubles a step and holds until the
 curvature is significant (``docs/nn.md``, "Quality: what to expect against IVON and Adam";
 ``docs/benchmarks.md``). Read-only."""
@@ -71,8 +75,8 @@ class BayesianModule(PyroModule):
             store saved from one restores into the other), since the vectorized pass runs under
             ``vmap``, where dynamo compiles nothing.
         prior: a callable ``(name, param) -> distribution`` of the parameter's shape
-            (:mod:`pyro_quadvi.nn.priors`); all its dims become event dims.
-        likelihood: how the outputs explain ``y`` (:mod:`pyro_quadvi.nn.likelihoods`).
+            (`pyro_quadvi.nn.priors`); all its dims become event dims.
+        likelihood: how the outputs explain ``y`` (`pyro_quadvi.nn.likelihoods`).
         hide: parameter names (as in ``net.named_parameters()``) that stay deterministic: they are
             registered with ``pyro.param`` under ``"net.<name>"`` (as ``pyro.module`` would name
             them), so ``SVI``'s optimizer (QNVB's fallback) point-estimates them in place.
@@ -81,9 +85,9 @@ class BayesianModule(PyroModule):
         declarations: read the layers' declarations (``bayesian_parameters()``); ``False``
             ignores them, so that ``prior`` and ``hide`` alone decide every parameter.
         qnvb_settings: the QNVB hyperparameters each weight's site declares
-            (``infer={"qnvb": ...}``, :attr:`~pyro_quadvi.guides.MeanFieldSite.hints`), which
-            :class:`~pyro_quadvi.optim.QNVB` takes in place of its own defaults for those blocks
-            (settings passed to ``QNVB(...)`` still win): :data:`NETWORK_QNVB_SETTINGS` by
+            (``infer={"qnvb": ...}``, `hints`), which
+            `QNVB` takes in place of its own defaults for those blocks
+            (settings passed to ``QNVB(...)`` still win): `NETWORK_QNVB_SETTINGS` by
             default; ``{}`` declares none.
 
     Every other parameter of ``net`` is a latent ``pyro.sample(name, prior(name, p).to_event())``.
@@ -107,7 +111,7 @@ class BayesianModule(PyroModule):
     row ``p`` is a dummy the likelihood never sees. A weight tied to another layer is sampled whole.
 
     Call it as a Pyro model (``SVI(bnn, guide, ...)``, ``Predictive(bnn, ...)``); it returns the
-    net's outputs (``batch + (B,) + row``). :meth:`predict` gives a Bayesian model average.
+    net's outputs (``batch + (B,) + row``). `predict` gives a Bayesian model average.
     """
 
     def __init__(
@@ -189,7 +193,7 @@ class BayesianModule(PyroModule):
         # making every parameter of the net a pyro.param.
         return self._modules["net"]
 
-    def train(self, mode: bool = True):
+    def train(self, mode: bool = True) -> BayesianModule:
         """Sets this module's mode; the net stays in eval mode (running statistics as they are)."""
         super().train(mode)
         self._net.eval()
@@ -221,7 +225,7 @@ class BayesianModule(PyroModule):
 
     def invalid_start_hint(self, trace: Trace) -> str | None:
         """The likely cause of a log density that is not finite at a guide's initial values,
-        read from the run's ``trace`` (the one :class:`~pyro_quadvi.QuadratureELBO` makes to
+        read from the run's ``trace`` (the one `QuadratureELBO` makes to
         name the site), or ``None``: latent weights of a parametrized layer (``weight_norm``'s
         ``original0``, ``original1``) that start at 0 everywhere, where a layer that divides its
         weight by a norm computes 0/0. Weights of plain layers at 0 are no cause (Pyro's default
@@ -246,7 +250,7 @@ class BayesianModule(PyroModule):
             "AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())"
         )
 
-    def prior_of(self, name: str, param: torch.Tensor):
+    def prior_of(self, name: str, param: torch.Tensor) -> Distribution:
         """The prior of one parameter, all its dims event dims: its layer's declared prior if it
         has one, else the network's ``prior(name, param)``."""
         if name in self._declared:
@@ -274,7 +278,7 @@ class BayesianModule(PyroModule):
         The param store holds the net's own Parameter, which its optimizer updates in place.
         Where the store holds another tensor under that name (restored by ``set_state`` or
         ``load``, or assigned), its value is copied into the net's Parameter and the store takes
-        the Parameter back, so that the net (``net.state_dict()``, :meth:`init_to_net`, an
+        the Parameter back, so that the net (``net.state_dict()``, `init_to_net`, an
         export) follows what is trained.
         """
         values = {}
@@ -425,8 +429,8 @@ class BayesianModule(PyroModule):
         *,
         batch_size: int | None = None,
         steps: int | str = 1,
-    ):
-        """The Bayesian model average under ``guide``: :func:`~pyro_quadvi.nn.predict`
+    ) -> Prediction:
+        """The Bayesian model average under ``guide``: `predict`
         (``batch_size``: rows of ``x`` per pass through the net, ``None`` all; ``steps``: steps
         of the quadrature rule averaged, ``"period"`` a full period)."""
         from .predict import predict

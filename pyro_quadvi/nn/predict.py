@@ -1,12 +1,12 @@
-"""Bayesian model averages of a :class:`~pyro_quadvi.nn.BayesianModule` under a guide.
+"""Bayesian model averages of a `BayesianModule` under a guide.
 
 For a Gaussian likelihood ``y = f(x; theta) + noise``, with the noise independent of the weights,
 the predictive distribution has (law of total variance)
 
     E[y] = E_q[f],        Var[y] = Var_q[f] + E_q[noise_scale^2],
 
-each expectation the weighted average over the draws or quadrature nodes of ``q`` (rasp paper,
-eq. 11, as a quadrature of the posterior predictive).
+each expectation the weighted average over the draws or quadrature nodes of ``q``: the
+variational-predictive integral of the rasp paper's eq. 1, taken by a quadrature as in its eq. 9.
 """
 
 from __future__ import annotations
@@ -80,23 +80,23 @@ def predict(
     """The Bayesian model average of ``bnn``'s net on ``x`` under the posterior ``guide``.
 
     Args:
-        bnn: a :class:`~pyro_quadvi.nn.BayesianModule`.
+        bnn: a `BayesianModule`.
         guide: its guide (after training).
         x: the inputs, ``B`` rows.
         num_samples: the number of random draws from the guide (ignored with ``quadrature``).
         quadrature: ``None``: random draws of the guide, run once under a vectorized plate of
             ``num_samples`` (like ``Predictive(parallel=True)``). A rule name (``"hadamard"``,
             ``"gauss_hermite"``, ...) or rule: the rule's nodes ``description.affine(x_k)`` on the
-            guide's description (:func:`~pyro_quadvi.guides.describe_guide`, so a Gaussian guide),
+            guide's description (`describe_guide`, so a Gaussian guide),
             weighted by the rule's weights, at steps ``0, ..., steps - 1`` of its sequence. A
             spike-and-slab guide
-            (:class:`~pyro_quadvi.guides.AutoSpikeSlab`) is refused: its nodes would sit on the
+            (`AutoSpikeSlab`) is refused: its nodes would sit on the
             moment-matched Gaussian, not the mixture; predict it with ``num_samples``.
         num_points: the rule's ``num_points`` (with a rule name).
-        vectorize: as everywhere in the package (:func:`~pyro_quadvi.infer.evaluate_batch`):
+        vectorize: as everywhere in the package (`evaluate_batch`):
             ``True`` runs all draws or nodes through the net in one ``torch.func.vmap`` pass,
             checked on the first call for a ``bnn`` against the first and last draw run alone (a
-            disagreement raises :class:`~pyro_quadvi.infer.batched.BatchMismatch` naming the
+            disagreement raises `BatchMismatch` naming the
             reason and the ways out; later calls are not checked); ``False`` one at a time;
             ``None`` tries the pass, checks it the same way (to the square root of the dtype's
             machine epsilon, relative and absolute: a batched product rounds differently) and

@@ -2,7 +2,7 @@
 
 A prior is any callable taking a parameter's path in the network (``"0.weight"``) and the
 parameter itself, and returning a Pyro distribution whose ``batch_shape + event_shape`` is the
-parameter's shape, in its dtype and on its device. :class:`~pyro_quadvi.nn.BayesianModule` makes
+parameter's shape, in its dtype and on its device. `BayesianModule` makes
 every dim an event dim (``.to_event``), so each parameter is one sample site.
 """
 
@@ -77,14 +77,14 @@ class LayerwiseNormal(Prior):
     - ``"kaiming"``: ``sqrt(2 / fan_in)``,
     - ``"xavier"``: ``sqrt(2 / (fan_in + fan_out))``,
 
-    with ``fan_in`` and ``fan_out`` from the weight's shape (:func:`fan_in_and_fan_out`, i.e.
+    with ``fan_in`` and ``fan_out`` from the weight's shape (`fan_in_and_fan_out`, i.e.
     ``torch.nn.init._calculate_fan_in_and_fan_out``).
 
     **Biases and other parameters of fewer than 2 dims** take the fans of their layer's weight:
     the parameter of the same module named with ``weight`` for ``bias`` (``"0.bias"`` ->
     ``"0.weight"``, an ``nn.GRU``'s ``"bias_ih_l0"`` -> ``"weight_ih_l0"``), else the module's
     ``weight``, found in the network the prior is bound to by
-    :class:`~pyro_quadvi.nn.BayesianModule` (:meth:`bind`, on its own copy of the prior, so that
+    `BayesianModule` (`bind`, on its own copy of the prior, so that
     one prior object may serve several networks), or, for a layer that stores no
     ``weight`` but has ``in_features`` and ``out_features`` (a WHVI layer), the dense
     ``(out_features, in_features)`` weight it stands for. A 1-d parameter without such a weight
@@ -118,7 +118,7 @@ class LayerwiseNormal(Prior):
             named_parameters: ``(name, param)`` pairs, as ``net.named_parameters()`` gives.
             named_modules: ``(path, module)`` pairs, as ``net.named_modules()`` gives: a layer
                 without a ``weight`` parameter but with int ``in_features`` and
-                ``out_features`` (a :class:`~pyro_quadvi.nn.WHVILinear`) stands for a dense
+                ``out_features`` (a `WHVILinear`) stands for a dense
                 ``(out_features, in_features)`` weight, whose fans its bias takes.
         """
         self._shapes = {name: param.shape for name, param in named_parameters}
@@ -133,7 +133,7 @@ class LayerwiseNormal(Prior):
 
         Raises:
             ValueError: for a parameter of fewer than 2 dims when the prior was never bound to a
-                network (:meth:`bind`), which its layer's weight would have to come from.
+                network (`bind`), which its layer's weight would have to come from.
         """
         if param.dim() >= 2:
             return fan_in_and_fan_out(param.shape)
@@ -174,12 +174,12 @@ class LayerwiseNormal(Prior):
 
 class SpikeSlab(Prior):
     """An iid spike-and-slab on every entry: zero with probability ``1 - inclusion``, else
-    ``N(0, slab_scale^2)`` (:class:`pyro_quadvi.distributions.SpikeSlab`; the sparse-VI paper's
-    prior). Fit it with :class:`~pyro_quadvi.AutoSpikeSlab`.
+    ``N(0, slab_scale^2)`` (`pyro_quadvi.distributions.SpikeSlab`; the sparse-VI paper's
+    prior). Fit it with `AutoSpikeSlab`.
 
     Args:
         inclusion: the prior probability of a nonzero weight, in ``(0, 1)`` (the paper's
-            ``lambda``; :func:`theorem_inclusion` gives its theorem's choice).
+            ``lambda``; `theorem_inclusion` gives its theorem's choice).
         slab_scale: the slab's standard deviation (the paper's ``sigma_0``).
     """
 

@@ -1,7 +1,7 @@
 """The realized sparse network of a spike-and-slab fit: exact zeros, one deterministic module.
 
-After fitting a :class:`~pyro_quadvi.nn.BayesianModule` with
-:class:`~pyro_quadvi.AutoSpikeSlab`, :func:`sparse_network` reads off the point estimate the
+After fitting a `BayesianModule` with
+`AutoSpikeSlab`, `sparse_network` reads off the point estimate the
 sparse-VI paper evaluates: every weight whose inclusion probability exceeds a threshold takes its
 slab mean, every other weight is exactly zero, in a copy of the network that runs without Pyro.
 """
@@ -62,9 +62,9 @@ def sparse_network(
 
     Args:
         bnn: the Bayesian module the guide was fitted to.
-        guide: its :class:`~pyro_quadvi.AutoSpikeSlab` (after training).
+        guide: its `AutoSpikeSlab` (after training).
         threshold: a weight is kept where its inclusion probability exceeds this
-            (:meth:`~pyro_quadvi.AutoSpikeSlab.sparse_point_estimate`).
+            (`sparse_point_estimate`).
 
     Raises:
         TypeError: for a guide that is not an ``AutoSpikeSlab``.

@@ -29,7 +29,7 @@ __all__ = ["History", "fit"]
 
 @dataclass
 class History:
-    """What :func:`fit` recorded.
+    """What `fit` recorded.
 
     Attributes:
         loss: the loss ``svi.step`` returned at every step.
@@ -101,7 +101,7 @@ def _count(name: str, value: object, least: int) -> int:
 def _underlying(model: object) -> object:
     """The model inside Pyro's handler wrappers (``poutine.scale(bnn, ...)``) and
     ``functools.wraps`` wrappers (``QNVB.anneal``); a ``partial`` binding arguments is kept.
-    (Not :func:`~pyro_quadvi.guides.interface.unwrap_guide`, which goes through any partial to
+    (Not `unwrap_guide`, which goes through any partial to
     its function, so the batch of a model with bound arguments would be counted short.)"""
     for _ in range(32):
         if isinstance(model, functools.partial) and isinstance(model.func, functools.partial):
@@ -119,7 +119,7 @@ def _underlying(model: object) -> object:
 
 
 def _check_batch(bayesian: bool, batch: tuple) -> None:
-    """A ``BayesianModule`` step (``bayesian``: the model is one, :func:`_underlying`) takes
+    """A ``BayesianModule`` step (``bayesian``: the model is one, `_underlying`) takes
     ``(x, y)``: one item would train with ``y`` sampled as a latent, three or more fail in its
     signature."""
     if bayesian and len(batch) != 2:
@@ -182,7 +182,7 @@ def fit(
             ``"cuda"``, for a ``DataLoader`` of CPU tensors); ``None`` leaves them where they are.
 
     Before the first step the plain parameters of the guide and of a ``PyroModule`` model take
-    the values of a restored param store (:func:`~pyro_quadvi.store.follow_param_store`),
+    the values of a restored param store (`follow_param_store`),
     whatever the ELBO.
 
     Raises:

@@ -5,16 +5,16 @@ Rossi, Marmin and Filippone, "Walsh-Hadamard Variational Inference for Bayesian 
 Walsh-Hadamard matrix, ``S1``, ``S2`` diagonal and optimized, and only ``g`` (``D`` numbers)
 variational. A Gaussian ``q(g)`` makes ``q(W)`` a matrix-variate Gaussian (eq. 3-5) with
 ``O(D)`` parameters, and ``W h`` costs ``O(D log D)`` by the fast transform
-(:func:`~pyro_quadvi.linalg.fwht`).
+(`fwht`).
 
 Here ``H`` is the orthonormal Walsh-Hadamard matrix (the Sylvester matrix times ``D^(-1/2)``, the
 paper's "possibly scaled" option), so at ``S1 = S2 = I`` the entries of ``W`` have variance
 ``var(g) / D``: ``g ~ N(0, prior_scale^2)`` is Radford Neal's ``1 / fan_in`` prior scale for a
 square layer.
 
-With :class:`~pyro_quadvi.nn.BayesianModule` a WHVI layer's ``g`` (and its bias) are ordinary
+With `BayesianModule` a WHVI layer's ``g`` (and its bias) are ordinary
 latent sites, so ``AutoMeanFieldNormal``, ``QuadratureELBO`` and ``QNVB`` apply unchanged;
-the layer declares (:meth:`WHVILinear.bayesian_parameters`) ``S1`` and ``S2`` point estimates and
+the layer declares (`WHVILinear.bayesian_parameters`) ``S1`` and ``S2`` point estimates and
 the prior of ``g``, so ``BayesianModule(whvi(net), prior, likelihood)`` needs nothing more. All
 quadrature nodes go through the layer in the module's one vectorized pass.
 """
@@ -63,11 +63,11 @@ class WHVILinear(nn.Module):
             with the network's prior; a ``LayerwiseNormal`` gives it the fans of the dense
             ``(out_features, in_features)`` weight).
         prior_scale: the prior standard deviation of every entry of ``g``, ``g ~ N(0, s^2)``
-            (declared to ``BayesianModule`` by :meth:`bayesian_parameters`).
+            (declared to ``BayesianModule`` by `bayesian_parameters`).
         dtype: of the parameters.
         device: of the parameters.
 
-    **Matrix layers** (both sizes above 1) follow Algorithm 1 (:func:`setup_dimensions`): the
+    **Matrix layers** (both sizes above 1) follow Algorithm 1 (`setup_dimensions`): the
     input is zero-padded to ``D = 2^ceil(log2 in_features)`` and ``stack`` independent ``D x D``
     blocks ``W_j = S1_j H diag(g_j) H S2_j`` are stacked by rows, the first ``out_features`` rows
     kept. ``g``, ``s1``, ``s2`` have shape ``(stack, D)``; ``W x`` costs ``2 stack`` transforms of
@@ -80,7 +80,7 @@ class WHVILinear(nn.Module):
 
     Parameters: ``g`` (variational), ``s1`` and ``s2`` (optimized: initialized to ones), ``bias``.
     The variational parameter count of the paper (a mean and a variance per latent entry, one
-    value per optimized entry) is :attr:`num_variational_parameters` ``= 4 stack D (+ 2
+    value per optimized entry) is `num_variational_parameters` ``= 4 stack D (+ 2
     out_features for the bias)``, against ``2 (in_features + 1) out_features`` for a mean-field
     layer.
     """
@@ -125,7 +125,7 @@ class WHVILinear(nn.Module):
             self.register_parameter("bias", None)
 
     def bayesian_parameters(self) -> dict[str, str | dist.Distribution]:
-        """The roles of ``g``, ``s1``, ``s2`` for :class:`~pyro_quadvi.nn.BayesianModule`.
+        """The roles of ``g``, ``s1``, ``s2`` for `BayesianModule`.
 
         ``s1`` and ``s2`` are ``"deterministic"`` (optimized point estimates, the paper's ``S1``,
         ``S2`` of eq. 2) and ``g ~ N(0, prior_scale^2)`` iid (Section 2); the bias, undeclared,
@@ -243,7 +243,7 @@ class WHVILinear(nn.Module):
 
 
 def whvi(net: nn.Module, skip_last: bool = False, prior_scale: float = 1.0) -> nn.Module:
-    """A copy of ``net`` with its ``nn.Linear`` layers replaced by :class:`WHVILinear` layers.
+    """A copy of ``net`` with its ``nn.Linear`` layers replaced by `WHVILinear` layers.
 
     Args:
         net: any module; it is deep-copied, never modified.

@@ -1,13 +1,13 @@
 """Optimizers: QNVB for Pyro mean-field guides and for plain PyTorch networks.
 
-* :class:`QNVB`: a ``pyro.optim.PyroOptim`` for ``SVI``.
-* :class:`QNVBOptimizer`: a ``torch.optim.Optimizer`` evaluating its closure at quadrature nodes.
-* :func:`qnvb_update`: the pure, elementwise update (the reference); :func:`qnvb_update_many`:
+* `QNVB`: a ``pyro.optim.PyroOptim`` for ``SVI``.
+* `QNVBOptimizer`: a ``torch.optim.Optimizer`` evaluating its closure at quadrature nodes.
+* `qnvb_update`: the pure, elementwise update (the reference); `qnvb_update_many`:
   the same on one flat buffer for many tensors, which both optimizers run.
-* :func:`module_loss`: a ``loss_fn`` for ``QNVBOptimizer.step(loss_fn=..., batch=...)``.
-* :class:`SparseQNVBOptimizer`: the sparsifying QNVB (Dirac-Gauss mixtures and the sieve) for plain
-  PyTorch networks; :class:`SparseQNVB`: the same for ``AutoSpikeSlab`` guides in ``SVI``;
-  :func:`sparse_qnvb_update`: their pure update.
+* `module_loss`: a ``loss_fn`` for ``QNVBOptimizer.step(loss_fn=..., batch=...)``.
+* `SparseQNVBOptimizer`: the sparsifying QNVB (Dirac-Gauss mixtures and the sieve) for plain
+  PyTorch networks; `SparseQNVB`: the same for ``AutoSpikeSlab`` guides in ``SVI``;
+  `sparse_qnvb_update`: their pure update.
 """
 
 from .annealing import AnnealLikelihoodMessenger, anneal_likelihood, geometric_annealing

@@ -2,12 +2,12 @@
 
 A tempered likelihood widens the posterior early in training, which keeps the mean field from
 settling into the first basin it meets (the reference QNVB grows its likelihood weight likewise).
-In Pyro the factor multiplies the log density of every observed site::
+In Pyro the factor multiplies the log density of every observed site:
 
     qnvb = QNVB(annealing=geometric_annealing(0.01, num_steps=500))
     svi = SVI(qnvb.anneal(model), guide, qnvb, QuadratureELBO())
 
-and :class:`~pyro_quadvi.optim.torch_qnvb.QNVBOptimizer` multiplies its likelihood weight by it.
+and `QNVBOptimizer` multiplies its likelihood weight by it.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def annealing_factor(annealing: Callable[[int], float], step: int) -> float:
 def check_schedule(annealing: object) -> Callable[[int], float] | None:
     """Refuse an annealing schedule that is neither ``None`` nor a callable ``step -> factor``.
 
-    The schedule is called once, at step 0 (:func:`annealing_factor`): a wrong schedule is
+    The schedule is called once, at step 0 (`annealing_factor`): a wrong schedule is
     refused when the optimizer is built, not at its first step. Later steps are checked by the
     same rule as they come (``QNVBOptimizer.weight``, ``QNVB.annealing_factor``).
 
@@ -100,7 +100,7 @@ def geometric_annealing(initial: float, num_steps: int) -> Callable[[int], float
 
 
 class _GeometricSchedule:
-    """:func:`geometric_annealing`'s schedule: an object, not a closure, so that a ``QNVB``
+    """`geometric_annealing`'s schedule: an object, not a closure, so that a ``QNVB``
     holding it pickles (``torch.save`` of the optimizer mid-fit, as docs/qnvb.md says)."""
 
     def __init__(self, initial: float, num_steps: int) -> None:

@@ -5,19 +5,19 @@ point of the mean-field problem (rasp paper, eq. 4-8): for a ``"gaussian"`` bloc
 a quasi-Newton step ``g / h`` and the scale becomes ``h^(-1/2)``, where ``g`` and ``h`` are the
 expected gradient and Hessian diagonal of the negative log joint.
 
-**Which parameters.** A guide describes itself (:func:`~pyro_quadvi.guides.describe_guide`): per
+**Which parameters.** A guide describes itself (`describe_guide`): per
 block its family and the leaf tensors of its parameters by role. QNVB pairs the tensors ``SVI``
 hands it with those leaves by identity, never by name, so it pairs under
 ``pyro.settings.set(module_local_params=True)`` as well. It knows a guide because the guide ran
 (every AutoGuide is seen when it runs once a ``QNVB`` exists), because ``QuadratureELBO``
-published its moments, or because it was registered (:func:`~pyro_quadvi.guides.register_guide`).
-Each block goes to the update of its family (:data:`FAMILY_UPDATES`); everything else (a model's
+published its moments, or because it was registered (`register_guide`).
+Each block goes to the update of its family (`FAMILY_UPDATES`); everything else (a model's
 ``pyro.param``, a ``pyro.module`` network's weights, a guide that is not a mean field) goes to
 the fallback optimizer, with one warning per guide that cannot be paired and one when nothing is
 paired.
 
 **Which moments.** ``QuadratureELBO`` publishes ``g`` and ``h`` per block, minibatch scale removed
-(:func:`~pyro_quadvi.guides.interface.published_moments`); QNVB uses them when present. Otherwise
+(`published_moments`); QNVB uses them when present. Otherwise
 (Pyro's own ELBOs) it recovers them from the gradients of a Gaussian block's parameters: for a loss
 ``-E_q[log p(x, z)] - entropy(q)`` with ``z = mu + sigma * x``
 
@@ -99,7 +99,7 @@ def _gaussian_update(
     state: QNVBState,
     hp: QNVBHyperparameters,
 ) -> tuple[dict[str, torch.Tensor], QNVBResult]:
-    """The ``"gaussian"`` family: ``(loc, scale)`` by :func:`qnvb_update` (rasp paper, eq. 4-8)."""
+    """The ``"gaussian"`` family: ``(loc, scale)`` by `qnvb_update` (rasp paper, eq. 4-8)."""
     result = qnvb_update(values["loc"], values["scale"], g, h, state, hp)
     return {"loc": result.mu, "scale": result.sigma}, result
 
@@ -116,7 +116,7 @@ def _gaussian_update_many(
     hp: QNVBHyperparameters,
     compile: bool,
 ) -> list[tuple[dict[str, torch.Tensor], QNVBResult]]:
-    """:func:`_gaussian_update` of several blocks on one flat buffer (:func:`qnvb_update_many`)."""
+    """`_gaussian_update` of several blocks on one flat buffer (`qnvb_update_many`)."""
     results = qnvb_update_many(
         [v["loc"] for v in values],
         [v["scale"] for v in values],
@@ -130,7 +130,7 @@ def _gaussian_update_many(
 
 
 _FAMILY_BATCH_UPDATES: dict[str, Callable] = {"gaussian": _gaussian_update_many}
-"""family -> the update of :data:`FAMILY_UPDATES` for a list of blocks sharing hyperparameters,
+"""family -> the update of `FAMILY_UPDATES` for a list of blocks sharing hyperparameters,
 ``(values list, gs, hs, states, hyperparameters, compile) -> [(values, result)]``; a family
 without one is updated block by block."""
 
@@ -174,12 +174,12 @@ of the step (``values`` holds ``"loc"``, ``"scale"`` and the unconstrained ``"sc
 GRADIENT_IDENTITIES: dict[str, GradientIdentity] = {"gaussian": _gaussian_identity}
 """family -> how QNVB reads a block's moments ``g``, ``h`` from its parameters' gradients when no
 moments were published (Pyro's ELBOs). The families QNVB reads from gradients are its keys; a
-block of another family needs :func:`~pyro_quadvi.guides.interface.published_moments`."""
+block of another family needs `published_moments`."""
 
 
 def minibatch_refusal(site: MeanFieldSite) -> ValueError | None:
     """QNVB's refusal of a block it reads from gradients (its family in
-    :data:`GRADIENT_IDENTITIES`, a gradient on loc and scale) whose guide does not record its
+    `GRADIENT_IDENTITIES`, a gradient on loc and scale) whose guide does not record its
     minibatch (Pyro's ``AutoNormal``: rows ``None``), when this step left some of its entries
     without any gradient; ``None`` when there is none.
 
@@ -215,7 +215,7 @@ def stale_rows_refusal(
     not empty) recorded by no run of this step; ``None`` when there is none.
 
     ``run`` is the stamp of the guide's run that recorded ``site.rows``
-    (:func:`~pyro_quadvi.guides.mean_field.last_run_stamp`; ``None``: the guide keeps none, no
+    (`last_run_stamp`; ``None``: the guide keeps none, no
     check) and ``previous`` the number of the run QNVB read the block from at its previous step.
     The rows are stale when no run happened since (Pyro's ``JitTrace_ELBO`` replays the guide
     it traced at its first step without running it in Python, so the plate's new indices reach
@@ -242,7 +242,7 @@ def stale_rows_refusal(
 
 def outside_rows_refusal(site: MeanFieldSite, index: tuple | None) -> ValueError | None:
     """QNVB's refusal of a block read from gradients whose scale has a gradient outside the
-    minibatch rows its guide recorded (``index``, from :func:`_row_index`); ``None`` when there
+    minibatch rows its guide recorded (``index``, from `_row_index`); ``None`` when there
     is none (or no rows were recorded).
 
     Every entry of the minibatch has a scale gradient (its entropy's ``-1 / sigma``) and no entry
@@ -304,15 +304,15 @@ def _constrain(items: list[_Prepared], transform) -> None:
 
 @dataclass
 class QNVBBlock:
-    """A block QNVB updates in one step (:meth:`QNVB.find_blocks`).
+    """A block QNVB updates in one step (`QNVB.find_blocks`).
 
     Attributes:
         site: the block, as its guide describes it.
         moments: what ``QuadratureELBO`` published for it in this step; ``None``: QNVB reads
-            ``g`` and ``h`` from the gradients of its parameters (:data:`GRADIENT_IDENTITIES`).
+            ``g`` and ``h`` from the gradients of its parameters (`GRADIENT_IDENTITIES`).
         run: the stamp of the guide's run that recorded ``site.rows``, where the guide keeps one
-            (:func:`~pyro_quadvi.guides.mean_field.last_run_stamp`; see
-            :func:`stale_rows_refusal`).
+            (`last_run_stamp`; see
+            `stale_rows_refusal`).
     """
 
     site: MeanFieldSite
@@ -351,27 +351,31 @@ class QNVB(PyroOptim):
         optim_args: the update's hyperparameters as Pyro's optimizers take them: a dict such as
             ``{"lr": 0.5}``, or a callable ``name -> dict`` called with each block's loc
             parameter name (e.g. ``"AutoMeanFieldNormal.locs.w"``). A block's model may declare
-            settings (:attr:`~pyro_quadvi.guides.MeanFieldSite.hints`, e.g. a
-            :class:`~pyro_quadvi.nn.BayesianModule`'s ``NETWORK_QNVB_SETTINGS``), which replace
+            settings (`hints`, e.g. a
+            `BayesianModule`'s ``NETWORK_QNVB_SETTINGS``), which replace
             QNVB's defaults for it; keyword arguments below set the same names for every block,
             and the dict or callable overrides them.
         annealing: optional schedule ``step -> factor`` of the likelihood; it takes effect through
-            the model returned by :meth:`anneal`. Under a schedule QNVB's own default
-            ``recent_fraction`` is :data:`ANNEALED_RECENT_FRACTION` (any setting given wins).
+            the model returned by `anneal`. Under a schedule QNVB's own default
+            ``recent_fraction`` is 0.1 (any setting given wins).
         fallback: the optimizer of every parameter QNVB does not update: a ``pyro.optim``
             optimizer such as ``pyro.optim.Adam({"lr": 1e-2})`` (its constructor and arguments
             are used), or a pair ``(torch optimizer class, arguments dict)``. Default: Adam with
-            ``lr = 1e-2``.
+            ``lr = 1e-2``. Pyro's ``clip_args`` is refused (a ``TypeError``): QNVB's steps are
+            bounded by ``trust_region`` and ``lr``, not by clipping; the fallback's parameters
+            take Pyro's clipping through ``fallback=pyro.optim.ClippedAdam({...})`` or a
+            ``PyroOptim`` with ``clip_args``.
         compile: run the update through ``torch.compile``
-            (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`): an opt-in, it needs a
+            (`qnvb_update_many`): an opt-in, it needs a
             C++ compiler on the CPU (Triton on a GPU) and compiles on the first step (seconds
             to a minute).
-        **hyperparameters: any field of
-            :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters` (``lr``, ``betas``,
-            ``sigma_min``, ...); see ``docs/qnvb.md`` for their defaults and why.
+        **hyperparameters: any field of `QNVBHyperparameters` (``lr``, ``betas``,
+            ``sigma_min``, ...), whose defaults are QNVB's (``help(QNVBHyperparameters)``, from
+            ``pyro_quadvi.optim``); ``docs/qnvb.md`` says why. ``repr(qnvb)`` shows the
+            settings that differ from them.
 
     The blocks of a family that share hyperparameters are updated together, on one flat buffer
-    (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`).
+    (`qnvb_update_many`).
 
     ``get_state()`` / ``set_state()`` (and so ``save()`` / ``load()``) hold deep copies of every
     block's state, the step count and the fallback's state: together with Pyro's param store (and
@@ -388,6 +392,15 @@ class QNVB(PyroOptim):
         compile: bool = False,
         **hyperparameters: float | tuple[float, float] | bool | str,
     ):
+        if "clip_args" in hyperparameters:  # PyroOptim's argument, as a user porting code passes it
+            raise TypeError(
+                "QNVB takes no clip_args: its steps are bounded by trust_region (the mean moves "
+                "at most trust_region * sigma per step) and lr (at most an Adam step of size lr), "
+                "not by clipping gradients. The parameters QNVB does not update take Pyro's "
+                "clipping through their optimizer: fallback=pyro.optim.ClippedAdam({'lr': 1e-2, "
+                "'clip_norm': 10.0}), or fallback=pyro.optim.PyroOptim(torch.optim.Adam, "
+                "{'lr': 1e-2}, clip_args={'clip_norm': 10.0})"
+            )
         if optim_args is not None and not (isinstance(optim_args, dict) or callable(optim_args)):
             raise TypeError(
                 "QNVB's first argument is a dict of hyperparameters or a callable name -> dict, "
@@ -461,7 +474,7 @@ class QNVB(PyroOptim):
 
     def block_hyperparameters(self, name: str, hints: dict) -> QNVBHyperparameters:
         """The hyperparameters of the block whose loc parameter is ``name``: its model's hints
-        (:attr:`~pyro_quadvi.guides.MeanFieldSite.hints`) under the settings passed to QNVB, and
+        (`hints`) under the settings passed to QNVB, and
         the callable's for ``name``.
 
         Raises:
@@ -474,6 +487,35 @@ class QNVB(PyroOptim):
         if key not in self._by_block:
             self._by_block[key] = self._hyperparameters_for(name, hints)
         return self._by_block[key]
+
+    def __repr__(self) -> str:
+        defaults = QNVBHyperparameters(
+            **({} if self.annealing is None else {"recent_fraction": ANNEALED_RECENT_FRACTION})
+        )
+        parts = [] if not callable(self.optim_args) else [f"optim_args={self.optim_args!r}"]
+        for name in _HP_NAMES:
+            value = getattr(self.hyperparameters, name)
+            if value != getattr(defaults, name):
+                parts.append(f"{name}={value!r}")
+        if self.annealing is not None:
+            parts.append(f"annealing={self.annealing!r}")
+        parts += self._fallback_words()
+        if self.compile:
+            parts.append("compile=True")
+        return f"QNVB({', '.join(parts)})"
+
+    def _fallback_words(self) -> list[str]:
+        """``["fallback=..."]`` for a fallback other than the default, else ``[]`` (repr)."""
+        constructor, args, clip_args = (
+            self.pt_optim_constructor,
+            self.pt_optim_args,
+            self.pt_clip_args,
+        )
+        if not clip_args and (constructor, args) == _DEFAULT_FALLBACK:
+            return []
+        if not clip_args:  # PyroOptim keeps no clipping as {}
+            return [f"fallback=({constructor.__name__}, {args!r})"]
+        return [f"fallback=PyroOptim({constructor.__name__}, {args!r}, {clip_args!r})"]
 
     @staticmethod
     def _fallback_arguments(fallback) -> tuple:
@@ -501,7 +543,7 @@ class QNVB(PyroOptim):
 
         Raises:
             ValueError: when the schedule's factor at this step is not finite and ``> 0``
-                (:func:`~pyro_quadvi.optim.annealing.annealing_factor`); read by the annealed
+                (`annealing_factor`); read by the annealed
                 model, the error comes out of ``svi.step`` before QNVB changes anything.
         """
         if self.annealing is None:
@@ -509,7 +551,7 @@ class QNVB(PyroOptim):
         return annealing_factor(self.annealing, self.num_steps)
 
     def anneal(self, model: Callable) -> Callable:
-        """``model`` with its likelihood multiplied by :attr:`annealing_factor` at every step."""
+        """``model`` with its likelihood multiplied by `annealing_factor` at every step."""
         return anneal_likelihood(model, lambda: self.annealing_factor)
 
     # ------------------------------------------------------------------------------- update
@@ -522,10 +564,10 @@ class QNVB(PyroOptim):
     ) -> None:
         """Update the blocks of described guides among ``params``; pass the rest to the fallback.
 
-        ``descriptions``: what :meth:`describe` returned in this step, for a caller that
+        ``descriptions``: what `describe` returned in this step, for a caller that
         described the live guides already
-        (:class:`~pyro_quadvi.distributed.DistributedOptimizer`); ``None``: made here, where
-        needed (:meth:`find_blocks`). ``args`` and ``kwargs`` go to the fallback's step.
+        (`DistributedOptimizer`); ``None``: made here, where
+        needed (`find_blocks`). ``args`` and ``kwargs`` go to the fallback's step.
         """
         params = list(params)
         try:
@@ -558,7 +600,7 @@ class QNVB(PyroOptim):
     def _nothing_paired(self, params: list[torch.Tensor]) -> str:
         """The warning of a step that paired none of ``params`` with a guide: its cause, where
         the received parameters are store tensors a live guide's own plain parameters were cut
-        off from (:func:`~pyro_quadvi.store.detached_parameters`: the store was restored after
+        off from (`detached_parameters`: the store was restored after
         the guide's last run), or the guides QNVB updates."""
         head = (
             f"QNVB: none of the {len(params)} parameters it received belongs to a guide it can "
@@ -603,13 +645,13 @@ class QNVB(PyroOptim):
 
     def __getstate__(self) -> dict:
         """The state ``pickle`` and ``copy.deepcopy`` take: without the descriptions of a step
-        under way (:meth:`describe`), which hold the guides and their non-leaf tensors, and
+        under way (`describe`), which hold the guides and their non-leaf tensors, and
         with every block's state kept by its name alone, not beside the live parameter it is
         bound to (which belongs to Pyro's param store, and holds a weak reference ``pickle``
         cannot take): a copy binds each state again at its block's next use, as after
-        :meth:`set_state`, so it goes on exactly as the original would with the same store.
+        `set_state`, so it goes on exactly as the original would with the same store.
         The guide runs blocks were read from are left out too: their numbers mean nothing to
-        another process (:func:`stale_rows_refusal`)."""
+        another process (`stale_rows_refusal`)."""
         state = self.__dict__.copy()
         state["_described"] = None
         state["_runs_read"] = {}
@@ -621,7 +663,7 @@ class QNVB(PyroOptim):
         return state
 
     def __setstate__(self, state: dict) -> None:
-        """Restore what :meth:`__getstate__` kept, and install the guide watch (the global
+        """Restore what `__getstate__` kept, and install the guide watch (the global
         module hook by which QNVB finds the guides that run, installed by the constructor): a
         process that only unpickles a QNVB (``torch.load``) found no guide under Pyro's own ELBOs,
         and its steps went to the fallback."""
@@ -629,8 +671,8 @@ class QNVB(PyroOptim):
         watch_guides()
 
     def describe(self, params: Iterable[torch.Tensor]) -> list[tuple[Callable, GuideDescription]]:
-        """:func:`~pyro_quadvi.guides.interface.describe_live_guides` of ``params``, made for
-        this step: the descriptions :meth:`find_blocks` and the step (``descriptions=``) take,
+        """`describe_live_guides` of ``params``, made for
+        this step: the descriptions `find_blocks` and the step (``descriptions=``) take,
         until the step ends. A description holds the rows its guide's last run used, so one made
         for another step would update the wrong rows: they are refused."""
         descriptions = describe_live_guides(params)
@@ -647,13 +689,13 @@ class QNVB(PyroOptim):
         why some guide was not paired (else a step pairing nothing warns that nothing was).
 
         Takes the moments published for ``params``
-        (:func:`~pyro_quadvi.guides.interface.published_moments`: they are consumed, so a
+        (`published_moments`: they are consumed, so a
         caller that changes them, averaging them over ranks say, publishes the new ones again
-        with :func:`~pyro_quadvi.guides.interface.publish_moments` before calling QNVB, as
-        :class:`~pyro_quadvi.distributed.DistributedOptimizer` does; the blocks come in the order
+        with `publish_moments` before calling QNVB, as
+        `DistributedOptimizer` does; the blocks come in the order
         of ``params``, which is a set's order under ``SVI``: sort before reducing over ranks); the
         parameters they leave uncovered are paired by identity with the blocks of
-        ``descriptions`` (what :meth:`describe` returned in this step; made here when
+        ``descriptions`` (what `describe` returned in this step; made here when
         ``None``), read from their gradients. Warns once for each block it cannot update (a
         family without an update, a parameter missing) and each joint Gaussian holding one of
         ``params``: they go to the fallback.
@@ -709,7 +751,7 @@ class QNVB(PyroOptim):
         class and tells a part of an ``AutoGuideList`` (an ``AutoDelta`` beside an
         ``AutoNormal``, say: QNVB updates the other parts) from a whole guide (an
         ``AutoStructured``, say: QNVB updates none of it). The guides are those seen running
-        (:func:`~pyro_quadvi.guides.interface.undescribed_guides`), matched by the identity of
+        (`undescribed_guides`), matched by the identity of
         their parameters; the model's own ``pyro.param`` s belong to no guide."""
         rest = {id(p) for p in params} - described
         fallback = self.pt_optim_constructor.__name__
@@ -855,7 +897,7 @@ class QNVB(PyroOptim):
     @torch.no_grad()
     def _update_prepared(self, prepared: list[_Prepared], counts: list) -> None:
         """The family updates of the prepared blocks, those sharing a family with a batched
-        update and hyperparameters together; appends each block's :func:`result_counts`."""
+        update and hyperparameters together; appends each block's `result_counts`."""
         together: dict[tuple, list[_Prepared]] = {}
         for item in prepared:
             if item.site.family in _FAMILY_BATCH_UPDATES:
@@ -909,15 +951,15 @@ class QNVB(PyroOptim):
     @staticmethod
     def _whole(item: _Prepared) -> bool:
         """Whether a block is updated on all its entries (no minibatch rows):
-        :meth:`_finish_together` can write it."""
+        `_finish_together` can write it."""
         return item.index is None
 
     @staticmethod
     def _finish_together(picked: list, transform) -> bool:
-        """:meth:`_finish_block` of blocks updated on all their entries, sharing the scale's
+        """`_finish_block` of blocks updated on all their entries, sharing the scale's
         transform: the inverse transform and the guard run once on all of them (elementwise,
         and through vectorized kernels without a scalar tail, unlike the softplus: each value is
-        the one :meth:`_finish_block` writes, bit for bit, as the tests check), and a state that
+        the one `_finish_block` writes, bit for bit, as the tests check), and a state that
         the update returned as pieces of one buffer becomes the block's state without a copy.
 
         Returns whether every field of the states was so rebound (then they share one buffer).
@@ -1004,7 +1046,7 @@ class QNVB(PyroOptim):
     # -------------------------------------------------------------------------------- state
     def get_state(self) -> dict:
         """Deep copies of every block's state, the step count and the fallback's states, and
-        each block's hyperparameters with its model's hints (checked by :meth:`set_state`)."""
+        each block's hyperparameters with its model's hints (checked by `set_state`)."""
         blocks = {name: dict(state) for name, state in self._pending.items()}
         for name, (_, state) in self._bound.items():
             blocks[name] = state
@@ -1025,13 +1067,13 @@ class QNVB(PyroOptim):
         }
 
     def set_state(self, state_dict: dict) -> None:
-        """Restore what :meth:`get_state` returned (block states bind at their next use).
+        """Restore what `get_state` returned (block states bind at their next use).
 
         Each block's saved hyperparameters are compared with those this QNVB gives the block
         under the same model hints: a ``ValueError`` names the block and every setting that
         differs, and nothing is restored. A state saved without them (an earlier version) loads
         unchecked. States of blocks not (yet) seen are kept and written out again by
-        :meth:`get_state`. A block's state binds on its parameter's device and, where floating,
+        `get_state`. A block's state binds on its parameter's device and, where floating,
         in its dtype (a state saved on the CPU resumes a CUDA fit), as
         ``torch.optim.Optimizer.load_state_dict`` moves and casts its state.
         """

@@ -8,7 +8,7 @@ Gaussian mean field ``N(mu, diag(sigma^2))`` to the fixed point of the projectiv
     mu <- mu - g / h,        sigma <- h^(-1/2),
 
 where ``g`` and ``h`` are the expected gradient and Hessian diagonal of the loss (the negative log
-joint) under ``q`` (eq. 7 and 8, estimated by a quadrature as in eq. 11). :func:`qnvb_update`
+joint) under ``q`` (eq. 7 and 8, estimated by a quadrature as in eq. 11). `qnvb_update`
 performs one such step elementwise. Every rule it applies, in order (``docs/qnvb.md``, "The
 update's rules, each measured", gives the test and the benchmark row behind each):
 
@@ -62,13 +62,13 @@ update's rules, each measured", gives the test and the benchmark row behind each
     two causes are counted apart. The counts stay 0-d tensors: the update never synchronizes
     with the host.
 
-**Two implementations, the same numbers.** :func:`qnvb_update` is the reference: one tensor, each
-rule written as above. :func:`qnvb_update_many` is what the optimizers run: it concatenates every
+**Two implementations, the same numbers.** `qnvb_update` is the reference: one tensor, each
+rule written as above. `qnvb_update_many` is what the optimizers run: it concatenates every
 tensor of a group into one flat buffer and applies the same rules once, with in-place operations
 and without the work that cannot change a result (a multiplication by a weight of 1, a prior of
 precision 0, the significance test at ``significance = 0``, twelve ``isfinite`` replaced by one
 probe; one boolean read on the host, whether the guard kept any coordinate, spares the guard's
-selections when it kept none); ``compile=True`` runs the reference :func:`qnvb_update` through
+selections when it kept none); ``compile=True`` runs the reference `qnvb_update` through
 ``torch.compile``, tensor by tensor on the CPU (a fused loop each; needs a C++ compiler), on one
 flat buffer elsewhere (fused kernels for every tensor at once, counted segment by segment). Tests
 hold the flat update equal to the reference value for value, and the compiled one to within
@@ -127,7 +127,7 @@ def _finite_nonnegative(value: float) -> bool:
 
 @dataclass(frozen=True)
 class QNVBHyperparameters:
-    """Hyperparameters of :func:`qnvb_update` (names as in the reference optimizer).
+    """Hyperparameters of `qnvb_update` (names as in the reference optimizer).
 
     Attributes:
         lr: caps how far ``mu`` moves: the step is ``g / max(H, (sqrt(s) + eps) / lr)``, the smaller
@@ -218,7 +218,7 @@ class QNVBHyperparameters:
 
 
 class QNVBState(NamedTuple):
-    """Per-coordinate state of :func:`qnvb_update`; every field has the shape of ``mu``.
+    """Per-coordinate state of `qnvb_update`; every field has the shape of ``mu``.
 
     Attributes:
         g_avg: running mean gradient of ``L``, carried to the new mean after each step.
@@ -242,7 +242,7 @@ class QNVBState(NamedTuple):
 
 
 class QNVBResult(NamedTuple):
-    """What :func:`qnvb_update` returns; the counts are 0-d integer tensors on ``mu``'s device.
+    """What `qnvb_update` returns; the counts are 0-d integer tensors on ``mu``'s device.
 
     Attributes:
         mu, sigma: the new mean and standard deviation.
@@ -269,11 +269,11 @@ class QNVBResult(NamedTuple):
 
 
 COUNT_KINDS = ("num_nonfinite", "num_overflow", "num_sigma_min", "num_sigma_max")
-"""The counts of a :class:`QNVBResult` that an optimizer reports (once each)."""
+"""The counts of a `QNVBResult` that an optimizer reports (once each)."""
 
 
 def _count_message(kind: str, hp: QNVBHyperparameters, where: str) -> str:
-    """The message for one of :data:`COUNT_KINDS`; ``where``: how many coordinates, and where."""
+    """The message for one of `COUNT_KINDS`; ``where``: how many coordinates, and where."""
     if kind == "num_nonfinite":
         return f"non-finite gradient or curvature at {where}; they were left unchanged"
     if kind == "num_overflow":
@@ -297,18 +297,18 @@ def _count_message(kind: str, hp: QNVBHyperparameters, where: str) -> str:
 
 
 def result_counts(result: QNVBResult) -> torch.Tensor:
-    """The :data:`COUNT_KINDS` of ``result`` as one integer tensor (still on the device)."""
+    """The `COUNT_KINDS` of ``result`` as one integer tensor (still on the device)."""
     return torch.stack([getattr(result, kind) for kind in COUNT_KINDS])
 
 
 def count_messages(
     counts: list[tuple[str, QNVBHyperparameters, torch.Tensor]], warned: set[str]
 ) -> list[str]:
-    """One message per kind of :data:`COUNT_KINDS` not yet in ``warned`` that occurred.
+    """One message per kind of `COUNT_KINDS` not yet in ``warned`` that occurred.
 
     Args:
         counts: per updated tensor, a label (``"site 'w'"``), its hyperparameters and its
-            :func:`result_counts`.
+            `result_counts`.
         warned: the kinds already reported; the kinds reported now are added to it.
 
     The counts stay on the device until a kind is still to be reported; then one copy to the host
@@ -414,7 +414,7 @@ def qnvb_update(
         sigma: the current standard deviations.
         g: expected gradient of ``L`` under ``N(mu, sigma^2)`` (eq. 7).
         h: expected Hessian diagonal of ``L`` (eq. 8), e.g. ``sum_k w_k grad_k x_k / sigma``.
-        state: from :func:`init_qnvb_state` or the previous step.
+        state: from `init_qnvb_state` or the previous step.
         hp: the hyperparameters.
         weight: multiplies ``L`` in the loss (likelihood weight times annealing factor).
         prior_precision: precision of a zero-mean Gaussian prior added to the loss.
@@ -423,7 +423,7 @@ def qnvb_update(
     mean, scale and state.
 
     Returns:
-        :class:`QNVBResult` with the new mean, scale and state.
+        `QNVBResult` with the new mean, scale and state.
     """
     new_mu, new_sigma, new_state, masks = _reference_rules(
         mu, sigma, g, h, state, hp, weight, prior_precision
@@ -441,9 +441,9 @@ def _reference_rules(
     weight: float | torch.Tensor,
     prior_precision: float | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, QNVBState, tuple[torch.Tensor, ...]]:
-    """The rules of :func:`qnvb_update` as written there, returning the four boolean masks of
-    :data:`COUNT_KINDS` rather than their counts (so that one call on a flat buffer can be
-    counted segment by segment, :func:`_segment_counts`)."""
+    """The rules of `qnvb_update` as written there, returning the four boolean masks of
+    `COUNT_KINDS` rather than their counts (so that one call on a flat buffer can be
+    counted segment by segment, `_segment_counts`)."""
     beta1, beta2 = hp.betas
     finite_input = torch.isfinite(g) & torch.isfinite(h)  # the rest is elementwise: a NaN in g
     # or h spoils its own coordinate only, which the guard at the end leaves unchanged
@@ -535,10 +535,10 @@ def _reference_rules(
     return new_mu, new_sigma, new_state, masks
 
 
-#: the update through ``torch.compile``, made on first use: "per tensor" (:func:`qnvb_update`) and
-#: "flat" (:func:`_reference_rules` on one flat buffer)
+#: the update through ``torch.compile``, made on first use: "per tensor" (`qnvb_update`) and
+#: "flat" (`_reference_rules` on one flat buffer)
 _COMPILED: dict[str, Callable] = {}
-#: devices whose compiled update goes tensor by tensor (:func:`_compiled_updates`); elsewhere it
+#: devices whose compiled update goes tensor by tensor (`_compiled_updates`); elsewhere it
 #: goes on one flat buffer
 _PER_TENSOR_DEVICES = frozenset({"cpu"})
 _SCALARS: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -572,7 +572,7 @@ def _flat_update(
     weight: float | torch.Tensor,
     prior_precision: float | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, QNVBState, tuple[torch.Tensor, ...]]:
-    """The rules of :func:`qnvb_update` on flat tensors, with the same operations in the same order
+    """The rules of `qnvb_update` on flat tensors, with the same operations in the same order
     where they can change a value, and in place on fresh tensors (never on an argument).
 
     What it leaves out, each provably without effect on the result:
@@ -588,7 +588,7 @@ def _flat_update(
       otherwise, so one accumulated probe ``sum(x * 0) == 0`` tests every field at once.
 
     Returns:
-        The new mean, scale, state, and the four boolean masks of :data:`COUNT_KINDS`.
+        The new mean, scale, state, and the four boolean masks of `COUNT_KINDS`.
     """
     beta1, beta2 = hp.betas
     unit_weight = _is_number(weight, 1.0)
@@ -758,7 +758,7 @@ def consecutive_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors as one flat tensor: without a copy when they are consecutive pieces of one
-    storage (as the results of the previous :func:`qnvb_update_many` are), else a ``cat``."""
+    storage (as the results of the previous `qnvb_update_many` are), else a ``cat``."""
     if len(tensors) == 1:
         return tensors[0].reshape(-1)
     base = consecutive_base(tensors)
@@ -778,18 +778,18 @@ def qnvb_update_many(
     *,
     compile: bool = False,
 ) -> list[QNVBResult]:
-    """:func:`qnvb_update` of several tensors at once, on one flat buffer (rasp paper, eq. 4-8).
+    """`qnvb_update` of several tensors at once, on one flat buffer (rasp paper, eq. 4-8).
 
     Args:
-        mus: per tensor, ``mu`` as for :func:`qnvb_update` (one dtype and device throughout,
+        mus: per tensor, ``mu`` as for `qnvb_update` (one dtype and device throughout,
             as for every list here).
         sigmas: per tensor, ``sigma``.
         gs: per tensor, ``g``.
         hs: per tensor, ``h``.
         states: per tensor, ``state``.
-        hp: shared by all the tensors, as for :func:`qnvb_update`.
-        weight: shared, as for :func:`qnvb_update`.
-        prior_precision: shared, as for :func:`qnvb_update`.
+        hp: shared by all the tensors, as for `qnvb_update`.
+        weight: shared, as for `qnvb_update`.
+        prior_precision: shared, as for `qnvb_update`.
         compile: run the reference rules through ``torch.compile``: on the CPU tensor by tensor
             (a fused C++ loop each, several times faster than the eager flat update on large
             tensors; needs a C++ compiler), on any other device on one flat buffer (fused kernels
@@ -799,8 +799,8 @@ def qnvb_update_many(
             within rounding (a fused ``exp`` or ``rsqrt`` may differ in the last bit).
 
     Returns:
-        One :class:`QNVBResult` per tensor (views into the flat results), its counts those of
-        its own coordinates. Equal, value for value, to :func:`qnvb_update` of each tensor.
+        One `QNVBResult` per tensor (views into the flat results), its counts those of
+        its own coordinates. Equal, value for value, to `qnvb_update` of each tensor.
     """
     lengths = {len(mus), len(sigmas), len(gs), len(hs), len(states)}
     if len(lengths) != 1:
@@ -832,7 +832,7 @@ def qnvb_update_many(
 
 
 def _compiled_updates(mus, sigmas, gs, hs, states, hp, weight, prior_precision):
-    """:func:`qnvb_update` through ``torch.compile``, tensor by tensor (flattened, so that sizes
+    """`qnvb_update` through ``torch.compile``, tensor by tensor (flattened, so that sizes
     alone differ and one dynamic-shape compile serves them all): the CPU's compiled update. Per
     tensor rather than on a flat buffer: the counts are then sums inside the fused loop, where
     per-segment boolean masks as outputs made the compiled update four times slower on the CPU."""

@@ -8,7 +8,7 @@ mixture's own moments (eq. 4.2)
     mu = p_nonzero nu,        sigma^2 = p_nonzero (1 - p_nonzero) nu^2 + p_nonzero tau^2,
 
 and returns the gradient ``g`` and Hessian diagonal ``h`` of one loss term at ``mu``. One term is
-one call of :func:`sparse_qnvb_update`: with minibatches, one step's minibatch sum stands for its
+one call of `sparse_qnvb_update`: with minibatches, one step's minibatch sum stands for its
 ``B = n_c / S`` cases' per-case terms (``n_c`` cases in ``S`` steps per epoch), each case
 carrying ``1 / n_c`` of the continuous prior (Section 5.1.2). The counts of terms (``n0``,
 ``n1``, the annealing target ``n_tgt``) are kept in steps rather than cases: the sums, the
@@ -23,14 +23,14 @@ gradient per term over ``h_min`` (Section 5.1.3), however many updates an epoch 
 makes ``n_c`` of them, a minibatch run ``S``. To move a minibatch of ``B`` cases as far as the
 paper's ``B`` per-case updates, ``h_min`` keeps the paper's value in cases,
 ``h_min = 1 / (n_c 2^(1 - n_e) alpha_max)`` (Algorithm 5.1, line 6), with ``max(n0, n1)``
-counted in steps: ``cases_per_step = B`` in :func:`sparse_qnvb_update`. (Counting ``n0`` in
+counted in steps: ``cases_per_step = B`` in `sparse_qnvb_update`. (Counting ``n0`` in
 steps there as well would divide the maximum learning rate by ``B``.)
 
 One update (Algorithm 5.3, with the errata of ``design/qnvb-update-rule.md``):
 
 1. The term is added to the restarted sums ``g1``, ``h1``; ``h1`` is floored at
    ``1 / tau_max^2`` (or, an extension, ``1 / late_tau_max^2`` from ``late_epoch`` on, the slab
-   keeping ``tau <= tau_max``: :class:`SparseQNVBHyperparameters`). At the start of an epoch the
+   keeping ``tau <= tau_max``: `SparseQNVBHyperparameters`). At the start of an epoch the
    restarted sums are emptied (Algorithm 5.2, line 2); at the start of the final epoch the most
    probable pattern is realized and kept.
 2. The hybrid sums ``g_hat``, ``h_hat`` of eq. 5.1 **as corrected** (the second coefficient
@@ -54,7 +54,7 @@ One update (Algorithm 5.3, with the errata of ``design/qnvb-update-rule.md``):
    replaces the previous one and restarts (Algorithm 5.2, lines 13-15).
 7. **Guard**: a non-finite ``g`` or ``h`` drops the term at its coordinate; a Gaussian step that
    overflows keeps the coordinate's Gaussian; a coordinate with any other non-finite field keeps
-   its whole previous state. Both are counted (:func:`result_messages`): no NaN or infinity ever
+   its whole previous state. Both are counted (`result_messages`): no NaN or infinity ever
    leaves the update.
 """
 
@@ -175,7 +175,7 @@ class SparseQNVBHyperparameters:
 
     def curvature_floor(self, epoch: int) -> float:
         """The floor on the curvature sums in ``epoch`` (1-based): ``1 / tau_max^2``
-        (Algorithm 5.3, line 4), or ``1 / late_tau_max^2`` from ``late_epoch`` on."""
+        (Algorithm 5.3, line 3), or ``1 / late_tau_max^2`` from ``late_epoch`` on."""
         late = self.late_tau_max is not None and epoch >= self.late_epoch
         return (self.late_tau_max if late else self.tau_max) ** -2
 
@@ -220,7 +220,7 @@ class SparseQNVBCounters(NamedTuple):
 
 
 class SparseQNVBResult(NamedTuple):
-    """What :func:`sparse_qnvb_update` returns.
+    """What `sparse_qnvb_update` returns.
 
     Attributes:
         blocks: the new per-block states.
@@ -273,7 +273,7 @@ def result_messages(result: SparseQNVBResult, warned: set[str]) -> list[str]:
 
 LOSS_GROWTH = 1e3
 """A step whose loss exceeds the first step's by more than ``LOSS_GROWTH`` times the first's
-magnitude is taken as divergence (:func:`loss_growth_message`)."""
+magnitude is taken as divergence (`loss_growth_message`)."""
 
 
 def loss_growth_message(first: float, value: float, step: int, what: str) -> str | None:
@@ -303,7 +303,7 @@ def run_settings(
 ) -> dict:
     """Everything besides the state that fixes a run's schedule and terms: the hyperparameters,
     ``S``, ``n_c`` and ``h_p``. Saved with a state, checked on load by
-    :func:`~pyro_quadvi.optim.qnvb_functional.check_settings`."""
+    `check_settings`."""
     return {
         **asdict(hp),
         "steps_per_epoch": steps_per_epoch,
@@ -400,8 +400,8 @@ def sieve_map(
 ) -> torch.Tensor:
     """The monotone, piecewise-affine sieve (Algorithm 5.3, line 14, corrected).
 
-    With ``(zeta_hat^(0), zeta_hat^(1))`` from :attr:`SparseQNVBHyperparameters.sieve_logits`
-    and the pieces (``upper = zeta^(0) >= lower = zeta^(1)``) of :func:`sieve_pieces`::
+    With ``(zeta_hat^(0), zeta_hat^(1))`` from `SparseQNVBHyperparameters.sieve_logits`
+    and the pieces (``upper = zeta^(0) >= lower = zeta^(1)``) of `sieve_pieces`:
 
         held near zero:  zeta - zeta^(0) + zeta_hat^(0)
         held nonzero:    zeta - zeta^(1) + zeta_hat^(1)
@@ -511,7 +511,7 @@ def sparse_qnvb_update(
 
     Args:
         blocks: the state of every block; the sieve sorts the logits of all of them together.
-        counters: from :func:`init_sparse_counters` or the previous update.
+        counters: from `init_sparse_counters` or the previous update.
         g: per block, the gradient of this term of the loss at the expansion point ``mu``
             (Algorithm 4.1), the continuous prior's share included.
         h: per block, the Hessian diagonal of that term, likewise.
@@ -522,7 +522,7 @@ def sparse_qnvb_update(
             ``1 / (n_c 2^(1 - n_e) alpha_max)`` (module docstring).
 
     Returns:
-        :class:`SparseQNVBResult`.
+        `SparseQNVBResult`.
     """
     if not (len(blocks) == len(g) == len(h)) or not blocks:
         raise ValueError(

@@ -2,7 +2,7 @@
 
 ``SVI(model, AutoSpikeSlab(model), SparseQNVB(...), QuadratureELBO(rule="hadamard",
 num_points=4))`` trains every ``"dirac_gauss"`` block of the guide (slab mean ``nu``, slab scale
-``tau``, zero logit ``zeta``) by :func:`~pyro_quadvi.optim.sparse_functional.sparse_qnvb_update`,
+``tau``, zero logit ``zeta``) by `sparse_qnvb_update`,
 all blocks together (the sieve ranks the logits of the whole model). ``QuadratureELBO`` publishes
 ``g`` and ``h`` of the smooth part of the loss per block at the mixture's moments (eq. 4.2); one
 SVI step is one term of ``1 / steps_per_epoch`` of the data, so the term handed to the update is
@@ -12,7 +12,7 @@ SVI step is one term of ``1 / steps_per_epoch`` of the data, so the term handed 
 with ``h_p`` the slab's prior precision (the spike-and-slab prior itself enters ``QuadratureELBO``
 as a closed-form KL, so its continuous part is added here, Section 5.1.2). Everything else (other
 families, a model's ``pyro.param``, blocks without published moments) goes to the fallback
-optimizer of :class:`~pyro_quadvi.optim.qnvb.QNVB`, beside the spike-and-slab blocks; a step
+optimizer of `QNVB`, beside the spike-and-slab blocks; a step
 with no spike-and-slab block at all (another guide, or another ELBO) is refused with a
 ``TypeError``: the fallback would train everything and nothing would be sparsified.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable
+from dataclasses import fields
 
 import torch
 from pyro.optim import PyroOptim
@@ -34,6 +35,7 @@ from .sparse_functional import (
     SparseQNVBBlock,
     SparseQNVBCounters,
     SparseQNVBHyperparameters,
+    _check_int,
     epoch_progress,
     init_sparse_counters,
     loss_growth_message,
@@ -47,27 +49,28 @@ __all__ = ["SparseQNVB"]
 
 _LOGIT_BOUND = 30.0
 """The guide's zero logits are written within +-30 (a probability of 1e-13): the realized
-pattern's exact zeros live in :meth:`SparseQNVB.pattern` and in the guide's median."""
+pattern's exact zeros live in `SparseQNVB.pattern` and in the guide's median."""
 
 
 class SparseQNVB(QNVB):
     """The sparsifying QNVB for ``"dirac_gauss"`` guides (``AutoSpikeSlab``) in ``SVI``.
 
     Args:
-        num_epochs: ``n_e`` (Table 1: 10).
+        num_epochs: ``n_e`` (Table 1: 10), an int; a dict of optim args (as ``pyro.optim``
+            optimizers take) is refused: the settings are keyword arguments.
         steps_per_epoch: ``S``, SVI steps per epoch, e.g. ``len(loader)``.
         prior_precision: ``h_p``, the slab's prior precision, ``1 / slab_scale^2`` of the model's
-            :class:`~pyro_quadvi.distributions.SpikeSlab` prior; ``None``: ``1 / tau_max^2``.
+            `SpikeSlab` prior; ``None``: ``1 / tau_max^2``.
         num_cases: ``n_c``, the number of training cases (the size the model's plate scales
             to). It sets the trust region per case as the paper does,
             ``h_min = 1 / (n_c 2^(1 - n_e) max_lr)``; ``None`` counts one case per step, which
             divides the maximum learning rate per epoch by ``n_c / steps_per_epoch``
-            (:mod:`~pyro_quadvi.optim.sparse_functional`).
-        fallback: the optimizer of every other parameter, as for :class:`QNVB`.
+            (`sparse_functional`).
+        fallback: the optimizer of every other parameter, as for `QNVB`.
 
     The keyword arguments ``target_sparsity``, ``target_free``, ``max_lr``, ``tau_max``,
     ``p_nonzero_low``, ``p_nonzero_high``, ``late_tau_max`` and ``late_epoch`` are the fields of
-    :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters` (defaults: Table 1;
+    `SparseQNVBHyperparameters` (defaults: Table 1;
     the initial learning rate is the guide's start, see below). The nodes are the ELBO's: Table
     1's ``n_q = 2`` antithetic pairs are ``QuadratureELBO(rule="hadamard", num_points=4)``.
 
@@ -100,6 +103,14 @@ class SparseQNVB(QNVB):
         num_cases: int | None = None,
         fallback: PyroOptim | tuple[type, dict] | None = None,
     ):
+        if isinstance(num_epochs, dict):  # pyro.optim's optim_args, as a user porting code passes
+            raise TypeError(
+                f"SparseQNVB's first argument is num_epochs, an int; got the dict {num_epochs!r}. "
+                "SparseQNVB takes its settings as keyword arguments, not as a dict of optim args "
+                "like pyro.optim optimizers: e.g. SparseQNVB(steps_per_epoch=len(loader), "
+                "max_lr=0.1, tau_max=0.3) (the settings: help(SparseQNVB))"
+            )
+        _check_int("num_epochs", num_epochs, 3)
         if steps_per_epoch is None:
             raise TypeError(
                 "SparseQNVB needs steps_per_epoch, the number of SVI steps per epoch (e.g. "
@@ -129,8 +140,23 @@ class SparseQNVB(QNVB):
         self.cases_per_step = 1.0 if num_cases is None else num_cases / steps_per_epoch
         self.blocks: dict[str, SparseQNVBBlock] = {}
         self.first_loss: float | None = None
-        """The loss of the first step with spike-and-slab moments (:meth:`_check_growth`)."""
+        """The loss of the first step with spike-and-slab moments (`_check_growth`)."""
         self._sparse_warned: set[str] = set()
+
+    def __repr__(self) -> str:
+        hp = self.sparse_hyperparameters
+        defaults = SparseQNVBHyperparameters()
+        parts = [f"steps_per_epoch={self.steps_per_epoch!r}"]
+        for field in fields(hp):
+            value = getattr(hp, field.name)
+            if value != getattr(defaults, field.name):
+                parts.append(f"{field.name}={value!r}")
+        if self.prior_precision != hp.tau_max**-2:
+            parts.append(f"prior_precision={self.prior_precision!r}")
+        if self.num_cases is not None:
+            parts.append(f"num_cases={self.num_cases!r}")
+        parts += self._fallback_words()
+        return f"SparseQNVB({', '.join(parts)})"
 
     @property
     def epoch(self) -> int:
@@ -149,7 +175,7 @@ class SparseQNVB(QNVB):
 
     def pattern(self) -> dict[str, torch.Tensor]:
         """Per block (loc parameter name), 1 where a coordinate is nonzero, 0 where it is an
-        exact zero: the realized pattern once :attr:`finished`, else where ``p_nonzero > 1/2``
+        exact zero: the realized pattern once `finished`, else where ``p_nonzero > 1/2``
         (the pattern a realization now would give)."""
         realized = self.finished
         return {
@@ -211,9 +237,9 @@ class SparseQNVB(QNVB):
 
     def _check_growth(self, loss: torch.Tensor) -> None:
         """Warn once where the step's loss (published by ``QuadratureELBO`` with the moments)
-        grew beyond ``first + 1000 |first|``, as :class:`SparseQNVBOptimizer` does
-        (:func:`~pyro_quadvi.optim.sparse_functional.loss_growth_message`): the Gaussian means
-        may be diverging. The first loss is kept in :meth:`get_state`."""
+        grew beyond ``first + 1000 |first|``, as `SparseQNVBOptimizer` does
+        (`loss_growth_message`): the Gaussian means
+        may be diverging. The first loss is kept in `get_state`."""
         if "growth" in self._warned:
             return
         value = float(loss)  # (one read from the device, this optimizer's only)
@@ -290,7 +316,7 @@ class SparseQNVB(QNVB):
     def get_state(self) -> dict:
         """Deep copies of the counters, the first step's loss, every block's state and the
         fallback's state, and the settings of the run
-        (:func:`~pyro_quadvi.optim.sparse_functional.run_settings`)."""
+        (`run_settings`)."""
         return {
             "sparse_qnvb": {
                 "num_steps": self.num_steps,
@@ -306,7 +332,7 @@ class SparseQNVB(QNVB):
         }
 
     def set_state(self, state_dict: dict) -> None:
-        """Restore what :meth:`get_state` returned, into an optimizer built with the same
+        """Restore what `get_state` returned, into an optimizer built with the same
         settings (hyperparameters, ``steps_per_epoch``, ``num_cases``, ``prior_precision``): a
         ``ValueError`` names any that differs, and nothing is restored."""
         state = state_dict["sparse_qnvb"]

@@ -1,14 +1,14 @@
 """The sparsifying QNVB as a ``torch.optim.Optimizer`` for plain PyTorch networks.
 
 Every weight ``theta_i`` of the network becomes a Dirac-Gauss mixture (sequence paper, eq. 4.1),
-trained by Algorithms 5.1-5.3 (:mod:`~pyro_quadvi.optim.sparse_functional`). A step sets the
+trained by Algorithms 5.1-5.3 (`sparse_functional`). A step sets the
 weights to the quadrature nodes ``mu + sigma * x_k`` of the mixture's moments (eq. 4.2), evaluates
 the closure (the mean loss per case of a minibatch, and its backward) at each, forms
 (Algorithm 4.1)
 
     g = sum_k w_k grad_k,        h = sum_k w_k grad_k * x_k / sigma,
 
-and hands the minibatch's term to :func:`~pyro_quadvi.optim.sparse_functional.sparse_qnvb_update`:
+and hands the minibatch's term to `sparse_qnvb_update`:
 ``(n_c / S) g + (h_p / S) mu`` and ``(n_c / S) h + h_p / S`` for ``n_c`` training cases in ``S``
 steps per epoch and a Gaussian slab prior of precision ``h_p`` (each case carries ``1 / n_c`` of
 it, Section 5.1.2). After a step the weights hold the mixture mean ``mu = p_nonzero nu``; once the
@@ -62,7 +62,7 @@ _BLOCK_NAMES = SparseQNVBBlock._fields
 
 
 class _SparseGroup(dict):
-    """A parameter group of :class:`SparseQNVBOptimizer`: it holds only ``params``, and reading
+    """A parameter group of `SparseQNVBOptimizer`: it holds only ``params``, and reading
     any setting (torch's lr schedulers read ``"lr"``) is a ``KeyError`` that says why."""
 
     def __missing__(self, key: object):
@@ -86,31 +86,31 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         late_tau_max: an extension (``None``: off, the paper's algorithm): the curvature floor
             ``1 / late_tau_max^2`` from epoch ``late_epoch`` on, the slab still at most
             ``tau_max`` (see
-            :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters`).
+            `SparseQNVBHyperparameters`).
         late_epoch: the epoch from which ``late_tau_max`` holds.
         prior_precision: ``h_p``, precision of the Gaussian slab prior on a nonzero; ``None``:
             ``1 / tau_max^2``, the precision eq. 4.6 assumes in the zero logits.
         generator: random generator for the initial position in the quadrature sequence (torch's
             global generator when ``None``); when given, its state is saved with
-            :meth:`state_dict`.
+            `state_dict`.
         weight_decay: refused (a ``TypeError``, and a group's ``"weight_decay"`` a
             ``ValueError``): the prior is the slab's ``prior_precision``, and torch's coupled
             ``weight_decay`` is ``prior_precision = weight_decay * num_cases``.
 
     The keyword arguments ``num_epochs``, ``target_sparsity``, ``target_free``, ``max_lr``,
     ``initial_lr``, ``tau_max``, ``p_nonzero_low``, ``p_nonzero_high`` and ``num_pairs`` are the
-    fields of :class:`~pyro_quadvi.optim.sparse_functional.SparseQNVBHyperparameters`
+    fields of `SparseQNVBHyperparameters`
     (defaults: the paper's Table 1).
 
     Nodes come from the Hadamard cross-polytope sequence (sequence paper, Algorithm 3.1):
     ``num_pairs`` antithetic pairs, ``2 num_pairs`` closure evaluations per step, starting at a
     random iterate (Algorithm 5.1, line 2) and moving ``num_pairs`` iterates per step.
-    ``optimizer.state[p]`` holds the mixture's state (:class:`SparseQNVBBlock` fields:
+    ``optimizer.state[p]`` holds the mixture's state (`SparseQNVBBlock` fields:
     ``nu``, ``tau``, ``p_nonzero``, ``mu``, ``sigma``, the sums, ``pattern``). Between steps
     the parameters hold the mixture means ``mu``; a change made to them there (a
     ``net.load_state_dict``, ``p.data = ...``, a zeroed layer) is taken by the next step (or
-    :meth:`sampled_params`, or :meth:`state_dict`) as the new mean of the coordinates it
-    changed (:meth:`_take_edits`).
+    `sampled_params`, or `state_dict`) as the new mean of the coordinates it
+    changed (`_take_edits`).
 
     The closure runs once per node, at perturbed weights: a ``BatchNorm`` (any layer with running
     state) in train mode updates its running statistics ``2 num_pairs`` times per step at those
@@ -121,10 +121,10 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     The learning rate follows the optimizer's own schedule (``initial_lr`` rising to
     ``max_lr``, Algorithm 5.3): its groups hold no ``"lr"``, and torch's lr schedulers
     (``StepLR``, ``OneCycleLR``, ...) are refused with a ``KeyError`` that says so.
-    :meth:`sampled_params` sets the weights to a draw of the mixtures (predictions);
+    `sampled_params` sets the weights to a draw of the mixtures (predictions);
     ``copy.deepcopy`` and ``pickle`` keep the whole optimizer (not its hooks).
 
-    Example::
+    Example:
 
         optimizer = SparseQNVBOptimizer(
             net.parameters(), num_cases=len(dataset), steps_per_epoch=len(loader)
@@ -235,7 +235,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
 
     def _params(self) -> list[torch.Tensor]:
         """Every parameter that requires grad, its state made on first use; a parameter changed
-        since the optimizer last wrote it gives its mixture (:meth:`_take_edits`)."""
+        since the optimizer last wrote it gives its mixture (`_take_edits`)."""
         out = [p for p, _ in checked_parameters(self, "SparseQNVBOptimizer")]
         if not out:
             raise ValueError("SparseQNVBOptimizer has no parameter that requires grad")
@@ -249,14 +249,14 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         """Take the value of every coordinate changed since the optimizer last wrote it as the
         mean of its mixture (sequence paper, eq. 4.2: ``mu = p_nonzero nu``).
 
-        A parameter changed as a tensor (:func:`changed_parameters`: its version or storage) is
+        A parameter changed as a tensor (`changed_parameters`: its version or storage) is
         compared with its mean coordinate by coordinate, and only the coordinates whose value
         differs change: a written ``v != 0`` becomes a certain nonzero, ``p_nonzero = 1`` and
         ``nu = v``; a written exact zero a certain zero, ``p_nonzero = 0`` (and ``nu = 0``).
         Either way ``mu = v`` and eq. 4.2 gives ``sigma`` (``tau``, or ``0``), ``tau`` and the
-        sums stay, and once the pattern is realized (:attr:`finished`) it follows (``1``, or
+        sums stay, and once the pattern is realized (`finished`) it follows (``1``, or
         ``0``). A parameter cast or moved (``net.float()``) takes its whole state along
-        (:func:`~pyro_quadvi.optim.qnvb_functional.cast_state_to`). Parameters without a state yet
+        (`cast_state_to`). Parameters without a state yet
         are left alone.
         """
         realized = self.finished
@@ -301,9 +301,9 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             generator: the random generator of the draw (torch's global one when ``None``).
 
         Once the final epoch has realized the pattern, its zeros are drawn as zeros; before
-        (:attr:`finished` is false) a ``UserWarning``, once, says that the draw is not yet of the
+        (`finished` is false) a ``UserWarning``, once, says that the draw is not yet of the
         sparse posterior. See
-        :meth:`QNVBOptimizer.sampled_params <pyro_quadvi.optim.QNVBOptimizer.sampled_params>`
+        `QNVBOptimizer.sampled_params`
         for a Bayesian model average.
         """
         params = self._params()
@@ -344,7 +344,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             The quadrature average of the closure's loss.
 
         Every step's term counts ``num_cases / steps_per_epoch`` cases, whatever its minibatch's
-        size, as :class:`~pyro_quadvi.optim.QNVBOptimizer` weighs every minibatch's mean by
+        size, as `QNVBOptimizer` weighs every minibatch's mean by
         ``likelihood_weight``: a short last batch of ``b`` cases counts each of them
         ``(num_cases / steps_per_epoch) / b`` times (see the docs). A step whose average loss
         exceeds the first step's by more than 1000 times the first's magnitude gets a
@@ -404,8 +404,8 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
 
     def _check_growth(self, value: float) -> None:
         """Warn once where the loss grew beyond ``first + 1000 |first|``
-        (:func:`~pyro_quadvi.optim.sparse_functional.loss_growth_message`). ``value`` is the
-        step's average loss as :func:`check_finite_loss` read it (no second host sync)."""
+        (`loss_growth_message`). ``value`` is the
+        step's average loss as `check_finite_loss` read it (no second host sync)."""
         if "growth" in self._warned:
             return
         if self.first_loss is None:
@@ -429,11 +429,11 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Torch's state dict plus a ``"sparse_qnvb"`` entry: the counters, the sequence offset,
         the first step's loss, the generator's state and the settings of the run
-        (:func:`~pyro_quadvi.optim.sparse_functional.run_settings`), added by a state-dict
+        (`run_settings`), added by a state-dict
         post-hook the optimizer registers first, so that a post-hook registered without
-        ``prepend=True`` sees it (:class:`~pyro_quadvi.optim.torch_qnvb.CheckpointHooks`). The
+        ``prepend=True`` sees it (`CheckpointHooks`). The
         mixtures saved take a change of the parameters since the last step
-        (:meth:`_take_edits`)."""
+        (`_take_edits`)."""
         return super().state_dict()
 
     _entry_key = "sparse_qnvb"
@@ -448,7 +448,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore what :meth:`state_dict` saved, into an optimizer built with the same settings
+        """Restore what `state_dict` saved, into an optimizer built with the same settings
         (hyperparameters, ``num_cases``, ``steps_per_epoch``, ``prior_precision``) over
         parameters of the saved shapes and names (where both the saved groups and this
         optimizer's have ``param_names``): a ``ValueError`` names any that differs, and nothing
@@ -458,12 +458,12 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         (which may migrate it) and restored (the counters included) by a post-hook that runs
         before those registered without ``prepend=True``, which also sets every parameter with
         a saved state to its saved mean ``mu``: a network state
-        loaded after it is a change of the means (:meth:`_take_edits`)."""
+        loaded after it is a change of the means (`_take_edits`)."""
         super().load_state_dict(state_dict)
 
     def _check_loaded(self, state_dict: dict) -> None:
-        """Refuse a state dict that :meth:`load_state_dict` cannot load, before torch loads
-        anything; keep its ``"sparse_qnvb"`` entry for :meth:`_restore_loaded`."""
+        """Refuse a state dict that `load_state_dict` cannot load, before torch loads
+        anything; keep its ``"sparse_qnvb"`` entry for `_restore_loaded`."""
         extra = self._saved_entry(
             state_dict,
             "SparseQNVBOptimizer",
@@ -494,7 +494,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
 def _weight_decay_conversion(
     weight_decay: object, num_cases: float, prior_precision: float | None
 ) -> str:
-    """:func:`~pyro_quadvi.optim.torch_qnvb.weight_decay_conversion` for the slab's
+    """`weight_decay_conversion` for the slab's
     ``prior_precision`` (this optimizer's, or ``None`` before it is set) and ``num_cases``,
     with ``weight_decay * num_cases`` worked out where ``weight_decay`` is a number."""
     now = "1 / tau_max^2" if prior_precision is None else f"{float(prior_precision):g}"

@@ -1,12 +1,12 @@
 """QNVB as a ``torch.optim.Optimizer`` for plain PyTorch networks (the reference's use case).
 
-Every parameter ``p`` becomes a Gaussian mean field ``N(mu, sigma^2)``. :meth:`QNVBOptimizer.step`
+Every parameter ``p`` becomes a Gaussian mean field ``N(mu, sigma^2)``. `QNVBOptimizer.step`
 sets the parameters to the quadrature nodes ``mu + sigma * x_k`` itself, evaluates the closure
 (loss and backward) at each, and forms (rasp paper, eq. 11)
 
     g = sum_k w_k grad_k,        h = sum_k w_k grad_k * x_k / sigma,
 
-then applies the QNVB update (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`) to
+then applies the QNVB update (`qnvb_update_many`) to
 the loss
 
     likelihood_weight * annealing(step) * closure() + prior_precision * |theta|^2 / 2,
@@ -15,12 +15,12 @@ where ``closure()`` is the mean loss per training case, as in the reference. Aft
 parameters hold the mean ``mu``; ``optimizer.state[p]["sigma"]`` holds the standard deviation. A
 change made to a parameter between steps is a change of its mean, which the next step takes.
 
-**One pass for all nodes.** Instead of a closure, :meth:`QNVBOptimizer.step` takes a loss function
+**One pass for all nodes.** Instead of a closure, `QNVBOptimizer.step` takes a loss function
 of the parameters and a batch, ``loss_fn(params: dict[str, Tensor], *batch)`` (the optimizer
-built from ``net.named_parameters()``; :func:`module_loss` makes one from a module and a
+built from ``net.named_parameters()``; `module_loss` makes one from a module and a
 criterion). The parameters at all ``K`` nodes are stacked along a leading node axis and the loss
 is evaluated once under ``torch.func.vmap`` (through
-:func:`~pyro_quadvi.infer.batched.evaluate_batch`, so ``vectorize`` means what it means across the
+`evaluate_batch`, so ``vectorize`` means what it means across the
 package), followed by one backward of ``sum_k w_k loss_k`` for all nodes. The parameters are never
 set to a node.
 """
@@ -79,9 +79,9 @@ def check_tensor_output(outputs: object, net: nn.Module, owner: str, reader: str
 
 class ModuleLoss:
     """``loss_fn(params, x, y) = criterion(functional_call(module, params, (x,)), y)``, the
-    ``loss_fn`` that :func:`module_loss` makes.
+    ``loss_fn`` that `module_loss` makes.
 
-    It carries ``module`` and ``criterion``: :meth:`QNVBOptimizer.step` keeps its ``vectorize``
+    It carries ``module`` and ``criterion``: `QNVBOptimizer.step` keeps its ``vectorize``
     decision per module and criterion (not per ``ModuleLoss`` object), so
     ``step(loss_fn=module_loss(net, criterion), ...)`` written inside the training loop decides
     once, and restores the module's buffers after a vectorized pass it tried and abandoned.
@@ -123,7 +123,7 @@ class ModuleLoss:
 
 
 def module_loss(module: nn.Module, criterion: Callable) -> ModuleLoss:
-    """A ``loss_fn`` for :meth:`QNVBOptimizer.step`: ``criterion(module(x), y)`` at ``params``.
+    """A ``loss_fn`` for `QNVBOptimizer.step`: ``criterion(module(x), y)`` at ``params``.
 
     Args:
         module: the network; its parameters and buffers not in ``params`` are used as they are.
@@ -136,7 +136,7 @@ def module_loss(module: nn.Module, criterion: Callable) -> ModuleLoss:
             variance 1); ``nn.GaussianNLLLoss()`` that of the ``var`` it is given.
 
     Returns:
-        A :class:`ModuleLoss`, ``loss_fn(params, x, y) = criterion(functional_call(module,
+        A `ModuleLoss`, ``loss_fn(params, x, y) = criterion(functional_call(module,
         params, (x,)), y)``. Calling ``module_loss`` again with the same module and criterion
         gives a loss with which the optimizer reuses its ``vectorize`` decision.
     """
@@ -154,8 +154,8 @@ resumes a scheduler with ``last_epoch``), and ``"name"``, a user's label: taken,
 
 def weight_decay_conversion(prior: str, weight: str, values: str) -> str:
     """How torch's ``weight_decay`` and an L2 term of the loss read as ``prior_precision``, for
-    the refusal of ``weight_decay`` by :class:`QNVBOptimizer` and
-    :class:`~pyro_quadvi.optim.SparseQNVBOptimizer`.
+    the refusal of ``weight_decay`` by `QNVBOptimizer` and
+    `SparseQNVBOptimizer`.
 
     Torch's coupled ``weight_decay`` adds ``weight_decay * theta`` to the gradient of the mean
     loss per case, which the number of cases multiplies: the gradient of the Gaussian prior
@@ -182,7 +182,7 @@ _QNVB_PRIOR = (
     "Its prior is prior_precision, a zero-mean Gaussian prior exp(-prior_precision * "
     "|theta|^2 / 2)."
 )
-"""What :class:`QNVBOptimizer`'s refusal of ``weight_decay`` says its prior is."""
+"""What `QNVBOptimizer`'s refusal of ``weight_decay`` says its prior is."""
 
 
 def group_params(param_group: object) -> object:
@@ -201,7 +201,7 @@ def group_params(param_group: object) -> object:
 
 
 def refuse_half_precision(param_group: object, first_position: int, owner: str) -> None:
-    """:func:`check_precision` of every parameter of a group, named by its position among the
+    """`check_precision` of every parameter of a group, named by its position among the
     optimizer's parameters (``first_position`` is the group's first) and by name where
     ``named_parameters()`` gave one."""
     if not isinstance(param_group, dict) or not isinstance(param_group.get("params"), list):
@@ -234,7 +234,7 @@ def check_precision(p: torch.Tensor, position: int, name: str | None, owner: str
 
 def checked_parameters(optimizer: torch.optim.Optimizer, owner: str):
     """``(parameter, group)`` of every parameter that requires grad, each checked by
-    :func:`check_precision` (named by position, and by the group's ``param_names``)."""
+    `check_precision` (named by position, and by the group's ``param_names``)."""
     position = 0
     for group in optimizer.param_groups:
         names = group.get("param_names")
@@ -247,7 +247,7 @@ def checked_parameters(optimizer: torch.optim.Optimizer, owner: str):
 
 def standard_normal(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Standard normal draws of ``p``'s shape, dtype and device, drawn on ``generator``'s
-    device (:func:`~pyro_quadvi.quadrature.base.draw_device`)."""
+    device (`draw_device`)."""
     at = draw_device(generator, p.device)
     return torch.randn(p.shape, generator=generator, dtype=p.dtype, device=at).to(p.device)
 
@@ -261,7 +261,7 @@ def sampled_values(
 ) -> Iterator[None]:
     """The parameters set to ``draws`` for the block and to ``means`` after it (also when it
     raises); the block itself runs in the caller's grad mode. ``means`` are the optimizer's,
-    and ``marks`` its :func:`written_marks`: the parameters are marked as written after the
+    and ``marks`` its `written_marks`: the parameters are marked as written after the
     means are back, so the next step does not take them as changed."""
     try:
         with torch.no_grad():
@@ -277,14 +277,14 @@ def sampled_values(
 
 def written_marks(params: Iterable[torch.Tensor]) -> dict[int, tuple[int, int]]:
     """``id(p) -> (version, storage)`` of parameters an optimizer has just set to their means,
-    for :func:`changed_parameters` to compare at the next step."""
+    for `changed_parameters` to compare at the next step."""
     return {id(p): (p._version, p.data_ptr()) for p in params}
 
 
 def changed_parameters(
     params: Iterable[torch.Tensor], marks: dict[int, tuple[int, int]]
 ) -> list[torch.Tensor]:
-    """The parameters changed since :func:`written_marks` recorded ``marks`` (or never marked).
+    """The parameters changed since `written_marks` recorded ``marks`` (or never marked).
 
     Between steps the parameters hold the means, and a change made to one there (a
     ``net.load_state_dict``, a re-initialization, a clamp, under ``torch.no_grad()``) is a
@@ -356,17 +356,17 @@ class CopyableOptimizerState:
 
 
 class CheckpointHooks(CopyableOptimizerState):
-    """The checkpoint of an optimizer whose parameters hold its means (:class:`QNVBOptimizer`,
-    :class:`~pyro_quadvi.optim.SparseQNVBOptimizer`), through torch's state-dict hooks.
+    """The checkpoint of an optimizer whose parameters hold its means (`QNVBOptimizer`,
+    `SparseQNVBOptimizer`), through torch's state-dict hooks.
 
-    :meth:`_register_checkpoint_hooks` (called last in the subclass's ``__init__``, and again
+    `_register_checkpoint_hooks` (called last in the subclass's ``__init__``, and again
     in a copy, which torch makes without hooks) registers, before any of the user's: a
     state-dict pre-hook that takes the parameters' changes since the last step as the means
     (the subclass's ``_take_edits(params)``); a post-hook that adds the entry
     ``state_dict[_entry_key] = _checkpoint_entry()``; a load pre-hook, kept after every other
-    (:meth:`register_load_state_dict_pre_hook`), that refuses a state the optimizer cannot load
+    (`register_load_state_dict_pre_hook`), that refuses a state the optimizer cannot load
     (``_check_loaded(state_dict)``); and a load post-hook that restores the entry and the means
-    (``_restore_loaded()``, with :meth:`_write_means`). A user's state-dict post-hook and load
+    (``_restore_loaded()``, with `_write_means`). A user's state-dict post-hook and load
     post-hook registered without ``prepend=True`` run after the optimizer's: the first sees the
     entry, the second the restored state; a user's load pre-hook (a migration of an older
     entry), however registered, runs before the check.
@@ -395,7 +395,7 @@ class CheckpointHooks(CopyableOptimizerState):
         )
 
     def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False):
-        """Torch's :meth:`~torch.optim.Optimizer.register_load_state_dict_pre_hook`, with the
+        """Torch's `register_load_state_dict_pre_hook`, with the
         optimizer's own check of the loaded state kept after every user hook: a hook that
         migrates the entry of an older checkpoint runs before it is read."""
         handle = super().register_load_state_dict_pre_hook(hook, prepend=prepend)
@@ -415,7 +415,7 @@ class CheckpointHooks(CopyableOptimizerState):
 
     def _write_means(self) -> None:
         """Every parameter with a state set to its mean ``state[p]["mu"]`` (just loaded), and
-        marked as written (:func:`written_marks`)."""
+        marked as written (`written_marks`)."""
         params = [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
         with torch.no_grad():
             for p in params:
@@ -424,23 +424,23 @@ class CheckpointHooks(CopyableOptimizerState):
 
 
 def _take_edits_hook(optimizer: CheckpointHooks) -> None:
-    """State-dict pre-hook of a :class:`CheckpointHooks`: the parameters changed since the last
+    """State-dict pre-hook of a `CheckpointHooks`: the parameters changed since the last
     step give the means saved."""
     optimizer._take_edits([p for group in optimizer.param_groups for p in group["params"]])
 
 
 def _add_entry_hook(optimizer: CheckpointHooks, state_dict: dict) -> None:
-    """State-dict post-hook of a :class:`CheckpointHooks`: its entry."""
+    """State-dict post-hook of a `CheckpointHooks`: its entry."""
     state_dict[optimizer._entry_key] = optimizer._checkpoint_entry()
 
 
 def _check_entry_hook(optimizer: CheckpointHooks, state_dict: dict) -> None:
-    """Load pre-hook of a :class:`CheckpointHooks`: the checks of ``load_state_dict``."""
+    """Load pre-hook of a `CheckpointHooks`: the checks of ``load_state_dict``."""
     optimizer._check_loaded(state_dict)
 
 
 def _restore_entry_hook(optimizer: CheckpointHooks) -> None:
-    """Load post-hook of a :class:`CheckpointHooks`: the entry and the means restored."""
+    """Load post-hook of a `CheckpointHooks`: the entry and the means restored."""
     optimizer._restore_loaded()
 
 
@@ -566,7 +566,7 @@ class _NodeStack:
 
 
 def loss_module(loss_fn: LossFunction) -> nn.Module | None:
-    """The network a ``loss_fn`` exposes: a :class:`ModuleLoss`'s ``module``, any ``loss_fn``'s
+    """The network a ``loss_fn`` exposes: a `ModuleLoss`'s ``module``, any ``loss_fn``'s
     ``module`` attribute that is an ``nn.Module`` (a function may carry one:
     ``loss_fn.module = net``), or the ``loss_fn`` itself when it is an ``nn.Module``;
     ``None`` otherwise."""
@@ -579,9 +579,9 @@ def loss_module(loss_fn: LossFunction) -> nn.Module | None:
 def _decision_key(loss_fn: LossFunction) -> tuple[tuple, tuple[bool, ...] | None]:
     """The objects a ``vectorize`` decision is kept for, and the modes it holds in.
 
-    A :class:`ModuleLoss` counts as its module and criterion (a new ``module_loss(net,
+    A `ModuleLoss` counts as its module and criterion (a new ``module_loss(net,
     criterion)`` each step reuses the decision); any other ``loss_fn`` as itself. The modes are
-    the training flags of the submodules of the network the loss exposes (:func:`loss_module`;
+    the training flags of the submodules of the network the loss exposes (`loss_module`;
     a net in ``eval()`` may run under ``vmap`` and fail in ``train()``, e.g. with dropout).
     """
     module = loss_module(loss_fn)
@@ -605,7 +605,7 @@ def _check_tolerances(device_type: str) -> tuple[float, float]:
 
 
 class _BufferSnapshot:
-    """The buffers of the network a ``loss_fn`` exposes (:func:`loss_module`) around a
+    """The buffers of the network a ``loss_fn`` exposes (`loss_module`) around a
     vectorized pass that is tried or checked (before the decision), so that the pass
     leaves them as one evaluation of the chosen kind would: abandoned (an error, or values that
     differ from single evaluations), its changes are undone (BatchNorm in train mode updates
@@ -657,7 +657,7 @@ class _BufferSnapshot:
 
 
 class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
-    """Quasi-newton variational Bayes for ``torch.nn`` parameters (rasp paper, eq. 4-8).
+    """Quasi-Newton variational Bayes for ``torch.nn`` parameters (rasp paper, eq. 4-8).
 
     Args:
         params: parameters or parameter groups, in float32 or float64 (half precision is
@@ -673,23 +673,24 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         prior_precision: precision of a zero-mean Gaussian prior on every parameter (0: flat,
             like the reference).
         annealing: optional schedule ``step -> factor`` multiplying the likelihood weight
-            (e.g. :func:`~pyro_quadvi.optim.annealing.geometric_annealing`).
-        quadrature: a rule name of :func:`pyro_quadvi.quadrature.make_rule`.
+            (e.g. `geometric_annealing`).
+        quadrature: a rule name of `pyro_quadvi.quadrature.make_rule`.
         num_eval: its number of nodes (closure evaluations per step); ``None``: the rule's default.
         init_sigma: the standard deviation of every parameter before the first step.
         generator: random generator of random rules (torch's global generator when ``None``);
-            when given, its state is saved with :meth:`state_dict`.
+            when given, its state is saved with `state_dict`.
         compile: run the update through ``torch.compile``
-            (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`): an opt-in, it needs a
+            (`qnvb_update_many`): an opt-in, it needs a
             C++ compiler on the CPU (Triton on a GPU) and compiles on the first step (seconds
             to a minute).
         weight_decay: refused (a ``TypeError``): the prior is ``prior_precision``, and torch's
             ``weight_decay`` is ``prior_precision = weight_decay * likelihood_weight``.
+        num_points: refused (a ``TypeError``): the number of nodes is ``num_eval``.
 
     The keyword arguments ``lr``, ``betas``, ``eps``, ``sigma_min``, ``sigma_max``,
     ``scale_min``, ``scale_max``, ``curvature``, ``significance``, ``damping``,
     ``damping_recovery``, ``drift_forgetting``, ``recent_fraction`` and ``trust_region`` are the
-    fields of :class:`~pyro_quadvi.optim.qnvb_functional.QNVBHyperparameters`.
+    fields of `QNVBHyperparameters`.
 
     Every argument is checked when the optimizer (or a parameter group) is built, and a wrong
     type or value is refused by name. Steps warn once per kind, with the number of coordinates
@@ -699,7 +700,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     it stops once all four kinds have been warned about.
 
     The update of all the parameters of a group runs on one flat buffer
-    (:func:`~pyro_quadvi.optim.qnvb_functional.qnvb_update_many`).
+    (`qnvb_update_many`).
 
     The loss is a negative log likelihood per case, up to a constant: ``nn.MSELoss()`` is that
     of a Gaussian noise of variance ``1/2`` (``0.5 * mse`` for variance 1, ``0.5 * mse / s2``
@@ -708,11 +709,11 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
 
     Torch's learning-rate schedulers set ``param_groups[i]["lr"]``, which the next step uses
     (``StepLR``, ``CosineAnnealingLR``, ``ReduceLROnPlateau``); ``OneCycleLR`` also cycles
-    ``betas[0]`` unless given ``cycle_momentum=False``. :meth:`sampled_params` sets the
+    ``betas[0]`` unless given ``cycle_momentum=False``. `sampled_params` sets the
     parameters to a draw of the mean field (predictions); ``copy.deepcopy`` and ``pickle`` keep
     the whole optimizer (not its hooks), so that a copy steps as the original.
 
-    Example, with a closure evaluated once per node::
+    Example, with a closure evaluated once per node:
 
         optimizer = QNVBOptimizer(net.parameters(), likelihood_weight=len(dataset))
         for x, y in loader:
@@ -722,7 +723,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 return loss
             optimizer.step(closure)
 
-    and with all nodes in one vectorized pass::
+    and with all nodes in one vectorized pass:
 
         optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=len(dataset))
         loss_fn = module_loss(net, criterion)
@@ -757,7 +758,14 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         trust_region: float = math.inf,
         compile: bool = False,
         weight_decay: float | None = None,
+        num_points: None = None,
     ):
+        if num_points is not None:  # QuadratureELBO's and make_rule's name, as a user passes it
+            raise TypeError(
+                "QNVBOptimizer takes no num_points: the number of nodes (closure evaluations per "
+                "step) is num_eval, of the rule named by quadrature=, e.g. "
+                f"QNVBOptimizer(params, quadrature={quadrature!r}, num_eval={num_points!r})"
+            )
         if weight_decay is not None:
             raise TypeError(
                 "QNVBOptimizer takes no weight_decay. "
@@ -801,8 +809,12 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch's rule), after checking it: a key that is not a per-group setting
-        (:data:`_GROUP_KEYS`), a bad hyperparameter (of the group filled with the defaults) or a
-        half-precision parameter is refused by name, and ``param_groups`` is left as it was."""
+        (``lr``, ``betas``, ``eps``, ``sigma_min``, ``sigma_max``, ``scale_min``, ``scale_max``,
+        ``curvature``, ``significance``, ``damping``, ``damping_recovery``, ``drift_forgetting``,
+        ``recent_fraction``, ``trust_region``, ``prior_precision``, ``init_sigma``, besides
+        ``params``, ``param_names``, ``name`` and the keys torch's lr schedulers write), a bad
+        hyperparameter (of the group filled with the defaults) or a half-precision parameter is
+        refused by name, and ``param_groups`` is left as it was."""
         group = group_params(param_group)
         if isinstance(group, dict):
             unknown = sorted(
@@ -856,7 +868,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
 
         Raises:
             ValueError: when the schedule's factor at this step is not finite and ``> 0``
-                (:func:`~pyro_quadvi.optim.annealing.annealing_factor`).
+                (`annealing_factor`).
         """
         if self.annealing is None:
             return self.likelihood_weight
@@ -865,15 +877,15 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     @contextmanager
     def sampled_params(self, generator: torch.Generator | None = None) -> Iterator[None]:
         """Set every parameter to one draw ``mu + sigma * eps``, ``eps ~ N(0, 1)``, of the mean
-        field (rasp paper, eq. 4) for the block, and back to the means ``mu`` on exit (also when
-        the block raises).
+        field (rasp paper, Section 2.2) for the block, and back to the means ``mu`` on exit (also
+        when the block raises).
 
         Args:
             generator: the random generator of the draw (torch's global one when ``None``); a
                 CPU generator serves parameters on any device.
 
         Before the first step the mean field is the parameters' values with ``init_sigma``.
-        A Bayesian model average of predictions::
+        A Bayesian model average of predictions:
 
             with torch.no_grad():
                 probs = 0
@@ -892,7 +904,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     def _params(self) -> list[tuple[torch.Tensor, dict]]:
         """``(parameter, group)`` of every parameter that requires grad, its state made on first
         use; a parameter changed since this optimizer last wrote it gives its mean
-        (:meth:`_take_edits`)."""
+        (`_take_edits`)."""
         out = []
         # every parameter checked (a half-precision one refused) before any state is made
         for p, group in list(checked_parameters(self, type(self).__name__)):
@@ -907,8 +919,8 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
 
     def _take_edits(self, params: list[torch.Tensor]) -> None:
         """The value of every parameter changed since the optimizer last wrote it
-        (:func:`changed_parameters`) as its new mean; ``sigma`` and the averages stay, cast to
-        the parameter's dtype and device where it was cast or moved (:func:`cast_state_to`).
+        (`changed_parameters`) as its new mean; ``sigma`` and the averages stay, cast to
+        the parameter's dtype and device where it was cast or moved (`cast_state_to`).
         Parameters without a state yet are left alone."""
         for p in changed_parameters(params, self._written):
             state = self.state.get(p)
@@ -934,22 +946,22 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 ``backward()`` on it and returns it (gradients are zeroed before each call).
             loss_fn: ``loss_fn(params, *batch)``, the mean loss per case (a scalar) with the
                 parameters given by name (the names of ``named_parameters()``, which the
-                optimizer must have been built from); see :func:`module_loss`.
+                optimizer must have been built from); see `module_loss`.
             batch: the further arguments of ``loss_fn`` (e.g. ``(x, y)``).
             vectorize: with ``loss_fn``, as for
-                :func:`~pyro_quadvi.infer.batched.evaluate_batch`: ``True`` one ``vmap`` pass
+                `evaluate_batch`: ``True`` one ``vmap`` pass
                 (an error if the loss does not run under ``vmap``), checked against single
                 evaluations at three nodes on the first step with this ``loss_fn`` (a
-                disagreement raises :class:`~pyro_quadvi.infer.batched.BatchMismatch` naming the
+                disagreement raises `BatchMismatch` naming the
                 reason and the ways out; later steps are not checked), ``False`` a loop over the
                 nodes (one backward still), ``None`` (default) the pass checked the same way,
                 and the loop with one warning if they disagree or the loss does not run under
                 ``vmap``; the decision is kept for later steps with the same ``loss_fn`` (for a
-                :func:`module_loss`: the same module and criterion, in the same ``train()`` /
+                `module_loss`: the same module and criterion, in the same ``train()`` /
                 ``eval()`` modes). A tried pass that is abandoned leaves the buffers
                 (BatchNorm's running statistics) of the network the loss exposes as it found
-                them: a :func:`module_loss`'s module, a ``loss_fn``'s ``module`` attribute, or
-                the ``loss_fn`` itself when it is an ``nn.Module`` (:func:`loss_module`).
+                them: a `module_loss`'s module, a ``loss_fn``'s ``module`` attribute, or
+                the ``loss_fn`` itself when it is an ``nn.Module`` (`loss_module`).
 
         Returns:
             The quadrature average of the loss.
@@ -1014,14 +1026,14 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         return loss_avg, moments
 
     def _closure_moments(self, params, nodes, closure):
-        """:func:`closure_moments` at this optimizer's means and standard deviations."""
+        """`closure_moments` at this optimizer's means and standard deviations."""
         tensors = [p for p, _ in params]
         mus = [self.state[p]["mu"] for p in tensors]
         sigmas = [self.state[p]["sigma"] for p in tensors]
         return closure_moments(tensors, mus, sigmas, nodes, closure, "QNVBOptimizer")
 
     def _one_pass_moments(self, params, nodes, loss_fn, batch, vectorize):
-        """The moments of :meth:`_closure_moments` from ``loss_fn`` at all nodes at once: the
+        """The moments of `_closure_moments` from ``loss_fn`` at all nodes at once: the
         parameters with a leading node axis, one (vectorized or looped) evaluation, one backward
         of ``sum_k w_k loss_k``."""
         batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
@@ -1107,7 +1119,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         return total.detach(), moments
 
     def _warn_outside(self, params, loss_fn: LossFunction) -> None:
-        """Warn once when the network of ``loss_fn`` (:func:`loss_module`) has trainable
+        """Warn once when the network of ``loss_fn`` (`loss_module`) has trainable
         parameters this optimizer neither holds nor passes by name: the one-pass step gives them
         no ``.grad``, so another optimizer over them would move them by nothing."""
         module = loss_module(loss_fn)
@@ -1151,7 +1163,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     def _update(
         self, params, moments, weight: float, settings: dict[int, QNVBHyperparameters]
     ) -> None:
-        """One QNVB step per group (:func:`qnvb_update_many`) at the likelihood ``weight`` and
+        """One QNVB step per group (`qnvb_update_many`) at the likelihood ``weight`` and
         with the group ``settings`` (by ``id`` of the group) the step read once, the means into
         the parameters."""
         counts = []
@@ -1187,7 +1199,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         self._warn(counts)
 
     def _warn(self, counts: list[tuple[str, QNVBHyperparameters, torch.Tensor]]) -> None:
-        """Warn once per kind of count (:func:`count_messages`: at most one host sync)."""
+        """Warn once per kind of count (`count_messages`: at most one host sync)."""
         for message in count_messages(counts, self._warned):
             warnings.warn(
                 f"QNVBOptimizer: {message} (this warning is shown once)",
@@ -1198,7 +1210,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     def _settings(self) -> dict:
         """What fixes the run besides the per-group values: the rule and its number of nodes,
         the likelihood weight, the prior precision given to the constructor and whether the
-        weight is annealed. Saved by :meth:`state_dict`, checked by :meth:`load_state_dict`."""
+        weight is annealed. Saved by `state_dict`, checked by `load_state_dict`."""
         return {
             "quadrature": self.rule.name,
             "num_eval": self.rule.num_points,
@@ -1209,10 +1221,10 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """Torch's state dict plus a ``"qnvb"`` entry: the step count, the generator's state and
-        the run's settings (:meth:`_settings`), added by a state-dict post-hook the optimizer
+        the run's settings (`_settings`), added by a state-dict post-hook the optimizer
         registers first, so that a post-hook registered without ``prepend=True`` sees it
-        (:class:`CheckpointHooks`). The means saved are the
-        parameters' values (a change since the last step included: :meth:`_take_edits`).
+        (`CheckpointHooks`). The means saved are the
+        parameters' values (a change since the last step included: `_take_edits`).
 
         With a random rule (``blocked_simplex``, ``rasp_simplex``, ``mc``) and no ``generator``,
         the nodes come from torch's global random state, which this state dict does not hold:
@@ -1231,7 +1243,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore what :meth:`state_dict` saved, into an optimizer built with the same rule,
+        """Restore what `state_dict` saved, into an optimizer built with the same rule,
         ``num_eval``, ``likelihood_weight``, ``prior_precision`` and with (or without) an
         annealing schedule, over parameters of the saved shapes and names (where both the saved
         groups and this optimizer's have ``param_names``), and with a ``generator`` exactly when
@@ -1242,15 +1254,15 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
 
         The ``"qnvb"`` entry is checked by a load pre-hook that runs after the user's (which may
         migrate it) and restored, ``num_steps`` included, by a post-hook that runs before those
-        registered without ``prepend=True`` (:class:`CheckpointHooks`). The parameters are the
+        registered without ``prepend=True`` (`CheckpointHooks`). The parameters are the
         means: that post-hook sets every parameter with a saved state to its saved mean (the
         values the network's own state dict, saved with it, holds); a network state loaded
         after it is a change of the means, which the next step takes."""
         super().load_state_dict(state_dict)
 
     def _check_loaded(self, state_dict: dict) -> None:
-        """Refuse a state dict that :meth:`load_state_dict` cannot load, before torch loads
-        anything; keep its ``"qnvb"`` entry for :meth:`_restore_loaded`."""
+        """Refuse a state dict that `load_state_dict` cannot load, before torch loads
+        anything; keep its ``"qnvb"`` entry for `_restore_loaded`."""
         extra = self._saved_entry(
             state_dict, "QNVBOptimizer", "the step count, generator state and settings"
         )

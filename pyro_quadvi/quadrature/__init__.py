@@ -1,25 +1,23 @@
 """Quadrature rules for Gaussian mean fields, in pure torch (no Pyro).
 
 Every rule integrates against the standard normal ``N(0, I_dim)``; a node of
-``N(mu, diag(sigma^2))`` is ``mu + sigma * X[k]``::
+``N(mu, diag(sigma^2))`` is ``mu + sigma * X[k]``:
 
     from pyro_quadvi.quadrature import make_rule
     rule = make_rule("rasp_simplex", num_points=3)
     X, w = rule.nodes(dim, step=0, generator=None)   # X: (K, dim), w: (K,), sum(w) == 1
     nodes = rule.draw(dim, step=0)                   # compact: nodes.node(k) is one (dim,) node
 
-==================  ==============  ===========================================================
-name                K (default)     property
-==================  ==============  ===========================================================
-``rasp_simplex``    r + 1 (3)       univariate quadratics exact; pairs exact w.p. 1 - 1/r
-``rasp_cross``      2r (6)          univariate cubics (quintics for K = 6); odd monomials exact
-``hadamard``        even (4)        antithetic pairs; periodic exactness of pairs (Thm 3.3)
-``blocked_simplex`` r + 1 (3)       quadratics within blocks of r coordinates exact
-``gauss_hermite``   m^dim (m = 3)   tensor product, degree 2m - 1 per coordinate
-``mc``              K (3)           Monte Carlo
-``vrmc1``           K (3)           Monte Carlo translated to the exact mean
-``vrmc2``           K (3)           ... and scaled to the exact variance
-==================  ==============  ===========================================================
+| name              | K (default)   | property                                                    |
+|-------------------|---------------|-------------------------------------------------------------|
+| `rasp_simplex`    | r + 1 (3)     | univariate quadratics exact; pairs exact w.p. 1 - 1/r       |
+| `rasp_cross`      | 2r (6)        | univariate cubics (quintics for K = 6); odd monomials exact |
+| `hadamard`        | even (4)      | antithetic pairs; periodic exactness of pairs (Thm 3.3)     |
+| `blocked_simplex` | r + 1 (3)     | quadratics within blocks of r coordinates exact             |
+| `gauss_hermite`   | m^dim (m = 3) | tensor product, degree 2m - 1 per coordinate                |
+| `mc`              | K (3)         | Monte Carlo                                                 |
+| `vrmc1`           | K (3)         | Monte Carlo translated to the exact mean                    |
+| `vrmc2`           | K (3)         | ... and scaled to the exact variance                        |
 """
 
 from __future__ import annotations
@@ -76,14 +74,14 @@ def make_rule(name: str, num_points: int | None = None, **options: Any) -> Quadr
             ``None`` takes the rule's default.
         **options: the rule's own options, e.g. ``max_nodes`` for ``gauss_hermite``, and
             ``max_bytes`` for every rule (the largest array it allocates; default
-            :data:`DEFAULT_MAX_BYTES`, 1 GiB).
+            `DEFAULT_MAX_BYTES`, 1 GiB).
 
     Raises:
         ValueError: for an unknown name, a ``num_points`` the rule does not allow, or tables
             larger than ``max_bytes``.
 
     A rule built here integrates; whether it can also fit the scales of a mean field (at least
-    two nodes, none blind along a coordinate) is :meth:`QuadratureRule.check_sees_curvature`.
+    two nodes, none blind along a coordinate) is `QuadratureRule.check_sees_curvature`.
     """
     if name not in RULES:
         raise ValueError(f"unknown quadrature rule {name!r}; choose one of {sorted(RULES)}")

@@ -5,35 +5,35 @@ A rule integrates against a standard normal mean field ``N(0, I_dim)``. For a Ga
 
     E_q[f] ~= sum_k w[k] f(mu + sigma * X[k])            (rasp paper, eq. 9 and 13)
 
-A rule maps ``(dim, step, generator state)`` to a :class:`NodeSet`: the compact state of one
+A rule maps ``(dim, step, generator state)`` to a `NodeSet`: the compact state of one
 quadrature (a small integer per coordinate for RASP, nothing at all for the Hadamard sequence) from
 which any single node is produced in O(dim) time and memory, without the ``(K, dim)`` matrix.
-That is how models with 10^7 parameters use the rules::
+That is how models with 10^7 parameters use the rules:
 
     nodes = rule.draw(dim, step=t)
     for k in range(len(nodes)):
         x_k = nodes.node(k)          # (dim,) offsets of node k
         ...                          # evaluate at mu + sigma * x_k, weight nodes.weights[k]
 
-:meth:`QuadratureRule.nodes` returns the whole matrix for small problems.
+`QuadratureRule.nodes` returns the whole matrix for small problems.
 
 Two checks keep a rule usable:
 
-* **curvature** (:attr:`QuadratureRule.min_curvature_points`,
-  :meth:`QuadratureRule.check_sees_curvature`): a variational fit learns the scales from the
+* **curvature** (`QuadratureRule.min_curvature_points`,
+  `QuadratureRule.check_sees_curvature`): a variational fit learns the scales from the
   curvature the nodes see along each coordinate, ``sum_k w_k grad L(z_k) x_k``. With a single node,
   or with every node at ``x = 0`` along a coordinate (Gauss-Hermite with one point), that sum is
   blind and the scales stay where they started: such a rule integrates, but cannot fit.
-* **memory** (``max_bytes``, :data:`DEFAULT_MAX_BYTES`): a rule refuses, before allocating, any
+* **memory** (``max_bytes``, `DEFAULT_MAX_BYTES`): a rule refuses, before allocating, any
   array larger than ``max_bytes``: its own tables at construction (RASP keeps ``3 r K`` float64
   entries, so ``K = 20000`` would need 9.6 GB; Gauss-Hermite an ``m x m`` Jacobi matrix), its
   ``num_points`` weights at construction (counted in float64, the widest dtype a draw gives), the
   ``K`` weights of every draw (``K * itemsize``; ``K = m^dim`` for Gauss-Hermite) and the
-  ``(K, dim)`` node matrix of :meth:`NodeSet.matrix` (``K * dim * itemsize`` bytes). The
-  node-at-a-time path (:meth:`NodeSet.node`) needs ``dim * itemsize`` bytes per node beyond the
+  ``(K, dim)`` node matrix of `NodeSet.matrix` (``K * dim * itemsize`` bytes). The
+  node-at-a-time path (`NodeSet.node`) needs ``dim * itemsize`` bytes per node beyond the
   weights, and its nodes are not limited.
 
-Every :meth:`QuadratureRule.draw` starts with :meth:`QuadratureRule.check_draw`, the one check of
+Every `QuadratureRule.draw` starts with `QuadratureRule.check_draw`, the one check of
 its arguments: ``dim`` and ``step`` integers (``dim >= 1``, ``step >= 0``), ``generator`` a
 ``torch.Generator`` or ``None``, ``dtype`` a floating dtype or ``None`` (an integer dtype would
 round the weights ``1 / K`` to 0). float16 and bfloat16 are accepted: the nodes and weights are
@@ -95,14 +95,14 @@ def check_dim(dim: int) -> int:
 class NodeSet(abc.ABC):
     """One quadrature of a rule at a fixed ``(dim, step)``: weights and nodes on demand.
 
-    Subclasses implement :meth:`node` (one node, O(dim)) and may implement :meth:`_matrix` (all
+    Subclasses implement `node` (one node, O(dim)) and may implement `_matrix` (all
     nodes at once, the vectorized path); both must agree exactly.
 
     Args:
         dim: the number of coordinates.
         weights: the ``K`` weights.
         name: the rule's name, for error messages.
-        max_bytes: the largest node matrix :meth:`matrix` builds.
+        max_bytes: the largest node matrix `matrix` builds.
     """
 
     def __init__(
@@ -167,26 +167,26 @@ class QuadratureRule(abc.ABC):
     """A quadrature rule for the standard normal mean field.
 
     Attributes:
-        name: the registered name (see :func:`pyro_quadvi.quadrature.make_rule`).
+        name: the registered name (see `pyro_quadvi.quadrature.make_rule`).
         num_points: the rule's size parameter (the number of nodes ``K``; for ``gauss_hermite`` the
             number of points per dimension).
-        is_random: whether :meth:`draw` consumes random numbers from the generator.
+        is_random: whether `draw` consumes random numbers from the generator.
         exact_coordinate_quadratics: whether every quadrature the rule draws integrates ``1``,
             ``x_j`` and ``x_j^2`` exactly along each coordinate (``sum_k w_k = 1``,
             ``sum_k w_k x_kj = 0``, ``sum_k w_k x_kj^2 = 1``): then the expectation of a Gaussian
             prior's log density at the nodes equals its closed form, which
-            :class:`~pyro_quadvi.infer.QuadratureELBO` uses instead (``False`` unless a rule
+            `QuadratureELBO` uses instead (``False`` unless a rule
             says so).
         min_curvature_points: the fewest ``num_points`` with which every coordinate has a node off
-            the mean, so that a fit can learn the scales (:meth:`check_sees_curvature`).
+            the mean, so that a fit can learn the scales (`check_sees_curvature`).
         max_bytes: the largest array the rule allocates (its tables, the node matrix).
 
     Args:
         num_points: the rule's size parameter.
-        max_bytes: see above; :data:`DEFAULT_MAX_BYTES` by default.
+        max_bytes: see above; `DEFAULT_MAX_BYTES` by default.
 
     Raises:
-        ValueError: when the rule's own tables (:meth:`table_bytes`) would exceed ``max_bytes``.
+        ValueError: when the rule's own tables (`table_bytes`) would exceed ``max_bytes``.
     """
 
     name: str = ""
@@ -215,7 +215,7 @@ class QuadratureRule(abc.ABC):
         return 0
 
     def _table_description(self) -> str:
-        """What :meth:`table_bytes` counts, for the error message."""
+        """What `table_bytes` counts, for the error message."""
         return "tables"
 
     def check_sees_curvature(self, nodes: torch.Tensor | None = None) -> None:
@@ -264,7 +264,7 @@ class QuadratureRule(abc.ABC):
         generator: torch.Generator | None,
         dtype: torch.dtype | None,
     ) -> tuple[int, int, torch.dtype]:
-        """Validate the arguments of :meth:`draw`; every rule's ``draw`` calls it first.
+        """Validate the arguments of `draw`; every rule's ``draw`` calls it first.
 
         Returns:
             ``(dim, step, dtype)``, with ``dtype`` resolved to torch's default when ``None``.
@@ -317,7 +317,7 @@ class QuadratureRule(abc.ABC):
     ) -> NodeSet:
         """The quadrature at position ``step`` of the rule's sequence.
 
-        Implementations start with :meth:`check_draw`. Random rules draw fresh random numbers
+        Implementations start with `check_draw`. Random rules draw fresh random numbers
         from ``generator`` (torch's global generator when ``None``, so that
         ``pyro.set_rng_seed`` makes runs reproducible); deterministic rules ignore it (after
         checking it). The result is a deterministic function of ``(dim, step, generator state)``.

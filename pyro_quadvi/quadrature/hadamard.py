@@ -6,9 +6,9 @@ consecutive iterates starting at a multiple of ``2^b``, every pair of coordinate
 first differ in bit ``b - 1`` (counting from 0) sees the 4-node tensor-product cubature, so its
 cross moments are exact.
 
-The fast Walsh-Hadamard transform :func:`fwht` (the product with the Sylvester-Hadamard matrix,
-whose entries are :func:`hadamard_signs`) lives here too: it is the one implementation in the
-package (re-exported as :func:`pyro_quadvi.linalg.fwht`).
+The fast Walsh-Hadamard transform `fwht` (the product with the Sylvester-Hadamard matrix,
+whose entries are `hadamard_signs`) lives here too: it is the one implementation in the
+package (re-exported as `pyro_quadvi.linalg.fwht`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def hadamard_signs(
 # -- the fast Walsh-Hadamard transform --------------------------------------------------------
 
 FWHT_RADIX = 32
-"""Size of the dense Hadamard blocks :func:`fwht` multiplies by (one matrix product per block of
+"""Size of the dense Hadamard blocks `fwht` multiplies by (one matrix product per block of
 index bits): ``H_D = H_m (x) ... (x) H_m``, so ``ceil(log2(D) / 5)`` products of ``O(32 D)`` each.
 On a CPU a 32 x 32 product runs near the peak of the BLAS, much faster per element than the 5
 radix-2 passes over memory it replaces."""
@@ -66,7 +66,7 @@ _SYLVESTER: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _sylvester(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The ``size x size`` Sylvester-Hadamard matrix, entries :func:`hadamard_signs`, cached."""
+    """The ``size x size`` Sylvester-Hadamard matrix, entries `hadamard_signs`, cached."""
     key = (size, dtype, device)
     if key not in _SYLVESTER:
         index = torch.arange(size, dtype=torch.int32, device=device)
@@ -125,10 +125,10 @@ def fwht(x: torch.Tensor, normalized: bool = False) -> torch.Tensor:
 
     ``H_D`` is the Sylvester-Hadamard matrix of WHVI paper Section 2.1 (``H_2 = [[1, 1], [1,
     -1]]``, ``H_2D = [[H_D, H_D], [H_D, -H_D]]``; entry ``(i, j)`` is
-    ``(-1)^parity(i AND j)``, :func:`hadamard_signs`), symmetric, so ``x @ H = (H x^T)^T``: every
+    ``(-1)^parity(i AND j)``, `hadamard_signs`), symmetric, so ``x @ H = (H x^T)^T``: every
     vector along the last dim is multiplied by ``H``. ``O(D log D)`` per vector (the paper's
     FWHT): ``H_D`` is the Kronecker power of a 32 x 32 block, applied block of index bits by block
-    (:data:`FWHT_RADIX`).
+    (`FWHT_RADIX`).
 
     Args:
         x: a floating tensor of any batch shape whose last dim ``D`` is a power of two
@@ -229,7 +229,14 @@ class HadamardRule(QuadratureRule):
         length = self.sequence_length(dim)
         return length // math.gcd(length, self.num_points // 2)
 
-    def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
+    def draw(
+        self,
+        dim: int,
+        step: int = 0,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> NodeSet:
         dim, step, dtype = self.check_draw(dim, step, generator, dtype)
         if dim > MAX_HADAMARD_DIM:
             raise ValueError(f"hadamard supports dim <= 2^31, got {dim}")

@@ -19,7 +19,7 @@ _JACOBI_DESCRIPTION = "an m x m float64 Jacobi matrix (and an m x m table of Her
 
 
 def gauss_hermite_bytes(num_points: int) -> int:
-    """Bytes of the largest array :func:`gauss_hermite` builds: the ``m x m`` float64 Jacobi
+    """Bytes of the largest array `gauss_hermite` builds: the ``m x m`` float64 Jacobi
     matrix (the ``m x m`` table of Hermite values at the nodes is as large)."""
     return num_points * num_points * 8
 
@@ -31,14 +31,14 @@ def gauss_hermite(
 
     Golub-Welsch: the nodes are the eigenvalues of the Jacobi matrix of the probabilists' Hermite
     polynomials (off-diagonal ``sqrt(1), ..., sqrt(m - 1)``). The weights are the Christoffel
-    numbers ``w_k = 1 / sum_{n < m} psi_n(x_k)^2`` (:func:`orthonormal_hermite`): a sum of positive
+    numbers ``w_k = 1 / sum_{n < m} psi_n(x_k)^2`` (`orthonormal_hermite`): a sum of positive
     terms, accurate to rounding relative to each weight even in the tails, where the squared
     eigenvector components would only be accurate to about ``1e-16`` absolute (their tail weights
     were off by a factor of ``10^2`` at ``m = 60``). Exact for polynomials of degree
     ``<= 2m - 1``; the weights sum to 1. Computed in float64 and cast to ``dtype``.
 
     The Jacobi matrix and the table of Hermite values are dense ``m x m`` (``8 m^2`` bytes each,
-    :func:`gauss_hermite_bytes`): an ``m`` above ``max_bytes`` (about 11,585 under the default
+    `gauss_hermite_bytes`): an ``m`` above ``max_bytes`` (about 11,585 under the default
     1 GiB) is refused before allocating. The eigenvalues take ``O(m^3)`` time, so such an ``m``
     would not finish anyway.
     """
@@ -110,7 +110,7 @@ class GaussHermiteRule(QuadratureRule):
     Exact for every polynomial of degree ``<= 2m - 1`` in each coordinate (so for every product of
     such univariate polynomials). Deterministic; ``step`` is ignored. Refuses ``m^dim > max_nodes``.
     One point per dimension (the mean alone) integrates, but cannot fit a scale
-    (:meth:`~pyro_quadvi.quadrature.QuadratureRule.check_sees_curvature`).
+    (`check_sees_curvature`).
     """
 
     name = "gauss_hermite"
@@ -125,7 +125,7 @@ class GaussHermiteRule(QuadratureRule):
         self.exact_coordinate_quadratics = num_points >= 2  # one point: x = 0, so E[x^2] = 0
 
     def table_bytes(self) -> int:
-        """The ``m x m`` Jacobi matrix of :func:`gauss_hermite` (:func:`gauss_hermite_bytes`)."""
+        """The ``m x m`` Jacobi matrix of `gauss_hermite` (`gauss_hermite_bytes`)."""
         return gauss_hermite_bytes(self.num_points)
 
     def _table_description(self) -> str:
@@ -137,7 +137,14 @@ class GaussHermiteRule(QuadratureRule):
     def num_nodes(self, dim: int) -> int:
         return self.num_points ** check_dim(dim)
 
-    def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
+    def draw(
+        self,
+        dim: int,
+        step: int = 0,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> NodeSet:
         dim = check_dim(dim)
         # m^dim for a large dim has thousands of digits (Python refuses to print an int of more
         # than 4,300): compared and shown through its logarithm there

@@ -84,7 +84,7 @@ class MonteCarloRule(QuadratureRule):
         max_bytes: the largest node matrix (``K * dim * itemsize`` bytes) the rule builds.
 
     One draw (``mc`` with ``num_points=1``) integrates without bias but cannot fit a scale
-    (:meth:`~pyro_quadvi.quadrature.QuadratureRule.check_sees_curvature`).
+    (`check_sees_curvature`).
     """
 
     is_random = True
@@ -101,7 +101,14 @@ class MonteCarloRule(QuadratureRule):
         self.name = name
         super().__init__(num_points, max_bytes=max_bytes)
 
-    def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
+    def draw(
+        self,
+        dim: int,
+        step: int = 0,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> NodeSet:
         dim, step, dtype = self.check_draw(dim, step, generator, dtype)
         seed_device = generator.device if generator is not None else None
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=seed_device).item())

@@ -1,10 +1,10 @@
 """Random-affinity sigma points (RASP) and stochastic blocked sigma points.
 
-* :func:`simplex_reference`, :func:`cross_reference`: the small reference quadratures of the rasp
+* `simplex_reference`, `cross_reference`: the small reference quadratures of the rasp
   paper, Algorithms 1 and 2.
-* :class:`RASPRule`: each coordinate picks one signed reference dimension at random (Algorithm 3,
+* `RASPRule`: each coordinate picks one signed reference dimension at random (Algorithm 3,
   eq. 13), stored as one small integer per coordinate.
-* :class:`BlockedSimplexRule`: simplex sigma points on blocks of consecutive coordinates, with the
+* `BlockedSimplexRule`: simplex sigma points on blocks of consecutive coordinates, with the
   nodes permuted independently per block (sequence paper, Section 3.1, Theorem 3.1) and, with
   ``random_signs=True``, multiplied by a random sign per block.
 """
@@ -49,7 +49,7 @@ def cross_reference(r: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
 
 
 _GATHER_CHUNK = 1 << 20
-"""Coordinates gathered per pass in :meth:`_AffinityNodes.node`: the small integers are widened
+"""Coordinates gathered per pass in `_AffinityNodes.node`: the small integers are widened
 to int32 (as ``index_select`` needs) one chunk at a time, never all ``dim`` at once."""
 
 
@@ -137,7 +137,14 @@ class RASPRule(QuadratureRule):
         self._reference = build(self.r)
         self._signed = torch.cat([self._reference, -self._reference], dim=0)  # (2r, K)
 
-    def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
+    def draw(
+        self,
+        dim: int,
+        step: int = 0,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> NodeSet:
         dim, step, dtype = self.check_draw(dim, step, generator, dtype)
         num_rows = 2 * self.r
         # drawn where the generator lives (a CPU generator serves any device), then moved
@@ -202,7 +209,7 @@ class BlockedSimplexRule(QuadratureRule):
     """Stochastic blocked mean-field quadrature (sequence paper, Section 3.1).
 
     Coordinates are split into consecutive blocks of ``r = K - 1`` (the last block may be shorter);
-    each block carries the ``r + 1`` simplex sigma points of :func:`simplex_reference`, their order
+    each block carries the ``r + 1`` simplex sigma points of `simplex_reference`, their order
     permuted uniformly at random and independently per block. Every polynomial of total degree <= 2
     within a block is exact (Section 3.1), and by Theorem 3.1 the expectation over the permutations
     of any product of such functions across blocks equals the tensor-product cubature.
@@ -252,7 +259,14 @@ class BlockedSimplexRule(QuadratureRule):
         super().__init__(num_points, max_bytes=max_bytes)
         self._reference = simplex_reference(self.block_size)
 
-    def draw(self, dim, step=0, generator=None, dtype=None, device=None) -> NodeSet:
+    def draw(
+        self,
+        dim: int,
+        step: int = 0,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> NodeSet:
         dim, step, dtype = self.check_draw(dim, step, generator, dtype)
         num_blocks = -(-dim // self.block_size)
         # drawn where the generator lives (a CPU generator serves any device), then moved

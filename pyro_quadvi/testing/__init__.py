@@ -8,6 +8,7 @@ from .problems import (
     eight_schools,
     linear_regression,
     logistic_regression,
+    minimize_mean_field,
     small_network,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "eight_schools",
     "linear_regression",
     "logistic_regression",
+    "minimize_mean_field",
     "small_network",
 ]

@@ -18,7 +18,7 @@ def renamed_entry(saved: dict, key: str) -> dict:
 
 def rename_back(key: str) -> Callable[[object, dict], dict]:
     """A ``register_load_state_dict_pre_hook`` hook that moves the ``key + "_v0"`` entry of
-    :func:`renamed_entry` back under ``key``."""
+    `renamed_entry` back under ``key``."""
 
     def migrate(optimizer: object, state_dict: dict) -> dict:
         state_dict = dict(state_dict)

@@ -7,7 +7,7 @@ its IDX format (``t10k-images-idx3-ubyte.gz``, ``t10k-labels-idx1-ubyte.gz``); t
 given explicitly or by the environment variable ``PYRO_QUADVI_DATA`` (its ``mnist-t10k``
 subdirectory), since the package and its default tests must not depend on it.
 
-Splits are seeded permutations (:func:`random_splits`, :func:`mnist_split`), so a figure reported
+Splits are seeded permutations (`random_splits`, `mnist_split`), so a figure reported
 with its seed can be reproduced.
 """
 
@@ -32,12 +32,12 @@ __all__ = [
     "regression_split",
 ]
 
-#: Name -> (source, target column); see :func:`load_regression`.
 REGRESSION_DATASETS = {
     "diabetes": ("sklearn", "target"),
     "boston": ("MASS/Boston", "medv"),
     "concrete": ("modeldata/concrete", "compressive_strength"),
 }
+"""Name -> (source, target column); see `load_regression`."""
 
 
 def load_regression(name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -114,7 +114,7 @@ def regression_split(
     standardize_targets: bool = True,
     dtype: torch.dtype = torch.float32,
 ) -> RegressionSplit:
-    """Split ``split`` of :func:`random_splits` for data set ``name``, inputs standardized."""
+    """Split ``split`` of `random_splits` for data set ``name``, inputs standardized."""
     if not 0 <= split < num_splits:
         raise ValueError(
             f"split must lie in [0, {num_splits}) for num_splits={num_splits}, got {split}"

@@ -10,7 +10,7 @@ shape of its result and nothing else. Two things then behave as on CUDA:
   to the CPU) is impossible: on meta it raises, on CUDA it is a *host sync* (the CPU waits for
   the GPU's queue to drain).
 
-:class:`FakeSync` intercepts those reads on meta tensors, answers them with a made-up value (so
+`FakeSync` intercepts those reads on meta tensors, answers them with a made-up value (so
 that the run goes on) and counts them, by operation and by the line of ``pyro_quadvi`` that made
 them. A run under it therefore surfaces every device-mixing error that a run on CUDA would meet,
 and its count is the number of host syncs a step makes on CUDA. The made-up answers: reductions
@@ -36,7 +36,7 @@ _READS = frozenset({"_local_scalar_dense", "is_nonzero", "nonzero", "equal", "al
 class FakeSync(TorchDispatchMode):
     """A dispatch mode that fakes and counts host syncs on ``meta`` tensors (see the module).
 
-    Use it as a context manager around code that runs on ``meta``::
+    Use it as a context manager around code that runs on ``meta``:
 
         with FakeSync() as syncs:
             svi.step(x, y)

@@ -29,6 +29,7 @@ __all__ = [
     "EIGHT_SCHOOLS_SIGMA",
     "EIGHT_SCHOOLS_Y",
     "MeanFieldProblem",
+    "TinyNet",
     "eight_schools",
     "linear_regression",
     "logistic_regression",

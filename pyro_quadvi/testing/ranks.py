@@ -1,6 +1,6 @@
 """Run a function on two (or more) gloo ranks on the loopback interface, for the tests.
 
-:func:`run_ranks` spawns the processes, each joins a process group, runs ``scenarios(outdir)``
+`run_ranks` spawns the processes, each joins a process group, runs ``scenarios(outdir)``
 and saves what it returned; the caller gets every rank's result, or a failure after
 ``timeout_s`` (the processes are killed then, so a hang never outlives the test).
 """
