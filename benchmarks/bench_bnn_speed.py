@@ -1,7 +1,8 @@
 """Cost of one SVI step on a Bayesian network (issue 11, "Speed and memory").
 
     OMP_NUM_THREADS=1 python benchmarks/bench_bnn_speed.py [--repeats 7] [--steps 10] [--profile]
-        [--no-compile] [--update-only] [--nets 1-50-1 784-200-10 784-400-400-10 table2-cnn]
+        [--no-compile] [--update-only] [--nets 1-50-1 784-200-10 784-400-400-10 table2-cnn
+        1024-1800-1800-10]
         [--clock wall|cpu] [--batch 1024] [--floor] [--memory-split] [--memory-trace] [--guide-run]
         [--device cuda]
 
@@ -28,8 +29,9 @@ the convolutional network of the sequence paper's Table 2 with a categorical lik
 
 The Table 2 network is ``table2_cnn`` of ``bench_bnn_quality.py`` (ReLU after grouped 1x1
 convolutions in place of the paper's ternary units; 28 x 28 inputs, padded to 32 x 32 inside the
-net). ``--nets`` keeps the networks named (all by default); ``--batch`` runs every one of them at
-that batch size instead.
+net). ``--nets`` keeps the networks named (by default all four; 1024-1800-1800-10, a 5 M-weight
+MLP with a categorical likelihood at batch 128, runs only when named); ``--batch`` runs every one
+of them at that batch size instead.
 
 Blocks of ``--steps`` steps are timed alternately (each variant in turn) ``--repeats`` times; the
 table shows the median time per step and the ratios of the medians. ``--clock wall`` (the
@@ -375,7 +377,16 @@ CASES = {
         "categorical",
     ),
     "table2-cnn": ("Table 2 CNN (ReLU)", table2_cnn, (1, 28, 28), 64, "categorical"),
+    "1024-1800-1800-10": (
+        "1024-1800-1800-10",
+        mlp([1024, 1800, 1800, 10], nn.ReLU),
+        (1024,),
+        128,
+        "categorical",
+    ),
 }
+#: the networks run without ``--nets`` (the 5 M-weight MLP only when named)
+DEFAULT_NETS = ("1-50-1", "784-200-10", "784-400-400-10", "table2-cnn")
 
 
 def row_name(case) -> str:
@@ -783,7 +794,8 @@ def main() -> None:
         "--nets",
         nargs="+",
         choices=list(CASES),
-        help="only these networks (default: all; --profile then profiles them, not 784-400-400-10)",
+        help="only these networks (default: all but 1024-1800-1800-10; --profile then profiles "
+        "them, not 784-400-400-10)",
     )
     parser.add_argument(
         "--batch", type=int, help="batch size of every network run (default: each network's own)"
@@ -828,7 +840,7 @@ def main() -> None:
         if args.clock != "wall" or args.memory_split or args.memory_trace:
             parser.error("--device cuda times with the wall clock and has no --memory-split/trace")
         clock = synced_clock
-    cases = [CASES[key] for key in args.nets or CASES]
+    cases = [CASES[key] for key in args.nets or DEFAULT_NETS]
     if args.batch is not None:
         if args.batch < 1:
             parser.error(f"--batch must be a positive integer, got {args.batch}")

@@ -306,8 +306,8 @@ def test_host_syncs_of_a_steady_state_step():
         svi.step(x, y)
     # infer/log_joint.py: bool(isfinite(total).all()), the one finiteness check of the nodes;
     # infer/quadrature_elbo.py: `if not torch.isfinite(loss)` and SVI's loss.item();
-    # optim/qnvb_functional.py: the counts' .tolist() (a copy to the host) and the
-    # bool(updated.all()) that spares the passes of a full update
+    # optim/qnvb_functional.py: the counts' .tolist() (a copy to the host) and the .tolist() of
+    # the update's chunks where the guard kept every coordinate (their selections are spared)
     assert pyro_step.by_file() == {
         "infer/log_joint.py": 1,
         "infer/quadrature_elbo.py": 2,

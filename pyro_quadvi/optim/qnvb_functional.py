@@ -67,12 +67,13 @@ rule written as above. `qnvb_update_many` is what the optimizers run: it concate
 tensor of a group into one flat buffer and applies the same rules once, with in-place operations
 and without the work that cannot change a result (a multiplication by a weight of 1, a prior of
 precision 0, the significance test at ``significance = 0``, twelve ``isfinite`` replaced by one
-probe; one boolean read on the host, whether the guard kept any coordinate, spares the guard's
-selections when it kept none); ``compile=True`` runs the reference `qnvb_update` through
-``torch.compile``, tensor by tensor on the CPU (a fused loop each; needs a C++ compiler), on one
-flat buffer elsewhere (fused kernels for every tensor at once, counted segment by segment). Tests
-hold the flat update equal to the reference value for value, and the compiled one to within
-rounding.
+probe), in chunks of the flat coordinates, so that its scratch is a chunk's rather than every
+tensor's (one boolean per chunk read on the host at once, whether the guard kept a coordinate,
+spares the guard's selections where it kept none); ``compile=True`` runs the reference
+`qnvb_update` through ``torch.compile``, tensor by tensor on the CPU (a fused loop each;
+needs a C++ compiler), on one flat buffer elsewhere (fused kernels for every tensor at once,
+counted segment by segment). Tests hold the flat update equal to the reference value for value,
+and the compiled one to within rounding.
 
 The loss is ``weight * L(theta) + prior_precision * |theta|^2 / 2``: ``g`` and ``h`` estimate the
 moments of ``L`` and ``weight`` (the likelihood weight times an annealing factor) and the Gaussian
@@ -82,6 +83,7 @@ hold the prior and the data scale: there ``weight = 1`` and ``prior_precision = 
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Callable
@@ -571,9 +573,10 @@ def _flat_update(
     hp: QNVBHyperparameters,
     weight: float | torch.Tensor,
     prior_precision: float | torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, QNVBState, tuple[torch.Tensor, ...]]:
+) -> tuple[torch.Tensor, torch.Tensor, QNVBState, torch.Tensor, tuple[torch.Tensor, ...]]:
     """The rules of `qnvb_update` on flat tensors, with the same operations in the same order
-    where they can change a value, and in place on fresh tensors (never on an argument).
+    where they can change a value, and in place on fresh tensors (never on an argument), up to
+    the guard's selection, which the caller makes (`_guard`) where it is needed.
 
     What it leaves out, each provably without effect on the result:
 
@@ -588,12 +591,13 @@ def _flat_update(
       otherwise, so one accumulated probe ``sum(x * 0) == 0`` tests every field at once.
 
     Returns:
-        The new mean, scale, state, and the four boolean masks of `COUNT_KINDS`.
+        The new mean, scale and state before the guard (rule 11), whether the guard takes them
+        at every coordinate (a 0-d boolean tensor; where it does not, `_guard` makes the
+        selection), and the four boolean masks of `COUNT_KINDS`.
     """
     beta1, beta2 = hp.betas
     unit_weight = _is_number(weight, 1.0)
     no_prior = _is_number(prior_precision, 0.0)
-    zero = torch.zeros((), dtype=mu.dtype, device=mu.device)
 
     def scaled(x: torch.Tensor) -> torch.Tensor:  # weight * x + prior_precision * mu
         if unit_weight and no_prior:
@@ -609,8 +613,7 @@ def _flat_update(
         out += avg
         return out
 
-    input_probe = g * 0  # rule 11: NaN where g or h is not finite, 0 elsewhere
-    input_probe.addcmul_(h, zero)
+    input_probe = _add_to_probe(g * 0, [h])  # rule 11: NaN where g or h is not finite
     finite_input = input_probe == 0
 
     # rules 1 and 3
@@ -705,28 +708,27 @@ def _flat_update(
         del travelled
 
     new_state = QNVBState(g_avg, s_avg, h_avg, h2_avg, count, curvature_count, grad, damping)
-    probe = input_probe  # rule 11
-    for value in (new_mu, new_sigma, *new_state):
-        probe.addcmul_(value, zero)
+    probe = _add_to_probe(input_probe, (new_mu, new_sigma, *new_state))  # rule 11
     updated = probe == 0
+    kept_all = probe.sum() == 0  # a sum of zeros, or NaN: not a bool reduction (slower)
     del probe
-    arguments = {id(t) for t in (mu, sigma, g, h, *state)}  # never written: grad may be g
-    everywhere = bool(updated.all())  # one host sync, which spares ten passes when it holds
-
-    def keep(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:  # in place when fresh
-        if everywhere:  # the guard selects ``new`` throughout; a result never is an argument
-            return new.clone() if id(new) in arguments else new
-        return torch.where(updated, new, old, out=None if id(new) in arguments else new)
-
-    new_mu, new_sigma = keep(new_mu, mu), keep(new_sigma, sigma)
-    new_state = QNVBState(*(keep(new, old) for new, old in zip(new_state, state)))
     masks = (
         ~finite_input,
         finite_input & ~updated,
         updated & (limited < hp.sigma_min),
         updated & ((limited > hp.sigma_max) | wider),
     )
-    return new_mu, new_sigma, new_state, masks
+    return new_mu, new_sigma, new_state, kept_all, masks
+
+
+def _add_to_probe(probe: torch.Tensor, values) -> torch.Tensor:
+    """``probe + sum(value * 0)``, in place: it stays 0 where every value is finite and becomes NaN
+    elsewhere (``x * 0`` is NaN for an infinite or NaN ``x``): one pass per value where
+    ``isfinite`` takes four kernels on the CPU."""
+    zero = torch.zeros((), dtype=probe.dtype, device=probe.device)
+    for value in values:
+        probe.addcmul_(value, zero)
+    return probe
 
 
 def _segment_counts(masks: tuple[torch.Tensor, ...], sizes: tuple[int, ...]) -> torch.Tensor:
@@ -812,16 +814,118 @@ def qnvb_update_many(
         return []
     if compile and mus[0].device.type in _PER_TENSOR_DEVICES:
         return _compiled_updates(mus, sigmas, gs, hs, states, hp, weight, prior_precision)
-    rules = _flat_update
     if compile:
-        if "flat" not in _COMPILED:
-            _COMPILED["flat"] = torch.compile(_reference_rules)
-        rules = _COMPILED["flat"]
-        weight, prior_precision = _device_scalars(mus[0], weight, prior_precision)
+        return _compiled_flat_update(mus, sigmas, gs, hs, states, hp, weight, prior_precision)
+    sizes = [m.numel() for m in mus]
+    total = sum(sizes)
+    offsets = [0, *itertools.accumulate(sizes)][:-1]
+    chunks = _chunk_pieces(offsets, sizes, total)
+    readers = [
+        _chunk_reader(list(field), offsets) for field in (mus, sigmas, gs, hs, *zip(*states))
+    ]
+    outs: list[torch.Tensor] = []
+    rows: list[list[torch.Tensor]] = [[] for _ in mus]  # per tensor, its counts in each chunk
+    kept_flags = []
+    for index, pieces in enumerate(chunks):
+        start, stop = index * _CHUNK, min((index + 1) * _CHUNK, total)
+        mu, sigma, g, h, *state = (read(start, stop, pieces) for read in readers)
+        new_mu, new_sigma, new_state, kept, masks = _flat_update(
+            mu, sigma, g, h, QNVBState(*state), hp, weight, prior_precision
+        )
+        news = (new_mu, new_sigma, *new_state)
+        if not outs:  # the results' types are the rules' (those of the first chunk)
+            outs = [new.new_empty(total) for new in news]
+        for out, new in zip(outs, news):
+            out[start:stop].copy_(new)
+        del news, new_mu, new_sigma, new_state
+        kept_flags.append(kept)
+        counts = _segment_counts(masks, [stop_i - start_i for _, start_i, stop_i in pieces])
+        for (i, _, _), row in zip(pieces, counts):
+            rows[i].append(row)
+    # one host sync for the call: the chunks where the guard keeps a coordinate (rule 11)
+    for index, (pieces, kept) in enumerate(zip(chunks, torch.stack(kept_flags).tolist())):
+        if not kept:
+            start, stop = index * _CHUNK, min((index + 1) * _CHUNK, total)
+            _guard([out[start:stop] for out in outs], readers, start, stop, pieces)
+    results = []
+    for i, (shape_of, offset, size) in enumerate(zip(mus, offsets, sizes)):
+        mu_i, sigma_i, *state_i = (out[offset : offset + size].view(shape_of.shape) for out in outs)
+        counts = rows[i][0] if len(rows[i]) == 1 else torch.stack(rows[i]).sum(0)
+        results.append(QNVBResult(mu_i, sigma_i, QNVBState(*state_i), *counts))
+    return results
+
+
+#: the most coordinates the eager `qnvb_update_many` runs the rules on at once: its scratch
+#: (some 20 floats a coordinate) is that of a chunk, not of every tensor. A multiple of 64: each
+#: coordinate keeps its place modulo a vector's width, as on one flat buffer, so that a kernel
+#: rounding a vector's partial tail its own way rounds the same coordinates (results do not
+#: depend on the chunk size). Chosen by measurement (``docs/benchmarks.md``, "The update's
+#: scratch memory").
+_CHUNK = 2**16
+
+
+def _guard(
+    news: list[torch.Tensor], readers: list[Callable], start: int, stop: int, pieces
+) -> None:
+    """Rule 11 on a chunk whose results ``news`` (mean, scale, state) `_flat_update`
+    wrote unguarded: where an input ``g`` or ``h`` or a result is not finite, the old value
+    (from ``readers``, `_chunk_reader`) is put back, in place."""
+    mu, sigma, g, h, *state = (read(start, stop, pieces) for read in readers)
+    updated = _add_to_probe(g * 0, (h, *news)) == 0  # the probe of _flat_update
+    for new, old in zip(news, (mu, sigma, *state)):
+        torch.where(updated, new, old, out=new)
+
+
+def _chunk_pieces(
+    offsets: list[int], sizes: list[int], total: int
+) -> list[list[tuple[int, int, int]]]:
+    """Per chunk of `_CHUNK` coordinates of tensors of ``sizes`` laid end to end (from
+    ``offsets``), the pieces of tensors it holds: ``(tensor, start, stop)`` within the tensor,
+    in order. Every tensor has a piece (an empty tensor an empty one), one with no coordinates in
+    a chunk none there; no tensors at all (``total = 0``) make one empty chunk."""
+    chunks: list[list[tuple[int, int, int]]] = [[] for _ in range(max(1, -(-total // _CHUNK)))]
+    for i, (offset, size) in enumerate(zip(offsets, sizes)):
+        chunk, start = min(offset // _CHUNK, len(chunks) - 1), offset
+        while True:
+            stop = min(offset + size, (chunk + 1) * _CHUNK)
+            chunks[chunk].append((i, start - offset, stop - offset))
+            if stop == offset + size:
+                break
+            chunk, start = chunk + 1, stop
+    return chunks
+
+
+def _chunk_reader(
+    tensors: list[torch.Tensor], offsets: list[int]
+) -> Callable[[int, int, list[tuple[int, int, int]]], torch.Tensor]:
+    """A function of a chunk (``start``, ``stop`` and its pieces, `_chunk_pieces`) giving
+    the ``tensors``' coordinates ``start:stop`` as one flat tensor: a view where the tensors are
+    one or consecutive pieces of one storage (as the results of `qnvb_update_many` are) or
+    where the chunk lies in one tensor, else a ``cat`` of the pieces (a chunk's size)."""
+    base = tensors[0].reshape(-1) if len(tensors) == 1 else consecutive_base(tensors)
+    if base is not None:
+        return lambda start, stop, pieces: base[start:stop]
+    flats = [t.reshape(-1) for t in tensors]
+
+    def read(start: int, stop: int, pieces: list[tuple[int, int, int]]) -> torch.Tensor:
+        views = [flats[i][lo:hi] for i, lo, hi in pieces if hi > lo]
+        if len(views) == 1:
+            return views[0]
+        return torch.cat(views) if views else flats[pieces[0][0]][:0]
+
+    return read
+
+
+def _compiled_flat_update(mus, sigmas, gs, hs, states, hp, weight, prior_precision):
+    """`_reference_rules` through ``torch.compile`` on one flat buffer of every tensor: the
+    compiled update off the CPU (fused kernels, whose temporaries are a kernel's registers)."""
+    if "flat" not in _COMPILED:
+        _COMPILED["flat"] = torch.compile(_reference_rules)
+    weight, prior_precision = _device_scalars(mus[0], weight, prior_precision)
     sizes = tuple(m.numel() for m in mus)
     flat_state = QNVBState(*(_flatten(list(field)) for field in zip(*states)))
     args = (_flatten(mus), _flatten(sigmas), _flatten(gs), _flatten(hs), flat_state, hp)
-    mu, sigma, state, masks = rules(*args, weight, prior_precision)
+    mu, sigma, state, masks = _COMPILED["flat"](*args, weight, prior_precision)
     counts = _segment_counts(masks, sizes)
     pieces = [t.split(sizes) for t in (mu, sigma, *state)]
     results = []

@@ -1,0 +1,91 @@
+"""The eager QNVB update (``qnvb_update_many``) at several chunk sizes: time and peak memory.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_update_chunks.py [--repeats 9]
+        [--chunks 12 14 16 18 20 40] [--nets 784-400-400-10 1024-1800-1800-10]
+
+On each network's parameter shapes (``bench_bnn_speed.CASES``), the update alone with the inputs
+of ``bench_bnn_speed.py --update-only`` (``g`` standard normal, ``h`` uniform on ``[0, 1e-3]``,
+weight ``1e4``, prior precision 1, QNVB's own settings), each update fed the previous one's
+results (as the optimizers do: the means, scales and states are then pieces of one buffer per
+field; ``g`` and ``h`` are separate tensors). For each chunk size ``2^k``
+(``qnvb_functional._CHUNK``; ``2^40``: one chunk, the rules on the whole flat buffer at once):
+the median CPU time (``time.process_time``) of ``--repeats`` updates after two warm-up updates,
+and the peak of the update's CPU allocations (``bench_bnn_speed.live_at_peak``, least of 2), in
+MiB and in parameters P (float32: 4 bytes each). The results alone are 10 P (mean, scale, eight
+state fields).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from bench_bnn_speed import CASES, live_at_peak
+
+from pyro_quadvi.optim import qnvb_functional
+from pyro_quadvi.optim.qnvb_functional import (
+    QNVBHyperparameters,
+    init_qnvb_state,
+    qnvb_update_many,
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[12, 14, 16, 18, 20, 40])
+    parser.add_argument(
+        "--nets", nargs="+", choices=list(CASES), default=["784-400-400-10", "1024-1800-1800-10"]
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    hp = QNVBHyperparameters()
+    default = qnvb_functional._CHUNK
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, default chunk "
+        f"2^{default.bit_length() - 1}\n\n| network | parameters P | chunk | update ms | "
+        "peak MiB | peak / P |\n|---|---:|---:|---:|---:|---:|"
+    )
+    for key in args.nets:
+        name, make, *_ = CASES[key]
+        torch.manual_seed(0)
+        params = [p.detach() for p in make().parameters()]
+        count = sum(p.numel() for p in params)
+        gs = [torch.randn_like(p) for p in params]
+        hs = [torch.rand_like(p) * 1e-3 for p in params]
+        for k in args.chunks:
+            qnvb_functional._CHUNK = 2**k
+            run = {
+                "mus": list(params),
+                "sigmas": [torch.full_like(p, 1e-2) for p in params],
+                "states": [init_qnvb_state(p) for p in params],
+            }
+
+            def update(run=run, gs=gs, hs=hs) -> None:
+                results = qnvb_update_many(
+                    run["mus"], run["sigmas"], gs, hs, run["states"], hp, 1e4, 1.0
+                )
+                run["mus"] = [r.mu for r in results]
+                run["sigmas"] = [r.sigma for r in results]
+                run["states"] = [r.state for r in results]
+
+            update()
+            update()
+            times = []
+            for _ in range(args.repeats):
+                start = time.process_time()
+                update()
+                times.append(time.process_time() - start)
+            peak = min(live_at_peak(update)[0] for _ in range(2))
+            print(
+                f"| {name} | {count:,} | 2^{k} | {statistics.median(times) * 1e3:.1f} | "
+                f"{peak / 2**20:.2f} | {peak / (4 * count):.2f} |",
+                flush=True,
+            )
+    qnvb_functional._CHUNK = default
+
+
+if __name__ == "__main__":
+    main()
