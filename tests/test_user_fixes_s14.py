@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from pyro.infer import SVI
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, opqa_evidence, to_inference_data
+from pyro_quadvi.export import draws
 from pyro_quadvi.optim import QNVBOptimizer, module_loss
 
 Y = torch.tensor([0.3, -1.2, 2.1, 0.8, 1.5], dtype=torch.float64)
@@ -85,6 +86,9 @@ def test_opqa_evidence_names_the_largest_num_points_that_fits(fresh_param_store)
     # 8^14 = 2^42 nodes; 2^14 = 16384 fit under max_nodes = 2^20, 3^14 = 4782969 do not
     with pytest.raises(ValueError, match=r"8\^14 = 4398046511104 .* num_points <= 2 or raise"):
         opqa_evidence(_wide_model(14), progress=False)
+    # 3^20 > 3^20 - 1: the root 3^20^(1/20) rounds to 3 and advised a grid over the limit
+    with pytest.raises(ValueError, match=r"num_points <= 2 or raise"):
+        opqa_evidence(_wide_model(20), progress=False, max_nodes=3**20 - 1)
     # 30 latents: not even 2 points fit, and 1 point is no grid to advise silently
     with pytest.raises(ValueError, match=r"even num_points=2 needs 2\^30 nodes"):
         opqa_evidence(_wide_model(30), progress=False)
@@ -112,22 +116,35 @@ def test_export_size_is_what_the_groups_hold(fresh_param_store):
     groups = ["posterior", "posterior_predictive", "log_likelihood", "prior", "prior_predictive"]
     held = sum(v.values.nbytes for g in groups for v in getattr(idata, g).data_vars.values())
     assert held == 7 * BYTES_PER_DRAW
-    # exactly at the limit it runs; one byte under, it is refused before any draw
+    # exactly at the limit it runs; one byte under, it is refused before any draw; without the
+    # prior groups a draw holds w, f, y and y's log likelihood once: 110 * 4 + 100 * 4 + 100 * 8
     to_inference_data(regression, guide, X, X[:, 0], num_samples=7, max_bytes=held, vectorize=False)
-    with pytest.raises(ValueError, match=r"need 17360 bytes .* use num_samples <= 6, prior=False"):
+    expected = r"need 17360 bytes .* pass num_samples <= 6, or prior=False \(1640 bytes "
+    with pytest.raises(ValueError, match=expected):
         to_inference_data(regression, guide, X, X[:, 0], num_samples=7, max_bytes=held - 1)
 
 
+def test_export_is_checked_against_the_memory_available_by_default(fresh_param_store, monkeypatch):
+    guide = AutoMeanFieldNormal(regression)
+    guide(X, X[:, 0])
+    monkeypatch.setattr(draws, "available_memory", lambda: 5 * BYTES_PER_DRAW)
+    with pytest.raises(ValueError, match=r"more than the memory available now .* max_bytes=\.\.\."):
+        to_inference_data(regression, guide, X, X[:, 0], num_samples=7)
+    monkeypatch.setattr(draws, "available_memory", lambda: None)  # the platform does not say
+    idata = to_inference_data(regression, guide, X, X[:, 0], num_samples=7, vectorize=False)
+    assert idata.posterior["w"].shape == (1, 7, 10)
+
+
 def test_export_of_a_million_latents_is_refused_by_size(fresh_param_store):
-    # 1000 draws of 10^6 float32 latents, twice (posterior, prior): 8 GB, over the 4 GiB default;
-    # torch's "can't allocate" came after Pyro printed its trace shapes
+    # 1000 draws of 10^6 float32 latents, twice (posterior, prior): 8 GB, over 4 GiB; torch's
+    # "can't allocate" came after Pyro printed its trace shapes
     def wide():
         pyro.sample("w", dist.Normal(torch.zeros(10**6), 1.0).to_event(1))
 
     guide = AutoMeanFieldNormal(wide)
     guide()
-    with pytest.raises(ValueError, match=r"8000000000 bytes .* num_samples <= 536, prior=False"):
-        to_inference_data(wide, guide)
+    with pytest.raises(ValueError, match=r"8000000000 bytes .* num_samples <= 536, or prior=False"):
+        to_inference_data(wide, guide, max_bytes=2**32)
 
 
 class _Recurrent(torch.nn.Module):

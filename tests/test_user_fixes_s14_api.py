@@ -120,6 +120,8 @@ def test_qnvb_refuses_clip_args_and_the_fallback_clips_as_it_says():
 
     with pytest.raises(TypeError, match="QNVB takes no clip_args") as refused:
         QNVB(clip_args={"clip_norm": 1.0})
+    # no clipping asked for: what QNVB does anyway
+    assert repr(QNVB(clip_args=None)) == repr(QNVB(clip_args={})) == "QNVB()"
     assert "trust_region" in str(refused.value)
     assert "fallback=pyro.optim.ClippedAdam(" in str(refused.value)
 

@@ -30,6 +30,7 @@ Everything is done in log space with a max shift.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -90,6 +91,25 @@ class OPQAResult:
         return self.normalized_coefficients * math.exp(0.5 * self.log_evidence)
 
 
+def _leaves_random_state(evidence: Callable) -> Callable:
+    """``evidence`` run inside a fork of torch's random state. The evidence does not depend on it,
+    but the model's runs that find its latent sites draw from the prior: forked, a call between a
+    fit's steps does not move the fit. Forked are the CPU's state, the CUDA devices' of the
+    model's, the guide's and the arguments' tensors, and the current CUDA device's if CUDA is in
+    use (a model that makes its tensors there, a ``pyro.param`` in the param store)."""
+
+    @functools.wraps(evidence)
+    def forked(model: Callable, *args: Any, **kwargs: Any) -> OPQAResult:
+        devices = set(cuda_devices(model, args, kwargs))
+        if torch.cuda.is_initialized():
+            devices.add(torch.cuda.current_device())
+        with torch.random.fork_rng(devices=sorted(devices)):
+            return evidence(model, *args, **kwargs)
+
+    return forked
+
+
+@_leaves_random_state
 def opqa_evidence(
     model: Callable,
     *args: Any,
@@ -183,42 +203,6 @@ def opqa_evidence(
     """
     start_time = time.perf_counter()
     _check_arguments(num_points, max_degree, center, guide, max_nodes, chunk_size, vectorize)
-    # The evidence does not depend on torch's random state, but the model's runs that find its
-    # latent sites draw from the prior: they leave the random state as it was, so a call between
-    # a fit's steps does not move the fit (the CPU's state, and the CUDA devices' of the model's
-    # tensors).
-    with torch.random.fork_rng(devices=cuda_devices(model, guide, args, kwargs)):
-        return _evidence(
-            model,
-            args,
-            kwargs,
-            num_points,
-            max_degree,
-            center,
-            guide,
-            max_nodes,
-            chunk_size,
-            vectorize,
-            progress,
-            start_time,
-        )
-
-
-def _evidence(
-    model,
-    args,
-    kwargs,
-    num_points,
-    max_degree,
-    center,
-    guide,
-    max_nodes,
-    chunk_size,
-    vectorize,
-    progress,
-    start_time,
-) -> OPQAResult:
-    """`opqa_evidence` after its arguments' check, inside its fork of the random state."""
     # a restored param store's values, not the stale ones of plain parameters (store.py)
     follow_param_store(unwrap_guide(model))
     if guide is not None:
@@ -234,7 +218,9 @@ def _evidence(
         )
     # the grid's size compared without writing out num_points**dim where it has more digits than
     # a message can hold (10^6 latents: 8^1000000)
-    if (num_points > 1 and dim * math.log2(num_points) > 64) or num_points**dim > max_nodes:
+    if (
+        num_points > 1 and dim * math.log2(num_points) > max_nodes.bit_length() + 1
+    ) or num_points**dim > max_nodes:
         raise ValueError(_grid_too_large(sites, dim, num_points, max_nodes))
     grid_size = num_points**dim
 
@@ -319,15 +305,16 @@ def _grid_too_large(sites: list[LatentSite], dim: int, num_points: int, max_node
     size = f"{num_points}^{dim}"
     if dim * math.log2(num_points) <= 64:
         size += f" = {num_points**dim}"
-    fewer = math.floor(max_nodes ** (1.0 / dim) + 1e-9)
+    fewer = 1 if dim >= max_nodes.bit_length() else math.floor(max_nodes ** (1.0 / dim) + 1e-9)
+    while fewer > 1 and fewer**dim > max_nodes:  # the root's rounding may overshoot by one
+        fewer -= 1
     if fewer >= 2:
         way = f"use num_points <= {fewer} or raise max_nodes"
     else:
         way = (
             f"even num_points=2 needs 2^{dim} nodes: OPQA suits models with a handful of latents "
-            f"(at most {int(math.log2(max_nodes))} with 2 points and max_nodes={max_nodes}); fit "
-            "this model with an ELBO (QuadratureELBO), or pass num_points=1 for the one node at "
-            "the weight's centre (with center='laplace', the Laplace approximation)"
+            f"(at most {max_nodes.bit_length() - 1} with 2 points and max_nodes={max_nodes}); "
+            "fit this model with an ELBO (QuadratureELBO)"
         )
     return (
         f"opqa_evidence: {dim} latent coordinates ({names}) with num_points={num_points} need a "

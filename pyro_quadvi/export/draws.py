@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ from tqdm.auto import tqdm
 from ..guides.interface import unwrap_guide
 from ..infer.batched import BatchMismatch, evaluate_batch
 from ..infer.log_joint import model_max_plate_nesting
-from ..quadrature.base import check_max_bytes, format_bytes
+from ..quadrature.base import format_bytes
 from ..store import follow_param_store
 
 __all__ = ["Draws", "SiteSpec", "check_observed_not_nan", "draw"]
@@ -543,7 +544,7 @@ def draw(
     num_samples: int,
     prior: bool,
     vectorize: bool | None = None,
-    max_bytes: int = 2**32,
+    max_bytes: int | None = None,
 ) -> Draws:
     """Draw the posterior, log likelihood, posterior predictive, observed data and (with
     ``prior``) the prior and prior predictive, batched over the draws if the model allows it
@@ -552,9 +553,14 @@ def draw(
     compare them with (``probe=()``): the batched run checks itself instead, on every call, against
     unbatched runs at its first and last draws, and under ``True`` a disagreement raises
     `BatchMismatch` naming the ways out. Groups that would hold more than ``max_bytes`` in all
-    are refused before any draw (`_check_size`).
+    (``None``: the memory available now, where the platform says) are refused before any draw.
     """
-    check_max_bytes(max_bytes)
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, numbers.Integral) or max_bytes < 1
+    ):
+        raise ValueError(
+            f"to_inference_data: max_bytes must be None or an integer >= 1, got {max_bytes!r}"
+        )
     check_guide_was_run(guide, args, kwargs)
     follow_param_store(unwrap_guide(guide))  # a restored param store's values, not stale ones
     follow_param_store(unwrap_guide(model))
@@ -574,30 +580,50 @@ def draw(
     )
 
 
-def _check_size(runner: _Runner, num_samples: int, prior: bool, max_bytes: int) -> None:
-    """Refuse an export whose groups would exceed ``max_bytes``: per draw, the latent and
-    deterministic sites (``posterior``, and ``prior``), the observed sites
-    (``posterior_predictive``, and ``prior_predictive``) and their pointwise log likelihood in
-    float64, over the full data, in the sites' dtypes (the draws' own size; a batched run holds
-    about as much again while it runs)."""
-    per_draw = 0
-    copies = 2 if prior else 1  # posterior (predictive), and prior (predictive)
+def _check_size(runner: _Runner, num_samples: int, prior: bool, max_bytes: int | None) -> None:
+    """Refuse an export whose groups would exceed ``max_bytes`` (``None``: the memory available
+    now): per draw, the latent and deterministic sites (``posterior``, and ``prior``), the
+    observed sites (``posterior_predictive``, and ``prior_predictive``, counted in the data's
+    dtype) and their pointwise log likelihood in float64, over the full data (the draws' own size;
+    a batched run holds about as much again while it runs)."""
+    per_draw = prior_per_draw = 0
     for site in runner.sites.values():
         shape = site.full_shape(runner.full_sizes)
-        per_draw += copies * math.prod(shape) * runner.itemsize[site.name]
+        group = math.prod(shape) * runner.itemsize[site.name]
+        per_draw += 2 * group if prior else group  # the posterior's group, and the prior's
+        prior_per_draw += group if prior else 0
         if site.kind == "observed":  # its pointwise log likelihood
             per_draw += math.prod(shape[: site.batch_ndim]) * torch.float64.itemsize
+    limit, what = max_bytes, "max_bytes"
+    if limit is None:
+        limit, what = available_memory(), "the memory available now"
+        if limit is None:  # the platform does not say
+            return
     needed = num_samples * per_draw
-    if needed > max_bytes:
-        fits = max_bytes // per_draw
-        ways = f"num_samples <= {fits}" if fits >= 1 else "a larger max_bytes"
+    if needed > limit:
+        ways = [f"num_samples <= {limit // per_draw}"] if limit >= per_draw else []
+        if prior:
+            ways.append(f"prior=False ({format_bytes(per_draw - prior_per_draw)} a draw)")
+        ways.append("a larger max_bytes" if max_bytes is not None else "max_bytes=...")
         raise ValueError(
-            f"to_inference_data: {num_samples} draws of the model's sites over the full data "
-            f"need {format_bytes(needed)} ({format_bytes(per_draw)} a draw"
-            f"{', prior groups included' if prior else ''}), more than "
-            f"max_bytes={format_bytes(max_bytes)}; use {ways}"
-            f"{', prior=False' if prior else ''}, or raise max_bytes if the memory is there"
+            f"to_inference_data: {num_samples} draws need {format_bytes(needed)} "
+            f"({format_bytes(per_draw)} a draw: the sites over the full data"
+            f"{', with the prior groups' if prior else ''}), more than {what} "
+            f"({format_bytes(limit)}); pass {', or '.join(ways)}"
         )
+
+
+def available_memory() -> int | None:
+    """The memory available for new allocations now, in bytes (Linux's ``MemAvailable``), or
+    ``None`` where the platform does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _all_draws(run: Callable, num_samples: int, vectorize: bool | None, label: str):

@@ -28,7 +28,7 @@ def to_inference_data(
     coords: Mapping[str, Sequence] | None = None,
     dims: Mapping[str, Sequence[str]] | None = None,
     vectorize: bool | None = None,
-    max_bytes: int = 2**32,
+    max_bytes: int | None = None,
     **kwargs: Any,
 ) -> InferenceData:
     """Export a fitted variational posterior to ArviZ: summaries, LOO, predictive checks, plots.
@@ -70,10 +70,12 @@ def to_inference_data(
             forces the batched run (its errors propagate, and draws that differ from unbatched
             runs raise `BatchMismatch` naming the ways out);
             ``False`` always loops. Errors of the model itself propagate in every case.
-        max_bytes: the most the groups' draws may hold (4 GiB by default): the latent,
-            deterministic and observed sites over the full data in their dtypes, per posterior
-            draw and again per prior draw, and the pointwise log likelihood in float64. A larger
-            export is refused before any draw, naming the largest ``num_samples`` that fits.
+        max_bytes: the most the groups' draws may hold; ``None`` (default): the memory
+            available now (Linux's ``MemAvailable``; no check where the platform does not say).
+            Counted are the latent and deterministic sites over the full data in their dtypes,
+            the observed sites in the data's dtype, per posterior draw and again per prior draw,
+            and the pointwise log likelihood in float64. A larger export is refused before any
+            draw, naming the largest ``num_samples`` that fits.
         **kwargs: the model's keyword arguments.
 
     Returns:

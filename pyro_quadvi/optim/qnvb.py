@@ -361,7 +361,8 @@ class QNVB(PyroOptim):
         fallback: the optimizer of every parameter QNVB does not update: a ``pyro.optim``
             optimizer such as ``pyro.optim.Adam({"lr": 1e-2})`` (its constructor and arguments
             are used), or a pair ``(torch optimizer class, arguments dict)``. Default: Adam with
-            ``lr = 1e-2``. Pyro's ``clip_args`` is refused (a ``TypeError``): QNVB's steps are
+            ``lr = 1e-2``. Pyro's ``clip_args`` is refused (a ``TypeError``; ``None`` or ``{}``, no
+            clipping, is accepted): QNVB's steps are
             bounded by ``trust_region`` and ``lr``, not by clipping; the fallback's parameters
             take Pyro's clipping through ``fallback=pyro.optim.ClippedAdam({...})`` or a
             ``PyroOptim`` with ``clip_args``.
@@ -392,7 +393,9 @@ class QNVB(PyroOptim):
         compile: bool = False,
         **hyperparameters: float | tuple[float, float] | bool | str,
     ):
-        if "clip_args" in hyperparameters:  # PyroOptim's argument, as a user porting code passes it
+        # PyroOptim's argument, as a user porting code passes it; None or {} (no clipping) is what
+        # QNVB does anyway
+        if hyperparameters.pop("clip_args", None):
             raise TypeError(
                 "QNVB takes no clip_args: its steps are bounded by trust_region (the mean moves "
                 "at most trust_region * sigma per step) and lr (at most an Adam step of size lr), "
