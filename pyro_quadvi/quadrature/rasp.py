@@ -212,7 +212,8 @@ def _block_codes(keys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     for i in range(num_keys - 1):
         weight = math.factorial(num_keys - 1 - i)
         for j in range(i + 1, num_keys):
-            out.add_(torch.gt(keys[:, i], keys[:, j]), alpha=weight)
+            # the bools seen as int8 (the same bytes): added without a conversion
+            out.add_(torch.gt(keys[:, i], keys[:, j]).view(torch.int8), alpha=weight)
     return out
 
 
