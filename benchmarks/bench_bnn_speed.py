@@ -4,7 +4,7 @@
         [--no-compile] [--update-only] [--nets 1-50-1 784-200-10 784-400-400-10 table2-cnn
         1024-1800-1800-10]
         [--clock wall|cpu] [--batch 1024] [--floor] [--memory-split] [--memory-trace] [--guide-run]
-        [--device cuda]
+        [--device cuda] [--rule hadamard]
 
 For four networks (1-50-1 with a Gaussian likelihood at batch 128; 784-200-10, 784-400-400-10 and
 the convolutional network of the sequence paper's Table 2 with a categorical likelihood at batch
@@ -77,6 +77,11 @@ shares too), and a peak is ``torch.cuda.max_memory_allocated`` during the step a
 allocated before it (least of 3).
 
 Pyro's validation is on by default (Pyro's own default) for both SVI steps.
+
+``--rule NAME`` gives the SVI steps' ``QuadratureELBO`` that rule: ``hadamard`` (the default)
+with K = 4 nodes as above, any other with its own default number of nodes (``blocked_simplex``:
+``QuadratureELBO()``'s default rule, 3 nodes). The plain passes, the optimizer rows and their
+quadrature stay as they are.
 """
 
 from __future__ import annotations
@@ -111,12 +116,21 @@ from pyro_quadvi.optim.qnvb_functional import (
     qnvb_update,
     qnvb_update_many,
 )
+from pyro_quadvi.quadrature import RULES
 
 K = 4
 DATASET_SIZE = 10_000
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = CLOCKS["wall"]  # set by --clock (and by --device cuda)
 DEVICE = torch.device("cpu")  # set by --device
+RULE = "hadamard"  # set by --rule
+
+
+def quadrature_elbo() -> QuadratureELBO:
+    """The SVI steps' ELBO: Hadamard with K nodes, or ``--rule`` with its default nodes."""
+    if RULE == "hadamard":
+        return QuadratureELBO("hadamard", num_points=K)
+    return QuadratureELBO(RULE)
 
 
 def synced_clock() -> float:
@@ -313,7 +327,7 @@ def build(make, in_shape, batch, kind, compile: bool = True):
         optims[label] = optim
         fns[label] = lambda: svi.step(x, y)
 
-    quadrature = QuadratureELBO("hadamard", num_points=K)
+    quadrature = quadrature_elbo()
     svi_step("qnvb", TimedQNVB(), quadrature)
     svi_step("qnvb declared", TimedQNVB(), quadrature, model=declared)
     if compile:
@@ -440,7 +454,7 @@ STAGES = {
         (("log_joint.py", "_vectorized"), "  model at the K nodes (LogJoint, one pass)"),
         (("module.py", "_evaluate"), "    net under vmap (functional_call)"),
         (("trace_struct.py", "compute_log_prob"), "    log densities (likelihood)"),
-        (("base.py", "matrix"), "  hadamard node matrix (K x D signs)"),
+        (("base.py", "matrix"), "  the rule's node matrix (K x D)"),
         (("quadrature_elbo.py", "forward"), "  nodes z = loc + sigma x (_NodePoints)"),
         (("quadrature_elbo.py", "expected_log_prior"), "  priors in closed form (the loss's term)"),
         (("", "<method 'run_backward' of 'torch._C._EngineBase' objects>"), "  backward"),
@@ -678,7 +692,7 @@ def qnvb_case(case):
     net, x, y, likelihood, _ = make_case(make, in_shape, batch, kind)
     bnn = BayesianModule(net, priors.Normal(1.0), likelihood, qnvb_settings={})
     guide = AutoMeanFieldNormal(bnn)
-    elbo = QuadratureELBO("hadamard", num_points=K)
+    elbo = quadrature_elbo()
     optim = RecordingQNVB()
     svi = SVI(bnn, guide, optim, elbo)
     for _ in range(3):
@@ -832,8 +846,15 @@ def main() -> None:
         action="store_true",
         help="only the tables of what the plain pass and the QNVB step hold at their peaks",
     )
+    parser.add_argument(
+        "--rule",
+        default="hadamard",
+        choices=list(RULES),
+        help="the SVI steps' quadrature rule (hadamard: K = 4 nodes; others: their default)",
+    )
     args = parser.parse_args()
-    global clock, DEVICE
+    global clock, DEVICE, RULE
+    RULE = args.rule
     clock = CLOCKS[args.clock]
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda":
@@ -852,7 +873,7 @@ def main() -> None:
     on = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu"
     print(
         f"torch {torch.__version__}, pyro {pyro.__version__}, threads {torch.get_num_threads()}, "
-        f"clock {args.clock}, device {on}, Pyro validation {args.validation}"
+        f"clock {args.clock}, device {on}, Pyro validation {args.validation}, rule {RULE}"
     )
     if args.guide_run:
         guide_run_table(cases, args.repeats * args.steps)

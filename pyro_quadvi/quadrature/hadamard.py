@@ -178,6 +178,12 @@ class _HadamardNodes(NodeSet):
         high and low 16 index bits: ``parity(i & q) = parity(i_hi & q_hi) xor parity(i_lo & q_lo)``
         so the ``dim`` signs take one pass over memory after two short bit computations."""
         k = self._check_index(k)
+        return self._write(k, torch.empty(self.dim, dtype=self.dtype, device=self.device))
+
+    def _write(self, k: int, out: torch.Tensor) -> torch.Tensor:
+        """Node ``k`` (see :meth:`node`) written into ``out`` of shape ``(dim,)``: the outer
+        product of the high and low rows straight into ``out``, the rows that fit whole and then
+        the part of the last one."""
         q = (self.first_iterate + k // 2) & _INDEX_MASK
         low_size = min(self.dim, 1 << _LOW_BITS)
         high_size = -(-self.dim // low_size)
@@ -186,13 +192,20 @@ class _HadamardNodes(NodeSet):
         high = hadamard_signs(index[:high_size], q >> _LOW_BITS, dtype=self.dtype)
         if k % 2:
             high = -high
-        return torch.outer(high, low).reshape(-1)[: self.dim]
+        whole, rest = divmod(self.dim, low_size)
+        torch.mul(high[:whole, None], low, out=out[: whole * low_size].view(whole, low_size))
+        if rest:
+            torch.mul(high[whole], low[:rest], out=out[whole * low_size :])
+        return out
 
     def _matrix(self) -> torch.Tensor:
-        # one Kronecker row per pair (see node): a pass over memory instead of bit operations on
-        # every (pair, coordinate) entry
-        signs = torch.stack([self.node(2 * j) for j in range(len(self) // 2)])
-        return torch.stack([signs, -signs], dim=1).reshape(len(self), self.dim)
+        # one Kronecker row per pair (see node), each written once into the matrix, and its
+        # negation beside it: two passes over memory per pair, no stacking copies
+        out = torch.empty(len(self), self.dim, dtype=self.dtype, device=self.device)
+        for j in range(len(self) // 2):
+            self._write(2 * j, out[2 * j])
+            torch.neg(out[2 * j], out=out[2 * j + 1])
+        return out
 
 
 class HadamardRule(QuadratureRule):

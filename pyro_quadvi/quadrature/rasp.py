@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -61,6 +62,18 @@ def _index_dtype(num_values: int) -> torch.dtype:
     return torch.int64
 
 
+def _gather(tables: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[k, i] = tables[k, index[i]]`` for every ``k``: one ``index_select`` per table, the
+    small integers of ``index`` widened to int32 (as ``index_select`` needs) one chunk of
+    :data:`_GATHER_CHUNK` at a time and shared by the ``K`` tables."""
+    for start in range(0, index.shape[0], _GATHER_CHUNK):
+        stop = min(start + _GATHER_CHUNK, index.shape[0])
+        rows = index[start:stop].int()
+        for table, target in zip(tables, out):
+            torch.index_select(table, 0, rows, out=target[start:stop])
+    return out
+
+
 class _AffinityNodes(NodeSet):
     """Nodes ``X[k, i] = table[index[i], k]``: a gather from a small table by one integer each."""
 
@@ -77,15 +90,15 @@ class _AffinityNodes(NodeSet):
         self.index = index  # (dim,) small integers
 
     def node(self, k: int) -> torch.Tensor:
-        column = self.table[:, self._check_index(k)]
-        out = torch.empty(self.dim, dtype=column.dtype, device=column.device)
-        for start in range(0, self.dim, _GATHER_CHUNK):
-            stop = min(start + _GATHER_CHUNK, self.dim)
-            torch.index_select(column, 0, self.index[start:stop].int(), out=out[start:stop])
-        return out
+        k = self._check_index(k)
+        out = torch.empty(1, self.dim, dtype=self.table.dtype, device=self.table.device)
+        return _gather(self.table.T[k : k + 1], self.index, out)[0]
 
     def _matrix(self) -> torch.Tensor:
-        return self.table.T[:, self.index.long()]
+        # row by row from the K columns of the table (a copy of 2r K numbers): one widening of
+        # the integers per chunk, no (dim,) int64 index and no gather across a strided table
+        out = torch.empty(len(self), self.dim, dtype=self.table.dtype, device=self.table.device)
+        return _gather(self.table.T.contiguous(), self.index, out)
 
 
 class RASPRule(QuadratureRule):
@@ -174,6 +187,43 @@ class RASPRule(QuadratureRule):
         return f"RASPRule(num_points={self.num_points}, reference={self.reference!r})"
 
 
+_CODED_MAX_POINTS = 6
+"""Up to this ``K`` the blocked rule codes each block's permutation as one small integer, found by
+comparing the ``K`` keys pairwise (``K (K - 1) / 2`` elementwise passes), and gathers its nodes
+from a table of every permutation (``K! K r`` numbers, 21,600 for ``K = 6``); above it the keys
+are argsorted and the permutations kept, ``K`` integers per block."""
+
+_WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_words(blocks: torch.Tensor) -> torch.Tensor:
+    """``blocks`` of shape ``(..., r)`` seen as one integer word per block where ``r * itemsize``
+    is 2, 4 or 8 bytes (the same bytes: a gather moves them unchanged, in one move per block),
+    else ``blocks`` itself."""
+    word = _WORDS.get(blocks.shape[-1] * blocks.element_size())
+    return blocks if word is None else blocks.view(word)
+
+
+def _block_codes(keys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The order of each row of ``keys`` as one integer in ``[0, K!)``, by pairwise comparisons.
+
+    Row ``b`` sorted ascending, ties by index (a stable sort, and torch's CPU ``argsort`` of rows
+    of at most 16 keys), puts key ``j`` before key ``i < j`` exactly when
+    ``keys[b, i] > keys[b, j]``. Digit ``i`` counts the later keys that go before key ``i``
+    (``0 .. K - 1 - i``: the Lehmer code of the row's ranks), and
+    ``out[b] = sum_{i<j} [keys[b, i] > keys[b, j]] (K - 1 - i)!`` gives each of the ``K!``
+    orders its own code: ``O(K^2)`` elementwise work in place of a sort.
+    """
+    num_keys = keys.shape[1]
+    out.zero_()
+    for i in range(num_keys - 1):
+        weight = math.factorial(num_keys - 1 - i)
+        for j in range(i + 1, num_keys):
+            # the bools seen as int8 (the same bytes): added without a conversion
+            out.add_(torch.gt(keys[:, i], keys[:, j]).view(torch.int8), alpha=weight)
+    return out
+
+
 class _BlockedNodes(NodeSet):
     """Simplex nodes on consecutive blocks, columns permuted per block, times a sign per block."""
 
@@ -203,6 +253,57 @@ class _BlockedNodes(NodeSet):
         if self.signs is not None:
             blocks.mul_(self.signs[None, :, None])
         return blocks.reshape(len(self), -1)[:, : self.dim]
+
+
+class _CodedBlockNodes(NodeSet):
+    """The blocked rule's nodes from one code per block (:func:`_block_codes`, ``K`` up to
+    :data:`_CODED_MAX_POINTS`): ``tables[k, c]`` is node ``k`` of a block whose permutation has
+    code ``c`` (negated for ``c >= K!``), so node ``k`` is one gather ``tables[k, code]``."""
+
+    def __init__(
+        self,
+        tables: torch.Tensor,
+        code: torch.Tensor,
+        perm_table: torch.Tensor,
+        dim: int,
+        weights: torch.Tensor,
+        **limits: Any,
+    ):
+        super().__init__(dim, weights, **limits)
+        self.tables = tables  # (K, K! or 2 K!, r), in the nodes' dtype
+        self.code = code  # (num_blocks,) small integers: K! + code for a negated block
+        self.perm_table = perm_table  # (K!, K) int8: the permutation of each code
+
+    @property
+    def perms(self) -> torch.Tensor:
+        """``(num_blocks, K)`` int8: block ``b`` uses simplex column ``perms[b, k]`` as node
+        ``k``."""
+        return self.perm_table[self.code.long() % self.perm_table.shape[0]]
+
+    @property
+    def signs(self) -> torch.Tensor | None:
+        """``(num_blocks,)`` int8 of +-1, or ``None`` for the unsigned rule."""
+        if self.tables.shape[1] == self.perm_table.shape[0]:
+            return None
+        return 1 - 2 * (self.code >= self.perm_table.shape[0]).to(torch.int8)
+
+    def _blocks(self, tables: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(
+            tables.shape[0],
+            self.code.shape[0],
+            tables.shape[2],
+            dtype=self.dtype,
+            device=self.device,
+        )
+        _gather(_as_words(tables), self.code, _as_words(out))
+        return out.reshape(tables.shape[0], -1)[:, : self.dim]
+
+    def node(self, k: int) -> torch.Tensor:
+        k = self._check_index(k)
+        return self._blocks(self.tables[k : k + 1])[0]
+
+    def _matrix(self) -> torch.Tensor:
+        return self._blocks(self.tables)
 
 
 class BlockedSimplexRule(QuadratureRule):
@@ -258,6 +359,13 @@ class BlockedSimplexRule(QuadratureRule):
         self.random_signs = random_signs
         super().__init__(num_points, max_bytes=max_bytes)
         self._reference = simplex_reference(self.block_size)
+        self._perm_table = None  # (K!, K) int8: row c is the permutation of code c
+        if num_points <= _CODED_MAX_POINTS:
+            # every order of K distinct keys, coded as a draw codes its keys
+            keys = torch.tensor(list(itertools.permutations(range(num_points))), dtype=torch.int64)
+            codes = _block_codes(keys, torch.empty(keys.shape[0], dtype=torch.int64))
+            self._perm_table = torch.empty_like(keys, dtype=torch.int8)
+            self._perm_table[codes] = keys.argsort(dim=1).to(torch.int8)
 
     def draw(
         self,
@@ -271,15 +379,25 @@ class BlockedSimplexRule(QuadratureRule):
         num_blocks = -(-dim // self.block_size)
         # drawn where the generator lives (a CPU generator serves any device), then moved
         at = draw_device(generator, device)
-        perms = torch.empty(
-            num_blocks, self.num_points, dtype=_index_dtype(self.num_points), device=at
-        )
-        # Random keys sorted per block, a chunk of blocks at a time: O(chunk) scratch memory.
+        coded = self._perm_table is not None
+        if coded:  # one code per block, K! more for a negated block
+            num_perms = self._perm_table.shape[0]
+            shape, num_values = (num_blocks,), num_perms * (1 + self.random_signs)
+        else:
+            shape, num_values = (num_blocks, self.num_points), self.num_points
+        order = torch.empty(shape, dtype=_index_dtype(num_values), device=at)
+        # Random keys ordered per block, a chunk of blocks at a time: O(chunk) scratch memory.
         for start in range(0, num_blocks, _GATHER_CHUNK):
             stop = min(start + _GATHER_CHUNK, num_blocks)
             keys = torch.rand(stop - start, self.num_points, generator=generator, device=at)
-            perms[start:stop] = keys.argsort(dim=1)
-        perms = perms.to(device)
+            if not coded:
+                order[start:stop] = keys.argsort(dim=1)
+                continue
+            if keys.device.type != "cpu":
+                # argsort orders tied keys by index on the CPU, as the codes do; elsewhere its
+                # order of ties is its own, and its ranks (all distinct) code that order
+                keys = keys.argsort(dim=1).argsort(dim=1)
+            _block_codes(keys, order[start:stop])
         signs = None
         if self.random_signs:
             # after the permutations: the same generator state gives the unsigned rule's nodes,
@@ -287,11 +405,23 @@ class BlockedSimplexRule(QuadratureRule):
             signs = torch.randint(
                 0, 2, (num_blocks,), generator=generator, dtype=torch.int8, device=at
             )
-            signs = signs.mul_(2).sub_(1).to(device)
+            if coded:
+                order.add_(signs.eq(0), alpha=num_perms)
+            else:
+                signs = signs.mul_(2).sub_(1).to(device)
+        order = order.to(device)
         weights = equal_weights(self.num_points, dtype, device)
         reference = self._reference.to(dtype=weights.dtype, device=weights.device)
-        return _BlockedNodes(
-            reference, perms, signs, dim, weights, name=self.name, max_bytes=self.max_bytes
+        if not coded:
+            return _BlockedNodes(
+                reference, order, signs, dim, weights, name=self.name, max_bytes=self.max_bytes
+            )
+        perm_table = self._perm_table.to(device)
+        tables = reference.T[perm_table.T.long()]  # (K, K!, r): node k under every permutation
+        if self.random_signs:
+            tables = torch.cat([tables, -tables], dim=1)
+        return _CodedBlockNodes(
+            tables, order, perm_table, dim, weights, name=self.name, max_bytes=self.max_bytes
         )
 
     def table_bytes(self) -> int:
