@@ -181,7 +181,7 @@ class _HadamardNodes(NodeSet):
         return self._write(k, torch.empty(self.dim, dtype=self.dtype, device=self.device))
 
     def _write(self, k: int, out: torch.Tensor) -> torch.Tensor:
-        """Node ``k`` (see :meth:`node`) written into ``out`` of shape ``(dim,)``: the outer
+        """Node ``k`` (see `node`) written into ``out`` of shape ``(dim,)``: the outer
         product of the high and low rows straight into ``out``, the rows that fit whole and then
         the part of the last one."""
         q = (self.first_iterate + k // 2) & _INDEX_MASK

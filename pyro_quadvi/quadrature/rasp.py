@@ -65,7 +65,7 @@ def _index_dtype(num_values: int) -> torch.dtype:
 def _gather(tables: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[k, i] = tables[k, index[i]]`` for every ``k``: one ``index_select`` per table, the
     small integers of ``index`` widened to int32 (as ``index_select`` needs) one chunk of
-    :data:`_GATHER_CHUNK` at a time and shared by the ``K`` tables."""
+    `_GATHER_CHUNK` at a time and shared by the ``K`` tables."""
     for start in range(0, index.shape[0], _GATHER_CHUNK):
         stop = min(start + _GATHER_CHUNK, index.shape[0])
         rows = index[start:stop].int()
@@ -256,8 +256,8 @@ class _BlockedNodes(NodeSet):
 
 
 class _CodedBlockNodes(NodeSet):
-    """The blocked rule's nodes from one code per block (:func:`_block_codes`, ``K`` up to
-    :data:`_CODED_MAX_POINTS`): ``tables[k, c]`` is node ``k`` of a block whose permutation has
+    """The blocked rule's nodes from one code per block (`_block_codes`, ``K`` up to
+    `_CODED_MAX_POINTS`): ``tables[k, c]`` is node ``k`` of a block whose permutation has
     code ``c`` (negated for ``c >= K!``), so node ``k`` is one gather ``tables[k, code]``."""
 
     def __init__(
