@@ -166,7 +166,7 @@ def test_no_tensor_with_a_coordinate_is_updated_to_empty_results():
 def test_one_host_sync_per_update_however_many_chunks(monkeypatch):
     """On a GPU the update reads one small tensor back, whether the guard kept a coordinate in
     each chunk, once for all the chunks (``meta`` stands in for the GPU)."""
-    monkeypatch.setattr(qnvb_functional, "_CHUNK", 64)
+    monkeypatch.setattr(qnvb_functional, "_DEVICE_CHUNK", 64)
     meta = torch.device("meta")
     mus = [torch.empty(n, device=meta) for n in (300, 5, 130)]  # 7 chunks
     like = [torch.empty_like(m) for m in mus]
@@ -176,6 +176,28 @@ def test_one_host_sync_per_update_however_many_chunks(monkeypatch):
         )
     assert syncs.total == 1, syncs.counts
     assert [r.mu.shape for r in results] == [(300,), (5,), (130,)]
+
+
+def test_off_the_cpu_a_network_of_millions_is_one_chunk(monkeypatch):
+    """Each chunk is some hundred kernel launches, which bound a GPU's step: off the CPU a chunk
+    holds 2^22 coordinates, so 4 M weights take one pass of the rules (64 on the CPU)."""
+    calls = []
+    flat_update = qnvb_functional._flat_update
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].device.type)
+        return flat_update(*args, **kwargs)
+
+    monkeypatch.setattr(qnvb_functional, "_flat_update", counted)
+    for device, expected in (("meta", 1), ("cpu", 64)):
+        calls.clear()
+        mus = [torch.zeros(n, device=device) for n in (2**21, 2**21)]
+        like = [torch.ones_like(m) for m in mus]
+        with FakeSync():  # meta has no values to read back
+            qnvb_update_many(
+                mus, like, like, like, [init_qnvb_state(m) for m in mus], QNVBHyperparameters()
+            )
+        assert calls == [device] * expected
 
 
 def _peak_bytes(fn) -> int:

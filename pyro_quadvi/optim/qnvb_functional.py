@@ -819,7 +819,10 @@ def qnvb_update_many(
     sizes = [m.numel() for m in mus]
     total = sum(sizes)
     offsets = [0, *itertools.accumulate(sizes)][:-1]
-    chunks = _chunk_pieces(offsets, sizes, total)
+    # off the CPU each chunk is some hundred kernel launches, and a GPU's step is bound by
+    # them already (docs/benchmarks.md, "On an H100 GPU"): chunks there are larger
+    chunk = _CHUNK if mus[0].device.type == "cpu" else _DEVICE_CHUNK
+    chunks = _chunk_pieces(offsets, sizes, total, chunk)
     readers = [
         _chunk_reader(list(field), offsets) for field in (mus, sigmas, gs, hs, *zip(*states))
     ]
@@ -827,7 +830,7 @@ def qnvb_update_many(
     rows: list[list[torch.Tensor]] = [[] for _ in mus]  # per tensor, its counts in each chunk
     kept_flags = []
     for index, pieces in enumerate(chunks):
-        start, stop = index * _CHUNK, min((index + 1) * _CHUNK, total)
+        start, stop = index * chunk, min((index + 1) * chunk, total)
         mu, sigma, g, h, *state = (read(start, stop, pieces) for read in readers)
         new_mu, new_sigma, new_state, kept, masks = _flat_update(
             mu, sigma, g, h, QNVBState(*state), hp, weight, prior_precision
@@ -845,7 +848,7 @@ def qnvb_update_many(
     # one host sync for the call: the chunks where the guard keeps a coordinate (rule 11)
     for index, (pieces, kept) in enumerate(zip(chunks, torch.stack(kept_flags).tolist())):
         if not kept:
-            start, stop = index * _CHUNK, min((index + 1) * _CHUNK, total)
+            start, stop = index * chunk, min((index + 1) * chunk, total)
             _guard([out[start:stop] for out in outs], readers, start, stop, pieces)
     results = []
     for i, (shape_of, offset, size) in enumerate(zip(mus, offsets, sizes)):
@@ -862,6 +865,9 @@ def qnvb_update_many(
 #: depend on the chunk size). Chosen by measurement (``docs/benchmarks.md``, "The update's
 #: scratch memory").
 _CHUNK = 2**16
+#: the same off the CPU (a multiple of `_CHUNK`): a network of up to 4 M weights in one chunk,
+#: as before chunks, and about 20 x 16 MiB of scratch in float32 above that
+_DEVICE_CHUNK = 2**22
 
 
 def _guard(
@@ -877,17 +883,17 @@ def _guard(
 
 
 def _chunk_pieces(
-    offsets: list[int], sizes: list[int], total: int
+    offsets: list[int], sizes: list[int], total: int, length: int
 ) -> list[list[tuple[int, int, int]]]:
-    """Per chunk of `_CHUNK` coordinates of tensors of ``sizes`` laid end to end (from
+    """Per chunk of ``length`` coordinates of tensors of ``sizes`` laid end to end (from
     ``offsets``), the pieces of tensors it holds: ``(tensor, start, stop)`` within the tensor,
     in order. Every tensor has a piece (an empty tensor an empty one), one with no coordinates in
     a chunk none there; no tensors at all (``total = 0``) make one empty chunk."""
-    chunks: list[list[tuple[int, int, int]]] = [[] for _ in range(max(1, -(-total // _CHUNK)))]
+    chunks: list[list[tuple[int, int, int]]] = [[] for _ in range(max(1, -(-total // length)))]
     for i, (offset, size) in enumerate(zip(offsets, sizes)):
-        chunk, start = min(offset // _CHUNK, len(chunks) - 1), offset
+        chunk, start = min(offset // length, len(chunks) - 1), offset
         while True:
-            stop = min(offset + size, (chunk + 1) * _CHUNK)
+            stop = min(offset + size, (chunk + 1) * length)
             chunks[chunk].append((i, start - offset, stop - offset))
             if stop == offset + size:
                 break
