@@ -8,6 +8,7 @@ import inspect
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 import pyro_quadvi
@@ -150,7 +151,9 @@ def test_elbos_refuse_vectorize_particles_naming_vectorize(value):
         with pytest.raises(
             TypeError, match="takes no vectorize_particles: its switch is vectorize"
         ):
-            make(vectorize_particles=value)
+            make(vectorize_particles=True)
+        # Pyro's default, as a port of Trace_ELBO(vectorize_particles=False) passes it: nothing
+        assert make(vectorize_particles=False).vectorize is None
     # the one switch keeps its meaning: no alias was added
     assert QuadratureELBO(vectorize=value).vectorize is value
     assert GumbelSpikeSlabELBO(num_particles=4, vectorize=value).vectorize is value
@@ -202,7 +205,8 @@ def test_qnvb_repr_shows_the_settings_that_differ_from_the_defaults():
     )
     assert repr(SparseQNVB(steps_per_epoch=5)) == "SparseQNVB(steps_per_epoch=5)"
     sparse = SparseQNVB(4, 5, max_lr=0.2, num_cases=100)
-    assert repr(sparse) == "SparseQNVB(steps_per_epoch=5, max_lr=0.2, num_epochs=4, num_cases=100)"
+    assert repr(sparse) == "SparseQNVB(num_epochs=4, steps_per_epoch=5, max_lr=0.2, num_cases=100)"
+    assert repr(SparseQNVB(np.int64(4), 5)) == "SparseQNVB(num_epochs=4, steps_per_epoch=5)"
 
 
 def test_testing_exports_agree_with_its_problems_module():

@@ -67,8 +67,8 @@ class GumbelSpikeSlabELBO(PointsELBO):
             plate, ``False`` one by one, ``None`` tries the pass and falls back once, as
             `QuadratureELBO` does.
         max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of the model.
-        vectorize_particles: refused (a ``TypeError``): Pyro's ``vectorize_particles=True`` is
-            ``vectorize=True`` here.
+        vectorize_particles: ``True`` is refused (a ``TypeError``): Pyro's
+            ``vectorize_particles=True`` is ``vectorize=True`` here; ``False`` changes nothing.
 
     Draws come from torch's global generator (``pyro.set_rng_seed`` makes runs reproducible).
 
@@ -85,7 +85,7 @@ class GumbelSpikeSlabELBO(PointsELBO):
         vectorize: bool | None = None,
         max_plate_nesting: float = float("inf"),
         *,
-        vectorize_particles: None = None,
+        vectorize_particles: bool | None = None,
     ):
         if (
             isinstance(temperature, bool)

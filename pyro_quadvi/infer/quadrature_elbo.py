@@ -108,8 +108,9 @@ class PointsELBO(ELBO):
             warning).
         max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of each model (again if a
             later call nests deeper).
-        vectorize_particles: refused (a ``TypeError``): Pyro's switch is ``vectorize`` here, with
-            the meaning it has everywhere in the package.
+        vectorize_particles: ``True`` is refused (a ``TypeError``): Pyro's switch is
+            ``vectorize`` here, with the meaning it has everywhere in the package. ``False``,
+            Pyro's default, is accepted and changes nothing (``vectorize`` decides).
     """
 
     def __init__(
@@ -118,9 +119,9 @@ class PointsELBO(ELBO):
         vectorize: bool | None = None,
         max_plate_nesting: float = float("inf"),
         *,
-        vectorize_particles: None = None,
+        vectorize_particles: bool | None = None,
     ):
-        if vectorize_particles is not None:  # Trace_ELBO's argument, as a user porting code passes
+        if vectorize_particles:  # Trace_ELBO's argument, as a user porting code passes
             raise TypeError(
                 f"{type(self).__name__} takes no vectorize_particles: its switch is vectorize, "
                 "as everywhere in the package. vectorize=True evaluates all its points (the "
@@ -284,7 +285,8 @@ class QuadratureELBO(PointsELBO):
         name: key of the sequence position in Pyro's param store (``"{name}.step"``), for one
             guide; ``None`` (default) keeps one position per guide (`step_key`).
         num_particles: refused (a ``TypeError``): the points are the rule's nodes.
-        vectorize_particles: refused (a ``TypeError``): the switch is ``vectorize`` (above).
+        vectorize_particles: ``True`` is refused (a ``TypeError``): the switch is ``vectorize``
+            (above); ``False`` changes nothing.
 
     Raises:
         ValueError: for a rule that cannot fit the scales (``gauss_hermite`` with one point); on
@@ -312,7 +314,7 @@ class QuadratureELBO(PointsELBO):
         name: str | None = None,
         num_particles: None = None,
         *,
-        vectorize_particles: None = None,
+        vectorize_particles: bool | None = None,
     ):
         if num_particles is not None:  # Trace_ELBO's argument, as a user porting code passes it
             raise TypeError(

@@ -146,10 +146,13 @@ class SparseQNVB(QNVB):
     def __repr__(self) -> str:
         hp = self.sparse_hyperparameters
         defaults = SparseQNVBHyperparameters()
-        parts = [f"steps_per_epoch={self.steps_per_epoch!r}"]
+        parts = []
+        if hp.num_epochs != defaults.num_epochs:  # in the signature's order
+            parts.append(f"num_epochs={int(hp.num_epochs)}")
+        parts.append(f"steps_per_epoch={int(self.steps_per_epoch)}")
         for field in fields(hp):
             value = getattr(hp, field.name)
-            if value != getattr(defaults, field.name):
+            if field.name != "num_epochs" and value != getattr(defaults, field.name):
                 parts.append(f"{field.name}={value!r}")
         if self.prior_precision != hp.tau_max**-2:
             parts.append(f"prior_precision={self.prior_precision!r}")
