@@ -5,8 +5,6 @@ latent sites drew from the prior: a call between the steps of a fit with a rando
 the fit (by up to 2.3 in the loss over 10 steps in the trial).
 """
 
-import math
-
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -17,30 +15,18 @@ from pyro.infer import SVI
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, opqa_evidence, to_inference_data
 from pyro_quadvi.export import draws
 from pyro_quadvi.optim import QNVBOptimizer, module_loss
+from pyro_quadvi.testing.evidence_models import normal_normal, normal_normal_log_evidence
 
 Y = torch.tensor([0.3, -1.2, 2.1, 0.8, 1.5], dtype=torch.float64)
-N = len(Y)
-
-
-def model(y):
-    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=y.dtype), 1.0))
-    with pyro.plate("data", len(y)):
-        pyro.sample("obs", dist.Normal(mu, 1.0), obs=y)
-
-
-# mu ~ N(0, 1), y_i ~ N(mu, 1): the evidence is N(y | 0, I + 1 1^T), whose determinant is n + 1
-# and whose inverse is I - 1 1^T / (n + 1)
-EXACT_LOG_EVIDENCE = -0.5 * (
-    N * math.log(2 * math.pi) + math.log(N + 1) + float(Y @ Y) - float(Y.sum()) ** 2 / (N + 1)
-)
+X0 = torch.tensor(0.7, dtype=torch.float64)  # the opqa paper's example (Section 5.1)
 
 
 def test_opqa_evidence_leaves_the_random_state(fresh_param_store):
     pyro.set_rng_seed(3)
     before = torch.get_rng_state()
-    result = opqa_evidence(model, Y, num_points=4, progress=False)
+    result = opqa_evidence(normal_normal, X0, num_points=4, progress=False)
     assert torch.equal(torch.get_rng_state(), before)
-    assert abs(result.log_evidence - EXACT_LOG_EVIDENCE) < 1e-9
+    assert abs(result.log_evidence - normal_normal_log_evidence(0.7)) < 1e-9
 
 
 def two_latent_model(y):
