@@ -5,6 +5,8 @@ latent sites drew from the prior: a call between the steps of a fit with a rando
 the fit (by up to 2.3 in the loss over 10 steps in the trial).
 """
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -158,3 +160,23 @@ def test_the_fallback_warning_does_not_advise_the_setting_in_use():
     assert "vectorize=None" not in message
     assert "vectorize=False" in message  # the fallback's own way out
     assert optimizer.num_steps == 1
+
+
+def _normal_mean(y):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(w, 1.0), obs=y)
+
+
+def test_a_diverged_fit_is_named_as_such(fresh_param_store):
+    # a SparseQNVB fit whose locs reached 1e127 was told to check the model's support
+    y = torch.tensor([0.3, -1.2, 2.1])
+    guide = AutoMeanFieldNormal(_normal_mean)
+    guide(y)
+    with torch.no_grad():
+        guide.locs.w.fill_(1e20)  # (1e20)^2 overflows float32: the log density is -inf
+    with pytest.raises(ValueError, match=r"is 1e\+20 in the unconstrained .* likely diverged"):
+        QuadratureELBO().loss(_normal_mean, guide, y)
+    with torch.no_grad():
+        guide.locs.w.fill_(1e9)  # finite, and below the threshold: the support advice stands
+    assert math.isfinite(QuadratureELBO().loss(_normal_mean, guide, y))

@@ -571,14 +571,28 @@ def _sample_sites(trace: Trace) -> list[str]:
     ]
 
 
+#: an unconstrained coordinate this large means a fit that diverged, not a posterior
+_DIVERGED = 1e10
+
+
 def _where(z: torch.Tensor, k: int) -> str:
-    """Where in the points a value was found, for messages."""
+    """Where in the points a value was found, for messages; a point with a coordinate beyond
+    `_DIVERGED` is said to come from a fit that has likely diverged."""
     point = z[k].detach()
     rounded = [round(v, 6) for v in point.tolist()]
     coordinates = f"unconstrained z = {rounded}" if len(point) <= 8 else None
     if len(z) == 1:
-        return f"the point {coordinates}" if coordinates else "the point evaluated"
-    return f"quadrature node {k}" + (f" ({coordinates})" if coordinates else "")
+        where = f"the point {coordinates}" if coordinates else "the point evaluated"
+    else:
+        where = f"quadrature node {k}" + (f" ({coordinates})" if coordinates else "")
+    largest = float(point.abs().max()) if point.numel() else 0.0
+    if largest > _DIVERGED:
+        where += (
+            f", a coordinate of which is {largest:.3g} in the unconstrained space: the fit has "
+            "likely diverged; cap the optimizer's steps (QNVB's trust_region, a smaller lr, "
+            "SparseQNVB's max_lr) or restart from the last good checkpoint"
+        )
+    return where
 
 
 def _not_finite(site: dict, value: float, where: str, hint: str | None = None) -> str:
