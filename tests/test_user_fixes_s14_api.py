@@ -154,6 +154,11 @@ def test_elbos_refuse_vectorize_particles_naming_vectorize(value):
             make(vectorize_particles=True)
         # Pyro's default, as a port of Trace_ELBO(vectorize_particles=False) passes it: nothing
         assert make(vectorize_particles=False).vectorize is None
+    from pyro_quadvi.distributed import DistributedQuadratureELBO
+
+    with pytest.raises(TypeError, match="takes no vectorize_particles: its switch is vectorize"):
+        DistributedQuadratureELBO(vectorize_particles=True)
+    assert DistributedQuadratureELBO(vectorize_particles=False).vectorize is None
     # the one switch keeps its meaning: no alias was added
     assert QuadratureELBO(vectorize=value).vectorize is value
     assert GumbelSpikeSlabELBO(num_particles=4, vectorize=value).vectorize is value

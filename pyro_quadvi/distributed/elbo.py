@@ -68,6 +68,8 @@ class DistributedQuadratureELBO(QuadratureELBO):
         group: the process group (``None``: the default group); a ``RuntimeError`` when this
             process is not a member. Built with one, the ELBO cannot be deep-copied or pickled
             (torch cannot pickle a ``ProcessGroup``).
+        vectorize_particles: as for `QuadratureELBO`: ``True`` refused naming ``vectorize``,
+            ``False`` changes nothing.
 
     Attributes:
         share: with ``parallel="data"``, this rank's fraction ``B_r / B`` of the minibatch's rows;
@@ -90,9 +92,18 @@ class DistributedQuadratureELBO(QuadratureELBO):
         parallel: str = "data",
         check_nodes: bool = True,
         group: dist.ProcessGroup | None = None,
+        vectorize_particles: bool | None = None,
     ):
         world(group)  # refuses a group this process is not a member of
-        super().__init__(rule, num_points, vectorize, max_plate_nesting, generator, name)
+        super().__init__(
+            rule,
+            num_points,
+            vectorize,
+            max_plate_nesting,
+            generator,
+            name,
+            vectorize_particles=vectorize_particles,
+        )
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
         if not isinstance(check_nodes, bool):
