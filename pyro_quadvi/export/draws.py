@@ -73,6 +73,7 @@ class SiteSpec:
         batch_ndim: how many leading dims of ``shape`` are batch dims (those plates can index).
         frames: ``(plate name, dim, full size)`` of the vectorized plates the site is in; ``dim``
             counts from the right of the batch dims, as in Pyro.
+        itemsize: the bytes of one entry of the site's value (for observed sites, the data's).
         guided: a latent site that the guide draws (otherwise the model draws it).
         chunked: ``plate name -> axis`` (negative, from the right of ``shape``) of the subsampled
             plates the site is in.
@@ -83,6 +84,7 @@ class SiteSpec:
     shape: torch.Size
     batch_ndim: int
     frames: tuple[tuple[str, int, int], ...]
+    itemsize: int
     guided: bool = False
     chunked: tuple[tuple[str, int], ...] = ()
 
@@ -271,9 +273,6 @@ class _Runner:
                     "built from this model"
                 )
         self.sites = self._site_specs(guide_trace, model_trace)
-        self.itemsize = {
-            name: model_trace.nodes[name]["value"].dtype.itemsize for name in self.sites
-        }
         self.max_plate_nesting = max(
             model_max_plate_nesting(guide_trace), model_max_plate_nesting(model_trace)
         )
@@ -324,7 +323,14 @@ class _Runner:
                         )
                     chunked.append((plate, axis))
             sites[name] = SiteSpec(
-                name, kind, shape, batch_ndim, frames, name in guided, tuple(chunked)
+                name,
+                kind,
+                shape,
+                batch_ndim,
+                frames,
+                value.dtype.itemsize,
+                name in guided,
+                tuple(chunked),
             )
         return sites
 
@@ -586,14 +592,13 @@ def _check_size(runner: _Runner, num_samples: int, prior: bool, max_bytes: int |
     observed sites (``posterior_predictive``, and ``prior_predictive``, counted in the data's
     dtype) and their pointwise log likelihood in float64, over the full data (the draws' own size;
     a batched run holds about as much again while it runs)."""
-    per_draw = prior_per_draw = 0
+    values = log_likelihood = 0  # a draw of every site's value; the pointwise log likelihood
     for site in runner.sites.values():
         shape = site.full_shape(runner.full_sizes)
-        group = math.prod(shape) * runner.itemsize[site.name]
-        per_draw += 2 * group if prior else group  # the posterior's group, and the prior's
-        prior_per_draw += group if prior else 0
-        if site.kind == "observed":  # its pointwise log likelihood
-            per_draw += math.prod(shape[: site.batch_ndim]) * torch.float64.itemsize
+        values += math.prod(shape) * site.itemsize
+        if site.kind == "observed":
+            log_likelihood += math.prod(shape[: site.batch_ndim]) * torch.float64.itemsize
+    per_draw = (2 if prior else 1) * values + log_likelihood  # the prior's groups again
     limit, what = max_bytes, "max_bytes"
     if limit is None:
         limit, what = available_memory(), "the memory available now"
@@ -603,7 +608,7 @@ def _check_size(runner: _Runner, num_samples: int, prior: bool, max_bytes: int |
     if needed > limit:
         ways = [f"num_samples <= {limit // per_draw}"] if limit >= per_draw else []
         if prior:
-            ways.append(f"prior=False ({format_bytes(per_draw - prior_per_draw)} a draw)")
+            ways.append(f"prior=False ({format_bytes(values + log_likelihood)} a draw)")
         ways.append("a larger max_bytes" if max_bytes is not None else "max_bytes=...")
         raise ValueError(
             f"to_inference_data: {num_samples} draws need {format_bytes(needed)} "

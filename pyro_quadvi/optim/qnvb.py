@@ -344,6 +344,17 @@ schedule ended, with a tenth of the updates they are right within 10 to 100 (``d
 "Annealing the likelihood"; ``benchmarks/bench_anneal_lag.py``)."""
 
 
+def settings_words(settings, defaults, skip: tuple[str, ...] = ()) -> list[str]:
+    """``["name=value", ...]`` for the fields of the dataclass ``settings`` that differ from
+    ``defaults`` (an instance of the same class), in field order, leaving out ``skip`` (repr)."""
+    words = []
+    for field in fields(settings):
+        value = getattr(settings, field.name)
+        if field.name not in skip and value != getattr(defaults, field.name):
+            words.append(f"{field.name}={value!r}")
+    return words
+
+
 class QNVB(PyroOptim):
     """Quasi-Newton variational Bayes for Pyro mean-field guides (rasp paper, eq. 4-8).
 
@@ -496,10 +507,7 @@ class QNVB(PyroOptim):
             **({} if self.annealing is None else {"recent_fraction": ANNEALED_RECENT_FRACTION})
         )
         parts = [] if not callable(self.optim_args) else [f"optim_args={self.optim_args!r}"]
-        for name in _HP_NAMES:
-            value = getattr(self.hyperparameters, name)
-            if value != getattr(defaults, name):
-                parts.append(f"{name}={value!r}")
+        parts += settings_words(self.hyperparameters, defaults)
         if self.annealing is not None:
             parts.append(f"annealing={self.annealing!r}")
         parts += self._fallback_words()

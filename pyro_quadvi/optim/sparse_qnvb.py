@@ -22,14 +22,13 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable
-from dataclasses import fields
 
 import torch
 from pyro.optim import PyroOptim
 from torch.distributions import transform_to
 
 from ..guides.interface import MeanFieldSite, published_moments
-from .qnvb import QNVB
+from .qnvb import QNVB, settings_words
 from .qnvb_functional import _check_number, check_settings
 from .sparse_functional import (
     SparseQNVBBlock,
@@ -150,10 +149,7 @@ class SparseQNVB(QNVB):
         if hp.num_epochs != defaults.num_epochs:  # in the signature's order
             parts.append(f"num_epochs={int(hp.num_epochs)}")
         parts.append(f"steps_per_epoch={int(self.steps_per_epoch)}")
-        for field in fields(hp):
-            value = getattr(hp, field.name)
-            if field.name != "num_epochs" and value != getattr(defaults, field.name):
-                parts.append(f"{field.name}={value!r}")
+        parts += settings_words(hp, defaults, skip=("num_epochs",))
         if self.prior_precision != hp.tau_max**-2:
             parts.append(f"prior_precision={self.prior_precision!r}")
         if self.num_cases is not None:

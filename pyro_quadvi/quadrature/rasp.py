@@ -50,8 +50,8 @@ def cross_reference(r: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
 
 
 _GATHER_CHUNK = 1 << 20
-"""Coordinates gathered per pass in `_AffinityNodes.node`: the small integers are widened
-to int32 (as ``index_select`` needs) one chunk at a time, never all ``dim`` at once."""
+"""Coordinates gathered per pass in `_gather`: the small integers are widened to int32 (as
+``index_select`` needs) one chunk at a time, never all ``dim`` at once."""
 
 
 def _index_dtype(num_values: int) -> torch.dtype:
