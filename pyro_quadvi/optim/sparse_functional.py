@@ -89,6 +89,7 @@ __all__ = [
     "sieve_map",
     "sieve_pieces",
     "sparse_qnvb_update",
+    "step_cap_message",
     "zero_logits",
 ]
 
@@ -245,29 +246,33 @@ class SparseQNVBResult(NamedTuple):
     num_clamped: torch.Tensor
 
 
-def result_messages(result: SparseQNVBResult, warned: set[str]) -> list[str]:
+def result_messages(
+    result: SparseQNVBResult, warned: set[str], cap: str | None = None
+) -> list[str]:
     """One message per kind of count of ``result`` that occurred and is not yet in ``warned``
-    (the kinds reported are added to it). Reads the counts only while a kind is left to report."""
+    (the kinds reported are added to it). Reads the counts only while a kind is left to report.
+    ``cap`` (`step_cap_message`) replaces the general advice of the overflow and clamp messages."""
     kinds = ("num_nonfinite", "num_overflow", "num_clamped")
     if warned.issuperset(kinds):
         return []
     counts = torch.stack([getattr(result, kind) for kind in kinds]).tolist()
+    advice = cap or "Lower tau_max or max_lr"
     texts = {
         "num_nonfinite": "non-finite gradient or curvature at {} coordinates; their term was "
         "dropped",
         "num_overflow": "the update overflowed at {} coordinates although the gradient and "
-        "curvature were finite; they kept their previous state (rescale the loss, lower max_lr "
-        "or tau_max, or use float64)",
+        "curvature were finite; they kept their previous state (rescale the loss, or use "
+        "float64). ",
         "num_clamped": "the zero logits of {} coordinates reached the clamp +-sqrt(finfo.max) "
         "(h nu^2 overflowed: the Gaussian means have diverged); tied there, the sieve ranks them "
-        "by index rather than by evidence (see 'Limits' in docs/sparse_qnvb.md: lower tau_max "
-        "or max_lr)",
+        "by index rather than by evidence (see 'Limits' in docs/sparse_qnvb.md). ",
     }
     messages = []
     for kind, count in zip(kinds, counts):
         if count and kind not in warned:
             warned.add(kind)
-            messages.append(texts[kind].format(count))
+            text = texts[kind].format(count)
+            messages.append(text + advice if kind != "num_nonfinite" else text)
     return messages
 
 
@@ -276,22 +281,64 @@ LOSS_GROWTH = 1e3
 magnitude is taken as divergence (`loss_growth_message`)."""
 
 
-def loss_growth_message(first: float, value: float, step: int, what: str) -> str | None:
+def loss_growth_message(
+    first: float, value: float, step: int, what: str, cap: str | None = None
+) -> str | None:
     """The warning for a loss that grew beyond ``first + 1000 |first|``, else ``None``.
 
     ``first`` is the first step's loss, that of the untrained model, which a converging run stays
     below up to minibatch noise (a small factor), while diverging means (see 'Limits' in the
     docs) grow it by many orders of magnitude. A first loss of exactly 0 gives no scale, and no
-    warning. ``step`` (1-based) and ``what`` (the loss, in words) go into the message.
+    warning. ``step`` (1-based) and ``what`` (the loss, in words) go into the message; ``cap``
+    (`step_cap_message`) says which setting bounds the steps now, in place of the general advice.
     """
     if not value - first > LOSS_GROWTH * abs(first) > 0:
         return None
+    advice = cap or "lower tau_max or max_lr"
     return (
         f"{what} is {value:.3g} at step {step}, more than {LOSS_GROWTH:g} times the first step's "
         f"{first:.3g} above it: the Gaussian means may be diverging (see 'Limits' in "
-        "docs/sparse_qnvb.md: lower tau_max or max_lr, or use float64; from a warm start whose "
-        "first loss is near 0 the sieve zeroing weights can do this too). This warning is shown "
-        "once"
+        f"docs/sparse_qnvb.md). {advice}; or use float64 (from a warm start whose first loss is "
+        "near 0 the sieve zeroing weights can do this too). This warning is shown once"
+    )
+
+
+def step_cap_message(
+    counters: SparseQNVBCounters,
+    hp: SparseQNVBHyperparameters,
+    steps_per_epoch: int,
+    cases_per_step: float,
+) -> str:
+    """Which setting bounds the Newton step on ``nu`` at ``counters`` (Algorithm 5.3, line 7),
+    and so which one to lower where the means diverge.
+
+    The step divides by ``max(h_hat, max(n0, n1) h_min)`` and ``h_hat`` is at least the floor
+    (``1 / tau_max^2``, or ``1 / late_tau_max^2`` from ``late_epoch`` on). Where the trust region
+    ``max(n0, n1) h_min`` (set by ``max_lr``) is below the floor, ``max_lr`` changes nothing and
+    ``tau_max`` is the setting: below the floor every coordinate's nodes also lie ``tau_max`` from
+    its mean (eq. 4.2 with ``p_nonzero`` near 1), which for a network whose weights are a fraction
+    of ``tau_max`` evaluates another network (the 50-400-200-1 regression of 'Limits' in
+    ``docs/sparse_qnvb.md``).
+    """
+    epoch, _ = epoch_progress(counters.step, hp, steps_per_epoch)
+    floor = hp.curvature_floor(epoch)
+    trust = max(counters.n0, counters.n1) * _min_curvature(hp, steps_per_epoch, cases_per_step)
+    if trust >= floor:
+        return (
+            f"The trust region max(n0, n1) h_min = {trust:.3g}, which max_lr={hp.max_lr!r} sets, "
+            f"bounds the steps on the means (above the curvature floor {floor:.3g}): lower max_lr"
+        )
+    late = hp.late_tau_max is not None and epoch >= hp.late_epoch
+    name, width = ("late_tau_max", hp.late_tau_max) if late else ("tau_max", hp.tau_max)
+    return (
+        f"The curvature floor 1 / {name}^2 = {floor:.3g} ({name}={width!r}) bounds the steps on "
+        f"the means, not the trust region max(n0, n1) h_min = {trust:.3g} that max_lr sets, so a "
+        f"lower max_lr changes nothing here: lower {name}. Below the floor each weight's "
+        f"quadrature nodes lie tau_max={hp.tau_max!r} from its mean: where that is large against "
+        "the network's weights, the nodes evaluate another network and the curvature estimates "
+        "turn to noise (Table 1's 0.3 suits the paper's ternary network; a 50-400-200-1 ReLU "
+        "network with weights near 0.03 diverges at 0.3 and 0.1 and is stable at 0.03: take "
+        "tau_max near the smallest layer's weight scale)"
     )
 
 
@@ -453,6 +500,14 @@ def _initial_terms(hp: SparseQNVBHyperparameters, steps_per_epoch: int) -> float
     return steps_per_epoch * 2.0 ** (1 - hp.num_epochs)
 
 
+def _min_curvature(
+    hp: SparseQNVBHyperparameters, steps_per_epoch: int, cases_per_step: float
+) -> float:
+    """``h_min = 1 / (B S 2^(1 - n_e) alpha_max)``, the paper's ``1 / (n_c 2^(1 - n_e)
+    alpha_max)`` (Algorithm 5.1, line 6) in cases (module docstring)."""
+    return 1.0 / (_initial_terms(hp, steps_per_epoch) * cases_per_step * hp.max_lr)
+
+
 def _target_terms(epoch: int, hp: SparseQNVBHyperparameters, steps_per_epoch: int) -> float:
     """``n_tgt = S 2^(e - n_e)`` (Algorithm 5.2, line 4, counted in steps)."""
     return steps_per_epoch * 2.0 ** (epoch - hp.num_epochs)
@@ -534,7 +589,7 @@ def sparse_qnvb_update(
     floor = hp.curvature_floor(epoch)
     slab_floor = hp.tau_max**-2
     _check_number("cases_per_step", cases_per_step, lambda v: 0 < v < math.inf, "finite and > 0")
-    h_min = 1.0 / (_initial_terms(hp, steps_per_epoch) * cases_per_step * hp.max_lr)
+    h_min = _min_curvature(hp, steps_per_epoch, cases_per_step)
 
     num_nonfinite = torch.zeros((), dtype=torch.int64, device=blocks[0].mu.device)
     work = []

@@ -20,6 +20,7 @@ with no spike-and-slab block at all (another guide, or another ELBO) is refused 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Iterable
 
@@ -42,6 +43,7 @@ from .sparse_functional import (
     result_messages,
     run_settings,
     sparse_qnvb_update,
+    step_cap_message,
 )
 
 __all__ = ["SparseQNVB"]
@@ -70,7 +72,12 @@ class SparseQNVB(QNVB):
     The keyword arguments ``target_sparsity``, ``target_free``, ``max_lr``, ``tau_max``,
     ``p_nonzero_low``, ``p_nonzero_high``, ``late_tau_max`` and ``late_epoch`` are the fields of
     `SparseQNVBHyperparameters` (defaults: Table 1;
-    the initial learning rate is the guide's start, see below). The nodes are the ELBO's: Table
+    the initial learning rate is the guide's start, see below). Any other keyword (Pyro's
+    ``optim_args`` or ``clip_args``, an ``lr``) is refused with a ``TypeError`` that lists the
+    arguments SparseQNVB takes. Table 1's ``tau_max = 0.3`` suits the paper's ternary network: a
+    ReLU network whose weights are small against it diverges (the nodes lie ``tau_max`` from every
+    weight), so take ``tau_max`` near its smallest layer's weight scale ('Limits' in
+    ``docs/sparse_qnvb.md``). The nodes are the ELBO's: Table
     1's ``n_q = 2`` antithetic pairs are ``QuadratureELBO(rule="hadamard", num_points=4)``.
 
     The run starts where the guide starts: Algorithm 5.1, line 5 (``sigma = h0^(-1/2)``), read
@@ -101,13 +108,16 @@ class SparseQNVB(QNVB):
         prior_precision: float | None = None,
         num_cases: int | None = None,
         fallback: PyroOptim | tuple[type, dict] | None = None,
+        **unexpected: object,
     ):
         if isinstance(num_epochs, dict):  # pyro.optim's optim_args, as a user porting code passes
-            raise TypeError(
-                f"SparseQNVB's first argument is num_epochs, an int; got the dict {num_epochs!r}. "
-                "SparseQNVB takes its settings as keyword arguments, not as a dict of optim args "
-                "like pyro.optim optimizers: e.g. SparseQNVB(steps_per_epoch=len(loader), "
-                "max_lr=0.1, tau_max=0.3) (the settings: help(SparseQNVB))"
+            _refuse_pyro_arguments(
+                f"SparseQNVB's first argument is num_epochs, an int; got the dict {num_epochs!r}"
+            )
+        if unexpected:  # optim_args={...}, clip_args, lr: a Pyro user's habits, or a typo
+            _refuse_pyro_arguments(
+                "SparseQNVB got the unexpected keyword argument(s) "
+                + ", ".join(f"{name}={value!r}" for name, value in unexpected.items())
             )
         _check_int("num_epochs", num_epochs, 3)
         if steps_per_epoch is None:
@@ -246,10 +256,19 @@ class SparseQNVB(QNVB):
             self.first_loss = value
             return
         message = loss_growth_message(
-            self.first_loss, value, self.counters.step + 1, "the loss (QuadratureELBO's)"
+            self.first_loss,
+            value,
+            self.counters.step + 1,
+            "the loss (QuadratureELBO's)",
+            cap=self._step_cap(),
         )
         if message is not None:
             self._warn_once("growth", f"SparseQNVB: {message}")
+
+    def _step_cap(self) -> str:
+        """Which setting bounds the steps on the means now (`step_cap_message`)."""
+        hp, steps = self.sparse_hyperparameters, self.steps_per_epoch
+        return step_cap_message(self.counters, hp, steps, self.cases_per_step)
 
     @torch.no_grad()
     def _update(self, sites: list[tuple[MeanFieldSite, torch.Tensor, torch.Tensor]]) -> None:
@@ -267,7 +286,7 @@ class SparseQNVB(QNVB):
             blocks, self.counters, g_terms, h_terms, hp, steps, self.cases_per_step
         )
         self.counters = result.counters
-        for message in result_messages(result, self._sparse_warned):
+        for message in result_messages(result, self._sparse_warned, self._step_cap()):
             self._warn_once(message, f"SparseQNVB: {message} (this warning is shown once)")
         for (site, _, _), block in zip(sites, result.blocks):
             self.blocks[site.param_names["loc"]] = block
@@ -344,6 +363,22 @@ class SparseQNVB(QNVB):
             for name, b in state["blocks"].items()
         }
         PyroOptim.set_state(self, copy.deepcopy(state_dict["fallback"]))
+
+
+def _refuse_pyro_arguments(what: str) -> None:
+    """Raise the ``TypeError`` for Pyro's ``optim_args`` (a dict, first or by keyword), its
+    ``clip_args`` or any other keyword `SparseQNVB` does not take, naming those it takes."""
+    names = [
+        p.name if p.kind == p.POSITIONAL_OR_KEYWORD else f"{p.name}="
+        for p in inspect.signature(SparseQNVB.__init__).parameters.values()
+        if p.name != "self" and p.kind != p.VAR_KEYWORD
+    ]
+    raise TypeError(
+        f"{what}. SparseQNVB takes its settings as keyword arguments, not as a dict of optim args "
+        "like pyro.optim optimizers (and no clip_args: tau_max and max_lr bound its steps): "
+        f"SparseQNVB({', '.join(names)}), e.g. SparseQNVB(steps_per_epoch=len(loader), "
+        "num_cases=len(dataset)) (the settings: help(SparseQNVB))"
+    )
 
 
 def _refuse_unpaired(num_params: int, families: set[str]) -> None:

@@ -40,6 +40,7 @@ from .sparse_functional import (
     result_messages,
     run_settings,
     sparse_qnvb_update,
+    step_cap_message,
 )
 from .torch_qnvb import (
     CheckpointHooks,
@@ -394,7 +395,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             p.copy_(block.mu)
             p.grad = None
         self._written.update(written_marks(params))
-        for message in result_messages(result, self._warned):
+        for message in result_messages(result, self._warned, self._step_cap()):
             warnings.warn(
                 f"SparseQNVBOptimizer: {message} (this warning is shown once)",
                 RuntimeWarning,
@@ -412,7 +413,8 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             self.first_loss = value
             return
         what = "the loss averaged over the quadrature nodes"
-        message = loss_growth_message(self.first_loss, value, self.counters.step + 1, what)
+        step = self.counters.step + 1
+        message = loss_growth_message(self.first_loss, value, step, what, cap=self._step_cap())
         if message is not None:
             self._warned.add("growth")
             warnings.warn(
@@ -420,6 +422,11 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 RuntimeWarning,
                 stacklevel=5,  # _check_growth <- step <- no_grad <- torch's step hook <- caller
             )
+
+    def _step_cap(self) -> str:
+        """Which setting bounds the steps on the means now (`step_cap_message`)."""
+        hp, steps = self.hyperparameters, self.steps_per_epoch
+        return step_cap_message(self.counters, hp, steps, self.num_cases / steps)
 
     def _settings(self) -> dict:
         return run_settings(
