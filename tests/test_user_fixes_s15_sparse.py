@@ -4,10 +4,9 @@ The trial diverged with Table 1's ``tau_max = 0.3``. The cause is the setting, n
 (docs/sparse_qnvb.md, 'Limits'): once the curvature sums fall to the floor ``1 / tau_max^2`` every
 weight's nodes lie ``tau_max = 0.3`` from its mean, ten times the weights' scale
 (``init_to_uniform`` radius 0.05); the 4-node curvature estimates turn to noise (half of them
-negative, floored) and
-the Newton steps grow by orders of magnitude. The paper's per-case algorithm and
-``SparseQNVBOptimizer`` diverge alike; ``max_lr`` cannot help, since the trust region it sets lies
-below the floor. The warnings now say so with the two bounds.
+negative, floored) and the Newton steps grow by orders of magnitude. The paper's per-case
+algorithm and ``SparseQNVBOptimizer`` diverge alike; ``max_lr`` cannot help, since the trust
+region it sets lies below the floor. The warnings now say so with the two bounds.
 """
 
 from __future__ import annotations
