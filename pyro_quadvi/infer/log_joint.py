@@ -590,7 +590,8 @@ def _where(z: torch.Tensor, k: int) -> str:
         where += (
             f", a coordinate of which is {largest:.3g} in the unconstrained space: the fit has "
             "likely diverged; cap the optimizer's steps (QNVB's trust_region, a smaller lr, "
-            "SparseQNVB's max_lr) or restart from the last good checkpoint"
+            "SparseQNVB's tau_max or max_lr, whichever its divergence warning names) or restart "
+            "from the last good checkpoint"
         )
     return where
 
