@@ -963,7 +963,7 @@ def _check_donate(donate, mus, sigmas, gs, hs, states) -> tuple[bool, ...]:
                     f"qnvb_update_many: the donated {name(field, position)} is not contiguous; "
                     "pass a contiguous tensor (.contiguous()), or donate nothing"
                 )
-            if t.numel():
+            if t.numel() and t.device.type != "meta":  # a meta tensor has no memory
                 spans.append((t.untyped_storage().data_ptr(), *_span(t), field, position))
     # sorted by storage and start, an interval meets an earlier one exactly when it starts
     # before the furthest end so far: of any earlier one if it is donated, else of a donated one
