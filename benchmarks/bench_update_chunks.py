@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_update_chunks.py [--repeats 9]
         [--chunks 12 14 16 18 20 40] [--nets 784-400-400-10 1024-1800-1800-10]
+        [--modes pure in-place]
 
 On each network's parameter shapes (``bench_bnn_speed.CASES``), the update alone with the inputs
 of ``bench_bnn_speed.py --update-only`` (``g`` standard normal, ``h`` uniform on ``[0, 1e-3]``,
@@ -13,11 +14,17 @@ the median CPU time (``time.process_time``) of ``--repeats`` updates after two w
 and the peak of the update's CPU allocations (``bench_bnn_speed.live_at_peak``, least of 2), in
 MiB and in parameters P (float32: 4 bytes each). The results alone are 10 P (mean, scale, eight
 state fields).
+
+``--modes``: ``pure`` (the default call: new results) and ``in-place`` (``donate=("mu", "sigma",
+"state")``, as ``QNVBOptimizer`` runs it: the results written over the inputs, no new buffer).
+A package whose ``qnvb_update_many`` takes no ``donate`` (before session 15, on ``PYTHONPATH``)
+runs ``pure`` only.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import time
 
@@ -31,6 +38,38 @@ from pyro_quadvi.optim.qnvb_functional import (
     qnvb_update_many,
 )
 
+#: mode -> what ``qnvb_update_many`` is given to write over (``donate``)
+MODES = {"pure": (), "in-place": ("mu", "sigma", "state")}
+
+
+def run_mode(params, gs, hs, hp, donate, repeats: int) -> tuple[float, int]:
+    """The median CPU ms of ``repeats`` updates (after two warm-up updates), each fed the last's
+    results, and the least peak of two more."""
+    run = {
+        "mus": [p.clone() for p in params],
+        "sigmas": [torch.full_like(p, 1e-2) for p in params],
+        "states": [init_qnvb_state(p) for p in params],
+    }
+    extra = {"donate": donate} if donate else {}
+
+    def update() -> None:
+        results = qnvb_update_many(
+            run["mus"], run["sigmas"], gs, hs, run["states"], hp, 1e4, 1.0, **extra
+        )
+        run["mus"] = [r.mu for r in results]
+        run["sigmas"] = [r.sigma for r in results]
+        run["states"] = [r.state for r in results]
+
+    update()
+    update()
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        update()
+        times.append(time.process_time() - start)
+    peak = min(live_at_peak(update)[0] for _ in range(2))
+    return statistics.median(times) * 1e3, peak
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,14 +78,19 @@ def main() -> None:
     parser.add_argument(
         "--nets", nargs="+", choices=list(CASES), default=["784-400-400-10", "1024-1800-1800-10"]
     )
+    parser.add_argument(
+        "--modes", nargs="+", choices=list(MODES), default=list(MODES), help="see the module"
+    )
     args = parser.parse_args()
+    if "donate" not in inspect.signature(qnvb_update_many).parameters:
+        args.modes = [mode for mode in args.modes if not MODES[mode]]  # an older package
     torch.set_num_threads(1)
     hp = QNVBHyperparameters()
     default = qnvb_functional._CHUNK
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, default chunk "
-        f"2^{default.bit_length() - 1}\n\n| network | parameters P | chunk | update ms | "
-        "peak MiB | peak / P |\n|---|---:|---:|---:|---:|---:|"
+        f"2^{default.bit_length() - 1}\n\n| network | parameters P | chunk | mode | update ms | "
+        "peak MiB | peak / P |\n|---|---:|---:|---|---:|---:|---:|"
     )
     for key in args.nets:
         name, make, *_ = CASES[key]
@@ -57,33 +101,13 @@ def main() -> None:
         hs = [torch.rand_like(p) * 1e-3 for p in params]
         for k in args.chunks:
             qnvb_functional._CHUNK = 2**k
-            run = {
-                "mus": list(params),
-                "sigmas": [torch.full_like(p, 1e-2) for p in params],
-                "states": [init_qnvb_state(p) for p in params],
-            }
-
-            def update(run=run, gs=gs, hs=hs) -> None:
-                results = qnvb_update_many(
-                    run["mus"], run["sigmas"], gs, hs, run["states"], hp, 1e4, 1.0
+            for mode in args.modes:
+                ms, peak = run_mode(params, gs, hs, hp, MODES[mode], args.repeats)
+                print(
+                    f"| {name} | {count:,} | 2^{k} | {mode} | {ms:.1f} | {peak / 2**20:.2f} | "
+                    f"{peak / (4 * count):.2f} |",
+                    flush=True,
                 )
-                run["mus"] = [r.mu for r in results]
-                run["sigmas"] = [r.sigma for r in results]
-                run["states"] = [r.state for r in results]
-
-            update()
-            update()
-            times = []
-            for _ in range(args.repeats):
-                start = time.process_time()
-                update()
-                times.append(time.process_time() - start)
-            peak = min(live_at_peak(update)[0] for _ in range(2))
-            print(
-                f"| {name} | {count:,} | 2^{k} | {statistics.median(times) * 1e3:.1f} | "
-                f"{peak / 2**20:.2f} | {peak / (4 * count):.2f} |",
-                flush=True,
-            )
     qnvb_functional._CHUNK = default
 
 

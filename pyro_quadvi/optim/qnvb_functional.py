@@ -63,17 +63,20 @@ update's rules, each measured", gives the test and the benchmark row behind each
     with the host.
 
 **Two implementations, the same numbers.** `qnvb_update` is the reference: one tensor, each
-rule written as above. `qnvb_update_many` is what the optimizers run: it concatenates every
-tensor of a group into one flat buffer and applies the same rules once, with in-place operations
-and without the work that cannot change a result (a multiplication by a weight of 1, a prior of
-precision 0, the significance test at ``significance = 0``, twelve ``isfinite`` replaced by one
-probe), in chunks of the flat coordinates, so that its scratch is a chunk's rather than every
-tensor's (one boolean per chunk read on the host at once, whether the guard kept a coordinate,
-spares the guard's selections where it kept none); ``compile=True`` runs the reference
-`qnvb_update` through ``torch.compile``, tensor by tensor on the CPU (a fused loop each;
-needs a C++ compiler), on one flat buffer elsewhere (fused kernels for every tensor at once,
-counted segment by segment). Tests hold the flat update equal to the reference value for value,
-and the compiled one to within rounding.
+rule written as above. `qnvb_update_many` is what the optimizers run: it lays every tensor of a
+group end to end as one flat buffer and applies the same rules once, with in-place operations,
+fused ones where they give the same bits, and without the work that cannot change a result (a
+multiplication by a weight of 1, a prior of precision 0, the significance test at
+``significance = 0``), in chunks of the flat coordinates, so that its scratch is a chunk's rather
+than every tensor's. The guard's test is one sum per result and chunk on the CPU (a value read
+back there costs no sync; a chunk whose sums are finite, nearly all of them, skips the guard's
+selections and masks), and off the CPU an accumulated probe ``sum(x * 0) == 0`` per coordinate,
+read back once per call. With ``donate`` it writes each chunk's results over the inputs it has
+just read (the optimizers donate the state they own), so that it allocates no results.
+``compile=True`` runs the reference `qnvb_update` through ``torch.compile``, tensor by tensor on
+the CPU (a fused loop each; needs a C++ compiler), on one flat buffer elsewhere (fused kernels
+for every tensor at once, counted segment by segment). Tests hold the flat update equal to the
+reference value for value, and the compiled one to within rounding.
 
 The loss is ``weight * L(theta) + prior_precision * |theta|^2 / 2``: ``g`` and ``h`` estimate the
 moments of ``L`` and ``weight`` (the likelihood weight times an annealing factor) and the Gaussian
