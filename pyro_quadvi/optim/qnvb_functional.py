@@ -97,6 +97,7 @@ import torch
 
 __all__ = [
     "COUNT_KINDS",
+    "DONATABLE",
     "QNVBHyperparameters",
     "QNVBResult",
     "QNVBState",
