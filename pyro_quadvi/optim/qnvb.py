@@ -116,7 +116,11 @@ def _gaussian_update_many(
     hp: QNVBHyperparameters,
     compile: bool,
 ) -> list[tuple[dict[str, torch.Tensor], QNVBResult]]:
-    """`_gaussian_update` of several blocks on one flat buffer (`qnvb_update_many`)."""
+    """`_gaussian_update` of several blocks on one flat buffer (`qnvb_update_many`), the results
+    of each block's loc and state written over them (``donate``): the loc is the parameter's
+    memory (or the minibatch rows' copy) and the state QNVB's own, both written with the results
+    anyway; the scale is a transform of the parameter that the write-back compares the new one
+    with (`_finish_together`), so its results are new."""
     results = qnvb_update_many(
         [v["loc"] for v in values],
         [v["scale"] for v in values],
@@ -125,6 +129,7 @@ def _gaussian_update_many(
         states,
         hp,
         compile=compile,
+        donate=("mu", "state"),
     )
     return [({"loc": r.mu, "scale": r.sigma}, r) for r in results]
 
@@ -281,6 +286,16 @@ def _not_finite_mask(t: torch.Tensor) -> torch.Tensor:
     """``~isfinite(t)`` in two passes (``isfinite`` is four kernels on the CPU): ``t * 0`` is 0
     for a finite entry and NaN for an infinite or NaN one."""
     return t * 0 != 0
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of one storage (same start, shape, strides)."""
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
 
 
 def _constrain(items: list[_Prepared], transform) -> None:
@@ -873,7 +888,9 @@ class QNVB(PyroOptim):
             return t if index is None else t[index]
 
         u = select(scale_leaf.detach())
-        values = {"loc": select(loc_leaf.detach()), "scale_leaf": u}
+        # the loc's memory through .data, which the update writes (donated) as the write-back
+        # did at every step: without a bump of the parameter's version counter
+        values = {"loc": select(loc_leaf.data), "scale_leaf": u}
         if block.moments is None or site.family not in _FAMILY_BATCH_UPDATES:
             # else the blocks updated together transform their scales in one go (_constrain)
             values["scale"] = transform_to(site.param_constraints["scale"])(u)
@@ -990,11 +1007,13 @@ class QNVB(PyroOptim):
             for (item, _, _), value in zip(picked, field):
                 if shared:
                     item.state[key] = value
-                else:
+                elif value is not item.state[key]:
                     item.state[key].copy_(value)
         for (item, new_values, _), piece in zip(picked, new_us):
             site = item.site
-            site.params["loc"].data.copy_(new_values["loc"])
+            loc = site.params["loc"].data
+            if not _same_memory(new_values["loc"], loc):  # else written by the update (donated)
+                loc.copy_(new_values["loc"])
             site.params["scale"].data.copy_(piece.view(site.params["scale"].shape))
         return rebound
 

@@ -63,17 +63,20 @@ update's rules, each measured", gives the test and the benchmark row behind each
     with the host.
 
 **Two implementations, the same numbers.** `qnvb_update` is the reference: one tensor, each
-rule written as above. `qnvb_update_many` is what the optimizers run: it concatenates every
-tensor of a group into one flat buffer and applies the same rules once, with in-place operations
-and without the work that cannot change a result (a multiplication by a weight of 1, a prior of
-precision 0, the significance test at ``significance = 0``, twelve ``isfinite`` replaced by one
-probe), in chunks of the flat coordinates, so that its scratch is a chunk's rather than every
-tensor's (one boolean per chunk read on the host at once, whether the guard kept a coordinate,
-spares the guard's selections where it kept none); ``compile=True`` runs the reference
-`qnvb_update` through ``torch.compile``, tensor by tensor on the CPU (a fused loop each;
-needs a C++ compiler), on one flat buffer elsewhere (fused kernels for every tensor at once,
-counted segment by segment). Tests hold the flat update equal to the reference value for value,
-and the compiled one to within rounding.
+rule written as above. `qnvb_update_many` is what the optimizers run: it lays every tensor of a
+group end to end as one flat buffer and applies the same rules once, with in-place operations,
+fused ones where they give the same bits, and without the work that cannot change a result (a
+multiplication by a weight of 1, a prior of precision 0, the significance test at
+``significance = 0``), in chunks of the flat coordinates, so that its scratch is a chunk's rather
+than every tensor's. The guard's test is one sum per result and chunk on the CPU (a value read
+back there costs no sync; a chunk whose sums are finite, nearly all of them, skips the guard's
+selections and masks), and off the CPU an accumulated probe ``sum(x * 0) == 0`` per coordinate,
+read back once per call. With ``donate`` it writes each chunk's results over the inputs it has
+just read (the optimizers donate the state they own), so that it allocates no results.
+``compile=True`` runs the reference `qnvb_update` through ``torch.compile``, tensor by tensor on
+the CPU (a fused loop each; needs a C++ compiler), on one flat buffer elsewhere (fused kernels
+for every tensor at once, counted segment by segment). Tests hold the flat update equal to the
+reference value for value, and the compiled one to within rounding.
 
 The loss is ``weight * L(theta) + prior_precision * |theta|^2 / 2``: ``g`` and ``h`` estimate the
 moments of ``L`` and ``weight`` (the likelihood weight times an annealing factor) and the Gaussian
@@ -94,6 +97,7 @@ import torch
 
 __all__ = [
     "COUNT_KINDS",
+    "DONATABLE",
     "QNVBHyperparameters",
     "QNVBResult",
     "QNVBState",
@@ -573,10 +577,10 @@ def _flat_update(
     hp: QNVBHyperparameters,
     weight: float | torch.Tensor,
     prior_precision: float | torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, QNVBState, torch.Tensor, tuple[torch.Tensor, ...]]:
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
     """The rules of `qnvb_update` on flat tensors, with the same operations in the same order
     where they can change a value, and in place on fresh tensors (never on an argument), up to
-    the guard's selection, which the caller makes (`_guard`) where it is needed.
+    the guard (rule 11), which the caller applies (`qnvb_update_many`).
 
     What it leaves out, each provably without effect on the result:
 
@@ -587,13 +591,18 @@ def _flat_update(
       zero step).
     - the standard error at ``significance = 0``: ``h_avg > 0 * stderr`` is ``h_avg > 0`` wherever
       ``stderr`` is finite, and it is not only where ``h2_avg`` is not, which the guard discards.
-    - ``isfinite`` (four kernels each on the CPU): ``x * 0`` is 0 for a finite ``x`` and NaN
-      otherwise, so one accumulated probe ``sum(x * 0) == 0`` tests every field at once.
+    - the floor at 0 of the held curvature ``sigma^-2 / weight`` without a prior and with a
+      positive weight: it is ``>= 0`` or NaN already, and ``clamp`` keeps both.
+
+    And it fuses, with the same bits: ``avg + (new - avg) / count`` is ``addcdiv(avg, new - avg,
+    count)`` (its value 1 multiplies exactly, so the quotient is rounded once and added once, as
+    written), and ``minimum(maximum(target, lo), hi)`` is ``clamp(target, lo, hi)`` (the same
+    NaN propagation; ``tests/test_user_fixes_s15_update.py`` holds both to the reference).
 
     Returns:
-        The new mean, scale and state before the guard (rule 11), whether the guard takes them
-        at every coordinate (a 0-d boolean tensor; where it does not, `_guard` makes the
-        selection), and the four boolean masks of `COUNT_KINDS`.
+        The new mean, scale and eight state fields before the guard (rule 11), the rate-limited
+        scale before its bounds (rule 10: ``limited``) and where the curvature asks for a wider
+        scale than ``sigma_max`` (``wider``), from which the caller counts the bounds.
     """
     beta1, beta2 = hp.betas
     unit_weight = _is_number(weight, 1.0)
@@ -608,13 +617,8 @@ def _flat_update(
         return out
 
     def averaged(avg: torch.Tensor, new: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        out = new - avg  # _average: avg + (new - avg) / count
-        out /= count
-        out += avg
-        return out
-
-    input_probe = _add_to_probe(g * 0, [h])  # rule 11: NaN where g or h is not finite
-    finite_input = input_probe == 0
+        out = new - avg if new is g or new is h else new.sub_(avg)  # _average, fused
+        return torch.addcdiv(avg, out, count, out=out)
 
     # rules 1 and 3
     count = state.count + 1
@@ -648,8 +652,10 @@ def _flat_update(
             held -= prior_precision
         if not unit_weight:
             held /= weight
-        held.clamp_(min=0)
+        if not (no_prior and isinstance(weight, numbers.Real) and weight > 0):
+            held.clamp_(min=0)
         curv = torch.where(significant, h_avg, held)
+        del held
     total_curv = curv if unit_weight else curv * weight
     total_curv = total_curv + prior_precision if not no_prior else total_curv
     wider = total_curv < hp.sigma_max**-2
@@ -658,10 +664,11 @@ def _flat_update(
 
     # rule 6
     if hp.damping:
-        flipped = grad * state.last_grad < 0
-        damping = torch.where(
-            flipped, state.damping + 1, (state.damping - hp.damping_recovery).clamp(min=1.0)
-        )
+        flipped = grad * state.last_grad
+        flipped = flipped < 0
+        recovered = state.damping - hp.damping_recovery
+        damping = torch.where(flipped, state.damping + 1, recovered.clamp_(min=1.0))
+        del flipped, recovered
     else:
         damping = state.damping
 
@@ -673,28 +680,28 @@ def _flat_update(
         cap += hp.eps
         if hp.lr != 1:
             cap /= hp.lr
-        divisor = torch.maximum(total_curv, cap)
-        del cap  # temporaries go as soon as they are used: the flat update holds every coordinate
+        divisor = torch.maximum(total_curv, cap, out=cap)
         divisor *= damping
-        step = scaled(g_avg) / divisor
+        step = scaled(g_avg)
+        step = step / divisor if step is g_avg else step.div_(divisor)
         if _divisor_may_vanish(hp, mu.dtype):
             step = torch.where(divisor > 0, step, 0.0)
-        del divisor
+        del divisor, cap  # temporaries go as soon as they are used: chunks are a cache's size
     if hp.trust_region < math.inf:
         radius = hp.trust_region * sigma
-        step = torch.minimum(torch.maximum(step, -radius), radius)
+        step = torch.clamp(step, -radius, radius)
         del radius
     new_mu = mu - step
-    g_avg = g_avg - curv * step
+    carried = curv * step
+    g_avg = torch.sub(g_avg, carried, out=carried)
 
     # rules 5, 9 and 10
     target = total_curv.clamp(min=hp.sigma_max**-2)
-    del total_curv
+    del total_curv, curv
     target.rsqrt_()
     if significant is not None:
-        target = torch.where(significant, target, sigma)
-    limited = torch.minimum(torch.maximum(target, sigma * hp.scale_min), sigma * hp.scale_max)
-    del target
+        target = torch.where(significant, target, sigma, out=target)
+    limited = torch.clamp(target, sigma * hp.scale_min, sigma * hp.scale_max, out=target)
     new_sigma = limited.clamp(hp.sigma_min, hp.sigma_max)
 
     if hp.drift_forgetting > 0:  # rule 2
@@ -707,18 +714,8 @@ def _flat_update(
         curvature_count = curvature_count * travelled.exp_()
         del travelled
 
-    new_state = QNVBState(g_avg, s_avg, h_avg, h2_avg, count, curvature_count, grad, damping)
-    probe = _add_to_probe(input_probe, (new_mu, new_sigma, *new_state))  # rule 11
-    updated = probe == 0
-    kept_all = probe.sum() == 0  # a sum of zeros, or NaN: not a bool reduction (slower)
-    del probe
-    masks = (
-        ~finite_input,
-        finite_input & ~updated,
-        updated & (limited < hp.sigma_min),
-        updated & ((limited > hp.sigma_max) | wider),
-    )
-    return new_mu, new_sigma, new_state, kept_all, masks
+    news = (new_mu, new_sigma, g_avg, s_avg, h_avg, h2_avg, count, curvature_count, grad, damping)
+    return news, limited, wider
 
 
 def _add_to_probe(probe: torch.Tensor, values) -> torch.Tensor:
@@ -731,12 +728,53 @@ def _add_to_probe(probe: torch.Tensor, values) -> torch.Tensor:
     return probe
 
 
-def _segment_counts(masks: tuple[torch.Tensor, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-    """The counts of the four masks in each segment of ``sizes``, ``(segments, 4)``."""
+#: the results of `_flat_update` whose finiteness the guard (rule 11) reads, by position in its
+#: ``news`` (mean, scale, g_avg, s_avg, h_avg, h2_avg, count, curvature_count, last_grad,
+#: damping): every one but ``last_grad``, the total gradient, which is not finite only where
+#: ``s_avg``, its running mean square, is not either
+_PROBED = (0, 1, 2, 3, 4, 5, 6, 7, 9)
+
+
+def _all_finite(news: tuple[torch.Tensor, ...]) -> bool:
+    """Whether every coordinate of ``g``, ``h`` and the results ``news`` of a chunk is finite, or
+    ``False`` (rule 11's fast test, on the CPU, where reading a value back costs no sync): the sum
+    of the probed results is finite. A sum is not finite where one of its terms is not (NaN and
+    infinities never cancel to a number), and ``g`` and ``h`` are not finite only where ``s_avg``
+    and ``h2_avg``, their running mean squares, are not either; a sum of finite values that
+    overflows answers ``False`` too, and the caller then finds the coordinates one by one."""
+    return math.isfinite(torch.stack([news[i].sum() for i in _PROBED]).sum().item())
+
+
+def _segment_counts(masks: tuple[torch.Tensor, ...], sizes: list[int]) -> torch.Tensor:
+    """The counts of the masks in each segment of ``sizes``, ``(segments, len(masks))``."""
     # summing bytes into int32 skips the int64 copy a boolean sum makes (5x faster on the CPU)
     dtype = torch.int32 if sum(sizes) < 2**31 else torch.int64
     pieces = torch.stack(masks).view(torch.uint8).split(sizes, dim=1)
     return torch.stack([piece.sum(1, dtype=dtype) for piece in pieces]).long()
+
+
+def _chunk_counts(
+    hp: QNVBHyperparameters,
+    limited: torch.Tensor,
+    wider: torch.Tensor,
+    sizes: list[int],
+    probes: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """The `COUNT_KINDS` of a chunk, per segment of ``sizes``, ``(segments, 4)``, from
+    `_flat_update`'s ``limited`` and ``wider`` and, where the guard kept a coordinate, its
+    ``probes`` (of ``g`` and ``h``, and of them and the results); ``None``: it kept none (the
+    first two kinds are then 0, and every coordinate was updated)."""
+    pinned = (limited < hp.sigma_min, (limited > hp.sigma_max).logical_or_(wider))
+    if probes is None:
+        return torch.nn.functional.pad(_segment_counts(pinned, sizes), (2, 0))
+    finite_input, updated = (probe == 0 for probe in probes)
+    masks = (
+        ~finite_input,
+        finite_input & ~updated,
+        pinned[0].logical_and_(updated),
+        pinned[1].logical_and_(updated),
+    )
+    return _segment_counts(masks, sizes)
 
 
 def consecutive_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -767,6 +805,10 @@ def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]) if base is None else base
 
 
+#: what `qnvb_update_many` may be given to write its results over (``donate``)
+DONATABLE = ("mu", "sigma", "state")
+
+
 @torch.no_grad()
 def qnvb_update_many(
     mus: list[torch.Tensor],
@@ -779,6 +821,7 @@ def qnvb_update_many(
     prior_precision: float = 0.0,
     *,
     compile: bool = False,
+    donate: tuple[str, ...] = (),
 ) -> list[QNVBResult]:
     """`qnvb_update` of several tensors at once, on one flat buffer (rasp paper, eq. 4-8).
 
@@ -799,10 +842,19 @@ def qnvb_update_many(
             eager flat update on an H100). It compiles on first use (seconds to a minute), once
             more for new hyperparameters or a new total size. Results equal the reference's to
             within rounding (a fused ``exp`` or ``rsqrt`` may differ in the last bit).
+        donate: the arguments, of `DONATABLE` (``"mu"``: ``mus``, ``"sigma"``: ``sigmas``,
+            ``"state"``: ``states``), that the caller gives up: the update writes their results
+            over them, each chunk of coordinates once it has read it, and returns them (the
+            result's ``mu`` is then ``mus[i]``, and so on). Its memory is then a chunk's scratch
+            and the results of the arguments not donated; the values are the same bits. A
+            donated tensor must share no memory with any other argument (a ``ValueError``
+            otherwise). The default, ``()``, is pure: no argument is written, and the results
+            are new tensors.
 
     Returns:
-        One `QNVBResult` per tensor (views into the flat results), its counts those of
-        its own coordinates. Equal, value for value, to `qnvb_update` of each tensor.
+        One `QNVBResult` per tensor, its counts those of its own coordinates; its fields views
+        into one new flat buffer per field, or the donated arguments. Equal, value for value, to
+        `qnvb_update` of each tensor.
     """
     lengths = {len(mus), len(sigmas), len(gs), len(hs), len(states)}
     if len(lengths) != 1:
@@ -810,52 +862,179 @@ def qnvb_update_many(
             "qnvb_update_many needs as many sigmas, gs, hs and states as mus, got lists of "
             f"lengths {sorted(lengths)}"
         )
+    donated = _check_donate(donate, mus, sigmas, gs, hs, states)
     if not mus:
         return []
-    if compile and mus[0].device.type in _PER_TENSOR_DEVICES:
-        return _compiled_updates(mus, sigmas, gs, hs, states, hp, weight, prior_precision)
     if compile:
-        return _compiled_flat_update(mus, sigmas, gs, hs, states, hp, weight, prior_precision)
+        compiled = _compiled_flat_update if mus[0].device.type not in _PER_TENSOR_DEVICES else None
+        results = (compiled or _compiled_updates)(
+            mus, sigmas, gs, hs, states, hp, weight, prior_precision
+        )
+        return _into_donated(results, mus, sigmas, states, donated) if donated else results
     sizes = [m.numel() for m in mus]
     total = sum(sizes)
     offsets = [0, *itertools.accumulate(sizes)][:-1]
+    on_cpu = mus[0].device.type == "cpu"
     # off the CPU each chunk is some hundred kernel launches, and a GPU's step is bound by
     # them already (docs/benchmarks.md, "On an H100 GPU"): chunks there are larger
-    chunk = _CHUNK if mus[0].device.type == "cpu" else _DEVICE_CHUNK
+    chunk = _CHUNK if on_cpu else _DEVICE_CHUNK
     chunks = _chunk_pieces(offsets, sizes, total, chunk)
-    readers = [
-        _chunk_reader(list(field), offsets) for field in (mus, sigmas, gs, hs, *zip(*states))
-    ]
-    outs: list[torch.Tensor] = []
+    inputs = (mus, sigmas, gs, hs, *zip(*states))
+    readers = [_chunk_reader(list(field), offsets) for field in inputs]
+    # per result (mean, scale, eight state fields): the donated argument, or a new buffer
+    targets = [inputs[i] if donated[i] else None for i in (0, 1, *range(4, 12))]
+    writers = [None if t is None else _chunk_writer(list(t), offsets) for t in targets]
+    outs: list[torch.Tensor | None] = [None] * len(targets)
     rows: list[list[torch.Tensor]] = [[] for _ in mus]  # per tensor, its counts in each chunk
     kept_flags = []
     for index, pieces in enumerate(chunks):
         start, stop = index * chunk, min((index + 1) * chunk, total)
-        mu, sigma, g, h, *state = (read(start, stop, pieces) for read in readers)
-        new_mu, new_sigma, new_state, kept, masks = _flat_update(
-            mu, sigma, g, h, QNVBState(*state), hp, weight, prior_precision
+        olds = [read(start, stop, pieces) for read in readers]
+        news, limited, wider = _flat_update(
+            *olds[:4], QNVBState(*olds[4:]), hp, weight, prior_precision
         )
-        news = (new_mu, new_sigma, *new_state)
-        if not outs:  # the results' types are the rules' (those of the first chunk)
-            outs = [new.new_empty(total) for new in news]
-        for out, new in zip(outs, news):
-            out[start:stop].copy_(new)
-        del news, new_mu, new_sigma, new_state
-        kept_flags.append(kept)
-        counts = _segment_counts(masks, [stop_i - start_i for _, start_i, stop_i in pieces])
+        g, h, olds = olds[2], olds[3], olds[:2] + olds[4:]  # olds: those of the results
+        # rule 11: on the CPU a value read back costs nothing, and a chunk whose every
+        # coordinate is finite (nearly all of them) skips the guard's selections and masks
+        probes = None
+        if not (on_cpu and _all_finite(news)):
+            probes = _probes(g, h, news)
+            if on_cpu or any(donated):  # the old values are not kept past this chunk
+                updated = probes[1] == 0
+                news = [torch.where(updated, new, old) for new, old in zip(news, olds)]
+            else:  # one host sync for the call: the chunks where the guard keeps a coordinate
+                kept_flags.append(probes[1].sum() == 0)
+        for i, new in enumerate(news):
+            if writers[i] is not None:
+                writers[i](start, stop, pieces, new)
+            else:
+                if outs[i] is None:  # the results' types are the rules'
+                    outs[i] = new.new_empty(total)
+                outs[i][start:stop].copy_(new)
+        del news, olds, g, h
+        counts = _chunk_counts(hp, limited, wider, [b - a for _, a, b in pieces], probes)
         for (i, _, _), row in zip(pieces, counts):
             rows[i].append(row)
-    # one host sync for the call: the chunks where the guard keeps a coordinate (rule 11)
-    for index, (pieces, kept) in enumerate(zip(chunks, torch.stack(kept_flags).tolist())):
-        if not kept:
-            start, stop = index * chunk, min((index + 1) * chunk, total)
-            _guard([out[start:stop] for out in outs], readers, start, stop, pieces)
+    if kept_flags:
+        for index, (pieces, kept) in enumerate(zip(chunks, torch.stack(kept_flags).tolist())):
+            if not kept:
+                start, stop = index * chunk, min((index + 1) * chunk, total)
+                _guard([out[start:stop] for out in outs], readers, start, stop, pieces)
     results = []
     for i, (shape_of, offset, size) in enumerate(zip(mus, offsets, sizes)):
-        mu_i, sigma_i, *state_i = (out[offset : offset + size].view(shape_of.shape) for out in outs)
+        mu_i, sigma_i, *state_i = (
+            out[offset : offset + size].view(shape_of.shape) if target is None else target[i]
+            for out, target in zip(outs, targets)
+        )
         counts = rows[i][0] if len(rows[i]) == 1 else torch.stack(rows[i]).sum(0)
         results.append(QNVBResult(mu_i, sigma_i, QNVBState(*state_i), *counts))
     return results
+
+
+def _probes(
+    g: torch.Tensor, h: torch.Tensor, news: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rule 11's probes of a chunk: 0 where ``g`` and ``h`` are finite and NaN elsewhere, and 0
+    where they and the results ``news`` are (`_add_to_probe`; ``last_grad`` as in `_PROBED`)."""
+    input_probe = _add_to_probe(g * 0, [h])
+    return input_probe, _add_to_probe(input_probe.clone(), [news[i] for i in _PROBED])
+
+
+def _check_donate(donate, mus, sigmas, gs, hs, states) -> tuple[bool, ...]:
+    """Per input field (mean, scale, g, h, eight state fields) whether it is donated; a
+    ``ValueError`` for a name not in `DONATABLE`, a donated tensor that is not contiguous (its
+    results could not be written through a flat view), or one sharing memory with another
+    argument (its results would be written over what is still to be read)."""
+    if isinstance(donate, str) or not all(name in DONATABLE for name in donate):
+        raise ValueError(
+            f"qnvb_update_many: donate must be a tuple of names from {DONATABLE}, got {donate!r}"
+        )
+    donated = ("mu" in donate, "sigma" in donate, False, False, *(("state" in donate,) * 8))
+    if not any(donated):
+        return donated
+    names = ("mus", "sigmas", "gs", "hs", *(f"states[{{}}].{f}" for f in QNVBState._fields))
+    fields = (mus, sigmas, gs, hs, *zip(*states))
+
+    def name(field: int, position: int) -> str:
+        label = names[field]
+        return label.format(position) if "{}" in label else f"{label}[{position}]"
+
+    spans = []
+    for field, tensors in enumerate(fields):
+        for position, t in enumerate(tensors):
+            if donated[field] and not t.is_contiguous():
+                raise ValueError(
+                    f"qnvb_update_many: the donated {name(field, position)} is not contiguous; "
+                    "pass a contiguous tensor (.contiguous()), or donate nothing"
+                )
+            if t.numel() and t.device.type != "meta":  # a meta tensor has no memory
+                spans.append((t.untyped_storage().data_ptr(), *_span(t), field, position))
+    # sorted by storage and start, an interval meets an earlier one exactly when it starts
+    # before the furthest end so far: of any earlier one if it is donated, else of a donated one
+    spans.sort()
+    reach: dict[bool, tuple] = {}
+    for span in spans:
+        storage, first, _, field, position = span
+        for donated_only in (True, False):
+            if donated_only or donated[field]:
+                seen = reach.get(donated_only)
+                if seen is not None and seen[0] == storage and first < seen[2]:
+                    raise ValueError(
+                        f"qnvb_update_many: {name(*seen[3:])} and {name(field, position)} share "
+                        "memory, and one of them is donated: its results would be written over "
+                        "what is still to be read. Pass a clone, or donate nothing"
+                    )
+        for donated_only in (True, False):
+            if not donated_only or donated[field]:
+                seen = reach.get(donated_only)
+                if seen is None or seen[0] != storage or seen[2] < span[2]:
+                    reach[donated_only] = span
+    return donated
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that the contiguous or strided ``t`` reaches, ``[first, end)``."""
+    first = t.storage_offset()
+    last = first + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return first * t.element_size(), (last + 1) * t.element_size()
+
+
+def _chunk_writer(
+    tensors: list[torch.Tensor], offsets: list[int]
+) -> Callable[[int, int, list[tuple[int, int, int]], torch.Tensor], None]:
+    """The writing counterpart of `_chunk_reader`: a function that writes a chunk's values (its
+    coordinates ``start:stop``, laid end to end) into the contiguous ``tensors``, through one
+    view where they are one or consecutive pieces of one storage, else piece by piece."""
+    base = tensors[0].view(-1) if len(tensors) == 1 else consecutive_base(tensors)
+    flats = [t.view(-1) for t in tensors]
+
+    def write(start: int, stop: int, pieces: list[tuple[int, int, int]], value) -> None:
+        if base is not None:
+            base[start:stop].copy_(value)
+            return
+        at = 0
+        for i, lo, hi in pieces:
+            flats[i][lo:hi].copy_(value[at : at + hi - lo])
+            at += hi - lo
+
+    return write
+
+
+def _into_donated(
+    results: list[QNVBResult], mus, sigmas, states, donated: tuple[bool, ...]
+) -> list[QNVBResult]:
+    """``results`` (of the compiled update, new tensors) copied into the donated arguments,
+    which become the results (`qnvb_update_many`'s ``donate``)."""
+    flags = donated[:2] + donated[4:]
+    written = []
+    for result, mu, sigma, state in zip(results, mus, sigmas, states):
+        fields = []
+        for keep, new, old in zip(
+            flags, (result.mu, result.sigma, *result.state), (mu, sigma, *state)
+        ):
+            fields.append(old.copy_(new) if keep else new)
+        written.append(QNVBResult(fields[0], fields[1], QNVBState(*fields[2:]), *result[3:]))
+    return written
 
 
 #: the most coordinates the eager `qnvb_update_many` runs the rules on at once: its scratch

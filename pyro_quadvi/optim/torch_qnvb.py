@@ -13,7 +13,9 @@ the loss
 
 where ``closure()`` is the mean loss per training case, as in the reference. After a step the
 parameters hold the mean ``mu``; ``optimizer.state[p]["sigma"]`` holds the standard deviation. A
-change made to a parameter between steps is a change of its mean, which the next step takes.
+change made to a parameter between steps is a change of its mean, which the next step takes. As
+in torch's optimizers, the tensors of ``optimizer.state[p]`` are the live state, updated in place
+by each step: clone one to keep its value (a `QNVBOptimizer.state_dict` keeps its values).
 
 **One pass for all nodes.** Instead of a closure, `QNVBOptimizer.step` takes a loss function
 of the parameters and a batch, ``loss_fn(params: dict[str, Tensor], *batch)`` (the optimizer
@@ -49,6 +51,7 @@ from ..quadrature import NodeSet, make_rule
 from ..quadrature.base import draw_device
 from .annealing import annealing_factor, check_schedule
 from .qnvb_functional import (
+    DONATABLE,
     QNVBHyperparameters,
     QNVBState,
     _check_number,
@@ -805,7 +808,14 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         self._decisions = DecisionCache()  # vectorize=None: decided once (_decision_key)
         self._written: dict[int, tuple[int, int]] = {}  # id(p) -> (_version, data_ptr)
         self._loaded: dict | None = None  # the "qnvb" entry being loaded (_check_loaded)
+        self._in_place: set[int] = set()  # id(p) of the states the update may write over
         self._register_checkpoint_hooks()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # loaded (the state dict's tensors are the caller's), copied or unpickled: the next
+        # step writes new tensors (_update)
+        self._in_place = set()
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch's rule), after checking it: a key that is not a per-group setting
@@ -1165,7 +1175,13 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     ) -> None:
         """One QNVB step per group (`qnvb_update_many`) at the likelihood ``weight`` and
         with the group ``settings`` (by ``id`` of the group) the step read once, the means into
-        the parameters."""
+        the parameters.
+
+        The update writes its results over the state (``donate``) where the state's tensors
+        are the optimizer's own: those a previous step made. Those a `state_dict` handed out
+        or `load_state_dict` took in are the caller's too (torch's state dict holds the
+        state's tensors, not copies), so the next step makes new ones (copy on write): a state
+        dict taken earlier keeps its values."""
         counts = []
         by_group: dict[int, list[int]] = {}
         for i, (_, group) in enumerate(params):
@@ -1175,6 +1191,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             group = params[indices[0]][1]
             hp = settings[id(group)]
             states = [self.state[params[i][0]] for i in indices]
+            owned = all(id(params[i][0]) in self._in_place for i in indices)
             results = qnvb_update_many(
                 [state["mu"] for state in states],
                 [state["sigma"] for state in states],
@@ -1185,7 +1202,9 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 weight=weight,
                 prior_precision=group["prior_precision"],
                 compile=self.compile,
+                donate=DONATABLE if owned else (),
             )
+            self._in_place.update(id(params[i][0]) for i in indices)
             for i, state, result in zip(indices, states, results):
                 state["mu"], state["sigma"] = result.mu, result.sigma
                 state.update(result.state._asdict())
@@ -1230,7 +1249,11 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         the nodes come from torch's global random state, which this state dict does not hold:
         for a bit-for-bit resume, save and restore it beside it (``pyro.util.get_rng_state()`` /
         ``set_rng_state``), or build the optimizer with a ``generator``, whose state is saved
-        here."""
+        here.
+
+        Torch's state dict holds the state's own tensors, not copies; the step after it writes
+        new ones, so that the tensors of a state dict keep their values (`_update`)."""
+        self._in_place = set()
         return super().state_dict()
 
     _entry_key = "qnvb"
