@@ -424,3 +424,30 @@ def test_an_earlier_state_dict_keeps_its_values_through_later_steps():
         resumed.append(steps(4))
         _assert_bits_equal(held["state"], copies)
     assert resumed == [continued, continued]
+
+
+def test_a_qnvb_fit_on_a_non_contiguous_loc_is_the_contiguous_fit(fresh_param_store):
+    # a loc a user set to a transposed tensor cannot take the update's results through a flat
+    # view: QNVB leaves it undonated and writes it back (a first version raised a ValueError)
+    import pyro.distributions as dist
+    from pyro.infer.autoguide import AutoNormal
+
+    def model():
+        pyro.sample("w", dist.Normal(torch.zeros(3, 4), 1.0).to_event(2))
+
+    start = torch.randn(4, 3, generator=torch.Generator().manual_seed(0)).T
+    runs = []
+    for loc in (start, start.contiguous()):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoNormal(model)
+        guide()
+        with torch.no_grad():
+            guide.locs.w_unconstrained.data = loc.clone(memory_format=torch.preserve_format)
+        assert guide.locs.w_unconstrained.is_contiguous() == (loc is not start)
+        svi = SVI(model, guide, QNVB(), QuadratureELBO())
+        losses = [svi.step() for _ in range(4)]
+        runs.append((losses, guide.locs.w_unconstrained.detach().clone()))
+    assert runs[0][0] == runs[1][0]
+    assert torch.equal(runs[0][1], runs[1][1])
+    assert not torch.equal(runs[0][1], start)  # the means moved

@@ -120,16 +120,24 @@ def _gaussian_update_many(
     of each block's loc and state written over them (``donate``): the loc is the parameter's
     memory (or the minibatch rows' copy) and the state QNVB's own, both written with the results
     anyway; the scale is a transform of the parameter that the write-back compares the new one
-    with (`_finish_together`), so its results are new."""
+    with (`_finish_together`), so its results are new. A loc or state that is not contiguous (a
+    parameter a user set to a transposed tensor, and the state made like it) cannot take its
+    results through a flat view: that field is not donated, and the write-back copies."""
+    locs = [v["loc"] for v in values]
+    donate = tuple(
+        name
+        for name, tensors in (("mu", locs), ("state", [t for s in states for t in s]))
+        if all(t.is_contiguous() for t in tensors)
+    )
     results = qnvb_update_many(
-        [v["loc"] for v in values],
+        locs,
         [v["scale"] for v in values],
         gs,
         hs,
         states,
         hp,
         compile=compile,
-        donate=("mu", "state"),
+        donate=donate,
     )
     return [({"loc": r.mu, "scale": r.sigma}, r) for r in results]
 
