@@ -228,7 +228,8 @@ def test_sigma_pinned_at_sigma_max_is_warned():
     with pytest.warns(RuntimeWarning) as caught:
         optimizer.step(closure)
     assert [str(w.message) for w in caught] == [
-        "QNVBOptimizer: sigma pinned at sigma_max=100 at 3 coordinates (first: a parameter of "
+        "QNVBOptimizer: sigma pinned at sigma_max=100, or rising to it at the scale rate limit "
+        "(scale_max=10 a step), at 3 coordinates (first: a parameter of "
         "shape (3,)): the curvature asks for a wider sigma (too small a likelihood weight, a "
         "parameter the loss hardly depends on without a prior, or a curvature estimate still "
         "near 0 in the first steps), or sigma started above it; raise sigma_max if a wider "

@@ -554,7 +554,8 @@ def test_a_likelihood_weight_too_small_for_sigma_max_is_warned():
     # weight 1e-8 asks for sigma ~ 7e3 > sigma_max = 100 on all 3 coordinates; before, the floor
     # made the target exactly sigma_max and nothing was counted
     assert _linear(1e-8, 3) == [
-        "QNVBOptimizer: sigma pinned at sigma_max=100 at 3 coordinates (first: a parameter of "
+        "QNVBOptimizer: sigma pinned at sigma_max=100, or rising to it at the scale rate limit "
+        "(scale_max=10 a step), at 3 coordinates (first: a parameter of "
         "shape (3,)): the curvature asks for a wider sigma (too small a likelihood weight, a "
         "parameter the loss hardly depends on without a prior, or a curvature estimate still "
         "near 0 in the first steps), or sigma started above it; raise sigma_max if a wider "

@@ -295,7 +295,8 @@ def _count_message(kind: str, hp: QNVBHyperparameters, where: str) -> str:
             "smaller sigma; lower sigma_min if that is wanted"
         )
     return (
-        f"sigma pinned at sigma_max={hp.sigma_max:g} at {where}: the curvature asks for a wider "
+        f"sigma pinned at sigma_max={hp.sigma_max:g}, or rising to it at the scale rate limit "
+        f"(scale_max={hp.scale_max:g} a step), at {where}: the curvature asks for a wider "
         "sigma (too small a likelihood weight, a parameter the loss hardly depends on without a "
         "prior, or a curvature estimate still near 0 in the first steps), or sigma started above "
         "it; raise sigma_max if a wider posterior is wanted"
