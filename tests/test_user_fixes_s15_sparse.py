@@ -179,3 +179,12 @@ def test_sparse_qnvb_refuses_pyro_optim_keywords_naming_its_arguments(keyword):
     with pytest.raises(TypeError, match=r"num_epochs, an int; got the dict \{'lr': 0.1\}") as first:
         SparseQNVB({"lr": 0.1})
     assert "tau_max=, p_nonzero_low=" in str(first.value)
+
+
+@pytest.mark.parametrize("none", [None, {}])
+def test_sparse_qnvb_accepts_no_clipping_as_qnvb_does(none):
+    # QNVB takes clip_args=None or {} (no clipping asked for); SparseQNVB refused them
+    plain = SparseQNVB(steps_per_epoch=5, tau_max=0.05)
+    given = SparseQNVB(steps_per_epoch=5, tau_max=0.05, clip_args=none)
+    assert given.sparse_hyperparameters == plain.sparse_hyperparameters
+    assert repr(given) == repr(plain)

@@ -12,6 +12,7 @@ written, unchanged) is the package before the change, value for value.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pyro
@@ -451,3 +452,56 @@ def test_a_qnvb_fit_on_a_non_contiguous_loc_is_the_contiguous_fit(fresh_param_st
     assert runs[0][0] == runs[1][0]
     assert torch.equal(runs[0][1], runs[1][1])
     assert not torch.equal(runs[0][1], start)  # the means moved
+
+
+@pytest.mark.parametrize("how", ["expanded", "shared", "kept"])
+def test_a_sigma_a_user_assigns_into_the_state_is_not_written_over(how):
+    # a user resetting optimizer.state[p]["sigma"] between steps (torch's habit) got a ValueError
+    # naming `donate` for an expanded or shared tensor, and a kept tensor was written over
+    torch.manual_seed(0)
+    net = nn.Linear(3, 4)
+    x, y = torch.randn(16, 3), torch.randn(16, 4)
+    opt = QNVBOptimizer(net.parameters(), likelihood_weight=16)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.mse_loss(net(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        opt.step(closure)
+    w, b = net.weight, net.bias
+    if how == "expanded":
+        assigned = {b: torch.tensor(0.01).expand_as(b)}
+    elif how == "shared":
+        s = torch.full((4,), 0.01)
+        assigned = {b: s, w: s.view(1, 4).expand(3, 4).t()}  # one memory for both
+    else:
+        assigned = {b: torch.full_like(b, 0.01)}
+    kept = {p: t.clone() for p, t in assigned.items()}
+    for p, t in assigned.items():
+        opt.state[p]["sigma"] = t
+    before = {p: opt.state[p]["sigma"] for p in assigned}
+    reference = copy.deepcopy((net, opt))
+    torch.manual_seed(5)  # the nodes' draw, the same for the reference's step
+    opt.step(closure)
+    ref_net, ref_opt = reference
+    for p, t in assigned.items():
+        assert torch.equal(t, kept[p])  # the user's tensor is untouched
+        assert opt.state[p]["sigma"] is not before[p]
+    # and the step is the one a fresh copy of the same state takes
+    torch.manual_seed(5)
+    ref_opt.step(lambda: _closure_for(ref_net, ref_opt, x, y))
+    for p, q in zip(net.parameters(), ref_net.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["sigma"], ref_opt.state[q]["sigma"])
+    opt.step(closure)  # the step after writes in place again, on tensors it made
+    assert all(opt._owns(p) for p in net.parameters())
+
+
+def _closure_for(net, opt, x, y):
+    opt.zero_grad()
+    loss = F.mse_loss(net(x), y)
+    loss.backward()
+    return loss

@@ -74,7 +74,8 @@ class SparseQNVB(QNVB):
     `SparseQNVBHyperparameters` (defaults: Table 1;
     the initial learning rate is the guide's start, see below). Any other keyword (Pyro's
     ``optim_args`` or ``clip_args``, an ``lr``) is refused with a ``TypeError`` that lists the
-    arguments SparseQNVB takes. Table 1's ``tau_max = 0.3`` suits the paper's ternary network: a
+    arguments SparseQNVB takes (``clip_args=None`` or ``{}``, no clipping, is accepted, as by
+    `QNVB`). Table 1's ``tau_max = 0.3`` suits the paper's ternary network: a
     ReLU network whose weights are small against it diverges (the nodes lie ``tau_max`` from every
     weight), so take ``tau_max`` near its smallest layer's weight scale ('Limits' in
     ``docs/sparse_qnvb.md``). The nodes are the ELBO's: Table
@@ -114,6 +115,8 @@ class SparseQNVB(QNVB):
             _refuse_pyro_arguments(
                 f"SparseQNVB's first argument is num_epochs, an int; got the dict {num_epochs!r}"
             )
+        if unexpected.get("clip_args", 0) in (None, {}):  # no clipping asked for, as in QNVB
+            del unexpected["clip_args"]
         if unexpected:  # optim_args={...}, clip_args, lr: a Pyro user's habits, or a typo
             _refuse_pyro_arguments(
                 "SparseQNVB got the unexpected keyword argument(s) "

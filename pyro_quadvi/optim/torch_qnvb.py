@@ -15,7 +15,8 @@ where ``closure()`` is the mean loss per training case, as in the reference. Aft
 parameters hold the mean ``mu``; ``optimizer.state[p]["sigma"]`` holds the standard deviation. A
 change made to a parameter between steps is a change of its mean, which the next step takes. As
 in torch's optimizers, the tensors of ``optimizer.state[p]`` are the live state, updated in place
-by each step: clone one to keep its value (a `QNVBOptimizer.state_dict` keeps its values).
+by each step: clone one to keep its value (a `QNVBOptimizer.state_dict` keeps its values, and
+a tensor you assign into the state is not written over: the next step makes new ones).
 
 **One pass for all nodes.** Instead of a closure, `QNVBOptimizer.step` takes a loss function
 of the parameters and a batch, ``loss_fn(params: dict[str, Tensor], *batch)`` (the optimizer
@@ -148,6 +149,9 @@ def module_loss(module: nn.Module, criterion: Callable) -> ModuleLoss:
 
 _HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
 _STATE_NAMES = QNVBState._fields
+_OWNED_KEYS = ("mu", "sigma", *_STATE_NAMES)
+"""The state fields the update writes in place where the optimizer owns them
+(`QNVBOptimizer._owns`)."""
 _GROUP_KEYS = (*_HP_NAMES, "prior_precision", "init_sigma")
 """The settings a parameter group may hold (besides ``params`` and ``param_names``)."""
 _INERT_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
@@ -808,14 +812,23 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         self._decisions = DecisionCache()  # vectorize=None: decided once (_decision_key)
         self._written: dict[int, tuple[int, int]] = {}  # id(p) -> (_version, data_ptr)
         self._loaded: dict | None = None  # the "qnvb" entry being loaded (_check_loaded)
-        self._in_place: set[int] = set()  # id(p) of the states the update may write over
+        # id(p) -> the state tensors the last step wrote, which the next may write over
+        self._in_place: dict[int, tuple[torch.Tensor, ...]] = {}
         self._register_checkpoint_hooks()
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         # loaded (the state dict's tensors are the caller's), copied or unpickled: the next
         # step writes new tensors (_update)
-        self._in_place = set()
+        self._in_place = {}
+
+    def _owns(self, p: torch.Tensor) -> bool:
+        """Whether every state tensor of ``p`` is the one the last step wrote: not one a user
+        assigned into ``optimizer.state`` since (an expanded or shared tensor, or one the user
+        keeps), nor one a `state_dict` handed out or `load_state_dict` took in."""
+        written = self._in_place.get(id(p))
+        state = self.state[p]
+        return written is not None and all(state.get(k) is t for k, t in zip(_OWNED_KEYS, written))
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (torch's rule), after checking it: a key that is not a per-group setting
@@ -1178,8 +1191,9 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         the parameters.
 
         The update writes its results over the state (``donate``) where the state's tensors
-        are the optimizer's own: those a previous step made. Those a `state_dict` handed out
-        or `load_state_dict` took in are the caller's too (torch's state dict holds the
+        are the optimizer's own: those a previous step made (`_owns`). Those a user assigned
+        into ``optimizer.state``, a `state_dict` handed out or `load_state_dict` took in are
+        the caller's too (torch's state dict holds the
         state's tensors, not copies), so the next step makes new ones (copy on write): a state
         dict taken earlier keeps its values."""
         counts = []
@@ -1191,7 +1205,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             group = params[indices[0]][1]
             hp = settings[id(group)]
             states = [self.state[params[i][0]] for i in indices]
-            owned = all(id(params[i][0]) in self._in_place for i in indices)
+            owned = all(self._owns(params[i][0]) for i in indices)
             results = qnvb_update_many(
                 [state["mu"] for state in states],
                 [state["sigma"] for state in states],
@@ -1204,10 +1218,10 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 compile=self.compile,
                 donate=DONATABLE if owned else (),
             )
-            self._in_place.update(id(params[i][0]) for i in indices)
             for i, state, result in zip(indices, states, results):
                 state["mu"], state["sigma"] = result.mu, result.sigma
                 state.update(result.state._asdict())
+                self._in_place[id(params[i][0])] = tuple(state[k] for k in _OWNED_KEYS)
                 label = f"a parameter of shape {tuple(params[i][0].shape)}"
                 counts.append((label, hp, result_counts(result)))
         for p, _ in params:
@@ -1253,7 +1267,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
 
         Torch's state dict holds the state's own tensors, not copies; the step after it writes
         new ones, so that the tensors of a state dict keep their values (`_update`)."""
-        self._in_place = set()
+        self._in_place = {}
         return super().state_dict()
 
     _entry_key = "qnvb"
