@@ -19,8 +19,6 @@ import torch
 import torch.nn.functional as F
 from pyro.infer import SVI
 from torch import nn
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
@@ -32,6 +30,8 @@ from pyro_quadvi.optim.qnvb_functional import (
     qnvb_update,
     qnvb_update_many,
 )
+from pyro_quadvi.testing.compare import bit_patterns, equal_nested
+from pyro_quadvi.testing.memory import cpu_peak_bytes
 from pyro_quadvi.testing.meta import FakeSync
 
 #: awkward sizes: a single coordinate, below and above a vector and a chunk of 64, several
@@ -52,11 +52,6 @@ HYPERPARAMETERS = {
     "lr 0": QNVBHyperparameters(lr=0.0),
     "divisor may vanish": QNVBHyperparameters(eps=0.0, lr=math.inf, curvature="rms"),
 }
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bit patterns (``torch.equal`` holds ``-0.0 == 0.0``)."""
-    return t.reshape(-1).view(torch.int64 if t.dtype == torch.float64 else torch.int32)
 
 
 def _inputs(dtype, generator, step):
@@ -108,7 +103,7 @@ def test_chunks_give_the_one_buffer_results_bit_for_bit(
                 assert b.mu.shape == (n,) and b.state.damping.shape == (n,)
                 for x, y in zip((a.mu, a.sigma, *a.state), (b.mu, b.sigma, *b.state)):
                     assert x.dtype == y.dtype == dtype
-                    assert torch.equal(_bits(x), _bits(y)), chunk
+                    assert torch.equal(bit_patterns(x), bit_patterns(y)), chunk
                 for kind in COUNT_KINDS:
                     assert int(getattr(a, kind)) == int(getattr(b, kind)), kind
                 nonfinite += int(b.num_nonfinite)
@@ -126,7 +121,7 @@ def test_chunks_give_the_reference_update_of_each_tensor(hp, monkeypatch):
         for args, got in zip(zip(*inputs), results):
             want = qnvb_update(*args, hp, 50.0, 0.7)
             for x, y in zip((want.mu, want.sigma, *want.state), (got.mu, got.sigma, *got.state)):
-                assert torch.equal(_bits(x), _bits(y))
+                assert torch.equal(bit_patterns(x), bit_patterns(y))
             assert [int(getattr(got, k)) for k in COUNT_KINDS] == [
                 int(getattr(want, k)) for k in COUNT_KINDS
             ]
@@ -200,37 +195,6 @@ def test_off_the_cpu_a_network_of_millions_is_one_chunk(monkeypatch):
         assert calls == [device] * expected
 
 
-def _peak_bytes(fn) -> int:
-    """The most CPU memory held at once while ``fn()`` runs beyond what it started with: the
-    maximum of the running sum of the allocations and frees that torch's profiler records
-    (``profile_memory=True``), in time order; a free of memory allocated before is left out."""
-    events = []
-
-    def walk(node) -> None:
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            fields = node.extra_fields
-            events.append((node.start_time_ns, fields.ptr, fields.alloc_size))
-        for child in node.children:
-            walk(child)
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    live: set[int] = set()
-    running = peak = 0
-    for _, address, nbytes in sorted(events):
-        if nbytes > 0:
-            live.add(address)
-        elif address in live:
-            live.remove(address)
-        else:
-            continue
-        running += nbytes
-        peak = max(peak, running)
-    return peak
-
-
 def test_the_update_scratch_is_a_chunks_beyond_its_results():
     """Ten results (mean, scale, eight state fields) of P floats each, and scratch bounded by the
     chunk: the one-buffer update held about 20 P (its temporaries, the concatenated g and h)."""
@@ -244,7 +208,7 @@ def test_the_update_scratch_is_a_chunks_beyond_its_results():
     first = qnvb_update_many(mus, sigmas, mus, sigmas, states, hp)  # steady state: consecutive
     gs = [torch.randn(n) for n in sizes]
     hs = [torch.rand(n) * 1e-3 for n in sizes]
-    peak = _peak_bytes(
+    peak = cpu_peak_bytes(
         lambda: qnvb_update_many(
             [r.mu for r in first],
             [r.sigma for r in first],
@@ -293,27 +257,8 @@ def _torch_run(chunk, monkeypatch):
     return losses, optimizer.state_dict()
 
 
-def _assert_bits_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        if a.is_floating_point():
-            assert torch.equal(_bits(a), _bits(b))
-        else:
-            assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            _assert_bits_equal(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_bits_equal(x, y)
-    else:
-        assert a == b
-
-
 def test_qnvb_and_the_torch_optimizer_run_bit_for_bit_in_chunks(monkeypatch):
     """Whole steps (the scales' transform and write-back, the states rebound as pieces of the
     update's buffers) with the update in chunks of 64 and on one buffer: the same bits."""
-    _assert_bits_equal(_svi_run(64, monkeypatch), _svi_run(ONE_BUFFER, monkeypatch))
-    _assert_bits_equal(_torch_run(64, monkeypatch), _torch_run(ONE_BUFFER, monkeypatch))
+    assert equal_nested(_svi_run(64, monkeypatch), _svi_run(ONE_BUFFER, monkeypatch), bits=True)
+    assert equal_nested(_torch_run(64, monkeypatch), _torch_run(ONE_BUFFER, monkeypatch), bits=True)

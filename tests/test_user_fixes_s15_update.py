@@ -21,8 +21,6 @@ import torch
 import torch.nn.functional as F
 from pyro.infer import SVI
 from torch import nn
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
@@ -36,6 +34,8 @@ from pyro_quadvi.optim.qnvb_functional import (
     qnvb_update,
     qnvb_update_many,
 )
+from pyro_quadvi.testing.compare import bit_patterns, equal_nested
+from pyro_quadvi.testing.memory import cpu_peak_bytes
 from pyro_quadvi.testing.meta import FakeSync
 
 #: a single coordinate, below and above a vector and a chunk of 64, several chunks, empty tensors
@@ -55,11 +55,6 @@ HYPERPARAMETERS = {
     "lr 0": QNVBHyperparameters(lr=0.0),
     "divisor may vanish": QNVBHyperparameters(eps=0.0, lr=math.inf, curvature="rms"),
 }
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bit patterns (``torch.equal`` holds ``-0.0 == 0.0``)."""
-    return t.reshape(-1).view(torch.int64 if t.dtype == torch.float64 else torch.int32)
 
 
 def _fields(result: QNVBResult) -> tuple[torch.Tensor, ...]:
@@ -132,7 +127,7 @@ def test_in_place_results_are_the_pure_ones_bit_for_bit(
                 assert y_fields[0].shape == (n,)
                 for x, y in zip(x_fields, y_fields):
                     assert x.dtype == y.dtype == dtype
-                    assert torch.equal(_bits(x), _bits(y)), (chunk, donate)
+                    assert torch.equal(bit_patterns(x), bit_patterns(y)), (chunk, donate)
                 assert x_counts == y_counts
                 guarded += y_counts[0] + y_counts[1]
     assert guarded > 0  # the guard kept coordinates, in some chunks and not in others
@@ -149,7 +144,7 @@ def test_in_place_results_are_the_reference_rules_bit_for_bit(dtype, hp, monkeyp
             for args, (fields, counts) in zip(zip(*inputs), results):
                 want = qnvb_update(*args, hp, weight, prior_precision)
                 for x, y in zip(_fields(want), fields):
-                    assert torch.equal(_bits(x), _bits(y))
+                    assert torch.equal(bit_patterns(x), bit_patterns(y))
                 assert [int(getattr(want, k)) for k in COUNT_KINDS] == counts
 
 
@@ -202,36 +197,6 @@ def test_off_the_cpu_the_in_place_update_reads_nothing_back(monkeypatch):
     assert [r.mu is m for r, m in zip(results, mus)] == [True] * 3
 
 
-def _peak_bytes(fn) -> int:
-    """The most CPU memory held at once while ``fn()`` runs beyond what it started with: the
-    maximum of the running sum of the allocations and frees that torch's profiler records, in
-    time order; a free of memory allocated before is left out."""
-    events = []
-
-    def walk(node) -> None:
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
-        for child in node.children:
-            walk(child)
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
-    live: set[int] = set()
-    running = peak = 0
-    for _, address, nbytes in sorted(events):
-        if nbytes > 0:
-            live.add(address)
-        elif address in live:
-            live.remove(address)
-        else:
-            continue
-        running += nbytes
-        peak = max(peak, running)
-    return peak
-
-
 #: a bound on the update's scratch, in floats per coordinate of a chunk: `_flat_update` holds
 #: about 25 chunk-sized temporaries at once (every input's chunk read as a view, none copied
 #: where the tensors are consecutive), and the counts' masks are bytes
@@ -256,7 +221,7 @@ def test_the_in_place_update_holds_a_chunks_scratch_and_the_results_not_donated(
         sigmas = [torch.full_like(m, 0.01) for m in mus]
         states = [init_qnvb_state(m) for m in mus]
         first = qnvb_update_many(mus, sigmas, gs, hs, states, hp, donate=donate)  # consecutive
-        peak = _peak_bytes(
+        peak = cpu_peak_bytes(
             lambda first=first, donate=donate: qnvb_update_many(
                 [r.mu for r in first],
                 [r.sigma for r in first],
@@ -294,7 +259,7 @@ def _measured(module, peaks: list, monkeypatch):
 
     def measured(*args, **kwargs):
         out = []
-        peaks.append(_peak_bytes(lambda: out.append(update(*args, **kwargs))))
+        peaks.append(cpu_peak_bytes(lambda: out.append(update(*args, **kwargs))))
         return out[0]
 
     monkeypatch.setattr(module, "qnvb_update_many", measured)
@@ -322,25 +287,6 @@ def _svi_fit(steps: int = 20):
     return losses, params, optim.get_state(), versions, addresses
 
 
-def _assert_bits_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        if a.is_floating_point():
-            assert torch.equal(_bits(a), _bits(b))
-        else:
-            assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            _assert_bits_equal(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_bits_equal(x, y)
-    else:
-        assert a == b
-
-
 def test_a_qnvb_fit_is_the_pure_fit_bit_for_bit_in_place(monkeypatch):
     """A seeded 20-step SVI fit: the param store, the losses, QNVB's state and the loc
     parameters' version counters (the update writes the loc through ``.data``, as the write-back
@@ -354,7 +300,7 @@ def test_a_qnvb_fit_is_the_pure_fit_bit_for_bit_in_place(monkeypatch):
     peaks = []
     _measured(qnvb, peaks, monkeypatch)
     *got, addresses = _svi_fit()
-    _assert_bits_equal(want, got)
+    assert equal_nested(want, got, bits=True)
     assert all(a == addresses[1] for a in addresses[1:])  # in place after the first step
     count = sum(p.numel() for p in _net().parameters())  # 1,452: 23 chunks of 64
     scratch = SCRATCH_FLOATS * 4 * qnvb_functional._CHUNK
@@ -386,8 +332,8 @@ def test_a_torch_optimizer_fit_is_the_pure_fit_bit_for_bit_in_place(monkeypatch)
     peaks = []
     _measured(torch_qnvb, peaks, monkeypatch)
     *got, optimizer = _torch_fit(reload_at=10)
-    _assert_bits_equal(want, got)
-    _assert_bits_equal(want_optimizer.state_dict(), optimizer.state_dict())
+    assert equal_nested(want, got, bits=True)
+    assert equal_nested(want_optimizer.state_dict(), optimizer.state_dict(), bits=True)
     count = sum(p.numel() for p in _net().parameters())  # 1,452: 23 chunks of 64
     in_place = peaks[1:10] + peaks[11:]  # the first step and the one after the reload are pure
     scratch = SCRATCH_FLOATS * 4 * qnvb_functional._CHUNK
@@ -418,12 +364,12 @@ def test_an_earlier_state_dict_keeps_its_values_through_later_steps():
     held = {**saved, "state": {i: dict(entry) for i, entry in saved["state"].items()}}
     copies = {i: {k: v.clone() for k, v in entry.items()} for i, entry in held["state"].items()}
     continued = steps(4)
-    _assert_bits_equal(held["state"], copies)
+    assert equal_nested(held["state"], copies, bits=True)
     resumed = []
     for _ in range(2):
         optimizer.load_state_dict(held)
         resumed.append(steps(4))
-        _assert_bits_equal(held["state"], copies)
+        assert equal_nested(held["state"], copies, bits=True)
     assert resumed == [continued, continued]
 
 
@@ -505,3 +451,12 @@ def _closure_for(net, opt, x, y):
     loss = F.mse_loss(net(x), y)
     loss.backward()
     return loss
+
+
+def test_bit_for_bit_comparison_tells_signed_zeros_apart_and_matches_nans():
+    nan, zero = torch.tensor([float("nan"), 0.0]), torch.tensor([float("nan"), -0.0])
+    assert not equal_nested(nan, nan) and equal_nested(nan, nan, bits=True)
+    assert equal_nested(zero[1:], nan[1:]) and not equal_nested(
+        {"a": [zero]}, {"a": [nan]}, bits=True
+    )
+    assert not equal_nested(nan, nan.double(), bits=True)  # dtypes differ
