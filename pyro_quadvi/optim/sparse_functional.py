@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -247,16 +247,16 @@ class SparseQNVBResult(NamedTuple):
 
 
 def result_messages(
-    result: SparseQNVBResult, warned: set[str], cap: str | None = None
+    result: SparseQNVBResult, warned: set[str], cap: Callable[[], str] | None = None
 ) -> list[str]:
     """One message per kind of count of ``result`` that occurred and is not yet in ``warned``
     (the kinds reported are added to it). Reads the counts only while a kind is left to report.
-    ``cap`` (`step_cap_message`) replaces the general advice of the overflow and clamp messages."""
+    ``cap`` (a call of `step_cap_message`, made only for a message) replaces the general advice
+    of the overflow and clamp messages."""
     kinds = ("num_nonfinite", "num_overflow", "num_clamped")
     if warned.issuperset(kinds):
         return []
     counts = torch.stack([getattr(result, kind) for kind in kinds]).tolist()
-    advice = cap or "Lower tau_max or max_lr"
     texts = {
         "num_nonfinite": "non-finite gradient or curvature at {} coordinates; their term was "
         "dropped",
@@ -272,7 +272,9 @@ def result_messages(
         if count and kind not in warned:
             warned.add(kind)
             text = texts[kind].format(count)
-            messages.append(text + advice if kind != "num_nonfinite" else text)
+            if kind != "num_nonfinite":
+                text += cap() if cap is not None else "Lower tau_max or max_lr"
+            messages.append(text)
     return messages
 
 
@@ -282,19 +284,20 @@ magnitude is taken as divergence (`loss_growth_message`)."""
 
 
 def loss_growth_message(
-    first: float, value: float, step: int, what: str, cap: str | None = None
+    first: float, value: float, step: int, what: str, cap: Callable[[], str] | None = None
 ) -> str | None:
     """The warning for a loss that grew beyond ``first + 1000 |first|``, else ``None``.
 
     ``first`` is the first step's loss, that of the untrained model, which a converging run stays
     below up to minibatch noise (a small factor), while diverging means (see 'Limits' in the
     docs) grow it by many orders of magnitude. A first loss of exactly 0 gives no scale, and no
-    warning. ``step`` (1-based) and ``what`` (the loss, in words) go into the message; ``cap``
-    (`step_cap_message`) says which setting bounds the steps now, in place of the general advice.
+    warning. ``step`` (1-based) and ``what`` (the loss, in words) go into the message; ``cap`` (a
+    call of `step_cap_message`, made only for a warning) says which setting bounds the steps now,
+    in place of the general advice.
     """
     if not value - first > LOSS_GROWTH * abs(first) > 0:
         return None
-    advice = cap or "lower tau_max or max_lr"
+    advice = cap() if cap is not None else "lower tau_max or max_lr"
     return (
         f"{what} is {value:.3g} at step {step}, more than {LOSS_GROWTH:g} times the first step's "
         f"{first:.3g} above it: the Gaussian means may be diverging (see 'Limits' in "

@@ -263,7 +263,7 @@ class SparseQNVB(QNVB):
             value,
             self.counters.step + 1,
             "the loss (QuadratureELBO's)",
-            cap=self._step_cap(),
+            cap=self._step_cap,
         )
         if message is not None:
             self._warn_once("growth", f"SparseQNVB: {message}")
@@ -289,7 +289,7 @@ class SparseQNVB(QNVB):
             blocks, self.counters, g_terms, h_terms, hp, steps, self.cases_per_step
         )
         self.counters = result.counters
-        for message in result_messages(result, self._sparse_warned, self._step_cap()):
+        for message in result_messages(result, self._sparse_warned, self._step_cap):
             self._warn_once(message, f"SparseQNVB: {message} (this warning is shown once)")
         for (site, _, _), block in zip(sites, result.blocks):
             self.blocks[site.param_names["loc"]] = block

@@ -395,7 +395,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             p.copy_(block.mu)
             p.grad = None
         self._written.update(written_marks(params))
-        for message in result_messages(result, self._warned, self._step_cap()):
+        for message in result_messages(result, self._warned, self._step_cap):
             warnings.warn(
                 f"SparseQNVBOptimizer: {message} (this warning is shown once)",
                 RuntimeWarning,
@@ -414,7 +414,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             return
         what = "the loss averaged over the quadrature nodes"
         step = self.counters.step + 1
-        message = loss_growth_message(self.first_loss, value, step, what, cap=self._step_cap())
+        message = loss_growth_message(self.first_loss, value, step, what, cap=self._step_cap)
         if message is not None:
             self._warned.add("growth")
             warnings.warn(
