@@ -11,14 +11,11 @@ one-buffer result bit for bit.
 
 from __future__ import annotations
 
-import math
-
 import pyro
 import pytest
 import torch
 import torch.nn.functional as F
 from pyro.infer import SVI
-from torch import nn
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
@@ -33,41 +30,9 @@ from pyro_quadvi.optim.qnvb_functional import (
 from pyro_quadvi.testing.compare import bit_patterns, equal_nested
 from pyro_quadvi.testing.memory import cpu_peak_bytes
 from pyro_quadvi.testing.meta import FakeSync
+from pyro_quadvi.testing.update_cases import HYPERPARAMETERS, SIZES, hazard_moments, small_net
 
-#: awkward sizes: a single coordinate, below and above a vector and a chunk of 64, several
-#: chunks, empty tensors first, inside and last
-SIZES = [0, 1, 7, 63, 65, 4097, 0, 130, 64, 1, 0]
 ONE_BUFFER = 2**40  # a chunk larger than any test: the rules run once on the whole flat buffer
-HYPERPARAMETERS = {
-    "default": QNVBHyperparameters(),
-    "trust region, significance, beta1, window": QNVBHyperparameters(
-        lr=0.3, betas=(0.9, 0.99), significance=1.5, recent_fraction=0.5, trust_region=0.5
-    ),
-    "rms, no damping, no forgetting": QNVBHyperparameters(
-        curvature="rms", damping=False, drift_forgetting=0.0
-    ),
-    "forgetting 2, recovery 1, eps": QNVBHyperparameters(
-        drift_forgetting=2.0, damping_recovery=1.0, eps=1e-3
-    ),
-    "lr 0": QNVBHyperparameters(lr=0.0),
-    "divisor may vanish": QNVBHyperparameters(eps=0.0, lr=math.inf, curvature="rms"),
-}
-
-
-def _inputs(dtype, generator, step):
-    """Gradients and curvatures with every hazard of the guard: NaN, infinities, a ``g`` whose
-    square overflows, ``h <= 0``, spread over several chunks."""
-    big = torch.finfo(dtype).max ** 0.75
-    gs, hs = [], []
-    for n in SIZES:
-        g = torch.randn(n, generator=generator, dtype=dtype) * 3
-        h = torch.randn(n, generator=generator, dtype=dtype) + 0.5
-        if n > 3:
-            g[(7 * step + n) % n] = (math.nan, math.inf, big, -big)[step % 4]
-            h[(5 * step + 1) % n] = (-math.inf, 1e30, math.nan, 0.0)[step % 4]
-        gs.append(g)
-        hs.append(h)
-    return gs, hs
 
 
 def _steps(chunk, dtype, hp, weight, prior_precision, monkeypatch, steps=4):
@@ -80,7 +45,7 @@ def _steps(chunk, dtype, hp, weight, prior_precision, monkeypatch, steps=4):
     states = [init_qnvb_state(m) for m in mus]
     history = []
     for step in range(steps):
-        gs, hs = _inputs(dtype, generator, step)
+        gs, hs = hazard_moments(dtype, generator, step)
         results = qnvb_update_many(mus, sigmas, gs, hs, states, hp, weight, prior_precision)
         history.append(((mus, sigmas, gs, hs, states), results))
         mus, sigmas = [r.mu for r in results], [r.sigma for r in results]
@@ -226,19 +191,12 @@ def test_the_update_scratch_is_a_chunks_beyond_its_results():
     )
 
 
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(3, 40), nn.ReLU(), nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 2)
-    )
-
-
 def _svi_run(chunk, monkeypatch):
     monkeypatch.setattr(qnvb_functional, "_CHUNK", chunk)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
-    bnn = BayesianModule(_net(), priors.Normal(1.0), likelihoods.Categorical(100))
+    bnn = BayesianModule(small_net(), priors.Normal(1.0), likelihoods.Categorical(100))
     guide = AutoMeanFieldNormal(bnn)
     optim = QNVB()
     svi = SVI(bnn, guide, optim, QuadratureELBO("hadamard", num_points=4))
@@ -250,7 +208,7 @@ def _svi_run(chunk, monkeypatch):
 def _torch_run(chunk, monkeypatch):
     monkeypatch.setattr(qnvb_functional, "_CHUNK", chunk)
     x, y = torch.randn(16, 3, generator=torch.Generator().manual_seed(1)), torch.arange(16) % 2
-    net = _net()
+    net = small_net()
     optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=100.0, prior_precision=1)
     loss_fn = module_loss(net, F.cross_entropy)
     losses = [float(optimizer.step(loss_fn=loss_fn, batch=(x, y))) for _ in range(4)]

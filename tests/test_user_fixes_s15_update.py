@@ -13,7 +13,6 @@ written, unchanged) is the package before the change, value for value.
 from __future__ import annotations
 
 import copy
-import math
 
 import pyro
 import pytest
@@ -37,45 +36,13 @@ from pyro_quadvi.optim.qnvb_functional import (
 from pyro_quadvi.testing.compare import bit_patterns, equal_nested
 from pyro_quadvi.testing.memory import cpu_peak_bytes
 from pyro_quadvi.testing.meta import FakeSync
+from pyro_quadvi.testing.update_cases import HYPERPARAMETERS, SIZES, hazard_moments, small_net
 
-#: a single coordinate, below and above a vector and a chunk of 64, several chunks, empty tensors
-SIZES = [0, 1, 7, 63, 65, 4097, 0, 130, 64, 1, 0]
 ALL = ("mu", "sigma", "state")
-HYPERPARAMETERS = {
-    "default": QNVBHyperparameters(),
-    "trust region, significance, beta1, window": QNVBHyperparameters(
-        lr=0.3, betas=(0.9, 0.99), significance=1.5, recent_fraction=0.5, trust_region=0.5
-    ),
-    "rms, no damping, no forgetting": QNVBHyperparameters(
-        curvature="rms", damping=False, drift_forgetting=0.0
-    ),
-    "forgetting 2, recovery 1, eps": QNVBHyperparameters(
-        drift_forgetting=2.0, damping_recovery=1.0, eps=1e-3
-    ),
-    "lr 0": QNVBHyperparameters(lr=0.0),
-    "divisor may vanish": QNVBHyperparameters(eps=0.0, lr=math.inf, curvature="rms"),
-}
 
 
 def _fields(result: QNVBResult) -> tuple[torch.Tensor, ...]:
     return (result.mu, result.sigma, *result.state)
-
-
-def _moments(dtype, generator, step):
-    """Gradients and curvatures with every hazard of the guard (NaN, infinities, a ``g`` whose
-    square overflows, ``h <= 0``) in some chunks, none in others (``4097`` has its hazards in
-    its first 64 coordinates: its later chunks take the fast test)."""
-    big = torch.finfo(dtype).max ** 0.75
-    gs, hs = [], []
-    for n in SIZES:
-        g = torch.randn(n, generator=generator, dtype=dtype) * 3
-        h = torch.randn(n, generator=generator, dtype=dtype) + 0.5
-        if n > 3:
-            g[(7 * step + n) % min(n, 64)] = (math.nan, math.inf, big, -big)[step % 4]
-            h[(5 * step + 1) % min(n, 64)] = (-math.inf, 1e30, math.nan, 0.0)[step % 4]
-        gs.append(g)
-        hs.append(h)
-    return gs, hs
 
 
 def _snapshot(result: QNVBResult) -> tuple[list[torch.Tensor], list[int]]:
@@ -95,7 +62,7 @@ def _run(dtype, hp, weight, prior_precision, donate, chunk, monkeypatch, steps=4
     states = [init_qnvb_state(m) for m in mus]
     history = []
     for step in range(steps):
-        gs, hs = _moments(dtype, generator, step)
+        gs, hs = hazard_moments(dtype, generator, step, within=64)
         inputs = [[t.clone() for t in field] for field in (mus, sigmas, gs, hs)]
         inputs.append([QNVBState(*(t.clone() for t in s)) for s in states])
         results = qnvb_update_many(
@@ -238,13 +205,6 @@ def test_the_in_place_update_holds_a_chunks_scratch_and_the_results_not_donated(
         assert results_bytes <= peak <= results_bytes + scratch, (donate, peak / (4 * total))
 
 
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(3, 40), nn.ReLU(), nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 2)
-    )
-
-
 def _reference_many(mus, sigmas, gs, hs, states, hp, weight=1.0, prior_precision=0.0, **_):
     """The update as the package made it before the change, value for value: `qnvb_update`
     tensor by tensor (pure: every result a new tensor; ``donate`` ignored)."""
@@ -269,7 +229,7 @@ def _svi_fit(steps: int = 20):
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
-    bnn = BayesianModule(_net(), priors.Normal(1.0), likelihoods.Categorical(100))
+    bnn = BayesianModule(small_net(), priors.Normal(1.0), likelihoods.Categorical(100))
     guide = AutoMeanFieldNormal(bnn)
     optim = QNVB()
     svi = SVI(bnn, guide, optim, QuadratureELBO("hadamard", num_points=4))
@@ -302,14 +262,14 @@ def test_a_qnvb_fit_is_the_pure_fit_bit_for_bit_in_place(monkeypatch):
     *got, addresses = _svi_fit()
     assert equal_nested(want, got, bits=True)
     assert all(a == addresses[1] for a in addresses[1:])  # in place after the first step
-    count = sum(p.numel() for p in _net().parameters())  # 1,452: 23 chunks of 64
+    count = sum(p.numel() for p in small_net().parameters())  # 1,452: 23 chunks of 64
     scratch = SCRATCH_FLOATS * 4 * qnvb_functional._CHUNK
     assert 4 * count <= max(peaks[1:]) <= 4 * count + scratch < 10 * 4 * count
 
 
 def _torch_fit(steps: int = 20, reload_at: int | None = None):
     x, y = torch.randn(16, 3, generator=torch.Generator().manual_seed(1)), torch.arange(16) % 2
-    net = _net()
+    net = small_net()
     optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=100.0, prior_precision=1)
     loss_fn = module_loss(net, F.cross_entropy)
     losses = []
@@ -334,7 +294,7 @@ def test_a_torch_optimizer_fit_is_the_pure_fit_bit_for_bit_in_place(monkeypatch)
     *got, optimizer = _torch_fit(reload_at=10)
     assert equal_nested(want, got, bits=True)
     assert equal_nested(want_optimizer.state_dict(), optimizer.state_dict(), bits=True)
-    count = sum(p.numel() for p in _net().parameters())  # 1,452: 23 chunks of 64
+    count = sum(p.numel() for p in small_net().parameters())  # 1,452: 23 chunks of 64
     in_place = peaks[1:10] + peaks[11:]  # the first step and the one after the reload are pure
     scratch = SCRATCH_FLOATS * 4 * qnvb_functional._CHUNK
     assert max(in_place) <= scratch < 10 * 4 * count <= min(peaks[0], peaks[10])
@@ -345,7 +305,7 @@ def test_an_earlier_state_dict_keeps_its_values_through_later_steps():
     torch's optimizers): the tensors read from one keep their values through later steps, as
     when every step made new ones, and a state dict loaded twice resumes the same run twice."""
     x, y = torch.randn(16, 3, generator=torch.Generator().manual_seed(1)), torch.arange(16) % 2
-    net = _net()
+    net = small_net()
     optimizer = QNVBOptimizer(
         net.named_parameters(),
         likelihood_weight=100.0,
