@@ -1,8 +1,7 @@
 """The Python examples of README.md and docs/*.md run, and say what they claim.
 
-Every fenced ``python`` block of the pages covered here (README.md and docs/*.md, except
-``OTHER_PAGES``, whose blocks other tests own) carries a name, an HTML comment on the last
-non-blank line above its fence::
+Every fenced ``python`` block of README.md and docs/*.md carries a name, an HTML comment on the
+last non-blank line above its fence (at the fence's indentation in a list item)::
 
     <!-- docs-test: NAME -->
 
@@ -47,7 +46,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-OTHER_PAGES = ("docs/nn.md", "docs/benchmarks.md")  # their owners test their blocks
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*([\w-]+)\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)```python\s*$")
 
@@ -61,8 +59,7 @@ class Block:
 
 
 def pages() -> list[str]:
-    docs = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
-    return ["README.md"] + [page for page in docs if page not in OTHER_PAGES]
+    return ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 
 
 def blocks_of(page: str) -> list[Block]:
@@ -659,6 +656,117 @@ def whvi_hidden(ns: dict, out: str) -> None:
     assert math.isfinite(loss)
 
 
+# docs/nn.md is one session; its prose gives the first example N rows in minibatches `batches`
+# and test inputs `x_test`, the training loop's example all N rows `x, y` and test targets.
+NN_DATA = """
+import torch
+
+torch.manual_seed(0)
+N = 64
+inputs = torch.linspace(-2.0, 2.0, N).unsqueeze(-1)
+targets = torch.sin(2 * inputs).squeeze(-1) + 0.1 * torch.randn(N)
+batches = [(inputs[:32], targets[:32]), (inputs[32:], targets[32:])]
+x_test = torch.linspace(-2.0, 2.0, 20).unsqueeze(-1)
+"""
+NN_ALL_ROWS = """
+x, y = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+y_test = torch.sin(2 * x_test).squeeze(-1)
+"""
+# the `...` of "a guide of this bnn, trained as above": the first example's loop
+NN_TRAIN = """svi = SVI(bnn, guide, QNVB(), QuadratureELBO())
+for x_batch, y_batch in batches:
+    svi.step(x_batch, y_batch)
+"""
+NN_FIT_STEPS = 200  # of the page's 2000
+
+
+def latent_sites(trace: pyro.poutine.Trace) -> dict:
+    """The unobserved sample sites of a model's run, by name (no plates)."""
+    return {
+        name: site
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample"
+        and not site["is_observed"]
+        and not pyro.poutine.util.site_is_subsample(site)
+    }
+
+
+def started_at_the_net(ns: dict, out: str) -> None:
+    """Two QNVB steps from the net's initialization (each at most 0.3 sigma = 0.03) leave the
+    guide's means near the net's weights, which lie far from 0."""
+    pred, median = ns["pred"], ns["guide"].median()
+    for name, param in ns["net"].named_parameters():
+        assert (median[name] - param).abs().max() < 0.1, name
+    assert ns["net"][0].weight.abs().max() > 0.5  # so a start at 0 would fail the above
+    assert pred.outputs.shape == (64, 20, 1) and pred.mean.shape == (20, 1)
+    assert torch.equal(pred.weights, torch.full((64,), 1 / 64))  # random draws, 1/S each
+
+
+def gain_declared(ns: dict, out: str) -> None:
+    bnn = ns["bnn"]
+    assert bnn.hide == ("0.gain",)  # as the block's comment says
+    sites = latent_sites(pyro.poutine.trace(bnn).get_trace(torch.randn(3, 2), torch.randn(3)))
+    assert list(sites) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    bias = sites["0.bias"]["fn"].base_dist
+    assert isinstance(bias, torch.distributions.Laplace) and (bias.scale == 0.1).all()
+    weight = sites["0.weight"]["fn"]
+    assert (weight.mean == 0).all() and (weight.stddev == 1).all()  # N(0, 1)
+
+
+def heteroscedastic_likelihood(ns: dict, out: str) -> None:
+    """The scaled log likelihood the page states, at the weights of one run of the model."""
+    bnn, net, N = ns["bnn"], ns["net"], ns["N"]
+    x, y = ns["batches"][0]
+    trace = pyro.poutine.trace(bnn).get_trace(x, y)
+    weights = {name: site["value"] for name, site in latent_sites(trace).items()}
+    obs = trace.nodes["obs"]
+    outputs = torch.func.functional_call(net, weights, (x,))
+    row = torch.distributions.Normal(outputs[:, 0], outputs[:, 1].exp())
+    expected = (N / len(x)) * row.log_prob(y).sum()
+    torch.testing.assert_close(obs["scale"] * obs["fn"].log_prob(obs["value"]).sum(), expected)
+
+
+def total_variance(ns: dict, out: str) -> None:
+    p, mu, sigma2 = ns["p"], ns["mu"], ns["sigma2"]
+    assert p.mean.shape == (20, 2) and mu.shape == sigma2.shape == (64, 20)
+    assert p.probs is None and p.variance is None and p.noise_variance is None
+    torch.testing.assert_close(ns["mean"], mu.mean(0))
+    torch.testing.assert_close(ns["variance"], mu.var(0, correction=0) + sigma2.mean(0))
+
+
+def fit_history(ns: dict, out: str) -> None:
+    history = ns["history"]
+    assert len(history.loss) == NN_FIT_STEPS and all(map(math.isfinite, history.loss))
+    steps = [step for step, _ in history.metrics["test nll"]]
+    assert steps == list(range(100, NN_FIT_STEPS + 1, 100))  # every 100 steps, counted from 1
+
+
+def plotted_on_one_axis(ns: dict, out: str) -> None:
+    loss, nll = ns["plt"].gca().get_lines()
+    assert list(loss.get_xdata()) == list(range(1, NN_FIT_STEPS + 1))
+    assert list(nll.get_xdata()) == list(range(100, NN_FIT_STEPS + 1, 100))
+
+
+def likelihood_counted_ten_times(ns: dict, out: str) -> None:
+    bnn, guide, x, y = ns["bnn"], ns["guide"], ns["x"], ns["y"]
+    trace = pyro.poutine.trace(bnn).get_trace(x, y)
+    assert trace.nodes["obs"]["scale"] == 10 * ns["N"] / len(x)  # 1 / kl_weight times
+    assert all("qnvb" not in site["infer"] for site in latent_sites(trace).values())
+    assert ns["svi"].optim.hyperparameters.trust_region == 1.0
+    guide(x, y)  # "as the benchmark's": the net's weights, not the trained ones in the store
+    median = guide.median()
+    for name, param in ns["net"].named_parameters():
+        assert torch.equal(median[name], param.detach()), name
+    assert math.isfinite(ns["svi"].step(x, y))
+
+
+def hadamard_timing(ns: dict, out: str) -> None:
+    assert re.fullmatch(r"median \d+\.\d ms\n", out)
+    matrix = ns["nodes"].matrix()
+    assert matrix.shape == (4, 478410)  # D = 478,410, K = 4
+    assert set(matrix.unique().tolist()) == {-1.0, 1.0}
+
+
 EXAMPLES: dict[str, Example] = {
     # README.md and docs/index.md: the one-line change, on a model of the reader's
     "readme-quick-start": Example(
@@ -768,6 +876,27 @@ EXAMPLES: dict[str, Example] = {
     ),
     # docs/whvi.md
     "whvi-usage": Example("N = 100\n", check=whvi_hidden),
+    # docs/nn.md: one session, top to bottom
+    "nn-usage": Example(NN_DATA, check=started_at_the_net),
+    "nn-declarations": Example(after="nn-usage", check=gain_declared),
+    "nn-heteroscedastic": Example(after="nn-declarations", check=heteroscedastic_likelihood),
+    "nn-heteroscedastic-variance": Example(
+        after="nn-heteroscedastic", replace={"...\n": NN_TRAIN}, check=total_variance
+    ),
+    "nn-fit": Example(
+        NN_ALL_ROWS,
+        after="nn-heteroscedastic-variance",
+        replace={"(x, y), 2000,": f"(x, y), {NN_FIT_STEPS},"},
+        check=fit_history,
+    ),
+    "nn-fit-plot": Example(after="nn-fit", check=plotted_on_one_axis),
+    "nn-kl-weight": Example(after="nn-fit-plot", check=likelihood_counted_ten_times),
+    # docs/benchmarks.md
+    "benchmarks-hadamard-matrix": Example(check=hadamard_timing),
+    "benchmarks-cpu-scan": Example(
+        skip="a timing of MNIST at a path of the reader's, with benchmarks/bench_bnn_speed.py's "
+        "make_net on sys.path (tests import nothing from benchmarks/)"
+    ),
 }
 
 
@@ -803,16 +932,18 @@ def test_every_block_is_named():
 @pytest.fixture
 def docs_session(tmp_path, monkeypatch):
     """A clean slate for one session of examples: its files in a temporary directory, Pyro's
-    store empty, the default dtype, Pyro's settings and torch.distributed put back after."""
+    store empty, the default dtype, torch's thread count, Pyro's settings and torch.distributed
+    put back after."""
     import matplotlib
 
     matplotlib.use("Agg")
     monkeypatch.chdir(tmp_path)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    dtype = torch.get_default_dtype()
+    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
     yield
     torch.set_default_dtype(dtype)
+    torch.set_num_threads(threads)
     pyro.settings.set(module_local_params=False)
     pyro.clear_param_store()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
