@@ -5,6 +5,7 @@ draws of the posterior for predictions."""
 import copy
 import math
 import pickle
+import statistics
 import warnings
 
 import pytest
@@ -517,7 +518,8 @@ def test_a_deep_narrow_relu_net_with_dead_units_trains_without_diverging():
     # sigma (the tried rule "take exactly zero curvature"), they came alive at the wide nodes
     # with large activations and the loss went to inf at step 173 (20 layers: at step 8). The
     # held rule is not smooth either here (the loss spikes to 1.5e5 and recovers), but it stays
-    # finite and ends fitted
+    # finite and ends fitted. Fitted is read off the median of the last 50 losses: where a spike
+    # falls depends on the CPU's float rounding (on an AVX2 machine one peaks at step 199)
     torch.manual_seed(0)
     layers = [nn.Linear(20, 8), nn.ReLU()]
     for _ in range(5):
@@ -529,7 +531,8 @@ def test_a_deep_narrow_relu_net_with_dead_units_trains_without_diverging():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         losses = [float(optimizer.step(loss_fn=loss_fn, batch=(x, y))) for _ in range(200)]
-    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < 2.0, losses[-1]
+    assert all(math.isfinite(loss) for loss in losses)
+    assert statistics.median(losses[-50:]) < 2.0, losses[-50:]
 
 
 def _linear(likelihood_weight: float, steps: int) -> list[str]:
