@@ -2,6 +2,9 @@
 
 1. The optimizers' overflow, non-finite-loss and divergence messages advise float64 only where
    the run is of a lower precision: a float64 run is told what still applies.
+2. The claim of docs/sparse_qnvb.md ('Limits') on session 15's trial net at ``tau_max = 0.03``:
+   it learns nothing in 30 steps (the curvature floor is its learning rate while the sieve zeroes
+   the untrained weights), and ``late_tau_max=0.15`` from epoch 2 learns in those 30 steps.
 """
 
 from __future__ import annotations
@@ -172,3 +175,64 @@ def test_sparse_qnvb_loss_growth_advises_float64_only_in_float32(fresh_param_sto
         assert "lower max_lr; or use float64 (from a warm start" in message
     else:
         assert CAP_THEN_WARM_START in message and "float64" not in message
+
+
+# --------------------------------------- 2. the trial net at tau_max = 0.03, and the late floor
+
+TRIAL_CASES, TRIAL_STEPS_PER_EPOCH = 200, 10
+
+
+def _trial_rmse(**settings) -> tuple[float, float, float]:
+    """Session 15's trial through SparseQNVBOptimizer (as benchmarks/bench_sparse_qnvb_trial.py,
+    seed 0): 30 whole-batch steps of 3 epochs; returns the training RMSE before and after, and
+    the share of exact zeros."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(TRIAL_CASES, 50, generator=generator)
+    y = x[:, :3].sum(-1, keepdim=True) + 0.1 * torch.randn(TRIAL_CASES, 1, generator=generator)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(50, 400), nn.ReLU(), nn.Linear(400, 200), nn.ReLU())
+    net.append(nn.Linear(200, 1))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.uniform_(-0.05, 0.05)
+    optimizer = SparseQNVBOptimizer(
+        net.parameters(),
+        num_cases=TRIAL_CASES,
+        steps_per_epoch=TRIAL_STEPS_PER_EPOCH,
+        num_epochs=3,
+        target_sparsity=0.9,
+        tau_max=0.03,
+        prior_precision=1 / 1.3**2,
+        generator=torch.Generator().manual_seed(0),
+        **settings,
+    )
+
+    def rmse() -> float:
+        with torch.no_grad():
+            return float(((net(x) - y) ** 2).mean().sqrt())
+
+    def closure():
+        loss = 0.5 * ((net(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    before = rmse()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for _ in range(3 * TRIAL_STEPS_PER_EPOCH):
+            optimizer.step(closure)
+    zeros = sum(int((p == 0).sum()) for p in net.parameters())
+    return before, rmse(), zeros / sum(p.numel() for p in net.parameters())
+
+
+def test_the_trial_net_at_tau_max_0_03_learns_nothing_in_30_steps():
+    before, after, zeros = _trial_rmse()
+    assert before == pytest.approx(1.868, abs=1e-3)
+    assert after > 0.99 * before  # 1.862: the untrained fit
+    assert zeros == pytest.approx(0.946, abs=1e-3)
+
+
+def test_the_late_floor_makes_the_trial_net_learn_in_30_steps():
+    before, after, zeros = _trial_rmse(late_tau_max=0.15, late_epoch=2)
+    assert after < 0.25 < before / 7  # 0.184 against 1.868
+    assert zeros > 0.975  # 98.0%: the target 90% is a lower bound
