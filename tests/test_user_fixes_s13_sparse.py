@@ -191,12 +191,13 @@ def test_a_model_mask_removes_the_cross_entropy_and_keeps_the_guides_entropy(flo
 
 # ----------------------------------------------- 3. SparseQNVB warns on a diverging loss
 def test_the_growth_rule_is_one_pure_helper():
-    assert loss_growth_message(1.0, 1001.0, 4, "the loss") is None
-    message = loss_growth_message(1.0, 1001.5, 4, "the loss")
+    assert loss_growth_message(1.0, 1001.0, 4, "the loss", dtypes=[torch.float32]) is None
+    message = loss_growth_message(1.0, 1001.5, 4, "the loss", dtypes=[torch.float32])
     assert message.startswith("the loss is 1e+03 at step 4, more than 1000 times")
-    assert loss_growth_message(-2.0, 1998.0, 2, "x") is None
-    assert loss_growth_message(-2.0, 1998.5, 2, "x") is not None
-    assert loss_growth_message(0.0, 1e30, 2, "x") is None  # no scale, no warning
+    assert loss_growth_message(-2.0, 1998.0, 2, "x", dtypes=[torch.float32]) is None
+    assert loss_growth_message(-2.0, 1998.5, 2, "x", dtypes=[torch.float32]) is not None
+    # no scale, no warning
+    assert loss_growth_message(0.0, 1e30, 2, "x", dtypes=[torch.float32]) is None
 
 
 def _diverging_bnn():

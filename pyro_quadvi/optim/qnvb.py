@@ -609,7 +609,7 @@ class QNVB(PyroOptim):
         finally:
             self._described = None
         paired: set[int] = set()
-        counts: list[tuple[str, QNVBHyperparameters, torch.Tensor]] = []
+        counts: list[tuple[str, QNVBHyperparameters, torch.dtype, torch.Tensor]] = []
         prepared = []
         self._fresh = set()  # the blocks whose state starts this step (_state_for)
         for block in blocks:
@@ -963,7 +963,9 @@ class QNVB(PyroOptim):
             )
             for item, (new_values, result), w in zip(items, outcomes, whole):
                 if w:
-                    counts.append((f"site {item.site.name!r}", hp, result_counts(result)))
+                    label = f"site {item.site.name!r}"
+                    dtype = item.values["loc"].dtype
+                    counts.append((label, hp, dtype, result_counts(result)))
                 else:
                     self._finish_block(item, new_values, result, counts)
             if not (rebound and all(whole)):
@@ -1032,7 +1034,7 @@ class QNVB(PyroOptim):
         transform = transform_to(site.param_constraints["scale"])
         u = values["scale_leaf"]
         new_mu, new_sigma, new_state = new_values["loc"], new_values["scale"], result.state
-        counts.append((f"site {site.name!r}", item.hp, result_counts(result)))
+        counts.append((f"site {site.name!r}", item.hp, values["loc"].dtype, result_counts(result)))
         # an unchanged sigma keeps its parameter bit for bit (no round trip through the transform);
         # sigma_min keeps the inverse finite, a coordinate it cannot represent stays unchanged
         new_u = transform.inv(new_sigma)

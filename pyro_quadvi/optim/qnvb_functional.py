@@ -89,7 +89,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -105,6 +105,7 @@ __all__ = [
     "check_settings",
     "count_messages",
     "init_qnvb_state",
+    "or_float64",
     "qnvb_update",
     "qnvb_update_many",
     "result_counts",
@@ -278,14 +279,25 @@ COUNT_KINDS = ("num_nonfinite", "num_overflow", "num_sigma_min", "num_sigma_max"
 """The counts of a `QNVBResult` that an optimizer reports (once each)."""
 
 
-def _count_message(kind: str, hp: QNVBHyperparameters, where: str) -> str:
-    """The message for one of `COUNT_KINDS`; ``where``: how many coordinates, and where."""
+def or_float64(advice: str, dtypes: Iterable[torch.dtype], sep: str = " or ") -> str:
+    """``advice`` followed by ``sep`` and "use float64" where one of ``dtypes`` (the run's
+    floating dtypes) is of a lower precision than float64 (float32, bfloat16, float16); a run
+    already in float64 gets ``advice`` alone, the part that still applies."""
+    if any(torch.finfo(dtype).bits < 64 for dtype in dtypes):
+        return f"{advice}{sep}use float64"
+    return advice
+
+
+def _count_message(kind: str, hp: QNVBHyperparameters, dtype: torch.dtype, where: str) -> str:
+    """The message for one of `COUNT_KINDS`; ``where``: how many coordinates, and where;
+    ``dtype``: that of the first tensor concerned."""
     if kind == "num_nonfinite":
         return f"non-finite gradient or curvature at {where}; they were left unchanged"
     if kind == "num_overflow":
         return (
             "the update overflowed while the gradient was finite (e.g. g^2 beyond the dtype's "
-            f"range) at {where}; they were left unchanged: rescale the loss or use float64. If "
+            f"range) at {where}; they were left unchanged: "
+            f"{or_float64('rescale the loss', [dtype])}. If "
             "the loss has been growing, the means have diverged: cap their steps (trust_region="
             "0.3, the network settings a BayesianModule declares, or a smaller lr)"
         )
@@ -309,13 +321,13 @@ def result_counts(result: QNVBResult) -> torch.Tensor:
 
 
 def count_messages(
-    counts: list[tuple[str, QNVBHyperparameters, torch.Tensor]], warned: set[str]
+    counts: list[tuple[str, QNVBHyperparameters, torch.dtype, torch.Tensor]], warned: set[str]
 ) -> list[str]:
     """One message per kind of `COUNT_KINDS` not yet in ``warned`` that occurred.
 
     Args:
-        counts: per updated tensor, a label (``"site 'w'"``), its hyperparameters and its
-            `result_counts`.
+        counts: per updated tensor, a label (``"site 'w'"``), its hyperparameters, its dtype
+            (which says whether float64 is advice) and its `result_counts`.
         warned: the kinds already reported; the kinds reported now are added to it.
 
     The counts stay on the device until a kind is still to be reported; then one copy to the host
@@ -323,19 +335,17 @@ def count_messages(
     """
     if warned.issuperset(COUNT_KINDS) or not counts:
         return []
-    table = torch.stack([c for _, _, c in counts]).tolist()
+    table = torch.stack([c for *_, c in counts]).tolist()
     messages = []
     for column, kind in enumerate(COUNT_KINDS):
-        rows = [
-            (row[column], label, hp) for row, (label, hp, _) in zip(table, counts) if row[column]
-        ]
+        rows = [(row[column], *info) for row, (*info, _) in zip(table, counts) if row[column]]
         if kind in warned or not rows:
             continue
         warned.add(kind)
-        total = sum(n for n, _, _ in rows)
-        _, label, hp = rows[0]
+        total = sum(row[0] for row in rows)
+        _, label, hp, dtype = rows[0]
         where = f"{total} coordinates (first: {label})"
-        messages.append(_count_message(kind, hp, where))
+        messages.append(_count_message(kind, hp, dtype, where))
     return messages
 
 

@@ -68,7 +68,7 @@ from typing import NamedTuple
 
 import torch
 
-from .qnvb_functional import _check_number
+from .qnvb_functional import _check_number, or_float64
 
 __all__ = [
     "SievePieces",
@@ -252,7 +252,8 @@ def result_messages(
     """One message per kind of count of ``result`` that occurred and is not yet in ``warned``
     (the kinds reported are added to it). Reads the counts only while a kind is left to report.
     ``cap`` (a call of `step_cap_message`, made only for a message) replaces the general advice
-    of the overflow and clamp messages."""
+    of the overflow and clamp messages; the overflow message advises float64 only where a block
+    is of a lower precision (`or_float64`)."""
     kinds = ("num_nonfinite", "num_overflow", "num_clamped")
     if warned.issuperset(kinds):
         return []
@@ -261,8 +262,8 @@ def result_messages(
         "num_nonfinite": "non-finite gradient or curvature at {} coordinates; their term was "
         "dropped",
         "num_overflow": "the update overflowed at {} coordinates although the gradient and "
-        "curvature were finite; they kept their previous state (rescale the loss, or use "
-        "float64). ",
+        "curvature were finite; they kept their previous state "
+        f"({or_float64('rescale the loss', (b.mu.dtype for b in result.blocks), ', or ')}). ",
         "num_clamped": "the zero logits of {} coordinates reached the clamp +-sqrt(finfo.max) "
         "(h nu^2 overflowed: the Gaussian means have diverged); tied there, the sieve ranks them "
         "by index rather than by evidence (see 'Limits' in docs/sparse_qnvb.md). ",
@@ -284,7 +285,13 @@ magnitude is taken as divergence (`loss_growth_message`)."""
 
 
 def loss_growth_message(
-    first: float, value: float, step: int, what: str, cap: Callable[[], str] | None = None
+    first: float,
+    value: float,
+    step: int,
+    what: str,
+    cap: Callable[[], str] | None = None,
+    *,
+    dtypes: Sequence[torch.dtype],
 ) -> str | None:
     """The warning for a loss that grew beyond ``first + 1000 |first|``, else ``None``.
 
@@ -293,16 +300,17 @@ def loss_growth_message(
     docs) grow it by many orders of magnitude. A first loss of exactly 0 gives no scale, and no
     warning. ``step`` (1-based) and ``what`` (the loss, in words) go into the message; ``cap`` (a
     call of `step_cap_message`, made only for a warning) says which setting bounds the steps now,
-    in place of the general advice.
+    in place of the general advice; ``dtypes`` (the means') add "use float64" to it where one is
+    of a lower precision (`or_float64`).
     """
     if not value - first > LOSS_GROWTH * abs(first) > 0:
         return None
-    advice = cap() if cap is not None else "lower tau_max or max_lr"
+    advice = or_float64(cap() if cap is not None else "lower tau_max or max_lr", dtypes, "; or ")
     return (
         f"{what} is {value:.3g} at step {step}, more than {LOSS_GROWTH:g} times the first step's "
         f"{first:.3g} above it: the Gaussian means may be diverging (see 'Limits' in "
-        f"docs/sparse_qnvb.md). {advice}; or use float64 (from a warm start whose first loss is "
-        "near 0 the sieve zeroing weights can do this too). This warning is shown once"
+        f"docs/sparse_qnvb.md). {advice} (from a warm start whose first loss is near 0 the sieve "
+        "zeroing weights can do this too). This warning is shown once"
     )
 
 

@@ -239,7 +239,7 @@ class SparseQNVB(QNVB):
             _refuse_unpaired(len(params), families)
         paired = {id(leaf) for site, _, _ in sites for leaf in site.params.values()}
         if loss is not None:
-            self._check_growth(loss)
+            self._check_growth(loss, [site.values["loc"].dtype for site, _, _ in sites])
         if sites:
             self._update(sites)
         rest = [p for p in params if id(p) not in paired]
@@ -247,11 +247,11 @@ class SparseQNVB(QNVB):
             self._guarded_fallback(rest, *args, **kwargs)
         self.num_steps += 1
 
-    def _check_growth(self, loss: torch.Tensor) -> None:
+    def _check_growth(self, loss: torch.Tensor, dtypes: list[torch.dtype]) -> None:
         """Warn once where the step's loss (published by ``QuadratureELBO`` with the moments)
         grew beyond ``first + 1000 |first|``, as `SparseQNVBOptimizer` does
         (`loss_growth_message`): the Gaussian means
-        may be diverging. The first loss is kept in `get_state`."""
+        may be diverging. The first loss is kept in `get_state`; ``dtypes``: the means'."""
         if "growth" in self._warned:
             return
         value = float(loss)  # (one read from the device, this optimizer's only)
@@ -264,6 +264,7 @@ class SparseQNVB(QNVB):
             self.counters.step + 1,
             "the loss (QuadratureELBO's)",
             cap=self._step_cap,
+            dtypes=dtypes,
         )
         if message is not None:
             self._warn_once("growth", f"SparseQNVB: {message}")

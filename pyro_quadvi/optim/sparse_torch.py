@@ -371,7 +371,8 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         loss_avg, moments = closure_moments(
             params, mus, sigmas, nodes, closure, "SparseQNVBOptimizer"
         )
-        self._check_growth(check_finite_loss(loss_avg, params, mus, "SparseQNVBOptimizer"))
+        value = check_finite_loss(loss_avg, params, mus, "SparseQNVBOptimizer")
+        self._check_growth(value, [p.dtype for p in params])
         scale = self.num_cases / self.steps_per_epoch
         prior = self.prior_precision / self.steps_per_epoch
         g_terms, h_terms = [], []
@@ -403,10 +404,10 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             )
         return loss_avg
 
-    def _check_growth(self, value: float) -> None:
+    def _check_growth(self, value: float, dtypes: list[torch.dtype]) -> None:
         """Warn once where the loss grew beyond ``first + 1000 |first|``
-        (`loss_growth_message`). ``value`` is the
-        step's average loss as `check_finite_loss` read it (no second host sync)."""
+        (`loss_growth_message`). ``value`` is the step's average loss as `check_finite_loss`
+        read it (no second host sync); ``dtypes``: the parameters'."""
         if "growth" in self._warned:
             return
         if self.first_loss is None:
@@ -414,7 +415,9 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             return
         what = "the loss averaged over the quadrature nodes"
         step = self.counters.step + 1
-        message = loss_growth_message(self.first_loss, value, step, what, cap=self._step_cap)
+        message = loss_growth_message(
+            self.first_loss, value, step, what, cap=self._step_cap, dtypes=dtypes
+        )
         if message is not None:
             self._warned.add("growth")
             warnings.warn(

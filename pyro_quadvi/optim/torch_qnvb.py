@@ -60,6 +60,7 @@ from .qnvb_functional import (
     check_settings,
     count_messages,
     init_qnvb_state,
+    or_float64,
     qnvb_update_many,
     result_counts,
 )
@@ -534,7 +535,8 @@ def check_finite_loss(
 
     A node's NaN or infinite loss makes its gradients so at nearly every coordinate, which the
     update's guard would leave unchanged: a step that learns nothing, told by a warning only.
-    The parameters go back to their means (``mus``) before the error.
+    The parameters go back to their means (``mus``) before the error, whose advice names
+    float64 only where the loss or a parameter is of a lower precision (`or_float64`).
     """
     value = float(loss_avg)
     if math.isfinite(value):
@@ -542,12 +544,14 @@ def check_finite_loss(
     for p, mu in zip(params, mus):
         p.copy_(mu)
         p.grad = None
+    dtypes = [loss_avg.dtype, *(p.dtype for p in params)]
     raise ValueError(
         f"{owner}: the loss averaged over the quadrature nodes is {value}: the loss is "
         "not finite at some node (a NaN or infinity in the batch, or a model that overflows "
-        "there). The parameters are left at their means and the step was not taken: check the "
-        "data, or use float64. To skip such a step and go on, catch this ValueError, but not "
-        "under DistributedDataParallel, whose other ranks, finite, took the step"
+        "there). The parameters are left at their means and the step was not taken: "
+        f"{or_float64('check the data', dtypes, ', or ')}. To skip such a step and go on, catch "
+        "this ValueError, but not under DistributedDataParallel, whose other ranks, finite, took "
+        "the step"
     )
 
 
@@ -1223,7 +1227,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 state.update(result.state._asdict())
                 self._in_place[id(params[i][0])] = tuple(state[k] for k in _OWNED_KEYS)
                 label = f"a parameter of shape {tuple(params[i][0].shape)}"
-                counts.append((label, hp, result_counts(result)))
+                counts.append((label, hp, params[i][0].dtype, result_counts(result)))
         for p, _ in params:
             p.copy_(self.state[p]["mu"])
             p.grad = None
@@ -1231,7 +1235,9 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         self.num_steps += 1
         self._warn(counts)
 
-    def _warn(self, counts: list[tuple[str, QNVBHyperparameters, torch.Tensor]]) -> None:
+    def _warn(
+        self, counts: list[tuple[str, QNVBHyperparameters, torch.dtype, torch.Tensor]]
+    ) -> None:
         """Warn once per kind of count (`count_messages`: at most one host sync)."""
         for message in count_messages(counts, self._warned):
             warnings.warn(
