@@ -29,6 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNS = {
     "bnn_speed": ("bench_bnn_speed.py", "--nets 1-50-1 --repeats 1 --steps 1 --no-compile", ()),
     "arviz_export": ("arviz_export.py", "--repeats 1", ()),
+    "sparse_qnvb_trial": (
+        "bench_sparse_qnvb_trial.py",
+        "--steps 3 --report 3 --methods sparse qnvb adam pyro",
+        (),
+    ),
     "elbo_cost": ("bench_elbo_cost.py", "--repeats 1 --steps 2", ()),
     "exactness": ("bench_exactness.py", "--dim 16 --trials 2 --max-k 6 --plot ''", ()),
     "predict_memory": (
@@ -133,15 +138,16 @@ def _table_rows(stdout: str) -> int:
 
 
 # in the default suite: the scripts that subclass the package's classes or call its private
-# functions (bnn_speed, blocked_signs, small_net_elbo: the ones a refactor breaks first) and two
-# quick ones of the export and the sparse optimizers; the others with ``-m slow`` (together 65 s
-# on one core, mostly each process's imports of torch and pyro)
+# functions (bnn_speed, blocked_signs, small_net_elbo, sparse_qnvb_trial: the ones a refactor
+# breaks first) and two quick ones of the export and the sparse optimizers; the others with
+# ``-m slow`` (together 65 s on one core, mostly each process's imports of torch and pyro)
 INTERNALS = {
     "bnn_speed",
     "arviz_export",
     "blocked_signs",
     "small_net_elbo",
     "sparse_qnvb_integration",
+    "sparse_qnvb_trial",
 }
 
 

@@ -236,3 +236,13 @@ def test_the_late_floor_makes_the_trial_net_learn_in_30_steps():
     before, after, zeros = _trial_rmse(late_tau_max=0.15, late_epoch=2)
     assert after < 0.25 < before / 7  # 0.184 against 1.868
     assert zeros > 0.975  # 98.0%: the target 90% is a lower bound
+
+
+def test_sparse_qnvb_refusing_initial_lr_says_where_table_1_start_goes():
+    # SparseQNVBOptimizer takes initial_lr; the Pyro front end reads the start from the guide,
+    # and its refusal named every argument it takes but not where initial_lr went
+    with pytest.raises(TypeError) as refused:
+        SparseQNVB(steps_per_epoch=5, initial_lr=1e-5)
+    message = str(refused.value)
+    assert "unexpected keyword argument(s) initial_lr=1e-05 (Table 1's initial_lr" in message
+    assert "AutoSpikeSlab(model, init_scale=initial_lr**0.5, init_inclusion=1 - 1e-9)" in message

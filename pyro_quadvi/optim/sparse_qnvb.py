@@ -118,10 +118,15 @@ class SparseQNVB(QNVB):
         if unexpected.get("clip_args", 0) in (None, {}):  # no clipping asked for, as in QNVB
             del unexpected["clip_args"]
         if unexpected:  # optim_args={...}, clip_args, lr: a Pyro user's habits, or a typo
-            _refuse_pyro_arguments(
-                "SparseQNVB got the unexpected keyword argument(s) "
-                + ", ".join(f"{name}={value!r}" for name, value in unexpected.items())
+            what = "SparseQNVB got the unexpected keyword argument(s) " + ", ".join(
+                f"{name}={value!r}" for name, value in unexpected.items()
             )
+            if "initial_lr" in unexpected:  # SparseQNVBOptimizer's argument, here the guide's
+                what += (
+                    " (Table 1's initial_lr is the guide's start in the Pyro front end: "
+                    "AutoSpikeSlab(model, init_scale=initial_lr**0.5, init_inclusion=1 - 1e-9))"
+                )
+            _refuse_pyro_arguments(what)
         _check_int("num_epochs", num_epochs, 3)
         if steps_per_epoch is None:
             raise TypeError(
