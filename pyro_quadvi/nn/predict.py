@@ -174,7 +174,6 @@ def predict(
             )
         known = _DECISIONS.get(bnn) if vectorize is not False else None
         mode = known.vectorized if vectorize is None and known is not None else vectorize
-        tolerance = torch.finfo(weights.dtype).eps ** 0.5
         pieces = (x,) if batch_size is None else x.split(batch_size)
         if len(pieces) <= 1:
             pieces = (x,)  # one pass (also for an x of no rows)
@@ -190,8 +189,6 @@ def predict(
             mode,
             # a pass checked on an earlier call for this bnn is not checked again
             probe=() if mode and known is not None and known.vectorized else (0, len(weights) - 1),
-            rtol=tolerance,
-            atol=tolerance,
             what="predict",
         )
         # an explicit False decides nothing; a pass checked under True replaces a loop decided

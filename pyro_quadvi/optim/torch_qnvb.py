@@ -602,17 +602,18 @@ def _decision_key(loss_fn: LossFunction) -> tuple[tuple, tuple[bool, ...] | None
     return (loss_fn,), flags
 
 
-def _check_tolerances(device_type: str) -> tuple[float, float]:
-    """The relative and absolute tolerances of the probes' check: ``1e-5`` and ``1e-6``, or
-    under ``torch.autocast`` the autocast dtype's machine epsilon (``7.8e-3`` for bfloat16): a
-    batched product rounds differently in half precision (by ``1.5e-4`` relative on a 20-64-1
-    net in bfloat16 on the CPU), while a loss that is not a function of its parameters (dropout
-    in training mode) or a pass that mixes the nodes differs by far more."""
+def _check_tolerances(device_type: str) -> tuple[float | None, float | None]:
+    """The relative and absolute tolerances of the probes' check: those of the losses' dtype
+    (`probe_tolerance`: ``None``), or under ``torch.autocast`` the autocast dtype's machine
+    epsilon (``7.8e-3`` for bfloat16): a batched product rounds differently in half precision
+    (by ``1.5e-4`` relative on a 20-64-1 net in bfloat16 on the CPU), while a loss that is not a
+    function of its parameters (dropout in training mode) or a pass that mixes the nodes differs
+    by far more."""
     # (a device without autocast, "meta" say, cannot be asked whether it is on)
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         tolerance = torch.finfo(torch.get_autocast_dtype(device_type)).eps
         return tolerance, tolerance
-    return 1e-5, 1e-6
+    return None, None
 
 
 class _BufferSnapshot:
