@@ -245,6 +245,10 @@ def main(argv=None) -> None:
         help="QNVB methods only, once per ablation ('none': the defaults)",
     )
     args = parser.parse_args(argv)
+    known = [m.name for m in (qnvb_methods() if args.ablate is not None else methods())]
+    unknown = sorted(set(args.methods or ()) - set(known))
+    if unknown:
+        parser.error(f"unknown --methods {unknown}; known: {known}")
     torch.set_default_dtype(torch.float64)
     all_problems = problems()
     chosen = args.problems or list(all_problems)

@@ -129,13 +129,20 @@ def fit(num_steps: int = 1) -> ExpScaleGuide:
     return guide
 
 
+def _digits(values: torch.Tensor) -> str:
+    """12 significant digits: the fit is exact to rounding, whose last digits vary by machine."""
+    if values.dim() == 0:
+        return f"{float(values):.12g}"
+    return "[" + ", ".join(f"{v:.12g}" for v in values.tolist()) + "]"
+
+
 def main() -> None:
     guide = fit()
     for name, (mean, std) in exact_posterior().items():
         loc = guide.locs[name].detach()
         scale = guide.log_scales[name].detach().exp()
-        print(f"{name}: loc {loc.tolist()} (exact {mean.tolist()})")
-        print(f"{' ' * len(name)}  scale {scale.tolist()} (exact {std.tolist()})")
+        print(f"{name}: loc {_digits(loc)} (exact {_digits(mean)})")
+        print(f"{' ' * len(name)}  scale {_digits(scale)} (exact {_digits(std)})")
     result = opqa_evidence(model, center="guide", guide=guide)
     print(f"log evidence: OPQA {result.log_evidence:.10f}, exact {exact_log_evidence():.10f}")
     assert math.isclose(result.log_evidence, exact_log_evidence(), abs_tol=1e-8)

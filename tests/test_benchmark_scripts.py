@@ -163,3 +163,10 @@ def test_the_benchmark_script_finishes(name, tmp_path):
     assert not missing, f"{script} did not write {missing}"
     if not files and name not in NO_TABLE:
         assert _table_rows(done.stdout) >= 1, f"{script} printed no table:\n{done.stdout[-2000:]}"
+
+
+def test_bench_qnvb_refuses_a_method_it_does_not_know(tmp_path):
+    # a misspelt --methods name used to be dropped silently, leaving a table without its row
+    done = _run("bench_qnvb.py", "--methods 'QNVB + Trace_ELBO' 'Adam + Trace_ELBO'", tmp_path)
+    assert done.returncode == 2
+    assert "unknown --methods ['Adam + Trace_ELBO']; known: ['QNVB + QuadratureELBO" in done.stderr

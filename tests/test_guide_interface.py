@@ -6,6 +6,7 @@ import functools
 import gc
 import math
 import weakref
+from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
@@ -378,3 +379,13 @@ def test_a_registered_callable_guide_is_paired_and_an_unregistered_one_is_not():
     qnvb = QNVB()
     SVI(conjugate_model, guide, qnvb, Trace_ELBO()).step()
     assert set(qnvb.get_state()["qnvb"]["pairs"]) == {"cg.loc"}
+
+
+def test_the_guides_page_shows_what_the_example_prints(load_script, capsys):
+    # docs/guides.md shows the script's output below its command; the full float reprs it once
+    # showed differed in the last digits from machine to machine
+    load_script("examples/custom_guide.py").main()
+    printed = capsys.readouterr().out
+    page = (Path(__file__).resolve().parent.parent / "docs" / "guides.md").read_text()
+    shown = page.split("python examples/custom_guide.py\n```\n\n```\n", 1)[1].split("```", 1)[0]
+    assert printed == shown

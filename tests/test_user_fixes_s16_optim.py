@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pyro
@@ -246,3 +247,16 @@ def test_sparse_qnvb_refusing_initial_lr_says_where_table_1_start_goes():
     message = str(refused.value)
     assert "unexpected keyword argument(s) initial_lr=1e-05 (Table 1's initial_lr" in message
     assert "AutoSpikeSlab(model, init_scale=initial_lr**0.5, init_inclusion=1 - 1e-9)" in message
+
+
+@pytest.mark.parametrize("name", ["lr", "scale_max", "trust_region"])
+def test_the_caps_may_be_infinite_as_docs_qnvb_md_says(name):
+    # docs/qnvb.md said every setting must be finite; these three are caps, and inf is no cap
+    assert getattr(QNVB(**{name: math.inf}).hyperparameters, name) == math.inf
+
+
+@pytest.mark.parametrize("name", ["eps", "significance", "damping_recovery", "drift_forgetting"])
+def test_the_other_settings_refuse_infinity_and_nan_naming_the_setting(name):
+    for value in (math.inf, math.nan):
+        with pytest.raises(ValueError, match=name):
+            QNVB(**{name: value})

@@ -96,7 +96,9 @@ def _linear_predictor(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (b @ x.T).reshape(*b.shape[:-2], x.shape[0])
 
 
-def linear_regression(d: int, rho: float = 0.0, n: int | None = None, seed: int = 0):
+def linear_regression(
+    d: int, rho: float = 0.0, n: int | None = None, seed: int = 0
+) -> tuple[MeanFieldProblem, torch.Tensor, torch.Tensor]:
     """``b ~ N(0, I)``, ``y ~ N(X b, 1)``: the optimal mean field in closed form.
 
     Returns:
@@ -188,7 +190,9 @@ def minimize_mean_field(
     raise RuntimeError(f"the reference did not converge: residual {residual:.2e}")
 
 
-def logistic_regression(d: int, n: int, seed: int = 0, prior_scale: float = 1.0):
+def logistic_regression(
+    d: int, n: int, seed: int = 0, prior_scale: float = 1.0
+) -> tuple[MeanFieldProblem, torch.Tensor, torch.Tensor]:
     """``b ~ N(0, prior_scale^2 I)``, ``y ~ Bernoulli(sigmoid(X b))``; reference by L-BFGS.
 
     The ELBO's likelihood term is a sum of one-dimensional expectations over
