@@ -78,3 +78,42 @@ def test_a_float32_pass_off_by_1e_3_is_still_refused_and_5e_5_taken():
     # float64 keeps 1e-6: 5e-5 is refused there
     with pytest.raises(BatchMismatch):
         evaluate_batch(*_scaled(1 + 5e-5), points.double(), True)
+
+
+def _offset(values: torch.Tensor, at: tuple[int, ...], by: float):
+    """A batched evaluation equal to ``values`` at every point but one entry of each, off by
+    ``by``; the single evaluation returns ``values[k]``."""
+
+    def batched(points):
+        out = values.clone()
+        out[(slice(None), *at)] += by
+        return out
+
+    return batched, lambda point: values[int(point)]
+
+
+def test_a_small_entry_beside_large_ones_is_compared_at_the_tensor_s_scale():
+    # the trial's case: predict's probes compared logits elementwise, and a logit near 0 beside
+    # logits of 1e5 moved by what they round to (21.7507 against 21.7351 next to 8.3e5)
+    logits = torch.tensor([[8.3e5, 21.7351, -4.1e5], [7.9e5, 3.0, -2.2e5]]).expand(4, 2, 3)
+    points = torch.arange(4)
+    _, decision = evaluate_batch(*_offset(logits, (0, 1), 0.0156), points, True)
+    assert decision.vectorized  # 0.0156 is 1.9e-8 of 8.3e5
+    with pytest.raises(BatchMismatch, match=r"largest difference 415, 0.0005 of the largest"):
+        evaluate_batch(*_offset(logits, (0, 1), 415.0), points, True)  # 5e-4 > 3.5e-4
+
+
+def test_a_disagreement_at_rounding_scale_says_so_and_a_large_one_blames_broadcasting():
+    values = torch.full((4,), -20000.0)
+    points = torch.arange(4)
+    with pytest.raises(BatchMismatch) as small:
+        evaluate_batch(*_offset(values, (), 78.0), points, True)  # 3.9e-3: 11 tolerances
+    message = str(small.value)
+    assert "78, 0.0039 of the largest value 2e+04). A difference this small may be" in message
+    assert "run in float64 to tell" in message and "batch dims outside every plate" not in message
+    with pytest.raises(BatchMismatch) as large:
+        evaluate_batch(*_offset(values, (), 2000.0), points, True)  # 0.1: 290 tolerances
+    message = str(large.value)
+    assert "ill-conditioned" not in message and "batch dims outside every plate" in message
+    with pytest.warns(UserWarning, match="A difference this small may be the rounding"):
+        evaluate_batch(*_offset(values, (), 78.0), points, None)

@@ -25,6 +25,7 @@ instead of carrying the first model's answer over.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 import weakref
@@ -259,10 +260,15 @@ def evaluate_batch(
             )
             return _loop(single, points, known), BatchDecision(False, again, 0)
         if vectorize is True:
+            cause = (
+                ""
+                if "ill-conditioned" in reason
+                else ", so the model does not broadcast over the points (a latent with batch "
+                "dims outside every plate, say)"
+            )
             raise BatchMismatch(
                 f"{what}(vectorize=True): the vectorized pass over all {K} points cannot be "
-                f"trusted: {reason}, so the model does not broadcast over the points (a latent "
-                "with batch dims outside every plate, say). Pass "
+                f"trusted: {reason}{cause}. Pass "
                 "vectorize=None to fall back to a loop over the points (with one warning), or "
                 "vectorize=False to loop without trying the pass"
             )
@@ -292,6 +298,10 @@ def _stack(values: list) -> Any:
     return torch.stack(values)
 
 
+#: a disagreement within this many tolerances is said to be possibly rounding (the message)
+ROUNDING_HINT = 100
+
+
 def probe_tolerance(dtype: torch.dtype) -> float:
     """The relative and absolute tolerance of the probes' check for values of ``dtype``: the
     square root of its machine epsilon (``3.5e-4`` in float32), and never below ``1e-6``
@@ -304,11 +314,31 @@ def probe_tolerance(dtype: torch.dtype) -> float:
     return max(torch.finfo(dtype).eps ** 0.5, 1e-6)
 
 
+def _difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """The largest ``|got - want|`` and the largest ``|want|`` over the whole tensor (equal
+    values, infinities or NaNs included, differ by 0; NaN against a number by NaN)."""
+    if want.numel() == 0:
+        return 0.0, 0.0
+    got, want = got.detach(), want.detach()
+    same = (got == want) | (got.isnan() & want.isnan())
+    difference = (got - want).abs().masked_fill(same, 0).max()
+    largest = want.abs().masked_fill(~want.isfinite(), 0).max()
+    return float(difference), float(largest)
+
+
+def _tolerances(dtype: torch.dtype, rtol: float | None, atol: float | None) -> tuple[float, float]:
+    tolerance = probe_tolerance(dtype)
+    return (tolerance if rtol is None else rtol), (tolerance if atol is None else atol)
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, rtol: float | None, atol: float | None) -> bool:
-    tolerance = probe_tolerance(want.dtype)
-    rtol = tolerance if rtol is None else rtol
-    atol = tolerance if atol is None else atol
-    return torch.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    """``got`` is ``want`` up to ``atol + rtol * max |want|``, the largest value of the whole
+    tensor: a batched product's rounding error scales with the largest terms it sums, so a logit
+    near 0 beside logits of 1e5 moves by what they round to (an elementwise ``allclose`` called
+    such a pass wrong)."""
+    rtol, atol = _tolerances(want.dtype, rtol, atol)
+    difference, largest = _difference(got, want)
+    return difference <= atol + rtol * largest
 
 
 def _disagreement(
@@ -321,10 +351,22 @@ def _disagreement(
             if got is None or got.shape != want.shape:
                 return f"the vectorized pass returned no value of the shape of {where}"
             if not _close(got, want, rtol, atol):
-                return (
+                difference, largest = _difference(got, want)
+                relative = difference / largest if largest > 0 else math.inf
+                reason = (
                     f"its values differ from single evaluations ({where}: "
-                    f"{_brief(got)} vectorized, {_brief(want)} alone)"
+                    f"{_brief(got)} vectorized, {_brief(want)} alone; largest difference "
+                    f"{difference:.3g}, {relative:.2g} of the largest value {largest:.3g})"
                 )
+                if relative <= ROUNDING_HINT * _tolerances(want.dtype, rtol, atol)[0]:
+                    reason += (
+                        ". A difference this small may be the rounding of ill-conditioned "
+                        "values (large terms that cancel, as logits of 1e6 at a network guide's "
+                        "start), the loop no more accurate than the pass: run in float64 to "
+                        "tell, or start the fit where the values are moderate (a "
+                        "BayesianModule's init_to_net())"
+                    )
+                return reason
     return None
 
 
