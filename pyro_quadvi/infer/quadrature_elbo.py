@@ -206,6 +206,7 @@ class PointsELBO(ELBO):
             max_plate_nesting=fit.max_plate_nesting,
             closed_form=description.closed_form_sites(),
             expected_log_priors=expected_log_priors,
+            node_by_node=True,
         )
         given = not math.isinf(self.max_plate_nesting)
         if fit.decision is None and given:
