@@ -253,8 +253,12 @@ class LogJoint:
                 f"({', '.join(s.name for s in self.sites)}), got shape {tuple(z.shape)}"
             )
         # one split, not a slice per site: its backward places every site's gradient into one
-        # new tensor, where a slice's backward makes a zero tensor of all points for each site
-        chunks = z.split([site.numel for site in self.sites], dim=-1)
+        # new tensor, where a slice's backward makes a zero tensor of all points for each site;
+        # none for one site (its backward would copy the gradient of all points once more)
+        if len(self.sites) == 1:
+            chunks = (z,)
+        else:
+            chunks = z.split([site.numel for site in self.sites], dim=-1)
         return {
             site.name: chunk.reshape(z.shape[:-1] + site.shape)
             for site, chunk in zip(self.sites, chunks)
