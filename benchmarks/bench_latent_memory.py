@@ -3,6 +3,7 @@ coordinates, in units of the vector's bytes (``4 D``, float32).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_latent_memory.py [--sizes 100000 1000000 10000000]
         [--priors plain iid expand] [--guides mean_field diagonal] [--rss] [--held 1000000]
+        [--json rows.json]
 
 The model is ``w ~ prior`` over ``D`` coordinates and five observations ``y ~ Normal(w[:5], 1)``;
 the prior is
