@@ -284,14 +284,14 @@ class GuideDescription:
         """The centre of the nodes, flat."""
         if self.joint is not None:
             return self.joint.loc
-        return torch.cat([site.loc.reshape(-1) for site in self.sites])
+        return _flat([site.loc for site in self.sites])
 
     @property
     def scale(self) -> torch.Tensor:
         """The nodes' standard deviations, flat (elementwise families only)."""
         if self.joint is not None:
             raise TypeError(f"{self.guide} is a joint Gaussian: it has a covariance, not scales")
-        return torch.cat([site.scale.reshape(-1) for site in self.sites])
+        return _flat([site.scale for site in self.sites])
 
     def affine(self, x: torch.Tensor) -> torch.Tensor:
         """Points ``z`` of shape ``(K, latent dim)`` from standard offsets ``x`` ``(K, dim)``."""
@@ -329,6 +329,14 @@ class GuideDescription:
         if self.joint is not None:
             return self.joint.covariance
         return torch.diag(self.scale**2)
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors flattened and laid end to end; one tensor is flattened without a copy (a
+    ``torch.cat`` of one would copy it: one more tensor of the latent vector's size)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 @runtime_checkable

@@ -53,6 +53,7 @@ from torch.distributions.transforms import ComposeTransform, IndependentTransfor
 
 from ..distributions.iid_normal import IidNormal
 from .batched import BatchMismatch, first_line, is_broadcast_error
+from .normal_density import NodeByNodeNormal
 
 __all__ = [
     "LatentSite",
@@ -208,6 +209,11 @@ class LogJoint:
         expected_log_priors: sites whose prior, if an iid Normal, the caller integrates in
             closed form: they contribute nothing, and each run records their priors in
             `closed_priors` (see the module).
+        node_by_node: evaluate the log density of each latent site whose prior is a ``Normal``
+            with constant parameters (torch's, or an `IidNormal` evaluated at the points) a slice
+            of the points at a time (`NodeByNodeNormal`): the same value and gradient, bit for
+            bit, without the intermediates of all points at once; its backward cannot be
+            differentiated again (``QuadratureELBO`` sets it).
 
     One minibatch per object: the first run of the model records the subsample indices of the
     plates that the ``replay_trace`` does not supply (plates only the model has, such as
@@ -226,8 +232,10 @@ class LogJoint:
         max_plate_nesting: int | None = None,
         closed_form: Mapping[str, ClosedFormSite] | None = None,
         expected_log_priors: Collection[str] = (),
+        node_by_node: bool = False,
     ):
         self.model = model
+        self.node_by_node = node_by_node
         self.sites = list(sites)
         self.closed_form = dict(closed_form or {})
         self.expected_log_priors = frozenset(expected_log_priors)
@@ -245,8 +253,12 @@ class LogJoint:
                 f"({', '.join(s.name for s in self.sites)}), got shape {tuple(z.shape)}"
             )
         # one split, not a slice per site: its backward places every site's gradient into one
-        # new tensor, where a slice's backward makes a zero tensor of all points for each site
-        chunks = z.split([site.numel for site in self.sites], dim=-1)
+        # new tensor, where a slice's backward makes a zero tensor of all points for each site;
+        # none for one site (its backward would copy the gradient of all points once more)
+        if len(self.sites) == 1:
+            chunks = (z,)
+        else:
+            chunks = z.split([site.numel for site in self.sites], dim=-1)
         return {
             site.name: chunk.reshape(z.shape[:-1] + site.shape)
             for site, chunk in zip(self.sites, chunks)
@@ -442,9 +454,20 @@ class LogJoint:
                 scale = node["scale"]
                 if prior is not None and node["mask"] is None and isinstance(scale, float | int):
                     self.closed_priors[site.name] = (*prior, float(scale))
-        trace.compute_log_prob(
-            lambda name, site: name not in self.closed_priors and not site_is_subsample(site)
-        )
+        wrapped = {}
+        if self.node_by_node:
+            for site in self.sites:
+                node = trace.nodes[site.name]
+                lean = NodeByNodeNormal.of(node["fn"], node["value"])
+                if site.name not in self.closed_priors and lean is not None:
+                    wrapped[site.name], node["fn"] = node["fn"], lean
+        try:
+            trace.compute_log_prob(
+                lambda name, site: name not in self.closed_priors and not site_is_subsample(site)
+            )
+        finally:
+            for name, fn in wrapped.items():
+                trace.nodes[name]["fn"] = fn
 
     def _single(self, values, args, kwargs, replay_trace, where: Callable[[], str]):
         constrained, log_jac = self._constrain(values)

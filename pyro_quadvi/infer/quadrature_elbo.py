@@ -206,6 +206,7 @@ class PointsELBO(ELBO):
             max_plate_nesting=fit.max_plate_nesting,
             closed_form=description.closed_form_sites(),
             expected_log_priors=expected_log_priors,
+            node_by_node=True,
         )
         given = not math.isinf(self.max_plate_nesting)
         if fit.decision is None and given:
@@ -510,10 +511,12 @@ class _NodePoints(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         loc, scale, x = ctx.saved_tensors
+        gx_all = (grad * x).sum(0)  # first: its product of all nodes is freed before g_all
         g_all = grad.sum(0)
-        gx_all = (grad * x).sum(0)
         g_pub, gx_pub = ctx.closed.with_priors(g_all, gx_all, loc, scale)
-        _publish(ctx.closed.description, g_pub, gx_pub, scale, ctx.closed.loss)
+        # (the priors' sums are new tensors, which the publication may overwrite)
+        spare = gx_pub is not gx_all
+        _publish(ctx.closed.description, g_pub, gx_pub, scale, ctx.closed.loss, spare)
         return g_all, gx_all, None, None
 
 
@@ -565,14 +568,25 @@ class _ClosedPriors:
         """The node sums with the priors' parts added (new tensors when there are any)."""
         if not self.pieces:
             return g_all, gx_all
-        g_all, gx_all = g_all.clone(), gx_all.clone()
+        # g_all + factor * (loc - m) and gx_all + factor * scale, each part made in its slice of
+        # the new tensors (no temporary of a site's size; a sum rounds alike in either order)
+        g_pub, gx_pub = torch.empty_like(g_all), torch.empty_like(gx_all)
+        done = 0
         for start, stop, m, s, c in self.pieces:
+            g_pub[done:start].copy_(g_all[done:start])
+            gx_pub[done:start].copy_(gx_all[done:start])
             factor = self.total_weight * (c / (s * s))
-            centred = loc[start:stop] - m if m != 0 else loc[start:stop]
-            # add_ on the slices (not +=, whose item assignment copies the slice once more)
-            g_all[start:stop].add_(factor * centred)
-            gx_all[start:stop].add_(factor * scale[start:stop])
-        return g_all, gx_all
+            part = g_pub[start:stop]
+            if m != 0:
+                torch.sub(loc[start:stop], m, out=part).mul_(factor)
+            else:
+                torch.mul(factor, loc[start:stop], out=part)
+            part.add_(g_all[start:stop])
+            torch.mul(factor, scale[start:stop], out=gx_pub[start:stop]).add_(gx_all[start:stop])
+            done = stop
+        g_pub[done:].copy_(g_all[done:])
+        gx_pub[done:].copy_(gx_all[done:])
+        return g_pub, gx_pub
 
 
 def _publish(
@@ -581,11 +595,15 @@ def _publish(
     gx_all: torch.Tensor,
     scale: torch.Tensor,
     loss: torch.Tensor | None,
+    spare: bool = False,
 ) -> None:
     """Publish each elementwise site's ``g``, ``h`` from the node sums of `_NodePoints`,
-    with the step's ``loss`` (detached)."""
-    # a scale at zero (a collapsed mixture) has h = 0, not 0 / 0
-    h_all = torch.where(scale > 0, gx_all / scale, torch.zeros_like(scale))
+    with the step's ``loss`` (detached); ``spare``: ``gx_all`` is no one else's, ``h`` is
+    computed in it."""
+    # a scale at zero (a collapsed mixture) has h = 0, not 0 / 0: torch.where(scale > 0,
+    # gx_all / scale, 0), without its two (three) more tensors of the latent vector's size
+    h_all = gx_all.div_(scale) if spare else gx_all / scale
+    h_all.masked_fill_((scale > 0).logical_not_(), 0.0)
     start = 0
     for site in description.sites:
         stop = start + site.loc.numel()
