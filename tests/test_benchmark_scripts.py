@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNS = {
     "bnn_speed": ("bench_bnn_speed.py", "--nets 1-50-1 --repeats 1 --steps 1 --no-compile", ()),
     "arviz_export": ("arviz_export.py", "--repeats 1", ()),
+    "latent_memory": ("bench_latent_memory.py", "--sizes 1000 --guides mean_field", ()),
     "sparse_qnvb_trial": (
         "bench_sparse_qnvb_trial.py",
         "--steps 3 --report 3 --methods sparse qnvb adam pyro",

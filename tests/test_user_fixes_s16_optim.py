@@ -21,6 +21,7 @@ from torch import nn
 
 from pyro_quadvi import AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO, SparseQNVB
 from pyro_quadvi.distributions import SpikeSlab
+from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model
 from pyro_quadvi.optim import QNVB, QNVBOptimizer, SparseQNVBOptimizer
 
 # ------------------------------------------- 1. float64 is advised only to a lower-precision run
@@ -260,3 +261,20 @@ def test_the_other_settings_refuse_infinity_and_nan_naming_the_setting(name):
     for value in (math.inf, math.nan):
         with pytest.raises(ValueError, match=name):
             QNVB(**{name: value})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_log_joint_overflow_advises_float64_only_below_it(dtype):
+    # finite log densities whose sum overflows the dtype: float64 was advised to float64 runs too
+    def model(data):
+        a = pyro.sample("a", dist.Normal(torch.zeros((), dtype=dtype), 1.0))
+        for i in range(3):
+            pyro.sample(f"y{i}", dist.Normal(a, 1.0), obs=data[i])
+
+    root = torch.finfo(dtype).max ** 0.5  # each log density about -max / 2: the sum overflows
+    data = torch.full((3,), root, dtype=dtype)
+    sites = latent_sites_of_model(model, data)
+    with pytest.raises(ValueError, match="their sum is not") as refused:
+        LogJoint(model, sites, max_plate_nesting=0)(torch.zeros(2, 1, dtype=dtype), (data,))
+    advice = str(refused.value).split("their sum is not")[1]
+    assert ("float64" in advice) is (dtype != torch.float64)

@@ -314,11 +314,16 @@ class LogJoint:
                 raise ValueError(_not_finite(trace.nodes[name], term[k].item(), _where(z, k)))
         k = int((~torch.isfinite(total)).nonzero()[0, 0])
         largest = max(terms, key=lambda name: terms[name][k].abs().item())
+        fix = (
+            "rescale the data"  # (already float64)
+            if torch.finfo(total.dtype).bits >= 64
+            else "run the model in float64 (torch.set_default_dtype and float64 data), or "
+            "rescale the data"
+        )
         raise ValueError(
             f"the log joint overflows {total.dtype} at {_where(z, k)}: every site's log density "
             f"is finite (the largest in size: {largest!r}, {terms[largest][k].item():.4g}) but "
-            "their sum is not; run the model in float64 (torch.set_default_dtype and float64 "
-            "data), or rescale the data"
+            f"their sum is not; {fix}"
         )
 
     def check_plate_nesting(
