@@ -45,7 +45,6 @@ import pyro
 import torch
 from pyro.infer import SVI
 from pyro.infer.autoguide import init_to_uniform
-from torch import nn
 
 import pyro_quadvi.optim.sparse_qnvb as sparse_qnvb
 import pyro_quadvi.optim.sparse_torch as sparse_torch
@@ -58,38 +57,11 @@ from pyro_quadvi.optim.sparse_functional import (
     hybrid_coefficients,
     sparse_qnvb_update,
 )
+from pyro_quadvi.testing.sparse_trial import TRIAL_CASES, trial_data, trial_net
 
-NUM_CASES, NUM_TEST, INPUTS = 200, 2000, 50
+NUM_CASES, NUM_TEST = TRIAL_CASES, 2000
 PRIOR_PRECISION = 1 / 1.3**2
 REPORT = (1, 3, 5, 10, 20, 30, 50, 100, 200, 300)
-
-
-def make_data(seed: int):
-    """The trial's 200 training cases and 2,000 test cases of the same law."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def draw(n):
-        x = torch.randn(n, INPUTS, generator=generator)
-        return x, x[:, :3].sum(-1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=generator)
-
-    return (*draw(NUM_CASES), *draw(NUM_TEST))
-
-
-def make_net(init: str, seed: int) -> nn.Sequential:
-    torch.manual_seed(seed)
-    net = nn.Sequential(
-        nn.Linear(INPUTS, 400), nn.ReLU(), nn.Linear(400, 200), nn.ReLU(), nn.Linear(200, 1)
-    )
-    with torch.no_grad():
-        for layer in net:
-            if isinstance(layer, nn.Linear):
-                if init == "uniform":
-                    layer.weight.uniform_(-0.05, 0.05)
-                    layer.bias.uniform_(-0.05, 0.05)
-                else:
-                    nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
-                    layer.bias.zero_()
-    return net
 
 
 class BoundRecorder:
@@ -138,11 +110,11 @@ def run_pyro(args, seed: int) -> dict:
     sparse_qnvb.sparse_qnvb_update = recorder
     rows, start = [], time.process_time()
     try:
-        x, y, x_test, y_test = (t.double() for t in make_data(seed))
+        x, y, x_test, y_test = (t.double() for t in trial_data(seed, NUM_TEST))
         pyro.clear_param_store()
         pyro.set_rng_seed(seed)
         bnn = BayesianModule(
-            make_net(args.init, seed),
+            trial_net(args.init, seed),
             priors.SpikeSlab(0.5, slab_scale=1.3),
             likelihoods.Gaussian(dataset_size=NUM_CASES, scale=1.0),
         )
@@ -187,8 +159,8 @@ def run_pyro(args, seed: int) -> dict:
 def run(method: str, args, seed: int) -> dict:
     if method == "pyro":
         return run_pyro(args, seed)
-    x, y, x_test, y_test = make_data(seed)
-    net = make_net(args.init, seed)
+    x, y, x_test, y_test = trial_data(seed, NUM_TEST)
+    net = trial_net(args.init, seed)
     params = list(net.parameters())
     recorder = None
     if method == "sparse":

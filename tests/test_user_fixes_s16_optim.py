@@ -23,6 +23,7 @@ from pyro_quadvi import AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO, Spar
 from pyro_quadvi.distributions import SpikeSlab
 from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model
 from pyro_quadvi.optim import QNVB, QNVBOptimizer, SparseQNVBOptimizer
+from pyro_quadvi.testing.sparse_trial import TRIAL_CASES, trial_data, trial_net
 
 # ------------------------------------------- 1. float64 is advised only to a lower-precision run
 
@@ -181,22 +182,15 @@ def test_sparse_qnvb_loss_growth_advises_float64_only_in_float32(fresh_param_sto
 
 # --------------------------------------- 2. the trial net at tau_max = 0.03, and the late floor
 
-TRIAL_CASES, TRIAL_STEPS_PER_EPOCH = 200, 10
+TRIAL_STEPS_PER_EPOCH = 10
 
 
 def _trial_rmse(**settings) -> tuple[float, float, float]:
     """Session 15's trial through SparseQNVBOptimizer (as benchmarks/bench_sparse_qnvb_trial.py,
     seed 0): 30 whole-batch steps of 3 epochs; returns the training RMSE before and after, and
     the share of exact zeros."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(TRIAL_CASES, 50, generator=generator)
-    y = x[:, :3].sum(-1, keepdim=True) + 0.1 * torch.randn(TRIAL_CASES, 1, generator=generator)
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(50, 400), nn.ReLU(), nn.Linear(400, 200), nn.ReLU())
-    net.append(nn.Linear(200, 1))
-    with torch.no_grad():
-        for p in net.parameters():
-            p.uniform_(-0.05, 0.05)
+    x, y = trial_data(0)
+    net = trial_net("uniform", 0)
     optimizer = SparseQNVBOptimizer(
         net.parameters(),
         num_cases=TRIAL_CASES,
