@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI
@@ -20,6 +21,7 @@ from torch import nn
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.infer.batched import BatchMismatch, evaluate_batch, probe_tolerance
+from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 
 
@@ -103,17 +105,84 @@ def test_a_small_entry_beside_large_ones_is_compared_at_the_tensor_s_scale():
         evaluate_batch(*_offset(logits, (0, 1), 415.0), points, True)  # 5e-4 > 3.5e-4
 
 
-def test_a_disagreement_at_rounding_scale_says_so_and_a_large_one_blames_broadcasting():
+def test_a_disagreement_at_rounding_scale_may_be_rounding_below_float64():
     values = torch.full((4,), -20000.0)
     points = torch.arange(4)
     with pytest.raises(BatchMismatch) as small:
         evaluate_batch(*_offset(values, (), 78.0), points, True)  # 3.9e-3: 11 tolerances
     message = str(small.value)
-    assert "78, 0.0039 of the largest value 2e+04). A difference this small may be" in message
-    assert "run in float64 to tell" in message and "batch dims outside every plate" not in message
+    assert "78, 0.0039 of the largest value 2e+04); a difference this small may" in message
+    assert "run in float64 to tell" in message and "batch dims outside every plate" in message
     with pytest.raises(BatchMismatch) as large:
         evaluate_batch(*_offset(values, (), 2000.0), points, True)  # 0.1: 290 tolerances
-    message = str(large.value)
-    assert "ill-conditioned" not in message and "batch dims outside every plate" in message
-    with pytest.warns(UserWarning, match="A difference this small may be the rounding"):
+    assert "ill-conditioned" not in str(large.value)
+    with pytest.warns(UserWarning, match="a difference this small may also be the rounding"):
         evaluate_batch(*_offset(values, (), 78.0), points, None)
+    # a float64 run is not told to run in float64 (5.5e-5 of the value: 55 tolerances)
+    with pytest.raises(BatchMismatch) as wide:
+        evaluate_batch(*_offset(values.double(), (), 1.1), points, True)
+    assert "float64" not in str(wide.value) and "batch dims outside every plate" in str(wide.value)
+
+
+def test_bool_values_are_compared_exactly():
+    # the tensor-scale comparison subtracted bool tensors (a RuntimeError under vectorize=None)
+    flags = torch.tensor([[True, False], [False, True], [True, True], [False, False]])
+    values, decision = evaluate_batch(
+        lambda points: flags, lambda k: flags[int(k)], torch.arange(4), True
+    )
+    assert decision.vectorized and torch.equal(values, flags)
+    with pytest.raises(BatchMismatch):
+        evaluate_batch(lambda points: ~flags, lambda k: flags[int(k)], torch.arange(4), True)
+
+
+def _factor_model(n: int = 60_000):
+    """The review's model: a soft sum-to-zero factor outside the groups' plate reads the group
+    effects, so in one pass over the nodes it sums them over the nodes' dim as well; beside it,
+    60,000 observations make a log joint of about 94,000 nats."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    y = 0.5 * x + torch.randn(n, generator=torch.Generator().manual_seed(1))
+    groups = torch.arange(n) % 30
+
+    def model():
+        b = pyro.sample("b", dist.Normal(0.0, 1.0))
+        with pyro.plate("groups", 30):
+            a = pyro.sample("a", dist.Normal(0.0, 1.0))
+            c = pyro.sample("c", dist.Normal(0.0, 1.0))
+        pyro.factor("sum_to_zero", -0.5 * (c.sum(-1) / 0.5) ** 2)
+        with pyro.plate("data", n):
+            pyro.sample("y", dist.Normal(a[..., groups] + b * x, 1.0), obs=y)
+
+    return model
+
+
+def test_a_wrong_term_hidden_in_a_large_log_joint_is_refused_site_by_site():
+    # the wrong factor is 7 nats of 94,000 (7.9e-5 of the total, inside the total's float32
+    # tolerance, so the pass was taken and the fit went wrong); compared site by site it is 41
+    # times its own value
+    pyro.clear_param_store()
+    model = _factor_model()
+    guide = AutoMeanFieldNormal(model)
+    elbo = QuadratureELBO(vectorize=True, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BatchMismatch, match=r"\['sum_to_zero'\] at point 0: -7.56 vectorized"):
+        elbo.loss(model, guide)
+    with pytest.warns(UserWarning, match="sum_to_zero"):
+        QuadratureELBO(generator=torch.Generator().manual_seed(1)).loss(model, guide)
+
+
+def test_a_hessian_through_the_node_by_node_prior_is_refused_not_silently_wrong():
+    # torch's once_differentiable returned a gradient without a graph when the incoming one had
+    # none: the Hessian lost the prior's -1/4, silently
+    dim = 70_000
+
+    def model():
+        w = pyro.sample("w", dist.Normal(torch.zeros(dim), 2.0).to_event(1))
+        pyro.sample("y", dist.Normal(w[..., :5] ** 3, 1.0).to_event(1), obs=torch.ones(5))
+
+    sites = latent_sites_of_model(model)
+    z = torch.full((1, dim), 0.5, requires_grad=True)
+    (grad,) = torch.autograd.grad(LogJoint(model, sites)(z).sum(), z, create_graph=True)
+    (hessian,) = torch.autograd.grad(grad[0, 10], z)
+    assert hessian[0, 10].item() == -0.25  # torch's log_prob: the prior's curvature
+    lean = LogJoint(model, sites, node_by_node=True)
+    with pytest.raises(RuntimeError, match="no second derivative: for a create_graph=True"):
+        torch.autograd.grad(lean(z).sum(), z, create_graph=True)

@@ -260,15 +260,10 @@ def evaluate_batch(
             )
             return _loop(single, points, known), BatchDecision(False, again, 0)
         if vectorize is True:
-            cause = (
-                ""
-                if "ill-conditioned" in reason
-                else ", so the model does not broadcast over the points (a latent with batch "
-                "dims outside every plate, say)"
-            )
             raise BatchMismatch(
                 f"{what}(vectorize=True): the vectorized pass over all {K} points cannot be "
-                f"trusted: {reason}{cause}. Pass "
+                f"trusted: {reason}. The model may not broadcast over the points (a latent with "
+                "batch dims outside every plate, say). Pass "
                 "vectorize=None to fall back to a loop over the points (with one warning), or "
                 "vectorize=False to loop without trying the pass"
             )
@@ -320,6 +315,8 @@ def _difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     if want.numel() == 0:
         return 0.0, 0.0
     got, want = got.detach(), want.detach()
+    if not (want.is_floating_point() or want.is_complex()):  # (bool or integer values)
+        got, want = got.double(), want.double()
     same = (got == want) | (got.isnan() & want.isnan())
     difference = (got - want).abs().masked_fill(same, 0).max()
     largest = want.abs().masked_fill(~want.isfinite(), 0).max()
@@ -358,9 +355,11 @@ def _disagreement(
                     f"{_brief(got)} vectorized, {_brief(want)} alone; largest difference "
                     f"{difference:.3g}, {relative:.2g} of the largest value {largest:.3g})"
                 )
-                if relative <= ROUNDING_HINT * _tolerances(want.dtype, rtol, atol)[0]:
+                below_float64 = want.is_floating_point() and torch.finfo(want.dtype).bits < 64
+                small = relative <= ROUNDING_HINT * _tolerances(want.dtype, rtol, atol)[0]
+                if below_float64 and small:
                     reason += (
-                        ". A difference this small may be the rounding of ill-conditioned "
+                        "; a difference this small may also be the rounding of ill-conditioned "
                         "values (large terms that cancel, as logits of 1e6 at a network guide's "
                         "start), the loop no more accurate than the pass: run in float64 to "
                         "tell, or start the fit where the values are moderate (a "

@@ -63,6 +63,7 @@ __all__ = [
     "cuda_devices",
     "latent_sites_of_model",
     "model_max_plate_nesting",
+    "total_of",
 ]
 
 _NODE_PLATE = "_quadvi_nodes"
@@ -193,6 +194,12 @@ class PlateCollision(ValueError):
         self.dim = dim
 
 
+def total_of(terms: Mapping[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+    """The log joint at the points ``z`` from its terms per site (`LogJoint`'s ``by_site``),
+    summed in their order onto zeros of ``z``'s dtype and device."""
+    return sum(terms.values(), torch.zeros(z.shape[0], dtype=z.dtype, device=z.device))
+
+
 class LogJoint:
     """Evaluates ``log p(x, T(z)) + log|J_T(z)|`` at flat unconstrained points ``z``.
 
@@ -212,8 +219,8 @@ class LogJoint:
         node_by_node: evaluate the log density of each latent site whose prior is a ``Normal``
             with constant parameters (torch's, or an `IidNormal` evaluated at the points) a slice
             of the points at a time (`NodeByNodeNormal`): the same value and gradient, bit for
-            bit, without the intermediates of all points at once; its backward cannot be
-            differentiated again (``QuadratureELBO`` sets it).
+            bit, without the intermediates of all points at once; a backward that builds a
+            graph (``create_graph=True``) is refused (``QuadratureELBO`` sets it).
 
     One minibatch per object: the first run of the model records the subsample indices of the
     plates that the ``replay_trace`` does not supply (plates only the model has, such as
@@ -271,8 +278,11 @@ class LogJoint:
         kwargs: dict | None = None,
         replay_trace: Trace | None = None,
         vectorize: bool = True,
-    ) -> torch.Tensor:
-        """Log joint plus log-Jacobian at each of the ``K`` points ``z`` (shape ``(K, dim)``).
+        by_site: bool = False,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Log joint plus log-Jacobian at each of the ``K`` points ``z`` (shape ``(K, dim)``);
+        with ``by_site``, its terms, one ``(K,)`` tensor per site (`total_of` sums them as the
+        log joint is summed: the same bits).
 
         ``vectorize=True`` runs the model once under a particle plate of size ``K``; ``False``
         runs it once per point (`evaluate_batch` chooses between
@@ -304,9 +314,9 @@ class LogJoint:
             terms = {name: torch.stack([row[0][name] for row in rows]) for name in rows[0][0]}
             trace = rows[-1][1]
         # (a model whose every term is left to the caller has none)
-        total = sum(terms.values(), torch.zeros(z.shape[0], dtype=z.dtype, device=z.device))
+        total = total_of(terms, z)
         if bool(torch.isfinite(total).all()):  # then so is every term: one check, not one a site
-            return total
+            return terms if by_site else total
         for name, term in terms.items():
             bad = ~torch.isfinite(term)
             if bad.any():

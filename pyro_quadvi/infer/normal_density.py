@@ -19,8 +19,9 @@ gradient are torch's, bit for bit; the intermediates exist for one slice at a ti
 and the gradient are the only tensors of all points' size.
 
 Only ``QuadratureELBO`` uses it (`LogJoint`'s ``node_by_node``), on sites of more than one slice
-(`SLICE_ELEMENTS`): the backward is ``once_differentiable``, as the node points' own backward
-is, so a Hessian of the log joint (``opqa_evidence``'s Laplace weight) keeps torch's graph.
+(`SLICE_ELEMENTS`): its backward has no derivative of its own, so a ``create_graph=True``
+backward through it is refused (as through the node points' ``once_differentiable`` backward),
+and a Hessian of the log joint (``opqa_evidence``'s Laplace weight) keeps torch's graph.
 """
 
 from __future__ import annotations
@@ -99,6 +100,19 @@ def _log_prob(fn: torch.distributions.Distribution, value: torch.Tensor) -> torc
     return _NormalLogDensity.apply(value, fn.loc.expand(value.shape), fn.scale.expand(value.shape))
 
 
+def _refuse_second_order() -> None:
+    """Raise where a backward pass builds a graph (``create_graph=True``: a Hessian, a gradient
+    penalty): the slices' backward formulas are not differentiable, and torch's
+    ``once_differentiable`` would return a gradient without a graph, silently dropping the
+    prior's curvature."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "the node-by-node Normal log density (LogJoint(node_by_node=True), as QuadratureELBO "
+            "evaluates a Normal prior) has no second derivative: for a create_graph=True "
+            "backward use LogJoint(node_by_node=False), torch's own log_prob"
+        )
+
+
 def _slices(value: torch.Tensor) -> list[slice]:
     """Slices of dim 0, each at least one row and about `SLICE_ELEMENTS` elements."""
     step = max(1, SLICE_ELEMENTS // max(1, value[0].numel()))
@@ -122,8 +136,8 @@ class _NormalLogDensity(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
+        _refuse_second_order()
         value, loc, scale = ctx.saved_tensors
         grad_value = _new_like(value)
         for part in _slices(value):
@@ -174,8 +188,8 @@ class _IidNormalLogDensity(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
+        _refuse_second_order()
         (value,) = ctx.saved_tensors
         loc, scale = ctx.iid
         grad_value = _new_like(value)
