@@ -42,6 +42,7 @@ __all__ = [
     "BatchMismatch",
     "DecisionCache",
     "DtypeMismatch",
+    "below_float64",
     "evaluate_batch",
     "is_broadcast_error",
     "is_vmap_refusal",
@@ -297,6 +298,12 @@ def _stack(values: list) -> Any:
 ROUNDING_HINT = 100
 
 
+def below_float64(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a floating dtype of a lower precision than float64 (float32,
+    bfloat16, float16): a run where "use float64" is advice worth giving."""
+    return dtype.is_floating_point and torch.finfo(dtype).bits < 64
+
+
 def probe_tolerance(dtype: torch.dtype) -> float:
     """The relative and absolute tolerance of the probes' check for values of ``dtype``: the
     square root of its machine epsilon (``3.5e-4`` in float32), and never below ``1e-6``
@@ -328,14 +335,17 @@ def _tolerances(dtype: torch.dtype, rtol: float | None, atol: float | None) -> t
     return (tolerance if rtol is None else rtol), (tolerance if atol is None else atol)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, rtol: float | None, atol: float | None) -> bool:
-    """``got`` is ``want`` up to ``atol + rtol * max |want|``, the largest value of the whole
-    tensor: a batched product's rounding error scales with the largest terms it sums, so a logit
-    near 0 beside logits of 1e5 moves by what they round to (an elementwise ``allclose`` called
-    such a pass wrong)."""
+def _excess(
+    got: torch.Tensor, want: torch.Tensor, rtol: float | None, atol: float | None
+) -> tuple[float, float, float] | None:
+    """``None`` where ``got`` is ``want`` up to ``atol + rtol * max |want|``, the largest value
+    of the whole tensor (a batched product's rounding error scales with the largest terms it
+    sums, so a logit near 0 beside logits of 1e5 moves by what they round to: an elementwise
+    ``allclose`` called such a pass wrong); else the largest difference, the largest value and
+    the relative tolerance, for the message."""
     rtol, atol = _tolerances(want.dtype, rtol, atol)
     difference, largest = _difference(got, want)
-    return difference <= atol + rtol * largest
+    return None if difference <= atol + rtol * largest else (difference, largest, rtol)
 
 
 def _disagreement(
@@ -347,17 +357,16 @@ def _disagreement(
             where = f"{path} at point {k}" if path else f"point {k}"
             if got is None or got.shape != want.shape:
                 return f"the vectorized pass returned no value of the shape of {where}"
-            if not _close(got, want, rtol, atol):
-                difference, largest = _difference(got, want)
+            excess = _excess(got, want, rtol, atol)
+            if excess is not None:
+                difference, largest, relative_tolerance = excess
                 relative = difference / largest if largest > 0 else math.inf
                 reason = (
                     f"its values differ from single evaluations ({where}: "
                     f"{_brief(got)} vectorized, {_brief(want)} alone; largest difference "
                     f"{difference:.3g}, {relative:.2g} of the largest value {largest:.3g})"
                 )
-                below_float64 = want.is_floating_point() and torch.finfo(want.dtype).bits < 64
-                small = relative <= ROUNDING_HINT * _tolerances(want.dtype, rtol, atol)[0]
-                if below_float64 and small:
+                if below_float64(want.dtype) and relative <= ROUNDING_HINT * relative_tolerance:
                     reason += (
                         "; a difference this small may also be the rounding of ill-conditioned "
                         "values (large terms that cancel, as logits of 1e6 at a network guide's "
@@ -375,7 +384,7 @@ def _repeat_difference(
     """Where a second single evaluation ``again`` of point ``k`` differs from the ``first``."""
     for path, got, want in _pairs(_stack([again]), first, 0):
         where = f"{path} at point {k}" if path else f"point {k}"
-        if got is None or not _close(got, want, rtol, atol):
+        if got is None or _excess(got, want, rtol, atol) is not None:
             return f"{where}: {_brief(want)}, then {_brief(got)}" if got is not None else where
     return None
 

@@ -52,7 +52,7 @@ from torch.distributions import Independent, biject_to
 from torch.distributions.transforms import ComposeTransform, IndependentTransform
 
 from ..distributions.iid_normal import IidNormal
-from .batched import BatchMismatch, first_line, is_broadcast_error
+from .batched import BatchMismatch, below_float64, first_line, is_broadcast_error
 from .normal_density import NodeByNodeNormal
 
 __all__ = [
@@ -325,10 +325,10 @@ class LogJoint:
         k = int((~torch.isfinite(total)).nonzero()[0, 0])
         largest = max(terms, key=lambda name: terms[name][k].abs().item())
         fix = (
-            "rescale the data"  # (already float64)
-            if torch.finfo(total.dtype).bits >= 64
-            else "run the model in float64 (torch.set_default_dtype and float64 data), or "
-            "rescale the data"
+            "run the model in float64 (torch.set_default_dtype and float64 data), or rescale "
+            "the data"
+            if below_float64(total.dtype)
+            else "rescale the data"
         )
         raise ValueError(
             f"the log joint overflows {total.dtype} at {_where(z, k)}: every site's log density "

@@ -95,6 +95,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..infer.batched import below_float64
+
 __all__ = [
     "COUNT_KINDS",
     "DONATABLE",
@@ -283,7 +285,7 @@ def or_float64(advice: str, dtypes: Iterable[torch.dtype], sep: str = " or ") ->
     """``advice`` followed by ``sep`` and "use float64" where one of ``dtypes`` (the run's
     floating dtypes) is of a lower precision than float64 (float32, bfloat16, float16); a run
     already in float64 gets ``advice`` alone, the part that still applies."""
-    if any(torch.finfo(dtype).bits < 64 for dtype in dtypes):
+    if any(below_float64(dtype) for dtype in dtypes):
         return f"{advice}{sep}use float64"
     return advice
 
