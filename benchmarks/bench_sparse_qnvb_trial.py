@@ -44,12 +44,11 @@ import time
 import pyro
 import torch
 from pyro.infer import SVI
-from pyro.infer.autoguide import init_to_uniform
 
 import pyro_quadvi.optim.sparse_qnvb as sparse_qnvb
 import pyro_quadvi.optim.sparse_torch as sparse_torch
-from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
-from pyro_quadvi.nn import BayesianModule, likelihoods, priors, sparse_network
+from pyro_quadvi import QuadratureELBO, SparseQNVB
+from pyro_quadvi.nn import sparse_network
 from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
 from pyro_quadvi.optim.sparse_functional import (
     _min_curvature,
@@ -57,7 +56,7 @@ from pyro_quadvi.optim.sparse_functional import (
     hybrid_coefficients,
     sparse_qnvb_update,
 )
-from pyro_quadvi.testing.sparse_trial import TRIAL_CASES, trial_data, trial_net
+from pyro_quadvi.testing.sparse_trial import TRIAL_CASES, trial_data, trial_model, trial_net
 
 NUM_CASES, NUM_TEST = TRIAL_CASES, 2000
 PRIOR_PRECISION = 1 / 1.3**2
@@ -113,17 +112,7 @@ def run_pyro(args, seed: int) -> dict:
         x, y, x_test, y_test = (t.double() for t in trial_data(seed, NUM_TEST))
         pyro.clear_param_store()
         pyro.set_rng_seed(seed)
-        bnn = BayesianModule(
-            trial_net(args.init, seed),
-            priors.SpikeSlab(0.5, slab_scale=1.3),
-            likelihoods.Gaussian(dataset_size=NUM_CASES, scale=1.0),
-        )
-        guide = AutoSpikeSlab(
-            bnn,
-            init_loc_fn=init_to_uniform(radius=0.05),
-            init_scale=1e-5**0.5,
-            init_inclusion=1 - 1e-9,
-        )
+        bnn, guide = trial_model(trial_net(args.init, seed))
         optim = SparseQNVB(
             num_epochs=args.num_epochs,
             steps_per_epoch=args.steps_per_epoch,

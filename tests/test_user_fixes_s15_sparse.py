@@ -17,16 +17,15 @@ import pyro
 import pytest
 import torch
 from pyro.infer import SVI
-from pyro.infer.autoguide import init_to_uniform
 
-from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
-from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi import QuadratureELBO, SparseQNVB
 from pyro_quadvi.optim import SparseQNVBOptimizer
 from pyro_quadvi.optim.sparse_functional import (
     SparseQNVBCounters,
     SparseQNVBHyperparameters,
     step_cap_message,
 )
+from pyro_quadvi.testing.sparse_trial import trial_model
 
 N, S = 200, 10
 # hand-computed bounds of the trial at steps 4-5 (counters n0 = 3, n1 = 1): the floor
@@ -54,17 +53,7 @@ def _net():
 def _trial_svi(tau_max: float):
     """The trial's script: Table 1's start, the trial's settings, ``tau_max`` as given."""
     x, y = _data()
-    bnn = BayesianModule(
-        _net(),
-        priors.SpikeSlab(0.5, slab_scale=1.3),
-        likelihoods.Gaussian(dataset_size=N, scale=1.0),
-    )
-    guide = AutoSpikeSlab(
-        bnn,
-        init_loc_fn=init_to_uniform(radius=0.05),
-        init_scale=1e-5**0.5,
-        init_inclusion=1 - 1e-9,
-    )
+    bnn, guide = trial_model(_net())
     optim = SparseQNVB(
         num_epochs=3,
         steps_per_epoch=S,

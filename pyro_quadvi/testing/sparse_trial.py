@@ -8,9 +8,13 @@ whether SparseQNVB diverges, stalls or learns (``docs/sparse_qnvb.md``, 'Limits'
 from __future__ import annotations
 
 import torch
+from pyro.infer.autoguide import init_to_uniform
 from torch import nn
 
-__all__ = ["TRIAL_CASES", "TRIAL_INPUTS", "trial_data", "trial_net"]
+from ..guides.spike_slab import AutoSpikeSlab
+from ..nn import BayesianModule, likelihoods, priors
+
+__all__ = ["TRIAL_CASES", "TRIAL_INPUTS", "trial_data", "trial_model", "trial_net"]
 
 TRIAL_CASES = 200
 """The training cases."""
@@ -51,3 +55,21 @@ def trial_net(init: str = "uniform", seed: int = 0) -> nn.Sequential:
                     nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
                     layer.bias.zero_()
     return net
+
+
+def trial_model(net: nn.Module) -> tuple[BayesianModule, AutoSpikeSlab]:
+    """The trial's spike-and-slab model of ``net`` (slab scale 1.3, inclusion prior 0.5, known
+    noise scale 1 over `TRIAL_CASES` cases) and its guide at Table 1's start (``initial_lr =
+    1e-5`` as the slabs' scale, every weight nonzero, means uniform in +-0.05)."""
+    bnn = BayesianModule(
+        net,
+        priors.SpikeSlab(0.5, slab_scale=1.3),
+        likelihoods.Gaussian(dataset_size=TRIAL_CASES, scale=1.0),
+    )
+    guide = AutoSpikeSlab(
+        bnn,
+        init_loc_fn=init_to_uniform(radius=0.05),
+        init_scale=1e-5**0.5,
+        init_inclusion=1 - 1e-9,
+    )
+    return bnn, guide
