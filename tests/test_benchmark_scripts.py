@@ -30,6 +30,7 @@ RUNS = {
     "bnn_speed": ("bench_bnn_speed.py", "--nets 1-50-1 --repeats 1 --steps 1 --no-compile", ()),
     "arviz_export": ("arviz_export.py", "--repeats 1", ()),
     "latent_memory": ("bench_latent_memory.py", "--sizes 1000 --guides mean_field", ()),
+    "probe_tolerance": ("bench_probe_tolerance.py", "--repeats 1 --nets '13-50-1, B=64'", ()),
     "sparse_qnvb_trial": (
         "bench_sparse_qnvb_trial.py",
         "--steps 3 --report 3 --methods sparse qnvb adam pyro",
