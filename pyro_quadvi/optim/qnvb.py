@@ -38,8 +38,9 @@ reported once, naming the parameter.
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 
 import pyro
@@ -47,6 +48,11 @@ import torch
 from pyro.infer.autoguide import AutoDelta
 from pyro.optim import PyroOptim
 from pyro.optim.lr_scheduler import PyroLRScheduler
+from pyro.params.param_store import (
+    module_from_param_with_module_name,
+    normalize_param_name,
+    user_param_name,
+)
 from torch.distributions import transform_to
 
 from ..guides.interface import (
@@ -378,17 +384,86 @@ def settings_words(settings, defaults, skip: tuple[str, ...] = ()) -> list[str]:
     return words
 
 
+def _optim_args_arity(optim_args: Callable) -> int:
+    """How many arguments ``PyroOptim`` passes a callable ``optim_args``: one (the parameter's
+    name) when it takes exactly one, else two (Pyro's deprecated form, module name and parameter
+    name). A callable without a readable signature (a builtin) gets the documented one.
+
+    Raises:
+        TypeError: if the callable cannot be called with that many names, naming its signature.
+    """
+    try:
+        signature = inspect.signature(optim_args)
+    except (TypeError, ValueError):
+        return 1
+    arity = 1 if len(signature.parameters) == 1 else 2  # as PyroOptim decides
+    try:
+        signature.bind(*["name"] * arity)
+    except TypeError:
+        raise TypeError(
+            "QNVB calls a callable optim_args as Pyro's optimizers do: with the parameter's name "
+            "(lambda name: {...}) or, in Pyro's deprecated form, with the module's name and the "
+            f"parameter's name (lambda module_name, param_name: {{...}}); {optim_args!r} takes "
+            f"{signature}"
+        ) from None
+    return arity
+
+
+def _optim_args_names(name: str, arity: int) -> tuple[str, ...]:
+    """The arguments Pyro's optimizers give a callable ``optim_args`` of ``arity`` for the param
+    store name ``name``: ``(name,)`` with Pyro's ``$$$`` module separator as ``.`` (the names of
+    ``nn.Module.named_parameters``), or ``(module name, parameter name)`` split at it (a guide's
+    parameters, which are no ``pyro.module``'s, get their full name twice)."""
+    if arity == 1:
+        return (normalize_param_name(name),)
+    return module_from_param_with_module_name(name), user_param_name(name)
+
+
+def _parameters_refusal(optim_args: object) -> TypeError | None:
+    """QNVB's refusal of what a torch optimizer's constructor takes, a list (or an iterator) of
+    parameters or parameter groups: what Pyro's learning-rate schedulers pass the optimizer they
+    wrap; ``None`` for anything else."""
+    if isinstance(optim_args, Iterator):
+        what = f"an iterator ({type(optim_args).__name__})"
+    elif (
+        isinstance(optim_args, (list, tuple))
+        and optim_args
+        and all(
+            isinstance(p, torch.Tensor) or (isinstance(p, dict) and "params" in p)
+            for p in optim_args
+        )
+    ):
+        what = f"a {type(optim_args).__name__} of {len(optim_args)} parameter(s)"
+    else:
+        return None
+    return TypeError(
+        f"QNVB got {what} as its first argument, the way a torch optimizer is built. QNVB is a "
+        "Pyro optimizer: SVI hands it the parameters (SVI(model, guide, QNVB(), loss)). Pyro's "
+        "learning-rate schedulers (pyro.optim.ExponentialLR({'optimizer': QNVB, ...}) and the "
+        "others) build their optimizer that way, one per parameter, and cannot wrap QNVB, which "
+        "updates a guide block's loc and scale together; its lr caps a mean's step and is no "
+        "step size to decay. Use QNVB itself: QNVB(lr=...) sets the cap (or a dict or callable "
+        "per block), and QNVB(annealing=geometric_annealing(0.01, num_steps=500)) (from "
+        "pyro_quadvi.optim) schedules the likelihood ('Hyperparameters' and 'Annealing the "
+        "likelihood' in docs/qnvb.md). For a torch network trained without Pyro, "
+        "QNVBOptimizer(net.parameters(), ...) is QNVB's torch optimizer"
+    )
+
+
 class QNVB(PyroOptim):
     """Quasi-Newton variational Bayes for Pyro mean-field guides (rasp paper, eq. 4-8).
 
     Args:
         optim_args: the update's hyperparameters as Pyro's optimizers take them: a dict such as
             ``{"lr": 0.5}``, or a callable ``name -> dict`` called with each block's loc
-            parameter name (e.g. ``"AutoMeanFieldNormal.locs.w"``). A block's model may declare
-            settings (`hints`, e.g. a
-            `BayesianModule`'s ``NETWORK_QNVB_SETTINGS``), which replace
-            QNVB's defaults for it; keyword arguments below set the same names for every block,
-            and the dict or callable overrides them.
+            parameter name (e.g. ``"AutoMeanFieldNormal.locs.w"``); a callable of two arguments,
+            Pyro's deprecated form, is called as Pyro calls it, with the name split into module
+            and parameter at Pyro's ``$$$`` (a guide's loc gets its full name twice). A list of
+            parameters (how Pyro's learning-rate schedulers build the optimizer they wrap, which
+            cannot be QNVB) is refused with a ``TypeError`` saying what to use. A block's model
+            may declare settings (`hints`, e.g. a `BayesianModule`'s ``NETWORK_QNVB_SETTINGS``),
+            which replace QNVB's defaults for it; keyword arguments below set the same names for
+            every block, and the dict or callable overrides them.
         annealing: optional schedule ``step -> factor`` of the likelihood; it takes effect through
             the model returned by `anneal`. Under a schedule QNVB's own default
             ``recent_fraction`` is 0.1 (any setting given wins).
@@ -438,11 +513,16 @@ class QNVB(PyroOptim):
                 "'clip_norm': 10.0}), or fallback=pyro.optim.PyroOptim(torch.optim.Adam, "
                 "{'lr': 1e-2}, clip_args={'clip_norm': 10.0})"
             )
+        refusal = _parameters_refusal(optim_args)
+        if refusal is not None:
+            raise refusal
         if optim_args is not None and not (isinstance(optim_args, dict) or callable(optim_args)):
             raise TypeError(
                 "QNVB's first argument is a dict of hyperparameters or a callable name -> dict, "
                 f"as for pyro.optim optimizers (e.g. QNVB({{'lr': 0.5}})); got {optim_args!r}"
             )
+        if callable(optim_args):
+            _optim_args_arity(optim_args)  # a callable Pyro could not call is refused here
         check_schedule(annealing)
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}")
@@ -487,13 +567,16 @@ class QNVB(PyroOptim):
             if self.optim_args:
                 sources.append(f"optim_args {self.optim_args!r}")
         elif callable(self.optim_args) and name is not None:
-            extra = self.optim_args(name)
+            names = _optim_args_names(name, _optim_args_arity(self.optim_args))
+            extra = self.optim_args(*names)
+            called = f"optim_args({', '.join(map(repr, names))})"
             if not isinstance(extra, dict):
                 raise TypeError(
-                    f"QNVB's optim_args callable must return a dict for {name!r}, got {extra!r}"
+                    f"QNVB's optim_args callable must return a dict for {name!r}, got {called} = "
+                    f"{extra!r}"
                 )
             args.update(extra)
-            sources.append(f"optim_args({name!r}) = {extra!r}")
+            sources.append(f"{called} = {extra!r}")
         # a block's settings are refused naming the block and where they came from
         where = "" if name is None else f" for the block of {name!r} (from {', '.join(sources)})"
         unknown = sorted(set(args) - set(_HP_NAMES))
