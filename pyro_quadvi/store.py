@@ -21,20 +21,36 @@ guide; and once a ``QNVB`` exists, its guide watch
 each run of it, whatever the ELBO (Pyro's ``Trace_ELBO`` included). What is left to the user:
 readers that do not run the guide (``guide.median()``, ``quantiles``) right after a restore, and
 a fit by another optimizer under Pyro's ELBOs.
+
+`weights_only_state` and `set_weights_only_state` save and restore the param store and Pyro's
+random state as tensors, numbers and strings, which ``torch.load`` reads with its default
+``weights_only=True``: the store's own state holds its constraint objects and
+``pyro.util.get_rng_state()`` numpy arrays, which it refuses. The constraints are taken back from
+the store of the guide set up again, and checked against their saved names.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 import weakref
 from collections.abc import Iterator
 
+import numpy as np
 import pyro
+import pyro.util
 import torch
 from pyro.nn import PyroModule
 from torch import nn
+from torch.distributions import constraints
 
-__all__ = ["detached_parameters", "follow_param_store", "follow_store"]
+__all__ = [
+    "detached_parameters",
+    "follow_param_store",
+    "follow_store",
+    "set_weights_only_state",
+    "weights_only_state",
+]
 
 # guide or model -> the store's tensor of each of its parameters, as last installed
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = (
@@ -185,3 +201,81 @@ def _pyro_modules(root: PyroModule) -> Iterator[PyroModule]:
             for child in module._modules.values()
             if isinstance(child, PyroModule) and child.__dict__["_pyro_name"]
         )
+
+
+def weights_only_state() -> dict:
+    """Pyro's param store and random state as ``torch.load`` reads them with
+    ``weights_only=True`` (its default): the store's parameters (copies of its unconstrained
+    tensors), its constraints by name (``repr``), and ``pyro.util.get_rng_state()`` with numpy's
+    key as a tensor. Restore it with `set_weights_only_state`.
+
+    Returns:
+        ``{"params": {name: tensor}, "constraints": {name: str}, "rng": {"torch", "random",
+        "numpy"}}``.
+    """
+    store = pyro.get_param_store().get_state()
+    rng = pyro.util.get_rng_state()
+    algorithm, key, *rest = rng["numpy"]
+    return {
+        "params": copy.deepcopy(store["params"]),
+        "constraints": {name: repr(c) for name, c in store["constraints"].items()},
+        "rng": {
+            "torch": rng["torch"],
+            "random": rng["random"],
+            "numpy": (algorithm, torch.from_numpy(key.astype(np.int64)), *rest),
+        },
+    }
+
+
+def set_weights_only_state(state: dict) -> None:
+    """Restore a `weights_only_state`: clear the param store, fill it with copies of the saved
+    parameters under the constraints the store holds now, and set Pyro's random state.
+
+    Set the guide up first, in a new process by calling it once with the model's arguments
+    (``guide(x, y)``): that puts its parameters' (and the model's) constraints into the store, and
+    the draws of its set-up (a subsampled plate's rows) come before the random state is restored.
+
+    Args:
+        state: what `weights_only_state` returned (or ``torch.load`` read back).
+
+    Raises:
+        ValueError: if ``state`` is not such a dict, or a saved parameter's constraint is not the
+            one the store holds under its name (another model or guide), or is not
+            ``constraints.real`` and the store holds none (the guide not set up), naming it.
+    """
+    if not isinstance(state, dict) or set(state) != {"params", "constraints", "rng"}:
+        raise ValueError(
+            "set_weights_only_state takes what weights_only_state() returned, a dict of params, "
+            f"constraints and rng; got {type(state).__name__}"
+            + (f" with keys {sorted(state)}" if isinstance(state, dict) else "")
+        )
+    store = pyro.get_param_store()
+    held = store.get_state()["constraints"]
+    restored = {}
+    for name in state["params"]:
+        saved = state["constraints"].get(name, repr(constraints.real))
+        constraint = held.get(name, constraints.real if saved == repr(constraints.real) else None)
+        if constraint is None:
+            raise ValueError(
+                f"the checkpoint's parameter {name!r} has the constraint {saved}, which the param "
+                "store does not hold now: set the guide up before restoring (call it once with "
+                "the model's arguments, guide(x, y)), so that the store holds its constraints"
+            )
+        if repr(constraint) != saved:
+            raise ValueError(
+                f"the checkpoint's parameter {name!r} was saved under the constraint {saved}, "
+                f"but the param store holds it under {constraint!r}: restore a checkpoint into "
+                "the model and guide it was saved from"
+            )
+        restored[name] = constraint
+    store.clear()
+    store.set_state({"params": copy.deepcopy(state["params"]), "constraints": restored})
+    rng = state["rng"]
+    algorithm, key, *rest = rng["numpy"]
+    pyro.util.set_rng_state(
+        {
+            "torch": rng["torch"].cpu(),
+            "random": rng["random"],
+            "numpy": (algorithm, key.cpu().numpy().astype(np.uint32), *rest),
+        }
+    )

@@ -193,6 +193,15 @@ for step in range(3):
     svi.step(x, y)
 """
 GO_ON = "lost = [svi.step(x, y) for _ in range(4)]  # the steps after the checkpoint"
+# what a new process does before it reads the checkpoint: the same objects built again, on an empty
+# store and another random state
+BUILT_AGAIN = """
+pyro.clear_param_store()
+pyro.set_rng_seed(1)
+guide = AutoMeanFieldNormal(model)
+qnvb = QNVB()
+svi = SVI(model, guide, qnvb, QuadratureELBO("blocked_simplex"))
+"""
 
 
 def resumes_bit_for_bit(ns: dict, out: str) -> None:
@@ -812,6 +821,11 @@ EXAMPLES: dict[str, Example] = {
     "qnvb-checkpoint": Example(
         SUBSAMPLED.replace("RULE", '"blocked_simplex"'),
         replace={"...\n": GO_ON + "\n"},
+        check=resumes_bit_for_bit,
+    ),
+    "qnvb-checkpoint-weights-only": Example(
+        SUBSAMPLED.replace("RULE", '"blocked_simplex"'),
+        replace={"...\n": GO_ON + "\n" + BUILT_AGAIN},
         check=resumes_bit_for_bit,
     ),
     "qnvb-checkpoint-local": Example(
