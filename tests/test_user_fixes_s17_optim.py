@@ -26,6 +26,7 @@ from pyro.infer.autoguide import (
 from torch.distributions import constraints
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.optim import SparseQNVB
 from pyro_quadvi.optim.qnvb import _optim_args_names
 from pyro_quadvi.store import set_weights_only_state, weights_only_state
 
@@ -133,6 +134,20 @@ def test_a_pyro_scheduler_wrapping_qnvb_is_refused_saying_what_to_use(fresh_para
     assert "cannot wrap QNVB" in message
     assert "QNVB(annealing=geometric_annealing(0.01, num_steps=500))" in message
     assert "'Hyperparameters' and 'Annealing the likelihood' in docs/qnvb.md" in message
+
+
+def test_a_pyro_scheduler_wrapping_sparse_qnvb_is_refused_saying_what_to_use():
+    """``SparseQNVB([param], ...)``, as a Pyro scheduler builds it, said "num_epochs must be an
+    integer >= 3, got [Parameter ...]"."""
+    with pytest.raises(TypeError) as error:
+        SparseQNVB([torch.nn.Parameter(torch.zeros(3))], steps_per_epoch=10)
+    message = str(error.value)
+    assert message.startswith(
+        "SparseQNVB got a list of 1 parameter(s) as its first argument, the way a torch "
+        "optimizer is built"
+    )
+    assert "cannot wrap SparseQNVB" in message
+    assert "SparseQNVB(num_epochs, steps_per_epoch=..., max_lr=...)" in message
 
 
 def test_a_torch_style_parameter_iterator_is_refused_naming_qnvb_optimizer():

@@ -419,22 +419,28 @@ def _optim_args_names(name: str, arity: int) -> tuple[str, ...]:
     return module_from_param_with_module_name(name), user_param_name(name)
 
 
-def _parameters_refusal(optim_args: object) -> TypeError | None:
-    """QNVB's refusal of what a torch optimizer's constructor takes, a list (or an iterator) of
-    parameters or parameter groups: what Pyro's learning-rate schedulers pass the optimizer they
-    wrap; ``None`` for anything else."""
-    if isinstance(optim_args, Iterator):
-        what = f"an iterator ({type(optim_args).__name__})"
-    elif (
-        isinstance(optim_args, (list, tuple))
-        and optim_args
+def parameters_given(first: object) -> str | None:
+    """What a torch optimizer's constructor takes, in words, where ``first`` is one: a list (or
+    an iterator) of parameters or parameter groups, which Pyro's learning-rate schedulers pass the
+    optimizer they wrap; ``None`` for anything else."""
+    if isinstance(first, Iterator):
+        return f"an iterator ({type(first).__name__})"
+    if (
+        isinstance(first, (list, tuple))
+        and first
         and all(
-            isinstance(p, torch.Tensor) or (isinstance(p, dict) and "params" in p)
-            for p in optim_args
+            isinstance(p, torch.Tensor) or (isinstance(p, dict) and "params" in p) for p in first
         )
     ):
-        what = f"a {type(optim_args).__name__} of {len(optim_args)} parameter(s)"
-    else:
+        return f"a {type(first).__name__} of {len(first)} parameter(s)"
+    return None
+
+
+def _parameters_refusal(optim_args: object) -> TypeError | None:
+    """QNVB's refusal of a torch optimizer's arguments (`parameters_given`); ``None`` for
+    anything else."""
+    what = parameters_given(optim_args)
+    if what is None:
         return None
     return TypeError(
         f"QNVB got {what} as its first argument, the way a torch optimizer is built. QNVB is a "

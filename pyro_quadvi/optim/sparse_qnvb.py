@@ -29,7 +29,7 @@ from pyro.optim import PyroOptim
 from torch.distributions import transform_to
 
 from ..guides.interface import MeanFieldSite, published_moments
-from .qnvb import QNVB, settings_words
+from .qnvb import QNVB, parameters_given, settings_words
 from .qnvb_functional import _check_number, check_settings
 from .sparse_functional import (
     SparseQNVBBlock,
@@ -111,6 +111,16 @@ class SparseQNVB(QNVB):
         fallback: PyroOptim | tuple[type, dict] | None = None,
         **unexpected: object,
     ):
+        given = parameters_given(num_epochs)
+        if given is not None:  # how pyro.optim.ExponentialLR and the other schedulers build it
+            raise TypeError(
+                f"SparseQNVB got {given} as its first argument, the way a torch optimizer is "
+                "built: Pyro's learning-rate schedulers (pyro.optim.ExponentialLR({'optimizer': "
+                "SparseQNVB, ...}) and the others) build their optimizer so, one per parameter, "
+                "and cannot wrap SparseQNVB. Its schedule is its own: pass it to SVI as "
+                "SparseQNVB(num_epochs, steps_per_epoch=..., max_lr=...) (the settings: "
+                "help(SparseQNVB))"
+            )
         if isinstance(num_epochs, dict):  # pyro.optim's optim_args, as a user porting code passes
             _refuse_pyro_arguments(
                 f"SparseQNVB's first argument is num_epochs, an int; got the dict {num_epochs!r}"
