@@ -33,11 +33,13 @@ from .interface import (
     GuideDescription,
     JointGaussian,
     MeanFieldSite,
+    check_traced,
     register_adapter,
     run_scale,
 )
 
 __all__ = [
+    "check_draws_traced",
     "check_set_up",
     "continuous_latent_sites",
     "describe_auto_normal",
@@ -141,6 +143,7 @@ def describe_auto_normal(
             scale of the plates the guide opens is not known then).
     """
     check_set_up(guide)
+    check_draws_traced(guide, trace)
     if trace is None and last_run is None:
         factor = run_scale(guide)
         last_run = {name: (factor, None) for name in guide._event_dims}
@@ -150,6 +153,13 @@ def describe_auto_normal(
         sites.append(site)
         latent.append(latent_site)
     return GuideDescription(guide._pyro_name, latent, sites=sites)
+
+
+def check_draws_traced(guide: AutoNormal, trace: Trace | None) -> None:
+    """Refuse a ``trace`` that lacks a ``"{site}_unconstrained"`` draw of an ``AutoNormal``-like
+    guide, which a ``poutine.block`` around the guide hid (`check_traced`)."""
+    if trace is not None:
+        check_traced(trace, {f"{name}_unconstrained": (name,) for name in guide._event_dims})
 
 
 def gaussian_block(
@@ -228,7 +238,9 @@ def _posterior(guide: AutoContinuous, trace: Trace | None) -> tuple[object, floa
     around the guide), from ``trace`` or, without one, from its current parameters and the
     handlers around its last run (`run_scale`)."""
     if trace is not None:
-        node = trace.nodes[f"_{guide._pyro_name}_latent"]
+        latent = f"_{guide._pyro_name}_latent"
+        check_traced(trace, {latent: tuple(guide._unconstrained_shapes)})
+        node = trace.nodes[latent]
         return node["fn"], scale_factor(node)
     return guide.get_posterior(), run_scale(guide)
 

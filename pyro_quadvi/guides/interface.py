@@ -69,6 +69,7 @@ __all__ = [
     "MeanFieldSite",
     "PublishedMoments",
     "QuadratureGuide",
+    "check_traced",
     "describe_guide",
     "describe_live_guides",
     "first_rows",
@@ -453,7 +454,16 @@ def describe_guide(guide: Callable, trace: Trace | None = None) -> GuideDescript
     """
     target = unwrap_guide(guide)
     if isinstance(target, QuadratureGuide):
-        return target.quadrature_description(trace)
+        description = target.quadrature_description(trace)
+    else:
+        description = _adapter_or_refusal(target)(target, trace)
+    if trace is not None:
+        check_traced(trace, {site.name: (site.name,) for site in description.latent_sites})
+    return description
+
+
+def _adapter_or_refusal(target: object) -> Callable[[object, Trace | None], GuideDescription]:
+    """The adapter of ``target``'s class; a ``TypeError`` naming the guide when there is none."""
     adapter = _adapter(type(target))
     if adapter is None:
         aside = ""
@@ -477,7 +487,45 @@ def describe_guide(guide: Callable, trace: Trace | None = None) -> GuideDescript
             "a guide implementing quadrature_description(trace) (see the page 'Writing a guide "
             f"for QuadratureELBO and QNVB').{aside}"
         )
-    return adapter(target, trace)
+    return adapter
+
+
+def check_traced(trace: Trace, draws: dict[str, tuple[str, ...]]) -> None:
+    """Refuse a trace of a guide's run that lacks draws a description reads: ``draws`` maps
+    each draw (a model site, or a guide's own site such as ``AutoNormal``'s
+    ``"{site}_unconstrained"``) to the model sites it carries.
+
+    A ``poutine.block`` around the guide hides its sites from the trace. The description is read
+    from the guide itself, so without this check a hidden model site is fitted all the same (a
+    Monte Carlo ELBO would leave it to the model's prior instead), and a hidden draw of the
+    guide's own is a bare ``KeyError``.
+
+    Raises:
+        ValueError: naming the hidden draws and sites, and the ways out.
+    """
+    hidden = {draw: sites for draw, sites in draws.items() if draw not in trace.nodes}
+    if not hidden:
+        return
+    sites = list(dict.fromkeys(site for carried in hidden.values() for site in carried))
+    names = ", ".join(map(repr, sites))
+    what = ", ".join(
+        repr(draw)
+        if carried == (draw,)
+        else f"{draw!r} (its draw of {', '.join(map(repr, carried))})"
+        for draw, carried in hidden.items()
+    )
+    them = "them" if len(hidden) > 1 else "it"
+    own = "them guides of their own" if len(sites) > 1 else "it a guide of its own"
+    raise ValueError(
+        f"the trace of the guide's run lacks {what}: a poutine.block around the guide hid "
+        f"{them}. pyro-quadvi reads the posterior of every latent site from the guide itself, "
+        f"so it would fit {names} all the same (a site hidden from the guide is not left to the "
+        f"model's prior here). To fix {names} at a value, condition the model, "
+        "pyro.condition(model, data={...}), and build the guide from that model; to draw "
+        f"{names} from the prior or give {own}, build the guide on "
+        f"poutine.block(model, hide=[{names}]) (or use an AutoGuideList) and fit with Pyro's "
+        "Trace_ELBO"
+    )
 
 
 def is_describable(guide: object) -> bool:
