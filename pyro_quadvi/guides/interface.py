@@ -52,7 +52,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 from pyro.poutine.scale_messenger import ScaleMessenger
 from pyro.poutine.subsample_messenger import SubsampleMessenger
-from torch.distributions import Distribution, kl_divergence
+from torch.distributions import Distribution, TransformedDistribution, kl_divergence
 from torch.distributions.constraints import Constraint
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -351,17 +351,25 @@ class QuadratureGuide(Protocol):
 
 # ------------------------------------------------------------------------------ the adapters
 _ADAPTERS: dict[type, Callable[[object, Trace | None], GuideDescription]] = {}
+_REFUSALS: dict[type, Callable[[type], str | None]] = {}
 
 
-def register_adapter(cls: type) -> Callable:
+def register_adapter(cls: type, *, refuses: Callable[[type], str | None] | None = None) -> Callable:
     """Decorator: ``fn(guide, trace)`` describes guides of class ``cls`` (and its subclasses).
 
     The adapter of the nearest class in the guide's method resolution order applies; a guide that
-    implements `QuadratureGuide` itself wins over any adapter.
+    implements `QuadratureGuide` itself wins over any adapter. ``refuses(subclass)`` says why
+    the adapter does not describe a subclass of ``cls`` (one that changes its family), ``None``
+    where it does: such a subclass has no adapter, and `describe_guide`'s refusal gives the
+    reason.
     """
 
     def decorate(fn: Callable[[object, Trace | None], GuideDescription]) -> Callable:
         _ADAPTERS[cls] = fn
+        if refuses is None:
+            _REFUSALS.pop(cls, None)
+        else:
+            _REFUSALS[cls] = refuses
         # marked on the class, which compiled code reads (`_may_be_guide`): a guard on the
         # registry would recompile every compiled network at each registration
         cls._pyro_quadvi_adapter = True
@@ -386,8 +394,18 @@ def _adapter(cls: type) -> Callable | None:
     _load_adapters()
     for base in cls.__mro__:
         if base in _ADAPTERS:
-            return _ADAPTERS[base]
+            return None if _refusal(cls, base) else _ADAPTERS[base]
     return None
+
+
+def _refusal(cls: type, base: type | None = None) -> str | None:
+    """Why the adapter registered for ``base`` (by default the nearest in ``cls``'s method
+    resolution order) does not describe ``cls``; ``None`` where it does or there is none."""
+    _load_adapters()
+    if base is None:
+        base = next((b for b in cls.__mro__ if b in _ADAPTERS), None)
+    refuses = _REFUSALS.get(base)
+    return refuses(cls) if refuses is not None else None
 
 
 def unwrap_guide(guide: Callable) -> Callable:
@@ -423,15 +441,35 @@ _MEAN_DRAWN = (dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNor
 class _UnreadDraws(Messenger):
     """Gives each auxiliary draw of the package's families (the ``"..._unconstrained"`` sites of
     AutoNormal's kind, the ``"_..._latent"`` site of an AutoContinuous) its mean instead of a
-    random draw."""
+    random draw, and each draw of ``AutoNormalMessenger`` (a Normal pushed to the site's
+    support) the image of its mean."""
 
     def _pyro_sample(self, msg) -> None:
-        if msg["value"] is not None or msg["is_observed"] or not msg["infer"].get("is_auxiliary"):
+        if msg["value"] is not None or msg["is_observed"]:
             return
         fn = msg["fn"]
-        base = fn.base_dist if isinstance(fn, dist.Independent) else fn
-        if type(base) in _MEAN_DRAWN:
-            msg["value"] = fn.mean.detach()
+        if msg["infer"].get("is_auxiliary"):
+            base = fn.base_dist if isinstance(fn, dist.Independent) else fn
+            if type(base) in _MEAN_DRAWN:
+                msg["value"] = fn.mean.detach()
+        elif "prior" in msg["infer"] and _transformed_normal(fn) is not None:
+            # a GuideMessenger's posterior (it keeps the prior): AutoNormalMessenger's
+            pushed = look_through(fn)
+            with torch.no_grad():
+                value = pushed.base_dist.mean
+                for transform in pushed.transforms:
+                    value = transform(value)
+            msg["value"] = value.expand(fn.shape())
+
+
+def _transformed_normal(fn: Distribution) -> dist.Normal | None:
+    """The Normal inside a Normal pushed through transforms (``AutoNormalMessenger``'s
+    posterior), through ``to_event`` and ``expand``; ``None`` for another distribution."""
+    fn = look_through(fn)
+    if not isinstance(fn, TransformedDistribution):
+        return None
+    base = look_through(fn.base_dist)
+    return base if type(base) is dist.Normal else None
 
 
 def trace_for_description(guide: Callable, *args, **kwargs) -> Trace:
@@ -545,8 +583,9 @@ _WATCH_HANDLE = None
 def register_guide(guide: Callable) -> None:
     """Make ``guide`` known to optimizers (QNVB) that update guides by their description.
 
-    Guides that are ``torch.nn.Module`` s (every AutoGuide) are found by themselves when they run;
-    a guide that is a plain callable object calls this once.
+    Guides that are ``torch.nn.Module`` s (every AutoGuide) are found by themselves when they run,
+    by a hook on ``nn.Module.__call__``; a guide that is a plain callable object, or a module
+    with a ``__call__`` of its own (``AutoNormalMessenger``), calls this once.
     """
     if not is_describable(guide):
         describe_guide(guide)  # raises the TypeError that says what is missing
