@@ -10,18 +10,26 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro import poutine
+from pyro.contrib.easyguide import easy_guide
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import (
     AutoDiagonalNormal,
+    AutoGaussian,
+    AutoHierarchicalNormalMessenger,
+    AutoIAFNormal,
+    AutoLaplaceApproximation,
     AutoNormal,
+    AutoNormalizingFlow,
     AutoNormalMessenger,
+    AutoRegressiveMessenger,
     init_to_feasible,
 )
+from pyro.nn import AutoRegressiveNN
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO
 from pyro_quadvi.distributions import SpikeSlab
 from pyro_quadvi.guides import describe_guide, register_guide
-from pyro_quadvi.guides.interface import trace_for_description
+from pyro_quadvi.guides.interface import is_describable, trace_for_description
 from pyro_quadvi.testing.problems import linear_regression
 
 pytestmark = pytest.mark.usefixtures("float64_store")
@@ -269,3 +277,121 @@ def test_auto_normal_messenger_refuses_amortized_plates_and_describing_before_a_
         _fit(local_model, guide)
     with pytest.raises(RuntimeError, match="AutoNormalMessenger has not been run yet"):
         describe_guide(AutoNormalMessenger(local_model))
+
+
+# ---------------------------------------------------------------- guides that are not read
+def _easy_guide(model):
+    @easy_guide(model)
+    def eg(self):
+        group = self.group(match="a|b")
+        loc = pyro.param("eg_loc", torch.zeros(group.event_shape, dtype=torch.float64))
+        group.sample("joint", dist.Delta(loc).to_event(1))
+
+    return eg
+
+
+def _flow(model):
+    return AutoNormalizingFlow(
+        model, lambda dim: dist.transforms.AffineAutoregressive(AutoRegressiveNN(dim, [4]))
+    )
+
+
+SAME_SITES = (
+    "For a mean field over the same sites, which quadrature and QNVB read, use AutoNormal or "
+    "AutoMeanFieldNormal; or fit this guide with Pyro's Trace_ELBO and Adam (pyro.optim.Adam)."
+)
+
+
+def _fit_with_adam(name: str, why: str) -> str:
+    return f"Fit {name} with Pyro's Trace_ELBO and Adam (pyro.optim.Adam): {why}."
+
+
+@pytest.mark.parametrize(
+    "make, name, way_out",
+    [
+        (
+            AutoHierarchicalNormalMessenger,
+            "AutoHierarchicalNormalMessenger",
+            "AutoHierarchicalNormalMessenger overrides AutoNormalMessenger.get_posterior, so its "
+            "posterior at a site need not be a Normal of that site's own loc and scale "
+            "(AutoHierarchicalNormalMessenger's loc moves with the prior's mean, that is with "
+            f"the values of the sites upstream). {SAME_SITES}",
+        ),
+        (
+            AutoRegressiveMessenger,
+            "AutoRegressiveMessenger",
+            "AutoRegressiveMessenger's posterior at a site is made from the prior given the "
+            f"values upstream, not a Normal of the site's own parameters. {SAME_SITES}",
+        ),
+        (
+            lambda model: AutoIAFNormal(model, num_transforms=1),
+            "AutoIAFNormal",
+            _fit_with_adam(
+                "AutoIAFNormal",
+                "its posterior is a Normal pushed through learned transforms (a normalizing "
+                "flow), which a Gaussian quadrature does not integrate",
+            ),
+        ),
+        (
+            _flow,
+            "AutoNormalizingFlow",
+            _fit_with_adam(
+                "AutoNormalizingFlow",
+                "its posterior is a Normal pushed through learned transforms (a normalizing "
+                "flow), which a Gaussian quadrature does not integrate",
+            ),
+        ),
+        (
+            AutoLaplaceApproximation,
+            "AutoLaplaceApproximation",
+            _fit_with_adam(
+                "AutoLaplaceApproximation",
+                "it fits a point (MAP), and its Gaussian comes after, from "
+                "laplace_approximation(), an AutoMultivariateNormal that is read",
+            ),
+        ),
+        (
+            AutoGaussian,  # named so, not by its backend's class AutoGaussianDense
+            "AutoGaussian",
+            _fit_with_adam(
+                "AutoGaussian",
+                "its Gaussian factors along the model's dependencies, which no adapter reads",
+            ),
+        ),
+        (
+            _easy_guide,
+            "the easy_guide 'eg' (its pyro.param sites)",
+            "A hand-written or amortized guide (an encoder network) trains with Pyro's "
+            "Trace_ELBO; QNVB() then hands all its parameters to its fallback optimizer.",
+        ),
+    ],
+)
+def test_a_guide_that_is_not_read_is_named_with_why_and_the_way_out(make, name, way_out):
+    with pytest.raises(TypeError) as error:
+        QuadratureELBO().loss(ab_model, make(ab_model))
+    message = str(error.value)
+    assert message.startswith(f"pyro-quadvi cannot read the posterior of {name}: quadrature")
+    assert message.endswith(f"'Writing a guide for QuadratureELBO and QNVB'). {way_out}")
+
+
+def test_registering_a_hierarchical_messenger_is_refused_with_the_reason():
+    # the adapter of its base class does not cover it, so QNVB never takes it for a mean field
+    guide = AutoHierarchicalNormalMessenger(ab_model)
+    guide()
+    assert not is_describable(guide)
+    with pytest.raises(TypeError, match=r"overrides AutoNormalMessenger\.get_posterior"):
+        register_guide(guide)
+
+
+def test_a_guide_of_the_model_trained_on_the_conditioned_model_is_told_so():
+    # before: "the guide samples 'a', which the model observes: ... Build it with the data"
+    guide = AutoNormal(ab_model)
+    conditioned = pyro.condition(ab_model, data={"a": torch.tensor(1.0, dtype=torch.float64)})
+    with pytest.raises(ValueError) as error:
+        _fit(conditioned, guide)
+    assert str(error.value) == (
+        "the model given to SVI conditions 'a': build the guide from that model (e.g. "
+        "AutoMeanFieldNormal(pyro.condition(model, data=...)), the model SVI is given). The "
+        "guide 'AutoNormal' was built from a model that samples 'a', so it would draw what the "
+        "model observes"
+    )

@@ -45,9 +45,19 @@ from typing import Protocol, runtime_checkable
 import pyro.distributions as dist
 import torch
 from pyro import poutine
+from pyro.contrib.easyguide import EasyGuide
 from pyro.distributions.transforms import Transform
-from pyro.infer.autoguide import AutoGuide, AutoGuideList
+from pyro.infer.autoguide import (
+    AutoDelta,
+    AutoGaussian,
+    AutoGuide,
+    AutoGuideList,
+    AutoLaplaceApproximation,
+    AutoMessenger,
+    AutoNormalizingFlow,
+)
 from pyro.poutine import Trace
+from pyro.poutine.condition_messenger import ConditionMessenger
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 from pyro.poutine.scale_messenger import ScaleMessenger
@@ -69,10 +79,12 @@ __all__ = [
     "MeanFieldSite",
     "PublishedMoments",
     "QuadratureGuide",
+    "check_model_samples",
     "check_traced",
     "describe_guide",
     "describe_live_guides",
     "first_rows",
+    "handlers_around",
     "live_guides",
     "publish_moments",
     "published_moments",
@@ -415,23 +427,63 @@ def unwrap_guide(guide: Callable) -> Callable:
     A trace of the wrapper still records what the wrapper changed (a ``poutine.scale`` factor is in
     each site's scale), so a description read from that trace stays right.
     """
+    return _unwrap(guide)[0]
+
+
+def handlers_around(fn: Callable) -> list[Messenger]:
+    """The Pyro handlers ``fn`` is wrapped in (``pyro.condition(model, data)``'s
+    ``ConditionMessenger``, say), outermost first, as `unwrap_guide` looks through them."""
+    return _unwrap(fn)[1]
+
+
+def _unwrap(fn: Callable) -> tuple[Callable, list[Messenger]]:
+    """The callable behind ``fn``'s wrappers (see `unwrap_guide`), and the Pyro handlers among
+    them."""
+    handlers = []
     seen = 0
     while seen < 32:
         seen += 1
-        original = compiled_original(guide)
+        original = compiled_original(fn)
         if original is not None:
-            guide = original
+            fn = original
             continue
-        if isinstance(guide, functools.partial):
+        if isinstance(fn, functools.partial):
             # Pyro wraps handlers as partial(_context_wrap, messenger, fn)
-            inner = guide.func
-            if getattr(inner, "__name__", "") == "_context_wrap" and len(guide.args) >= 2:
-                guide = guide.args[1]
+            inner = fn.func
+            if getattr(inner, "__name__", "") == "_context_wrap" and len(fn.args) >= 2:
+                handlers.append(fn.args[0])
+                fn = fn.args[1]
             else:
-                guide = inner
+                fn = inner
             continue
-        return guide
-    return guide
+        break
+    return fn, handlers
+
+
+def check_model_samples(model: Callable, description: GuideDescription) -> None:
+    """Refuse a model wrapped in ``pyro.condition`` on latent sites of the guide's description:
+    the guide was built from the model without the condition, so it would draw a site the model
+    observes.
+
+    Raises:
+        ValueError: naming the conditioned sites and the way out.
+    """
+    conditioned = set()
+    for handler in handlers_around(model):
+        if isinstance(handler, ConditionMessenger):
+            data = handler.data
+            if isinstance(data, Trace):
+                data = {n for n, node in data.nodes.items() if node["type"] == "sample"}
+            conditioned.update(data)
+    sites = [site.name for site in description.latent_sites if site.name in conditioned]
+    if sites:
+        names = ", ".join(map(repr, sites))
+        raise ValueError(
+            f"the model given to SVI conditions {names}: build the guide from that model "
+            f"(e.g. AutoMeanFieldNormal(pyro.condition(model, data=...)), the model SVI is "
+            f"given). The guide {description.guide!r} was built from a model that samples "
+            f"{names}, so it would draw what the model observes"
+        )
 
 
 #: Auxiliary draws that `_UnreadDraws` replaces by their (finite) means.
@@ -501,24 +553,11 @@ def describe_guide(guide: Callable, trace: Trace | None = None) -> GuideDescript
 
 
 def _adapter_or_refusal(target: object) -> Callable[[object, Trace | None], GuideDescription]:
-    """The adapter of ``target``'s class; a ``TypeError`` naming the guide when there is none."""
+    """The adapter of ``target``'s class; a ``TypeError`` naming the guide, why it is not read
+    and what to use instead, when there is none."""
     adapter = _adapter(type(target))
     if adapter is None:
-        aside = ""
-        if isinstance(target, types.FunctionType | types.MethodType):
-            kind = "method" if isinstance(target, types.MethodType) else "function"
-            what = f"the guide {kind} {target.__qualname__!r} (its pyro.param sites)"
-            aside = (
-                " A hand-written or amortized guide (an encoder network) trains with Pyro's "
-                "Trace_ELBO; QNVB() then hands all its parameters to its fallback optimizer."
-            )
-        else:
-            what = type(target).__name__
-        if type(target).__name__ == "AutoGuideList":
-            aside = (
-                " An AutoGuideList is not read part by part: use one guide over all the latents "
-                "(AutoMeanFieldNormal or AutoNormal give each site its own block)."
-            )
+        what, aside = _not_read(target)
         raise TypeError(
             f"pyro-quadvi cannot read the posterior of {what}: quadrature needs a Gaussian guide "
             f"(pyro_quadvi's AutoMeanFieldNormal, or Pyro's {', '.join(supported_guides())}) or "
@@ -526,6 +565,56 @@ def _adapter_or_refusal(target: object) -> Callable[[object, Trace | None], Guid
             f"for QuadratureELBO and QNVB').{aside}"
         )
     return adapter
+
+
+_HAND_WRITTEN = (
+    " A hand-written or amortized guide (an encoder network) trains with Pyro's Trace_ELBO; "
+    "QNVB() then hands all its parameters to its fallback optimizer."
+)
+_SAME_SITES = (
+    " For a mean field over the same sites, which quadrature and QNVB read, use AutoNormal or "
+    "AutoMeanFieldNormal; or fit this guide with Pyro's Trace_ELBO and Adam (pyro.optim.Adam)."
+)
+
+
+#: Why an AutoGuide of these classes is not read (`_not_read`).
+_WHY_NOT = {
+    AutoNormalizingFlow: "its posterior is a Normal pushed through learned transforms (a "
+    "normalizing flow), which a Gaussian quadrature does not integrate",
+    AutoLaplaceApproximation: "it fits a point (MAP), and its Gaussian comes after, from "
+    "laplace_approximation(), an AutoMultivariateNormal that is read",
+    AutoGaussian: "its Gaussian factors along the model's dependencies, which no adapter reads",
+    AutoDelta: "it fits points (MAP): there is no distribution to integrate",
+}
+
+
+def _not_read(target: object) -> tuple[str, str]:
+    """A guide no adapter reads: its name for a message, and a sentence (with a leading space)
+    on why, and what to use instead."""
+    if isinstance(target, types.FunctionType | types.MethodType):
+        kind = "method" if isinstance(target, types.MethodType) else "function"
+        return f"the guide {kind} {target.__qualname__!r} (its pyro.param sites)", _HAND_WRITTEN
+    if isinstance(target, EasyGuide):
+        return f"the easy_guide {type(target).__name__!r} (its pyro.param sites)", _HAND_WRITTEN
+    name = "AutoGaussian" if isinstance(target, AutoGaussian) else type(target).__name__
+    if isinstance(target, AutoGuideList):
+        return name, (
+            " An AutoGuideList is not read part by part: use one guide over all the latents "
+            "(AutoMeanFieldNormal or AutoNormal give each site its own block)."
+        )
+    reason = _refusal(type(target))
+    if reason is not None:
+        return name, f" {reason}.{_SAME_SITES}"
+    if isinstance(target, AutoMessenger):
+        return name, (
+            f" {name}'s posterior at a site is made from the prior given the values upstream, "
+            f"not a Normal of the site's own parameters.{_SAME_SITES}"
+        )
+    if not isinstance(target, AutoGuide):
+        return name, ""
+    reason = next((text for cls, text in _WHY_NOT.items() if isinstance(target, cls)), None)
+    because = f": {reason}" if reason else ""
+    return name, f" Fit {name} with Pyro's Trace_ELBO and Adam (pyro.optim.Adam){because}."
 
 
 def check_traced(trace: Trace, draws: dict[str, tuple[str, ...]]) -> None:
