@@ -1,6 +1,8 @@
 """Descriptions of Pyro's own Gaussian guides, registered by class (the one place they are known).
 
 * ``AutoNormal`` (and so ``AutoMeanFieldNormal``): one ``"gaussian"`` block per latent site.
+* ``AutoNormalMessenger``: the same, read from the trace of its run (not its subclasses that
+  change the posterior, such as ``AutoHierarchicalNormalMessenger``).
 * ``AutoDiagonalNormal``: one ``"gaussian"`` block over all latents (its ``loc`` and ``scale``).
 * ``AutoMultivariateNormal``, ``AutoLowRankMultivariateNormal``: a joint Gaussian (``"mvn"``).
 
@@ -24,23 +26,29 @@ from pyro.infer.autoguide import (
     AutoLowRankMultivariateNormal,
     AutoMultivariateNormal,
     AutoNormal,
+    AutoNormalMessenger,
 )
 from pyro.poutine import Trace
 from torch.distributions import Distribution, Independent, biject_to, constraints, transform_to
+from torch.distributions.constraints import Constraint
 
 from ..infer.log_joint import LatentSite, latent_nodes
 from .interface import (
     GuideDescription,
     JointGaussian,
     MeanFieldSite,
+    _transformed_normal,
+    check_traced,
     register_adapter,
     run_scale,
 )
 
 __all__ = [
+    "check_draws_traced",
     "check_set_up",
     "continuous_latent_sites",
     "describe_auto_normal",
+    "describe_auto_normal_messenger",
     "scale_factor",
     "subsample_rows",
 ]
@@ -141,6 +149,7 @@ def describe_auto_normal(
             scale of the plates the guide opens is not known then).
     """
     check_set_up(guide)
+    check_draws_traced(guide, trace)
     if trace is None and last_run is None:
         factor = run_scale(guide)
         last_run = {name: (factor, None) for name in guide._event_dims}
@@ -152,22 +161,49 @@ def describe_auto_normal(
     return GuideDescription(guide._pyro_name, latent, sites=sites)
 
 
+def check_draws_traced(guide: AutoNormal, trace: Trace | None) -> None:
+    """Refuse a ``trace`` that lacks a ``"{site}_unconstrained"`` draw of an ``AutoNormal``-like
+    guide, which a ``poutine.block`` around the guide hid (`check_traced`)."""
+    if trace is not None:
+        check_traced(trace, {f"{name}_unconstrained": (name,) for name in guide._event_dims})
+
+
 def gaussian_block(
     guide, name: str, proto: dict, trace: Trace | None, last_run: dict | None
 ) -> tuple[MeanFieldSite, LatentSite]:
     """The ``"gaussian"`` block of one site of a guide holding ``locs`` and ``scales`` modules as
     ``AutoNormal`` does (the run's rows and scale factor from ``trace``, else ``last_run``), and
     its latent site."""
-    loc_leaf, _, loc_name = _leaf(guide.locs, name)
-    scale_leaf, scale_constraint, scale_name = _leaf(guide.scales, name)
     event_dim = guide._event_dims[name]
     normal, factor, rows = site_run(name, event_dim, trace, last_run)
+    hints = site_hints(name, proto)
+    return gaussian_site(guide, name, proto["fn"].support, hints, event_dim, normal, factor, rows)
+
+
+def gaussian_site(
+    guide,
+    name: str,
+    support: Constraint,
+    hints: dict,
+    event_dim: int,
+    normal: Distribution | None,
+    factor: float,
+    rows: dict[int, torch.Tensor] | None,
+) -> tuple[MeanFieldSite, LatentSite]:
+    """The ``"gaussian"`` block of site ``name`` (support ``support``) of a guide holding its
+    ``loc`` and ``scale`` in ``locs`` and ``scales`` modules, and its latent site.
+
+    ``normal`` is the site's Normal in a traced run (its ``loc`` and ``scale``, differentiable);
+    ``None`` reads the current parameters at ``rows``.
+    """
+    loc_leaf, _, loc_name = _leaf(guide.locs, name)
+    scale_leaf, scale_constraint, scale_name = _leaf(guide.scales, name)
     if normal is not None:
         loc, scale = normal.loc, normal.scale
     else:
         loc = _select(loc_leaf, rows)
         scale = _select(transform_to(scale_constraint)(scale_leaf), rows)
-    transform = biject_to(proto["fn"].support)
+    transform = biject_to(support)
     site = MeanFieldSite(
         name=name,
         family="gaussian",
@@ -180,8 +216,8 @@ def gaussian_block(
         event_dim=event_dim,
         scale_factor=factor,
         rows=rows,
-        constraint=proto["fn"].support,
-        hints=site_hints(name, proto),
+        constraint=support,
+        hints=hints,
     )
     return site, LatentSite(name, loc.shape, event_dim, transform)
 
@@ -202,6 +238,76 @@ def site_hints(name: str, site: dict) -> dict:
 
 
 register_adapter(AutoNormal)(describe_auto_normal)
+
+
+def _changes_the_normal(cls: type) -> str | None:
+    """Why a subclass of ``AutoNormalMessenger`` is not read: it overrides how a site's
+    posterior is made, so the posterior need not be the Normal of the site's own parameters."""
+    for method in ("get_posterior", "_get_params"):
+        if getattr(cls, method) is not getattr(AutoNormalMessenger, method):
+            return (
+                f"{cls.__name__} overrides AutoNormalMessenger.{method}, so its posterior at a "
+                "site need not be a Normal of that site's own loc and scale "
+                "(AutoHierarchicalNormalMessenger's loc moves with the prior's mean, that is "
+                "with the values of the sites upstream)"
+            )
+    return None
+
+
+@register_adapter(AutoNormalMessenger, refuses=_changes_the_normal)
+def describe_auto_normal_messenger(
+    guide: AutoNormalMessenger, trace: Trace | None
+) -> GuideDescription:
+    """``AutoNormalMessenger``: a ``"gaussian"`` block per site, as ``AutoNormal``'s.
+
+    The guide runs the model and replaces each latent site's prior by a Normal of the site's
+    ``locs`` and ``scales`` (its scale an exp, ``constraints.positive``) pushed to the support;
+    it keeps the prior in the site's ``infer["prior"]`` and a trace of its last run
+    (``guide.trace``: it is a ``TraceMessenger``). The sites are those of that run; their Normals,
+    minibatch scale and rows are read from ``trace``, or without one from that run, with the
+    current parameters. Subclasses that override ``get_posterior`` or ``_get_params``
+    (``AutoHierarchicalNormalMessenger``) are not read (`register_adapter`'s ``refuses``).
+
+    Raises:
+        ValueError: for ``amortized_plates``, whose parameters a plate's rows share.
+        RuntimeError: if the guide has not run yet (an ELBO's run sets it up).
+    """
+    if guide.amortized_plates:
+        raise ValueError(
+            f"AutoNormalMessenger with amortized_plates={guide.amortized_plates!r} shares each "
+            "site's loc and scale over those plates' rows, which no per-coordinate Gaussian "
+            "block describes: make it with amortized_plates=() (AutoNormalMessenger(model), a "
+            "loc and scale per row, subsampled plates included), or fit it with Pyro's "
+            "Trace_ELBO and Adam"
+        )
+    own = getattr(guide, "trace", None)  # (a pickled GuideMessenger drops it)
+    names = [
+        name
+        for name, node in (own.nodes.items() if own is not None else ())
+        if node["type"] == "sample" and "prior" in node["infer"]
+    ]
+    if not names:
+        raise RuntimeError(
+            f"{type(guide).__name__} has not been run yet: call it (or svi.step) with the "
+            "model's arguments first"
+        )
+    if trace is not None:
+        check_traced(trace, {name: (name,) for name in names})
+    run = own if trace is None else trace
+    sites, latent = [], []
+    for name in names:
+        node = run.nodes[name]
+        support = node["infer"]["prior"].support
+        event_dim = biject_to(support).domain.event_dim
+        normal = _transformed_normal(node["fn"]) if trace is not None else None
+        rows = subsample_rows(node, run, event_dim)
+        hints = site_hints(name, node)
+        site, latent_site = gaussian_site(
+            guide, name, support, hints, event_dim, normal, scale_factor(node), rows
+        )
+        sites.append(site)
+        latent.append(latent_site)
+    return GuideDescription(guide._pyro_name, latent, sites=sites)
 
 
 def continuous_latent_sites(guide: AutoContinuous) -> list[LatentSite]:
@@ -228,7 +334,9 @@ def _posterior(guide: AutoContinuous, trace: Trace | None) -> tuple[object, floa
     around the guide), from ``trace`` or, without one, from its current parameters and the
     handlers around its last run (`run_scale`)."""
     if trace is not None:
-        node = trace.nodes[f"_{guide._pyro_name}_latent"]
+        latent = f"_{guide._pyro_name}_latent"
+        check_traced(trace, {latent: tuple(guide._unconstrained_shapes)})
+        node = trace.nodes[latent]
         return node["fn"], scale_factor(node)
     return guide.get_posterior(), run_scale(guide)
 

@@ -45,14 +45,24 @@ from typing import Protocol, runtime_checkable
 import pyro.distributions as dist
 import torch
 from pyro import poutine
+from pyro.contrib.easyguide import EasyGuide
 from pyro.distributions.transforms import Transform
-from pyro.infer.autoguide import AutoGuide, AutoGuideList
+from pyro.infer.autoguide import (
+    AutoDelta,
+    AutoGaussian,
+    AutoGuide,
+    AutoGuideList,
+    AutoLaplaceApproximation,
+    AutoMessenger,
+    AutoNormalizingFlow,
+)
 from pyro.poutine import Trace
+from pyro.poutine.condition_messenger import ConditionMessenger
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 from pyro.poutine.scale_messenger import ScaleMessenger
 from pyro.poutine.subsample_messenger import SubsampleMessenger
-from torch.distributions import Distribution, kl_divergence
+from torch.distributions import Distribution, TransformedDistribution, kl_divergence
 from torch.distributions.constraints import Constraint
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -69,9 +79,12 @@ __all__ = [
     "MeanFieldSite",
     "PublishedMoments",
     "QuadratureGuide",
+    "check_model_samples",
+    "check_traced",
     "describe_guide",
     "describe_live_guides",
     "first_rows",
+    "handlers_around",
     "live_guides",
     "publish_moments",
     "published_moments",
@@ -350,17 +363,25 @@ class QuadratureGuide(Protocol):
 
 # ------------------------------------------------------------------------------ the adapters
 _ADAPTERS: dict[type, Callable[[object, Trace | None], GuideDescription]] = {}
+_REFUSALS: dict[type, Callable[[type], str | None]] = {}
 
 
-def register_adapter(cls: type) -> Callable:
+def register_adapter(cls: type, *, refuses: Callable[[type], str | None] | None = None) -> Callable:
     """Decorator: ``fn(guide, trace)`` describes guides of class ``cls`` (and its subclasses).
 
     The adapter of the nearest class in the guide's method resolution order applies; a guide that
-    implements `QuadratureGuide` itself wins over any adapter.
+    implements `QuadratureGuide` itself wins over any adapter. ``refuses(subclass)`` says why
+    the adapter does not describe a subclass of ``cls`` (one that changes its family), ``None``
+    where it does: such a subclass has no adapter, and `describe_guide`'s refusal gives the
+    reason.
     """
 
     def decorate(fn: Callable[[object, Trace | None], GuideDescription]) -> Callable:
         _ADAPTERS[cls] = fn
+        if refuses is None:
+            _REFUSALS.pop(cls, None)
+        else:
+            _REFUSALS[cls] = refuses
         # marked on the class, which compiled code reads (`_may_be_guide`): a guard on the
         # registry would recompile every compiled network at each registration
         cls._pyro_quadvi_adapter = True
@@ -385,8 +406,18 @@ def _adapter(cls: type) -> Callable | None:
     _load_adapters()
     for base in cls.__mro__:
         if base in _ADAPTERS:
-            return _ADAPTERS[base]
+            return None if _refusal(cls, base) else _ADAPTERS[base]
     return None
+
+
+def _refusal(cls: type, base: type | None = None) -> str | None:
+    """Why the adapter registered for ``base`` (by default the nearest in ``cls``'s method
+    resolution order) does not describe ``cls``; ``None`` where it does or there is none."""
+    _load_adapters()
+    if base is None:
+        base = next((b for b in cls.__mro__ if b in _ADAPTERS), None)
+    refuses = _REFUSALS.get(base)
+    return refuses(cls) if refuses is not None else None
 
 
 def unwrap_guide(guide: Callable) -> Callable:
@@ -396,23 +427,63 @@ def unwrap_guide(guide: Callable) -> Callable:
     A trace of the wrapper still records what the wrapper changed (a ``poutine.scale`` factor is in
     each site's scale), so a description read from that trace stays right.
     """
+    return _unwrap(guide)[0]
+
+
+def handlers_around(fn: Callable) -> list[Messenger]:
+    """The Pyro handlers ``fn`` is wrapped in (``pyro.condition(model, data)``'s
+    ``ConditionMessenger``, say), outermost first, as `unwrap_guide` looks through them."""
+    return _unwrap(fn)[1]
+
+
+def _unwrap(fn: Callable) -> tuple[Callable, list[Messenger]]:
+    """The callable behind ``fn``'s wrappers (see `unwrap_guide`), and the Pyro handlers among
+    them."""
+    handlers = []
     seen = 0
     while seen < 32:
         seen += 1
-        original = compiled_original(guide)
+        original = compiled_original(fn)
         if original is not None:
-            guide = original
+            fn = original
             continue
-        if isinstance(guide, functools.partial):
+        if isinstance(fn, functools.partial):
             # Pyro wraps handlers as partial(_context_wrap, messenger, fn)
-            inner = guide.func
-            if getattr(inner, "__name__", "") == "_context_wrap" and len(guide.args) >= 2:
-                guide = guide.args[1]
+            inner = fn.func
+            if getattr(inner, "__name__", "") == "_context_wrap" and len(fn.args) >= 2:
+                handlers.append(fn.args[0])
+                fn = fn.args[1]
             else:
-                guide = inner
+                fn = inner
             continue
-        return guide
-    return guide
+        break
+    return fn, handlers
+
+
+def check_model_samples(model: Callable, description: GuideDescription) -> None:
+    """Refuse a model wrapped in ``pyro.condition`` on latent sites of the guide's description:
+    the guide was built from the model without the condition, so it would draw a site the model
+    observes.
+
+    Raises:
+        ValueError: naming the conditioned sites and the way out.
+    """
+    conditioned = set()
+    for handler in handlers_around(model):
+        if isinstance(handler, ConditionMessenger):
+            data = handler.data
+            if isinstance(data, Trace):
+                data = {n for n, node in data.nodes.items() if node["type"] == "sample"}
+            conditioned.update(data)
+    sites = [site.name for site in description.latent_sites if site.name in conditioned]
+    if sites:
+        names = ", ".join(map(repr, sites))
+        raise ValueError(
+            f"the model given to SVI conditions {names}: build the guide from that model "
+            f"(e.g. AutoMeanFieldNormal(pyro.condition(model, data=...)), the model SVI is "
+            f"given). The guide {description.guide!r} was built from a model that samples "
+            f"{names}, so it would draw what the model observes"
+        )
 
 
 #: Auxiliary draws that `_UnreadDraws` replaces by their (finite) means.
@@ -422,15 +493,35 @@ _MEAN_DRAWN = (dist.Normal, dist.MultivariateNormal, dist.LowRankMultivariateNor
 class _UnreadDraws(Messenger):
     """Gives each auxiliary draw of the package's families (the ``"..._unconstrained"`` sites of
     AutoNormal's kind, the ``"_..._latent"`` site of an AutoContinuous) its mean instead of a
-    random draw."""
+    random draw, and each draw of ``AutoNormalMessenger`` (a Normal pushed to the site's
+    support) the image of its mean."""
 
     def _pyro_sample(self, msg) -> None:
-        if msg["value"] is not None or msg["is_observed"] or not msg["infer"].get("is_auxiliary"):
+        if msg["value"] is not None or msg["is_observed"]:
             return
         fn = msg["fn"]
-        base = fn.base_dist if isinstance(fn, dist.Independent) else fn
-        if type(base) in _MEAN_DRAWN:
-            msg["value"] = fn.mean.detach()
+        if msg["infer"].get("is_auxiliary"):
+            base = fn.base_dist if isinstance(fn, dist.Independent) else fn
+            if type(base) in _MEAN_DRAWN:
+                msg["value"] = fn.mean.detach()
+        elif "prior" in msg["infer"] and _transformed_normal(fn) is not None:
+            # a GuideMessenger's posterior (it keeps the prior): AutoNormalMessenger's
+            pushed = look_through(fn)
+            with torch.no_grad():
+                value = pushed.base_dist.mean
+                for transform in pushed.transforms:
+                    value = transform(value)
+            msg["value"] = value.expand(fn.shape())
+
+
+def _transformed_normal(fn: Distribution) -> dist.Normal | None:
+    """The Normal inside a Normal pushed through transforms (``AutoNormalMessenger``'s
+    posterior), through ``to_event`` and ``expand``; ``None`` for another distribution."""
+    fn = look_through(fn)
+    if not isinstance(fn, TransformedDistribution):
+        return None
+    base = look_through(fn.base_dist)
+    return base if type(base) is dist.Normal else None
 
 
 def trace_for_description(guide: Callable, *args, **kwargs) -> Trace:
@@ -453,31 +544,115 @@ def describe_guide(guide: Callable, trace: Trace | None = None) -> GuideDescript
     """
     target = unwrap_guide(guide)
     if isinstance(target, QuadratureGuide):
-        return target.quadrature_description(trace)
+        description = target.quadrature_description(trace)
+    else:
+        description = _adapter_or_refusal(target)(target, trace)
+    if trace is not None:
+        check_traced(trace, {site.name: (site.name,) for site in description.latent_sites})
+    return description
+
+
+def _adapter_or_refusal(target: object) -> Callable[[object, Trace | None], GuideDescription]:
+    """The adapter of ``target``'s class; a ``TypeError`` naming the guide, why it is not read
+    and what to use instead, when there is none."""
     adapter = _adapter(type(target))
     if adapter is None:
-        aside = ""
-        if isinstance(target, types.FunctionType | types.MethodType):
-            kind = "method" if isinstance(target, types.MethodType) else "function"
-            what = f"the guide {kind} {target.__qualname__!r} (its pyro.param sites)"
-            aside = (
-                " A hand-written or amortized guide (an encoder network) trains with Pyro's "
-                "Trace_ELBO; QNVB() then hands all its parameters to its fallback optimizer."
-            )
-        else:
-            what = type(target).__name__
-        if type(target).__name__ == "AutoGuideList":
-            aside = (
-                " An AutoGuideList is not read part by part: use one guide over all the latents "
-                "(AutoMeanFieldNormal or AutoNormal give each site its own block)."
-            )
+        what, aside = _not_read(target)
         raise TypeError(
             f"pyro-quadvi cannot read the posterior of {what}: quadrature needs a Gaussian guide "
             f"(pyro_quadvi's AutoMeanFieldNormal, or Pyro's {', '.join(supported_guides())}) or "
             "a guide implementing quadrature_description(trace) (see the page 'Writing a guide "
             f"for QuadratureELBO and QNVB').{aside}"
         )
-    return adapter(target, trace)
+    return adapter
+
+
+_HAND_WRITTEN = (
+    " A hand-written or amortized guide (an encoder network) trains with Pyro's Trace_ELBO; "
+    "QNVB() then hands all its parameters to its fallback optimizer."
+)
+_SAME_SITES = (
+    " For a mean field over the same sites, which quadrature and QNVB read, use AutoNormal or "
+    "AutoMeanFieldNormal; or fit this guide with Pyro's Trace_ELBO and Adam (pyro.optim.Adam)."
+)
+
+
+#: Why an AutoGuide of these classes is not read (`_not_read`).
+_WHY_NOT = {
+    AutoNormalizingFlow: "its posterior is a Normal pushed through learned transforms (a "
+    "normalizing flow), which a Gaussian quadrature does not integrate",
+    AutoLaplaceApproximation: "it fits a point (MAP), and its Gaussian comes after, from "
+    "laplace_approximation(), an AutoMultivariateNormal that is read",
+    AutoGaussian: "its Gaussian factors along the model's dependencies, which no adapter reads",
+    AutoDelta: "it fits points (MAP): there is no distribution to integrate",
+}
+
+
+def _not_read(target: object) -> tuple[str, str]:
+    """A guide no adapter reads: its name for a message, and a sentence (with a leading space)
+    on why, and what to use instead."""
+    if isinstance(target, types.FunctionType | types.MethodType):
+        kind = "method" if isinstance(target, types.MethodType) else "function"
+        return f"the guide {kind} {target.__qualname__!r} (its pyro.param sites)", _HAND_WRITTEN
+    if isinstance(target, EasyGuide):
+        return f"the easy_guide {type(target).__name__!r} (its pyro.param sites)", _HAND_WRITTEN
+    name = "AutoGaussian" if isinstance(target, AutoGaussian) else type(target).__name__
+    if isinstance(target, AutoGuideList):
+        return name, (
+            " An AutoGuideList is not read part by part: use one guide over all the latents "
+            "(AutoMeanFieldNormal or AutoNormal give each site its own block)."
+        )
+    reason = _refusal(type(target))
+    if reason is not None:
+        return name, f" {reason}.{_SAME_SITES}"
+    if isinstance(target, AutoMessenger):
+        return name, (
+            f" {name}'s posterior at a site is made from the prior given the values upstream, "
+            f"not a Normal of the site's own parameters.{_SAME_SITES}"
+        )
+    if not isinstance(target, AutoGuide):
+        return name, ""
+    reason = next((text for cls, text in _WHY_NOT.items() if isinstance(target, cls)), None)
+    because = f": {reason}" if reason else ""
+    return name, f" Fit {name} with Pyro's Trace_ELBO and Adam (pyro.optim.Adam){because}."
+
+
+def check_traced(trace: Trace, draws: dict[str, tuple[str, ...]]) -> None:
+    """Refuse a trace of a guide's run that lacks draws a description reads: ``draws`` maps
+    each draw (a model site, or a guide's own site such as ``AutoNormal``'s
+    ``"{site}_unconstrained"``) to the model sites it carries.
+
+    A ``poutine.block`` around the guide hides its sites from the trace. The description is read
+    from the guide itself, so without this check a hidden model site is fitted all the same (a
+    Monte Carlo ELBO would leave it to the model's prior instead), and a hidden draw of the
+    guide's own is a bare ``KeyError``.
+
+    Raises:
+        ValueError: naming the hidden draws and sites, and the ways out.
+    """
+    hidden = {draw: sites for draw, sites in draws.items() if draw not in trace.nodes}
+    if not hidden:
+        return
+    sites = list(dict.fromkeys(site for carried in hidden.values() for site in carried))
+    names = ", ".join(map(repr, sites))
+    what = ", ".join(
+        repr(draw)
+        if carried == (draw,)
+        else f"{draw!r} (its draw of {', '.join(map(repr, carried))})"
+        for draw, carried in hidden.items()
+    )
+    them = "them" if len(hidden) > 1 else "it"
+    own = "them guides of their own" if len(sites) > 1 else "it a guide of its own"
+    raise ValueError(
+        f"the trace of the guide's run lacks {what}: a poutine.block around the guide hid "
+        f"{them}. pyro-quadvi reads the posterior of every latent site from the guide itself, "
+        f"so it would fit {names} all the same (a site hidden from the guide is not left to the "
+        f"model's prior here). To fix {names} at a value, condition the model, "
+        "pyro.condition(model, data={...}), and build the guide from that model; to draw "
+        f"{names} from the prior or give {own}, build the guide on "
+        f"poutine.block(model, hide=[{names}]) (or use an AutoGuideList) and fit with Pyro's "
+        "Trace_ELBO"
+    )
 
 
 def is_describable(guide: object) -> bool:
@@ -497,8 +672,9 @@ _WATCH_HANDLE = None
 def register_guide(guide: Callable) -> None:
     """Make ``guide`` known to optimizers (QNVB) that update guides by their description.
 
-    Guides that are ``torch.nn.Module`` s (every AutoGuide) are found by themselves when they run;
-    a guide that is a plain callable object calls this once.
+    Guides that are ``torch.nn.Module`` s (every AutoGuide) are found by themselves when they run,
+    by a hook on ``nn.Module.__call__``; a guide that is a plain callable object, or a module
+    with a ``__call__`` of its own (``AutoNormalMessenger``), calls this once.
     """
     if not is_describable(guide):
         describe_guide(guide)  # raises the TypeError that says what is missing

@@ -36,7 +36,7 @@ from torch.distributions import biject_to, constraints, transform_to
 
 from ..distributions import SpikeSlab
 from ..infer.log_joint import LatentSite, look_through
-from .adapters import _leaf, _select, check_set_up, gaussian_block, site_run
+from .adapters import _leaf, _select, check_draws_traced, check_set_up, gaussian_block, site_run
 from .interface import GuideDescription, MeanFieldSite, no_point_mass_message, unwrap_guide
 from .mean_field import AutoMeanFieldNormal, check_probabilities, read_from_store
 
@@ -276,6 +276,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
             RuntimeError: if the guide has not been run yet.
         """
         check_set_up(self)
+        check_draws_traced(self, trace)
         sites, latent = [], []
         for name, proto in self.prototype_trace.iter_stochastic_nodes():
             if name in self._gaussian_sites:  # AutoNormal's "gaussian" block

@@ -63,6 +63,7 @@ from ..guides.interface import (
     ELEMENTWISE_FAMILIES,
     GuideDescription,
     PublishedMoments,
+    check_model_samples,
     describe_guide,
     publish_moments,
     trace_for_description,
@@ -163,6 +164,7 @@ class PointsELBO(ELBO):
                 name_the_invalid_initial_site(auto_guide, args, kwargs, error, state)
             raise
         description = describe_guide(guide, guide_trace)
+        check_model_samples(model, description)
         if description.dim == 0:
             raise ValueError(
                 f"{type(self).__name__}: the model has no latent sample site, so there is nothing "
