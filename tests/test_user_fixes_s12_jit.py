@@ -301,9 +301,9 @@ def _undescribed_warnings(guide, optim) -> tuple[list[str], dict[str, torch.Tens
     return [str(w.message) for w in caught if "cannot describe" in str(w.message)], _store()
 
 
-def _whole(kind: str) -> str:
+def _whole(kind: str, name: str) -> str:
     return (
-        f"QNVB: the guide {kind!r} ({kind}, the whole guide, not a part of an AutoGuideList) is "
+        f"QNVB: the guide {name!r} ({kind}, the whole guide, not a part of an AutoGuideList) is "
         "of a kind QNVB cannot describe, so QNVB updates none of its parameters: they all go "
         "to the fallback optimizer (Adam). Fit it with Pyro's Adam directly (pyro.optim.Adam), "
         "or use a guide QNVB describes (AutoMeanFieldNormal, AutoNormal, AutoDiagonalNormal)."
@@ -311,17 +311,19 @@ def _whole(kind: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "make, kind",
+    "make, kind, name",
     [
-        (lambda: AutoStructured(_hier, conditionals="normal"), "AutoStructured"),
-        (lambda: AutoGaussian(_hier), "AutoGaussianDense"),  # AutoGaussian's dense backend
+        (lambda: AutoStructured(_hier, conditionals="normal"), "AutoStructured", "AutoStructured"),
+        # its class as built, AutoGaussian, not its dense backend's (AutoGaussianDense), which is
+        # the name of its parameters in the store
+        (lambda: AutoGaussian(_hier), "AutoGaussian", "AutoGaussianDense"),
     ],
 )
 def test_a_whole_guide_qnvb_cannot_describe_is_named_and_fitted_as_by_adam(
-    float64_store, make, kind
+    float64_store, make, kind, name
 ):
     messages, with_qnvb = _undescribed_warnings(make(), QNVB())
-    assert messages == [_whole(kind)]
+    assert messages == [_whole(kind, name)]
     # what the message says: QNVB's steps are its fallback's, Pyro's Adam(lr=1e-2), bit for bit
     pyro.clear_param_store()
     _, with_adam = _undescribed_warnings(make(), pyro.optim.Adam({"lr": 1e-2}))

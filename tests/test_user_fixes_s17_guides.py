@@ -251,9 +251,17 @@ def test_qnvb_under_trace_elbo_updates_a_registered_auto_normal_messenger_as_aut
     pyro.clear_param_store()
     qnvb = QNVB()
     svi = SVI(problem.model, AutoNormalMessenger(problem.model), qnvb, elbo)
-    with pytest.warns(RuntimeWarning, match="none of the 2 parameters"):
+    with pytest.warns(RuntimeWarning, match="none of the 2 parameters") as caught:
         svi.step()
     assert qnvb.get_state()["qnvb"]["pairs"] == {}
+    # the warning says how: it used to name only the module guides
+    (message,) = [str(w.message) for w in caught if "none of the 2" in str(w.message)]
+    assert message.endswith(
+        "A guide whose run is no nn.Module call (Pyro's AutoNormalMessenger, a guide function or "
+        "callable object) is found only once registered: call "
+        "pyro_quadvi.guides.register_guide(guide) once (QuadratureELBO needs none). Pyro's other "
+        "effect-based guides and easy_guide guides are not read."
+    )
 
 
 def test_a_deterministic_rules_loss_of_auto_normal_messenger_draws_no_random_numbers():

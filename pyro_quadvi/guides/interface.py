@@ -588,6 +588,12 @@ _WHY_NOT = {
 }
 
 
+def guide_class_name(guide: object) -> str:
+    """The name of ``guide``'s class as its user wrote it: ``AutoGaussian`` for Pyro's
+    ``AutoGaussian``, which turns into its backend's class (``AutoGaussianDense``) when built."""
+    return "AutoGaussian" if isinstance(guide, AutoGaussian) else type(guide).__name__
+
+
 def _not_read(target: object) -> tuple[str, str]:
     """A guide no adapter reads: its name for a message, and a sentence (with a leading space)
     on why, and what to use instead."""
@@ -596,7 +602,7 @@ def _not_read(target: object) -> tuple[str, str]:
         return f"the guide {kind} {target.__qualname__!r} (its pyro.param sites)", _HAND_WRITTEN
     if isinstance(target, EasyGuide):
         return f"the easy_guide {type(target).__name__!r} (its pyro.param sites)", _HAND_WRITTEN
-    name = "AutoGaussian" if isinstance(target, AutoGaussian) else type(target).__name__
+    name = guide_class_name(target)
     if isinstance(target, AutoGuideList):
         return name, (
             " An AutoGuideList is not read part by part: use one guide over all the latents "

@@ -60,6 +60,7 @@ from ..guides.interface import (
     MeanFieldSite,
     PublishedMoments,
     describe_live_guides,
+    guide_class_name,
     live_guides,
     published_moments,
     undescribed_guides,
@@ -746,7 +747,10 @@ class QNVB(PyroOptim):
         return (
             f"{head} Use AutoMeanFieldNormal (or Pyro's AutoNormal / AutoDiagonalNormal), or "
             "describe a guide of your own (quadrature_description; see 'Writing a guide for "
-            "QuadratureELBO and QNVB')."
+            "QuadratureELBO and QNVB'). A guide whose run is no nn.Module call (Pyro's "
+            "AutoNormalMessenger, a guide function or callable object) is found only once "
+            "registered: call pyro_quadvi.guides.register_guide(guide) once (QuadratureELBO "
+            "needs none). Pyro's other effect-based guides and easy_guide guides are not read."
         )
 
     def _warn_if_annealing_elsewhere(self, prepared: list[_Prepared]) -> None:
@@ -884,7 +888,7 @@ class QNVB(PyroOptim):
             if not held:
                 continue
             warned = True
-            kind = type(guide).__name__
+            kind = guide_class_name(guide)
             name = guide._pyro_name or kind
             owner = guide.master() if guide.master is not None else None  # its AutoGuideList
             if owner is None:
