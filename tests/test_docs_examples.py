@@ -300,6 +300,39 @@ def loo_counts_the_observed(ns: dict, out: str) -> None:
     assert ns["loo"].n_data_points == 6  # the observed entries only
 
 
+STACK_SITES = """
+import arviz as az
+import pyro
+import pyro.distributions as dist
+import torch
+
+from pyro_quadvi import AutoMeanFieldNormal, to_inference_data
+
+y = torch.tensor([0.3, -0.2, 0.9, 1.4, 0.8, 1.9])
+
+
+def model(y):
+    x = y.new_zeros(())
+    for t in pyro.markov(range(len(y))):
+        x = pyro.sample(f"x_{t}", dist.Normal(x, 0.5))
+        pyro.sample(f"y_{t}", dist.Normal(x, 1.0), obs=y[t])
+
+
+pyro.clear_param_store()
+pyro.set_rng_seed(0)
+guide = AutoMeanFieldNormal(model)
+guide(y)
+idata = to_inference_data(model, guide, y, num_samples=100, prior=False)
+"""
+
+
+def loo_of_the_stacked_sites(ns: dict, out: str) -> None:
+    stacked = ns["idata"].log_likelihood["y"]
+    assert stacked.dims == ("chain", "draw", "time") and stacked.shape == (1, 100, 6)
+    assert (stacked.sel(time=2) == ns["idata"].log_likelihood["y_2"]).all()
+    assert ns["loo"].n_data_points == 6 and math.isfinite(ns["loo"].elpd_loo)
+
+
 EVIDENCE = """
 import pyro
 import pyro.distributions as dist
@@ -786,6 +819,7 @@ EXAMPLES: dict[str, Example] = {
     "arviz-ppc": Example(after="arviz-loo", check=lambda ns, out: ns["_"] is not None),
     "arviz-obs-mask": Example(OBS_MASK, check=loo_counts_the_observed),
     "arviz-coords": Example(after="arviz-ppc", check=coords_named),
+    "arviz-stack-sites": Example(STACK_SITES, check=loo_of_the_stacked_sites),
     # docs/elbo.md, docs/evidence.md, docs/guides.md
     "elbo-fit": Example(CONJUGATE, check=fits_the_conjugate_posterior),
     "evidence-result": Example(EVIDENCE, check=evidence_to_1e8),
