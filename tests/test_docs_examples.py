@@ -309,6 +309,53 @@ def loo_counts_the_observed(ns: dict, out: str) -> None:
     assert ns["loo"].n_data_points == 6  # the observed entries only
 
 
+STACK_SITES = """
+import arviz as az
+import pyro
+import pyro.distributions as dist
+import torch
+
+from pyro_quadvi import AutoMeanFieldNormal, to_inference_data
+
+y = torch.tensor([0.3, -0.2, 0.9, 1.4, 0.8, 1.9])
+
+
+def model(y):
+    x = y.new_zeros(())
+    for t in pyro.markov(range(len(y))):
+        x = pyro.sample(f"x_{t}", dist.Normal(x, 0.5))
+        pyro.sample(f"y_{t}", dist.Normal(x, 1.0), obs=y[t])
+
+
+pyro.clear_param_store()
+pyro.set_rng_seed(0)
+guide = AutoMeanFieldNormal(model)
+guide(y)
+idata = to_inference_data(model, guide, y, num_samples=100, prior=False)
+"""
+
+
+def loo_of_the_stacked_sites(ns: dict, out: str) -> None:
+    stacked = ns["idata"].log_likelihood["y"]
+    assert stacked.dims == ("chain", "draw", "time") and stacked.shape == (1, 100, 6)
+    assert (stacked.sel(time=2) == ns["idata"].log_likelihood["y_2"]).all()
+    assert ns["loo"].n_data_points == 6 and math.isfinite(ns["loo"].elpd_loo)
+
+
+def markov_chain_at_the_exact_mean_field(ns: dict, out: str) -> None:
+    # the chain's precision: (D^T D) / q^2 + I / r^2, D the first differences (x_0 = 0)
+    y, q, r, guide = ns["y"].double(), ns["q"], ns["r"], ns["guide"]
+    T = len(y)
+    D = torch.eye(T, dtype=torch.float64) - torch.ones(T - 1, dtype=torch.float64).diag(-1)
+    L = D.T @ D / q**2 + torch.eye(T, dtype=torch.float64) / r**2
+    mean, sd = torch.linalg.solve(L, y / r**2), L.diagonal().rsqrt()
+    loc = torch.stack([getattr(guide.locs, f"x_{t}") for t in range(T)]).detach().double()
+    scale = torch.stack([getattr(guide.scales, f"x_{t}") for t in range(T)]).detach().double()
+    torch.testing.assert_close(scale, sd, rtol=1e-5, atol=0)  # hadamard: exact scales
+    assert ((loc - mean).abs() / sd).max() < 1e-3
+    assert abs(sd[-1] - 0.447) < 5e-4 and abs(L.inverse()[-1, -1].sqrt() - 0.625) < 5e-4
+
+
 EVIDENCE = """
 import pyro
 import pyro.distributions as dist
@@ -795,8 +842,10 @@ EXAMPLES: dict[str, Example] = {
     "arviz-ppc": Example(after="arviz-loo", check=lambda ns, out: ns["_"] is not None),
     "arviz-obs-mask": Example(OBS_MASK, check=loo_counts_the_observed),
     "arviz-coords": Example(after="arviz-ppc", check=coords_named),
+    "arviz-stack-sites": Example(STACK_SITES, check=loo_of_the_stacked_sites),
     # docs/elbo.md, docs/evidence.md, docs/guides.md
     "elbo-fit": Example(CONJUGATE, check=fits_the_conjugate_posterior),
+    "elbo-markov-chain": Example(check=markov_chain_at_the_exact_mean_field),
     "evidence-result": Example(EVIDENCE, check=evidence_to_1e8),
     "guides-hook": Example(
         "from pyro.poutine import Trace\nfrom pyro_quadvi.guides import GuideDescription\n",

@@ -52,7 +52,7 @@ from tqdm.auto import tqdm
 
 from ..guides.interface import unwrap_guide
 from ..infer.batched import BatchMismatch, evaluate_batch
-from ..infer.log_joint import model_max_plate_nesting
+from ..infer.log_joint import check_observed_not_nan, model_max_plate_nesting
 from ..quadrature.base import format_bytes
 from ..store import follow_param_store
 
@@ -220,26 +220,9 @@ class _Assembly:
         return self.value[self._index(rows)] if self.axes else self.value
 
 
-def check_observed_not_nan(node: dict, before: str = "the export (and the fit)") -> None:
-    """Refuse an observed site of a trace whose data hold NaN, naming the site and the first index.
-
-    Args:
-        node: a sample site of a Pyro trace.
-        before: what the rows must be dropped or imputed before, for the message.
-    """
-    value = node["value"]
-    if node["is_observed"] and value.is_floating_point() and torch.isnan(value).any():
-        index = torch.isnan(value).nonzero()[0].tolist()
-        raise ValueError(
-            f"the observed data of site {node['name']!r} hold NaN (first at index {index} of its "
-            "value in the model): its log likelihood is undefined there. Drop or impute those "
-            f"rows before {before}"
-        )
-
-
 def _log_density(node: dict) -> torch.Tensor:
     """The site's log density; refuses observed data with NaN, naming the site."""
-    check_observed_not_nan(node)
+    check_observed_not_nan(node, before="the export (and the fit)")
     return node["fn"].log_prob(node["value"])
 
 

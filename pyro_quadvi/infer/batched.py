@@ -26,6 +26,7 @@ instead of carrying the first model's answer over.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import warnings
 import weakref
@@ -202,9 +203,10 @@ def evaluate_batch(
         probe: the indices checked (default: first, middle and last); ``()`` skips the
             comparison: for a model already checked on an earlier call, a ``batched`` that checks
             itself, or random draws (nothing to compare a single run with).
-        rtol: relative tolerance of the comparison; ``None``: `probe_tolerance` of the values'
-            dtype.
-        atol: absolute tolerance of the comparison; ``None``: as ``rtol``.
+        rtol: relative tolerance of the comparison, a finite number ``>= 0``; ``None``:
+            `probe_tolerance` of the values' dtype.
+        atol: absolute tolerance of the comparison, a finite number ``>= 0``; ``None``: as
+            ``rtol``.
         what: who evaluates, for the warning (``"QuadratureELBO"``, ``"opqa_evidence"``).
 
     Returns:
@@ -219,9 +221,12 @@ def evaluate_batch(
         BatchMismatch: with ``vectorize=True``, where the pass disagrees with the probes (or the
             model gives other values when a probe is run twice: it is random apart from the
             points).
+        TypeError, ValueError: for a ``vectorize``, ``rtol`` or ``atol`` outside the above.
     """
     if vectorize not in (None, True, False):
         raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
+    _check_tolerance("rtol", rtol)
+    _check_tolerance("atol", atol)
     K = len(points)
     if vectorize is False:
         return _loop(single, points, {}), BatchDecision(False)
@@ -276,6 +281,24 @@ def evaluate_batch(
         stacklevel=2,
     )
     return _loop(single, points, known), BatchDecision(False, reason, 0)
+
+
+def _check_tolerance(name: str, value: object) -> None:
+    """Refuse a probe tolerance other than ``None`` or a finite number ``>= 0``: under NaN or a
+    negative one every comparison fails (even of a value with itself), and an infinite one
+    makes ``inf * 0``, NaN, where the largest value is 0."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"evaluate_batch: {name} must be None (the dtype's probe_tolerance) or a finite "
+            f"number >= 0, got {value!r} ({type(value).__name__})"
+        )
+    if not 0 <= value < math.inf:  # NaN fails every comparison
+        raise ValueError(
+            f"evaluate_batch: {name} must be None (the dtype's probe_tolerance) or a finite "
+            f"number >= 0, got {value!r}; pass 0 for an exact comparison"
+        )
 
 
 def first_line(error: BaseException) -> str:

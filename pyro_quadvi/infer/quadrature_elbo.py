@@ -81,6 +81,7 @@ from .log_joint import (
     LogJoint,
     PlateCollision,
     RandomState,
+    check_max_plate_nesting,
     cuda_devices,
     latent_sites_of_model,
     name_the_invalid_initial_site,
@@ -108,8 +109,8 @@ class PointsELBO(ELBO):
         vectorize: ``True`` (one pass, checked on the first call for a model and guide: a
             disagreement raises), ``False`` or ``None`` (try, check, fall back once with a
             warning).
-        max_plate_nesting: as in Pyro's ELBOs; ``inf`` finds it from a run of each model (again if a
-            later call nests deeper).
+        max_plate_nesting: as in Pyro's ELBOs, an int ``>= 0``; ``inf`` finds it from a run of
+            each model (again if a later call nests deeper). Anything else is refused here.
         vectorize_particles: ``True`` is refused (a ``TypeError``): Pyro's switch is
             ``vectorize`` here, with the meaning it has everywhere in the package. ``False``,
             Pyro's default, is accepted and changes nothing (``vectorize`` decides).
@@ -132,6 +133,7 @@ class PointsELBO(ELBO):
                 "None (the default) tries the pass, checks it, and falls back to the loop once, "
                 "with a warning, where the model cannot broadcast over the points"
             )
+        check_max_plate_nesting(type(self).__name__, max_plate_nesting, math.inf)
         super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting)
         if vectorize not in (None, True, False):
             raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
