@@ -144,8 +144,8 @@ def _table_rows(stdout: str) -> int:
 # in the default suite: the scripts that subclass the package's classes or call its private
 # functions (bnn_speed, blocked_signs, observed_check, small_net_elbo, sparse_qnvb_trial: the
 # ones a refactor breaks first) and two quick ones of the export and the sparse optimizers; the
-# others with
-# ``-m slow`` (together 65 s on one core, mostly each process's imports of torch and pyro)
+# others with ``-m slow`` (together 65 s on one core, mostly each process's imports of torch
+# and pyro)
 INTERNALS = {
     "bnn_speed",
     "arviz_export",
