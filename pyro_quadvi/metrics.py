@@ -161,6 +161,22 @@ def _check_num_bins(num_bins: object) -> int:
     return value
 
 
+#: Guo et al.'s number of bins, the default of the calibration metrics, allowed whatever the
+#: number of cases (`_check_bins_for_cases`)
+_GUO_BINS = 15
+
+
+def _check_bins_for_cases(num_bins: int, num_cases: int) -> None:
+    """Refuse more bins than both the number of cases and `_GUO_BINS` (`calibration_bins`)."""
+    if num_bins > max(num_cases, _GUO_BINS):
+        raise ValueError(
+            f"num_bins={num_bins} is more than the {num_cases} cases (the rows of probs): "
+            f"{num_cases} cases fill at most {num_cases} bins, so at least "
+            f"{num_bins - num_cases} would be empty whatever the predictions; pass num_bins <= "
+            f"{max(num_cases, _GUO_BINS)} (Guo et al. use {_GUO_BINS})"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Regression
 
@@ -355,14 +371,27 @@ def calibration_bins(probs: torch.Tensor, y: torch.Tensor, num_bins: int = 15) -
     Args:
         probs: Predictive class probabilities, shape ``(n, C)``.
         y: True class labels, integers of shape ``(n,)``.
-        num_bins: Number of bins ``M``.
+        num_bins: Number of bins ``M``: a positive integer, at most ``max(n, 15)``. ``n`` cases
+            fill at most ``n`` bins, so each bin beyond ``n`` is empty whatever the predictions;
+            and once every case has a bin of its own the ECE is ``mean_i |[argmax p_i = y_i] -
+            max_c p_ic|``, the largest any binning of these cases gives (by the triangle
+            inequality), no longer an average within bins. The bound also keeps the binning's
+            seven arrays of ``M`` entries (32 bytes a bin in float32) near the size of
+            ``probs``: ``num_bins = 10**9`` asked for 32 GB, and timed out. Up to 15 (Guo et
+            al.'s ``M``, the default) is allowed for any ``n``, so that the default and small
+            examples run.
 
     Returns:
         Per-bin mean confidence, accuracy and count, and the edges.
+
+    Raises:
+        ValueError: for a ``num_bins`` that is not a positive integer, or more than
+            ``max(n, 15)``.
     """
     probs = _check_probs(probs)
     y = _check_labels(y, probs)
     num_bins = _check_num_bins(num_bins)
+    _check_bins_for_cases(num_bins, probs.shape[0])
     confidence, prediction = probs.max(-1)
     correct = (prediction == y).to(probs.dtype)
     edges = torch.arange(num_bins + 1, dtype=probs.dtype, device=probs.device) / num_bins
@@ -394,7 +423,8 @@ def expected_calibration_error(
     Args:
         probs: Predictive class probabilities, shape ``(n, C)``.
         y: True class labels, integers of shape ``(n,)``.
-        num_bins: Number of bins ``M`` (15 as in Guo et al.).
+        num_bins: Number of bins ``M`` (15 as in Guo et al.), at most ``max(n, 15)`` (see
+            `calibration_bins`).
 
     Returns:
         The ECE in ``[0, 1]``, a 0-dim tensor.
@@ -420,7 +450,7 @@ def reliability_diagram(
     Args:
         probs: Predictive class probabilities, shape ``(n, C)``.
         y: True class labels, integers of shape ``(n,)``.
-        num_bins: Number of bins ``M``.
+        num_bins: Number of bins ``M``, at most ``max(n, 15)`` (see `calibration_bins`).
         ax: Axes to draw on; a new figure and axes when None.
 
     Returns:

@@ -21,6 +21,8 @@ from pyro import poutine
 from pyro.infer.importance import vectorized_importance_weights
 
 from ..infer.log_joint import model_max_plate_nesting
+from ..optim.qnvb_functional import _check_number
+from ..optim.sparse_functional import _check_int
 
 __all__ = [
     "EvidenceEstimate",
@@ -50,6 +52,18 @@ class EvidenceEstimate:
     info: dict
 
 
+def _finite_estimate(
+    owner: str, estimate: float, std_error: float, cause: Callable[[], str]
+) -> None:
+    """Refuse a log evidence or standard error that is not finite, with ``cause()``: what the
+    estimator saw (how many of its log weights or log likelihoods were not finite)."""
+    if not (math.isfinite(estimate) and math.isfinite(std_error)):
+        raise ValueError(
+            f"{owner}: the estimate is not finite (log evidence {estimate}, standard error "
+            f"{std_error}): {cause()}"
+        )
+
+
 def prior_guide(model: Callable) -> Callable:
     """A guide that draws the model's latents from their priors (observed sites hidden).
 
@@ -71,7 +85,15 @@ def importance_log_evidence(
     Draws ``num_samples`` proposals in batches of ``batch_size`` with
     `pyro.infer.importance.vectorized_importance_weights` (the model and the guide must run
     under a particle plate). Seed with ``pyro.set_rng_seed``.
+
+    Raises:
+        TypeError, ValueError: for a ``num_samples`` that is not an integer ``>= 2`` (one sample
+            has no standard error) or a ``batch_size`` that is not an integer ``>= 1``; and for
+            an estimate that is not finite, with how many log weights were NaN, ``+inf`` and
+            ``-inf`` (an infinite observation made every one ``-inf``).
     """
+    _check_int("importance_log_evidence: num_samples", num_samples, 2)
+    _check_int("importance_log_evidence: batch_size", batch_size, 1)
     start = time.perf_counter()
     trace = poutine.trace(poutine.block(model, hide_types=["param"])).get_trace(*args, **kwargs)
     max_plate_nesting = model_max_plate_nesting(trace)
@@ -92,10 +114,21 @@ def importance_log_evidence(
     log_mean = float(torch.logsumexp(log_weights, 0)) - math.log(num_samples)
     ratios = (log_weights - log_weights.max()).exp()
     ess = float(ratios.sum() ** 2 / ratios.square().sum())
-    relative_sd = float(ratios.std() / ratios.mean()) if num_samples > 1 else math.inf
+    std_error = float(ratios.std() / ratios.mean()) / math.sqrt(num_samples)
+    _finite_estimate(
+        "importance_log_evidence",
+        log_mean,
+        std_error,
+        lambda: (
+            f"of the {num_samples} log weights log p(x, z) - log q(z), "
+            f"{int(log_weights.isnan().sum())} are NaN, {int(log_weights.isposinf().sum())} "
+            f"+inf and {int(log_weights.isneginf().sum())} -inf; check the data for an infinite "
+            "or NaN observation, and that the guide proposes within the model's support"
+        ),
+    )
     return EvidenceEstimate(
         log_evidence=log_mean,
-        std_error=relative_sd / math.sqrt(num_samples),
+        std_error=std_error,
         num_evaluations=num_samples,
         time_s=time.perf_counter() - start,
         info={"effective_sample_size": ess},
@@ -116,14 +149,22 @@ def nested_sampling_log_evidence(
     Args:
         log_likelihood: ``theta -> log p(x | theta)`` for a parameter vector of length ``ndim``.
         prior_transform: maps a point of the unit cube to the prior (dynesty's convention).
-        ndim: the number of parameters.
-        nlive: live points.
-        dlogz: the stopping criterion on the remaining evidence.
-        seed: seeds dynesty's generator.
+        ndim: the number of parameters (an integer ``>= 1``).
+        nlive: live points (an integer ``>= 1``).
+        dlogz: the stopping criterion on the remaining evidence (finite and ``>= 0``).
+        seed: seeds dynesty's generator (an integer ``>= 0``).
 
     Raises:
         ImportError: if dynesty is not installed.
+        TypeError, ValueError: naming the argument, for the integers and ``dlogz`` out of their
+            ranges (checked before dynesty sees them), and for an estimate that is not finite.
     """
+    _check_int("nested_sampling_log_evidence: ndim", ndim, 1)
+    _check_int("nested_sampling_log_evidence: nlive", nlive, 1)
+    _check_int("nested_sampling_log_evidence: seed", seed, 0)
+    _check_number(
+        "nested_sampling_log_evidence: dlogz", dlogz, lambda v: 0 <= v < math.inf, "finite and >= 0"
+    )
     try:
         import dynesty
     except ImportError as error:
@@ -136,9 +177,20 @@ def nested_sampling_log_evidence(
     )
     sampler.run_nested(dlogz=dlogz, print_progress=False)
     results = sampler.results
+    log_evidence, std_error = float(results.logz[-1]), float(results.logzerr[-1])
+    logl = np.asarray(results.logl)
+    _finite_estimate(
+        "nested_sampling_log_evidence",
+        log_evidence,
+        std_error,
+        lambda: (
+            f"{int(np.sum(~np.isfinite(logl)))} of the {logl.size} log likelihoods dynesty kept "
+            "are not finite; check log_likelihood and prior_transform"
+        ),
+    )
     return EvidenceEstimate(
-        log_evidence=float(results.logz[-1]),
-        std_error=float(results.logzerr[-1]),
+        log_evidence=log_evidence,
+        std_error=std_error,
         num_evaluations=int(np.sum(results.ncall)),
         time_s=time.perf_counter() - start,
         info={"iterations": int(results.niter)},

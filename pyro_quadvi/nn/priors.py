@@ -17,6 +17,8 @@ from torch.nn.init import _calculate_fan_in_and_fan_out
 
 from .. import distributions
 from ..distributions.iid_normal import IidNormal
+from ..optim.qnvb_functional import _check_number
+from ..optim.sparse_functional import _check_int
 
 __all__ = [
     "LayerwiseNormal",
@@ -35,6 +37,22 @@ class Prior:
         raise NotImplementedError
 
 
+def _check_fits(prior: Prior, numbers: dict[str, float], name: str, param: torch.Tensor) -> None:
+    """Refuse a finite number of ``prior`` (``numbers``: by setting) beyond the largest of
+    ``param``'s floating dtype: ``scale=1e300`` is finite in float64 but not in a float32
+    network, where torch refused to convert it with no word of the prior or the parameter (an
+    infinite one is `IidNormal.of`'s to refuse)."""
+    if not param.is_floating_point():
+        return
+    largest = torch.finfo(param.dtype).max
+    for setting, value in numbers.items():
+        if largest < abs(value) < math.inf:
+            raise ValueError(
+                f"{prior!r}: {setting}={value!r} for parameter {name!r} is beyond the largest "
+                f"{param.dtype} number ({largest:.4g}); use a smaller one, or a float64 network"
+            )
+
+
 class Normal(Prior):
     """An iid ``Normal(loc, scale)`` on every entry of every parameter.
 
@@ -50,6 +68,7 @@ class Normal(Prior):
         self.loc = float(loc)
 
     def __call__(self, name: str, param: torch.Tensor) -> dist.Distribution:
+        _check_fits(self, {"loc": self.loc, "scale": self.scale}, name, param)
         return IidNormal.of(self.loc, self.scale, param)
 
     def __repr__(self) -> str:
@@ -166,7 +185,9 @@ class LayerwiseNormal(Prior):
         return self.scale * std
 
     def __call__(self, name: str, param: torch.Tensor) -> dist.Distribution:
-        return IidNormal.of(0.0, self.std(name, param), param)
+        std = self.std(name, param)
+        _check_fits(self, {"scale * std": std}, name, param)
+        return IidNormal.of(0.0, std, param)
 
     def __repr__(self) -> str:
         return f"priors.LayerwiseNormal(method={self.method!r}, scale={self.scale})"
@@ -192,6 +213,7 @@ class SpikeSlab(Prior):
         self.slab_scale = float(slab_scale)
 
     def __call__(self, name: str, param: torch.Tensor) -> distributions.SpikeSlab:
+        _check_fits(self, {"slab_scale": self.slab_scale}, name, param)
         inclusion = torch.full_like(param, self.inclusion).detach()
         return distributions.SpikeSlab(inclusion, torch.full_like(inclusion, self.slab_scale))
 
@@ -218,6 +240,17 @@ def theorem_inclusion(
         num_data: ``n``, the training set's size.
         num_inputs: ``p``, the input dimension.
         delta: the theorem's constant (0.1 in the paper's experiment).
+
+    Raises:
+        TypeError, ValueError: naming the argument, for a count that is not an integer ``>= 1``
+            (a NaN made the result NaN, a network of no hidden layer or a count of 0 is not one
+            the theorem speaks of), or a ``delta`` not in ``(0, 1)`` (``delta = -1`` returned an
+            "inclusion probability" of 17224).
     """
+    counts = {"num_params": num_params, "hidden_layers": hidden_layers, "width": width}
+    counts.update(num_data=num_data, num_inputs=num_inputs)
+    for name, value in counts.items():
+        _check_int(f"theorem_inclusion: {name}", value, 1)
+    _check_number("theorem_inclusion: delta", delta, lambda v: 0 < v < 1, "in (0, 1)")
     log_n = (hidden_layers + 1) * math.log(width) + math.log(math.sqrt(num_data) * num_inputs)
     return math.exp(-(math.log(num_params) + delta * log_n))

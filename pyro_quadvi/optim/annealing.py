@@ -30,6 +30,17 @@ __all__ = [
 ]
 
 
+def _factor_value(factor: object) -> float | None:
+    """A likelihood factor's value, if it is a real number (not a bool) or a one-element real
+    tensor; else ``None``."""
+    if isinstance(factor, torch.Tensor):
+        real = factor.numel() == 1 and factor.dtype != torch.bool and not factor.is_complex()
+        return float(factor) if real else None
+    if isinstance(factor, numbers.Real) and not isinstance(factor, bool):
+        return float(factor)
+    return None
+
+
 def annealing_factor(annealing: Callable[[int], float], step: int) -> float:
     """The factor ``annealing(step)``, refused unless it is a finite real number ``> 0``.
 
@@ -43,13 +54,12 @@ def annealing_factor(annealing: Callable[[int], float], step: int) -> float:
         ValueError: when it is not finite and ``> 0``; the message names the step and the factor.
     """
     factor = annealing(step)
-    is_number = isinstance(factor, numbers.Real) and not isinstance(factor, bool)
-    if not (is_number or (isinstance(factor, torch.Tensor) and factor.numel() == 1)):
+    value = _factor_value(factor)
+    if value is None:
         raise TypeError(
             f"annealing({step}) must return a real number > 0, got {factor!r} "
             f"({type(factor).__name__})"
         )
-    value = float(factor)
     if not 0 < value < math.inf:
         raise ValueError(
             f"annealing({step}) must return a finite factor > 0, got {factor!r} (the likelihood "
@@ -117,16 +127,42 @@ class _GeometricSchedule:
         return f"geometric_annealing({self.initial!r}, {self.num_steps})"
 
 
+def _checked_factor(factor: object, what: str) -> object:
+    """``factor``, refused unless it is a likelihood factor in ``(0, 1]``: a real number or a
+    one-element real tensor (``what`` names it in the message)."""
+    value = _factor_value(factor)
+    if value is None:
+        raise TypeError(
+            f"anneal_likelihood: {what} must be a real number in (0, 1], got {factor!r} "
+            f"({type(factor).__name__})"
+        )
+    if not 0 < value <= 1:
+        raise ValueError(
+            f"anneal_likelihood: {what} must be in (0, 1], the exponent a of the likelihood "
+            f"p(x | theta)^a, got {factor!r} (0 drops the likelihood, a negative factor flips "
+            "the ELBO's sign, NaN or infinity spoils it); e.g. a schedule growing from 0.01 to 1"
+        )
+    return factor
+
+
 class AnnealLikelihoodMessenger(Messenger):
-    """Multiplies the log density of every observed sample site by ``factor()``."""
+    """Multiplies the log density of every observed sample site by ``factor()``, which must
+    return a number in ``(0, 1]`` (a ``ValueError`` at the site otherwise)."""
 
     def __init__(self, factor: Callable[[], float]):
         super().__init__()
+        if not callable(factor):
+            raise TypeError(
+                "AnnealLikelihoodMessenger: factor must be a callable () -> number in (0, 1], "
+                f"got {factor!r} ({type(factor).__name__}); for a fixed factor a, pass "
+                "lambda: a, or use anneal_likelihood(model, a)"
+            )
         self.factor = factor
 
     def _process_message(self, msg):
         if msg["type"] == "sample" and msg["is_observed"] and not site_is_subsample(msg):
-            msg["scale"] = self.factor() * msg["scale"]
+            factor = _checked_factor(self.factor(), f"factor() at site {msg['name']!r}")
+            msg["scale"] = factor * msg["scale"]
 
 
 def anneal_likelihood(model: Callable, factor: float | Callable[[], float]) -> Callable:
@@ -136,7 +172,20 @@ def anneal_likelihood(model: Callable, factor: float | Callable[[], float]) -> C
         model: a Pyro model.
         factor: a number in ``(0, 1]``, or a callable returning the current one (read at every
             observed site, so a schedule can change it between steps).
+
+    Raises:
+        TypeError: for a ``model`` that is not callable, or a ``factor`` that is neither a real
+            number nor a callable.
+        ValueError: for a number outside ``(0, 1]``; a callable's value outside it is refused
+            at the observed site that reads it.
     """
+    if not callable(model):
+        raise TypeError(
+            f"anneal_likelihood: model must be a callable Pyro model, got {model!r} "
+            f"({type(model).__name__})"
+        )
+    if not callable(factor):
+        _checked_factor(factor, "factor")
     factor_fn = factor if callable(factor) else (lambda: factor)
 
     @functools.wraps(model)  # the model stays findable (``__wrapped__``): fit checks its batches

@@ -62,6 +62,17 @@ update's rules, each measured", gives the test and the benchmark row behind each
     two causes are counted apart. The counts stay 0-d tensors: the update never synchronizes
     with the host.
 
+**Inputs.** Every tensor has the mean's shape (nothing broadcasts: a ``g`` of shape ``(1,)``
+would move every coordinate, one of shape ``(3, 1)`` grow a ``(3,)`` mean field to ``(3, 3)``);
+``weight`` is finite and ``> 0`` and ``prior_precision`` finite and ``>= 0``. A non-finite mean or
+scale is refused where reading one value back costs no sync, on the CPU (a tensor under ``vmap``
+or ``torch.compile`` is not read): the guard would keep it as it is at every step, a NaN mean
+counted as an overflow and an infinite scale clamped to ``sigma_max``. ``qnvb_update`` tests the
+mean and scale in one pass; ``qnvb_update_many`` tests them only in a chunk whose results its
+guard finds not finite (an infinite scale makes the scale before its bounds infinite), so that
+the usual step costs nothing more, and only when nothing is donated (a donated chunk before it
+would already be written).
+
 **Two implementations, the same numbers.** `qnvb_update` is the reference: one tensor, each
 rule written as above. `qnvb_update_many` is what the optimizers run: it lays every tensor of a
 group end to end as one flat buffer and applies the same rules once, with in-place operations,
@@ -86,6 +97,7 @@ hold the prior and the data scale: there ``weight = 1`` and ``prior_precision = 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
@@ -132,6 +144,107 @@ def _finite_positive(value: float) -> bool:
 
 def _finite_nonnegative(value: float) -> bool:
     return 0 <= value < math.inf
+
+
+def _check_scalar(owner: str, name: str, value: object, ok, expected: str) -> None:
+    """`_check_number` of ``weight`` or ``prior_precision``, which may also be a one-element real
+    tensor (its value read back: a host sync off the CPU; pass a Python number to avoid it)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(
+                f"{owner}: {name} must be a real number {expected}, got a tensor of shape "
+                f"{tuple(value.shape)} and dtype {value.dtype}"
+            )
+        value = value.item()
+    _check_number(f"{owner}: {name}", value, ok, expected)
+
+
+def _check_shared(owner: str, hp: object, weight: object, prior_precision: object) -> None:
+    """Refuse an ``hp`` that is not a `QNVBHyperparameters`, a ``weight`` that is not finite and
+    ``> 0`` (at 0 the held curvature
+    ``(1 / sigma^2 - prior_precision) / weight`` of rule 4 divides by 0: every coordinate whose
+    ``h`` was not positive was kept and counted as an overflow) or a ``prior_precision`` that is
+    not finite and ``>= 0`` (a negative one steps the wrong way, an infinite one made every
+    coordinate non-finite: kept without a word)."""
+    if not isinstance(hp, QNVBHyperparameters):
+        raise TypeError(f"{owner}: hp must be a QNVBHyperparameters, got {type(hp).__name__}")
+    _check_scalar(
+        owner, "weight", weight, _finite_positive, "finite and > 0 (likelihood weight times factor)"
+    )
+    _check_scalar(
+        owner, "prior_precision", prior_precision, _finite_nonnegative, "finite and >= 0 (0: none)"
+    )
+
+
+def _check_tensors(owner: str, mu: object, values: tuple, name: Callable[[int], str]) -> None:
+    """Refuse a mean ``mu`` that is not a floating-point tensor, or one of ``values`` that is not
+    a tensor of its shape: the rules are elementwise, and broadcasting would spread one value
+    over every coordinate, or grow the results. ``name(k)`` names ``values[k]`` (``name(-1)``
+    the mean), called only for a message: the usual call builds no string."""
+    if not (isinstance(mu, torch.Tensor) and mu.is_floating_point()):
+        shown = mu.dtype if isinstance(mu, torch.Tensor) else type(mu).__name__
+        raise TypeError(f"{owner}: {name(-1)} must be a floating-point tensor, got {shown}")
+    shape = mu.shape
+    for k, value in enumerate(values):
+        if isinstance(value, torch.Tensor) and value.shape == shape:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{owner}: {name(k)} must be a tensor of {name(-1)}'s shape {tuple(shape)}, got "
+                f"{type(value).__name__}"
+            )
+        raise ValueError(
+            f"{owner}: {name(k)} has shape {tuple(value.shape)}, {name(-1)} {tuple(shape)}: "
+            "every tensor of the update has the mean's shape, one value per coordinate (it "
+            f"does not broadcast); pass {name(k)} of shape {tuple(shape)}"
+        )
+
+
+def _check_state(owner: str, state: object, name: Callable[[], str]) -> None:
+    """Refuse a ``state`` that is not a tuple of the eight fields of `QNVBState` (``name()``
+    names it)."""
+    if not (isinstance(state, tuple) and len(state) == len(QNVBState._fields)):
+        raise TypeError(
+            f"{owner}: {name()} must be a QNVBState (init_qnvb_state(mu), or the state of the "
+            f"previous result), got {type(state).__name__}"
+        )
+
+
+def _argument_name(k: int, position: str = "") -> str:
+    """The name of the ``k``-th tensor after the mean (sigma, g, h, then the state's fields;
+    ``k = -1``: the mean) of `qnvb_update`, or with ``position`` (``"[2]"``) in the lists of
+    `qnvb_update_many` (``gs[2]``, ``states[2].h_avg``)."""
+    names = ("mu", "sigma", "g", "h")
+    if k < 3:
+        return f"{names[k + 1]}s{position}" if position else names[k + 1]
+    field = QNVBState._fields[k - 3]
+    return f"states{position}.{field}" if position else f"state.{field}"
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """Whether a value of ``t`` can be read back without a sync: on the CPU, outside ``vmap`` (or
+    another torch.func transform) and ``torch.compile``."""
+    return (
+        t.device.type == "cpu"
+        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _refuse_nonfinite(owner: str, named: list[tuple[str, torch.Tensor]]) -> None:
+    """A ``ValueError`` naming each of the ``named`` means and scales that is not finite and at
+    how many coordinates, if one is not."""
+    counts = torch.stack([torch.isfinite(t).logical_not().sum() for _, t in named]).tolist()
+    bad = [
+        f"{n} is not finite at {c} of {t.numel()} coordinates"
+        for (n, t), c in zip(named, counts)
+        if c
+    ]
+    if bad:
+        raise ValueError(
+            f"{owner}: {', '.join(bad)}; the mean and scale must be finite (the update would "
+            "keep such a coordinate as it is at every step): start from finite ones"
+        )
 
 
 @dataclass(frozen=True)
@@ -370,6 +483,8 @@ def check_settings(owner: str, saved: dict, current: dict) -> None:
 
 def init_qnvb_state(mu: torch.Tensor) -> QNVBState:
     """The state before the first step, for a mean of the shape, dtype and device of ``mu``."""
+    if not isinstance(mu, torch.Tensor):
+        raise TypeError(f"init_qnvb_state: mu must be a tensor, got {type(mu).__name__}")
     zeros = torch.zeros_like(mu)
     return QNVBState(
         g_avg=zeros,
@@ -435,15 +550,42 @@ def qnvb_update(
         h: expected Hessian diagonal of ``L`` (eq. 8), e.g. ``sum_k w_k grad_k x_k / sigma``.
         state: from `init_qnvb_state` or the previous step.
         hp: the hyperparameters.
-        weight: multiplies ``L`` in the loss (likelihood weight times annealing factor).
-        prior_precision: precision of a zero-mean Gaussian prior added to the loss.
+        weight: multiplies ``L`` in the loss (likelihood weight times annealing factor); finite
+            and ``> 0``.
+        prior_precision: precision of a zero-mean Gaussian prior added to the loss; finite and
+            ``>= 0``.
 
     Coordinates where ``g`` or ``h`` is not finite, or where the update overflows, keep their
     mean, scale and state.
 
     Returns:
         `QNVBResult` with the new mean, scale and state.
+
+    Raises:
+        TypeError, ValueError: naming the argument, for a tensor of another shape than ``mu``, a
+            ``weight`` not finite and ``> 0``, a ``prior_precision`` not finite and ``>= 0``,
+            and on the CPU a ``mu`` or ``sigma`` not finite (module docstring, "Inputs").
     """
+    _check_state("qnvb_update", state, lambda: "state")
+    _check_tensors("qnvb_update", mu, (sigma, g, h, *state), _argument_name)
+    _check_shared("qnvb_update", hp, weight, prior_precision)
+    if _readable(mu):
+        _refuse_nonfinite("qnvb_update", [("mu", mu), ("sigma", sigma)])
+    return _reference_update(mu, sigma, g, h, state, hp, weight, prior_precision)
+
+
+def _reference_update(
+    mu: torch.Tensor,
+    sigma: torch.Tensor,
+    g: torch.Tensor,
+    h: torch.Tensor,
+    state: QNVBState,
+    hp: QNVBHyperparameters,
+    weight: float | torch.Tensor,
+    prior_precision: float | torch.Tensor,
+) -> QNVBResult:
+    """`qnvb_update` without its checks of the arguments (the compiled update's, whose
+    ``weight`` and ``prior_precision`` are device tensors from checked numbers)."""
     new_mu, new_sigma, new_state, masks = _reference_rules(
         mu, sigma, g, h, state, hp, weight, prior_precision
     )
@@ -554,7 +696,7 @@ def _reference_rules(
     return new_mu, new_sigma, new_state, masks
 
 
-#: the update through ``torch.compile``, made on first use: "per tensor" (`qnvb_update`) and
+#: the update through ``torch.compile``, made on first use: "per tensor" (`_reference_update`) and
 #: "flat" (`_reference_rules` on one flat buffer)
 _COMPILED: dict[str, Callable] = {}
 #: devices whose compiled update goes tensor by tensor (`_compiled_updates`); elsewhere it
@@ -748,14 +890,32 @@ def _add_to_probe(probe: torch.Tensor, values) -> torch.Tensor:
 _PROBED = (0, 1, 2, 3, 4, 5, 6, 7, 9)
 
 
-def _all_finite(news: tuple[torch.Tensor, ...]) -> bool:
+def _all_finite(news: tuple[torch.Tensor, ...], limited: torch.Tensor) -> bool:
     """Whether every coordinate of ``g``, ``h`` and the results ``news`` of a chunk is finite, or
     ``False`` (rule 11's fast test, on the CPU, where reading a value back costs no sync): the sum
     of the probed results is finite. A sum is not finite where one of its terms is not (NaN and
     infinities never cancel to a number), and ``g`` and ``h`` are not finite only where ``s_avg``
     and ``h2_avg``, their running mean squares, are not either; a sum of finite values that
-    overflows answers ``False`` too, and the caller then finds the coordinates one by one."""
-    return math.isfinite(torch.stack([news[i].sum() for i in _PROBED]).sum().item())
+    overflows answers ``False`` too, and the caller then finds the coordinates one by one.
+
+    The new scale is summed as ``limited``, the scale before its bounds, from which it is
+    clamped: finite where ``limited`` is, and ``limited`` is not finite only where the new scale
+    is NaN or the input scale is not finite (an infinite one, clamped to ``sigma_max``, would
+    pass the test unseen; the caller then refuses it)."""
+    sums = [news[i].sum() if i != 1 else limited.sum() for i in _PROBED]
+    return math.isfinite(torch.stack(sums).sum().item())
+
+
+def _refuse_nonfinite_means(
+    mus: list[torch.Tensor], sigmas: list[torch.Tensor], chunk: list[torch.Tensor]
+) -> None:
+    """`_refuse_nonfinite` of every mean and scale of `qnvb_update_many` if the mean or the scale
+    of a chunk (``chunk``: the two) is not finite: read only in a chunk whose guard acts."""
+    if not all(bool(torch.isfinite(t).all()) for t in chunk):
+        named = [(f"mus[{i}]", m) for i, m in enumerate(mus)]
+        _refuse_nonfinite(
+            "qnvb_update_many", named + [(f"sigmas[{i}]", s) for i, s in enumerate(sigmas)]
+        )
 
 
 def _segment_counts(masks: tuple[torch.Tensor, ...], sizes: list[int]) -> torch.Tensor:
@@ -868,6 +1028,11 @@ def qnvb_update_many(
         One `QNVBResult` per tensor, its counts those of its own coordinates; its fields views
         into one new flat buffer per field, or the donated arguments. Equal, value for value, to
         `qnvb_update` of each tensor.
+
+    Raises:
+        TypeError, ValueError: as `qnvb_update`, naming the list and position (``gs[2]``); a
+            ``mu`` or ``sigma`` not finite on the CPU and without ``donate`` (module docstring,
+            "Inputs": in place the guard keeps it, as before).
     """
     lengths = {len(mus), len(sigmas), len(gs), len(hs), len(states)}
     if len(lengths) != 1:
@@ -875,6 +1040,11 @@ def qnvb_update_many(
             "qnvb_update_many needs as many sigmas, gs, hs and states as mus, got lists of "
             f"lengths {sorted(lengths)}"
         )
+    for i, (mu, sigma, g, h, state) in enumerate(zip(mus, sigmas, gs, hs, states)):
+        _check_state("qnvb_update_many", state, lambda i=i: f"states[{i}]")
+        name = functools.partial(_argument_name, position=f"[{i}]")
+        _check_tensors("qnvb_update_many", mu, (sigma, g, h, *state), name)
+    _check_shared("qnvb_update_many", hp, weight, prior_precision)
     donated = _check_donate(donate, mus, sigmas, gs, hs, states)
     if not mus:
         return []
@@ -910,7 +1080,9 @@ def qnvb_update_many(
         # rule 11: on the CPU a value read back costs nothing, and a chunk whose every
         # coordinate is finite (nearly all of them) skips the guard's selections and masks
         probes = None
-        if not (on_cpu and _all_finite(news)):
+        if not (on_cpu and _all_finite(news, limited)):
+            if on_cpu and not any(donated):  # nothing written over the arguments yet
+                _refuse_nonfinite_means(mus, sigmas, olds[:2])
             probes = _probes(g, h, news)
             if on_cpu or any(donated):  # the old values are not kept past this chunk
                 updated = probes[1] == 0
@@ -1139,7 +1311,7 @@ def _compiled_updates(mus, sigmas, gs, hs, states, hp, weight, prior_precision):
     tensor rather than on a flat buffer: the counts are then sums inside the fused loop, where
     per-segment boolean masks as outputs made the compiled update four times slower on the CPU."""
     if "per tensor" not in _COMPILED:
-        _COMPILED["per tensor"] = torch.compile(qnvb_update)
+        _COMPILED["per tensor"] = torch.compile(_reference_update)
     # the weight as a tensor: a new annealing factor needs no recompile; kept on the device and
     # filled in place, a kernel argument rather than a copy from the host at every step
     weight, prior_precision = _device_scalars(mus[0], weight, prior_precision)

@@ -68,7 +68,7 @@ from typing import NamedTuple
 
 import torch
 
-from .qnvb_functional import _check_number, or_float64
+from .qnvb_functional import _check_number, _check_tensors, or_float64
 
 __all__ = [
     "SievePieces",
@@ -579,7 +579,8 @@ def sparse_qnvb_update(
         blocks: the state of every block; the sieve sorts the logits of all of them together.
         counters: from `init_sparse_counters` or the previous update.
         g: per block, the gradient of this term of the loss at the expansion point ``mu``
-            (Algorithm 4.1), the continuous prior's share included.
+            (Algorithm 4.1), the continuous prior's share included; a tensor of the block's
+            shape (a ``ValueError`` naming it otherwise: nothing broadcasts).
         h: per block, the Hessian diagonal of that term, likewise.
         hp: the hyperparameters.
         steps_per_epoch: ``S``, terms per epoch.
@@ -593,6 +594,13 @@ def sparse_qnvb_update(
     if not (len(blocks) == len(g) == len(h)) or not blocks:
         raise ValueError(
             f"need one g and one h per block, got {len(blocks)} blocks, {len(g)} g, {len(h)} h"
+        )
+    for i, (block, g_b, h_b) in enumerate(zip(blocks, g, h)):  # elementwise: no broadcasting
+        _check_tensors(
+            "sparse_qnvb_update",
+            block.mu,
+            (g_b, h_b),
+            lambda k, i=i: (f"blocks[{i}].mu", f"g[{i}]", f"h[{i}]")[k + 1],
         )
     epoch, in_epoch = epoch_progress(counters.step, hp, steps_per_epoch)
     n0, n1 = counters.n0, counters.n1

@@ -91,8 +91,6 @@ def make_rule(name: str, num_points: int | None = None, **options: Any) -> Quadr
         raise ValueError(f"rule {name!r} fixes {sorted(clash)}; do not pass them")
     if num_points is None:
         num_points = default
-    if isinstance(num_points, bool) or not isinstance(num_points, int):
-        raise ValueError(f"num_points must be an int, got {num_points!r}")
     try:
         return cls(num_points, **fixed, **options)
     except TypeError as error:

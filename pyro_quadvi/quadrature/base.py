@@ -48,7 +48,7 @@ import operator
 
 import torch
 
-__all__ = ["DEFAULT_MAX_BYTES", "NodeSet", "QuadratureRule", "check_dim"]
+__all__ = ["DEFAULT_MAX_BYTES", "NodeSet", "QuadratureRule", "check_dim", "check_num_points"]
 
 DEFAULT_MAX_BYTES = 2**30
 """The default ``max_bytes`` of every rule: 1 GiB for any one array a rule allocates (its tables,
@@ -82,6 +82,18 @@ def as_index(value: object) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def check_num_points(num_points: object) -> int:
+    """``num_points`` as an ``int``, refused with a ``ValueError`` unless it is an integer
+    (numpy's or a 0-d integer tensor too, not a bool); each rule then checks its own range. Every
+    rule's constructor runs it first: a float, NaN or ``None`` failed later, or deep in torch."""
+    index = as_index(num_points)
+    if index is None:
+        raise ValueError(
+            f"num_points must be an int, got {num_points!r} ({type(num_points).__name__})"
+        )
+    return index
 
 
 def check_dim(dim: int) -> int:
@@ -195,7 +207,7 @@ class QuadratureRule(abc.ABC):
     min_curvature_points: int = 2
 
     def __init__(self, num_points: int, max_bytes: int = DEFAULT_MAX_BYTES):
-        self.num_points = num_points
+        num_points = self.num_points = check_num_points(num_points)
         self.max_bytes = check_max_bytes(max_bytes)
         weights = f"{num_points} float64 weights: {num_points} * {WEIGHT_ITEMSIZE}"
         for description, needed in (

@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, check_dim, equal_weights
+from .base import (
+    DEFAULT_MAX_BYTES,
+    NodeSet,
+    QuadratureRule,
+    check_dim,
+    check_num_points,
+    equal_weights,
+)
 
 __all__ = ["MAX_HADAMARD_DIM", "HadamardRule", "fwht", "hadamard_signs"]
 
@@ -225,6 +232,7 @@ class HadamardRule(QuadratureRule):
     exact_coordinate_quadratics = True
 
     def __init__(self, num_points: int, max_bytes: int = DEFAULT_MAX_BYTES):
+        num_points = check_num_points(num_points)
         if num_points < 2 or num_points % 2:
             raise ValueError(
                 f"hadamard needs an even num_points >= 2 (K / 2 antithetic pairs), got {num_points}"

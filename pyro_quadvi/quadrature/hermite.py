@@ -11,7 +11,15 @@ from typing import Any
 
 import torch
 
-from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, check_dim, format_bytes
+from .base import (
+    DEFAULT_MAX_BYTES,
+    NodeSet,
+    QuadratureRule,
+    check_dim,
+    check_max_bytes,
+    check_num_points,
+    format_bytes,
+)
 
 __all__ = ["GaussHermiteRule", "gauss_hermite", "gauss_hermite_bytes", "orthonormal_hermite"]
 
@@ -40,8 +48,10 @@ def gauss_hermite(
     The Jacobi matrix and the table of Hermite values are dense ``m x m`` (``8 m^2`` bytes each,
     `gauss_hermite_bytes`): an ``m`` above ``max_bytes`` (about 11,585 under the default
     1 GiB) is refused before allocating. The eigenvalues take ``O(m^3)`` time, so such an ``m``
-    would not finish anyway.
+    would not finish anyway. ``max_bytes`` is checked as the rules check theirs.
     """
+    num_points = check_num_points(num_points)
+    max_bytes = check_max_bytes(max_bytes)
     if num_points < 1:
         raise ValueError(f"Gauss-Hermite needs num_points >= 1, got {num_points}")
     needed = gauss_hermite_bytes(num_points)
@@ -116,6 +126,7 @@ class GaussHermiteRule(QuadratureRule):
     name = "gauss_hermite"
 
     def __init__(self, num_points: int, max_nodes: int = 2**20, max_bytes: int = DEFAULT_MAX_BYTES):
+        num_points = check_num_points(num_points)
         if num_points < 1:
             raise ValueError(f"gauss_hermite needs num_points >= 1 per dimension, got {num_points}")
         super().__init__(num_points, max_bytes=max_bytes)

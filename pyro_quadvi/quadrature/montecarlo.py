@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, equal_weights
+from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, check_num_points, equal_weights
 
 __all__ = ["MonteCarloRule"]
 
@@ -94,6 +94,7 @@ class MonteCarloRule(QuadratureRule):
             raise ValueError(f"moments must be 0, 1 or 2, got {moments}")
         name = {v: k for k, v in _MODES.items()}[moments]
         least = 1 if moments == 0 else 2
+        num_points = check_num_points(num_points)
         if num_points < least:
             raise ValueError(f"{name} needs num_points >= {least}, got {num_points}")
         self.moments = moments

@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, draw_device, equal_weights
+from .base import (
+    DEFAULT_MAX_BYTES,
+    NodeSet,
+    QuadratureRule,
+    check_num_points,
+    draw_device,
+    equal_weights,
+)
 
 __all__ = ["BlockedSimplexRule", "RASPRule", "cross_reference", "simplex_reference"]
 
@@ -129,6 +136,7 @@ class RASPRule(QuadratureRule):
     def __init__(
         self, num_points: int, reference: str = "simplex", max_bytes: int = DEFAULT_MAX_BYTES
     ):
+        num_points = check_num_points(num_points)
         if reference == "simplex":
             if num_points < 2:
                 raise ValueError(
@@ -346,6 +354,7 @@ class BlockedSimplexRule(QuadratureRule):
     def __init__(
         self, num_points: int, random_signs: bool = False, max_bytes: int = DEFAULT_MAX_BYTES
     ):
+        num_points = check_num_points(num_points)
         if num_points < 2:
             raise ValueError(
                 f"blocked_simplex needs num_points >= 2 (blocks of num_points - 1 coordinates), "
