@@ -128,32 +128,34 @@ class _GeometricSchedule:
 
 
 def _checked_factor(factor: object, what: str) -> object:
-    """``factor``, refused unless it is a likelihood factor in ``(0, 1]``: a real number or a
-    one-element real tensor (``what`` names it in the message)."""
+    """``factor``, refused unless it is a likelihood factor by `annealing_factor`'s rule, a
+    finite real number ``> 0`` (a Python number or a one-element real tensor; ``what`` names it
+    in the message)."""
     value = _factor_value(factor)
     if value is None:
         raise TypeError(
-            f"anneal_likelihood: {what} must be a real number in (0, 1], got {factor!r} "
+            f"anneal_likelihood: {what} must be a real number > 0, got {factor!r} "
             f"({type(factor).__name__})"
         )
-    if not 0 < value <= 1:
+    if not 0 < value < math.inf:
         raise ValueError(
-            f"anneal_likelihood: {what} must be in (0, 1], the exponent a of the likelihood "
-            f"p(x | theta)^a, got {factor!r} (0 drops the likelihood, a negative factor flips "
-            "the ELBO's sign, NaN or infinity spoils it); e.g. a schedule growing from 0.01 to 1"
+            f"anneal_likelihood: {what} must be a finite number > 0, the exponent a of the "
+            f"likelihood p(x | theta)^a, got {factor!r} (0 drops the likelihood, a negative "
+            "factor flips the ELBO's sign, NaN or infinity spoils it); e.g. a schedule growing "
+            "from 0.01 to 1"
         )
     return factor
 
 
 class AnnealLikelihoodMessenger(Messenger):
     """Multiplies the log density of every observed sample site by ``factor()``, which must
-    return a number in ``(0, 1]`` (a ``ValueError`` at the site otherwise)."""
+    return a finite number ``> 0`` (a ``ValueError`` at the site otherwise)."""
 
     def __init__(self, factor: Callable[[], float]):
         super().__init__()
         if not callable(factor):
             raise TypeError(
-                "AnnealLikelihoodMessenger: factor must be a callable () -> number in (0, 1], "
+                "AnnealLikelihoodMessenger: factor must be a callable () -> number > 0, "
                 f"got {factor!r} ({type(factor).__name__}); for a fixed factor a, pass "
                 "lambda: a, or use anneal_likelihood(model, a)"
             )
@@ -170,14 +172,16 @@ def anneal_likelihood(model: Callable, factor: float | Callable[[], float]) -> C
 
     Args:
         model: a Pyro model.
-        factor: a number in ``(0, 1]``, or a callable returning the current one (read at every
-            observed site, so a schedule can change it between steps).
+        factor: a finite number ``> 0``, or a callable returning the current one (read at every
+            observed site, so a schedule can change it between steps). An annealing schedule
+            runs in ``(0, 1]``; a factor above 1 weights the likelihood up (a "cold" posterior),
+            as `annealing_factor` allows for the optimizers' schedules.
 
     Raises:
         TypeError: for a ``model`` that is not callable, or a ``factor`` that is neither a real
             number nor a callable.
-        ValueError: for a number outside ``(0, 1]``; a callable's value outside it is refused
-            at the observed site that reads it.
+        ValueError: for a number that is not finite and ``> 0``; a callable's such value is
+            refused at the observed site that reads it.
     """
     if not callable(model):
         raise TypeError(
