@@ -14,6 +14,8 @@ import pyro
 import pyro.distributions as dist
 import torch
 
+from ..optim.torch_qnvb import nonfinite_data, where_entries
+
 __all__ = ["Bernoulli", "Categorical", "Gaussian", "Likelihood"]
 
 NOISE_SITE = "noise_scale"
@@ -36,6 +38,11 @@ class Likelihood:
             isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1
         ):
             raise ValueError(f"dataset_size must be a positive int or None, got {dataset_size!r}")
+        if not isinstance(name, str) or not name:
+            raise TypeError(
+                f"{type(self).__name__}: name must be a non-empty string (the observed site's "
+                f"name, 'obs' by default), got {name!r}"
+            )
         self.dataset_size = dataset_size
         self.name = name
 
@@ -46,6 +53,13 @@ class Likelihood:
         the sampled ``y`` do not depend on the plate's scale, and a test set may have more rows
         than ``dataset_size``.
         """
+        if observed and rows == 0:
+            raise ValueError(
+                f"{type(self).__name__} likelihood: the batch has no rows (x and y of 0 rows); "
+                "the data plate scales a batch's log likelihood by dataset_size / rows. Skip "
+                "empty batches (a filter of the loader, or DataLoader(drop_last=True) where the "
+                "last batch comes out empty)"
+            )
         size = rows if self.dataset_size is None or not observed else self.dataset_size
         if rows > size:
             raise ValueError(
@@ -76,6 +90,32 @@ class Likelihood:
         if self.squeeze_single_output and row == (1,):
             return torch.Size()
         return torch.Size(row)
+
+    def invalid_observations(
+        self, y: torch.Tensor, outputs: torch.Tensor
+    ) -> tuple[torch.Tensor, str, str] | None:
+        """The entries of ``y`` (rows shaped) outside the observation's support, for a message
+        that names them: ``(mask, what y must hold, the likely fix)``, or ``None`` (the default:
+        no check). See `check_observations`."""
+        return None
+
+    def check_observations(self, y: torch.Tensor, outputs: torch.Tensor) -> None:
+        """Refuse a ``y`` with entries outside the support (`invalid_observations`),
+        naming the likelihood, the rows, the first value and the fix, where Pyro's validation
+        would name the distribution's support only (and, switched off, let a label out of
+        range fail in an index or a fraction be truncated). One pass over ``y`` and one host
+        sync; skipped while ``torch.jit`` traces or dynamo compiles."""
+        if torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return
+        found = self.invalid_observations(y, outputs)
+        if found is None:
+            return
+        bad, wanted, fix = found
+        if bool(bad.any()):
+            raise ValueError(
+                f"{type(self).__name__} likelihood (site {self.name!r}): y must hold {wanted}, "
+                f"but not at {where_entries(y, bad, 'y')}. {fix}"
+            )
 
     def _layout(self, outputs: torch.Size, row: torch.Size, y: torch.Size) -> str:
         """What the net's ``outputs`` (``(B,) + ...``, one draw) observe, for the message that
@@ -112,7 +152,9 @@ class Likelihood:
                     f"{layout}. Make the net's outputs match y's layout (a y of the same size in "
                     "another layout would pair values with the wrong outputs)"
                 )
-            y = self.observation(y.reshape((rows, *row)), outputs)
+            y = y.reshape((rows, *row))
+            self.check_observations(y, outputs)
+            y = self.observation(y, outputs)
         fn = self.distribution(outputs, latents, len(row))
         with self.plate(rows, outputs.device, observed=y is not None):
             return pyro.sample(self.name, fn, obs=y)
@@ -174,6 +216,19 @@ class Gaussian(Likelihood):
             scale = torch.full((), self.scale, dtype=outputs.dtype, device=outputs.device)
         return dist.Normal(outputs, scale).to_event(row_dims)
 
+    def invalid_observations(
+        self, y: torch.Tensor, outputs: torch.Tensor
+    ) -> tuple[torch.Tensor, str, str] | None:
+        """The entries of ``y`` that are NaN or infinite (each entry checked only where the
+        sum of ``y`` is not finite: `nonfinite_data`)."""
+        if nonfinite_data(y, "y") is None:
+            return None
+        fix = (
+            "Drop or impute those rows (keep = torch.isfinite(y).flatten(1).all(1); x[keep], "
+            "y[keep])"
+        )
+        return ~torch.isfinite(y), "finite numbers", fix
+
 
 class Categorical(Likelihood):
     """``y ~ Categorical(logits=net(x))``: the net's last output dim holds the class logits."""
@@ -202,6 +257,26 @@ class Categorical(Likelihood):
         """``Categorical(logits=outputs)``, each row's labels one event."""
         return dist.Categorical(logits=outputs).to_event(row_dims)
 
+    def invalid_observations(
+        self, y: torch.Tensor, outputs: torch.Tensor
+    ) -> tuple[torch.Tensor, str, str] | None:
+        """The labels that are no class index ``0, ..., C - 1`` (``C``: the outputs' last dim):
+        out of range, or not whole numbers (NaN included)."""
+        classes = outputs.shape[-1]
+        bad = (y < 0) | (y >= classes)
+        if y.is_floating_point():
+            bad = bad | (y != y.floor())  # a fraction, or NaN
+        wanted = (
+            f"class indices, whole numbers 0 to {classes - 1} (the {classes} classes of the "
+            "network's outputs' last dim)"
+        )
+        fix = (
+            "Labels 1 to C: pass y - 1. More classes than the net has outputs: widen its last "
+            "layer to the number of classes. Missing labels (NaN): drop those rows. Soft or "
+            "one-hot targets are not labels: pass y.argmax(-1)"
+        )
+        return bad, wanted, fix
+
 
 class Bernoulli(Likelihood):
     """``y ~ Bernoulli(logits=net(x))``; a net with one output column gives one label per row.
@@ -219,3 +294,14 @@ class Bernoulli(Likelihood):
     ) -> dist.Distribution:
         """``Bernoulli(logits=outputs)``, each row's labels one event."""
         return dist.Bernoulli(logits=outputs).to_event(row_dims)
+
+    def invalid_observations(
+        self, y: torch.Tensor, outputs: torch.Tensor
+    ) -> tuple[torch.Tensor, str, str] | None:
+        """The labels that are neither 0 nor 1 (NaN included)."""
+        fix = (
+            "Labels -1 / 1: pass (y + 1) / 2. Missing labels (NaN): drop those rows. "
+            "Probabilities (soft targets) are not labels: threshold them (y > 0.5), or write a "
+            "likelihood of your own (docs/nn.md)"
+        )
+        return (y != 0) & (y != 1), "0 / 1 labels", fix

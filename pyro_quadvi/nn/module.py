@@ -43,7 +43,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm as SpectralNormHook
 
 from ..infer.batched import DtypeMismatch, first_line, is_vmap_refusal, vmap_safe_attention
 from ..optim.qnvb_functional import QNVBHyperparameters
-from ..optim.torch_qnvb import check_tensor_output
+from ..optim.torch_qnvb import check_tensor_output, nonfinite_data
 from ..quadrature import QuadratureRule
 from ..store import follow_store, uncompiled
 from .likelihoods import Likelihood
@@ -129,6 +129,12 @@ class BayesianModule(PyroModule):
         net = uncompiled(net)
         if not callable(prior):
             raise TypeError(f"prior must be callable (name, param) -> distribution, got {prior!r}")
+        if not isinstance(likelihood, Likelihood):
+            raise TypeError(
+                f"likelihood must be a pyro_quadvi.nn.likelihoods.Likelihood (Gaussian(N, "
+                f"scale=...), Categorical(N), Bernoulli(N), or a subclass of your own), got "
+                f"{_brief(likelihood)}"
+            )
         names = [name for name, _ in net.named_parameters()]
         declared_hidden, declared_priors = _declarations(net) if declarations else ((), {})
         if hide is None:
@@ -402,6 +408,7 @@ class BayesianModule(PyroModule):
                 f"arguments ({', '.join(kwargs)}) are not supported. Fix them in the net (an "
                 "attribute its forward reads, or a wrapper module whose forward takes x alone)"
             )
+        check_inputs(x, "BayesianModule", "the step")
         values = {}
         for name, param in self.latent_parameters().items():
             infer = {"qnvb": self.qnvb_settings} if self.qnvb_settings else {}
@@ -454,6 +461,31 @@ def _brief(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+def check_inputs(x: object, owner: str, before: str) -> None:
+    """Refuse inputs ``x`` that are no tensor, or floating inputs with a NaN or an infinity,
+    naming the rows (one pass over ``x`` and one host sync; skipped while ``torch.jit`` traces
+    or dynamo compiles, where it would fix the branch of the traced inputs).
+
+    A NaN row gives NaN outputs; an infinite input saturates (``tanh``) or overflows, and its
+    gradient is NaN (``0 * inf``), which QNVB's guard drops with a warning only. The model
+    (`BayesianModule.forward`) and `predict` check ``x`` here; ``before`` names what
+    is refused (``"the step"``, ``"predicting"``)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"{owner}: x must be a tensor of B rows (the net's inputs), got {_brief(x)}"
+        )
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return
+    where = nonfinite_data(x, "x")
+    if where is not None:
+        raise ValueError(
+            f"{owner}: x holds NaN or infinite values at {where}; the net's outputs there are "
+            "not numbers, or an infinite input saturates and its gradient is NaN. Drop or "
+            f"impute those rows before {before} (keep = torch.isfinite(x).flatten(1).all(1); "
+            "x[keep], y[keep]), or replace the values (torch.nan_to_num)"
+        )
+
+
 def _where(module: nn.Module, path: str) -> str:
     return f"the {type(module).__name__} at {path!r}" if path else f"the {type(module).__name__}"
 
@@ -481,14 +513,25 @@ def _refuse_batch_statistics(net: nn.Module) -> None:
 def _name_an_input_dtype(net: nn.Module, x: torch.Tensor, error: RuntimeError) -> None:
     """Raise, from ``error``, a ``ValueError`` naming the likely cause when the net failed on
     floating inputs of another dtype than its floating parameters (NumPy's float64 beside a
-    float32 net: torch says "expected scalar type Float but found Double" from inside the net).
-    Checked only after a failure: a net that converts its input itself runs as it is."""
+    float32 net: torch says "expected scalar type Float but found Double" from inside the net),
+    or on integer inputs to a net that looks nothing up (no ``nn.Embedding``: torch says "mat1
+    and mat2 must have the same dtype"). Checked only after a failure: a net that converts its
+    input itself runs as it is."""
     floating = next((p.dtype for p in net.parameters() if p.is_floating_point()), None)
-    if x.is_floating_point() and floating is not None and x.dtype != floating:
+    if floating is None:
+        return
+    if x.is_floating_point() and x.dtype != floating:
         raise ValueError(
             f"x is {x.dtype} but the net's parameters are {floating} (NumPy's float64, say), and "
             f"the net failed on it: convert the inputs, x.to({floating}), or the net, "
             f"net.to({x.dtype}), before building the BayesianModule"
+        ) from error
+    lookup = any(isinstance(m, nn.Embedding | nn.EmbeddingBag) for m in net.modules())
+    if not x.is_floating_point() and not x.is_complex() and not lookup:
+        raise ValueError(
+            f"x is {x.dtype} (integers) but the net's parameters are {floating}, and the net, "
+            f"which looks nothing up (no nn.Embedding), failed on it: convert the inputs, "
+            f"x.to({floating}) (NumPy's or pandas' integer columns, say)"
         ) from error
 
 
