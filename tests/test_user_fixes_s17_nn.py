@@ -16,8 +16,16 @@ import torch.nn.functional as F
 from pyro.infer import SVI
 from torch import nn
 
-from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
-from pyro_quadvi.nn import BayesianModule, likelihoods, predict, priors
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO
+from pyro_quadvi.nn import (
+    BayesianModule,
+    WHVILinear,
+    fit,
+    likelihoods,
+    predict,
+    priors,
+    sparse_network,
+)
 from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
 
 GEN = torch.Generator().manual_seed(0)
@@ -268,3 +276,52 @@ def test_finite_data_whose_sum_overflows_passes_every_check():
 
     optimizer.step(loss_fn=loss_fn, batch=(X, Y, big))
     assert optimizer.num_steps == 1
+
+
+# -- settings of the networks and of fit ----------------------------------------------------------
+
+
+def test_scales_beyond_float32_are_refused_by_name():
+    # 1e300 failed in torch: "value cannot be converted to type float without overflow"
+    _, svi = _svi(likelihoods.Gaussian(100, scale=1e300))
+    with pytest.raises(ValueError, match=r"^Gaussian likelihood: scale=1e\+300 is beyond the ra"):
+        svi.step(X, Y)
+    with pytest.raises(ValueError, match=r"^WHVILinear: prior_scale=1e\+300 is beyond the range"):
+        WHVILinear(3, 4, prior_scale=1e300)
+    WHVILinear(3, 4, prior_scale=1e300, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("scale", ["0.1", [0.1], torch.ones(2)])
+def test_gaussian_scale_of_another_type_is_refused_by_name(scale):
+    with pytest.raises(TypeError, match=r"^Gaussian: scale must be a number > 0"):
+        likelihoods.Gaussian(100, scale=scale)
+    assert likelihoods.Gaussian(100, scale=torch.tensor(0.5)).scale == 0.5
+
+
+def test_hide_that_is_no_list_of_names_is_refused_by_name():
+    with pytest.raises(TypeError, match=r"hide must be an iterable of parameter names .* 1 \(int"):
+        BayesianModule(_net(), priors.Normal(1.0), likelihoods.Gaussian(100), hide=1)
+    with pytest.raises(TypeError, match=r"hide must hold parameter names .* got \[0\]"):
+        BayesianModule(_net(), priors.Normal(1.0), likelihoods.Gaussian(100), hide=["0.bias", 0])
+
+
+def test_fit_refuses_an_svi_data_or_metrics_of_the_wrong_kind_by_name():
+    _, svi = _svi(likelihoods.Gaussian(100, scale=0.1))
+    with pytest.raises(TypeError, match=r"^fit: svi must be a pyro\.infer\.SVI .* got None"):
+        fit(None, (X, Y), 1, progress=False)
+    for data in (None, 1):
+        with pytest.raises(TypeError, match=r"^fit: data must be the arguments of a step"):
+            fit(svi, data, 1, progress=False)
+    for metrics in (1, "nll", [lambda: 0.0], {"nll": 0.0}):
+        with pytest.raises(TypeError, match=r"^fit: metrics must be a dict of name -> a func"):
+            fit(svi, (X, Y), 1, metrics=metrics, progress=False)
+
+
+@pytest.mark.parametrize("threshold", [None, "0.5", torch.full((2,), 0.5)])
+def test_sparse_network_threshold_of_another_type_is_refused_by_name(threshold):
+    pyro.clear_param_store()
+    bnn = BayesianModule(_net(), priors.SpikeSlab(0.3), likelihoods.Gaussian(100, scale=0.1))
+    guide = AutoSpikeSlab(bnn)
+    guide(X, Y)
+    with pytest.raises(TypeError, match=r"^sparse_network: threshold must be a number in \[0, 1"):
+        sparse_network(bnn, guide, threshold)

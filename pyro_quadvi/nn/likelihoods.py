@@ -10,11 +10,13 @@ passes. Without ``y`` (sampled, for prediction) the plate is ``pyro.plate("data"
 
 from __future__ import annotations
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import torch
 
-from ..optim.torch_qnvb import nonfinite_data, where_entries
+from ..optim.torch_qnvb import check_representable, nonfinite_data, where_entries
 
 __all__ = ["Bernoulli", "Categorical", "Gaussian", "Likelihood"]
 
@@ -190,8 +192,15 @@ class Gaussian(Likelihood):
         name: str = "obs",
     ):
         super().__init__(dataset_size, name)
-        if scale is not None and not scale > 0:
-            raise ValueError(f"scale must be > 0 or None (learned), got {scale!r}")
+        if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+            scale = scale.item()
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
+            raise TypeError(
+                f"Gaussian: scale must be a number > 0 (the noise standard deviation) or None "
+                f"(learned), got {scale!r} ({type(scale).__name__})"
+            )
+        if scale is not None and not 0 < scale < math.inf:
+            raise ValueError(f"scale must be > 0 and finite, or None (learned), got {scale!r}")
         if scale is not None and noise_prior is not None:
             raise ValueError("noise_prior goes with scale=None (a learned noise scale)")
         self.scale = None if scale is None else float(scale)
@@ -213,6 +222,7 @@ class Gaussian(Likelihood):
         if self.scale is None:
             scale = _expand_to_rows(latents[NOISE_SITE], row_dims)
         else:
+            check_representable("Gaussian likelihood: ", "scale", self.scale, outputs.dtype)
             scale = torch.full((), self.scale, dtype=outputs.dtype, device=outputs.device)
         return dist.Normal(outputs, scale).to_event(row_dims)
 

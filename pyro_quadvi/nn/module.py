@@ -141,7 +141,17 @@ class BayesianModule(PyroModule):
             hide = declared_hidden
         elif isinstance(hide, str):
             raise TypeError(f"hide must be an iterable of parameter names, got the string {hide!r}")
+        elif not isinstance(hide, Iterable):
+            raise TypeError(
+                f"hide must be an iterable of parameter names (a list of str, as in "
+                f"net.named_parameters()), got {_brief(hide)}"
+            )
         hide = tuple(hide)
+        odd = [name for name in hide if not isinstance(name, str)]
+        if odd:
+            raise TypeError(
+                f"hide must hold parameter names (str, as in net.named_parameters()), got {odd}"
+            )
         unknown = sorted(set(hide) - set(names))
         first = {id(p): name for name, p in net.named_parameters()}
         tied = {
