@@ -325,3 +325,9 @@ def test_sparse_network_threshold_of_another_type_is_refused_by_name(threshold):
     guide(X, Y)
     with pytest.raises(TypeError, match=r"^sparse_network: threshold must be a number in \[0, 1"):
         sparse_network(bnn, guide, threshold)
+
+
+def test_x_and_y_of_other_rows_name_the_likelihood_and_the_fix():
+    _, svi = _svi(likelihoods.Gaussian(100, scale=0.1))
+    with pytest.raises(ValueError, match=r"^Gaussian likelihood: y has 10 rows, x gave 16: pass"):
+        svi.step(X, Y[:10])

@@ -144,7 +144,10 @@ class Likelihood:
             outputs = outputs.squeeze(-1)
         if y is not None:
             if y.shape[0] != rows:
-                raise ValueError(f"y has {y.shape[0]} rows, x gave {rows}")
+                raise ValueError(
+                    f"{type(self).__name__} likelihood: y has {y.shape[0]} rows, x gave {rows}: "
+                    "pass the x and y of the same rows (a minibatch's x with its own y)"
+                )
             # the same sizes in the same order, size-1 dims aside ((B, 1) for one number a row,
             # (B, H, W) for outputs (B, 1, H, W)): a reshape pairs each value with its output
             if [n for n in y.shape[1:] if n != 1] != [n for n in row if n != 1]:
