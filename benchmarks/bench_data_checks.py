@@ -1,8 +1,8 @@
 """What the data checks of session 17 cost a step on an MNIST-sized batch.
 
-The checks: `BayesianModule`'s ``x`` (NaN or infinity, one pass and one host sync per model
-run), the likelihood's labels (`Likelihood.check_observations`, one pass over ``y`` and one
-sync), and `QNVBOptimizer`'s batch flag (``isfinite(t).all()`` of the batch's floating
+The checks: `BayesianModule`'s data check (``x`` finite, a sum, and the likelihood's labels in
+its support, a pass over ``y``, read together in one host sync per model run), and
+`QNVBOptimizer`'s batch flag (``isfinite(t).all()`` of the batch's floating
 tensors, read with the loss in the step's existing sync). Each step is timed with the checks and
 with them replaced by no-ops, alternately, after two warm-up steps; the median of ``--repeats``
 steps of each and their ratio, in the same run. Also the checks alone (median of 200 calls).
@@ -35,10 +35,9 @@ WIDTHS, ROWS = [784, 400, 400, 10], 128
 
 @contextmanager
 def without_checks():
-    """The model's, the likelihood's and the optimizer's data checks as no-ops."""
+    """The model's and the optimizer's data checks as no-ops."""
     with (
-        mock.patch.object(nn_module, "check_inputs", lambda *args: None),
-        mock.patch.object(likelihoods.Likelihood, "check_observations", lambda *args: None),
+        mock.patch.object(nn_module, "_check_data", lambda *args: None),
         mock.patch.object(torch_qnvb, "_batch_finite", lambda *args: None),
     ):
         yield
@@ -82,14 +81,13 @@ def optimizer_step(x: torch.Tensor, y: torch.Tensor):
 
 
 def checks_alone(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Median seconds of the x check and the labels' check, together."""
+    """Median seconds of the model's data check (x and the labels)."""
     likelihood = likelihoods.Categorical(60000)
     outputs = torch.zeros(ROWS, WIDTHS[-1])
     times = []
     for _ in range(200):
         start = time.perf_counter()
-        nn_module.check_inputs(x, "BayesianModule", "the step")
-        likelihood.check_observations(y, outputs)
+        nn_module._check_data(x, y, outputs, likelihood)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

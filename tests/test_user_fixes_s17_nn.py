@@ -142,8 +142,15 @@ def test_bernoulli_targets_outside_0_1_are_named(value):
 
 def test_gaussian_nonfinite_y_is_named():
     _, svi = _svi(likelihoods.Gaussian(100, scale=0.1))
-    with pytest.raises(ValueError, match=r"^Gaussian likelihood .* rows \[4\] .* y\[4\] = inf"):
+    with pytest.raises(ValueError, match=r"^Gaussian likelihood .* rows \[4\] .* y\[4, 0\] = inf"):
         svi.step(X, _with(Y, 4, 0, math.inf))
+
+
+def test_labels_are_checked_without_pyros_validation_too():
+    # an ELBO that names a site runs the model again without validation: the check is always made
+    _, svi = _svi(likelihoods.Categorical(100), outputs=3)
+    with pyro.validation_enabled(False), pytest.raises(ValueError, match=r"^Categorical likel"):
+        svi.step(X, torch.where(LABELS == 0, 3, LABELS))
 
 
 @pytest.mark.parametrize(
@@ -267,7 +274,7 @@ def test_finite_data_whose_sum_overflows_passes_every_check():
     big = torch.full((16, 3), 3e38)
     _, svi = _svi(likelihoods.Gaussian(100, scale=0.1))
     assert math.isfinite(svi.step(big, Y))  # tanh saturates
-    likelihoods.Gaussian(100).check_observations(big, torch.zeros(16, 3))
+    likelihoods.Gaussian(100).check_observations(big, torch.zeros(16, 3))  # finite: no error
     net = _net()
     optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=20.0)
 

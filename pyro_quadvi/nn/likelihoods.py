@@ -16,7 +16,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from ..optim.torch_qnvb import check_representable, nonfinite_data, where_entries
+from ..optim.torch_qnvb import check_representable, where_entries
 
 __all__ = ["Bernoulli", "Categorical", "Gaussian", "Likelihood"]
 
@@ -96,19 +96,17 @@ class Likelihood:
     def invalid_observations(
         self, y: torch.Tensor, outputs: torch.Tensor
     ) -> tuple[torch.Tensor, str, str] | None:
-        """The entries of ``y`` (rows shaped) outside the observation's support, for a message
-        that names them: ``(mask, what y must hold, the likely fix)``, or ``None`` (the default:
-        no check). See `check_observations`."""
+        """The entries of ``y`` outside the observation's support, for a message that names
+        them: ``(mask, what y must hold, the likely fix)``, or ``None`` (the default: no
+        check). `BayesianModule.forward` reads the mask with its check of ``x``, in one host
+        sync, before the site (Pyro's validation would name the distribution's support only,
+        and without validation a label out of range fails in an index or a fraction is
+        truncated); `check_observations` raises."""
         return None
 
     def check_observations(self, y: torch.Tensor, outputs: torch.Tensor) -> None:
         """Refuse a ``y`` with entries outside the support (`invalid_observations`),
-        naming the likelihood, the rows, the first value and the fix, where Pyro's validation
-        would name the distribution's support only (and, switched off, let a label out of
-        range fail in an index or a fraction be truncated). One pass over ``y`` and one host
-        sync; skipped while ``torch.jit`` traces or dynamo compiles."""
-        if torch.jit.is_tracing() or torch.compiler.is_compiling():
-            return
+        naming the likelihood, the rows, the first value and the fix."""
         found = self.invalid_observations(y, outputs)
         if found is None:
             return
@@ -157,9 +155,7 @@ class Likelihood:
                     f"{layout}. Make the net's outputs match y's layout (a y of the same size in "
                     "another layout would pair values with the wrong outputs)"
                 )
-            y = y.reshape((rows, *row))
-            self.check_observations(y, outputs)
-            y = self.observation(y, outputs)
+            y = self.observation(y.reshape((rows, *row)), outputs)
         fn = self.distribution(outputs, latents, len(row))
         with self.plate(rows, outputs.device, observed=y is not None):
             return pyro.sample(self.name, fn, obs=y)
@@ -232,9 +228,8 @@ class Gaussian(Likelihood):
     def invalid_observations(
         self, y: torch.Tensor, outputs: torch.Tensor
     ) -> tuple[torch.Tensor, str, str] | None:
-        """The entries of ``y`` that are NaN or infinite (each entry checked only where the
-        sum of ``y`` is not finite: `nonfinite_data`)."""
-        if nonfinite_data(y, "y") is None:
+        """The entries of ``y`` that are NaN or infinite."""
+        if not y.is_floating_point():
             return None
         fix = (
             "Drop or impute those rows (keep = torch.isfinite(y).flatten(1).all(1); x[keep], "

@@ -43,7 +43,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm as SpectralNormHook
 
 from ..infer.batched import DtypeMismatch, first_line, is_vmap_refusal, vmap_safe_attention
 from ..optim.qnvb_functional import QNVBHyperparameters
-from ..optim.torch_qnvb import check_tensor_output, nonfinite_data
+from ..optim.torch_qnvb import check_tensor_output, nonfinite_data, sum_is_finite
 from ..quadrature import QuadratureRule
 from ..store import follow_store, uncompiled
 from .likelihoods import Likelihood
@@ -418,7 +418,8 @@ class BayesianModule(PyroModule):
                 f"arguments ({', '.join(kwargs)}) are not supported. Fix them in the net (an "
                 "attribute its forward reads, or a wrapper module whose forward takes x alone)"
             )
-        check_inputs(x, "BayesianModule", "the step")
+        if not isinstance(x, torch.Tensor):
+            check_inputs(x, "BayesianModule", "the step")  # the TypeError
         values = {}
         for name, param in self.latent_parameters().items():
             infer = {"qnvb": self.qnvb_settings} if self.qnvb_settings else {}
@@ -432,6 +433,7 @@ class BayesianModule(PyroModule):
                     "guide built for the net as it is now)"
                 )
         outputs, batch_dims = self._evaluate(values, x)
+        _check_data(x, y, outputs, self.likelihood)
         self.likelihood(outputs, y, batch_dims)
         return outputs
 
@@ -471,20 +473,43 @@ def _brief(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+def _tracing() -> bool:
+    """Whether ``torch.jit`` traces or dynamo compiles: a data check would fix the branch of
+    the traced inputs there, so none is made."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling()
+
+
+def _check_data(x: torch.Tensor, y: object, outputs: torch.Tensor, likelihood: Likelihood) -> None:
+    """The model's data check, before the observed site: ``x`` finite (`check_inputs`) and
+    ``y`` in the likelihood's support (`Likelihood.invalid_observations`), read together
+    in one host sync (a sum of ``x``, `sum_is_finite`, and the mask of ``y``); each is looked at
+    again, to name the rows, only where that fails. Always made, as Pyro's validation is not:
+    an ELBO that names a site runs the model again without validation."""
+    if _tracing():
+        return
+    flags = [sum_is_finite(x)] if x.is_floating_point() else []
+    found = likelihood.invalid_observations(y, outputs) if isinstance(y, torch.Tensor) else None
+    if found is not None:
+        flags.append(~found[0].any())
+    if flags and not bool(torch.stack(flags).all()):
+        check_inputs(x, "BayesianModule", "the step")
+        likelihood.check_observations(y, outputs)
+
+
 def check_inputs(x: object, owner: str, before: str) -> None:
     """Refuse inputs ``x`` that are no tensor, or floating inputs with a NaN or an infinity,
-    naming the rows (one pass over ``x`` and one host sync; skipped while ``torch.jit`` traces
-    or dynamo compiles, where it would fix the branch of the traced inputs).
+    naming the rows (one reduction over ``x`` and one host sync, `nonfinite_data`; skipped
+    while ``torch.jit`` traces or dynamo compiles).
 
     A NaN row gives NaN outputs; an infinite input saturates (``tanh``) or overflows, and its
-    gradient is NaN (``0 * inf``), which QNVB's guard drops with a warning only. The model
-    (`BayesianModule.forward`) and `predict` check ``x`` here; ``before`` names what
-    is refused (``"the step"``, ``"predicting"``)."""
+    gradient is NaN (``0 * inf``), which QNVB's guard drops with a warning only. `predict`
+    checks ``x`` here, the model with its ``y`` (`_check_data`); ``before`` names what is
+    refused (``"the step"``, ``"predicting"``)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(
             f"{owner}: x must be a tensor of B rows (the net's inputs), got {_brief(x)}"
         )
-    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+    if _tracing():
         return
     where = nonfinite_data(x, "x")
     if where is not None:
