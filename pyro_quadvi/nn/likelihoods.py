@@ -10,9 +10,13 @@ passes. Without ``y`` (sampled, for prediction) the plate is ``pyro.plate("data"
 
 from __future__ import annotations
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import torch
+
+from ..optim.torch_qnvb import check_representable, where_entries
 
 __all__ = ["Bernoulli", "Categorical", "Gaussian", "Likelihood"]
 
@@ -36,6 +40,11 @@ class Likelihood:
             isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1
         ):
             raise ValueError(f"dataset_size must be a positive int or None, got {dataset_size!r}")
+        if not isinstance(name, str) or not name:
+            raise TypeError(
+                f"{type(self).__name__}: name must be a non-empty string (the observed site's "
+                f"name, 'obs' by default), got {name!r}"
+            )
         self.dataset_size = dataset_size
         self.name = name
 
@@ -46,6 +55,13 @@ class Likelihood:
         the sampled ``y`` do not depend on the plate's scale, and a test set may have more rows
         than ``dataset_size``.
         """
+        if observed and rows == 0:
+            raise ValueError(
+                f"{type(self).__name__} likelihood: the batch has no rows (x and y of 0 rows); "
+                "the data plate scales a batch's log likelihood by dataset_size / rows. Skip "
+                "empty batches (a filter of the loader, or DataLoader(drop_last=True) where the "
+                "last batch comes out empty)"
+            )
         size = rows if self.dataset_size is None or not observed else self.dataset_size
         if rows > size:
             raise ValueError(
@@ -77,6 +93,30 @@ class Likelihood:
             return torch.Size()
         return torch.Size(row)
 
+    def invalid_observations(
+        self, y: torch.Tensor, outputs: torch.Tensor
+    ) -> tuple[torch.Tensor, str, str] | None:
+        """The entries of ``y`` outside the observation's support, for a message that names
+        them: ``(mask, what y must hold, the likely fix)``, or ``None`` (the default: no
+        check). `BayesianModule.forward` reads the mask with its check of ``x``, in one host
+        sync, before the site (Pyro's validation would name the distribution's support only,
+        and without validation a label out of range fails in an index or a fraction is
+        truncated); `check_observations` raises."""
+        return None
+
+    def check_observations(self, y: torch.Tensor, outputs: torch.Tensor) -> None:
+        """Refuse a ``y`` with entries outside the support (`invalid_observations`),
+        naming the likelihood, the rows, the first value and the fix."""
+        found = self.invalid_observations(y, outputs)
+        if found is None:
+            return
+        bad, wanted, fix = found
+        if bool(bad.any()):
+            raise ValueError(
+                f"{type(self).__name__} likelihood (site {self.name!r}): y must hold {wanted}, "
+                f"but not at {where_entries(y, bad, 'y')}. {fix}"
+            )
+
     def _layout(self, outputs: torch.Size, row: torch.Size, y: torch.Size) -> str:
         """What the net's ``outputs`` (``(B,) + ...``, one draw) observe, for the message that
         refuses a ``y`` of shape ``y``."""
@@ -102,7 +142,10 @@ class Likelihood:
             outputs = outputs.squeeze(-1)
         if y is not None:
             if y.shape[0] != rows:
-                raise ValueError(f"y has {y.shape[0]} rows, x gave {rows}")
+                raise ValueError(
+                    f"{type(self).__name__} likelihood: y has {y.shape[0]} rows, x gave {rows}: "
+                    "pass the x and y of the same rows (a minibatch's x with its own y)"
+                )
             # the same sizes in the same order, size-1 dims aside ((B, 1) for one number a row,
             # (B, H, W) for outputs (B, 1, H, W)): a reshape pairs each value with its output
             if [n for n in y.shape[1:] if n != 1] != [n for n in row if n != 1]:
@@ -148,8 +191,15 @@ class Gaussian(Likelihood):
         name: str = "obs",
     ):
         super().__init__(dataset_size, name)
-        if scale is not None and not scale > 0:
-            raise ValueError(f"scale must be > 0 or None (learned), got {scale!r}")
+        if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+            scale = scale.item()
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
+            raise TypeError(
+                f"Gaussian: scale must be a number > 0 (the noise standard deviation) or None "
+                f"(learned), got {scale!r} ({type(scale).__name__})"
+            )
+        if scale is not None and not 0 < scale < math.inf:
+            raise ValueError(f"scale must be > 0 and finite, or None (learned), got {scale!r}")
         if scale is not None and noise_prior is not None:
             raise ValueError("noise_prior goes with scale=None (a learned noise scale)")
         self.scale = None if scale is None else float(scale)
@@ -171,8 +221,21 @@ class Gaussian(Likelihood):
         if self.scale is None:
             scale = _expand_to_rows(latents[NOISE_SITE], row_dims)
         else:
+            check_representable("Gaussian likelihood: ", "scale", self.scale, outputs.dtype)
             scale = torch.full((), self.scale, dtype=outputs.dtype, device=outputs.device)
         return dist.Normal(outputs, scale).to_event(row_dims)
+
+    def invalid_observations(
+        self, y: torch.Tensor, outputs: torch.Tensor
+    ) -> tuple[torch.Tensor, str, str] | None:
+        """The entries of ``y`` that are NaN or infinite."""
+        if not y.is_floating_point():
+            return None
+        fix = (
+            "Drop or impute those rows (keep = torch.isfinite(y).flatten(1).all(1); x[keep], "
+            "y[keep])"
+        )
+        return ~torch.isfinite(y), "finite numbers", fix
 
 
 class Categorical(Likelihood):
@@ -202,6 +265,26 @@ class Categorical(Likelihood):
         """``Categorical(logits=outputs)``, each row's labels one event."""
         return dist.Categorical(logits=outputs).to_event(row_dims)
 
+    def invalid_observations(
+        self, y: torch.Tensor, outputs: torch.Tensor
+    ) -> tuple[torch.Tensor, str, str] | None:
+        """The labels that are no class index ``0, ..., C - 1`` (``C``: the outputs' last dim):
+        out of range, or not whole numbers (NaN included)."""
+        classes = outputs.shape[-1]
+        bad = (y < 0) | (y >= classes)
+        if y.is_floating_point():
+            bad = bad | (y != y.floor())  # a fraction, or NaN
+        wanted = (
+            f"class indices, whole numbers 0 to {classes - 1} (the {classes} classes of the "
+            "network's outputs' last dim)"
+        )
+        fix = (
+            "Labels 1 to C: pass y - 1. More classes than the net has outputs: widen its last "
+            "layer to the number of classes. Missing labels (NaN): drop those rows. Soft or "
+            "one-hot targets are not labels: pass y.argmax(-1)"
+        )
+        return bad, wanted, fix
+
 
 class Bernoulli(Likelihood):
     """``y ~ Bernoulli(logits=net(x))``; a net with one output column gives one label per row.
@@ -219,3 +302,14 @@ class Bernoulli(Likelihood):
     ) -> dist.Distribution:
         """``Bernoulli(logits=outputs)``, each row's labels one event."""
         return dist.Bernoulli(logits=outputs).to_event(row_dims)
+
+    def invalid_observations(
+        self, y: torch.Tensor, outputs: torch.Tensor
+    ) -> tuple[torch.Tensor, str, str] | None:
+        """The labels that are neither 0 nor 1 (NaN included)."""
+        fix = (
+            "Labels -1 / 1: pass (y + 1) / 2. Missing labels (NaN): drop those rows. "
+            "Probabilities (soft targets) are not labels: threshold them (y > 0.5), or write a "
+            "likelihood of your own (docs/nn.md)"
+        )
+        return (y != 0) & (y != 1), "0 / 1 labels", fix

@@ -43,7 +43,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm as SpectralNormHook
 
 from ..infer.batched import DtypeMismatch, first_line, is_vmap_refusal, vmap_safe_attention
 from ..optim.qnvb_functional import QNVBHyperparameters
-from ..optim.torch_qnvb import check_tensor_output
+from ..optim.torch_qnvb import check_tensor_output, nonfinite_data, sum_is_finite
 from ..quadrature import QuadratureRule
 from ..store import follow_store, uncompiled
 from .likelihoods import Likelihood
@@ -129,13 +129,29 @@ class BayesianModule(PyroModule):
         net = uncompiled(net)
         if not callable(prior):
             raise TypeError(f"prior must be callable (name, param) -> distribution, got {prior!r}")
+        if not isinstance(likelihood, Likelihood):
+            raise TypeError(
+                f"likelihood must be a pyro_quadvi.nn.likelihoods.Likelihood (Gaussian(N, "
+                f"scale=...), Categorical(N), Bernoulli(N), or a subclass of your own), got "
+                f"{_brief(likelihood)}"
+            )
         names = [name for name, _ in net.named_parameters()]
         declared_hidden, declared_priors = _declarations(net) if declarations else ((), {})
         if hide is None:
             hide = declared_hidden
         elif isinstance(hide, str):
             raise TypeError(f"hide must be an iterable of parameter names, got the string {hide!r}")
+        elif not isinstance(hide, Iterable):
+            raise TypeError(
+                f"hide must be an iterable of parameter names (a list of str, as in "
+                f"net.named_parameters()), got {_brief(hide)}"
+            )
         hide = tuple(hide)
+        odd = [name for name in hide if not isinstance(name, str)]
+        if odd:
+            raise TypeError(
+                f"hide must hold parameter names (str, as in net.named_parameters()), got {odd}"
+            )
         unknown = sorted(set(hide) - set(names))
         first = {id(p): name for name, p in net.named_parameters()}
         tied = {
@@ -402,6 +418,8 @@ class BayesianModule(PyroModule):
                 f"arguments ({', '.join(kwargs)}) are not supported. Fix them in the net (an "
                 "attribute its forward reads, or a wrapper module whose forward takes x alone)"
             )
+        if not isinstance(x, torch.Tensor):
+            check_inputs(x, "BayesianModule", "the step")  # the TypeError
         values = {}
         for name, param in self.latent_parameters().items():
             infer = {"qnvb": self.qnvb_settings} if self.qnvb_settings else {}
@@ -415,6 +433,7 @@ class BayesianModule(PyroModule):
                     "guide built for the net as it is now)"
                 )
         outputs, batch_dims = self._evaluate(values, x)
+        _check_data(x, y, outputs, self.likelihood)
         self.likelihood(outputs, y, batch_dims)
         return outputs
 
@@ -454,6 +473,54 @@ def _brief(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+def _tracing() -> bool:
+    """Whether ``torch.jit`` traces or dynamo compiles: a data check would fix the branch of
+    the traced inputs there, so none is made."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling()
+
+
+def _check_data(x: torch.Tensor, y: object, outputs: torch.Tensor, likelihood: Likelihood) -> None:
+    """The model's data check, before the observed site: ``x`` finite (`check_inputs`) and
+    ``y`` in the likelihood's support (`Likelihood.invalid_observations`), read together
+    in one host sync (a sum of ``x``, `sum_is_finite`, and the mask of ``y``); each is looked at
+    again, to name the rows, only where that fails. Always made, as Pyro's validation is not:
+    an ELBO that names a site runs the model again without validation."""
+    if _tracing():
+        return
+    flags = [sum_is_finite(x)] if x.is_floating_point() else []
+    found = likelihood.invalid_observations(y, outputs) if isinstance(y, torch.Tensor) else None
+    if found is not None:
+        flags.append(~found[0].any())
+    if flags and not bool(torch.stack(flags).all()):
+        check_inputs(x, "BayesianModule", "the step")
+        likelihood.check_observations(y, outputs)
+
+
+def check_inputs(x: object, owner: str, before: str) -> None:
+    """Refuse inputs ``x`` that are no tensor, or floating inputs with a NaN or an infinity,
+    naming the rows (one reduction over ``x`` and one host sync, `nonfinite_data`; skipped
+    while ``torch.jit`` traces or dynamo compiles).
+
+    A NaN row gives NaN outputs; an infinite input saturates (``tanh``) or overflows, and its
+    gradient is NaN (``0 * inf``), which QNVB's guard drops with a warning only. `predict`
+    checks ``x`` here, the model with its ``y`` (`_check_data`); ``before`` names what is
+    refused (``"the step"``, ``"predicting"``)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"{owner}: x must be a tensor of B rows (the net's inputs), got {_brief(x)}"
+        )
+    if _tracing():
+        return
+    where = nonfinite_data(x, "x")
+    if where is not None:
+        raise ValueError(
+            f"{owner}: x holds NaN or infinite values at {where}; the net's outputs there are "
+            "not numbers, or an infinite input saturates and its gradient is NaN. Drop or "
+            f"impute those rows before {before} (keep = torch.isfinite(x).flatten(1).all(1); "
+            "x[keep], y[keep]), or replace the values (torch.nan_to_num)"
+        )
+
+
 def _where(module: nn.Module, path: str) -> str:
     return f"the {type(module).__name__} at {path!r}" if path else f"the {type(module).__name__}"
 
@@ -481,14 +548,25 @@ def _refuse_batch_statistics(net: nn.Module) -> None:
 def _name_an_input_dtype(net: nn.Module, x: torch.Tensor, error: RuntimeError) -> None:
     """Raise, from ``error``, a ``ValueError`` naming the likely cause when the net failed on
     floating inputs of another dtype than its floating parameters (NumPy's float64 beside a
-    float32 net: torch says "expected scalar type Float but found Double" from inside the net).
-    Checked only after a failure: a net that converts its input itself runs as it is."""
+    float32 net: torch says "expected scalar type Float but found Double" from inside the net),
+    or on integer inputs to a net that looks nothing up (no ``nn.Embedding``: torch says "mat1
+    and mat2 must have the same dtype"). Checked only after a failure: a net that converts its
+    input itself runs as it is."""
     floating = next((p.dtype for p in net.parameters() if p.is_floating_point()), None)
-    if x.is_floating_point() and floating is not None and x.dtype != floating:
+    if floating is None:
+        return
+    if x.is_floating_point() and x.dtype != floating:
         raise ValueError(
             f"x is {x.dtype} but the net's parameters are {floating} (NumPy's float64, say), and "
             f"the net failed on it: convert the inputs, x.to({floating}), or the net, "
             f"net.to({x.dtype}), before building the BayesianModule"
+        ) from error
+    lookup = any(isinstance(m, nn.Embedding | nn.EmbeddingBag) for m in net.modules())
+    if not x.is_floating_point() and not x.is_complex() and not lookup:
+        raise ValueError(
+            f"x is {x.dtype} (integers) but the net's parameters are {floating}, and the net, "
+            f"which looks nothing up (no nn.Embedding), failed on it: convert the inputs, "
+            f"x.to({floating}) (NumPy's or pandas' integer columns, say)"
         ) from error
 
 

@@ -26,6 +26,7 @@ from ..quadrature import QuadratureRule, make_rule
 from ..quadrature.base import as_index
 from ..store import follow_param_store
 from .likelihoods import NOISE_SITE, Bernoulli, Categorical, Gaussian
+from .module import check_inputs
 
 if TYPE_CHECKING:
     from .module import BayesianModule
@@ -128,10 +129,13 @@ def predict(
             non-Gaussian (``"dirac_gauss"``) sites, for a guide whose site has another shape
             than the net's parameter of that name (a guide of another network), or
             ``num_samples < 1`` without it.
+        TypeError, ValueError: for an ``x`` that is no tensor, or holds a NaN or an infinity
+            (the rows named; `BayesianModule` refuses such an ``x`` as the model, too).
         TypeError, ValueError: for a ``batch_size`` that is not an int or ``None`` (a bool, a
             float), or an int below 1; for ``steps`` that is not an int >= 1 or ``"period"``,
             that is not 1 without ``quadrature``, or ``"period"`` with a rule that has none.
     """
+    check_inputs(x, "predict", "predicting")
     if batch_size is not None:
         wanted = "a positive int (rows of x per pass through the net) or None (all rows at once)"
         if isinstance(batch_size, bool) or not isinstance(batch_size, int):

@@ -67,12 +67,19 @@ def sparse_network(
             (`sparse_point_estimate`).
 
     Raises:
-        TypeError: for a guide that is not an ``AutoSpikeSlab``.
+        TypeError: for a guide that is not an ``AutoSpikeSlab``, a ``threshold`` that is not
+            a number.
         ValueError: if the guide does not cover every latent parameter of ``bnn``.
     """
     if not isinstance(guide, AutoSpikeSlab):
         raise TypeError(
             f"sparse_network needs an AutoSpikeSlab guide (exact zeros), got {type(guide).__name__}"
+        )
+    one_number = isinstance(threshold, torch.Tensor) and threshold.numel() == 1
+    if not one_number and (isinstance(threshold, bool) or not isinstance(threshold, int | float)):
+        raise TypeError(
+            f"sparse_network: threshold must be a number in [0, 1) (an inclusion probability), "
+            f"got {threshold!r} ({type(threshold).__name__})"
         )
     estimate = guide.sparse_point_estimate(threshold)
     latent = bnn.latent_parameters()

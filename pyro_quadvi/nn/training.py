@@ -49,8 +49,8 @@ def _on(batch: tuple, device: torch.device | str | None) -> tuple:
 
 
 def _check_data(data: object) -> None:
-    """Refuse, before any step, a ``data`` that would be iterated row by row: a tensor, an
-    array, a dict, a map-style ``Dataset`` (not a ``DataLoader``)."""
+    """Refuse, before any step, a ``data`` that is not iterable, or that would be iterated row
+    by row: a tensor, an array, a dict, a map-style ``Dataset`` (not a ``DataLoader``)."""
     rows = isinstance(data, torch.utils.data.Dataset) and not isinstance(
         data, torch.utils.data.IterableDataset
     )
@@ -60,6 +60,12 @@ def _check_data(data: object) -> None:
             "((x, y): the full batch) or an iterable of such tuples (a DataLoader, a list of "
             "(x, y) tuples). This one would be iterated row by row, one step per row"
             + (": wrap the dataset in a DataLoader" if rows else " without labels")
+        )
+    # (not iter(data): a DataLoader would start its workers)
+    if not isinstance(data, Iterable) and not hasattr(type(data), "__getitem__"):
+        raise TypeError(
+            f"fit: data must be the arguments of a step as a tuple ((x, y): the full batch) or "
+            f"an iterable of such tuples (a DataLoader), got {data!r} ({type(data).__name__})"
         )
 
 
@@ -188,13 +194,27 @@ def fit(
     Raises:
         ValueError: for ``num_steps < 0``, ``every < 1``, an empty iterable, or a one-shot
             iterator that runs out before ``num_steps``.
-        TypeError: for ``data`` that is a tensor, an array or a dict, a batch that is a dict,
-            and, for a ``BayesianModule`` model, a batch that is not ``(x, y)``.
+        TypeError: for an ``svi`` without ``step``, ``model`` and ``guide``, ``metrics`` that
+            is not a dict of callables, ``data`` that is not iterable or is a tensor, an array
+            or a dict, a batch that is a dict, and, for a ``BayesianModule`` model, a batch
+            that is not ``(x, y)``.
         TypeError: for a metric that returns anything but one number (a dict, a string, a
             tensor of several elements), naming the metric, at its first evaluation.
     """
     num_steps, every = _count("num_steps", num_steps, 0), _count("every", every, 1)
+    if not all(hasattr(svi, name) for name in ("step", "model", "guide")):
+        raise TypeError(
+            f"fit: svi must be a pyro.infer.SVI (fit calls its step and reads its model and "
+            f"guide), got {svi!r} ({type(svi).__name__})"
+        )
     _check_data(data)
+    if metrics is not None and (
+        not isinstance(metrics, Mapping) or not all(map(callable, metrics.values()))
+    ):
+        raise TypeError(
+            "fit: metrics must be a dict of name -> a function of nothing returning one number "
+            f"(metrics={{'nll': lambda: ...}}), or None; got {metrics!r}"
+        )
     history = History(metrics={name: [] for name in metrics or {}})
     batches = _batches(data)
     follow_param_store(unwrap_guide(svi.guide))

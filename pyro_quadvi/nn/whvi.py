@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..linalg import fwht
+from ..optim.torch_qnvb import check_representable
 
 __all__ = ["WHVILinear", "setup_dimensions", "whvi"]
 
@@ -106,6 +107,10 @@ class WHVILinear(nn.Module):
                 f"WHVILinear: prior_scale must be > 0 and finite (a number, not a bool), got "
                 f"{prior_scale!r}"
             )
+        # a scale the parameters' dtype holds (1e300 is inf in float32: g and its prior would be)
+        check_representable(
+            "WHVILinear: ", "prior_scale", prior_scale, dtype or torch.get_default_dtype()
+        )
         self.in_features = in_features
         self.out_features = out_features
         self.prior_scale = float(prior_scale)

@@ -46,6 +46,8 @@ from .torch_qnvb import (
     CheckpointHooks,
     changed_parameters,
     check_finite_loss,
+    check_generator,
+    check_representable,
     check_saved_parameters,
     checked_parameters,
     closure_moments,
@@ -182,11 +184,13 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         if prior_precision is None:
             prior_precision = tau_max**-2
         _check_number("prior_precision", prior_precision, lambda v: 0 <= v < math.inf, ">= 0")
+        check_generator("SparseQNVBOptimizer", generator)
         self.counters = init_sparse_counters(self.hyperparameters, steps_per_epoch)
-        self.num_cases = float(num_cases)  # before the groups: add_param_group's messages read them
+        # before the groups: add_param_group's messages and range checks read them
+        self.num_cases = float(num_cases)
         self.prior_precision = float(prior_precision)
-        super().__init__(params, {})
         self.steps_per_epoch = steps_per_epoch
+        super().__init__(params, {})
         self.rule = make_rule("hadamard", 2 * num_pairs)
         self.generator = generator
         self.sequence_offset: int | None = None
@@ -218,7 +222,33 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             group = _SparseGroup(group)
         position = sum(len(g["params"]) for g in self.param_groups)
         refuse_half_precision(group, position, "SparseQNVBOptimizer")
+        if isinstance(group, dict) and isinstance(group.get("params"), list):
+            for dtype in {p.dtype for p in group["params"] if isinstance(p, torch.Tensor)}:
+                self._check_ranges(dtype)
         super().add_param_group(group)
+
+    def _check_ranges(self, dtype: torch.dtype) -> None:
+        """Refuse settings that the step's terms in ``dtype`` would turn into an infinity: the
+        cases per step ``num_cases / steps_per_epoch`` and the prior's share
+        ``prior_precision / steps_per_epoch`` beyond its range, and an ``initial_lr`` whose
+        curvature ``1 / initial_lr`` rounds to 0 there (``sigma = (1 / initial_lr)^(-1/2)``
+        would start infinite)."""
+        if not dtype.is_floating_point:
+            return
+        owner, steps = "SparseQNVBOptimizer: ", self.steps_per_epoch
+        check_representable(owner, "num_cases / steps_per_epoch", self.num_cases / steps, dtype)
+        prior = self.prior_precision / steps
+        check_representable(owner, "prior_precision / steps_per_epoch", prior, dtype)
+        initial_lr = self.hyperparameters.initial_lr
+        tiny = torch.finfo(dtype).tiny
+        if 1.0 / initial_lr < tiny:
+            raise ValueError(
+                f"{owner}initial_lr={initial_lr!r} gives the initial curvature 1 / initial_lr "
+                f"= {1.0 / initial_lr:.3g}, below the smallest normal number of {dtype} "
+                f"({tiny:.3g}), so sigma = (1 / initial_lr)^(-1/2) would start infinite: pass "
+                f"an initial_lr below {1.0 / tiny:.3g} (Algorithm 5.3 starts at 1e-5), or use "
+                "float64 parameters"
+            )
 
     @property
     def epoch(self) -> int:
@@ -371,7 +401,17 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         loss_avg, moments = closure_moments(
             params, mus, sigmas, nodes, closure, "SparseQNVBOptimizer"
         )
-        value = check_finite_loss(loss_avg, params, mus, "SparseQNVBOptimizer")
+        value = check_finite_loss(
+            loss_avg,
+            params,
+            mus,
+            "SparseQNVBOptimizer",
+            sigmas=sigmas,
+            field_hint=(
+                " The mixtures' moments went out of the parameters' range: check initial_lr, "
+                "max_lr and tau_max (sigma starts at initial_lr^(1/2)), or use float64 parameters"
+            ),
+        )
         self._check_growth(value, [p.dtype for p in params])
         scale = self.num_cases / self.steps_per_epoch
         prior = self.prior_precision / self.steps_per_epoch
