@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNS = {
     "bnn_speed": ("bench_bnn_speed.py", "--nets 1-50-1 --repeats 1 --steps 1 --no-compile", ()),
     "arviz_export": ("arviz_export.py", "--repeats 1", ()),
+    "data_checks": ("bench_data_checks.py", "--repeats 1", ()),
     "markov_chain": ("bench_markov_chain.py", "--forms vector --T 20 --steps 1 10", ()),
     "observed_check": ("bench_observed_check.py", "--rows 10000 --repeats 1", ()),
     "latent_memory": ("bench_latent_memory.py", "--sizes 1000 --guides mean_field", ()),
@@ -142,14 +143,15 @@ def _table_rows(stdout: str) -> int:
 
 
 # in the default suite: the scripts that subclass the package's classes or call its private
-# functions (bnn_speed, blocked_signs, observed_check, small_net_elbo, sparse_qnvb_trial: the
-# ones a refactor breaks first) and two quick ones of the export and the sparse optimizers; the
-# others with ``-m slow`` (together 65 s on one core, mostly each process's imports of torch
-# and pyro)
+# functions (bnn_speed, blocked_signs, data_checks, observed_check, small_net_elbo,
+# sparse_qnvb_trial: the ones a refactor breaks first) and two quick ones of the export and the
+# sparse optimizers; the others with ``-m slow`` (together 65 s on one core, mostly each
+# process's imports of torch and pyro)
 INTERNALS = {
     "bnn_speed",
     "arviz_export",
     "blocked_signs",
+    "data_checks",
     "observed_check",
     "small_net_elbo",
     "sparse_qnvb_integration",

@@ -307,8 +307,10 @@ def test_host_syncs_of_a_steady_state_step():
     # infer/log_joint.py: bool(isfinite(total).all()), the one finiteness check of the nodes;
     # infer/quadrature_elbo.py: `if not torch.isfinite(loss)` and SVI's loss.item();
     # optim/qnvb_functional.py: the counts' .tolist() (a copy to the host); the update writes
-    # its results in place (donated), so off the CPU it selects in every chunk, reading nothing
+    # its results in place (donated), so off the CPU it selects in every chunk, reading nothing;
+    # nn/module.py: the data check (x finite, y in the likelihood's support), one read of both
     assert pyro_step.by_file() == {
+        "nn/module.py": 1,
         "infer/log_joint.py": 1,
         "infer/quadrature_elbo.py": 2,
         "optim/qnvb_functional.py": 1,

@@ -655,8 +655,10 @@ def check_finite_loss(
     if finite_batch is None:
         value, batch_ok = float(loss_avg), True
     else:
-        read = torch.stack([loss_avg.detach(), finite_batch.to(loss_avg.dtype)]).tolist()
-        value, batch_ok = read[0], read[1] == 1
+        # read as "not finite" (0 where all is well, as a zero-filled fake read says too)
+        flag = finite_batch.logical_not().to(loss_avg.dtype)
+        read = torch.stack([loss_avg.detach(), flag]).tolist()
+        value, batch_ok = read[0], read[1] == 0
     if batch_ok and math.isfinite(value):
         return value
     where = None
