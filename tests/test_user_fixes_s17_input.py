@@ -265,7 +265,7 @@ def _model():
 @pytest.mark.parametrize("factor", [0, -1.0, math.nan, math.inf])
 def test_anneal_likelihood_refuses_a_factor_that_is_not_finite_and_positive(factor):
     # before: 0 dropped the likelihood, -1 flipped the ELBO's sign, all without a word
-    with pytest.raises(ValueError, match=r"anneal_likelihood: factor must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"anneal_likelihood: factor must be a finite factor > 0"):
         anneal_likelihood(_model, factor)
 
 
@@ -274,7 +274,7 @@ def test_a_factor_callable_going_out_of_range_is_refused_at_the_site(factor):
     values = iter([0.5, factor])
     annealed = anneal_likelihood(_model, lambda: next(values))
     poutine.trace(annealed).get_trace()  # 0.5: fine
-    with pytest.raises(ValueError, match=r"factor\(\) at site 'x' must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"factor\(\) at site 'x' must be a finite factor > 0"):
         poutine.trace(annealed).get_trace()
 
 

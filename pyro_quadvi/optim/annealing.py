@@ -53,19 +53,12 @@ def annealing_factor(annealing: Callable[[int], float], step: int) -> float:
         TypeError: when the factor is not a real number.
         ValueError: when it is not finite and ``> 0``; the message names the step and the factor.
     """
-    factor = annealing(step)
-    value = _factor_value(factor)
-    if value is None:
-        raise TypeError(
-            f"annealing({step}) must return a real number > 0, got {factor!r} "
-            f"({type(factor).__name__})"
-        )
-    if not 0 < value < math.inf:
-        raise ValueError(
-            f"annealing({step}) must return a finite factor > 0, got {factor!r} (the likelihood "
-            f"factor of step {step}); fix the schedule, e.g. geometric_annealing(0.01, 500)"
-        )
-    return value
+    return _checked_factor(
+        annealing(step),
+        f"annealing({step}) must return",
+        f" (the likelihood factor of step {step}); fix the schedule, e.g. "
+        "geometric_annealing(0.01, 500)",
+    )
 
 
 def check_schedule(annealing: object) -> Callable[[int], float] | None:
@@ -127,24 +120,23 @@ class _GeometricSchedule:
         return f"geometric_annealing({self.initial!r}, {self.num_steps})"
 
 
-def _checked_factor(factor: object, what: str) -> object:
-    """``factor``, refused unless it is a likelihood factor by `annealing_factor`'s rule, a
-    finite real number ``> 0`` (a Python number or a one-element real tensor; ``what`` names it
-    in the message)."""
+def _checked_factor(factor: object, what: str, why: str) -> float:
+    """The value of ``factor``, refused unless it is a likelihood factor: a finite real number
+    ``> 0`` (a Python number or a one-element real tensor). ``what`` begins the message (``"...
+    must return"``), ``why`` ends the ``ValueError``'s."""
     value = _factor_value(factor)
     if value is None:
-        raise TypeError(
-            f"anneal_likelihood: {what} must be a real number > 0, got {factor!r} "
-            f"({type(factor).__name__})"
-        )
+        raise TypeError(f"{what} a real number > 0, got {factor!r} ({type(factor).__name__})")
     if not 0 < value < math.inf:
-        raise ValueError(
-            f"anneal_likelihood: {what} must be a finite number > 0, the exponent a of the "
-            f"likelihood p(x | theta)^a, got {factor!r} (0 drops the likelihood, a negative "
-            "factor flips the ELBO's sign, NaN or infinity spoils it); e.g. a schedule growing "
-            "from 0.01 to 1"
-        )
-    return factor
+        raise ValueError(f"{what} a finite factor > 0, got {factor!r}{why}")
+    return value
+
+
+_EXPONENT = (
+    " (the exponent a of the likelihood p(x | theta)^a: 0 drops the likelihood, a negative "
+    "factor flips the ELBO's sign, NaN or infinity spoils it); e.g. a schedule growing from "
+    "0.01 to 1"
+)
 
 
 class AnnealLikelihoodMessenger(Messenger):
@@ -163,7 +155,10 @@ class AnnealLikelihoodMessenger(Messenger):
 
     def _process_message(self, msg):
         if msg["type"] == "sample" and msg["is_observed"] and not site_is_subsample(msg):
-            factor = _checked_factor(self.factor(), f"factor() at site {msg['name']!r}")
+            factor = self.factor()
+            _checked_factor(
+                factor, f"anneal_likelihood: factor() at site {msg['name']!r} must be", _EXPONENT
+            )
             msg["scale"] = factor * msg["scale"]
 
 
@@ -189,7 +184,7 @@ def anneal_likelihood(model: Callable, factor: float | Callable[[], float]) -> C
             f"({type(model).__name__})"
         )
     if not callable(factor):
-        _checked_factor(factor, "factor")
+        _checked_factor(factor, "anneal_likelihood: factor must be", _EXPONENT)
     factor_fn = factor if callable(factor) else (lambda: factor)
 
     @functools.wraps(model)  # the model stays findable (``__wrapped__``): fit checks its batches
