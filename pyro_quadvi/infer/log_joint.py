@@ -119,38 +119,50 @@ def check_latent_site(site: dict) -> None:
         )
 
 
-def check_observed_not_nan(node: dict, before: str) -> None:
+def check_observed_not_nan(node: dict, before: str, *, masked_infinity: bool = False) -> None:
     """Refuse an observed site of a trace whose data hold NaN, naming the site and the first index
     (a ``pyro.deterministic`` site, a value of the model's, is not data: it is left alone).
 
     Under a mask (``poutine.mask``, or ``obs_mask``'s ``{site}_observed``) a NaN entry counts 0
     in the log density but still makes its gradient NaN (``0 * NaN``), and with Pyro's validation
     off nothing else says so: the message then asks for a finite fill of the masked entries.
+    ``masked_infinity`` refuses an infinite entry too, which under a mask does the same
+    (``0 * inf``); unmasked, an infinity is left to the log density (``-inf``, refused by name by
+    the log joint's check of its total). A distribution masked with ``mask(False)`` never reads
+    its data (Pyro's ``MaskedDistribution`` returns zeros): it is left alone.
 
     Args:
         node: a sample site of a Pyro trace.
         before: what the rows must be dropped or imputed before, for the message.
+        masked_infinity: refuse infinities as well as NaN (for a masked site).
     """
     value = node["value"]
     if not node["is_observed"] or node["infer"].get("_deterministic"):
         return
     if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
         return
-    # a sum is NaN where an entry is (or +inf meets -inf): one reduction, not a mask of the
-    # data's size (0.1 ms on 10^6 float32 entries, where isnan(value).any() takes 2 ms)
-    if bool(value.sum().isnan()) and bool(torch.isnan(value).any()):
-        index = torch.isnan(value).nonzero()[0].tolist()
+    if any(isinstance(fn, MaskedDistribution) and fn._mask is False for fn in _layers(node["fn"])):
+        return
+    # a sum is NaN where an entry is (or +inf meets -inf), infinite where an entry is (or the sum
+    # overflows): one reduction, not a mask of the data's size (0.1 ms on 10^6 float32 entries,
+    # where isnan(value).any() takes 2 ms)
+    total = value.sum()
+    bad, what = torch.isnan, "NaN"
+    if masked_infinity:
+        bad, what = (lambda t: ~torch.isfinite(t)), "NaN or an infinity"
+    if bool(bad(total)) and bool(bad(value).any()):
+        index = bad(value).nonzero()[0].tolist()
         masked = ""
         if _is_masked(node):
             masked = (
                 ". A masked entry (poutine.mask, obs_mask) counts 0 in the log likelihood, but "
-                "NaN there still makes the gradients NaN: fill the masked entries with any "
+                f"{what} there still makes the gradients NaN: fill the masked entries with any "
                 "finite value (0, say)"
             )
         raise ValueError(
-            f"the observed data of site {node['name']!r} hold NaN (first at index {index} of its "
-            "value in the model): its log likelihood is undefined there. Drop or impute those "
-            f"rows before {before}{masked}"
+            f"the observed data of site {node['name']!r} hold {what} (first at index {index} of "
+            "its value in the model): its log likelihood is undefined there. Drop or impute "
+            f"those rows before {before}{masked}"
         )
 
 
@@ -526,7 +538,7 @@ class LogJoint:
             # ones make the total NaN, and that check names them)
             for node in trace.nodes.values():
                 if node["type"] == "sample" and node["is_observed"] and _is_masked(node):
-                    check_observed_not_nan(node, before="the fit")
+                    check_observed_not_nan(node, before="the fit", masked_infinity=True)
             self._subsample = {
                 name: node
                 for name, node in trace.nodes.items()
