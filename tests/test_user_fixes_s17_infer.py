@@ -183,12 +183,14 @@ def walk_factor(y):
 VECTOR_IN_PLATE = (
     "site 'y': its log density in the vectorized pass has shape (4, 4, 8), 1 dim(s) left of the "
     "quadrature points' dim -2 (left of max_plate_nesting=1 plates), so the points do not line "
-    "up at one dim: the latent site 'x' is a vector (event shape (8,)) outside every plate, "
-    "which the pass holds as (K, 1, 8), and 'y' reads its entries inside a plate of size 8, as "
-    "that plate's entries. Write the likelihood without the plate, pyro.sample('y', Normal(x, "
-    "...).to_event(1), obs=...), or as pyro.factor('y', Normal(x, ...).log_prob(data).sum(-1)): "
-    "both evaluate all points in one pass. Or pass vectorize=False (a loop over the points) or "
-    "vectorize=None (try the pass, fall back to the loop)"
+    "up at one dim. Either the latent site 'x' is a vector (event shape (8,)) outside every "
+    "plate, which the pass holds as (K, 1, 8): if 'y' reads its entries inside the plate of size "
+    "8, as that plate's entries, write the likelihood without the plate, pyro.sample('y', "
+    "Normal(x, ...).to_event(1), obs=...), or as pyro.factor('y', Normal(x, "
+    "...).log_prob(data).sum(-1)): both evaluate all points in one pass; or the model adds a dim "
+    "to a latent that the pass holds with batch dims (e.g. w.unsqueeze(-2) on a w of shape (K, 1, "
+    "d)): broadcast from the right ((X * w).sum(-1)). Or pass vectorize=False (a loop over the "
+    "points) or vectorize=None (try the pass, fall back to the loop)"
 )
 
 

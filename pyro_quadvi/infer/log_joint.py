@@ -654,12 +654,12 @@ class LogJoint:
             return (
                 f"the latent site {site.name!r} is a vector (event shape "
                 f"{tuple(site.shape[batch:])}) outside every plate, which the pass holds as "
-                f"({', '.join(map(str, held))}), and {node['name']!r} reads its entries inside a "
-                f"plate of size {site.shape[-1]}, as that plate's entries. Write the likelihood "
-                f"without the plate, pyro.sample({node['name']!r}, {family}({site.name}, "
-                f"...).to_event(1), obs=...), or as pyro.factor({node['name']!r}, "
-                f"{family}({site.name}, ...).log_prob(data).sum(-1)): both evaluate all points in "
-                "one pass"
+                f"({', '.join(map(str, held))}): if {node['name']!r} reads its entries inside "
+                f"the plate of size {site.shape[-1]}, as that plate's entries, write the "
+                f"likelihood without the plate, pyro.sample({node['name']!r}, "
+                f"{family}({site.name}, ...).to_event(1), obs=...), or as "
+                f"pyro.factor({node['name']!r}, {family}({site.name}, "
+                "...).log_prob(data).sum(-1)): both evaluate all points in one pass"
             )
         return None
 
@@ -937,13 +937,18 @@ def _per_particle(
             "vectorize=False (a loop over the points) or vectorize=None (try the pass, fall back "
             "to the loop)"
         )
+        added = (
+            "the model adds a dim to a latent that the pass holds with batch dims (e.g. "
+            "w.unsqueeze(-2) on a w of shape (K, 1, d))"
+        )
         found = None if cause is None else cause()
-        if found is not None:
-            raise BatchMismatch(f"{head}: {found}. Or pass {loop}")
+        if found is not None:  # (a guess by sizes: the other cause is named too)
+            raise BatchMismatch(
+                f"{head}. Either {found}; or {added}: broadcast from the right ((X * w).sum(-1)). "
+                f"Or pass {loop}"
+            )
         raise BatchMismatch(
-            f"{head}: the model adds a dim to a latent that the pass holds with batch dims (e.g. "
-            f"w.unsqueeze(-2) on a w of shape (K, 1, d)). Pass {loop}, or broadcast from the "
-            "right ((X * w).sum(-1))"
+            f"{head}: {added}. Pass {loop}, or broadcast from the right ((X * w).sum(-1))"
         )
     return _sum_but_particles(log_prob, K, particle_dims)
 
