@@ -67,7 +67,9 @@ def test_a_model_site_hidden_from_the_guide_is_refused_not_fitted(guide_class):
         _fit(ab_model, poutine.block(guide, hide=["a"]))
     message = str(error.value)
     assert message.startswith(
-        "the trace of the guide's run lacks 'a': a poutine.block around the guide hid it."
+        "the trace of the guide's run lacks 'a': a poutine.block around the guide hid it, or "
+        "the guide's run never samples it (a guide's quadrature_description describes sites its "
+        "run samples)."
     )
     assert "it would fit 'a' all the same" in message
     assert "pyro.condition(model, data={...}), and build the guide from that model" in message
@@ -92,7 +94,7 @@ def test_a_hidden_draw_of_the_guide_is_named_not_a_key_error(guide_class, model,
     message = str(error.value)
     assert message.startswith(
         f"the trace of the guide's run lacks {draw!r} (its draw of {sites}): a poutine.block "
-        "around the guide hid it."
+        "around the guide hid it, or the guide's run never samples it"
     )
     assert f"poutine.block(model, hide=[{sites}])" in message
 
@@ -311,7 +313,10 @@ SAME_SITES = (
 
 
 def _fit_with_adam(name: str, why: str) -> str:
-    return f"Fit {name} with Pyro's Trace_ELBO and Adam (pyro.optim.Adam): {why}."
+    # (the review found "...(pyro.optim.Adam): it fits points (MAP): there is ...": two colons)
+    return (
+        f"{why[0].upper()}{why[1:]}. Fit {name} with Pyro's Trace_ELBO and Adam (pyro.optim.Adam)."
+    )
 
 
 @pytest.mark.parametrize(
@@ -403,3 +408,11 @@ def test_a_guide_of_the_model_trained_on_the_conditioned_model_is_told_so():
         "guide 'AutoNormal' was built from a model that samples 'a', so it would draw what the "
         "model observes"
     )
+
+
+def test_an_auto_normal_messenger_is_described_under_its_class_name():
+    # its _pyro_name is empty: the review found messages naming "the guide ''" and a step key
+    # "QuadratureELBO..a.step"
+    guide = AutoNormalMessenger(ab_model)
+    guide()
+    assert describe_guide(guide).guide == "AutoNormalMessenger"

@@ -307,7 +307,8 @@ def describe_auto_normal_messenger(
         )
         sites.append(site)
         latent.append(latent_site)
-    return GuideDescription(guide._pyro_name, latent, sites=sites)
+    # (an AutoNormalMessenger's _pyro_name is empty: its class names it, as GuideDescription asks)
+    return GuideDescription(guide._pyro_name or type(guide).__name__, latent, sites=sites)
 
 
 def continuous_latent_sites(guide: AutoContinuous) -> list[LatentSite]:

@@ -619,8 +619,8 @@ def _not_read(target: object) -> tuple[str, str]:
     if not isinstance(target, AutoGuide):
         return name, ""
     reason = next((text for cls, text in _WHY_NOT.items() if isinstance(target, cls)), None)
-    because = f": {reason}" if reason else ""
-    return name, f" Fit {name} with Pyro's Trace_ELBO and Adam (pyro.optim.Adam){because}."
+    because = f" {reason[0].upper()}{reason[1:]}." if reason else ""
+    return name, f"{because} Fit {name} with Pyro's Trace_ELBO and Adam (pyro.optim.Adam)."
 
 
 def check_traced(trace: Trace, draws: dict[str, tuple[str, ...]]) -> None:
@@ -651,11 +651,12 @@ def check_traced(trace: Trace, draws: dict[str, tuple[str, ...]]) -> None:
     own = "them guides of their own" if len(sites) > 1 else "it a guide of its own"
     raise ValueError(
         f"the trace of the guide's run lacks {what}: a poutine.block around the guide hid "
-        f"{them}. pyro-quadvi reads the posterior of every latent site from the guide itself, "
-        f"so it would fit {names} all the same (a site hidden from the guide is not left to the "
-        f"model's prior here). To fix {names} at a value, condition the model, "
-        "pyro.condition(model, data={...}), and build the guide from that model; to draw "
-        f"{names} from the prior or give {own}, build the guide on "
+        f"{them}, or the guide's run never samples {them} (a guide's quadrature_description "
+        "describes sites its run samples). pyro-quadvi reads the posterior of every latent "
+        f"site from the guide itself, so it would fit {names} all the same (a site hidden from "
+        f"the guide is not left to the model's prior here). To fix {names} at a value, "
+        "condition the model, pyro.condition(model, data={...}), and build the guide from that "
+        f"model; to draw {names} from the prior or give {own}, build the guide on "
         f"poutine.block(model, hide=[{names}]) (or use an AutoGuideList) and fit with Pyro's "
         "Trace_ELBO"
     )
