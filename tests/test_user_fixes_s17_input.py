@@ -457,3 +457,11 @@ def test_more_bins_than_cases_and_than_fifteen_are_refused():
     # up to 15 for any number of cases (the default), and up to n above it
     assert calibration_bins(_PROBS, _LABELS, num_bins=15).count.sum() == 3
     assert calibration_bins(many, torch.zeros(20, dtype=torch.long), num_bins=20).count.sum() == 20
+
+
+def test_a_rule_name_that_is_no_str_is_refused_by_name():
+    # it gave "unhashable type: 'list'" from QNVBOptimizer(quadrature=[...]) (session 17 trial)
+    from pyro_quadvi.optim import QNVBOptimizer
+
+    with pytest.raises(TypeError, match=r"a quadrature rule's name is a str, one of \["):
+        QNVBOptimizer([torch.nn.Parameter(torch.zeros(2))], quadrature=["hadamard"])

@@ -83,6 +83,11 @@ def make_rule(name: str, num_points: int | None = None, **options: Any) -> Quadr
     A rule built here integrates; whether it can also fit the scales of a mean field (at least
     two nodes, none blind along a coordinate) is `QuadratureRule.check_sees_curvature`.
     """
+    if not isinstance(name, str):  # (a list, say: `in RULES` would raise "unhashable type")
+        raise TypeError(
+            f"a quadrature rule's name is a str, one of {sorted(RULES)}; got {name!r} "
+            f"({type(name).__name__})"
+        )
     if name not in RULES:
         raise ValueError(f"unknown quadrature rule {name!r}; choose one of {sorted(RULES)}")
     cls, default, fixed = RULES[name]
