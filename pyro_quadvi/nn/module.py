@@ -41,9 +41,15 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm as SpectralNormHook
 
-from ..infer.batched import DtypeMismatch, first_line, is_vmap_refusal, vmap_safe_attention
+from ..infer.batched import (
+    DtypeMismatch,
+    first_line,
+    is_vmap_refusal,
+    sum_is_finite,
+    vmap_safe_attention,
+)
 from ..optim.qnvb_functional import QNVBHyperparameters
-from ..optim.torch_qnvb import check_tensor_output, nonfinite_data, sum_is_finite
+from ..optim.torch_qnvb import check_tensor_output, nonfinite_data
 from ..quadrature import QuadratureRule
 from ..store import follow_store, uncompiled
 from .likelihoods import Likelihood

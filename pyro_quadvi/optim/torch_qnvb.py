@@ -46,6 +46,7 @@ from ..infer.batched import (
     evaluate_batch,
     first_line,
     is_vmap_refusal,
+    sum_is_finite,
     vmap_safe_attention,
 )
 from ..quadrature import NodeSet, make_rule
@@ -121,15 +122,6 @@ def check_generator(owner: str, generator: object) -> None:
             f"({type(generator).__name__}); pass torch.Generator().manual_seed(seed), or None "
             "for torch's global generator"
         )
-
-
-def sum_is_finite(values: torch.Tensor) -> torch.Tensor:
-    """Whether the sum of a floating tensor is finite, as a 0-d tensor (not read): true where
-    every entry is finite, unless the sum overflows. One fast reduction, where ``isfinite``
-    of every entry takes several passes (``x == x``, ``abs``, ``!= inf``): 14 us against 260 us
-    on 128 x 784 float32 inputs (one CPU thread). Half precision sums in float32."""
-    wide = torch.float32 if torch.finfo(values.dtype).bits < 32 else None
-    return torch.isfinite(values.sum(dtype=wide))
 
 
 def nonfinite_data(values: object, name: str) -> str | None:
