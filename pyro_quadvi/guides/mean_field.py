@@ -18,6 +18,7 @@ from pyro.poutine import Trace
 
 from .adapters import check_set_up, describe_auto_normal, scale_factor, subsample_rows
 from .interface import GuideDescription, MeanFieldSite
+from .rows import GivenRows, replaced_rows_message, same_rows
 
 __all__ = ["AutoMeanFieldNormal"]
 
@@ -112,18 +113,50 @@ class AutoMeanFieldNormal(AutoNormal):
         self._model, self.master = model, master
         return state
 
+    def _setup_prototype(self, *args, **kwargs) -> None:
+        # Pyro's set-up, with the model run inside GivenRows (inside the block that hides the
+        # plates' subsample sites from the prototype): the plates the model gives their rows
+        given = GivenRows()
+        model = self._model
+        self._model = (given(model[0]),)
+        try:
+            super()._setup_prototype(*args, **kwargs)
+        finally:
+            self._model = model
+        self._given_rows = given.given
+
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         tracer = poutine.trace(self._draw)
         result = tracer(*args, **kwargs)
         trace = tracer.trace
         self._last_run = {}
         plates = self.master().plates if self.master is not None else None  # a list's part
+        given = self.__dict__.pop("_given_rows", None)  # set by this run's set-up
+        if given:
+            self._check_rows(given, trace, plates)
         for name in self._event_dims:
             aux = trace.nodes[name + "_unconstrained"]
             rows = subsample_rows(aux, trace, self._event_dims[name], plates)
             self._last_run[name] = (scale_factor(aux), rows)
         self._last_run_stamp = RunStamp(next(_RUN_NUMBERS), torch.is_grad_enabled())
         return result
+
+    def _check_rows(
+        self, given: dict[str, tuple[int, object]], trace: Trace, plates: dict | None
+    ) -> None:
+        """Refuse, on the set-up run, a plate around a local latent whose rows the model gave
+        (``subsample=idx``) and whose rows in the guide's own plate are others (no
+        ``create_plates``, or one that draws): the ELBO would replay the guide's rows into the
+        model (`replaced_rows_message`)."""
+        for name, (full_size, rows) in given.items():
+            if name not in self._prototype_frames:
+                continue  # a plate of observed sites only: not in the guide
+            node = trace.nodes.get(name)
+            own = node["value"] if node is not None else plates[name].indices
+            if not same_rows(rows, own):
+                raise ValueError(
+                    replaced_rows_message(name, full_size, len(rows), type(self).__name__)
+                )
 
     @read_from_store
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:

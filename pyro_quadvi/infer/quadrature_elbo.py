@@ -65,10 +65,12 @@ from ..guides.interface import (
     PublishedMoments,
     check_model_samples,
     describe_guide,
+    guide_class_name,
     publish_moments,
     trace_for_description,
     unwrap_guide,
 )
+from ..guides.rows import GivenRows
 from ..quadrature import QuadratureRule, make_rule
 from ..store import follow_param_store
 from .batched import (
@@ -204,9 +206,12 @@ class PointsELBO(ELBO):
         """The log joint at the points ``z``, and the priors of ``expected_log_priors`` left to
         the caller (`closed_priors`)."""
         fit = self._fit(model, guide)
-        # one LogJoint per step: all points of the step see one minibatch
+        # one LogJoint per step: all points of the step see one minibatch. The model runs inside
+        # GivenRows, inside the replay of the guide's plates: a plate given its rows by the model
+        # (subsample=idx) whose rows the guide's plate replaced is refused (`replaced_rows_message`)
+        rows = GivenRows(guide_class_name(unwrap_guide(guide)))
         log_joint = LogJoint(
-            model,
+            rows(model),
             description.latent_sites,
             max_plate_nesting=fit.max_plate_nesting,
             closed_form=description.closed_form_sites(),
