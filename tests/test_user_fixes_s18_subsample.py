@@ -1,6 +1,7 @@
 """A model that picks its own minibatch, ``pyro.plate("rows", N, subsample=idx)``, around local
 latents: a guide without the model's plate (``create_plates``) fitted each row to another row's
-data, silently, and is now refused; with ``create_plates`` the fit is exact."""
+data, silently, and is now refused; with ``create_plates`` the fit is exact. And
+``linear_regression`` under ``Predictive(parallel=True)``."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from pyro.infer import SVI, Trace_ELBO
+from pyro import poutine
+from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal, AutoNormalMessenger
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO
 from pyro_quadvi.distributions import SpikeSlab
+from pyro_quadvi.testing.problems import linear_regression
 
 pytestmark = pytest.mark.usefixtures("float64_store")
 
@@ -152,3 +155,26 @@ def test_a_plate_of_observed_sites_keeps_the_models_rows(guide_class):
         entropy = s.log() + half_log_2pi + 0.5
         expected = -(likelihood + prior + entropy)
         assert elbo.loss(global_model, guide, idx) == pytest.approx(expected.item(), rel=1e-12)
+
+
+# ------------------------------------------------------------ linear_regression, Predictive
+def test_linear_regression_predicts_in_parallel():
+    """``Predictive(parallel=True)`` hands the model ``b`` of shape ``(K, d)`` (it counts the
+    event dim as the data plate's slot), which the model reshaped to ``(n,)`` and failed
+    ("shape '[56]' is invalid for input of size 392"). Its draws of ``y`` (unconditioned) now
+    have shape ``(K, n)`` and residuals ``y - X b`` of unit variance."""
+    problem, x, _ = linear_regression(3)
+    guide = AutoMeanFieldNormal(problem.model)
+    guide()
+    predictive = Predictive(
+        poutine.uncondition(problem.model),
+        guide=guide,
+        num_samples=200,
+        parallel=True,
+        return_sites=["b", "y"],
+    )
+    draws = predictive()
+    assert draws["y"].shape == (200, x.shape[0])
+    residual = draws["y"] - draws["b"].reshape(200, 3) @ x.T
+    assert abs(residual.mean().item()) < 0.05
+    assert residual.std().item() == pytest.approx(1.0, abs=0.03)

@@ -91,9 +91,13 @@ def _design(n: int, d: int, rho: float, generator: torch.Generator) -> torch.Ten
 
 
 def _linear_predictor(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``x @ b`` for coefficients ``b`` of shape ``(d,)``, or ``(K, 1, d)`` under a particle plate
-    (the ``1`` is the data plate's slot): a matrix product, then the slot dropped, ``(K, n)``."""
-    return (b @ x.T).reshape(*b.shape[:-2], x.shape[0])
+    """``x @ b`` for coefficients ``b`` of shape ``(d,)``, ``(n,)``; under a particle plate
+    ``(K, 1, d)`` (the ``1`` is the data plate's slot): a matrix product, then the slot dropped,
+    ``(K, n)``. ``Predictive(parallel=True)`` gives ``(K, d)``, without the slot (it reshapes a
+    draw to ``(K,) + (1,) * (max_plate_nesting - 1) + (d,)``, counting the event dim as a plate's
+    slot): ``(K, n)`` straight from the product."""
+    eta = b @ x.T
+    return eta.reshape(*b.shape[:-2], x.shape[0]) if b.dim() > 2 else eta
 
 
 def linear_regression(
