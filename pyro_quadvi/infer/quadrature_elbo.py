@@ -57,6 +57,7 @@ import pyro
 import torch
 from pyro.infer import ELBO
 from pyro.poutine import Trace
+from pyro.poutine.util import site_is_subsample
 
 from ..distributions.iid_normal import expected_log_density
 from ..guides.interface import (
@@ -206,12 +207,14 @@ class PointsELBO(ELBO):
         """The log joint at the points ``z``, and the priors of ``expected_log_priors`` left to
         the caller (`closed_priors`)."""
         fit = self._fit(model, guide)
-        # one LogJoint per step: all points of the step see one minibatch. The model runs inside
-        # GivenRows, inside the replay of the guide's plates: a plate given its rows by the model
+        # one LogJoint per step: all points of the step see one minibatch. Where the guide has
+        # subsampled plates, whose rows the LogJoint replays into the model, the model runs
+        # inside GivenRows, inside that replay: a plate given its rows by the model
         # (subsample=idx) whose rows the guide's plate replaced is refused (`replaced_rows_message`)
-        rows = GivenRows(guide_class_name(unwrap_guide(guide)))
+        if any(site_is_subsample(node) for node in guide_trace.nodes.values()):
+            model = GivenRows(guide_class_name(unwrap_guide(guide)))(model)
         log_joint = LogJoint(
-            rows(model),
+            model,
             description.latent_sites,
             max_plate_nesting=fit.max_plate_nesting,
             closed_form=description.closed_form_sites(),
