@@ -99,7 +99,7 @@ def measure(make, repeats: int) -> str:
     runs = {"plain": [], "checked": []}
     for repeat in range(repeats):
         for kind in ("plain", "checked") if repeat % 2 else ("checked", "plain"):
-            run = GivenRows("guide")(model) if kind == "checked" else model
+            run = GivenRows(guide)(model) if kind == "checked" else model
             replayed = poutine.trace(poutine.replay(run, trace=trace)).get_trace
             runs[kind].append(per_call(functools.partial(replayed, *data(0)), 100))
     plain, checked = (statistics.median(runs[kind]) for kind in ("plain", "checked"))

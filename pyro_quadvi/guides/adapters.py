@@ -45,6 +45,7 @@ from .interface import (
 
 __all__ = [
     "check_draws_traced",
+    "check_no_subsampled_latents",
     "check_set_up",
     "continuous_latent_sites",
     "describe_auto_normal",
@@ -330,10 +331,39 @@ def check_set_up(guide: AutoGuide) -> None:
         )
 
 
+def check_no_subsampled_latents(guide: AutoContinuous) -> None:
+    """Refuse an ``AutoContinuous`` guide (``AutoDiagonalNormal``, ...) over a latent site in a
+    subsampled plate: its latent vector holds the entries of the first run's minibatch only, and
+    every later minibatch's rows take those same entries, so each entry would be fitted to other
+    rows at each step (Pyro's AutoContinuous guides size their vector by their first run).
+
+    Raises:
+        ValueError: naming the guide, the site, the plate and its sizes, and the guides to use.
+    """
+    for name, site in latent_nodes(guide.prototype_trace):
+        for frame in site["cond_indep_stack"]:
+            if frame.full_size is not None and frame.size != frame.full_size:
+                cls = type(guide).__name__
+                raise ValueError(
+                    f"{cls} cannot fit site {name!r} in the subsampled plate {frame.name!r} "
+                    f"({frame.size} of {frame.full_size} rows a step): its latent vector holds "
+                    f"the {frame.size} rows of its first run's minibatch, and every later "
+                    "minibatch's rows take those same entries, so each would be fitted to "
+                    "other rows at each step (Pyro's AutoContinuous guides take no "
+                    "create_plates and size their vector by their first run). Use "
+                    "AutoMeanFieldNormal (or AutoNormal), which "
+                    "keeps a loc and a scale for each of the plate's rows (where the model "
+                    "picks its rows, subsample=idx, with create_plates returning the model's "
+                    "plate), or take all rows at each step"
+                )
+
+
 def _posterior(guide: AutoContinuous, trace: Trace | None) -> tuple[object, float]:
     """The guide's posterior over its latent vector, and that site's scale (a ``poutine.scale``
     around the guide), from ``trace`` or, without one, from its current parameters and the
-    handlers around its last run (`run_scale`)."""
+    handlers around its last run (`run_scale`); refused for a subsampled local latent
+    (`check_no_subsampled_latents`)."""
+    check_no_subsampled_latents(guide)
     if trace is not None:
         latent = f"_{guide._pyro_name}_latent"
         check_traced(trace, {latent: tuple(guide._unconstrained_shapes)})

@@ -154,9 +154,7 @@ class AutoMeanFieldNormal(AutoNormal):
             node = trace.nodes.get(name)
             own = node["value"] if node is not None else plates[name].indices
             if not same_rows(rows, own):
-                raise ValueError(
-                    replaced_rows_message(name, full_size, len(rows), type(self).__name__)
-                )
+                raise ValueError(replaced_rows_message(name, full_size, len(rows), self))
 
     @read_from_store
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ says what happened and the two ways out.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -32,14 +33,14 @@ class GivenRows(Messenger):
     replay it compares that value with the rows the plate ends up with.
 
     Args:
-        guide: the guide's class name, for the message (``None``: a run without a replay).
+        guide: the guide, for the message (``None``: a run without a replay).
 
     Attributes:
         given: plate name -> ``(full size, rows)`` for each plate the model gave its rows in the
             runs seen.
     """
 
-    def __init__(self, guide: str | None = None):
+    def __init__(self, guide: object | None = None):
         super().__init__()
         self.guide = guide
         self.given: dict[str, tuple[int, Sequence[int] | torch.Tensor]] = {}
@@ -71,18 +72,23 @@ def same_rows(a: Sequence[int] | torch.Tensor, b: Sequence[int] | torch.Tensor) 
     return a.shape == b.shape and torch.equal(a, b.to(a.device))
 
 
-def replaced_rows_message(name: str, full_size: int, size: int, guide: str | None) -> str:
+def replaced_rows_message(name: str, full_size: int, size: int, guide: object | None) -> str:
     """Why a plate whose rows the model gives (``size`` of ``full_size``) cannot take a guide's
-    other rows, and the two ways out (``guide``: the guide's class name)."""
-    guide = guide or "AutoNormal"
+    other rows, and the two ways out; a guide class that takes no ``create_plates``
+    (``AutoDiagonalNormal``) is pointed to ``AutoMeanFieldNormal``, which does."""
+    cls = type(guide).__name__ if guide is not None else "AutoNormal"
+    takes_plates = guide is None or "create_plates" in inspect.signature(type(guide)).parameters
+    build = cls if takes_plates else "AutoMeanFieldNormal"
+    aside = "" if takes_plates else f" ({cls} takes no create_plates)"
     return (
         f"plate {name!r}: the model picks its rows, pyro.plate({name!r}, {full_size}, "
-        f"subsample=...) with {size} of {full_size}, but the guide ({guide}) uses other rows "
+        f"subsample=...) with {size} of {full_size}, but the guide ({cls}) uses other rows "
         f"in its own plate {name!r}, and the model's plate takes the guide's rows while its data "
         "keep the model's: each row's local latents would be fitted to another row's data. "
         "An AutoGuide draws random rows for a subsampled plate unless create_plates gives it "
-        f"the model's plate: build it as {guide}(model, create_plates=lambda *args, **kwargs: "
-        f"pyro.plate({name!r}, {full_size}, subsample=idx)), with idx the rows the model takes "
-        "from those same arguments (the model's plate: same name, size and dim), or let the "
-        f"model's plate draw its rows, pyro.plate({name!r}, {full_size}, subsample_size={size})"
+        f"the model's plate: build the guide as {build}(model, create_plates=lambda *args, "
+        f"**kwargs: pyro.plate({name!r}, {full_size}, subsample=idx)){aside}, with idx the rows "
+        "the model takes from those same arguments (the model's plate: same name, size and "
+        f"dim), or let the model's plate draw its rows, pyro.plate({name!r}, {full_size}, "
+        f"subsample_size={size})"
     )

@@ -66,7 +66,6 @@ from ..guides.interface import (
     PublishedMoments,
     check_model_samples,
     describe_guide,
-    guide_class_name,
     publish_moments,
     trace_for_description,
     unwrap_guide,
@@ -212,7 +211,7 @@ class PointsELBO(ELBO):
         # inside GivenRows, inside that replay: a plate given its rows by the model
         # (subsample=idx) whose rows the guide's plate replaced is refused (`replaced_rows_message`)
         if any(site_is_subsample(node) for node in guide_trace.nodes.values()):
-            model = GivenRows(guide_class_name(unwrap_guide(guide)))(model)
+            model = GivenRows(unwrap_guide(guide))(model)
         log_joint = LogJoint(
             model,
             description.latent_sites,
