@@ -15,6 +15,7 @@ from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import (
     AutoDiagonalNormal,
+    AutoGuideList,
     AutoLowRankMultivariateNormal,
     AutoMultivariateNormal,
     AutoNormal,
@@ -97,6 +98,30 @@ def test_a_guide_without_create_plates_is_pointed_to_one_with_it():
     for part in _refusal("AutoDiagonalNormal", N, build="AutoMeanFieldNormal"):
         assert part in str(refusal.value)
     assert "(AutoDiagonalNormal takes no create_plates)" in str(refusal.value)
+
+
+def hierarchical_rows_model(idx):
+    mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+    with pyro.plate("rows", N, subsample=idx):
+        z = pyro.sample("z", dist.Normal(mu, 10.0))
+        pyro.sample("y", dist.Normal(z, 1.0), obs=Y[idx])
+
+
+@pytest.mark.parametrize("create_plates", [None, model_rows], ids=["without", "with"])
+def test_a_guide_list_takes_the_models_plate(create_plates):
+    """Parts of an ``AutoGuideList`` take the list's plates, so the refusal names the list,
+    which takes ``create_plates``; given it, the fit runs."""
+    guide = AutoGuideList(hierarchical_rows_model, create_plates=create_plates)
+    guide.append(AutoMeanFieldNormal(poutine.block(hierarchical_rows_model, hide=["z"])))
+    guide.append(AutoMeanFieldNormal(poutine.block(hierarchical_rows_model, hide=["mu"])))
+    svi = SVI(hierarchical_rows_model, guide, QNVB(), Trace_ELBO())
+    if create_plates is None:
+        with pytest.raises(ValueError) as refusal:
+            svi.step(torch.arange(B))
+        for part in _refusal("AutoGuideList"):
+            assert part in str(refusal.value)
+    else:
+        assert math.isfinite(svi.step(torch.arange(B)))
 
 
 def drawn_rows_model(idx):

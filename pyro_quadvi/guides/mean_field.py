@@ -147,14 +147,16 @@ class AutoMeanFieldNormal(AutoNormal):
         """Refuse, on the set-up run, a plate around a local latent whose rows the model gave
         (``subsample=idx``) and whose rows in the guide's own plate are others (no
         ``create_plates``, or one that draws): the ELBO would replay the guide's rows into the
-        model (`replaced_rows_message`)."""
+        model (`replaced_rows_message`). A part of an ``AutoGuideList`` names the list, which
+        makes the plates and takes ``create_plates``."""
+        owner = self.master() if self.master is not None else self
         for name, (full_size, rows) in given.items():
             if name not in self._prototype_frames:
                 continue  # a plate of observed sites only: not in the guide
             node = trace.nodes.get(name)
             own = node["value"] if node is not None else plates[name].indices
             if not same_rows(rows, own):
-                raise ValueError(replaced_rows_message(name, full_size, len(rows), self))
+                raise ValueError(replaced_rows_message(name, full_size, len(rows), owner))
 
     @read_from_store
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
