@@ -1,0 +1,70 @@
+"""Session 18: bad input that the session-17 sweep found accepted and failing later, unclearly,
+or refused at the call with a message that named neither the argument nor what it takes.
+
+``SparseQNVB*(tau_max=1e300)`` overflowed in the first step's zero logits ("Numerical result out
+of range"); ``SparseQNVB(num_cases=1e300)`` ran without a trust region and
+``SparseQNVB(prior_precision=1e300)`` only warned of non-finite terms. Each is now refused
+naming the argument and the range it takes.
+"""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI
+
+from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
+from pyro_quadvi.distributions import SpikeSlab
+from pyro_quadvi.optim import SparseQNVBOptimizer
+from pyro_quadvi.optim.sparse_functional import SparseQNVBHyperparameters
+
+# ---------------------------------------------------------------- sparse QNVB: widths and ranges
+
+
+@pytest.mark.parametrize("name", ["tau_max", "late_tau_max"])
+@pytest.mark.parametrize("value", [1e300, 1e-160])
+def test_sparse_hyperparameters_refuse_a_width_whose_square_overflows(name, value):
+    bounds = r"\[7\.46e-155, 1\.34e\+154\]"
+    with pytest.raises(ValueError, match=rf"^{name}=1e[+-]\d+ is outside {bounds}"):
+        SparseQNVBHyperparameters(**{name: value})
+    with pytest.raises(ValueError, match=rf"^{name}=1e[+-]\d+ is outside"):
+        SparseQNVB(num_epochs=3, steps_per_epoch=2, **{name: value})
+
+
+def test_sparse_optimizer_refuses_a_width_beyond_float32_at_its_parameters():
+    net = torch.nn.Linear(3, 1)
+    with pytest.raises(
+        ValueError,
+        match=r"^SparseQNVBOptimizer: tau_max=1e\+20 is outside "
+        r"\[5\.42e-20, 1\.84e\+19\].* finite in torch\.float32.*float64 parameters",
+    ):
+        SparseQNVBOptimizer(net.parameters(), num_cases=16, steps_per_epoch=2, tau_max=1e20)
+    # the same width is within float64's range
+    SparseQNVBOptimizer(net.double().parameters(), num_cases=16, steps_per_epoch=2, tau_max=1e20)
+
+
+def _spike_slab_model(x, y):
+    w = pyro.sample("w", SpikeSlab(0.3, 2.0).expand([3]).to_event(1))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Normal((x * w).sum(-1), 0.5), obs=y)
+
+
+@pytest.mark.parametrize(
+    "setting, name",
+    [
+        ({"num_cases": 1e300}, r"num_cases / steps_per_epoch=5e\+299"),
+        ({"prior_precision": 1e300}, r"prior_precision / steps_per_epoch=5e\+299"),
+        ({"tau_max": 1e20}, r"tau_max=1e\+20 is outside"),
+    ],
+)
+def test_sparse_qnvb_refuses_settings_beyond_the_sites_dtype(fresh_param_store, setting, name):
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    y = x.sum(-1)
+    guide = AutoSpikeSlab(_spike_slab_model, init_scale=1e-5**0.5, init_inclusion=1 - 1e-9)
+    optim = SparseQNVB(num_epochs=3, steps_per_epoch=2, **setting)
+    svi = SVI(_spike_slab_model, guide, optim, QuadratureELBO(rule="hadamard", num_points=4))
+    with pytest.raises(ValueError, match=rf"^SparseQNVB: {name}.*torch\.float32"):
+        svi.step(x, y)
+    assert optim.counters.step == 0 and not optim.blocks  # nothing was updated
