@@ -9,6 +9,8 @@ naming the argument and the range it takes.
 
 from __future__ import annotations
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -17,6 +19,7 @@ from pyro.infer import SVI
 
 from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
 from pyro_quadvi.distributions import SpikeSlab
+from pyro_quadvi.nn import priors
 from pyro_quadvi.optim import SparseQNVBOptimizer
 from pyro_quadvi.optim.sparse_functional import SparseQNVBHyperparameters
 
@@ -68,3 +71,52 @@ def test_sparse_qnvb_refuses_settings_beyond_the_sites_dtype(fresh_param_store, 
     with pytest.raises(ValueError, match=rf"^SparseQNVB: {name}.*torch\.float32"):
         svi.step(x, y)
     assert optim.counters.step == 0 and not optim.blocks  # nothing was updated
+
+
+# ---------------------------------------------------------------- priors: types at the call
+
+
+@pytest.mark.parametrize("bad", [None, "bad", [1.0], {}, torch.ones(2), True])
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda v: priors.Normal(scale=v), "priors.Normal: scale"),
+        (lambda v: priors.Normal(loc=v), "priors.Normal: loc"),
+        (lambda v: priors.LayerwiseNormal(scale=v), "priors.LayerwiseNormal: scale"),
+        (lambda v: priors.SpikeSlab(inclusion=v), "priors.SpikeSlab: inclusion"),
+        (lambda v: priors.SpikeSlab(0.5, slab_scale=v), "priors.SpikeSlab: slab_scale"),
+    ],
+)
+def test_priors_refuse_a_setting_that_is_no_real_number_by_name(make, name, bad):
+    # before: "'>' not supported between instances of 'NoneType' and 'int'", "float() argument
+    # must be a string or a real number", "Boolean value of Tensor ... is ambiguous"
+    with pytest.raises(TypeError, match=rf"^{name} must be a real number"):
+        make(bad)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: priors.Normal(scale=math.inf), r"priors.Normal: scale must be finite and > 0"),
+        (lambda: priors.Normal(loc=math.nan), r"priors.Normal: loc must be finite, got nan"),
+        (lambda: priors.Normal(loc=-math.inf), r"priors.Normal: loc must be finite, got -inf"),
+        (lambda: priors.LayerwiseNormal(scale=math.inf), r"LayerwiseNormal: scale must be finite"),
+    ],
+)
+def test_priors_refuse_an_infinite_setting_at_the_call(make, message):
+    # before: accepted, and "a Normal prior needs a finite loc and scale > 0" at the first step
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_priors_keep_one_element_tensors_and_their_values():
+    prior = priors.Normal(scale=torch.tensor(2.0), loc=torch.tensor(0.5, requires_grad=True))
+    assert (prior.scale, prior.loc) == (2.0, 0.5)
+    assert priors.SpikeSlab(torch.tensor(0.25)).inclusion == 0.25
+
+
+@pytest.mark.parametrize("shape", [None, 3, "bad", [1], (3,), (4, -1), (4.0, 3)])
+def test_fan_in_and_fan_out_refuses_what_is_no_weight_shape(shape):
+    with pytest.raises(TypeError, match=r"^fan_in_and_fan_out: shape must be a weight's shape"):
+        priors.fan_in_and_fan_out(shape)
+    assert priors.fan_in_and_fan_out([4, 3]) == (3, 4)
