@@ -97,9 +97,9 @@ def test_priors_refuse_a_setting_that_is_no_real_number_by_name(make, name, bad)
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: priors.Normal(scale=math.inf), r"priors.Normal: scale must be finite and > 0"),
-        (lambda: priors.Normal(loc=math.nan), r"priors.Normal: loc must be finite, got nan"),
-        (lambda: priors.Normal(loc=-math.inf), r"priors.Normal: loc must be finite, got -inf"),
+        (lambda: priors.Normal(scale=math.inf), r"priors.Normal needs .* got scale=inf, loc=0"),
+        (lambda: priors.Normal(loc=math.nan), r"priors.Normal needs .* got scale=1.0, loc=nan"),
+        (lambda: priors.Normal(loc=-math.inf), r"priors.Normal needs a finite loc and scale > 0"),
         (lambda: priors.LayerwiseNormal(scale=math.inf), r"LayerwiseNormal: scale must be finite"),
     ],
 )

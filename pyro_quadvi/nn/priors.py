@@ -18,7 +18,7 @@ from torch.nn.init import _calculate_fan_in_and_fan_out
 
 from .. import distributions
 from ..distributions.iid_normal import IidNormal
-from ..optim.qnvb_functional import _check_number, _check_scalar, _finite_positive
+from ..optim.qnvb_functional import _check_number, _check_scalar
 from ..optim.sparse_functional import _check_int
 
 __all__ = [
@@ -54,12 +54,12 @@ def _check_fits(prior: Prior, numbers: dict[str, float], name: str, param: torch
             )
 
 
-def _as_float(owner: str, name: str, value: object, ok, expected: str) -> float:
+def _as_float(owner: str, name: str, value: object, expected: str) -> float:
     """``value``, a real number or a one-element real tensor, as a float, refused naming the
-    prior and the argument where it is of another type (``None``, a string, a list, a tensor of
-    two entries: torch's or Python's comparison errors named neither) or where ``ok`` fails
-    (`_check_scalar`)."""
-    _check_scalar(owner, name, value, ok, expected)
+    prior, the argument and ``expected`` where it is of another type (``None``, a string, a list,
+    a tensor of two entries: Python's and torch's comparison errors named neither;
+    `_check_scalar`). Its range is the caller's to check."""
+    _check_scalar(owner, name, value, lambda v: True, expected)
     return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
 
@@ -72,8 +72,12 @@ class Normal(Prior):
     """
 
     def __init__(self, scale: float = 1.0, loc: float = 0.0):
-        self.scale = _as_float("priors.Normal", "scale", scale, _finite_positive, "finite and > 0")
-        self.loc = _as_float("priors.Normal", "loc", loc, math.isfinite, "finite")
+        self.scale = _as_float("priors.Normal", "scale", scale, "finite and > 0")
+        self.loc = _as_float("priors.Normal", "loc", loc, "(finite)")
+        if not (0 < self.scale < math.inf and math.isfinite(self.loc)):
+            raise ValueError(
+                f"priors.Normal needs a finite loc and scale > 0, got scale={scale!r}, loc={loc!r}"
+            )
 
     def __call__(self, name: str, param: torch.Tensor) -> dist.Distribution:
         _check_fits(self, {"loc": self.loc, "scale": self.scale}, name, param)
@@ -142,7 +146,9 @@ class LayerwiseNormal(Prior):
         if method not in self.METHODS:
             raise ValueError(f"method must be one of {self.METHODS}, got {method!r}")
         owner = "priors.LayerwiseNormal"
-        self.scale = _as_float(owner, "scale", scale, _finite_positive, "finite and > 0")
+        self.scale = _as_float(owner, "scale", scale, "finite and > 0")
+        if not 0 < self.scale < math.inf:
+            raise ValueError(f"{owner}: scale must be finite and > 0, got {scale!r}")
         self.method = method
         self._shapes: dict[str, torch.Size] | None = None  # None: not bound to a network yet
 
@@ -226,12 +232,12 @@ class SpikeSlab(Prior):
 
     def __init__(self, inclusion: float, slab_scale: float = 1.0):
         owner = "priors.SpikeSlab"
-        self.inclusion = _as_float(owner, "inclusion", inclusion, lambda v: True, "in (0, 1)")
+        self.inclusion = _as_float(owner, "inclusion", inclusion, "in (0, 1)")
         if not 0.0 < self.inclusion < 1.0:
             raise ValueError(f"{owner}: inclusion must lie in (0, 1), got {inclusion!r}")
-        self.slab_scale = _as_float(
-            owner, "slab_scale", slab_scale, _finite_positive, "finite and > 0"
-        )
+        self.slab_scale = _as_float(owner, "slab_scale", slab_scale, "finite and > 0")
+        if not 0 < self.slab_scale < math.inf:
+            raise ValueError(f"{owner}: slab_scale must be finite and > 0, got {slab_scale!r}")
 
     def __call__(self, name: str, param: torch.Tensor) -> distributions.SpikeSlab:
         _check_fits(self, {"slab_scale": self.slab_scale}, name, param)
