@@ -19,6 +19,7 @@ from pyro.infer import SVI
 
 from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
 from pyro_quadvi.distributions import SpikeSlab
+from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model, model_max_plate_nesting
 from pyro_quadvi.nn import priors
 from pyro_quadvi.optim import SparseQNVBOptimizer
 from pyro_quadvi.optim.sparse_functional import SparseQNVBHyperparameters
@@ -120,3 +121,72 @@ def test_fan_in_and_fan_out_refuses_what_is_no_weight_shape(shape):
     with pytest.raises(TypeError, match=r"^fan_in_and_fan_out: shape must be a weight's shape"):
         priors.fan_in_and_fan_out(shape)
     assert priors.fan_in_and_fan_out([4, 3]) == (3, 4)
+
+
+# ---------------------------------------------------------------- the log joint's arguments
+
+
+def _plated_model(data):
+    z = pyro.sample("z", dist.Normal(torch.zeros(2), 2.0).to_event(1))
+    with pyro.plate("data", len(data)):
+        pyro.sample("x", dist.Normal(z[..., 0] + 0.5 * z[..., 1], 1.0), obs=data)
+
+
+DATA = torch.linspace(-1.0, 1.0, 8)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(sites=None), r"sites must be a sequence of LatentSite.*got None \(NoneType\)$"),
+        (dict(sites="bad"), r"sites must be a sequence of LatentSite.*got 'bad' \(str\)$"),
+        (dict(sites=[1]), r"sites must be a sequence of LatentSite.*got 1 \(int\) in it$"),
+        (dict(closed_form=[1]), r"closed_form must be a mapping .*got \[1\] \(list\)$"),
+        (dict(closed_form="bad"), r"closed_form must be a mapping .*got 'bad' \(str\)$"),
+        (dict(expected_log_priors=None), r"expected_log_priors must be a collection of site"),
+        (dict(expected_log_priors="w"), r"expected_log_priors must be a collection of site"),
+        (dict(expected_log_priors=[1]), r"expected_log_priors must be a collection of site"),
+    ],
+)
+def test_log_joint_refuses_arguments_of_another_type_by_name(arguments, message):
+    # before: "'NoneType' object is not iterable", "'int' object has no attribute 'numel'",
+    # "dictionary update sequence element #0 has length 1; 2 is required"
+    sites = latent_sites_of_model(_plated_model, DATA)
+    with pytest.raises(TypeError, match=rf"^LogJoint: {message}"):
+        LogJoint(_plated_model, **{"sites": sites, **arguments})
+
+
+@pytest.mark.parametrize("z", [None, "bad", 1.0, [[0.0, 0.0]], torch.tensor(0.0)])
+def test_log_joint_refuses_points_that_are_no_tensor_by_name(z):
+    joint = LogJoint(_plated_model, latent_sites_of_model(_plated_model, DATA))
+    with pytest.raises(TypeError, match=r"^LogJoint: z must be a tensor of points \(K, 2\)"):
+        joint(z, (DATA,))
+
+
+@pytest.mark.parametrize("model", [None, 1, "bad"])
+def test_latent_sites_of_model_refuses_a_model_that_is_not_callable(model):
+    # before: Pyro's "1 is not callable, did you mean to pass it as a keyword arg?", and for
+    # None (its first argument taken as the model) "tensor([...]) is not callable"
+    with pytest.raises(TypeError, match=r"^latent_sites_of_model: model must be a callable"):
+        latent_sites_of_model(model, DATA)
+
+
+@pytest.mark.parametrize("trace", [None, 1, "bad", [1]])
+def test_model_max_plate_nesting_refuses_what_is_no_trace(trace):
+    with pytest.raises(TypeError, match=r"^model_max_plate_nesting: trace must be a pyro"):
+        model_max_plate_nesting(trace)
+
+
+def test_log_joint_names_a_given_max_plate_nesting_below_the_models_plates():
+    # before: torch's "Value is not broadcastable with batch_shape+event_shape: torch.Size([8])
+    # vs torch.Size([8, 3])" from the vectorized pass, the argument unnamed
+    sites = latent_sites_of_model(_plated_model, DATA)
+    joint = LogJoint(_plated_model, sites, max_plate_nesting=0)
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match=r"^max_plate_nesting=0, but the model nests its plates 1"):
+        joint(torch.zeros(3, 2), (DATA,))
+    assert torch.equal(torch.get_rng_state(), state)  # the looped run drew from a fork
+    found = LogJoint(_plated_model, sites)(torch.zeros(3, 2), (DATA,))
+    assert torch.equal(
+        LogJoint(_plated_model, sites, max_plate_nesting=1)(torch.zeros(3, 2), (DATA,)), found
+    )
