@@ -19,6 +19,12 @@ from pyro.infer import SVI
 
 from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
 from pyro_quadvi.distributions import SpikeSlab
+from pyro_quadvi.evidence import (
+    importance_log_evidence,
+    nested_sampling_log_evidence,
+    opqa_evidence,
+    prior_guide,
+)
 from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model, model_max_plate_nesting
 from pyro_quadvi.nn import priors
 from pyro_quadvi.optim import SparseQNVBOptimizer
@@ -190,3 +196,46 @@ def test_log_joint_names_a_given_max_plate_nesting_below_the_models_plates():
     assert torch.equal(
         LogJoint(_plated_model, sites, max_plate_nesting=1)(torch.zeros(3, 2), (DATA,)), found
     )
+
+
+# ---------------------------------------------------------------- evidence: callables and counts
+
+
+IID_DATA = torch.tensor([0.3, -0.2, 0.5])
+
+
+def _iid_model(x=IID_DATA):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("d", len(x)):
+        pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+
+
+@pytest.mark.parametrize("bad", [None, 1, "bad"])
+def test_evidence_estimators_refuse_what_is_not_callable_by_name(bad):
+    # before: "'NoneType' object is not callable", Pyro's "1 is not callable, did you mean to
+    # pass it as a keyword arg?", Messenger.__call__() missing 1 required positional argument
+    guide = prior_guide(_iid_model)
+    with pytest.raises(TypeError, match=r"^prior_guide: model must be a callable Pyro model"):
+        prior_guide(bad)
+    with pytest.raises(TypeError, match=r"^importance_log_evidence: model must be a callable"):
+        importance_log_evidence(bad, guide, num_samples=10)
+    with pytest.raises(TypeError, match=r"^importance_log_evidence: guide must be a callable"):
+        importance_log_evidence(_iid_model, bad, num_samples=10)
+    with pytest.raises(TypeError, match=r"^nested_sampling_log_evidence: log_likelihood must be"):
+        nested_sampling_log_evidence(bad, lambda u: u, 1)
+    with pytest.raises(TypeError, match=r"^nested_sampling_log_evidence: prior_transform must"):
+        nested_sampling_log_evidence(lambda t: 0.0, bad, 1)
+    if bad is not None:  # (None: no guide, the default)
+        with pytest.raises(TypeError, match=r"^opqa_evidence: guide must be a fitted guide"):
+            opqa_evidence(_iid_model, num_points=4, guide=bad, center="guide")
+
+
+def test_opqa_marginals_refuse_a_count_that_is_no_integer_by_name():
+    posterior = opqa_evidence(_iid_model, num_points=4).posterior
+    for bad in (None, "bad", [1], {}):
+        # before: "'<' not supported between instances of 'NoneType' and 'int'"
+        with pytest.raises(TypeError, match=r"^OPQAPosterior.marginals: num must be an integer"):
+            posterior.marginals(bad)
+    with pytest.raises(ValueError, match=r"^OPQAPosterior.marginals: num must be an integer >= 2"):
+        posterior.marginals(1)
+    assert posterior.marginals(5)["mu"].density.shape == (5,)
