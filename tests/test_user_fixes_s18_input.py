@@ -29,6 +29,13 @@ from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model, model_m
 from pyro_quadvi.nn import priors
 from pyro_quadvi.optim import SparseQNVBOptimizer
 from pyro_quadvi.optim.sparse_functional import SparseQNVBHyperparameters
+from pyro_quadvi.quadrature import (
+    gauss_hermite,
+    hadamard_signs,
+    make_rule,
+    orthonormal_hermite,
+    quadratic_exactness,
+)
 
 # ---------------------------------------------------------------- sparse QNVB: widths and ranges
 
@@ -239,3 +246,76 @@ def test_opqa_marginals_refuse_a_count_that_is_no_integer_by_name():
     with pytest.raises(ValueError, match=r"^OPQAPosterior.marginals: num must be an integer >= 2"):
         posterior.marginals(1)
     assert posterior.marginals(5)["mu"].density.shape == (5,)
+
+
+# ---------------------------------------------------------------- quadrature: the pure functions
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: gauss_hermite(3, dtype=1), r"^gauss_hermite: dtype must be a floating"),
+        (lambda: gauss_hermite(3, dtype="bad"), r"^gauss_hermite: dtype must be a floating"),
+        (lambda: orthonormal_hermite(None, 2), r"^orthonormal_hermite: x must be a tensor"),
+        (lambda: orthonormal_hermite([0.0], 2), r"^orthonormal_hermite: x must be a tensor"),
+        (lambda: orthonormal_hermite(torch.zeros(2), None), r"degree must be >= 0 \(an integer\)"),
+        (lambda: orthonormal_hermite(torch.zeros(2), 2.5), r"degree must be >= 0 \(an integer\)"),
+        (lambda: hadamard_signs(None, 3), r"^hadamard_signs: index must be an integer tensor"),
+        (lambda: hadamard_signs(torch.zeros(3), 3), r"^hadamard_signs: index must be an integer"),
+        (lambda: hadamard_signs(torch.arange(3), 2.5), r"^hadamard_signs: iterate must be an int"),
+        (lambda: hadamard_signs(torch.arange(3), None), r"^hadamard_signs: iterate must be an int"),
+        (lambda: hadamard_signs(torch.arange(3), 3, dtype=1), r"^hadamard_signs: dtype must be"),
+    ],
+)
+def test_quadrature_functions_refuse_arguments_of_another_type_by_name(call, message):
+    # before: "Cannot access accelerator device when none is available" (dtype=1 taken for a
+    # device), "unsupported operand type(s) for &", "ones_like(): argument 'input' must be
+    # Tensor", "'<' not supported between instances of 'NoneType' and 'int'"
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_quadrature_functions_still_take_what_they_took():
+    assert gauss_hermite(3, dtype=None)[0].dtype == torch.float64
+    assert orthonormal_hermite(torch.zeros(2), torch.tensor(3)).shape == (2, 4)
+    signs = hadamard_signs(torch.arange(4), torch.tensor(3), dtype=torch.float64)
+    assert signs.tolist() == [1.0, -1.0, -1.0, 1.0]
+
+
+@pytest.mark.parametrize("device", [1, "bad", [1]])
+def test_a_rules_draw_refuses_what_is_no_device_by_name(device):
+    # before: torch's "Expected one of cpu, cuda, ..." or "Cannot access accelerator device when
+    # none is available", the argument unnamed (a CUDA index on a machine with CUDA is a device)
+    if device == 1 and torch.cuda.device_count() > 1:
+        pytest.skip("cuda:1 is a device here")
+    for rule in (make_rule("rasp_simplex", 3), make_rule("gauss_hermite", 3)):
+        with pytest.raises(ValueError, match=rf"^{rule.name}: device must be a torch.device"):
+            rule.nodes(2, device=device)
+
+
+_X = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [1.0, -1.0], [-1.0, 1.0]], dtype=torch.float64)
+_W = torch.full((4,), 0.25, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "arguments, error, message",
+    [
+        (dict(X=None), TypeError, r"X must be a \(K, d\) tensor, got None"),
+        (dict(X=_X.tolist()), TypeError, r"X must be a \(K, d\) tensor, got \[\["),
+        (dict(w=None), TypeError, r"w must be a \(K,\) tensor, got None"),
+        (dict(w=_W.unsqueeze(-1)), TypeError, r"w must be a \(K,\) tensor, got shape \(4, 1\)"),
+        (dict(w=_W[:1]), ValueError, r"w must hold one weight per node of X, 4, got 1"),
+        (dict(atol="bad"), TypeError, r"atol must be None or a number >= 0, got 'bad'"),
+        (dict(atol=torch.ones(2)), TypeError, r"atol must be None or a number >= 0"),
+        (dict(atol=math.nan), ValueError, r"atol must be finite and >= 0, got nan"),
+        (dict(atol=-1.0), ValueError, r"atol must be finite and >= 0, got -1.0"),
+    ],
+)
+def test_quadratic_exactness_refuses_arguments_by_name(arguments, error, message):
+    # before: "'NoneType' object has no attribute 'dtype'", "mat1 and mat2 shapes cannot be
+    # multiplied (3x1 and 3x2)", "full_like(): argument 'fill_value' must be Number", and a NaN
+    # or negative atol changed the counts silently
+    with pytest.raises(error, match=rf"^quadratic_exactness: {message}"):
+        quadratic_exactness(**{"X": _X, "w": _W, **arguments})
+    exact = quadratic_exactness(_X, _W, atol=torch.tensor(1e-9, requires_grad=True))
+    assert exact.total == exact.num_basis == 6
