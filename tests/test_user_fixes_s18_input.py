@@ -26,6 +26,7 @@ from pyro_quadvi.evidence import (
     prior_guide,
 )
 from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model, model_max_plate_nesting
+from pyro_quadvi.metrics import gaussian_nll, reliability_diagram
 from pyro_quadvi.nn import priors
 from pyro_quadvi.optim import SparseQNVBOptimizer
 from pyro_quadvi.optim.sparse_functional import SparseQNVBHyperparameters
@@ -319,3 +320,24 @@ def test_quadratic_exactness_refuses_arguments_by_name(arguments, error, message
         quadratic_exactness(**{"X": _X, "w": _W, **arguments})
     exact = quadratic_exactness(_X, _W, atol=torch.tensor(1e-9, requires_grad=True))
     assert exact.total == exact.num_basis == 6
+
+
+# ---------------------------------------------------------------- metrics
+
+
+@pytest.mark.parametrize("scale", [None, "bad", {}])
+def test_gaussian_nll_refuses_a_scale_that_is_no_number_by_name(scale):
+    # before: torch's "must be real number, not NoneType" or "new(): invalid data type 'str'"
+    mean = torch.zeros(4, 1)
+    with pytest.raises(TypeError, match=r"^scale must be a number > 0 or a floating tensor"):
+        gaussian_nll(mean, scale, mean)
+    assert gaussian_nll(mean, [1.0], mean).item() == pytest.approx(0.5 * math.log(2 * math.pi))
+
+
+@pytest.mark.parametrize("ax", [1, "bad", [1]])
+def test_reliability_diagram_refuses_what_is_no_axes_by_name(ax):
+    pytest.importorskip("matplotlib")
+    # before: "'int' object has no attribute 'bar'", after the bins were computed
+    probs = torch.tensor([[0.8, 0.2], [0.3, 0.7]])
+    with pytest.raises(TypeError, match=r"^reliability_diagram: ax must be a matplotlib Axes"):
+        reliability_diagram(probs, torch.tensor([0, 1]), num_bins=2, ax=ax)
