@@ -25,6 +25,7 @@ from pyro_quadvi.evidence import (
     opqa_evidence,
     prior_guide,
 )
+from pyro_quadvi.export import to_inference_data
 from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model, model_max_plate_nesting
 from pyro_quadvi.metrics import gaussian_nll, reliability_diagram
 from pyro_quadvi.nn import priors
@@ -341,3 +342,29 @@ def test_reliability_diagram_refuses_what_is_no_axes_by_name(ax):
     probs = torch.tensor([[0.8, 0.2], [0.3, 0.7]])
     with pytest.raises(TypeError, match=r"^reliability_diagram: ax must be a matplotlib Axes"):
         reliability_diagram(probs, torch.tensor([0, 1]), num_bins=2, ax=ax)
+
+
+# ---------------------------------------------------------------- the ArviZ export's labels
+
+
+@pytest.mark.parametrize(
+    "labels, message",
+    [
+        (dict(coords=1), r"coords must be a mapping dim -> coordinate values.*got 1 \(int\)$"),
+        (dict(coords=["data"]), r"coords must be a mapping dim -> coordinate values"),
+        (dict(dims=1), r"dims must be a mapping variable -> a sequence of dim names"),
+        (dict(dims="bad"), r"dims must be a mapping variable -> a sequence of dim names"),
+        (dict(dims={"z": "feature"}), r"dims must be a mapping variable -> a sequence of dim"),
+        (dict(dims={"z": [1]}), r"dims must be a mapping variable -> a sequence of dim names"),
+    ],
+)
+def test_to_inference_data_refuses_labels_of_another_type_before_drawing(labels, message):
+    # before, after the draws: "'int' object is not iterable", "dictionary update sequence
+    # element #0 has length 1; 2 is required"
+    pytest.importorskip("arviz")
+
+    def guide(data):
+        raise AssertionError("nothing is drawn")
+
+    with pytest.raises(TypeError, match=rf"^to_inference_data: {message}"):
+        to_inference_data(_plated_model, guide, DATA, **labels)
