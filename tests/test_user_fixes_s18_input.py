@@ -15,6 +15,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro import poutine
 from pyro.infer import SVI
 
 from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
@@ -29,7 +30,7 @@ from pyro_quadvi.export import to_inference_data
 from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model, model_max_plate_nesting
 from pyro_quadvi.metrics import gaussian_nll, reliability_diagram
 from pyro_quadvi.nn import priors
-from pyro_quadvi.optim import SparseQNVBOptimizer
+from pyro_quadvi.optim import SparseQNVBOptimizer, anneal_likelihood, geometric_annealing
 from pyro_quadvi.optim.sparse_functional import SparseQNVBHyperparameters
 from pyro_quadvi.quadrature import (
     gauss_hermite,
@@ -368,3 +369,28 @@ def test_to_inference_data_refuses_labels_of_another_type_before_drawing(labels,
 
     with pytest.raises(TypeError, match=rf"^to_inference_data: {message}"):
         to_inference_data(_plated_model, guide, DATA, **labels)
+
+
+# ---------------------------------------------------------------- annealing
+
+
+@pytest.mark.parametrize("initial", [None, "bad", [0.1], {}, torch.tensor([0.1, 0.1])])
+def test_geometric_annealing_refuses_an_initial_that_is_no_number_by_name(initial):
+    # before: "'<' not supported between instances of 'int' and 'NoneType'", "Boolean value of
+    # Tensor with more than one value is ambiguous"
+    with pytest.raises(TypeError, match=r"^geometric_annealing: initial must be a real number"):
+        geometric_annealing(initial, 10)
+    assert repr(geometric_annealing(torch.tensor(0.5), 10)) == "geometric_annealing(0.5, 10)"
+
+
+def test_anneal_likelihood_names_a_factor_beyond_the_sites_dtype():
+    # before: accepted, and the ELBO blamed the model's support for the infinite log density
+    annealed = anneal_likelihood(_plated_model, 1e300)
+    with pytest.raises(
+        ValueError,
+        match=r"^anneal_likelihood: the factor 1e\+300 at site 'x' is "
+        r"beyond the largest torch.float32 number",
+    ):
+        poutine.trace(annealed).get_trace(DATA)
+    trace = poutine.trace(anneal_likelihood(_plated_model, 1e300)).get_trace(DATA.double())
+    assert trace.nodes["x"]["scale"] == 1e300  # within float64's range
