@@ -16,7 +16,8 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro import poutine
-from pyro.infer import SVI
+from pyro.infer import SVI, Trace_ELBO
+from torch.distributions import constraints
 
 from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
 from pyro_quadvi.distributions import SpikeSlab
@@ -38,6 +39,12 @@ from pyro_quadvi.quadrature import (
     make_rule,
     orthonormal_hermite,
     quadratic_exactness,
+)
+from pyro_quadvi.store import (
+    detached_parameters,
+    follow_store,
+    set_weights_only_state,
+    weights_only_state,
 )
 
 # ---------------------------------------------------------------- sparse QNVB: widths and ranges
@@ -394,3 +401,94 @@ def test_anneal_likelihood_names_a_factor_beyond_the_sites_dtype():
         poutine.trace(annealed).get_trace(DATA)
     trace = poutine.trace(anneal_likelihood(_plated_model, 1e300)).get_trace(DATA.double())
     assert trace.nodes["x"]["scale"] == 1e300  # within float64's range
+
+
+# ---------------------------------------------------------------- store: tensors bounds, sound
+
+
+@pytest.mark.parametrize("module", [None, 1, "bad", [1], lambda: None])
+def test_detached_parameters_takes_any_object_as_follow_param_store_does(module):
+    # before: "cannot create weak reference to 'NoneType' object"
+    assert detached_parameters(module) == []
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(fullname=["a"]), r"fullname must be the parameter's name in the param store"),
+        (dict(param=None), r"param must be the module's parameter \(a tensor\), got None"),
+        (dict(param="bad"), r"param must be the module's parameter \(a tensor\), got 'bad'"),
+        (dict(installed=None), r"installed must be the caller's record, a dict"),
+    ],
+)
+def test_follow_store_refuses_arguments_of_another_type_by_name(
+    fresh_param_store, arguments, message
+):
+    # before: "unhashable type: 'list'", "'NoneType' object has no attribute 'shape'"
+    param = torch.nn.Parameter(torch.zeros(3))
+    pyro.param("a", param)
+    with pytest.raises(TypeError, match=rf"^follow_store: {message}"):
+        follow_store(**{"fullname": "a", "param": param, "installed": {}, **arguments})
+
+
+def _bounded_model(data):
+    prior = dist.Normal(torch.zeros(1, dtype=torch.float64), 1.0).to_event(1)
+    loc = pyro.sample("loc", prior)
+    with pyro.plate("data", len(data)):
+        pyro.sample("x", dist.Normal(loc, 1.0), obs=data.double())
+
+
+def _bounded_guide(data, dtype=torch.float32):
+    """A guide whose float64 scale lives in an interval of tensor bounds in ``dtype``."""
+    lower, upper = torch.tensor([[0.25], [4.0]], dtype=dtype)
+    one = torch.ones(1, dtype=torch.float64)
+    scale = pyro.param("scale", one, constraint=constraints.interval(lower, upper))
+    loc = pyro.param("guide_loc", 0 * one)
+    pyro.sample("loc", dist.Normal(loc, scale).to_event(1))
+
+
+def _steps(guide, n):
+    svi = SVI(_bounded_model, guide, pyro.optim.SGD({"lr": 0.01}), Trace_ELBO())
+    return [svi.step(DATA) for _ in range(n)]
+
+
+def test_a_constraint_of_tensor_bounds_resumes_bit_for_bit(tmp_path, fresh_param_store):
+    # the guide set up again holds the same bounds in float64 (as after a checkpoint loaded
+    # onto another device, whose repr names it): the same support, another repr
+    # ("tensor([0.2500], dtype=torch.float64)"), and it was refused
+    pyro.set_rng_seed(0)
+    _steps(_bounded_guide, 3)
+    torch.save(weights_only_state(), tmp_path / "state.pt")
+    lost = _steps(_bounded_guide, 3)
+    pyro.clear_param_store()
+
+    def again(data):
+        _bounded_guide(data, dtype=torch.float64)
+
+    again(DATA)  # set up
+    set_weights_only_state(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert _steps(again, 3) == lost
+
+
+@pytest.mark.parametrize("where", ["a bound's fifth decimal", "the elided middle"])
+def test_another_constraint_of_tensor_bounds_is_refused_naming_the_parameter(
+    fresh_param_store, where
+):
+    # before: accepted, its repr the same: a bound shows 4 decimals, a long one only its ends
+    bounds = torch.tensor([0.25, 4.0]).repeat(2000, 1).T.clone()
+    pyro.param("w", torch.ones(2000), constraint=constraints.interval(*bounds))
+    saved = weights_only_state()
+    pyro.clear_param_store()
+    other = bounds.clone()
+    if where == "the elided middle":
+        other[0, 1000] = 0.5
+    else:
+        other[0] = 0.25001
+    before = pyro.param("w", torch.ones(2000), constraint=constraints.interval(*other)).detach()
+    with pytest.raises(ValueError) as error:
+        set_weights_only_state(saved)
+    message = str(error.value)
+    assert message.startswith("the checkpoint's parameter 'w' was saved under the constraint ")
+    assert "(the same repr: they differ in a bound's digits or elided entries)" in message
+    assert len(message) < 1000  # the bounds' reprs are cut
+    assert torch.equal(pyro.param("w"), before)  # nothing restored
