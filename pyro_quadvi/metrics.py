@@ -212,11 +212,18 @@ def gaussian_nll(mean: torch.Tensor, scale: torch.Tensor | float, y: torch.Tenso
     Raises:
         ValueError: On mismatched shapes or devices (but a 0-dim ``scale``), non-finite values
             or a non-positive ``scale``.
+        TypeError: For a ``scale`` that is neither a number nor a tensor (``None``, a string).
     """
     mean = _check_float("mean", mean)
     y = _check_same_shape("y", y, "mean", mean)
     if not isinstance(scale, torch.Tensor):
-        scale = torch.as_tensor(scale, dtype=mean.dtype, device=mean.device)
+        try:
+            scale = torch.as_tensor(scale, dtype=mean.dtype, device=mean.device)
+        except (TypeError, ValueError, RuntimeError) as error:  # None, a string, a dict
+            raise TypeError(
+                f"scale must be a number > 0 or a floating tensor, got {scale!r} "
+                f"({type(scale).__name__})"
+            ) from error
     if not scale.is_floating_point():
         raise ValueError(f"scale must have a floating dtype, got {scale.dtype}")
     if scale.device != mean.device:
@@ -455,8 +462,19 @@ def reliability_diagram(
 
     Returns:
         The Axes drawn on; ``ax.patches`` are the ``num_bins`` bars, in bin order.
+
+    Raises:
+        TypeError: For an ``ax`` that is not a matplotlib ``Axes`` (nor ``None``), before
+            anything is computed.
     """
     import matplotlib.pyplot as plt
+    from matplotlib.axes import Axes
+
+    if ax is not None and not isinstance(ax, Axes):
+        raise TypeError(
+            f"reliability_diagram: ax must be a matplotlib Axes (plt.subplots()[1]) or None "
+            f"for a new figure, got {ax!r} ({type(ax).__name__})"
+        )
 
     bins = calibration_bins(probs, y, num_bins)
     ece = expected_calibration_error(probs, y, num_bins)

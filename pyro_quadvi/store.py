@@ -26,7 +26,8 @@ a fit by another optimizer under Pyro's ELBOs.
 random state as tensors, numbers and strings, which ``torch.load`` reads with its default
 ``weights_only=True``: the store's own state holds its constraint objects and
 ``pyro.util.get_rng_state()`` numpy arrays, which it refuses. The constraints are taken back from
-the store of the guide set up again, and checked against their saved names.
+the store of the guide set up again, and checked against their saved descriptions: the class and
+the attributes, tensor bounds by value wherever they live (`constraint_description`).
 """
 
 from __future__ import annotations
@@ -73,8 +74,20 @@ def follow_store(fullname: str, param: nn.Parameter, installed: dict[str, torch.
         installed: the caller's record of what this function put in the store, by name.
 
     Raises:
+        TypeError: for a ``fullname`` that is not a string, a ``param`` that is not a tensor or
+            an ``installed`` that is not a dict, naming the argument (Python's "unhashable
+            type: 'list'" or "'NoneType' object has no attribute 'shape'" named none).
         ValueError: if the store holds a tensor of another shape or dtype under ``fullname``.
     """
+    for name, value, kind, what in (
+        ("fullname", fullname, str, "the parameter's name in the param store (a str)"),
+        ("param", param, torch.Tensor, "the module's parameter (a tensor)"),
+        ("installed", installed, dict, "the caller's record, a dict name -> tensor"),
+    ):
+        if not isinstance(value, kind):
+            raise TypeError(
+                f"follow_store: {name} must be {what}, got {value!r} ({type(value).__name__})"
+            )
     store = pyro.get_param_store()
     if fullname not in store:
         return
@@ -158,13 +171,17 @@ def detached_parameters(module: object) -> list[str]:
     `follow_param_store` finds them) under which the store holds another tensor than the
     parameter (or the contiguous copy `follow_store` installed for it): the parameters a
     restore cut off, until `follow_param_store` (or the guide's next run under QNVB's guide
-    watch) puts them back."""
+    watch) puts them back. Like `follow_param_store` it takes any object and looks only into a
+    ``PyroModule``: for anything else (``None``, a function guide) there are none."""
     module = uncompiled(module)
+    plain = list(_plain_parameters(module))
+    if not plain:  # (an int or None cannot be a key of the weak dict of installed copies)
+        return []
     store = pyro.get_param_store()
     installed = _INSTALLED.get(module, {})
     return [
         fullname
-        for fullname, param in _plain_parameters(module)
+        for fullname, param in plain
         if fullname in store
         and store[fullname] is not param
         and store[fullname] is not installed.get(fullname)
@@ -206,25 +223,84 @@ def _pyro_modules(root: PyroModule) -> Iterator[PyroModule]:
 def weights_only_state() -> dict:
     """Pyro's param store and random state as ``torch.load`` reads them with
     ``weights_only=True`` (its default): the store's parameters (copies of its unconstrained
-    tensors), its constraints by name (``repr``), and ``pyro.util.get_rng_state()`` with numpy's
-    key as a tensor. Restore it with `set_weights_only_state`.
+    tensors), its constraints described by `constraint_description` (class, attributes with
+    their tensors copied to the CPU, and ``repr``), and ``pyro.util.get_rng_state()`` with
+    numpy's key as a tensor. Restore it with `set_weights_only_state`.
 
     Returns:
-        ``{"params": {name: tensor}, "constraints": {name: str}, "rng": {"torch", "random",
-        "numpy"}}``.
+        ``{"params": {name: tensor}, "constraints": {name: description}, "rng": {"torch",
+        "random", "numpy"}}``.
     """
     store = pyro.get_param_store().get_state()
     rng = pyro.util.get_rng_state()
     algorithm, key, *rest = rng["numpy"]
     return {
         "params": copy.deepcopy(store["params"]),
-        "constraints": {name: repr(c) for name, c in store["constraints"].items()},
+        "constraints": {
+            name: {**constraint_description(c), "repr": repr(c)}
+            for name, c in store["constraints"].items()
+        },
         "rng": {
             "torch": rng["torch"],
             "random": rng["random"],
             "numpy": (algorithm, torch.from_numpy(key.astype(np.int64)), *rest),
         },
     }
+
+
+def constraint_description(value: object) -> object:
+    """A constraint (or one of its attributes) as tensors, numbers, strings, lists and dicts,
+    which ``torch.load(weights_only=True)`` reads: ``{"type": its class, "fields": its
+    attributes}``, a tensor copied to the CPU (its device is where it was saved, not part of
+    the support), anything else by ``repr``. Its ``repr`` alone does not tell constraints apart:
+    a tensor bound shows 4 decimals and elides the middle of a long one, and names the device
+    and the dtype, so an ``interval`` restored onto another device was refused and one whose
+    bounds differ past the fourth decimal accepted."""
+    if isinstance(value, constraints.Constraint):
+        cls = type(value)
+        fields = {name: constraint_description(v) for name, v in sorted(vars(value).items())}
+        return {"type": f"{cls.__module__}.{cls.__qualname__}", "fields": fields}
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, list | tuple):
+        return [constraint_description(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return repr(value)
+
+
+def _same_description(a: object, b: object) -> bool:
+    """Whether two `constraint_description` s describe one support: the same classes and
+    attributes, numbers and tensors equal by value after broadcasting (a float bound and a
+    tensor of it alike; another dtype of the same values alike)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_description(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(_same_description, a, b))
+    numeric = torch.Tensor | int | float
+    tensor = isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)
+    if tensor and isinstance(a, numeric) and isinstance(b, numeric):
+        x, y = torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()
+        try:
+            shape = torch.broadcast_shapes(x.shape, y.shape)
+        except RuntimeError:
+            return False
+        return bool((x.expand(shape) == y.expand(shape)).all())
+    return a == b
+
+
+def _cut(text: str, length: int = 200) -> str:
+    """``text`` for a message: cut after ``length`` characters (a long tensor bound's repr)."""
+    return text if len(text) <= length else f"{text[:length]} ..."
+
+
+def _constraint_matches(saved: object, constraint: constraints.Constraint) -> bool:
+    """Whether the store's ``constraint`` is the one a checkpoint saved (`weights_only_state`'s
+    description; a ``repr`` string, as checkpoints of the first version held, by ``repr``)."""
+    if isinstance(saved, str):
+        return repr(constraint) == saved
+    described = {key: value for key, value in saved.items() if key != "repr"}
+    return _same_description(described, constraint_description(constraint))
 
 
 def set_weights_only_state(state: dict) -> None:
@@ -254,18 +330,24 @@ def set_weights_only_state(state: dict) -> None:
     restored = {}
     for name in state["params"]:
         saved = state["constraints"].get(name, repr(constraints.real))
-        constraint = held.get(name, constraints.real if saved == repr(constraints.real) else None)
+        shown = _cut(saved if isinstance(saved, str) else saved["repr"])
+        constraint = held.get(name)
+        if constraint is None and _constraint_matches(saved, constraints.real):
+            constraint = constraints.real
         if constraint is None:
             raise ValueError(
-                f"the checkpoint's parameter {name!r} has the constraint {saved}, which the param "
+                f"the checkpoint's parameter {name!r} has the constraint {shown}, which the param "
                 "store does not hold now: set the guide up before restoring (call it once with "
                 "the model's arguments, guide(x, y)), so that the store holds its constraints"
             )
-        if repr(constraint) != saved:
+        if not _constraint_matches(saved, constraint):
+            same = " (the same repr: they differ in a bound's digits or elided entries)"
+            held_shown = _cut(repr(constraint))
             raise ValueError(
-                f"the checkpoint's parameter {name!r} was saved under the constraint {saved}, "
-                f"but the param store holds it under {constraint!r}: restore a checkpoint into "
-                "the model and guide it was saved from"
+                f"the checkpoint's parameter {name!r} was saved under the constraint {shown}, "
+                f"but the param store holds it under {held_shown}"
+                f"{same if held_shown == shown else ''}: restore a checkpoint into the "
+                "model and guide it was saved from"
             )
         restored[name] = constraint
     store.clear()

@@ -20,7 +20,7 @@ import torch
 from pyro import poutine
 from pyro.infer.importance import vectorized_importance_weights
 
-from ..infer.log_joint import model_max_plate_nesting
+from ..infer.log_joint import check_callable, model_max_plate_nesting
 from ..optim.qnvb_functional import _check_number
 from ..optim.sparse_functional import _check_int
 
@@ -69,6 +69,7 @@ def prior_guide(model: Callable) -> Callable:
 
     With it, importance weights are likelihoods: ``p(x) = E_prior[p(x | theta)]``.
     """
+    check_callable("prior_guide", "model", model, "a callable Pyro model")
     return poutine.block(model, hide_fn=lambda msg: bool(msg.get("is_observed")))
 
 
@@ -87,11 +88,14 @@ def importance_log_evidence(
     under a particle plate). Seed with ``pyro.set_rng_seed``.
 
     Raises:
+        TypeError: for a ``model`` or ``guide`` that is not callable, named.
         TypeError, ValueError: for a ``num_samples`` that is not an integer ``>= 2`` (one sample
             has no standard error) or a ``batch_size`` that is not an integer ``>= 1``; and for
             an estimate that is not finite, with how many log weights were NaN, ``+inf`` and
             ``-inf`` (an infinite observation made every one ``-inf``).
     """
+    check_callable("importance_log_evidence", "model", model, "a callable Pyro model")
+    check_callable("importance_log_evidence", "guide", guide, "a callable Pyro guide")
     _check_int("importance_log_evidence: num_samples", num_samples, 2)
     _check_int("importance_log_evidence: batch_size", batch_size, 1)
     start = time.perf_counter()
@@ -156,12 +160,16 @@ def nested_sampling_log_evidence(
 
     Raises:
         ImportError: if dynesty is not installed.
-        TypeError, ValueError: naming the argument, for the integers and ``dlogz`` out of their
+        TypeError, ValueError: naming the argument, for a ``log_likelihood`` or
+            ``prior_transform`` that is not callable, the integers and ``dlogz`` out of their
             ranges (checked before dynesty sees them), and for an estimate that is not finite.
     """
-    _check_int("nested_sampling_log_evidence: ndim", ndim, 1)
-    _check_int("nested_sampling_log_evidence: nlive", nlive, 1)
-    _check_int("nested_sampling_log_evidence: seed", seed, 0)
+    owner = "nested_sampling_log_evidence"
+    check_callable(owner, "log_likelihood", log_likelihood, "a callable theta -> log p(x | theta)")
+    check_callable(owner, "prior_transform", prior_transform, "a callable unit cube -> prior")
+    _check_int(f"{owner}: ndim", ndim, 1)
+    _check_int(f"{owner}: nlive", nlive, 1)
+    _check_int(f"{owner}: seed", seed, 0)
     _check_number(
         "nested_sampling_log_evidence: dlogz", dlogz, lambda v: 0 <= v < math.inf, "finite and >= 0"
     )

@@ -49,7 +49,13 @@ from pyro.poutine.util import site_is_subsample
 from ..export.draws import check_guide_was_run, check_observed_not_nan
 from ..guides.interface import unwrap_guide
 from ..infer.batched import BatchDecision, DtypeMismatch, evaluate_batch, first_line
-from ..infer.log_joint import LatentSite, LogJoint, cuda_devices, latent_sites_of_model
+from ..infer.log_joint import (
+    LatentSite,
+    LogJoint,
+    check_callable,
+    cuda_devices,
+    latent_sites_of_model,
+)
 from ..quadrature.hermite import gauss_hermite, orthonormal_hermite
 from ..store import follow_param_store
 from .posterior import OPQAPosterior, multi_indices
@@ -335,6 +341,8 @@ def _check_arguments(
         )
     if center not in CENTERS:
         raise ValueError(f"opqa_evidence: center must be one of {CENTERS}, got {center!r}")
+    if guide is not None:
+        check_callable("opqa_evidence", "guide", guide, "a fitted guide (a callable), or None")
     if center == "guide" and guide is None:
         raise ValueError("opqa_evidence(center='guide') needs the fitted guide: guide=...")
     if center == "none" and guide is not None:

@@ -30,6 +30,7 @@ from torch.distributions.transforms import (
 )
 
 from ..infer.log_joint import LatentSite
+from ..optim.sparse_functional import _check_int
 from ..quadrature.hermite import GaussHermiteRule, orthonormal_hermite
 
 __all__ = ["Marginal", "OPQAPosterior"]
@@ -233,8 +234,7 @@ class OPQAPosterior:
         tensor Gauss-Hermite quadrature over ``y``, exact for the degree of ``p_T`` (capped at
         4096 nodes: ``Marginal.exact`` is false if the cap cut it).
         """
-        if num < 2:
-            raise ValueError(f"marginals: num must be >= 2, got {num}")
+        _check_int("OPQAPosterior.marginals: num", num, 2)
         mean, covariance = self._x_moments()
         complement_rule, exact = self._complement_rule()
         device = self.loc.device

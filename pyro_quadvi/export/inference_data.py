@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from importlib.metadata import version
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +83,8 @@ def to_inference_data(
 
     Raises:
         RuntimeError: if the guide was never run (fit it with ``svi.step`` first).
+        TypeError: before anything is drawn, for ``coords`` that are not a mapping ``dim ->
+            values``, or ``dims`` that are not a mapping ``variable -> dim names`` (str).
         ValueError: for a bad ``num_samples``, ``dims``, ``vectorize`` or ``max_bytes``, an
             export larger than ``max_bytes``, a plate given only some of its indices by the
             model's arguments, observed data with NaN (naming the site), or a log likelihood
@@ -91,6 +93,7 @@ def to_inference_data(
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    _check_labels(coords, dims)
     arviz_major = int(version("arviz").split(".")[0])
     if arviz_major >= 1:
         raise NotImplementedError(
@@ -111,3 +114,27 @@ def to_inference_data(
     groups, all_coords = label(draws, log_likelihood, coords, dims)
     attrs = {"vectorized": int(draws.vectorized), "guide": type(guide).__name__}
     return to_inference_data_v0(groups, all_coords, attrs)
+
+
+def _check_labels(coords: object, dims: object) -> None:
+    """`to_inference_data`'s refusal of ``coords`` and ``dims`` of another type, before the
+    draws (Python's "'int' object is not iterable" or "dictionary update sequence element #0
+    has length 1" came after them, naming neither)."""
+    if coords is not None and not isinstance(coords, Mapping):
+        raise TypeError(
+            "to_inference_data: coords must be a mapping dim -> coordinate values (e.g. "
+            f"{{'data': years}}), or None, got {coords!r} ({type(coords).__name__})"
+        )
+    if dims is None:
+        return
+    wrong = not isinstance(dims, Mapping) or any(
+        isinstance(names, str)
+        or not isinstance(names, Collection)
+        or not all(isinstance(name, str) for name in names)
+        for names in dims.values()
+    )
+    if wrong:
+        raise TypeError(
+            "to_inference_data: dims must be a mapping variable -> a sequence of dim names "
+            f"(e.g. {{'w': ['feature']}}), or None, got {dims!r}"
+        )

@@ -197,6 +197,15 @@ def _innermost(fn):
     return innermost
 
 
+def check_callable(owner: str, name: str, value: object, what: str) -> None:
+    """Refuse a ``value`` that is not callable, naming ``owner``'s argument ``name`` and
+    ``what`` it takes (``"a callable Pyro model"``): Pyro's own refusal ("1 is not callable,
+    did you mean to pass it as a keyword arg?", or a ``TypeError`` of ``Messenger.__call__``
+    for ``None``) came from deep in a handler and named neither."""
+    if not callable(value):
+        raise TypeError(f"{owner}: {name} must be {what}, got {value!r} ({type(value).__name__})")
+
+
 def latent_sites_of_model(model: Callable, *args, **kwargs) -> list[LatentSite]:
     """The continuous latent sites of one run of ``model``, in order, in unconstrained space.
 
@@ -205,6 +214,7 @@ def latent_sites_of_model(model: Callable, *args, **kwargs) -> list[LatentSite]:
     in the prior's range is the model's own business until a point lands there, where
     `LogJoint` names the site and the point).
     """
+    check_callable("latent_sites_of_model", "model", model, "a callable Pyro model")
     blocked = poutine.block(model, hide_types=["param"])
     with pyro.validation_enabled(False):
         trace = poutine.trace(blocked).get_trace(*args, **kwargs)
@@ -227,6 +237,11 @@ def latent_nodes(trace: Trace):
 
 def model_max_plate_nesting(trace: Trace) -> int:
     """The deepest vectorized plate of a trace (0 without plates)."""
+    if not isinstance(trace, Trace):
+        raise TypeError(
+            "model_max_plate_nesting: trace must be a pyro.poutine.Trace (poutine.trace(model)"
+            f".get_trace(*args)), got {trace!r} ({type(trace).__name__})"
+        )
     return deepest_plate(trace)[0]
 
 
@@ -295,6 +310,39 @@ def check_max_plate_nesting(owner: str, value: object, find: float | None) -> No
     raise ValueError(f"{owner}: max_plate_nesting must be {expected}, got {value!r}{fix}")
 
 
+def _check_arguments(sites: object, closed_form: object, expected_log_priors: object) -> None:
+    """Refuse `LogJoint`'s ``sites`` other than a sequence of `LatentSite`, ``closed_form``
+    other than a mapping (or ``None``) and ``expected_log_priors`` other than a collection of
+    site names, naming the argument: Python's "'NoneType' object is not iterable" or "'int'
+    object has no attribute 'numel'" named none."""
+    wrong: tuple[object, str] | None = (sites, "")
+    if isinstance(sites, Sequence) and not isinstance(sites, str):
+        others = (site for site in sites if not isinstance(site, LatentSite))
+        wrong = next(((site, " in it") for site in others), None)
+    if wrong is not None:
+        value, where = wrong
+        raise TypeError(
+            "LogJoint: sites must be a sequence of LatentSite, in the order of the points' "
+            f"coordinates (latent_sites_of_model(model, *args) gives them), got {value!r} "
+            f"({type(value).__name__}){where}"
+        )
+    if closed_form is not None and not isinstance(closed_form, Mapping):
+        raise TypeError(
+            "LogJoint: closed_form must be a mapping site name -> the guide's block there, or "
+            f"None, got {closed_form!r} ({type(closed_form).__name__})"
+        )
+    names = expected_log_priors
+    if (
+        not isinstance(names, Collection)
+        or isinstance(names, (str, Mapping))
+        or not all(isinstance(name, str) for name in names)
+    ):
+        raise TypeError(
+            "LogJoint: expected_log_priors must be a collection of site names (str), e.g. () or "
+            f"{{'w'}}, got {names!r} ({type(names).__name__})"
+        )
+
+
 def total_of(terms: Mapping[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
     """The log joint at the points ``z`` from its terms per site (`LogJoint`'s ``by_site``),
     summed in their order onto zeros of ``z``'s dtype and device."""
@@ -342,12 +390,9 @@ class LogJoint:
         expected_log_priors: Collection[str] = (),
         node_by_node: bool = False,
     ):
-        if not callable(model):
-            raise TypeError(
-                f"LogJoint: model must be a callable Pyro model, got {model!r} "
-                f"({type(model).__name__})"
-            )
+        check_callable("LogJoint", "model", model, "a callable Pyro model")
         check_max_plate_nesting("LogJoint", max_plate_nesting, None)
+        _check_arguments(sites, closed_form, expected_log_priors)
         self.model = model
         self.node_by_node = node_by_node
         self.sites = list(sites)
@@ -361,6 +406,11 @@ class LogJoint:
 
     def split(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
         """Cut flat points ``(..., dim)`` into per-site tensors ``(..., *site.shape)``."""
+        if not isinstance(z, torch.Tensor) or z.dim() == 0:
+            what = "a 0-d tensor" if isinstance(z, torch.Tensor) else type(z).__name__
+            raise TypeError(
+                f"LogJoint: z must be a tensor of points (K, {self.dim}), got {z!r} ({what})"
+            )
         if z.shape[-1] != self.dim:
             raise ValueError(
                 f"expected points with {self.dim} unconstrained coordinates "
@@ -460,6 +510,11 @@ class LogJoint:
         found, plate = self._find_plate_nesting(
             self.split(z), args, kwargs or {}, replay_trace, where
         )
+        self._refuse_shallow(found, plate)
+
+    def _refuse_shallow(self, found: int, plate: str | None) -> None:
+        """`check_plate_nesting`'s refusal, where the model nests ``found`` plates (the deepest:
+        ``plate``) and more than ``max_plate_nesting``."""
         if found > self.max_plate_nesting:
             raise ValueError(
                 f"max_plate_nesting={self.max_plate_nesting}, but the model nests its plates "
@@ -627,8 +682,13 @@ class LogJoint:
                 )
             padded[site.name] = value.reshape((K,) + (1,) * pad + site.shape)
         constrained, log_jac = self._constrain(padded)
-        trace = self._trace(constrained, args, kwargs, replay_trace, points=z)
-        self._compute_log_prob(trace)
+        try:
+            trace = self._trace(constrained, args, kwargs, replay_trace, points=z)
+            self._compute_log_prob(trace)
+        except (RuntimeError, ValueError, IndexError) as error:
+            if is_broadcast_error(error):
+                self._refuse_shallow_after(unconstrained, z, args, kwargs, replay_trace)
+            raise
         terms = {}
         for name, site in trace.nodes.items():
             if site["type"] == "sample" and "log_prob" in site:
@@ -641,6 +701,24 @@ class LogJoint:
             scale = _jacobian_scale(name, trace, replay_trace)
             terms[name] = terms[name] + _per_particle(name, scale * ladj, K, mpn)
         return terms, trace
+
+    def _refuse_shallow_after(self, unconstrained, z, args, kwargs, replay_trace) -> None:
+        """After shapes that did not broadcast in the vectorized pass, refuse a given
+        ``max_plate_nesting`` below the model's plates (`check_plate_nesting`): the points'
+        plate then took a dim of the model's, and torch's error ("Value is not broadcastable")
+        named neither. One looped run at the first point, from a fork of torch's random state
+        and without recording its subsample; where that run fails too, the original error
+        stands."""
+        subsample = self._subsample
+        try:
+            with torch.random.fork_rng(devices=cuda_devices(z, args, kwargs)):
+                where = functools.partial(_where, z, 0)
+                found = self._find_plate_nesting(unconstrained, args, kwargs, replay_trace, where)
+        except Exception:  # (the caller raises the broadcast error)
+            return
+        finally:
+            self._subsample = subsample
+        self._refuse_shallow(*found)
 
     def _vector_in_a_plate(self, node: dict, padded: Mapping[str, torch.Tensor]) -> str | None:
         """Why the log density of ``node`` has dims left of the points' dim, where a vector latent

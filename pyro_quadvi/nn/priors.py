@@ -9,6 +9,7 @@ every dim an event dim (``.to_event``), so each parameter is one sample site.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 
 import pyro.distributions as dist
@@ -17,7 +18,7 @@ from torch.nn.init import _calculate_fan_in_and_fan_out
 
 from .. import distributions
 from ..distributions.iid_normal import IidNormal
-from ..optim.qnvb_functional import _check_number
+from ..optim.qnvb_functional import _check_number, _check_scalar
 from ..optim.sparse_functional import _check_int
 
 __all__ = [
@@ -53,6 +54,15 @@ def _check_fits(prior: Prior, numbers: dict[str, float], name: str, param: torch
             )
 
 
+def _as_float(owner: str, name: str, value: object, expected: str) -> float:
+    """``value``, a real number or a one-element real tensor, as a float, refused naming the
+    prior, the argument and ``expected`` where it is of another type (``None``, a string, a list,
+    a tensor of two entries: Python's and torch's comparison errors named neither;
+    `_check_scalar`). Its range is the caller's to check."""
+    _check_scalar(owner, name, value, lambda v: True, expected)
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+
+
 class Normal(Prior):
     """An iid ``Normal(loc, scale)`` on every entry of every parameter.
 
@@ -62,10 +72,12 @@ class Normal(Prior):
     """
 
     def __init__(self, scale: float = 1.0, loc: float = 0.0):
-        if not scale > 0:
-            raise ValueError(f"scale must be > 0, got {scale!r}")
-        self.scale = float(scale)
-        self.loc = float(loc)
+        self.scale = _as_float("priors.Normal", "scale", scale, "finite and > 0")
+        self.loc = _as_float("priors.Normal", "loc", loc, "(finite)")
+        if not (0 < self.scale < math.inf and math.isfinite(self.loc)):
+            raise ValueError(
+                f"priors.Normal needs a finite loc and scale > 0, got scale={scale!r}, loc={loc!r}"
+            )
 
     def __call__(self, name: str, param: torch.Tensor) -> dist.Distribution:
         _check_fits(self, {"loc": self.loc, "scale": self.scale}, name, param)
@@ -83,7 +95,20 @@ def fan_in_and_fan_out(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     *kernel)``) ``fan_in = in / groups * prod(kernel)``; for ``nn.ConvTranspose*d``, whose weight
     is ``(in, out / groups, *kernel)``, ``fan_in = out / groups * prod(kernel)`` and ``fan_out =
     in * prod(kernel)``, as torch's own initialization takes them.
+
+    Raises:
+        TypeError: for a ``shape`` that is not a sequence of at least 2 ints ``>= 0`` (``None``,
+            an int, a string, a 1-d shape: torch's message named no argument).
     """
+    if (
+        not isinstance(shape, (tuple, list))
+        or len(shape) < 2
+        or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in shape)
+    ):
+        raise TypeError(
+            "fan_in_and_fan_out: shape must be a weight's shape, a tuple of at least 2 ints >= 0 "
+            f"(out, in, *kernel), got {shape!r}; a parameter of fewer dims has no fans of its own"
+        )
     return _calculate_fan_in_and_fan_out(torch.empty(tuple(shape), device="meta"))
 
 
@@ -120,10 +145,11 @@ class LayerwiseNormal(Prior):
     def __init__(self, method: str = "radford", scale: float = 1.0):
         if method not in self.METHODS:
             raise ValueError(f"method must be one of {self.METHODS}, got {method!r}")
-        if not scale > 0:
-            raise ValueError(f"scale must be > 0, got {scale!r}")
+        owner = "priors.LayerwiseNormal"
+        self.scale = _as_float(owner, "scale", scale, "finite and > 0")
+        if not 0 < self.scale < math.inf:
+            raise ValueError(f"{owner}: scale must be finite and > 0, got {scale!r}")
         self.method = method
-        self.scale = float(scale)
         self._shapes: dict[str, torch.Size] | None = None  # None: not bound to a network yet
 
     def bind(
@@ -205,12 +231,13 @@ class SpikeSlab(Prior):
     """
 
     def __init__(self, inclusion: float, slab_scale: float = 1.0):
-        if not 0.0 < inclusion < 1.0:
-            raise ValueError(f"inclusion must lie in (0, 1), got {inclusion!r}")
-        if not 0 < slab_scale < math.inf:
-            raise ValueError(f"slab_scale must be finite and > 0, got {slab_scale!r}")
-        self.inclusion = float(inclusion)
-        self.slab_scale = float(slab_scale)
+        owner = "priors.SpikeSlab"
+        self.inclusion = _as_float(owner, "inclusion", inclusion, "in (0, 1)")
+        if not 0.0 < self.inclusion < 1.0:
+            raise ValueError(f"{owner}: inclusion must lie in (0, 1), got {inclusion!r}")
+        self.slab_scale = _as_float(owner, "slab_scale", slab_scale, "finite and > 0")
+        if not 0 < self.slab_scale < math.inf:
+            raise ValueError(f"{owner}: slab_scale must be finite and > 0, got {slab_scale!r}")
 
     def __call__(self, name: str, param: torch.Tensor) -> distributions.SpikeSlab:
         _check_fits(self, {"slab_scale": self.slab_scale}, name, param)

@@ -93,10 +93,19 @@ def geometric_annealing(initial: float, num_steps: int) -> Callable[[int], float
     The factor grows by the same ratio every step, from ``initial`` at step 0 to 1.
 
     Raises:
+        TypeError: for an ``initial`` that is not a real number (``None``, a string, a tensor of
+            two entries: Python's comparison error named neither).
         ValueError: unless ``0 < initial <= 1`` and ``num_steps >= 1``.
     """
-    if not 0 < initial <= 1:
-        raise ValueError(f"initial must be in (0, 1], got {initial}")
+    value = _factor_value(initial)
+    if value is None:
+        raise TypeError(
+            "geometric_annealing: initial must be a real number in (0, 1], the factor of step "
+            f"0, got {initial!r} ({type(initial).__name__})"
+        )
+    if not 0 < value <= 1:
+        raise ValueError(f"geometric_annealing: initial must be in (0, 1], got {initial}")
+    initial = value
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
     return _GeometricSchedule(initial, num_steps)
@@ -156,10 +165,27 @@ class AnnealLikelihoodMessenger(Messenger):
     def _process_message(self, msg):
         if msg["type"] == "sample" and msg["is_observed"] and not site_is_subsample(msg):
             factor = self.factor()
-            _checked_factor(
+            value = _checked_factor(
                 factor, f"anneal_likelihood: factor() at site {msg['name']!r} must be", _EXPONENT
             )
+            _check_representable(value, msg)
             msg["scale"] = factor * msg["scale"]
+
+
+def _check_representable(factor: float, msg: dict) -> None:
+    """Refuse a ``factor`` beyond the largest number of the observed site's floating dtype, the
+    dtype of its log density: ``1e300`` is finite in float64 but infinite in float32, and the
+    ELBO then blamed the model's support for the infinite log density."""
+    value = msg["value"]
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return
+    largest = torch.finfo(value.dtype).max
+    if factor > largest:
+        raise ValueError(
+            f"anneal_likelihood: the factor {factor!r} at site {msg['name']!r} is beyond the "
+            f"largest {value.dtype} number ({largest:.3g}), the dtype of the site's log density: "
+            "pass a factor within it (an annealing schedule runs in (0, 1]), or float64 data"
+        )
 
 
 def anneal_likelihood(model: Callable, factor: float | Callable[[], float]) -> Callable:

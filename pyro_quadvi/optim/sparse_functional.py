@@ -168,11 +168,31 @@ class SparseQNVBHyperparameters:
         if self.late_tau_max is not None:
             _check_number("late_tau_max", self.late_tau_max, *positive)
         _check_int("late_epoch", self.late_epoch, 1)
+        self.check_widths("", torch.float64)
         if self.late_epoch > self.num_epochs:
             raise ValueError(
                 f"late_epoch must be at most num_epochs={self.num_epochs}, got "
                 f"{self.late_epoch!r}: late_tau_max would never apply"
             )
+
+    def check_widths(self, owner: str, dtype: torch.dtype) -> None:
+        """Refuse a ``tau_max`` (or ``late_tau_max``) whose square or inverse square is beyond
+        the range of ``dtype``: the slab's variance ``tau_max^2`` in the zero logits (eq. 4.6)
+        and the curvature floor ``1 / tau_max^2`` (Algorithm 5.3, line 3) are computed in it
+        (``tau_max=1e300`` overflowed in the first step's zero logits with Python's "Numerical
+        result out of range"). ``owner`` (``"SparseQNVBOptimizer: "``, or ``""``) goes first."""
+        largest = torch.finfo(dtype).max
+        low, high = largest**-0.5, largest**0.5
+        for name in ("tau_max", "late_tau_max"):
+            value = getattr(self, name)
+            if value is not None and not low <= value <= high:
+                fix = "" if dtype == torch.float64 else ", or use float64 parameters"
+                raise ValueError(
+                    f"{owner}{name}={value!r} is outside [{low:.3g}, {high:.3g}], where its "
+                    f"square (the slab's variance in the zero logits) and its inverse square "
+                    f"(the curvature floor) are finite in {dtype}: pass a width within it (Table "
+                    f"1's tau_max is 0.3){fix}"
+                )
 
     def curvature_floor(self, epoch: int) -> float:
         """The floor on the curvature sums in ``epoch`` (1-based): ``1 / tau_max^2``

@@ -45,6 +45,7 @@ from .sparse_functional import (
     sparse_qnvb_update,
     step_cap_message,
 )
+from .sparse_torch import check_ranges
 
 __all__ = ["SparseQNVB"]
 
@@ -297,6 +298,9 @@ class SparseQNVB(QNVB):
             name = site.param_names["loc"]
             block = self.blocks.get(name)
             if block is None or block.nu.shape != g.shape:
+                prior_share = self.prior_precision / steps
+                dtype = site.values["loc"].dtype
+                check_ranges("SparseQNVB: ", hp, dtype, self.cases_per_step, prior_share)
                 block = self._initial_block(site)
             blocks.append(block)
             g_terms.append(g / steps + (self.prior_precision / steps) * block.mu)

@@ -76,6 +76,23 @@ class _SparseGroup(dict):
         )
 
 
+def check_ranges(
+    owner: str,
+    hp: SparseQNVBHyperparameters,
+    dtype: torch.dtype,
+    cases_per_step: float,
+    prior_share: float,
+) -> None:
+    """Refuse settings that a step in ``dtype`` would turn into an infinity, or into a 0 that
+    lifts a floor: the cases per step ``num_cases / steps_per_epoch`` and the prior's share
+    ``prior_precision / steps_per_epoch`` beyond its range, and a ``tau_max`` or
+    ``late_tau_max`` whose square or inverse square is (`SparseQNVBHyperparameters.check_widths`).
+    ``owner``: ``"SparseQNVBOptimizer: "`` or ``"SparseQNVB: "``."""
+    check_representable(owner, "num_cases / steps_per_epoch", cases_per_step, dtype)
+    check_representable(owner, "prior_precision / steps_per_epoch", prior_share, dtype)
+    hp.check_widths(owner, dtype)
+
+
 class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     """Sparsifying quasi-Newton variational Bayes for ``torch.nn`` parameters (sequence paper,
     Algorithms 5.1-5.3).
@@ -228,18 +245,15 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         super().add_param_group(group)
 
     def _check_ranges(self, dtype: torch.dtype) -> None:
-        """Refuse settings that the step's terms in ``dtype`` would turn into an infinity: the
-        cases per step ``num_cases / steps_per_epoch`` and the prior's share
-        ``prior_precision / steps_per_epoch`` beyond its range, and an ``initial_lr`` whose
-        curvature ``1 / initial_lr`` rounds to 0 there (``sigma = (1 / initial_lr)^(-1/2)``
-        would start infinite)."""
+        """Refuse settings that the step's terms in ``dtype`` would turn into an infinity
+        (`check_ranges`), and an ``initial_lr`` whose curvature ``1 / initial_lr`` rounds to 0
+        there (``sigma = (1 / initial_lr)^(-1/2)`` would start infinite)."""
         if not dtype.is_floating_point:
             return
         owner, steps = "SparseQNVBOptimizer: ", self.steps_per_epoch
-        check_representable(owner, "num_cases / steps_per_epoch", self.num_cases / steps, dtype)
-        prior = self.prior_precision / steps
-        check_representable(owner, "prior_precision / steps_per_epoch", prior, dtype)
-        initial_lr = self.hyperparameters.initial_lr
+        hp = self.hyperparameters
+        check_ranges(owner, hp, dtype, self.num_cases / steps, self.prior_precision / steps)
+        initial_lr = hp.initial_lr
         tiny = torch.finfo(dtype).tiny
         if 1.0 / initial_lr < tiny:
             raise ValueError(

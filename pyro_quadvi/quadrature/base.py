@@ -96,6 +96,35 @@ def check_num_points(num_points: object) -> int:
     return index
 
 
+def check_dtype(owner: str, dtype: object, why: str = "") -> torch.dtype:
+    """``dtype``, refused naming ``owner`` unless it is a floating ``torch.dtype`` (``why``
+    follows the refusal): an int was taken for a device by ``Tensor.to`` ("Cannot access
+    accelerator device when none is available"), a string named neither."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"{owner}: dtype must be a floating torch.dtype (torch.float32, torch.float64, ...), "
+            f"got {dtype!r}{why}"
+        )
+    return dtype
+
+
+def check_device(owner: str, device: object) -> None:
+    """Refuse a ``device`` that torch cannot read as one (``None``, a ``torch.device``, a string
+    such as ``"cuda:0"`` or a CUDA index are taken), naming ``owner`` and torch's reason: its
+    own message ("Expected one of cpu, cuda, ...", "Cannot access accelerator device") named no
+    argument."""
+    if device is None or isinstance(device, torch.device):
+        return
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        reason = str(error).splitlines()[0]
+        raise ValueError(
+            f"{owner}: device must be a torch.device, a device string ('cpu', 'cuda:0') or "
+            f"None, got {device!r}: {reason}"
+        ) from error
+
+
 def check_dim(dim: int) -> int:
     """Validate a dimension argument and return it as an ``int``."""
     index = as_index(dim)
@@ -275,6 +304,7 @@ class QuadratureRule(abc.ABC):
         step: int,
         generator: torch.Generator | None,
         dtype: torch.dtype | None,
+        device: object = None,
     ) -> tuple[int, int, torch.dtype]:
         """Validate the arguments of `draw`; every rule's ``draw`` calls it first.
 
@@ -285,8 +315,8 @@ class QuadratureRule(abc.ABC):
             ValueError: naming the argument, for a ``dim`` that is not an integer >= 1, a
                 ``step`` that is not an integer >= 0, a ``generator`` that is not a
                 ``torch.Generator`` (nor ``None``), a ``dtype`` that is not a floating dtype
-                (integer weights would round ``1 / K`` to 0), or ``K`` weights of more than
-                ``max_bytes``.
+                (integer weights would round ``1 / K`` to 0), a ``device`` that is none
+                (`check_device`), or ``K`` weights of more than ``max_bytes``.
         """
         dim = check_dim(dim)
         index = as_index(step)
@@ -301,12 +331,9 @@ class QuadratureRule(abc.ABC):
             )
         if dtype is None:
             dtype = torch.get_default_dtype()
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(
-                f"{self.name}: dtype must be a floating torch.dtype (torch.float32, "
-                f"torch.float64, ...), got {dtype!r}: the weights 1 / K and the nodes are not "
-                "integers"
-            )
+        why = ": the weights 1 / K and the nodes are not integers"
+        dtype = check_dtype(self.name, dtype, why)
+        check_device(self.name, device)
         num = self.num_nodes(dim)
         needed = num * dtype.itemsize
         if needed > self.max_bytes:

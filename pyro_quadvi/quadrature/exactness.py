@@ -7,6 +7,8 @@ Fig. 2): ``1``, ``x_i``, ``x_i^2 - 1`` and ``x_i x_j`` (``i < j``) under ``N(0, 
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +62,13 @@ def quadratic_exactness(
         ValueError: for nodes or weights in float16 or bfloat16, whose rounding (about 1e-3 and
             1e-2 of a moment) is not told apart from inexactness; compute them in float32 or
             float64.
+        TypeError, ValueError: naming the argument, for an ``X`` that is not a ``(K, d)``
+            tensor, a ``w`` that is not a ``(K,)`` tensor of as many weights (torch's "mat1 and
+            mat2 shapes cannot be multiplied" named neither), or an ``atol`` that is not
+            ``None`` or a finite number ``>= 0`` (a NaN or negative one changed the counts
+            silently).
     """
+    atol = _check_arguments(X, w, atol)
     low = [t.dtype for t in (X, w) if t.dtype in (torch.float16, torch.bfloat16)]
     if low:
         raise ValueError(
@@ -90,3 +98,33 @@ def quadratic_exactness(
         square=int(((second.diagonal() - 1).abs() <= tol_second.diagonal()).sum()),
         cross=int((second.abs()[upper] <= tol_second[upper]).sum()),
     )
+
+
+def _check_arguments(X: object, w: object, atol: object) -> float | None:
+    """`quadratic_exactness`'s refusals of its arguments; ``atol`` as a float (a one-element
+    tensor read back) or ``None``."""
+    for name, value, dims, shape in (("X", X, 2, "(K, d)"), ("w", w, 1, "(K,)")):
+        if not isinstance(value, torch.Tensor) or value.dim() != dims:
+            what = (
+                f"shape {tuple(value.shape)}"
+                if isinstance(value, torch.Tensor)
+                else f"{value!r} ({type(value).__name__})"
+            )
+            raise TypeError(f"quadratic_exactness: {name} must be a {shape} tensor, got {what}")
+    if w.shape[0] != X.shape[0]:
+        raise ValueError(
+            f"quadratic_exactness: w must hold one weight per node of X, {X.shape[0]}, got "
+            f"{w.shape[0]}"
+        )
+    if atol is None:
+        return None
+    if isinstance(atol, torch.Tensor) and atol.numel() == 1 and atol.is_floating_point():
+        atol = atol.item()
+    if isinstance(atol, bool) or not isinstance(atol, numbers.Real):
+        raise TypeError(
+            f"quadratic_exactness: atol must be None or a number >= 0, got {atol!r} "
+            f"({type(atol).__name__})"
+        )
+    if not 0 <= atol < math.inf:
+        raise ValueError(f"quadratic_exactness: atol must be finite and >= 0, got {atol!r}")
+    return float(atol)

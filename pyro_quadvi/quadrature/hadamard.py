@@ -22,7 +22,9 @@ from .base import (
     DEFAULT_MAX_BYTES,
     NodeSet,
     QuadratureRule,
+    as_index,
     check_dim,
+    check_dtype,
     check_num_points,
     equal_weights,
 )
@@ -54,11 +56,42 @@ def hadamard_signs(
         iterate: the sequence position ``q >= 0`` (an int, or an integer tensor broadcasting with
             ``index``). Only its low 31 bits matter for indices below ``2^31``.
         dtype: floating dtype of the result (default dtype when ``None``).
+
+    Raises:
+        ValueError: naming the argument, for an ``index`` that is not an integer tensor, an
+            ``iterate`` that is neither an integer nor an integer tensor, or a ``dtype`` that is
+            not floating (Python's "unsupported operand type(s) for &" named none).
     """
+    if not _is_integer_tensor(index):
+        raise ValueError(
+            "hadamard_signs: index must be an integer tensor of coordinate indices, got "
+            + _described(index)
+        )
+    if as_index(iterate) is None and not _is_integer_tensor(iterate):
+        raise ValueError(
+            "hadamard_signs: iterate must be an int >= 0 or an integer tensor, got "
+            + _described(iterate)
+        )
+    dtype = check_dtype("hadamard_signs", dtype or torch.get_default_dtype())
     # a Python int stays one: an operand of the bit operations, never copied to index's device
     iterate = iterate & _INDEX_MASK
     parity = _parity(index & iterate)
-    return (1 - 2 * parity).to(dtype or torch.get_default_dtype())
+    return (1 - 2 * parity).to(dtype)
+
+
+def _is_integer_tensor(value: object) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and not value.is_floating_point()
+        and not value.is_complex()
+        and value.dtype != torch.bool
+    )
+
+
+def _described(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of dtype {value.dtype}"
+    return f"{value!r} ({type(value).__name__})"
 
 
 # -- the fast Walsh-Hadamard transform --------------------------------------------------------
@@ -258,7 +291,7 @@ class HadamardRule(QuadratureRule):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> NodeSet:
-        dim, step, dtype = self.check_draw(dim, step, generator, dtype)
+        dim, step, dtype = self.check_draw(dim, step, generator, dtype, device)
         if dim > MAX_HADAMARD_DIM:
             raise ValueError(f"hadamard supports dim <= 2^31, got {dim}")
         weights = equal_weights(self.num_points, dtype, device)

@@ -15,7 +15,9 @@ from .base import (
     DEFAULT_MAX_BYTES,
     NodeSet,
     QuadratureRule,
+    as_index,
     check_dim,
+    check_dtype,
     check_max_bytes,
     check_num_points,
     format_bytes,
@@ -52,6 +54,8 @@ def gauss_hermite(
     """
     num_points = check_num_points(num_points)
     max_bytes = check_max_bytes(max_bytes)
+    if dtype is not None:  # (None: float64, as computed)
+        check_dtype("gauss_hermite", dtype)
     if num_points < 1:
         raise ValueError(f"Gauss-Hermite needs num_points >= 1, got {num_points}")
     needed = gauss_hermite_bytes(num_points)
@@ -80,9 +84,20 @@ def orthonormal_hermite(x: torch.Tensor, degree: int) -> torch.Tensor:
     ``psi_{n+1} = (x psi_n - sqrt(n) psi_{n-1}) / sqrt(n + 1)``: no factorials, stable to high
     degree.
     Returns a tensor of shape ``x.shape + (degree + 1,)``.
+
+    Raises:
+        ValueError: naming the argument, for an ``x`` that is not a tensor or a ``degree`` that
+            is not an integer ``>= 0`` (``None`` or ``2.5`` failed in Python's comparison or
+            ``range``).
     """
-    if degree < 0:
-        raise ValueError(f"degree must be >= 0, got {degree}")
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(
+            f"orthonormal_hermite: x must be a tensor of points, got {x!r} ({type(x).__name__})"
+        )
+    index = as_index(degree)
+    if index is None or index < 0:
+        raise ValueError(f"orthonormal_hermite: degree must be >= 0 (an integer), got {degree!r}")
+    degree = index
     values = [torch.ones_like(x)]
     if degree >= 1:
         values.append(x.clone())
@@ -173,7 +188,7 @@ class GaussHermiteRule(QuadratureRule):
                 "use fewer points per dimension, raise max_nodes, or a sigma-point rule "
                 "(rasp_simplex, hadamard) for many dimensions"
             )
-        dim, step, dtype = self.check_draw(dim, step, generator, dtype)
+        dim, step, dtype = self.check_draw(dim, step, generator, dtype, device)
         points, weights = gauss_hermite(self.num_points, max_bytes=self.max_bytes)
         return _TensorGridNodes(
             points.to(dtype=dtype, device=device),

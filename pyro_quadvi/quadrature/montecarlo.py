@@ -110,7 +110,7 @@ class MonteCarloRule(QuadratureRule):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> NodeSet:
-        dim, step, dtype = self.check_draw(dim, step, generator, dtype)
+        dim, step, dtype = self.check_draw(dim, step, generator, dtype, device)
         seed_device = generator.device if generator is not None else None
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=seed_device).item())
         weights = equal_weights(self.num_points, dtype, device)

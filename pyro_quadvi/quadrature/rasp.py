@@ -166,7 +166,7 @@ class RASPRule(QuadratureRule):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> NodeSet:
-        dim, step, dtype = self.check_draw(dim, step, generator, dtype)
+        dim, step, dtype = self.check_draw(dim, step, generator, dtype, device)
         num_rows = 2 * self.r
         # drawn where the generator lives (a CPU generator serves any device), then moved
         index = torch.randint(
@@ -384,7 +384,7 @@ class BlockedSimplexRule(QuadratureRule):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> NodeSet:
-        dim, step, dtype = self.check_draw(dim, step, generator, dtype)
+        dim, step, dtype = self.check_draw(dim, step, generator, dtype, device)
         num_blocks = -(-dim // self.block_size)
         # drawn where the generator lives (a CPU generator serves any device), then moved
         at = draw_device(generator, device)
