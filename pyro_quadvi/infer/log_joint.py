@@ -461,6 +461,7 @@ class LogJoint:
             self.max_plate_nesting = self._find_plate_nesting(
                 unconstrained, args, kwargs, replay_trace, functools.partial(_where, z, 0)
             )[0]
+        single_traces = None  # the loop's trace at each point
         if vectorize:
             terms, trace = self._vectorized(unconstrained, z, args, kwargs, replay_trace)
         else:
@@ -471,7 +472,8 @@ class LogJoint:
                 where = functools.partial(_where, z, k)
                 rows.append(self._single(values, args, kwargs, replay_trace, where))
             terms = {name: torch.stack([row[0][name] for row in rows]) for name in rows[0][0]}
-            trace = rows[-1][1]
+            single_traces = [row[1] for row in rows]
+            trace = single_traces[-1]
         # (a model whose every term is left to the caller has none)
         total = total_of(terms, z)
         if bool(torch.isfinite(total).all()):  # then so is every term: one check, not one a site
@@ -480,7 +482,11 @@ class LogJoint:
             bad = ~torch.isfinite(term)
             if bad.any():
                 k = int(bad.nonzero()[0, 0])
-                raise ValueError(_not_finite(trace.nodes[name], term[k].item(), _where(z, k)))
+                at_k = None if single_traces is None else single_traces[k]
+                overflow = self._overflow(name, unconstrained, k, args, kwargs, replay_trace, at_k)
+                raise ValueError(
+                    _not_finite(trace.nodes[name], term[k].item(), _where(z, k), overflow=overflow)
+                )
         k = int((~torch.isfinite(total)).nonzero()[0, 0])
         largest = max(terms, key=lambda name: terms[name][k].abs().item())
         fix = (
@@ -494,6 +500,40 @@ class LogJoint:
             f"is finite (the largest in size: {largest!r}, {terms[largest][k].item():.4g}) but "
             f"their sum is not; {fix}"
         )
+
+    def _overflow(
+        self,
+        name: str,
+        unconstrained: Mapping[str, torch.Tensor],
+        k: int,
+        args: tuple,
+        kwargs: dict,
+        replay_trace: Trace | None,
+        trace_at_k: Trace | None,
+    ) -> str | None:
+        """Why the log density of site ``name`` is not finite at point ``k``, where a value
+        overflowed (read on the error path only): a latent whose constrained value is not finite
+        (its transform overflowed at a point a step too large reached), else a parameter of the
+        site's distribution that is not finite while every latent is (the model's arithmetic
+        overflowed: inputs on a large scale); ``None`` for neither. ``trace_at_k``: the model's
+        run at that point, where the loop made one; else the model runs once more there (from a
+        fork of torch's random state, without validation, so that it reaches the site)."""
+        values = {site: value[k].detach() for site, value in unconstrained.items()}
+        with torch.no_grad():
+            constrained, _ = self._constrain(values)
+        for site in self.sites:
+            if not bool(torch.isfinite(constrained[site.name]).all()):
+                return _latent_overflow(site.name, constrained[site.name], values[site.name])
+        if trace_at_k is None:
+            devices = cuda_devices(values, args, kwargs)
+            try:
+                with torch.random.fork_rng(devices=devices), pyro.validation_enabled(False):
+                    with torch.no_grad():
+                        trace_at_k = self._trace(constrained, args, kwargs, replay_trace)
+            except Exception:  # (the caller's message stands)
+                return None
+        node = trace_at_k.nodes.get(name)
+        return None if node is None else _parameter_overflow(node)
 
     def check_plate_nesting(
         self, z: torch.Tensor, args=(), kwargs=None, replay_trace: Trace | None = None
@@ -857,11 +897,103 @@ def _where(z: torch.Tensor, k: int) -> str:
     return where
 
 
-def _not_finite(site: dict, value: float, where: str, hint: str | None = None) -> str:
+def _latent_overflow(name: str, value: torch.Tensor, unconstrained: torch.Tensor | None) -> str:
+    """`_not_finite`'s account of the latent site ``name``, whose constrained ``value`` is not
+    finite: its transform overflowed at a point that a step too large reached. ``unconstrained``:
+    its coordinates at the point, where known (``None``: ``value`` holds all points of a pass)."""
+    bad = ~torch.isfinite(value)
+    first = value[bad].reshape(-1)[0].item()
+    entry, place, at = repr(name), "one of the points evaluated", ""
+    if unconstrained is not None:
+        if value.dim():
+            entry += f" (entry {bad.nonzero()[0].tolist()})"
+        if unconstrained.shape == value.shape:
+            coordinate = unconstrained[bad].reshape(-1)[0].item()
+        else:  # (a transform that changes the shape, as a simplex's)
+            coordinate = unconstrained.abs().max().item()
+        if not math.isfinite(coordinate):
+            return (
+                f"the latent site {entry} has the unconstrained value {coordinate} at this "
+                "point: the fit has diverged; cap the optimizer's steps (QNVB's trust_region, a "
+                "smaller lr) or restart from the last good checkpoint"
+            )
+        place, at = "this point", f", where its unconstrained value is {coordinate:.4g}"
+    dtype = str(value.dtype).removeprefix("torch.")
+    return (
+        f"the latent site {entry} is {first} at {place}{at}: its transform to the support "
+        f"overflows {dtype}. A value this far out comes from an optimizer's step that was too "
+        "large, not from the posterior (a large lr moves every latent by up to lr, those on a "
+        "log scale too). Take smaller steps: a smaller lr, a large lr only for the latents on "
+        "the data's scale (QNVB(lambda name: {'lr': 1e4} if name.endswith('.mu') else {}) for a "
+        "site 'mu'), or QNVB's trust_region (see the page 'QNVB: quasi-Newton variational "
+        "Bayes')"
+    )
+
+
+def _parameter_overflow(site: dict) -> str | None:
+    """`_not_finite`'s account of a site whose distribution has a parameter that is not finite
+    at a point where every latent is finite; ``None`` where every parameter set on the
+    distribution (or the wrappers' inner ones) is finite, and for a ``pyro.factor``."""
+    for fn in _layers(site["fn"]):
+        if type(fn).__name__ == "Unit":  # a pyro.factor: `_not_finite` words it
+            return None
+        for param in getattr(fn, "arg_constraints", {}):
+            value = vars(fn).get(param)  # (set ones only: a lazy one would be computed)
+            if not isinstance(value, torch.Tensor) or bool(torch.isfinite(value).all()):
+                continue
+            first = value[~torch.isfinite(value)].reshape(-1)[0].item()
+            how = (
+                "gave NaN (inf - inf or 0 * inf after an overflow; or 0/0, the log of a "
+                "negative number)"
+                if math.isnan(first)
+                else "overflowed"
+            )
+            return (
+                f"its {type(fn).__name__} parameter {param!r} is {first} there, while every "
+                f"latent is finite: the model's arithmetic {how}. On inputs of a large scale an "
+                "exp of a linear predictor overflows near the guide's start (a coefficient of "
+                "0.1 times an input of 1e4 under exp is exp(1000)): standardize the inputs "
+                "(each column to mean 0 and sd 1) and the data, or start the guide near the "
+                "posterior (init_loc_fn=init_to_value(values={...}) in the guide); where this "
+                "follows steps that went well, the last step was too large (a smaller lr, or "
+                "QNVB's trust_region)"
+            )
+    return None
+
+
+def _overflow_in(trace: Trace, site: dict, steps: bool) -> str | None:
+    """`LogJoint._overflow` read from a run of the model (all points of a pass, or one): a latent
+    whose value is not finite (named where the points come from ``steps`` of an optimizer; at a
+    guide's initial values, the general advice stands), else a parameter of ``site``'s
+    distribution that is not finite."""
+    for name, latent in latent_nodes(trace):
+        value = latent["value"]
+        if isinstance(value, torch.Tensor) and not bool(torch.isfinite(value).all()):
+            return _latent_overflow(name, value, None) if steps else None
+    return _parameter_overflow(site)
+
+
+def _not_finite(
+    site: dict,
+    value: float,
+    where: str,
+    hint: str | None = None,
+    overflow: str | None = None,
+) -> str:
     """Why the log density of ``site`` is ``value`` (not finite), and what to do; ``hint``: the
-    model's own account, in place of the general advice."""
+    model's own account, in place of the general advice; ``overflow``: a value that overflowed
+    at the point (`LogJoint._overflow`), the cause, unless the data hold NaN."""
     name = site["name"]
     head = f"the log density of site {name!r} is not finite ({value}) at {where}"
+    if site["is_observed"] and torch.isnan(torch.as_tensor(site["value"])).any():
+        index = torch.isnan(torch.as_tensor(site["value"])).nonzero()[0].tolist()
+        return (
+            f"{head}: the observed data of {name!r} hold NaN (first at index {index}); drop or "
+            "impute those rows (a masked entry, poutine.mask / obs_mask, needs a finite value "
+            "too: NaN there makes the gradients NaN)"
+        )
+    if overflow:
+        return f"{head}: {overflow}"
     if site["infer"].get("is_auxiliary") or type(_innermost(site["fn"])).__name__ == "Unit":
         if math.isnan(value):
             return (
@@ -872,13 +1004,6 @@ def _not_finite(site: dict, value: float, where: str, hint: str | None = None) -
         return (
             f"{head}: the pyro.factor {name!r} rules this point out; start the guide where the "
             "factor is finite, with a smaller init_scale"
-        )
-    if site["is_observed"] and torch.isnan(torch.as_tensor(site["value"])).any():
-        index = torch.isnan(torch.as_tensor(site["value"])).nonzero()[0].tolist()
-        return (
-            f"{head}: the observed data of {name!r} hold NaN (first at index {index}); drop or "
-            "impute those rows (a masked entry, poutine.mask / obs_mask, needs a finite value "
-            "too: NaN there makes the gradients NaN)"
         )
     if hint:
         return f"{head}: {hint}"
@@ -956,7 +1081,7 @@ def name_the_invalid_initial_site(
     with torch.random.fork_rng(devices=list(rng_state.cuda)):
         rng_state.restore()
         where = "the guide's initial values (from its init_loc_fn)"
-        _name_the_invalid_site(blocked, args, kwargs, error, lambda: where, hint=hint)
+        _name_the_invalid_site(blocked, args, kwargs, error, lambda: where, hint=hint, steps=False)
 
 
 def _name_the_invalid_site(
@@ -967,6 +1092,7 @@ def _name_the_invalid_site(
     where: Callable[[], str],
     locate: Callable[[torch.Tensor], str] | None = None,
     hint: Callable[[Trace], str | None] | None = None,
+    steps: bool = True,
 ) -> None:
     """Raise a ValueError naming the site whose argument validation raised ``error``, if found.
 
@@ -975,7 +1101,9 @@ def _name_the_invalid_site(
     the site, and its log density shows which one it is. ``locate`` names the point from the
     site's mask of non-finite entries (a pass over several points), else ``where()`` is the place
     (written only here, on an error: it reads the point back from its device). ``hint``, the
-    model's own, reads the run's trace and may name the likely cause and its fix.
+    model's own, reads the run's trace and may name the likely cause and its fix; else a value
+    that overflowed is named (`_overflow_in`; a latent's only where ``steps`` of an optimizer
+    reached the point, not at a guide's initial values).
     """
     with pyro.validation_enabled(False), torch.no_grad():
         try:
@@ -990,7 +1118,9 @@ def _name_the_invalid_site(
         if bad.any():
             value = log_prob[bad].reshape(-1)[0].item()
             at = where() if locate is None else locate(bad)
-            why = _not_finite(node, value, at, None if hint is None else hint(trace))
+            hinted = None if hint is None else hint(trace)
+            overflow = None if hinted else _overflow_in(trace, node, steps)
+            why = _not_finite(node, value, at, hinted, overflow=overflow)
             raise ValueError(f"{why}. ({first_line(error)})") from None
 
 

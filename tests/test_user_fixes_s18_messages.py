@@ -1,0 +1,161 @@
+"""Session 18 (trial t1): the ELBO's errors on a diverged or unscaled fit name the value that
+overflowed and the advice that fits; the vectorize fallback names the broadcasting form of
+``x @ b``; pyro.contrib.gp's own guide is refused with the way out, and docs/guides.md's GP
+recipe predicts at the fitted hyperparameters."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI
+
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model
+
+OLD_ADVICE = "else from a smaller init_scale"
+
+
+def hierarchical_non_centred(group, num_groups, y=None):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1000.0))
+    tau = pyro.sample("tau", dist.HalfNormal(100.0))
+    sigma = pyro.sample("sigma", dist.HalfNormal(200.0))
+    with pyro.plate("groups", num_groups):
+        eta = pyro.sample("eta", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", group.shape[0]):
+        pyro.sample("y", dist.Normal((mu + tau * eta)[..., group], sigma), obs=y)
+
+
+def test_a_latent_that_a_step_too_large_overflowed_is_named_with_the_step_advice():
+    # t1's E1: y near 1000, one group 100 times the others; QNVB(lr=1e4)'s first step moves
+    # log tau to 107.9, tau = inf in float32, and the second step's log density of tau is -inf
+    g = torch.Generator().manual_seed(13)
+    sizes = [1000] + [10] * 7
+    group = torch.cat([torch.full((n,), j) for j, n in enumerate(sizes)])
+    theta = 1000.0 + 50.0 * torch.randn(8, generator=g)
+    y = theta[group] + 100.0 * torch.randn(len(group), generator=g)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMeanFieldNormal(hierarchical_non_centred)
+    svi = SVI(hierarchical_non_centred, guide, QNVB(lr=1e4), QuadratureELBO())
+    svi.step(group, 8, y=y)
+    with pytest.raises(ValueError) as raised:
+        svi.step(group, 8, y=y)
+    message = str(raised.value)
+    assert "the log density of site 'tau' is not finite (-inf)" in message
+    found = re.search(
+        r"the latent site 'tau' is inf at this point, where its unconstrained value "
+        r"is ([\d.]+): its transform to the support overflows float32",
+        message,
+    )
+    assert found and 100 < float(found.group(1)) < 120
+    assert "a smaller lr" in message and "trust_region" in message
+    assert OLD_ADVICE not in message
+
+
+def model_tau(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+    tau = pyro.sample("tau", dist.LogNormal(0.0, 1.0))
+    eta = pyro.sample("eta", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", 3):
+        pyro.sample("y", dist.Normal(mu + tau * eta, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("vectorize", [True, False])
+@pytest.mark.parametrize("eta", [1.0, 0.0])
+def test_log_joint_names_the_latent_whose_transform_overflowed(vectorize, eta):
+    # eta = 1: tau = exp(100) = inf gives -inf densities; eta = 0: inf * 0 makes y's loc NaN,
+    # which Pyro's validation refuses first (the named-site path): both name tau
+    y = torch.zeros(3)
+    log_joint = LogJoint(model_tau, latent_sites_of_model(model_tau, y))
+    z = torch.tensor([[0.0, 100.0, eta], [0.0, 0.0, 0.0]])
+    with pytest.raises(ValueError) as raised:
+        log_joint(z, (y,), vectorize=vectorize)
+    message = str(raised.value)
+    assert "the latent site 'tau' is inf at" in message
+    assert "overflows float32" in message and "trust_region" in message
+    assert OLD_ADVICE not in message
+    if vectorize and eta == 1.0:  # (read at the node itself, with its coordinate)
+        assert "where its unconstrained value is 100:" in message
+
+
+def test_a_latent_at_a_nan_coordinate_is_named_as_a_diverged_fit():
+    # (with validation on, Pyro refuses the NaN value at the site itself)
+    y = torch.zeros(3)
+    log_joint = LogJoint(model_tau, latent_sites_of_model(model_tau, y))
+    with pytest.raises(ValueError) as raised, pyro.validation_enabled(False):
+        log_joint(torch.tensor([[0.0, float("nan"), 1.0]]), (y,), vectorize=False)
+    message = str(raised.value)
+    assert "the latent site 'tau' has the unconstrained value nan at this point" in message
+    assert "the fit has diverged" in message and "overflows" not in message
+
+
+def unscaled_poisson(x, y=None):
+    a = pyro.sample("a", dist.Normal(0.0, 10.0))
+    b = pyro.sample("b", dist.Normal(0.0, 100.0).expand([x.shape[1]]).to_event(1))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Poisson((a + (x * b).sum(-1)).exp()), obs=y)
+
+
+@pytest.mark.parametrize("vectorize", [None, False])
+def test_a_parameter_that_overflowed_at_finite_latents_is_named_with_the_scaling_advice(vectorize):
+    # t1's E2: features on scales 1e-3 .. 1e4; at the first nodes (b = 0.137) the Poisson rate
+    # is exp(1e4 * 0.137) = inf and its log density NaN
+    scales = torch.tensor([1e-3, 1.0, 1e2, 1e4])
+    g = torch.Generator().manual_seed(12)
+    x = scales * torch.exp(0.5 * torch.randn(300, 4, generator=g))
+    y = torch.poisson((7.5 + (x * (0.2 / scales / 1.13)).sum(-1)).exp(), generator=g)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoMeanFieldNormal(unscaled_poisson)
+    svi = SVI(unscaled_poisson, guide, QNVB(), QuadratureELBO(vectorize=vectorize))
+    with pytest.raises(ValueError) as raised, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (Pyro's "Encountered NaN" on the way)
+        svi.step(x, y)
+    message = str(raised.value)
+    assert "the log density of site 'y' is not finite (nan)" in message
+    assert "its Poisson parameter 'rate' is inf there, while every latent is finite" in message
+    assert "model's arithmetic overflowed" in message
+    assert "standardize the inputs" in message and "init_to_value" in message
+    assert OLD_ADVICE not in message
+
+
+def nan_loc(y):
+    s = pyro.sample("s", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", 3):
+        pyro.sample("y", dist.Normal(torch.log(s - 2.0) * 0 + s, 1.0), obs=y)
+
+
+def test_a_nan_parameter_at_finite_latents_is_named_as_nan_arithmetic():
+    # log of a negative number: the loc is NaN at every finite s < 2; Pyro's validation refuses
+    # it, and the named site's message reads the parameter
+    y = torch.zeros(3)
+    log_joint = LogJoint(nan_loc, latent_sites_of_model(nan_loc, y))
+    with pytest.raises(ValueError) as raised:
+        log_joint(torch.tensor([[0.5]]), (y,), vectorize=False)
+    message = str(raised.value)
+    assert "its Normal parameter 'loc' is nan there, while every latent is finite" in message
+    assert "the model's arithmetic gave NaN" in message and "log of a" in message
+
+
+def bounded(y):
+    theta = pyro.sample("theta", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("data", 3):
+        pyro.sample("y", dist.Uniform(0.0, theta), obs=y)
+
+
+@pytest.mark.parametrize("vectorize", [True, False])
+def test_an_observation_outside_a_latent_support_keeps_the_old_advice(vectorize):
+    # theta = 1 at z = 0 and y = 5 lies outside (0, theta): no value overflowed
+    y = torch.full((3,), 5.0)
+    log_joint = LogJoint(bounded, latent_sites_of_model(bounded, y))
+    with pytest.raises(ValueError) as raised, pyro.validation_enabled(False):
+        log_joint(torch.zeros(2, 1), (y,), vectorize=vectorize)
+    message = str(raised.value)
+    assert "the log density of site 'y' is not finite (-inf)" in message
+    assert OLD_ADVICE in message
+    assert "overflow" not in message
