@@ -15,6 +15,7 @@ import torch
 from pyro.infer import SVI
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.infer.batched import BatchMismatch
 from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model
 
 OLD_ADVICE = "else from a smaller init_scale"
@@ -159,3 +160,44 @@ def test_an_observation_outside_a_latent_support_keeps_the_old_advice(vectorize)
     assert "the log density of site 'y' is not finite (-inf)" in message
     assert OLD_ADVICE in message
     assert "overflow" not in message
+
+
+def matmul_model(x, y=None):
+    a = pyro.sample("a", dist.Normal(0.0, 5.0))
+    b = pyro.sample("b", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Normal(a + x @ b, 1.0), obs=y)
+
+
+def walk_model(y):
+    # a vector latent read inside a plate of its size: a fallback for another reason
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([4]).to_event(1))
+    with pyro.plate("t", 4):
+        pyro.sample("y", dist.Normal(w, 1.0), obs=y)
+
+
+def test_the_fallback_for_x_at_b_names_the_broadcasting_form():
+    x = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
+    y = x @ torch.tensor([1.0, -1.0, 0.5])
+    pyro.clear_param_store()
+    svi = SVI(matmul_model, AutoMeanFieldNormal(matmul_model), QNVB(), QuadratureELBO())
+    with pytest.warns(UserWarning, match="does not evaluate all") as caught:
+        svi.step(x, y)
+    message = next(str(w.message) for w in caught if "does not evaluate all" in str(w.message))
+    assert "The failing operation is a matrix product" in message
+    assert "write a + (x * b).sum(-1), which broadcasts over the points" in message
+    # under vectorize=True the error carries it
+    pyro.clear_param_store()
+    elbo = QuadratureELBO(vectorize=True)
+    with pytest.raises(RuntimeError, match=re.escape("a + (x * b).sum(-1)")):
+        SVI(matmul_model, AutoMeanFieldNormal(matmul_model), QNVB(), elbo).step(x, y)
+    # another cause of the fallback gets no such advice
+    pyro.clear_param_store()
+    svi = SVI(walk_model, AutoMeanFieldNormal(walk_model), QNVB(), QuadratureELBO())
+    with pytest.warns(UserWarning, match="does not evaluate all") as caught:
+        svi.step(torch.zeros(4))
+    assert not any("matrix product" in str(w.message) for w in caught)
+    with pytest.raises(BatchMismatch) as raised:
+        guide = AutoMeanFieldNormal(walk_model)
+        QuadratureELBO(vectorize=True).loss(walk_model, guide, torch.zeros(4))
+    assert "matrix product" not in str(raised.value)

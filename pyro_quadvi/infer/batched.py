@@ -48,6 +48,7 @@ __all__ = [
     "is_broadcast_error",
     "is_vmap_refusal",
     "probe_tolerance",
+    "product_advice",
     "sum_is_finite",
     "vmap_safe_attention",
 ]
@@ -132,6 +133,28 @@ _BROADCAST_MESSAGES = re.compile(
         ]
     )
 )
+
+
+# Messages of a matrix or vector product given a batch of vectors: a model's `x @ b` (or
+# torch.matmul, mv, dot) of data by a vector latent `b`, which the pass holds as (K, 1, ..., d).
+_PRODUCT_MESSAGES = re.compile(
+    r"Expected size for first two dimensions of batch2|shapes cannot be multiplied"
+    r"|matrix @ vector expected|1D tensors expected"
+)
+
+
+def product_advice(message: str) -> str:
+    """A sentence (with a leading space) on the broadcasting form of a product of data by a
+    vector latent, where ``message`` is a product's shape error (`_PRODUCT_MESSAGES`); else
+    ``""``. Read on the fallback's path only."""
+    if _PRODUCT_MESSAGES.search(message) is None:
+        return ""
+    return (
+        " The failing operation is a matrix product: if the model multiplies data by a vector "
+        "latent (a + x @ b, torch.matmul, torch.mv or torch.dot with b of shape (d,)), write "
+        "a + (x * b).sum(-1), which broadcasts over the points, so that all of them run in one "
+        "pass."
+    )
 
 
 def is_broadcast_error(error: BaseException) -> bool:
@@ -277,7 +300,7 @@ def evaluate_batch(
     warnings.warn(
         f"{what}: the model does not evaluate all {K} points in one vectorized pass ({reason}); "
         "evaluating them one by one. Pass vectorize=False to skip the vectorized pass and this "
-        "warning.",
+        f"warning.{product_advice(reason)}",
         UserWarning,
         stacklevel=2,
     )

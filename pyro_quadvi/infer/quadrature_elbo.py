@@ -78,6 +78,7 @@ from .batched import (
     DecisionCache,
     evaluate_batch,
     is_broadcast_error,
+    product_advice,
 )
 from .log_joint import (
     LogJoint,
@@ -266,7 +267,8 @@ class PointsELBO(ELBO):
                     error,
                     f"{type(self).__name__}(vectorize=True): the model does not evaluate all "
                     f"{z.shape[0]} points in one pass; pass vectorize=None (try the pass, fall "
-                    "back to a loop over the points with one warning) or vectorize=False",
+                    "back to a loop over the points with one warning) or vectorize=False."
+                    f"{product_advice(str(error))}",
                 )
             raise
         if fit.decision is None or decision.vectorized != fit.decision.vectorized:
