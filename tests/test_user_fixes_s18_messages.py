@@ -9,10 +9,12 @@ import re
 import warnings
 
 import pyro
+import pyro.contrib.gp as gp
 import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI
+from pyro.nn import PyroSample
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.infer.batched import BatchMismatch
@@ -201,3 +203,28 @@ def test_the_fallback_for_x_at_b_names_the_broadcasting_form():
         guide = AutoMeanFieldNormal(walk_model)
         QuadratureELBO(vectorize=True).loss(walk_model, guide, torch.zeros(4))
     assert "matrix product" not in str(raised.value)
+
+
+def make_gpr(X, y):
+    gpr = gp.models.GPRegression(X, y, gp.kernels.RBF(input_dim=1), noise=torch.tensor(0.1))
+    gpr.kernel.lengthscale = PyroSample(dist.LogNormal(0.0, 1.0))
+    gpr.kernel.variance = PyroSample(dist.LogNormal(0.0, 1.0))
+    return gpr
+
+
+def gp_data():
+    g = torch.Generator().manual_seed(7)
+    X = torch.linspace(0.0, 5.0, 30)
+    return X, 0.5 * torch.sin(3 * X) + 0.2 * torch.randn(30, generator=g)
+
+
+def test_a_gps_own_guide_is_refused_naming_the_guide_of_its_model():
+    pyro.clear_param_store()
+    gpr = make_gpr(*gp_data())
+    svi = SVI(gpr.model, gpr.guide, QNVB(), QuadratureELBO())
+    with pytest.raises(TypeError) as raised:
+        svi.step()
+    message = str(raised.value)
+    assert "the guide method 'GPRegression.guide'" in message
+    assert "For a GPRegression gpr, fit guide = AutoMeanFieldNormal(gpr.model) instead" in message
+    assert "Gaussian processes from pyro.contrib.gp" in message

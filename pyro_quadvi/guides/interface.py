@@ -599,7 +599,17 @@ def _not_read(target: object) -> tuple[str, str]:
     on why, and what to use instead."""
     if isinstance(target, types.FunctionType | types.MethodType):
         kind = "method" if isinstance(target, types.MethodType) else "function"
-        return f"the guide {kind} {target.__qualname__!r} (its pyro.param sites)", _HAND_WRITTEN
+        what = f"the guide {kind} {target.__qualname__!r} (its pyro.param sites)"
+        owner = type(getattr(target, "__self__", None))
+        if owner.__module__.startswith("pyro.contrib.gp."):  # a GP's own guide, gpr.guide
+            return what, (
+                f" For a {owner.__name__} gpr, fit guide = AutoMeanFieldNormal(gpr.model) "
+                "instead: SVI(gpr.model, guide, QNVB(), QuadratureELBO()), or in gp.util.train "
+                "loss_fn=lambda model, _: elbo.differentiable_loss(model, guide); then predict "
+                "at the fitted hyperparameters (the page 'Writing a guide for QuadratureELBO "
+                "and QNVB', section 'Gaussian processes from pyro.contrib.gp')."
+            )
+        return what, _HAND_WRITTEN
     if isinstance(target, EasyGuide):
         return f"the easy_guide {type(target).__name__!r} (its pyro.param sites)", _HAND_WRITTEN
     name = guide_class_name(target)
