@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from pathlib import Path
 
 import pyro
 import pyro.contrib.gp as gp
@@ -20,6 +21,7 @@ from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.infer.batched import BatchMismatch
 from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model
 
+ROOT = Path(__file__).resolve().parent.parent
 OLD_ADVICE = "else from a smaller init_scale"
 
 
@@ -228,3 +230,51 @@ def test_a_gps_own_guide_is_refused_naming_the_guide_of_its_model():
     assert "the guide method 'GPRegression.guide'" in message
     assert "For a GPRegression gpr, fit guide = AutoMeanFieldNormal(gpr.model) instead" in message
     assert "Gaussian processes from pyro.contrib.gp" in message
+
+
+def page_block(page: str, name: str) -> str:
+    """The python block of ``page`` below the marker ``<!-- docs-test: name -->``."""
+    text = (ROOT / page).read_text()
+    found = re.search(rf"<!-- docs-test: {name} -->\n\n```python\n(.*?)\n```", text, re.S)
+    assert found, f"{page} has no block {name!r}"
+    return found.group(1)
+
+
+def test_the_gp_recipe_predicts_at_the_guides_median_hyperparameters():
+    X, y = gp_data()
+    Xnew = torch.linspace(0.0, 5.0, 7)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    ns = dict(
+        X=X,
+        y=y,
+        Xnew=Xnew,
+        torch=torch,
+        dist=dist,
+        SVI=SVI,
+        QNVB=QNVB,
+        AutoMeanFieldNormal=AutoMeanFieldNormal,
+        QuadratureELBO=QuadratureELBO,
+    )
+    fit = page_block("docs/guides.md", "guides-gp-fit")
+    assert fit.count("range(300)") == 1
+    exec(fit.replace("range(300)", "range(30)"), ns)
+    gpr, guide = ns["gpr"], ns["guide"]
+    with torch.no_grad():
+        untrained, _ = gpr(Xnew)  # gp's own guide: the initial hyperparameters
+    exec(page_block("docs/guides.md", "guides-gp-median"), ns)
+    with torch.no_grad():
+        median = guide.median()
+        length, variance = median["kernel.lengthscale"], median["kernel.variance"]
+        noise = median["noise"]
+
+        def kernel(a, b):
+            return variance * torch.exp(-0.5 * (a[:, None] - b[None, :]) ** 2 / length**2)
+
+        jittered = kernel(X, X) + (noise + gpr.jitter) * torch.eye(len(X))
+        by_hand = kernel(Xnew, X) @ torch.linalg.solve(jittered, y)
+    torch.testing.assert_close(ns["mean"], by_hand, rtol=1e-4, atol=1e-5)
+    assert (ns["mean"] - untrained).abs().max() > 0.05
+    exec(page_block("docs/guides.md", "guides-gp-draws"), ns)
+    assert ns["mean"].shape == ns["var"].shape == (7,)
+    assert torch.isfinite(ns["mean"]).all() and (ns["var"] > 0).all()
