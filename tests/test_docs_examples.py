@@ -854,6 +854,9 @@ EXAMPLES: dict[str, Example] = {
     "guides-example": Example(
         skip="a snippet include of examples/custom_guide.py, run by tests/test_guide_interface.py"
     ),
+    "guides-gp-fit": Example(skip="run, with its claims, by tests/test_user_fixes_s18_messages.py"),
+    "guides-gp-median": Example(skip="run by tests/test_user_fixes_s18_messages.py"),
+    "guides-gp-draws": Example(skip="run by tests/test_user_fixes_s18_messages.py"),
     # docs/metrics.md
     "metrics-binary": Example(BINARY, check=binary_probs),
     "metrics-example": Example(check=metrics_as_printed),
