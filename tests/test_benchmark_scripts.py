@@ -108,6 +108,7 @@ RUNS = {
     "guide_hook": ("bench_guide_hook.py", "--depth 2 --repeats 1 --calls 10 --steps 2", ()),
     "qnvb_float32_forms": ("qnvb_float32_forms.py", "", ()),
     "vectorize_check": ("bench_vectorize_check.py", "--repeats 2 --steps 3", ()),
+    "many_sites": ("bench_many_sites.py", "--quick", ()),
 }
 
 # scripts that report in prose lines, not a markdown table
@@ -143,7 +144,7 @@ def _table_rows(stdout: str) -> int:
 
 
 # in the default suite: the scripts that subclass the package's classes or call its private
-# functions (bnn_speed, blocked_signs, data_checks, observed_check, small_net_elbo,
+# functions (bnn_speed, blocked_signs, data_checks, many_sites, observed_check, small_net_elbo,
 # sparse_qnvb_trial: the ones a refactor breaks first) and two quick ones of the export and the
 # sparse optimizers; the others with ``-m slow`` (together 65 s on one core, mostly each
 # process's imports of torch and pyro)
@@ -152,6 +153,7 @@ INTERNALS = {
     "arviz_export",
     "blocked_signs",
     "data_checks",
+    "many_sites",
     "observed_check",
     "small_net_elbo",
     "sparse_qnvb_integration",

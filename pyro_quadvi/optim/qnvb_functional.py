@@ -63,7 +63,8 @@ update's rules, each measured", gives the test and the benchmark row behind each
     with the host.
 
 **Inputs.** Every tensor has the mean's shape (nothing broadcasts: a ``g`` of shape ``(1,)``
-would move every coordinate, one of shape ``(3, 1)`` grow a ``(3,)`` mean field to ``(3, 3)``);
+would move every coordinate, one of shape ``(3, 1)`` grow a ``(3,)`` mean field to ``(3, 3)``),
+dtype and device (nothing is converted: an integer ``g`` is refused, naming it);
 ``weight`` is finite and ``> 0`` and ``prior_precision`` finite and ``>= 0``. A non-finite mean or
 scale is refused where reading one value back costs no sync, on the CPU (a tensor under ``vmap``
 or ``torch.compile`` is not read): the guard would keep it as it is at every step, a NaN mean
@@ -198,6 +199,21 @@ def _check_tensors(owner: str, mu: object, values: tuple, name: Callable[[int], 
             "every tensor of the update has the mean's shape, one value per coordinate (it "
             f"does not broadcast); pass {name(k)} of shape {tuple(shape)}"
         )
+
+
+def _check_dtypes(owner: str, mu: torch.Tensor, values: tuple, name: Callable[[int], str]) -> None:
+    """Refuse one of ``values`` (tensors of the mean's shape, `_check_tensors`) whose dtype or
+    device is not the mean ``mu``'s (``name`` as there). The update converts nothing: torch's
+    type promotion took an integer ``g`` or ``h`` into ``qnvb_update``'s float arithmetic while
+    ``qnvb_update_many``'s in-place operations refused it with torch's casting error, and a
+    float64 ``sigma`` made the first return a float64 mean and the second a float32 one."""
+    for k, value in enumerate(values):
+        if value.dtype != mu.dtype or value.device != mu.device:
+            raise TypeError(
+                f"{owner}: {name(k)} has dtype {value.dtype} on {value.device}, {name(-1)} "
+                f"{mu.dtype} on {mu.device}: every tensor of the update has the mean's dtype and "
+                f"device (it converts nothing); pass {name(k)}.to({name(-1)})"
+            )
 
 
 def _check_state(owner: str, state: object, name: Callable[[], str]) -> None:
@@ -562,12 +578,14 @@ def qnvb_update(
         `QNVBResult` with the new mean, scale and state.
 
     Raises:
-        TypeError, ValueError: naming the argument, for a tensor of another shape than ``mu``, a
-            ``weight`` not finite and ``> 0``, a ``prior_precision`` not finite and ``>= 0``,
-            and on the CPU a ``mu`` or ``sigma`` not finite (module docstring, "Inputs").
+        TypeError, ValueError: naming the argument, for a tensor of another shape, dtype or
+            device than ``mu``, a ``weight`` not finite and ``> 0``, a ``prior_precision`` not
+            finite and ``>= 0``, and on the CPU a ``mu`` or ``sigma`` not finite (module
+            docstring, "Inputs").
     """
     _check_state("qnvb_update", state, lambda: "state")
     _check_tensors("qnvb_update", mu, (sigma, g, h, *state), _argument_name)
+    _check_dtypes("qnvb_update", mu, (sigma, g, h, *state), _argument_name)
     _check_shared("qnvb_update", hp, weight, prior_precision)
     if _readable(mu):
         _refuse_nonfinite("qnvb_update", [("mu", mu), ("sigma", sigma)])
@@ -1032,7 +1050,8 @@ def qnvb_update_many(
     Raises:
         TypeError, ValueError: as `qnvb_update`, naming the list and position (``gs[2]``); a
             ``mu`` or ``sigma`` not finite on the CPU and without ``donate`` (module docstring,
-            "Inputs": in place the guard keeps it, as before).
+            "Inputs": in place the guard keeps it, as before); means of several dtypes or
+            devices.
     """
     lengths = {len(mus), len(sigmas), len(gs), len(hs), len(states)}
     if len(lengths) != 1:
@@ -1044,6 +1063,14 @@ def qnvb_update_many(
         _check_state("qnvb_update_many", state, lambda i=i: f"states[{i}]")
         name = functools.partial(_argument_name, position=f"[{i}]")
         _check_tensors("qnvb_update_many", mu, (sigma, g, h, *state), name)
+        _check_dtypes("qnvb_update_many", mu, (sigma, g, h, *state), name)
+        if mu.dtype != mus[0].dtype or mu.device != mus[0].device:
+            raise TypeError(
+                f"qnvb_update_many: mus[{i}] has dtype {mu.dtype} on {mu.device}, mus[0] "
+                f"{mus[0].dtype} on {mus[0].device}: the tensors updated together are laid end "
+                "to end in one buffer, of one dtype on one device; call it once per dtype and "
+                "device"
+            )
     _check_shared("qnvb_update_many", hp, weight, prior_precision)
     donated = _check_donate(donate, mus, sigmas, gs, hs, states)
     if not mus:
