@@ -442,7 +442,10 @@ def _count_message(kind: str, hp: QNVBHyperparameters, dtype: torch.dtype, where
         f"(scale_max={hp.scale_max:g} a step), at {where}: the curvature asks for a wider "
         "sigma (too small a likelihood weight, a parameter the loss hardly depends on without a "
         "prior, or a curvature estimate still near 0 in the first steps), or sigma started above "
-        "it; raise sigma_max if a wider posterior is wanted"
+        "it; raise sigma_max if a wider posterior is wanted. The posterior sd itself may be "
+        f"above {hp.sigma_max:g}: the coefficient of a feature on a small scale (1e-3, say) has "
+        "an sd a thousand times that of a standardized one; standardize the inputs, or raise "
+        "sigma_max above that sd"
     )
 
 
