@@ -110,6 +110,7 @@ RUNS = {
     "vectorize_check": ("bench_vectorize_check.py", "--repeats 2 --steps 3", ()),
     "many_sites": ("bench_many_sites.py", "--quick", ()),
     "given_rows": ("bench_given_rows.py", "--repeats 1", ()),
+    "unscaled": ("bench_unscaled.py", "--draws 2 --seeds 1 --steps 2 --rules hadamard", ()),
 }
 
 # scripts that report in prose lines, not a markdown table
