@@ -233,7 +233,10 @@ def test_sigma_pinned_at_sigma_max_is_warned():
         "shape (3,)): the curvature asks for a wider sigma (too small a likelihood weight, a "
         "parameter the loss hardly depends on without a prior, or a curvature estimate still "
         "near 0 in the first steps), or sigma started above it; raise sigma_max if a wider "
-        "posterior is wanted (this warning is shown once)"
+        "posterior is wanted. The posterior sd itself may be above 100: the coefficient of a "
+        "feature on a small scale (1e-3, say) has an sd a thousand times that of a standardized "
+        "one; standardize the inputs, or raise sigma_max above that sd (this warning is shown "
+        "once)"
     ]
     assert torch.equal(optimizer.state[w]["sigma"], torch.full((3,), 100.0, dtype=DTYPE))
 

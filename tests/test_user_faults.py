@@ -303,7 +303,9 @@ def test_a_sigma_pinned_at_sigma_min_is_reported_with_its_site():
 def test_an_overflow_with_a_finite_gradient_is_not_called_a_non_finite_gradient():
     def model():  # float32: g = 1e20 is finite, g^2 = 1e40 is not
         z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))  # updated: a step updating nothing is refused
         pyro.sample("x", dist.Normal(z, 1e-10), obs=torch.tensor(1.0))
+        pyro.sample("v", dist.Normal(w, 1.0), obs=torch.tensor(1.0))
 
     guide = AutoMeanFieldNormal(model)
     svi = SVI(model, guide, QNVB(), QuadratureELBO("gauss_hermite"))

@@ -69,9 +69,11 @@ def test_qnvb_overflow_in_svi_advises_float64_only_in_float32(fresh_param_store,
     # the likelihood's scale s gives g = (z - 1) / s^2 near 1e20 (float32) or 1e200 (float64)
     scale = OVERFLOWING[dtype] ** -0.5
 
-    def model():
+    def model():  # w is updated: a step in which no coordinate can be updated is refused
         z = pyro.sample("z", dist.Normal(torch.tensor(0.0, dtype=dtype), 1.0))
+        w = pyro.sample("w", dist.Normal(torch.tensor(0.0, dtype=dtype), 1.0))
         pyro.sample("x", dist.Normal(z, scale), obs=torch.tensor(1.0, dtype=dtype))
+        pyro.sample("v", dist.Normal(w, 1.0), obs=torch.tensor(1.0, dtype=dtype))
 
     guide = AutoMeanFieldNormal(model)
     svi = SVI(model, guide, QNVB(), QuadratureELBO("gauss_hermite"))

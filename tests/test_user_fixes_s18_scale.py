@@ -187,6 +187,29 @@ def test_a_step_in_which_no_coordinate_can_be_updated_is_refused(fresh_param_sto
         svi.step(y)
 
 
+def test_one_ranks_share_in_which_no_coordinate_can_be_updated_is_warned_not_refused(
+    fresh_param_store,
+):
+    """With ``DistributedOptimizer(shard_update=True)`` each rank updates its share of the blocks
+    (``part_of_step=True``): a share that can update nothing is warned of, as before, since the
+    other ranks' shares may have been updated and they wait for this rank's blocks (a refusal on
+    one rank alone would leave them waiting)."""
+    y = torch.full((300,), 5.0)
+    guide = AutoMeanFieldNormal(_unscaled_poisson, init_scale=1e-3)
+    qnvb = QNVB()
+    guide(y)
+    with pyro.poutine.trace(param_only=True) as captured:
+        QuadratureELBO().loss_and_grads(_unscaled_poisson, guide, y)
+    params = [site["value"].unconstrained() for site in captured.trace.nodes.values()]
+    before = [p.detach().clone() for p in guide.parameters()]
+    with pytest.warns(RuntimeWarning, match="overflowed"):
+        qnvb(params, part_of_step=True)
+    assert all(torch.equal(p, b) for p, b in zip(guide.parameters(), before))
+    assert qnvb.num_steps == 1
+    with pytest.raises(ValueError, match="no coordinate of any block"):  # a whole step: refused
+        qnvb(params)
+
+
 def test_a_step_in_which_some_coordinates_overflow_still_warns_and_updates(fresh_param_store):
     """Only ``z`` overflows (``g = 1e20``, ``g^2`` beyond float32); ``w`` is updated, so the step
     goes on with the warning, as before."""

@@ -562,7 +562,10 @@ def test_a_likelihood_weight_too_small_for_sigma_max_is_warned():
         "shape (3,)): the curvature asks for a wider sigma (too small a likelihood weight, a "
         "parameter the loss hardly depends on without a prior, or a curvature estimate still "
         "near 0 in the first steps), or sigma started above it; raise sigma_max if a wider "
-        "posterior is wanted (this warning is shown once)"
+        "posterior is wanted. The posterior sd itself may be above 100: the coefficient of a "
+        "feature on a small scale (1e-3, say) has an sd a thousand times that of a standardized "
+        "one; standardize the inputs, or raise sigma_max above that sd (this warning is shown "
+        "once)"
     ]
     assert _linear(64.0, 30) == []  # well posed: sigma ~ 0.09, no warning
 

@@ -155,7 +155,8 @@ class DistributedOptimizer(PyroOptim):
             return
         rank, _ = world(self.group)
         elsewhere = {id(leaf) for owner, leaves in blocks if owner != rank for leaf in leaves}
-        self.optim([p for p in params if id(p) not in elsewhere], *args, **kwargs)
+        mine = [p for p in params if id(p) not in elsewhere]
+        self.optim(mine, *args, part_of_step=True, **kwargs)
         self._share_blocks(blocks)
 
     @torch.no_grad()

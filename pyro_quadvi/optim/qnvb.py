@@ -687,6 +687,7 @@ class QNVB(PyroOptim):
         params: Iterable[torch.Tensor],
         *args,
         descriptions: list[tuple[Callable, GuideDescription]] | None = None,
+        part_of_step: bool = False,
         **kwargs,
     ) -> None:
         """Update the blocks of described guides among ``params``; pass the rest to the fallback.
@@ -694,7 +695,11 @@ class QNVB(PyroOptim):
         ``descriptions``: what `describe` returned in this step, for a caller that
         described the live guides already
         (`DistributedOptimizer`); ``None``: made here, where
-        needed (`find_blocks`). ``args`` and ``kwargs`` go to the fallback's step.
+        needed (`find_blocks`). ``part_of_step``: ``params`` are one rank's share of a step
+        whose other blocks other ranks update (`DistributedOptimizer` with ``shard_update``), so
+        a share in which no coordinate could be updated is warned of, not refused (a refusal on
+        one rank would leave the others waiting for its blocks). ``args`` and ``kwargs`` go to
+        the fallback's step.
         """
         params = list(params)
         try:
@@ -715,7 +720,8 @@ class QNVB(PyroOptim):
         if self.annealing is not None and self.num_steps > 0 and prepared:
             self._warn_if_annealing_elsewhere(prepared)
         self._update_prepared(prepared, counts)
-        self._refuse_if_nothing_updated(params, prepared, counts)
+        if not part_of_step:
+            self._refuse_if_nothing_updated(params, prepared, counts)
         for message in count_messages(counts, self._warned):
             warnings.warn(f"QNVB: {message} (this warning is shown once)", RuntimeWarning, 2)
         rest = [p for p in params if id(p) not in paired]
