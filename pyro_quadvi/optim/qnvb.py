@@ -80,6 +80,7 @@ from .qnvb_functional import (
     check_settings,
     consecutive_base,
     count_messages,
+    count_table,
     init_qnvb_state,
     or_float64,
     qnvb_update,
@@ -720,9 +721,8 @@ class QNVB(PyroOptim):
         if self.annealing is not None and self.num_steps > 0 and prepared:
             self._warn_if_annealing_elsewhere(prepared)
         self._update_prepared(prepared, counts)
-        if not part_of_step:
-            self._refuse_if_nothing_updated(params, prepared, counts)
-        for message in count_messages(counts, self._warned):
+        table = None if part_of_step else self._refuse_if_nothing_updated(params, prepared, counts)
+        for message in count_messages(counts, self._warned, table):
             warnings.warn(f"QNVB: {message} (this warning is shown once)", RuntimeWarning, 2)
         rest = [p for p in params if id(p) not in paired]
         if params and not paired and not explained:
@@ -734,20 +734,21 @@ class QNVB(PyroOptim):
     @staticmethod
     def _refuse_if_nothing_updated(
         params: list[torch.Tensor], prepared: list[_Prepared], counts: list
-    ) -> None:
+    ) -> list[list[int]] | None:
         """Refuse a step in which the guard (rule 11) kept every coordinate of every block: each
         ``g`` or ``h`` was not finite, or the update overflowed. Such a step changed no mean, scale
         or state, and every later step on the same data would do the same (the unscaled Poisson
         of a user trial ran 1,000 such steps, loss 2.4e25, after one warning). Raised before the
         fallback steps, with the gradients of ``params`` zeroed as ``SVI`` zeroes them after a
-        step, so that the next step may go on. One read of the counts from the device per step
-        (some microseconds on the CPU)."""
+        step, so that the next step may go on. Returns the counts it read from the device
+        (`count_table`), which the step's warnings then read without another copy (``None`` if
+        nothing was updated: no counts)."""
         total = sum(item.values["loc"].numel() for item in prepared)
         if not total:
-            return
-        table = torch.stack([c for *_, c in counts]).tolist()  # one read from the device
+            return None
+        table = count_table(counts)
         if sum(row[0] + row[1] for row in table) < total:  # num_nonfinite + num_overflow
-            return
+            return table
         zero_grads(params)
         labels = [label for label, *_ in counts]
         sites = ", ".join(labels[:5]) + (f" and {len(labels) - 5} more" if len(labels) > 5 else "")

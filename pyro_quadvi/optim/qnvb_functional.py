@@ -454,8 +454,17 @@ def result_counts(result: QNVBResult) -> torch.Tensor:
     return torch.stack([getattr(result, kind) for kind in COUNT_KINDS])
 
 
+def count_table(
+    counts: list[tuple[str, QNVBHyperparameters, torch.dtype, torch.Tensor]],
+) -> list[list[int]]:
+    """The rows of ``counts``' count tensors (`count_messages`), read to the host in one copy."""
+    return torch.stack([c for *_, c in counts]).tolist()
+
+
 def count_messages(
-    counts: list[tuple[str, QNVBHyperparameters, torch.dtype, torch.Tensor]], warned: set[str]
+    counts: list[tuple[str, QNVBHyperparameters, torch.dtype, torch.Tensor]],
+    warned: set[str],
+    table: list[list[int]] | None = None,
 ) -> list[str]:
     """One message per kind of `COUNT_KINDS` not yet in ``warned`` that occurred.
 
@@ -463,13 +472,15 @@ def count_messages(
         counts: per updated tensor, a label (``"site 'w'"``), its hyperparameters, its dtype
             (which says whether float64 is advice) and its `result_counts`.
         warned: the kinds already reported; the kinds reported now are added to it.
+        table: the counts already read to the host (`count_table`), or ``None`` to read them here.
 
     The counts stay on the device until a kind is still to be reported; then one copy to the host
     (a single sync) reads them all. Each message names the first tensor concerned and the total.
     """
     if warned.issuperset(COUNT_KINDS) or not counts:
         return []
-    table = torch.stack([c for *_, c in counts]).tolist()
+    if table is None:
+        table = count_table(counts)
     messages = []
     for column, kind in enumerate(COUNT_KINDS):
         rows = [(row[column], *info) for row, (*info, _) in zip(table, counts) if row[column]]
