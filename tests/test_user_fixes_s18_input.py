@@ -139,9 +139,22 @@ def test_priors_keep_one_element_tensors_and_their_values():
     assert priors.SpikeSlab(torch.tensor(0.25)).inclusion == 0.25
 
 
-@pytest.mark.parametrize("shape", [None, 3, "bad", [1], (3,), (4, -1), (4.0, 3)])
-def test_fan_in_and_fan_out_refuses_what_is_no_weight_shape(shape):
-    with pytest.raises(TypeError, match=r"^fan_in_and_fan_out: shape must be a weight's shape"):
+@pytest.mark.parametrize(
+    "shape, error",
+    [
+        (None, TypeError),
+        (3, TypeError),
+        ("bad", TypeError),
+        ((4.0, 3), TypeError),
+        ((True, 3), TypeError),
+        # a sequence of ints of the wrong shape stays a ValueError, as torch's own was
+        ([1], ValueError),
+        ((3,), ValueError),
+        ((4, -1), ValueError),
+    ],
+)
+def test_fan_in_and_fan_out_refuses_what_is_no_weight_shape(shape, error):
+    with pytest.raises(error, match=r"^fan_in_and_fan_out: shape must be a weight's shape"):
         priors.fan_in_and_fan_out(shape)
     assert priors.fan_in_and_fan_out([4, 3]) == (3, 4)
 
@@ -161,9 +174,9 @@ DATA = torch.linspace(-1.0, 1.0, 8)
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (dict(sites=None), r"sites must be a sequence of LatentSite.*got None \(NoneType\)$"),
-        (dict(sites="bad"), r"sites must be a sequence of LatentSite.*got 'bad' \(str\)$"),
-        (dict(sites=[1]), r"sites must be a sequence of LatentSite.*got 1 \(int\) in it$"),
+        (dict(sites=None), r"sites must be an iterable of LatentSite.*got None \(NoneType\)$"),
+        (dict(sites="bad"), r"sites must be an iterable of LatentSite.*got 'bad' \(str\)$"),
+        (dict(sites=[1]), r"sites must be an iterable of LatentSite.*got 1 \(int\) in it$"),
         (dict(closed_form=[1]), r"closed_form must be a mapping .*got \[1\] \(list\)$"),
         (dict(closed_form="bad"), r"closed_form must be a mapping .*got 'bad' \(str\)$"),
         (dict(expected_log_priors=None), r"expected_log_priors must be a collection of site"),
@@ -177,6 +190,16 @@ def test_log_joint_refuses_arguments_of_another_type_by_name(arguments, message)
     sites = latent_sites_of_model(_plated_model, DATA)
     with pytest.raises(TypeError, match=rf"^LogJoint: {message}"):
         LogJoint(_plated_model, **{"sites": sites, **arguments})
+
+
+def test_log_joint_takes_its_sites_from_any_iterable():
+    # before (session 18's check): a generator was refused as "not a sequence of LatentSite"
+    sites = latent_sites_of_model(_plated_model, DATA)
+    z = torch.tensor([[0.5, -1.0], [0.0, 2.0]])
+    expected = LogJoint(_plated_model, sites)(z, (DATA,))
+    from_generator = LogJoint(_plated_model, (site for site in sites))
+    assert from_generator.dim == 2
+    assert torch.equal(from_generator(z, (DATA,)), expected)
 
 
 @pytest.mark.parametrize("z", [None, "bad", 1.0, [[0.0, 0.0]], torch.tensor(0.0)])
@@ -329,6 +352,18 @@ def test_quadratic_exactness_refuses_arguments_by_name(arguments, error, message
         quadratic_exactness(**{"X": _X, "w": _W, **arguments})
     exact = quadratic_exactness(_X, _W, atol=torch.tensor(1e-9, requires_grad=True))
     assert exact.total == exact.num_basis == 6
+
+
+@pytest.mark.parametrize("atol", [0, torch.tensor(0), torch.tensor(0, dtype=torch.int32)])
+def test_quadratic_exactness_takes_an_integer_tensor_atol_as_it_takes_an_int(atol):
+    # before: torch.tensor(0) was refused ("atol must be None or a number >= 0") while 0 passed
+    assert quadratic_exactness(_X, _W, atol=atol) == quadratic_exactness(_X, _W, atol=0.0)
+
+
+def test_quadratic_exactness_refuses_a_bool_atol():
+    for atol in (True, torch.tensor(True)):
+        with pytest.raises(TypeError, match=r"^quadratic_exactness: atol must be None or a num"):
+            quadratic_exactness(_X, _W, atol=atol)
 
 
 # ---------------------------------------------------------------- metrics

@@ -37,7 +37,7 @@ import functools
 import math
 import numbers
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -311,18 +311,19 @@ def check_max_plate_nesting(owner: str, value: object, find: float | None) -> No
 
 
 def _check_arguments(sites: object, closed_form: object, expected_log_priors: object) -> None:
-    """Refuse `LogJoint`'s ``sites`` other than a sequence of `LatentSite`, ``closed_form``
+    """Refuse `LogJoint`'s ``sites`` other than a list of `LatentSite` (`LogJoint` makes one of
+    any iterable), ``closed_form``
     other than a mapping (or ``None``) and ``expected_log_priors`` other than a collection of
     site names, naming the argument: Python's "'NoneType' object is not iterable" or "'int'
     object has no attribute 'numel'" named none."""
     wrong: tuple[object, str] | None = (sites, "")
-    if isinstance(sites, Sequence) and not isinstance(sites, str):
+    if isinstance(sites, list):
         others = (site for site in sites if not isinstance(site, LatentSite))
         wrong = next(((site, " in it") for site in others), None)
     if wrong is not None:
         value, where = wrong
         raise TypeError(
-            "LogJoint: sites must be a sequence of LatentSite, in the order of the points' "
+            "LogJoint: sites must be an iterable of LatentSite, in the order of the points' "
             f"coordinates (latent_sites_of_model(model, *args) gives them), got {value!r} "
             f"({type(value).__name__}){where}"
         )
@@ -384,7 +385,7 @@ class LogJoint:
     def __init__(
         self,
         model: Callable,
-        sites: Sequence[LatentSite],
+        sites: Iterable[LatentSite],
         max_plate_nesting: int | None = None,
         closed_form: Mapping[str, ClosedFormSite] | None = None,
         expected_log_priors: Collection[str] = (),
@@ -392,10 +393,12 @@ class LogJoint:
     ):
         check_callable("LogJoint", "model", model, "a callable Pyro model")
         check_max_plate_nesting("LogJoint", max_plate_nesting, None)
+        if isinstance(sites, Iterable) and not isinstance(sites, (str, Mapping)):
+            sites = list(sites)  # (a generator is read once, here)
         _check_arguments(sites, closed_form, expected_log_priors)
         self.model = model
         self.node_by_node = node_by_node
-        self.sites = list(sites)
+        self.sites = sites
         self.closed_form = dict(closed_form or {})
         self.expected_log_priors = frozenset(expected_log_priors)
         self.closed_priors: dict[str, tuple[float, float, float]] = {}
