@@ -430,12 +430,35 @@ def test_anneal_likelihood_names_a_factor_beyond_the_sites_dtype():
     annealed = anneal_likelihood(_plated_model, 1e300)
     with pytest.raises(
         ValueError,
-        match=r"^anneal_likelihood: the factor 1e\+300 at site 'x' is "
-        r"beyond the largest torch.float32 number",
+        match=r"^anneal_likelihood at site 'x': factor=1e\+300 is beyond the range of "
+        r"torch.float32 \(largest 3.4e\+38\)",
     ):
         poutine.trace(annealed).get_trace(DATA)
     trace = poutine.trace(anneal_likelihood(_plated_model, 1e300)).get_trace(DATA.double())
     assert trace.nodes["x"]["scale"] == 1e300  # within float64's range
+
+
+def _poisson_counts(counts, rate_dtype=torch.float32):
+    rate = pyro.sample("rate", dist.LogNormal(torch.tensor(0.0, dtype=rate_dtype), 1.0))
+    with pyro.plate("data", len(counts)):
+        pyro.sample("counts", dist.Poisson(rate), obs=counts)
+
+
+def test_anneal_likelihood_reads_the_dtype_of_the_log_density_not_of_integer_counts():
+    # before: int64 counts were skipped (no floating dtype), and the ELBO said "check the
+    # model's support" of the infinite log density; the rate's float32 is the log density's
+    counts = torch.tensor([1, 2, 3])
+    with pytest.raises(
+        ValueError, match=r"^anneal_likelihood at site 'counts': factor=1e\+300 .* torch.float32"
+    ):
+        poutine.trace(anneal_likelihood(_poisson_counts, 1e300)).get_trace(counts)
+    # a float64 rate gives a float64 log density, where 1e300 is a number
+    trace = poutine.trace(anneal_likelihood(_poisson_counts, 1e300)).get_trace(
+        counts, torch.float64
+    )
+    trace.compute_log_prob()
+    assert trace.nodes["counts"]["scale"] == 1e300
+    assert trace.nodes["counts"]["log_prob"].dtype == torch.float64
 
 
 # ---------------------------------------------------------------- store: tensors bounds, sound
