@@ -356,3 +356,16 @@ def test_the_gp_recipe_predicts_at_the_guides_median_hyperparameters():
     exec(page_block("docs/guides.md", "guides-gp-draws"), ns)
     assert ns["mean"].shape == ns["var"].shape == (7,)
     assert torch.isfinite(ns["mean"]).all() and (ns["var"] > 0).all()
+
+
+def test_a_factor_over_nan_data_names_the_factor_and_the_argument():
+    def model(data):
+        a = pyro.sample("a", dist.Normal(0.0, 1.0))
+        pyro.factor("penalty", -(a * data).square().sum())
+
+    log_joint = LogJoint(model, latent_sites_of_model(model, torch.ones(2)))
+    with pytest.raises(ValueError) as raised:
+        log_joint(torch.zeros(1, 1), (torch.tensor([1.0, math.nan]),), vectorize=False)
+    message = str(raised.value)
+    assert "the pyro.factor 'penalty' is NaN, computed by the model" in message
+    assert "the model's argument data holds NaN (first at index [1])" in message

@@ -1064,9 +1064,13 @@ def _not_finite(
             "impute those rows (a masked entry, poutine.mask / obs_mask, needs a finite value "
             "too: NaN there makes the gradients NaN)"
         )
+    factor = site["infer"].get("is_auxiliary") or type(_innermost(site["fn"])).__name__ == "Unit"
     if overflow:
+        if factor:
+            shown = "NaN" if math.isnan(value) else value
+            return f"{head}: the pyro.factor {name!r} is {shown}, computed by the model; {overflow}"
         return f"{head}: {overflow}"
-    if site["infer"].get("is_auxiliary") or type(_innermost(site["fn"])).__name__ == "Unit":
+    if factor:
         if math.isnan(value):
             return (
                 f"{head}: the pyro.factor {name!r} is NaN, computed by the model from the "
