@@ -139,9 +139,22 @@ def test_priors_keep_one_element_tensors_and_their_values():
     assert priors.SpikeSlab(torch.tensor(0.25)).inclusion == 0.25
 
 
-@pytest.mark.parametrize("shape", [None, 3, "bad", [1], (3,), (4, -1), (4.0, 3)])
-def test_fan_in_and_fan_out_refuses_what_is_no_weight_shape(shape):
-    with pytest.raises(TypeError, match=r"^fan_in_and_fan_out: shape must be a weight's shape"):
+@pytest.mark.parametrize(
+    "shape, error",
+    [
+        (None, TypeError),
+        (3, TypeError),
+        ("bad", TypeError),
+        ((4.0, 3), TypeError),
+        ((True, 3), TypeError),
+        # a sequence of ints of the wrong shape stays a ValueError, as torch's own was
+        ([1], ValueError),
+        ((3,), ValueError),
+        ((4, -1), ValueError),
+    ],
+)
+def test_fan_in_and_fan_out_refuses_what_is_no_weight_shape(shape, error):
+    with pytest.raises(error, match=r"^fan_in_and_fan_out: shape must be a weight's shape"):
         priors.fan_in_and_fan_out(shape)
     assert priors.fan_in_and_fan_out([4, 3]) == (3, 4)
 
@@ -161,9 +174,9 @@ DATA = torch.linspace(-1.0, 1.0, 8)
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (dict(sites=None), r"sites must be a sequence of LatentSite.*got None \(NoneType\)$"),
-        (dict(sites="bad"), r"sites must be a sequence of LatentSite.*got 'bad' \(str\)$"),
-        (dict(sites=[1]), r"sites must be a sequence of LatentSite.*got 1 \(int\) in it$"),
+        (dict(sites=None), r"sites must be an iterable of LatentSite.*got None \(NoneType\)$"),
+        (dict(sites="bad"), r"sites must be an iterable of LatentSite.*got 'bad' \(str\)$"),
+        (dict(sites=[1]), r"sites must be an iterable of LatentSite.*got 1 \(int\) in it$"),
         (dict(closed_form=[1]), r"closed_form must be a mapping .*got \[1\] \(list\)$"),
         (dict(closed_form="bad"), r"closed_form must be a mapping .*got 'bad' \(str\)$"),
         (dict(expected_log_priors=None), r"expected_log_priors must be a collection of site"),
@@ -177,6 +190,16 @@ def test_log_joint_refuses_arguments_of_another_type_by_name(arguments, message)
     sites = latent_sites_of_model(_plated_model, DATA)
     with pytest.raises(TypeError, match=rf"^LogJoint: {message}"):
         LogJoint(_plated_model, **{"sites": sites, **arguments})
+
+
+def test_log_joint_takes_its_sites_from_any_iterable():
+    # before (session 18's check): a generator was refused as "not a sequence of LatentSite"
+    sites = latent_sites_of_model(_plated_model, DATA)
+    z = torch.tensor([[0.5, -1.0], [0.0, 2.0]])
+    expected = LogJoint(_plated_model, sites)(z, (DATA,))
+    from_generator = LogJoint(_plated_model, (site for site in sites))
+    assert from_generator.dim == 2
+    assert torch.equal(from_generator(z, (DATA,)), expected)
 
 
 @pytest.mark.parametrize("z", [None, "bad", 1.0, [[0.0, 0.0]], torch.tensor(0.0)])
@@ -331,6 +354,18 @@ def test_quadratic_exactness_refuses_arguments_by_name(arguments, error, message
     assert exact.total == exact.num_basis == 6
 
 
+@pytest.mark.parametrize("atol", [0, torch.tensor(0), torch.tensor(0, dtype=torch.int32)])
+def test_quadratic_exactness_takes_an_integer_tensor_atol_as_it_takes_an_int(atol):
+    # before: torch.tensor(0) was refused ("atol must be None or a number >= 0") while 0 passed
+    assert quadratic_exactness(_X, _W, atol=atol) == quadratic_exactness(_X, _W, atol=0.0)
+
+
+def test_quadratic_exactness_refuses_a_bool_atol():
+    for atol in (True, torch.tensor(True)):
+        with pytest.raises(TypeError, match=r"^quadratic_exactness: atol must be None or a num"):
+            quadratic_exactness(_X, _W, atol=atol)
+
+
 # ---------------------------------------------------------------- metrics
 
 
@@ -395,12 +430,35 @@ def test_anneal_likelihood_names_a_factor_beyond_the_sites_dtype():
     annealed = anneal_likelihood(_plated_model, 1e300)
     with pytest.raises(
         ValueError,
-        match=r"^anneal_likelihood: the factor 1e\+300 at site 'x' is "
-        r"beyond the largest torch.float32 number",
+        match=r"^anneal_likelihood at site 'x': factor=1e\+300 is beyond the range of "
+        r"torch.float32 \(largest 3.4e\+38\)",
     ):
         poutine.trace(annealed).get_trace(DATA)
     trace = poutine.trace(anneal_likelihood(_plated_model, 1e300)).get_trace(DATA.double())
     assert trace.nodes["x"]["scale"] == 1e300  # within float64's range
+
+
+def _poisson_counts(counts, rate_dtype=torch.float32):
+    rate = pyro.sample("rate", dist.LogNormal(torch.tensor(0.0, dtype=rate_dtype), 1.0))
+    with pyro.plate("data", len(counts)):
+        pyro.sample("counts", dist.Poisson(rate), obs=counts)
+
+
+def test_anneal_likelihood_reads_the_dtype_of_the_log_density_not_of_integer_counts():
+    # before: int64 counts were skipped (no floating dtype), and the ELBO said "check the
+    # model's support" of the infinite log density; the rate's float32 is the log density's
+    counts = torch.tensor([1, 2, 3])
+    with pytest.raises(
+        ValueError, match=r"^anneal_likelihood at site 'counts': factor=1e\+300 .* torch.float32"
+    ):
+        poutine.trace(anneal_likelihood(_poisson_counts, 1e300)).get_trace(counts)
+    # a float64 rate gives a float64 log density, where 1e300 is a number
+    trace = poutine.trace(anneal_likelihood(_poisson_counts, 1e300)).get_trace(
+        counts, torch.float64
+    )
+    trace.compute_log_prob()
+    assert trace.nodes["counts"]["scale"] == 1e300
+    assert trace.nodes["counts"]["log_prob"].dtype == torch.float64
 
 
 # ---------------------------------------------------------------- store: tensors bounds, sound

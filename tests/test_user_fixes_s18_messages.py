@@ -5,6 +5,7 @@ recipe predicts at the fitted hyperparameters."""
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from pathlib import Path
@@ -166,6 +167,83 @@ def test_an_observation_outside_a_latent_support_keeps_the_old_advice(vectorize)
     assert "overflow" not in message
 
 
+def wide_tau(y):
+    tau = pyro.sample("tau", dist.LogNormal(0.0, 100.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(0.0, tau), obs=y)
+
+
+def test_a_latent_overflowed_at_the_guides_initial_value_is_not_blamed_on_a_step():
+    # review s18 r1: at step 0 the message said "an optimizer's step that was too large", but
+    # no step had been taken; the initial value 3.3e38 puts a node's tau beyond float32
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    start = pyro.infer.autoguide.init_to_value(values={"tau": torch.tensor(3.3e38)})
+    guide = AutoMeanFieldNormal(wide_tau, init_loc_fn=start)
+    svi = SVI(wide_tau, guide, QNVB(), QuadratureELBO())
+    with pytest.raises(ValueError) as raised:
+        svi.step(torch.randn(10))
+    message = str(raised.value)
+    assert "the latent site 'tau' is inf at this point" in message
+    assert "comes from an optimizer's step" not in message
+    assert "before any step, its initial value" in message and "init_to_value" in message
+
+
+def poisson_regression(x, c):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with pyro.plate("data", len(c)):
+        pyro.sample("c", dist.Poisson((x * w).sum(-1).exp()), obs=c)
+
+
+def test_a_nan_covariate_is_named_by_argument_and_index():
+    # review s18 r1: "inf - inf after an overflow", and nothing said that x holds NaN (the
+    # guide's set-up run, where Pyro's validation refuses the rate)
+    x = torch.randn(20, 2)
+    x[3, 0] = float("nan")
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    svi = SVI(poisson_regression, AutoMeanFieldNormal(poisson_regression), QNVB(), QuadratureELBO())
+    with pytest.raises(ValueError) as raised:
+        svi.step(x, torch.ones(20))
+    message = str(raised.value)
+    assert "the model's argument x holds NaN (first at index [3, 0])" in message
+    assert "inf - inf" not in message and "standardize" not in message
+
+
+def data_scale(s, y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(mu, s), obs=y)
+
+
+@pytest.mark.parametrize("vectorize", [True, False])
+def test_an_infinite_scale_in_the_data_is_named_not_blamed_on_overflow(vectorize):
+    # review s18 r1: "the model's arithmetic overflowed ... standardize the inputs"
+    s = torch.ones(5)
+    s[2] = math.inf
+    y = torch.zeros(5)
+    log_joint = LogJoint(data_scale, latent_sites_of_model(data_scale, s, y))
+    with pytest.raises(ValueError) as raised, pyro.validation_enabled(False):
+        log_joint(torch.zeros(2, 1), (), {"s": s, "y": y}, vectorize=vectorize)
+    message = str(raised.value)
+    assert "the log density of site 'y' is not finite (-inf)" in message
+    assert "the model's argument s holds inf (first at index [2])" in message
+    assert "overflowed" not in message and "standardize" not in message
+
+
+def test_a_nonfinite_input_inside_a_container_is_named_by_its_path():
+    def model(data):
+        data_scale(data["scales"][0], data["y"])
+
+    s = torch.ones(5)
+    s[4] = -math.inf
+    data = {"scales": [s], "y": torch.zeros(5)}
+    log_joint = LogJoint(model, latent_sites_of_model(model, data))
+    with pytest.raises(ValueError, match=re.escape("argument data['scales'][0] holds -inf")):
+        with pyro.validation_enabled(False):
+            log_joint(torch.zeros(1, 1), (data,), vectorize=False)
+
+
 def matmul_model(x, y=None):
     a = pyro.sample("a", dist.Normal(0.0, 5.0))
     b = pyro.sample("b", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
@@ -278,3 +356,16 @@ def test_the_gp_recipe_predicts_at_the_guides_median_hyperparameters():
     exec(page_block("docs/guides.md", "guides-gp-draws"), ns)
     assert ns["mean"].shape == ns["var"].shape == (7,)
     assert torch.isfinite(ns["mean"]).all() and (ns["var"] > 0).all()
+
+
+def test_a_factor_over_nan_data_names_the_factor_and_the_argument():
+    def model(data):
+        a = pyro.sample("a", dist.Normal(0.0, 1.0))
+        pyro.factor("penalty", -(a * data).square().sum())
+
+    log_joint = LogJoint(model, latent_sites_of_model(model, torch.ones(2)))
+    with pytest.raises(ValueError) as raised:
+        log_joint(torch.zeros(1, 1), (torch.tensor([1.0, math.nan]),), vectorize=False)
+    message = str(raised.value)
+    assert "the pyro.factor 'penalty' is NaN, computed by the model" in message
+    assert "the model's argument data holds NaN (first at index [1])" in message

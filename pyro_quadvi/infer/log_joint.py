@@ -34,10 +34,11 @@ other prior at such a site is evaluated at the points as usual.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -311,18 +312,19 @@ def check_max_plate_nesting(owner: str, value: object, find: float | None) -> No
 
 
 def _check_arguments(sites: object, closed_form: object, expected_log_priors: object) -> None:
-    """Refuse `LogJoint`'s ``sites`` other than a sequence of `LatentSite`, ``closed_form``
+    """Refuse `LogJoint`'s ``sites`` other than a list of `LatentSite` (`LogJoint` makes one of
+    any iterable), ``closed_form``
     other than a mapping (or ``None``) and ``expected_log_priors`` other than a collection of
     site names, naming the argument: Python's "'NoneType' object is not iterable" or "'int'
     object has no attribute 'numel'" named none."""
     wrong: tuple[object, str] | None = (sites, "")
-    if isinstance(sites, Sequence) and not isinstance(sites, str):
+    if isinstance(sites, list):
         others = (site for site in sites if not isinstance(site, LatentSite))
         wrong = next(((site, " in it") for site in others), None)
     if wrong is not None:
         value, where = wrong
         raise TypeError(
-            "LogJoint: sites must be a sequence of LatentSite, in the order of the points' "
+            "LogJoint: sites must be an iterable of LatentSite, in the order of the points' "
             f"coordinates (latent_sites_of_model(model, *args) gives them), got {value!r} "
             f"({type(value).__name__}){where}"
         )
@@ -384,7 +386,7 @@ class LogJoint:
     def __init__(
         self,
         model: Callable,
-        sites: Sequence[LatentSite],
+        sites: Iterable[LatentSite],
         max_plate_nesting: int | None = None,
         closed_form: Mapping[str, ClosedFormSite] | None = None,
         expected_log_priors: Collection[str] = (),
@@ -392,10 +394,12 @@ class LogJoint:
     ):
         check_callable("LogJoint", "model", model, "a callable Pyro model")
         check_max_plate_nesting("LogJoint", max_plate_nesting, None)
+        if isinstance(sites, Iterable) and not isinstance(sites, (str, Mapping)):
+            sites = list(sites)  # (a generator is read once, here)
         _check_arguments(sites, closed_form, expected_log_priors)
         self.model = model
         self.node_by_node = node_by_node
-        self.sites = list(sites)
+        self.sites = sites
         self.closed_form = dict(closed_form or {})
         self.expected_log_priors = frozenset(expected_log_priors)
         self.closed_priors: dict[str, tuple[float, float, float]] = {}
@@ -517,7 +521,11 @@ class LogJoint:
         site's distribution that is not finite while every latent is (the model's arithmetic
         overflowed: inputs on a large scale); ``None`` for neither. ``trace_at_k``: the model's
         run at that point, where the loop made one; else the model runs once more there (from a
-        fork of torch's random state, without validation, so that it reaches the site)."""
+        fork of torch's random state, without validation, so that it reaches the site). The
+        model's inputs are read first: NaN or an infinity there is named (`_nonfinite_input`)."""
+        inputs = _nonfinite_input(self.model, args, kwargs)
+        if inputs is not None:
+            return inputs
         values = {site: value[k].detach() for site, value in unconstrained.items()}
         with torch.no_grad():
             constrained, _ = self._constrain(values)
@@ -899,7 +907,8 @@ def _where(z: torch.Tensor, k: int) -> str:
 
 def _latent_overflow(name: str, value: torch.Tensor, unconstrained: torch.Tensor | None) -> str:
     """`_not_finite`'s account of the latent site ``name``, whose constrained ``value`` is not
-    finite: its transform overflowed at a point that a step too large reached. ``unconstrained``:
+    finite: its transform overflowed at the guide's point (its initial value, or one that a step
+    too large reached). ``unconstrained``:
     its coordinates at the point, where known (``None``: ``value`` holds all points of a pass)."""
     bad = ~torch.isfinite(value)
     first = value[bad].reshape(-1)[0].item()
@@ -919,15 +928,78 @@ def _latent_overflow(name: str, value: torch.Tensor, unconstrained: torch.Tensor
             )
         place, at = "this point", f", where its unconstrained value is {coordinate:.4g}"
     dtype = str(value.dtype).removeprefix("torch.")
+    # (the log joint does not know whether an optimizer has stepped: both sources are named)
     return (
         f"the latent site {entry} is {first} at {place}{at}: its transform to the support "
-        f"overflows {dtype}. A value this far out comes from an optimizer's step that was too "
-        "large, not from the posterior (a large lr moves every latent by up to lr, those on a "
-        "log scale too). Take smaller steps: a smaller lr, a large lr only for the latents on "
+        f"overflows {dtype}. A value this far out is not from the posterior but from the "
+        "guide's point: before any step, its initial value (start it within the prior's "
+        "range: init_loc_fn=init_to_value(values={...}) or init_to_median in the guide); after "
+        "steps, a step that was too large (a large lr moves every latent by up to lr, those on "
+        "a log scale too). Take smaller steps: a smaller lr, a large lr only for the latents on "
         "the data's scale (QNVB(lambda name: {'lr': 1e4} if name.endswith('.mu') else {}) for a "
         "site 'mu'), or QNVB's trust_region (see the page 'QNVB: quasi-Newton variational "
         "Bayes')"
     )
+
+
+def _model_signature(model: Callable) -> inspect.Signature | None:
+    """The signature of the user's function inside Pyro's handlers (``functools.wraps``'s
+    ``__wrapped__``, and the partial a ``Messenger`` makes of it), for naming its arguments;
+    ``None`` where there is none to read."""
+    for _ in range(64):  # (a bound on the wrappers, against a cycle of them)
+        if hasattr(model, "__wrapped__"):
+            model = model.__wrapped__
+        elif isinstance(model, functools.partial) and model.args and callable(model.args[-1]):
+            model = model.args[-1]
+        else:
+            break
+    try:
+        return inspect.signature(model, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return None
+
+
+def _entries(path: str, value: object):
+    """``(path, value)`` of ``value`` and of what lists, tuples and dicts hold inside it."""
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            yield from _entries(f"{path}[{i}]", item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _entries(f"{path}[{key!r}]", item)
+    else:
+        yield path, value
+
+
+def _nonfinite_input(model: Callable, args: tuple, kwargs: dict) -> str | None:
+    """`_not_finite`'s account of a non-finite log density where the model's own inputs hold
+    NaN or an infinity (a tensor among its arguments, or inside their lists, tuples and dicts; a
+    float): the argument by name (from ``model``'s signature, else by position) and the first
+    index. ``None`` where every input is finite. Read on the error path only."""
+    signature = _model_signature(model)
+    try:
+        named = list(signature.bind(*args, **kwargs).arguments.items())
+    except (AttributeError, TypeError):  # (no signature, or one that these do not fit)
+        named = [(f"#{i}", arg) for i, arg in enumerate(args)] + list(kwargs.items())
+    for name, arg in named:
+        for path, value in _entries(name, arg):
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                bad = ~torch.isfinite(value)
+                if not bool(bad.any()):
+                    continue
+                first = value[bad].reshape(-1)[0].item()
+                at = f" (first at index {bad.nonzero()[0].tolist()})" if value.dim() else ""
+            elif isinstance(value, float) and not math.isfinite(value):
+                first, at = value, ""
+            else:
+                continue
+            what = "NaN" if math.isnan(first) else first
+            return (
+                f"the model's argument {path} holds {what}{at}, and a value the model computes "
+                "from it is not finite: drop or impute those rows of the data, or give the "
+                "entry a finite value"
+            )
+    return None
 
 
 def _parameter_overflow(site: dict) -> str | None:
@@ -992,9 +1064,13 @@ def _not_finite(
             "impute those rows (a masked entry, poutine.mask / obs_mask, needs a finite value "
             "too: NaN there makes the gradients NaN)"
         )
+    factor = site["infer"].get("is_auxiliary") or type(_innermost(site["fn"])).__name__ == "Unit"
     if overflow:
+        if factor:
+            shown = "NaN" if math.isnan(value) else value
+            return f"{head}: the pyro.factor {name!r} is {shown}, computed by the model; {overflow}"
         return f"{head}: {overflow}"
-    if site["infer"].get("is_auxiliary") or type(_innermost(site["fn"])).__name__ == "Unit":
+    if factor:
         if math.isnan(value):
             return (
                 f"{head}: the pyro.factor {name!r} is NaN, computed by the model from the "
@@ -1101,7 +1177,8 @@ def _name_the_invalid_site(
     the site, and its log density shows which one it is. ``locate`` names the point from the
     site's mask of non-finite entries (a pass over several points), else ``where()`` is the place
     (written only here, on an error: it reads the point back from its device). ``hint``, the
-    model's own, reads the run's trace and may name the likely cause and its fix; else a value
+    model's own, reads the run's trace and may name the likely cause and its fix; NaN or an
+    infinity in the model's inputs comes before it (`_nonfinite_input`); else a value
     that overflowed is named (`_overflow_in`; a latent's only where ``steps`` of an optimizer
     reached the point, not at a guide's initial values).
     """
@@ -1118,8 +1195,9 @@ def _name_the_invalid_site(
         if bad.any():
             value = log_prob[bad].reshape(-1)[0].item()
             at = where() if locate is None else locate(bad)
-            hinted = None if hint is None else hint(trace)
-            overflow = None if hinted else _overflow_in(trace, node, steps)
+            inputs = _nonfinite_input(model, args, kwargs)
+            hinted = None if hint is None or inputs else hint(trace)
+            overflow = inputs or (None if hinted else _overflow_in(trace, node, steps))
             why = _not_finite(node, value, at, hinted, overflow=overflow)
             raise ValueError(f"{why}. ({first_line(error)})") from None
 
@@ -1178,6 +1256,7 @@ def _sum_but_particles(log_prob: torch.Tensor, K: int, particle_dims: int) -> to
 
 
 def _in_plate(fn: Callable, size: int, dim: int, device: torch.device) -> Callable:
+    @functools.wraps(fn)  # (the model's signature names its arguments in messages)
     def wrapped(*args, **kwargs):
         with pyro.plate(_NODE_PLATE, size, dim=dim, device=device):
             return fn(*args, **kwargs)

@@ -97,17 +97,22 @@ def fan_in_and_fan_out(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     in * prod(kernel)``, as torch's own initialization takes them.
 
     Raises:
-        TypeError: for a ``shape`` that is not a sequence of at least 2 ints ``>= 0`` (``None``,
-            an int, a string, a 1-d shape: torch's message named no argument).
+        TypeError: for a ``shape`` that is not a sequence of ints (``None``, an int, a string, a
+            float entry: torch's message named no argument).
+        ValueError: for a sequence of ints that is no weight's shape: fewer than 2 dims (as
+            torch raised) or a negative size.
     """
-    if (
-        not isinstance(shape, (tuple, list))
-        or len(shape) < 2
-        or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in shape)
+    expected = "a weight's shape, a tuple of at least 2 ints >= 0 (out, in, *kernel)"
+    if not isinstance(shape, (tuple, list)) or any(
+        isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in shape
     ):
         raise TypeError(
-            "fan_in_and_fan_out: shape must be a weight's shape, a tuple of at least 2 ints >= 0 "
-            f"(out, in, *kernel), got {shape!r}; a parameter of fewer dims has no fans of its own"
+            f"fan_in_and_fan_out: shape must be {expected}, got {shape!r} ({type(shape).__name__})"
+        )
+    if len(shape) < 2 or any(n < 0 for n in shape):
+        raise ValueError(
+            f"fan_in_and_fan_out: shape must be {expected}, got {shape!r}; a parameter of fewer "
+            "dims has no fans of its own"
         )
     return _calculate_fan_in_and_fan_out(torch.empty(tuple(shape), device="meta"))
 

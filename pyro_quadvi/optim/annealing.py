@@ -21,6 +21,8 @@ import torch
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
+from ..infer.log_joint import _layers
+
 __all__ = [
     "AnnealLikelihoodMessenger",
     "anneal_likelihood",
@@ -173,19 +175,20 @@ class AnnealLikelihoodMessenger(Messenger):
 
 
 def _check_representable(factor: float, msg: dict) -> None:
-    """Refuse a ``factor`` beyond the largest number of the observed site's floating dtype, the
-    dtype of its log density: ``1e300`` is finite in float64 but infinite in float32, and the
-    ELBO then blamed the model's support for the infinite log density."""
-    value = msg["value"]
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-        return
-    largest = torch.finfo(value.dtype).max
-    if factor > largest:
-        raise ValueError(
-            f"anneal_likelihood: the factor {factor!r} at site {msg['name']!r} is beyond the "
-            f"largest {value.dtype} number ({largest:.3g}), the dtype of the site's log density: "
-            "pass a factor within it (an annealing schedule runs in (0, 1]), or float64 data"
-        )
+    """Refuse a ``factor`` beyond the largest number of the observed site's log density's dtype
+    (`torch_qnvb.check_representable`): ``1e300`` is finite in float64 but infinite in float32,
+    and the ELBO then blamed the model's support for the infinite log density. The log density
+    takes the dtype of the distribution's parameters and of a floating value (integer counts
+    under a float32 rate give float32)."""
+    from .torch_qnvb import check_representable  # (torch_qnvb imports this module)
+
+    tensors = [msg["value"]]
+    for fn in _layers(msg["fn"]):
+        tensors.extend(vars(fn).get(name) for name in getattr(fn, "arg_constraints", {}))
+    dtypes = [t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if dtypes:
+        dtype = functools.reduce(torch.promote_types, dtypes)
+        check_representable(f"anneal_likelihood at site {msg['name']!r}: ", "factor", factor, dtype)
 
 
 def anneal_likelihood(model: Callable, factor: float | Callable[[], float]) -> Callable:

@@ -118,8 +118,11 @@ def _check_arguments(X: object, w: object, atol: object) -> float | None:
         )
     if atol is None:
         return None
-    if isinstance(atol, torch.Tensor) and atol.numel() == 1 and atol.is_floating_point():
-        atol = atol.item()
+    # a one-element real tensor, integer ones included (as ``atol=0``), read back; a bool one is
+    # no tolerance
+    if isinstance(atol, torch.Tensor) and atol.numel() == 1:
+        if atol.dtype != torch.bool and not atol.is_complex():
+            atol = atol.item()
     if isinstance(atol, bool) or not isinstance(atol, numbers.Real):
         raise TypeError(
             f"quadratic_exactness: atol must be None or a number >= 0, got {atol!r} "
