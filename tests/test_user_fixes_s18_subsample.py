@@ -217,9 +217,12 @@ def rows_as_ind_model(idx):
 def test_data_read_by_the_plates_rows_follow_the_guides_rows_exactly(guide_class):
     """The guide draws its own rows and the data go with them: each row is fitted to its own
     data, ``y_i 100/101`` and ``sqrt(100/101)`` to rounding. Before the fix this was refused as
-    "each row's local latents would be fitted to another row's data"."""
+    "each row's local latents would be fitted to another row's data". The guide's random rows
+    reach some rows less often than the model's epochs do: 60 epochs (at 25 a loc was off by up
+    to 6 for some seeds; at 60 all of seeds 0-3 were exact)."""
+    pyro.set_rng_seed(0)
     guide = guide_class(rows_as_ind_model)
-    _fit_rows(guide, QuadratureELBO(), epochs=25, model=rows_as_ind_model)
+    _fit_rows(guide, QuadratureELBO(), epochs=60, model=rows_as_ind_model)
     loc, scale = guide.locs.z.detach(), guide.scales.z.detach()
     torch.testing.assert_close(loc, Y * 100 / 101, rtol=0, atol=1e-12)
     torch.testing.assert_close(scale, torch.full((N,), math.sqrt(100 / 101)), rtol=0, atol=1e-12)
@@ -229,6 +232,7 @@ def test_data_read_by_the_plates_rows_pass_the_guides_set_up_under_trace_elbo():
     """The guide's own check at its set-up (what Pyro's ELBOs meet) accepts the same model
     (refused before the fix), and the fit reaches each row's own mean (within 1 after 100
     epochs of Monte Carlo; rows fitted to other rows' data were off by up to 9)."""
+    pyro.set_rng_seed(0)
     guide = AutoMeanFieldNormal(rows_as_ind_model)
     _fit_rows(guide, Trace_ELBO(), epochs=100, model=rows_as_ind_model)
     error = (guide.locs.z.detach() - Y * 100 / 101).abs().max().item()
