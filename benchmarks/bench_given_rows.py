@@ -8,11 +8,16 @@ inside `GivenRows` (``pyro_quadvi.guides.rows``), which compares the rows a plat
 the model (``subsample=idx``) with those it ends up with. After its first call the ELBO runs the
 model once a step, so the check costs a step the scan plus the difference between one run of the
 model in `GivenRows` and one without, both under a replay of the guide's trace as the log joint
-runs it. Three models, each fitted with ``QNVB()``:
+runs it. Every sized plate has a subsample site (of all its rows where it does not subsample),
+so a guide with any plate runs the model in `GivenRows`. Four models, each fitted with
+``QNVB()``:
 
 * ``demo``: the demo's linear regression (6 features, 400 rows, no subsampling),
   ``AutoMeanFieldNormal``, ``QuadratureELBO("hadamard")``, as ``python -m pyro_quadvi.demo``
-  (no subsampled plate in the guide: the scan only);
+  (no plate in the guide: the scan only);
+* ``eight schools``: ``pyro_quadvi.testing.problems.eight_schools``, ``AutoMeanFieldNormal``,
+  ``QuadratureELBO()`` (a plate of all 8 schools around a local latent, no subsampling: the
+  model runs in `GivenRows` all the same);
 * ``rows, same tensor``: 20 local latents ``z_i``, ``pyro.plate("rows", 20, subsample=idx)``
   with 5 rows a step, the guide built with ``create_plates`` returning the model's plate (the
   check finds the same tensor);
@@ -42,6 +47,7 @@ from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.demo import linear_regression
 from pyro_quadvi.guides.interface import trace_for_description
 from pyro_quadvi.guides.rows import GivenRows
+from pyro_quadvi.testing.problems import eight_schools
 
 N, B = 20, 5
 
@@ -58,6 +64,12 @@ def demo_case():
     y = X @ torch.linspace(-1, 1, 6) + 0.5 * torch.randn(400, generator=generator)
     guide = AutoMeanFieldNormal(linear_regression)
     return linear_regression, guide, QuadratureELBO("hadamard"), lambda k: (X, y)
+
+
+def eight_schools_case():
+    problem = eight_schools()
+    guide = AutoMeanFieldNormal(problem.model)
+    return problem.model, guide, QuadratureELBO(), lambda k: ()
 
 
 def rows_case(copy: bool):
@@ -99,7 +111,7 @@ def measure(make, repeats: int) -> str:
     runs = {"plain": [], "checked": []}
     for repeat in range(repeats):
         for kind in ("plain", "checked") if repeat % 2 else ("checked", "plain"):
-            run = GivenRows(guide)(model) if kind == "checked" else model
+            run = GivenRows(guide, trace)(model) if kind == "checked" else model
             replayed = poutine.trace(poutine.replay(run, trace=trace)).get_trace
             runs[kind].append(per_call(functools.partial(replayed, *data(0)), 100))
     plain, checked = (statistics.median(runs[kind]) for kind in ("plain", "checked"))
@@ -116,6 +128,7 @@ def main() -> None:
     torch.set_num_threads(1)
     cases = {
         "demo": demo_case,
+        "eight schools": eight_schools_case,
         "rows, same tensor": functools.partial(rows_case, copy=False),
         "rows, equal copy": functools.partial(rows_case, copy=True),
     }

@@ -18,7 +18,7 @@ from pyro.poutine import Trace
 
 from .adapters import check_set_up, describe_auto_normal, scale_factor, subsample_rows
 from .interface import GuideDescription, MeanFieldSite
-from .rows import GivenRows, replaced_rows_message, same_rows
+from .rows import GivenRows, check_data_follow_rows, same_rows
 
 __all__ = ["AutoMeanFieldNormal"]
 
@@ -127,13 +127,15 @@ class AutoMeanFieldNormal(AutoNormal):
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         tracer = poutine.trace(self._draw)
-        result = tracer(*args, **kwargs)
+        try:
+            result = tracer(*args, **kwargs)
+        finally:  # set by this run's set-up, for this run only (a failed run leaves none)
+            given = self.__dict__.pop("_given_rows", None)
         trace = tracer.trace
         self._last_run = {}
         plates = self.master().plates if self.master is not None else None  # a list's part
-        given = self.__dict__.pop("_given_rows", None)  # set by this run's set-up
         if given:
-            self._check_rows(given, trace, plates)
+            self._check_rows(given, trace, plates, args, kwargs)
         for name in self._event_dims:
             aux = trace.nodes[name + "_unconstrained"]
             rows = subsample_rows(aux, trace, self._event_dims[name], plates)
@@ -142,13 +144,19 @@ class AutoMeanFieldNormal(AutoNormal):
         return result
 
     def _check_rows(
-        self, given: dict[str, tuple[int, object]], trace: Trace, plates: dict | None
+        self,
+        given: dict[str, tuple[int, object]],
+        trace: Trace,
+        plates: dict | None,
+        args: tuple,
+        kwargs: dict,
     ) -> None:
         """Refuse, on the set-up run, a plate around a local latent whose rows the model gave
         (``subsample=idx``) and whose rows in the guide's own plate are others (no
-        ``create_plates``, or one that draws): the ELBO would replay the guide's rows into the
-        model (`replaced_rows_message`). A part of an ``AutoGuideList`` names the list, which
-        makes the plates and takes ``create_plates``."""
+        ``create_plates``, or one that draws), unless the model's data follow the plate's rows:
+        the ELBO would replay the guide's rows into the model (`check_data_follow_rows`). A
+        part of an ``AutoGuideList`` names the list, which makes the plates and takes
+        ``create_plates``."""
         owner = self.master() if self.master is not None else self
         for name, (full_size, rows) in given.items():
             if name not in self._prototype_frames:
@@ -156,7 +164,9 @@ class AutoMeanFieldNormal(AutoNormal):
             node = trace.nodes.get(name)
             own = node["value"] if node is not None else plates[name].indices
             if not same_rows(rows, own):
-                raise ValueError(replaced_rows_message(name, full_size, len(rows), owner))
+                check_data_follow_rows(
+                    self.model, args, kwargs, trace, name, full_size, rows, own, owner
+                )
 
     @read_from_store
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:

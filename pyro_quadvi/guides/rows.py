@@ -6,44 +6,82 @@ which draws random rows; the ELBO replays the guide's trace into the model, so t
 takes the guide's rows while its data are still indexed by ``idx``: the posterior of row ``i`` is
 fitted to another row's data, without any error (Pyro's ``Trace_ELBO`` does the same). A plate
 that holds only observed sites is not in the guide, keeps the model's ``idx``, and is left alone.
+A model that reads its data by the plate's own rows (``with pyro.plate(...) as ind``,
+``obs=y[ind]``) takes the guide's rows with its data, and is right.
 
 `GivenRows` sees, in a run of the model, which plates the model gave their rows and whether a
-handler around the model (a replay of the guide's trace) replaced them; `replaced_rows_message`
-says what happened and the two ways out.
+handler around the model (a replay of the guide's trace) replaced them; where it did,
+`check_data_follow_rows` runs the model once more with its own rows to see whether its data
+moved with them; `replaced_rows_message` says what happened and the ways out.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+from pyro import poutine
+from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
-__all__ = ["GivenRows", "replaced_rows_message", "same_rows"]
+__all__ = ["GivenRows", "check_data_follow_rows", "replaced_rows_message", "same_rows"]
 
 
 class GivenRows(Messenger):
-    """Records the rows a model gives its plates, and refuses a run where they were replaced.
+    """Records the rows a model gives its plates, and refuses a run where they were replaced
+    while the model's data stayed at its own rows.
 
-    Wrap the model itself, inside any replay: ``poutine.replay(GivenRows(guide)(model), ...)``.
-    The handler then sees each plate's subsample message before the replay does, so a value
-    already set is the model's own ``subsample=`` (or a handler of the model's own); after the
-    replay it compares that value with the rows the plate ends up with.
+    Wrap the model itself, inside any replay: ``poutine.replay(GivenRows(guide, trace)(model),
+    ...)``. The handler then sees each plate's subsample message before the replay does, so a
+    value already set is the model's own ``subsample=`` (or a handler of the model's own); after
+    the replay it compares that value with the rows the plate ends up with. Where they differ,
+    the run is checked once more after it ends (`check_data_follow_rows`): a model that reads
+    its data by the plate's rows (``with pyro.plate(..., subsample=idx) as ind``,
+    ``obs=y[ind]``) fits each row to its own data, and is accepted.
 
     Args:
         guide: the guide, for the message (``None``: a run without a replay).
+        guide_trace: the trace the replay around this handler replays (``None``: a run without
+            a replay, which only records the rows given).
+        follow: names of the plates whose data were found to follow their rows; the check adds
+            to it, and skips them (the caller keeps it for one model).
 
     Attributes:
         given: plate name -> ``(full size, rows)`` for each plate the model gave its rows in the
             runs seen.
     """
 
-    def __init__(self, guide: object | None = None):
+    def __init__(
+        self,
+        guide: object | None = None,
+        guide_trace: Trace | None = None,
+        follow: set[str] | None = None,
+    ):
         super().__init__()
         self.guide = guide
+        self.guide_trace = guide_trace
+        self.follow = set() if follow is None else follow
         self.given: dict[str, tuple[int, Sequence[int] | torch.Tensor]] = {}
+        self._replaced: dict[str, torch.Tensor] = {}
+
+    def __call__(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            self._replaced = {}
+            with self:
+                result = fn(*args, **kwargs)
+            for name, rows in self._replaced.items():
+                full_size, given = self.given[name]
+                check_data_follow_rows(
+                    fn, args, kwargs, self.guide_trace, name, full_size, given, rows, self.guide
+                )
+                self.follow.add(name)
+            return result
+
+        return run
 
     def _pyro_sample(self, msg) -> None:
         if not isinstance(msg["fn"], _Subsample):
@@ -54,12 +92,62 @@ class GivenRows(Messenger):
             self.given[msg["name"]] = (msg["fn"].size, msg["value"])
 
     def _pyro_post_sample(self, msg) -> None:
-        given = self.given.get(msg["name"])
-        if given is None or not isinstance(msg["fn"], _Subsample):
+        name = msg["name"]
+        given = self.given.get(name)
+        if given is None or name in self.follow or not isinstance(msg["fn"], _Subsample):
             return
-        full_size, rows = given
-        if not same_rows(rows, msg["value"]):
-            raise ValueError(replaced_rows_message(msg["name"], full_size, len(rows), self.guide))
+        if self.guide_trace is None:  # no replay: the rows are the model's (or its handlers')
+            return
+        if not same_rows(given[1], msg["value"]):
+            self._replaced[name] = msg["value"]
+
+
+def check_data_follow_rows(
+    model: Callable,
+    args: tuple,
+    kwargs: dict,
+    guide_trace: Trace,
+    name: str,
+    full_size: int,
+    given: Sequence[int] | torch.Tensor,
+    rows: torch.Tensor,
+    guide: object | None,
+) -> None:
+    """Refuse a model whose plate ``name`` was given its rows (``subsample=given``) and took the
+    guide's ``rows`` instead, if an observed site inside that plate keeps its values (and log
+    density) when the plate's rows change: its data stay at ``given`` while its local latents
+    are the guide's rows, and each row would be fitted to another row's data.
+
+    The model runs with the latents of ``guide_trace`` replayed and the plate's rows set to
+    ``rows``, to ``given``, and, for the sites that did not change, to ``rows`` shifted by half
+    the plate (data equal at two sets of rows by chance), each run hidden from the handlers
+    around it. A site whose values change with the rows reads its data by them (``as ind``).
+    """
+
+    def observed(plate_rows) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        replayed = guide_trace.copy()
+        node = replayed.nodes.get(name, {"type": "sample", "name": name, "infer": {}})
+        replayed.nodes[name] = {**node, "is_observed": False, "value": plate_rows}
+        with poutine.block():
+            trace = poutine.trace(poutine.replay(model, trace=replayed)).get_trace(*args, **kwargs)
+        return {
+            site: (node["value"], node["fn"].log_prob(node["value"]))
+            for site, node in trace.nodes.items()
+            if node["type"] == "sample"
+            and node["is_observed"]
+            and any(frame.name == name for frame in node["cond_indep_stack"])
+        }
+
+    def same(a, b) -> bool:
+        return all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+    taken = observed(rows)
+    unchanged = [site for site, own in observed(given).items() if same(taken[site], own)]
+    if unchanged:
+        other = observed((torch.as_tensor(rows) + full_size // 2) % full_size)
+        unchanged = [site for site in unchanged if same(taken[site], other[site])]
+    if unchanged or not taken:
+        raise ValueError(replaced_rows_message(name, full_size, len(given), guide, unchanged))
 
 
 def same_rows(a: Sequence[int] | torch.Tensor, b: Sequence[int] | torch.Tensor) -> bool:
@@ -72,23 +160,34 @@ def same_rows(a: Sequence[int] | torch.Tensor, b: Sequence[int] | torch.Tensor) 
     return a.shape == b.shape and torch.equal(a, b.to(a.device))
 
 
-def replaced_rows_message(name: str, full_size: int, size: int, guide: object | None) -> str:
+def replaced_rows_message(
+    name: str, full_size: int, size: int, guide: object, sites: Sequence[str] = ()
+) -> str:
     """Why a plate whose rows the model gives (``size`` of ``full_size``) cannot take a guide's
-    other rows, and the two ways out; a guide class that takes no ``create_plates``
-    (``AutoDiagonalNormal``) is pointed to ``AutoMeanFieldNormal``, which does."""
-    cls = type(guide).__name__ if guide is not None else "AutoNormal"
-    takes_plates = guide is None or "create_plates" in inspect.signature(type(guide)).parameters
+    other rows while its observed ``sites`` keep the model's data (none: no observed site inside
+    the plate shows that its data follow the rows), and the three ways out; a guide class that
+    takes no ``create_plates`` (``AutoDiagonalNormal``) is pointed to ``AutoMeanFieldNormal``,
+    which does."""
+    cls = type(guide).__name__
+    takes_plates = "create_plates" in inspect.signature(type(guide)).parameters
     build = cls if takes_plates else "AutoMeanFieldNormal"
     aside = "" if takes_plates else f" ({cls} takes no create_plates)"
+    kept = (
+        f"its observed sites {', '.join(map(repr, sites))} keep the same data with the guide's "
+        "rows as with the model's"
+        if sites
+        else "no observed site inside it reads its data by the plate's rows"
+    )
     return (
         f"plate {name!r}: the model picks its rows, pyro.plate({name!r}, {full_size}, "
         f"subsample=...) with {size} of {full_size}, but the guide ({cls}) uses other rows "
-        f"in its own plate {name!r}, and the model's plate takes the guide's rows while its data "
-        "keep the model's: each row's local latents would be fitted to another row's data. "
+        f"in its own plate {name!r}, and the model's plate takes the guide's rows while {kept}: "
+        "each row's local latents would be fitted to another row's data. "
         "An AutoGuide draws random rows for a subsampled plate unless create_plates gives it "
         f"the model's plate: build the guide as {build}(model, create_plates=lambda *args, "
         f"**kwargs: pyro.plate({name!r}, {full_size}, subsample=idx)){aside}, with idx the rows "
         "the model takes from those same arguments (the model's plate: same name, size and "
         f"dim), or let the model's plate draw its rows, pyro.plate({name!r}, {full_size}, "
-        f"subsample_size={size})"
+        f"subsample_size={size}), or read the data by the plate's rows, with "
+        f"pyro.plate({name!r}, {full_size}, subsample=idx) as rows: ... obs=y[rows]"
     )

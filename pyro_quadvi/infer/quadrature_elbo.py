@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyro
 import torch
@@ -100,6 +100,9 @@ class _Fit:
 
     max_plate_nesting: int | None
     decision: BatchDecision | None = None
+    # plates whose rows the model gives and whose data were seen to follow the guide's rows
+    # (`GivenRows`): not checked again
+    rows_follow: set[str] = field(default_factory=set)
 
 
 class PointsELBO(ELBO):
@@ -210,9 +213,12 @@ class PointsELBO(ELBO):
         # one LogJoint per step: all points of the step see one minibatch. Where the guide has
         # subsampled plates, whose rows the LogJoint replays into the model, the model runs
         # inside GivenRows, inside that replay: a plate given its rows by the model
-        # (subsample=idx) whose rows the guide's plate replaced is refused (`replaced_rows_message`)
+        # (subsample=idx) whose rows the guide's plate replaced is refused
+        # (`replaced_rows_message`) unless the model's data follow the plate's rows (checked
+        # once per plate, `check_data_follow_rows`). Every sized plate has a subsample site:
+        # a guide with any plate runs the model in GivenRows
         if any(site_is_subsample(node) for node in guide_trace.nodes.values()):
-            model = GivenRows(unwrap_guide(guide))(model)
+            model = GivenRows(unwrap_guide(guide), guide_trace, fit.rows_follow)(model)
         log_joint = LogJoint(
             model,
             description.latent_sites,
