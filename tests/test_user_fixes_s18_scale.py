@@ -160,31 +160,70 @@ def _unscaled_poisson(y=None):
         return pyro.sample("y", dist.Poisson((a + (x * b).sum(-1)).exp()), obs=y)
 
 
-def test_a_step_in_which_no_coordinate_can_be_updated_is_refused(fresh_param_store):
+def test_the_third_step_in_a_row_that_updates_no_coordinate_is_refused(fresh_param_store):
     """The trial's unscaled Poisson with ``init_scale=1e-3``: every coordinate's ``g^2``
     overflows float32 (loss 2.5e25), so the guard keeps every mean, scale and state; QNVB ran
-    1,000 such no-op steps after one warning. Now the step is refused, naming the sites and the
-    causes, with nothing changed and the gradients zeroed (the next step may go on)."""
+    1,000 such no-op steps after one warning. Now the third such step in a row is refused, naming
+    the sites and the causes, with nothing changed and the gradients zeroed; the count of idle
+    steps is saved and restored with QNVB's state."""
     y = torch.full((300,), 5.0)
     guide = AutoMeanFieldNormal(_unscaled_poisson, init_scale=1e-3)
     qnvb = QNVB()
     svi = SVI(_unscaled_poisson, guide, qnvb, QuadratureELBO())
     guide(y)
     before = [p.detach().clone() for p in guide.parameters()]
+    with pytest.warns(RuntimeWarning, match="overflowed"):
+        svi.step(y)
+    svi.step(y)
+    state = qnvb.get_state()
+    assert state["qnvb"]["idle_steps"] == 2
     with pytest.raises(ValueError) as raised:
         svi.step(y)
     message = str(raised.value)
     assert (
-        "QNVB: no coordinate of any block could be updated in this step (5 coordinates of "
-        "site 'a', site 'b')" in message
+        "QNVB: no coordinate of any block could be updated in 3 steps in a row (in this one, 5 "
+        "coordinates of site 'a', site 'b')" in message
     )
     assert "standardize the inputs or use float64" in message
     assert "a smaller lr, or trust_region=0.3" in message
     assert all(torch.equal(p, b) for p, b in zip(guide.parameters(), before))
     assert all(p.grad is None or not p.grad.any() for p in guide.parameters())
-    assert qnvb.num_steps == 0
-    with pytest.raises(ValueError, match="no coordinate of any block"):  # and again, the same
+    assert qnvb.num_steps == 2
+    resumed = QNVB()
+    resumed.set_state(state)
+    svi = SVI(_unscaled_poisson, guide, resumed, QuadratureELBO())
+    with pytest.raises(ValueError, match="in 3 steps in a row"):  # the restored count goes on
         svi.step(y)
+
+
+def test_one_bad_minibatch_that_updates_no_coordinate_passes_with_a_warning(fresh_param_store):
+    """One site, one minibatch with an outlier row (``x = 1e10``: ``g^2`` overflows float32 at
+    every coordinate while the loss is finite): that step updates nothing and warns, the next
+    minibatch's step updates as before, and the fit goes on (the review's ``fit`` over 8
+    minibatches raised at the bad one)."""
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with pyro.plate("n", x.shape[0]):
+            pyro.sample("y", dist.Normal((x * w).sum(-1), 1.0), obs=y)
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 2)
+    y = x @ torch.tensor([1.0, -2.0])
+    bad = x.clone()
+    bad[0] = 1e10
+    guide = AutoMeanFieldNormal(model)
+    qnvb = QNVB()
+    svi = SVI(model, guide, qnvb, QuadratureELBO())
+    svi.step(x, y)
+    kept = guide.locs.w.detach().clone()
+    with pytest.warns(RuntimeWarning, match="overflowed"):
+        svi.step(bad, y)
+    assert torch.equal(guide.locs.w, kept)
+    for _ in range(5):
+        svi.step(x, y)
+    assert qnvb.num_steps == 7 and qnvb.get_state()["qnvb"]["idle_steps"] == 0
+    assert not torch.equal(guide.locs.w, kept)
 
 
 def test_one_ranks_share_in_which_no_coordinate_can_be_updated_is_warned_not_refused(
@@ -204,9 +243,13 @@ def test_one_ranks_share_in_which_no_coordinate_can_be_updated_is_warned_not_ref
     before = [p.detach().clone() for p in guide.parameters()]
     with pytest.warns(RuntimeWarning, match="overflowed"):
         qnvb(params, part_of_step=True)
+    for _ in range(3):
+        qnvb(params, part_of_step=True)
     assert all(torch.equal(p, b) for p, b in zip(guide.parameters(), before))
-    assert qnvb.num_steps == 1
-    with pytest.raises(ValueError, match="no coordinate of any block"):  # a whole step: refused
+    assert qnvb.num_steps == 4
+    qnvb(params)
+    qnvb(params)
+    with pytest.raises(ValueError, match="no coordinate of any block"):  # whole steps: refused
         qnvb(params)
 
 

@@ -32,8 +32,9 @@ and scale gradients are both exactly zero are left unchanged.
 
 **No NaN reaches a parameter.** Coordinates with non-finite moments keep their values (in the
 update); so do the fallback's coordinates whose gradient or new value is not finite. Each kind is
-reported once, naming the parameter. A step in which no coordinate of any block could be updated
-is refused with a ``ValueError`` (it would change nothing, nor would the next).
+reported once, naming the parameter. The third step in a row in which no coordinate of any block
+could be updated is refused with a ``ValueError`` (one bad minibatch passes with the warning; a
+cause that stays would keep every later step a no-op).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ from .qnvb_functional import (
 __all__ = [
     "FAMILY_UPDATES",
     "GRADIENT_IDENTITIES",
+    "IDLE_STEPS_REFUSED",
     "QNVB",
     "GradientIdentity",
     "QNVBBlock",
@@ -117,6 +119,11 @@ def _gaussian_update(
 
 FAMILY_UPDATES: dict[str, Callable] = {"gaussian": _gaussian_update}
 """family -> pure update ``(values by role, g, h, state, hyperparameters) -> (values, result)``."""
+
+
+IDLE_STEPS_REFUSED = 3
+"""The number of steps in a row, each updating no coordinate of any block, whose last `QNVB`
+refuses: one bad minibatch gives one such step, which passes with a warning."""
 
 
 def _gaussian_update_many(
@@ -554,6 +561,8 @@ class QNVB(PyroOptim):
         # name -> the hyperparameters a block was updated with and its model's hints (get_state)
         self._block_settings: dict[str, tuple[QNVBHyperparameters, dict]] = {}
         self._warned: set[str] = set()
+        # steps in a row in which no coordinate of any block could be updated (saved in get_state)
+        self._idle_steps = 0
         # loc name -> the number of the guide run a block was last read from (stale_rows_refusal)
         self._runs_read: dict[str, int] = {}
         watch_guides()
@@ -731,36 +740,41 @@ class QNVB(PyroOptim):
             self._guarded_fallback(rest, *args, **kwargs)
         self.num_steps += 1
 
-    @staticmethod
     def _refuse_if_nothing_updated(
-        params: list[torch.Tensor], prepared: list[_Prepared], counts: list
+        self, params: list[torch.Tensor], prepared: list[_Prepared], counts: list
     ) -> list[list[int]] | None:
-        """Refuse a step in which the guard (rule 11) kept every coordinate of every block: each
-        ``g`` or ``h`` was not finite, or the update overflowed. Such a step changed no mean, scale
-        or state, and every later step on the same data would do the same (the unscaled Poisson
-        of a user trial ran 1,000 such steps, loss 2.4e25, after one warning). Raised before the
-        fallback steps, with the gradients of ``params`` zeroed as ``SVI`` zeroes them after a
-        step, so that the next step may go on. Returns the counts it read from the device
-        (`count_table`), which the step's warnings then read without another copy (``None`` if
-        nothing was updated: no counts)."""
+        """Refuse the `IDLE_STEPS_REFUSED`-th step in a row in which the guard (rule 11) kept
+        every coordinate of every block: each ``g`` or ``h`` was not finite, or the update
+        overflowed. Such a step changes no mean, scale or state. One bad minibatch (an outlier
+        row whose ``g^2`` overflows) gives one such step and passes with the count warnings; a
+        cause that stays (the unscaled Poisson of a user trial ran 1,000 such steps, loss 2.4e25,
+        after one warning) repeats at every step. Raised before the fallback steps, with the
+        gradients of ``params`` zeroed as ``SVI`` zeroes them after a step, so that the next
+        step may go on. Returns the counts it read from the device (`count_table`), which the
+        step's warnings then read without another copy (``None`` if nothing was updated: no
+        counts)."""
         total = sum(item.values["loc"].numel() for item in prepared)
         if not total:
             return None
         table = count_table(counts)
         if sum(row[0] + row[1] for row in table) < total:  # num_nonfinite + num_overflow
+            self._idle_steps = 0
+            return table
+        self._idle_steps += 1
+        if self._idle_steps < IDLE_STEPS_REFUSED:
             return table
         zero_grads(params)
         labels = [label for label, *_ in counts]
         sites = ", ".join(labels[:5]) + (f" and {len(labels) - 5} more" if len(labels) > 5 else "")
         advice = or_float64("standardize the inputs", [dtype for _, _, dtype, _ in counts])
         raise ValueError(
-            f"QNVB: no coordinate of any block could be updated in this step ({total} "
-            f"coordinates of {sites}): each one's expected gradient or curvature was not finite, "
-            "or its update overflowed (g^2 beyond the dtype's range), so the step would change "
-            "nothing, and so would every later one. Likely causes: data on scales far from 1 "
-            "(unstandardized features under an exp, or a likelihood far sharper than the guide's "
-            "scales), or a previous step too large (a diverged mean: a smaller lr, or "
-            f"trust_region=0.3). The step was refused and nothing changed: {advice}"
+            f"QNVB: no coordinate of any block could be updated in {self._idle_steps} steps in a "
+            f"row (in this one, {total} coordinates of {sites}): each one's expected gradient or "
+            "curvature was not finite, or its update overflowed (g^2 beyond the dtype's range), "
+            "so these steps changed no mean, scale or state. Likely causes: data on scales far "
+            "from 1 (unstandardized features under an exp, or a likelihood far sharper than the "
+            "guide's scales), or a previous step too large (a diverged mean: a smaller lr, or "
+            f"trust_region=0.3). This step was refused, the fallback did not step: {advice}"
         )
 
     def _nothing_paired(self, params: list[torch.Tensor]) -> str:
@@ -1228,6 +1242,7 @@ class QNVB(PyroOptim):
         return {
             "qnvb": {
                 "num_steps": self.num_steps,
+                "idle_steps": self._idle_steps,
                 "pairs": {
                     name: {key: value.clone() for key, value in state.items()}
                     for name, state in blocks.items()
@@ -1262,6 +1277,7 @@ class QNVB(PyroOptim):
             )
             settings[name] = (hp, hints)
         self.num_steps = qnvb["num_steps"]
+        self._idle_steps = qnvb.get("idle_steps", 0)  # (absent from earlier states)
         self._bound.clear()
         self._pending = {
             name: {key: value.clone() for key, value in state.items()}
