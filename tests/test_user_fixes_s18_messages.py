@@ -369,3 +369,29 @@ def test_a_factor_over_nan_data_names_the_factor_and_the_argument():
     message = str(raised.value)
     assert "the pyro.factor 'penalty' is NaN, computed by the model" in message
     assert "the model's argument data holds NaN (first at index [1])" in message
+
+
+def test_an_infinite_input_by_design_is_not_blamed_for_a_latent_sites_density(
+    fresh_param_store,
+):
+    """An infinite censoring time held on purpose (rows not censored) is not the cause when the
+    density that is not finite is a latent site's prior at the guide's point (``tau``'s initial
+    value ``3.3e38`` is beyond its LogNormal prior's reach in float32): the message does not name
+    the input, and keeps the advice on the start."""
+    from pyro.infer.autoguide import init_to_value
+
+    def model(y, censor):
+        tau = pyro.sample("tau", dist.LogNormal(0.0, 100.0))
+        with pyro.plate("d", len(y)):
+            pyro.sample("y", dist.Normal(0.0, tau), obs=torch.minimum(y, censor))
+
+    guide = AutoMeanFieldNormal(
+        model, init_loc_fn=init_to_value(values={"tau": torch.tensor(3.3e38)})
+    )
+    svi = SVI(model, guide, QNVB(), QuadratureELBO())
+    censor = torch.tensor([math.inf, 0.5, math.inf])
+    with pytest.raises(ValueError) as raised:
+        svi.step(torch.tensor([0.1, -0.2, 0.3]), censor)
+    message = str(raised.value)
+    assert "'tau'" in message
+    assert "argument" not in message and "censor" not in message

@@ -522,10 +522,14 @@ class LogJoint:
         overflowed: inputs on a large scale); ``None`` for neither. ``trace_at_k``: the model's
         run at that point, where the loop made one; else the model runs once more there (from a
         fork of torch's random state, without validation, so that it reaches the site). The
-        model's inputs are read first: NaN or an infinity there is named (`_nonfinite_input`)."""
-        inputs = _nonfinite_input(self.model, args, kwargs)
-        if inputs is not None:
-            return inputs
+        model's inputs are read first for an observed site or a factor: NaN or an infinity there
+        is named (`_nonfinite_input`); a latent site's log density is its prior's, at the guide's
+        point, which the inputs rarely explain (a model may replace a NaN input, or hold an
+        infinite censoring time on purpose)."""
+        if all(site.name != name for site in self.sites):
+            inputs = _nonfinite_input(self.model, args, kwargs)
+            if inputs is not None:
+                return inputs
         values = {site: value[k].detach() for site, value in unconstrained.items()}
         with torch.no_grad():
             constrained, _ = self._constrain(values)
@@ -995,9 +999,9 @@ def _nonfinite_input(model: Callable, args: tuple, kwargs: dict) -> str | None:
                 continue
             what = "NaN" if math.isnan(first) else first
             return (
-                f"the model's argument {path} holds {what}{at}, and a value the model computes "
-                "from it is not finite: drop or impute those rows of the data, or give the "
-                "entry a finite value"
+                f"the model's argument {path} holds {what}{at}: if the site's value or "
+                "parameters are computed from it, drop or impute those rows of the data, or give "
+                "the entry a finite value"
             )
     return None
 
