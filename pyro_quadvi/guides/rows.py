@@ -21,6 +21,7 @@ import functools
 import inspect
 from collections.abc import Callable, Sequence
 
+import pyro
 import torch
 from pyro import poutine
 from pyro.poutine import Trace
@@ -122,6 +123,10 @@ def check_data_follow_rows(
     ``rows``, to ``given``, and, for the sites that did not change, to ``rows`` shifted by half
     the plate (data equal at two sets of rows by chance), each run hidden from the handlers
     around it. A site whose values change with the rows reads its data by them (``as ind``).
+
+    Equal values do not show that the data stayed put (a 0/1 outcome with few ones is all zeros
+    at most sets of rows), so a site left unchanged by those three runs is decided by one more
+    (`follows_all_rows`): the model with the plate's rows set to all ``full_size`` rows.
     """
 
     def observed(plate_rows) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -142,12 +147,73 @@ def check_data_follow_rows(
         return all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
 
     taken = observed(rows)
-    unchanged = [site for site, own in observed(given).items() if same(taken[site], own)]
+    own = observed(given)
+    # a site seen only at the model's rows has changed with the rows
+    unchanged = [site for site in own if site in taken and same(taken[site], own[site])]
     if unchanged:
         other = observed((torch.as_tensor(rows) + full_size // 2) % full_size)
-        unchanged = [site for site in unchanged if same(taken[site], other[site])]
+        unchanged = [site for site in unchanged if site in other and same(taken[site], other[site])]
+    if unchanged:
+        ends = {site: (taken[site][0], own[site][0]) for site in unchanged}
+        follow = follows_all_rows(model, args, kwargs, name, full_size, given, rows, ends)
+        unchanged = [site for site in unchanged if site not in follow]
     if unchanged or not taken:
         raise ValueError(replaced_rows_message(name, full_size, len(given), guide, unchanged))
+
+
+def follows_all_rows(
+    model: Callable,
+    args: tuple,
+    kwargs: dict,
+    name: str,
+    full_size: int,
+    given: Sequence[int] | torch.Tensor,
+    rows: torch.Tensor,
+    values: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> set[str]:
+    """The observed sites among ``values`` (site -> its observed value at the guide's ``rows``
+    and at the model's ``given`` rows) whose data follow the rows of plate ``name``.
+
+    The model runs once with the plate's rows set to all ``full_size`` rows. The guide's latents
+    are not replayed (local latents cannot take all rows): the model draws them from its priors,
+    under a forked random state, with validation off, hidden from the handlers around it; a run
+    that fails decides nothing. A site follows the rows iff its value there has ``full_size``
+    entries along the plate's dim and, indexed by ``rows`` and by ``given`` along that dim,
+    equals its values at those rows. A model reading ``y[idx]`` gives ``len(idx)`` entries
+    there; data equal over all rows follow them trivially (the fit is the same either way).
+    """
+    plate_rows = Trace()
+    plate_rows.add_node(name, type="sample", name=name, is_observed=False, infer={})
+    plate_rows.nodes[name]["value"] = torch.arange(full_size, device=torch.as_tensor(rows).device)
+    devices = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
+    try:
+        with poutine.block(), torch.random.fork_rng(devices), pyro.validation_enabled(False):
+            trace = poutine.trace(poutine.replay(model, trace=plate_rows)).get_trace(
+                *args, **kwargs
+            )
+    except Exception:  # a model that cannot take all rows shows nothing
+        return set()
+    follow = set()
+    for site, (at_rows, at_given) in values.items():
+        node = trace.nodes.get(site)
+        if node is None or node["type"] != "sample" or not node["is_observed"]:
+            continue
+        frame = next((f for f in node["cond_indep_stack"] if f.name == name), None)
+        if frame is None or frame.dim is None:
+            continue
+        value = torch.as_tensor(node["value"])
+        dim = frame.dim - node["fn"].event_dim
+        if value.dim() < -dim or value.shape[dim] != full_size:
+            continue
+        picked = [
+            value.index_select(dim, torch.as_tensor(index, device=value.device).long())
+            for index in (rows, given)
+        ]
+        if all(
+            x.shape == y.shape and torch.equal(x, y) for x, y in zip(picked, (at_rows, at_given))
+        ):
+            follow.add(site)
+    return follow
 
 
 def same_rows(a: Sequence[int] | torch.Tensor, b: Sequence[int] | torch.Tensor) -> bool:
