@@ -28,6 +28,8 @@ from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 
+from ..infer.log_joint import cuda_devices
+
 __all__ = ["GivenRows", "check_data_follow_rows", "replaced_rows_message", "same_rows"]
 
 
@@ -126,7 +128,7 @@ def check_data_follow_rows(
 
     Equal values do not show that the data stayed put (a 0/1 outcome with few ones is all zeros
     at most sets of rows), so a site left unchanged by those three runs is decided by one more
-    (`follows_all_rows`): the model with the plate's rows set to all ``full_size`` rows.
+    (`_follows_all_rows`): the model with the plate's rows set to all ``full_size`` rows.
     """
 
     def observed(plate_rows) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -155,13 +157,13 @@ def check_data_follow_rows(
         unchanged = [site for site in unchanged if site in other and same(taken[site], other[site])]
     if unchanged:
         ends = {site: (taken[site][0], own[site][0]) for site in unchanged}
-        follow = follows_all_rows(model, args, kwargs, name, full_size, given, rows, ends)
+        follow = _follows_all_rows(model, args, kwargs, name, full_size, given, rows, ends)
         unchanged = [site for site in unchanged if site not in follow]
     if unchanged or not taken:
         raise ValueError(replaced_rows_message(name, full_size, len(given), guide, unchanged))
 
 
-def follows_all_rows(
+def _follows_all_rows(
     model: Callable,
     args: tuple,
     kwargs: dict,
@@ -185,8 +187,8 @@ def follows_all_rows(
     plate_rows = Trace()
     plate_rows.add_node(name, type="sample", name=name, is_observed=False, infer={})
     plate_rows.nodes[name]["value"] = torch.arange(full_size, device=torch.as_tensor(rows).device)
-    devices = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
     try:
+        devices = cuda_devices(rows, args, kwargs)
         with poutine.block(), torch.random.fork_rng(devices), pyro.validation_enabled(False):
             trace = poutine.trace(poutine.replay(model, trace=plate_rows)).get_trace(
                 *args, **kwargs
