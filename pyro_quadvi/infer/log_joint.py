@@ -1181,8 +1181,9 @@ def _name_the_invalid_site(
     the site, and its log density shows which one it is. ``locate`` names the point from the
     site's mask of non-finite entries (a pass over several points), else ``where()`` is the place
     (written only here, on an error: it reads the point back from its device). ``hint``, the
-    model's own, reads the run's trace and may name the likely cause and its fix; NaN or an
-    infinity in the model's inputs comes before it (`_nonfinite_input`); else a value
+    model's own, reads the run's trace and may name the likely cause and its fix; for an
+    observed site or a factor, NaN or an infinity in the model's inputs comes before it
+    (`_nonfinite_input`, as in `LogJoint._overflow`); else a value
     that overflowed is named (`_overflow_in`; a latent's only where ``steps`` of an optimizer
     reached the point, not at a guide's initial values).
     """
@@ -1199,7 +1200,7 @@ def _name_the_invalid_site(
         if bad.any():
             value = log_prob[bad].reshape(-1)[0].item()
             at = where() if locate is None else locate(bad)
-            inputs = _nonfinite_input(model, args, kwargs)
+            inputs = _nonfinite_input(model, args, kwargs) if node["is_observed"] else None
             hinted = None if hint is None or inputs else hint(trace)
             overflow = inputs or (None if hinted else _overflow_in(trace, node, steps))
             why = _not_finite(node, value, at, hinted, overflow=overflow)
