@@ -410,16 +410,7 @@ class LogJoint:
 
     def split(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
         """Cut flat points ``(..., dim)`` into per-site tensors ``(..., *site.shape)``."""
-        if not isinstance(z, torch.Tensor) or z.dim() == 0:
-            what = "a 0-d tensor" if isinstance(z, torch.Tensor) else type(z).__name__
-            raise TypeError(
-                f"LogJoint: z must be a tensor of points (K, {self.dim}), got {z!r} ({what})"
-            )
-        if z.shape[-1] != self.dim:
-            raise ValueError(
-                f"expected points with {self.dim} unconstrained coordinates "
-                f"({', '.join(s.name for s in self.sites)}), got shape {tuple(z.shape)}"
-            )
+        self._check_width(z)
         # one split, not a slice per site: its backward places every site's gradient into one
         # new tensor, where a slice's backward makes a zero tensor of all points for each site;
         # none for one site (its backward would copy the gradient of all points once more)
@@ -431,6 +422,34 @@ class LogJoint:
             site.name: chunk.reshape(z.shape[:-1] + site.shape)
             for site, chunk in zip(self.sites, chunks)
         }
+
+    def _check_width(self, z: torch.Tensor) -> None:
+        """Refuse a ``z`` that is not a tensor of ``dim`` coordinates along its last axis."""
+        if not isinstance(z, torch.Tensor) or z.dim() == 0:
+            what = "a 0-d tensor" if isinstance(z, torch.Tensor) else type(z).__name__
+            raise TypeError(
+                f"LogJoint: z must be a tensor of points (K, {self.dim}), got {z!r} ({what})"
+            )
+        if z.shape[-1] != self.dim:
+            raise ValueError(
+                f"expected points with {self.dim} unconstrained coordinates "
+                f"({', '.join(s.name for s in self.sites)}), got shape {tuple(z.shape)}"
+            )
+
+    def _check_points(self, z: torch.Tensor) -> None:
+        """Refuse points ``z`` of more than 2 dims, or of none (``(0, dim)``), naming ``z``: the
+        first ended in a broadcast error inside the model, the second in torch's IndexError."""
+        if not isinstance(z, torch.Tensor) or z.dim() < 2:
+            return  # (`split` names a 0-d tensor or another type)
+        shape = tuple(z.shape)
+        expected = f"LogJoint: z must be points (K, {self.dim}) or one point ({self.dim},)"
+        if z.dim() > 2:
+            raise ValueError(
+                f"{expected}, got shape {shape}: lay the points along one axis, "
+                f"z.reshape(-1, {self.dim}), and reshape the result back (to {shape[:-1]})"
+            )
+        if z.shape[0] == 0:
+            raise ValueError(f"{expected}, got shape {shape}: no point to evaluate")
 
     def __call__(
         self,
@@ -445,6 +464,10 @@ class LogJoint:
         with ``by_site``, its terms, one ``(K,)`` tensor per site (`total_of` sums them as the
         log joint is summed: the same bits).
 
+        One point may be passed as it is, of shape ``(dim,)``: the result is then that of
+        ``z[None]`` without the points' axis (a 0-d tensor; with ``by_site``, a 0-d tensor per
+        site), as a distribution's ``log_prob`` takes one value or a batch of them.
+
         ``vectorize=True`` runs the model once under a particle plate of size ``K``; ``False``
         runs it once per point (`evaluate_batch` chooses between
         them). ``replay_trace`` supplies the subsample indices of the model's plates (the guide's
@@ -458,7 +481,14 @@ class LogJoint:
                 site and the index, observed data with NaN under a mask (`check_observed_not_nan`:
                 counted 0 in the total, they would make its gradients NaN unseen).
             BatchMismatch: (vectorized) a site with batch dims outside of the model's plates.
+            TypeError, ValueError: for a ``z`` that is not a tensor of one point ``(dim,)`` or of
+                points ``(K, dim)``, ``K >= 1``, naming ``z``, its shape and the fix.
         """
+        if isinstance(z, torch.Tensor) and z.dim() == 1:  # one point, without the points' axis
+            self._check_width(z)
+            value = self(z[None], args, kwargs, replay_trace, vectorize, by_site)
+            return {name: term[0] for name, term in value.items()} if by_site else value[0]
+        self._check_points(z)
         kwargs = kwargs or {}
         unconstrained = self.split(z)
         if self.max_plate_nesting is None:
@@ -558,6 +588,9 @@ class LogJoint:
         """
         if self.max_plate_nesting is None:
             return
+        if isinstance(z, torch.Tensor) and z.dim() == 1:
+            z = z[None]
+        self._check_points(z)
         where = functools.partial(_where, z, 0)
         found, plate = self._find_plate_nesting(
             self.split(z), args, kwargs or {}, replay_trace, where

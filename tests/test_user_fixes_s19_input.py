@@ -1,0 +1,127 @@
+"""Session 19: input that a user passes by hand and that failed deep inside torch.
+
+``LogJoint(model, sites)(z)`` with one point ``z`` of shape ``(dim,)`` ended in torch's
+IndexError ("invalid index of a 0-dim tensor"): it is now evaluated as ``z[None]`` and returned
+without the points' axis; points of more than 2 dims, or none, are refused naming ``z``.
+"""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def clean_store():
+    pyro.clear_param_store()
+    yield
+    pyro.clear_param_store()
+
+
+# ---------------------------------------------------------------- LogJoint: one point (dim,)
+
+
+def regression_data():
+    generator = torch.Generator().manual_seed(0)
+    X = torch.randn(12, 2, generator=generator, dtype=F64)
+    y = X @ torch.tensor([1.0, -0.5], dtype=F64) + 0.3 * torch.randn(12, generator=generator)
+    return X, y.to(F64)
+
+
+def regression(X, y):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal((X * w).sum(-1), s), obs=y)
+
+
+def regression_log_joint(point, X, y) -> torch.Tensor:
+    """The log joint and log-Jacobian of `regression` at one unconstrained point, by hand."""
+    w, log_s = point[:2], point[2]
+    s = log_s.exp()
+    prior = dist.Normal(0.0, 1.0).log_prob(w).sum() + dist.LogNormal(0.0, 1.0).log_prob(s)
+    return prior + log_s + dist.Normal(X @ w, s).log_prob(y).sum()
+
+
+@pytest.mark.parametrize("vectorize", [True, False])
+def test_log_joint_takes_one_point_without_the_points_axis(vectorize):
+    X, y = regression_data()
+    sites = latent_sites_of_model(regression, X, y)
+    point = torch.tensor([0.4, -0.3, 0.2], dtype=F64, requires_grad=True)
+
+    value = LogJoint(regression, sites)(point, (X, y), vectorize=vectorize)
+    batched = LogJoint(regression, sites)(point[None], (X, y), vectorize=vectorize)
+
+    assert value.shape == ()
+    assert torch.equal(value, batched[0])
+    assert value.item() == pytest.approx(regression_log_joint(point, X, y).item(), rel=1e-12)
+    (grad,) = torch.autograd.grad(value, point)
+    (expected,) = torch.autograd.grad(regression_log_joint(point, X, y), point)
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("vectorize", [True, False])
+def test_log_joint_by_site_of_one_point_gives_a_0d_term_per_site(vectorize):
+    X, y = regression_data()
+    sites = latent_sites_of_model(regression, X, y)
+    point = torch.tensor([0.4, -0.3, 0.2], dtype=F64)
+
+    terms = LogJoint(regression, sites)(point, (X, y), vectorize=vectorize, by_site=True)
+    batched = LogJoint(regression, sites)(point[None], (X, y), vectorize=vectorize, by_site=True)
+
+    assert list(terms) == ["w", "s", "y"]
+    for name, term in terms.items():
+        assert term.shape == ()
+        assert torch.equal(term, batched[name][0])
+    expected = dist.Normal(X @ point[:2], point[2].exp()).log_prob(y).sum()
+    assert terms["y"].item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+def test_log_joint_one_point_of_the_wrong_width_names_its_own_shape():
+    X, y = regression_data()
+    log_joint = LogJoint(regression, latent_sites_of_model(regression, X, y))
+    with pytest.raises(ValueError, match=r"3 unconstrained coordinates \(w, s\), got shape \(4,\)"):
+        log_joint(torch.zeros(4, dtype=F64), (X, y))
+
+
+def test_log_joint_one_point_where_the_density_is_not_finite_is_named_as_the_point():
+    def model():
+        x = pyro.sample("x", dist.Normal(0.0, 1.0))
+        pyro.factor("wall", torch.where(x > 1, -torch.inf, 0.0))
+
+    log_joint = LogJoint(model, latent_sites_of_model(model))
+    assert log_joint(torch.tensor([0.5])).item() == pytest.approx(-0.125 - 0.9189385, rel=1e-6)
+    with pytest.raises(ValueError, match=r"site 'wall' .* at the point unconstrained z = \[2.0\]"):
+        log_joint(torch.tensor([2.0]))
+
+
+def test_check_plate_nesting_takes_one_point():
+    X, y = regression_data()
+    sites = latent_sites_of_model(regression, X, y)
+    point = torch.tensor([0.4, -0.3, 0.2], dtype=F64)
+    LogJoint(regression, sites, max_plate_nesting=1).check_plate_nesting(point, (X, y))
+    with pytest.raises(ValueError, match=r"max_plate_nesting=0, but the model nests its plates 1"):
+        LogJoint(regression, sites, max_plate_nesting=0).check_plate_nesting(point, (X, y))
+
+
+@pytest.mark.parametrize(
+    "shape, fix",
+    [
+        ((2, 2, 3), r"got shape \(2, 2, 3\): lay the points along one axis, z.reshape\(-1, 3\)"),
+        ((0, 3), r"got shape \(0, 3\): no point to evaluate"),
+    ],
+)
+@pytest.mark.parametrize("max_plate_nesting", [None, 1])
+def test_log_joint_refuses_points_of_more_dims_or_none(shape, fix, max_plate_nesting):
+    X, y = regression_data()
+    sites = latent_sites_of_model(regression, X, y)
+    log_joint = LogJoint(regression, sites, max_plate_nesting=max_plate_nesting)
+    expected = r"LogJoint: z must be points \(K, 3\) or one point \(3,\), " + fix
+    with pytest.raises(ValueError, match=expected):
+        log_joint(torch.zeros(shape, dtype=F64), (X, y))
