@@ -3,6 +3,9 @@
 ``LogJoint(model, sites)(z)`` with one point ``z`` of shape ``(dim,)`` ended in torch's
 IndexError ("invalid index of a 0-dim tensor"): it is now evaluated as ``z[None]`` and returned
 without the points' axis; points of more than 2 dims, or none, are refused naming ``z``.
+
+The priors of `pyro_quadvi.nn` take an integer tensor (``scale=torch.tensor(2)``) as the number it
+holds, in the parameter's dtype, as they take a float.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import pytest
 import torch
 
 from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model
+from pyro_quadvi.nn import priors
 
 F64 = torch.float64
 
@@ -125,3 +129,29 @@ def test_log_joint_refuses_points_of_more_dims_or_none(shape, fix, max_plate_nes
     expected = r"LogJoint: z must be points \(K, 3\) or one point \(3,\), " + fix
     with pytest.raises(ValueError, match=expected):
         log_joint(torch.zeros(shape, dtype=F64), (X, y))
+
+
+# ---------------------------------------------------------------- priors: integer tensors
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda number: priors.Normal(scale=number(2), loc=number(-1)),
+        lambda number: priors.LayerwiseNormal("kaiming", scale=number(3)),
+        lambda number: priors.SpikeSlab(inclusion=0.25, slab_scale=number(2)),
+    ],
+    ids=["Normal", "LayerwiseNormal", "SpikeSlab"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_a_prior_of_integer_tensors_equals_the_float_one_to_the_bit(make, dtype):
+    weight = torch.randn(3, 4, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    of_ints = make(lambda n: torch.tensor(n))("0.weight", weight)
+    of_floats = make(float)("0.weight", weight)
+    log_prob = of_ints.log_prob(weight)
+    assert log_prob.dtype == dtype
+    assert torch.equal(log_prob, of_floats.log_prob(weight))
+    torch.manual_seed(0)
+    draw = of_ints.sample()
+    torch.manual_seed(0)
+    assert draw.dtype == dtype and torch.equal(draw, of_floats.sample())
