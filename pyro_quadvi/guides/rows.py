@@ -128,7 +128,8 @@ def check_data_follow_rows(
 
     Equal values do not show that the data stayed put (a 0/1 outcome with few ones is all zeros
     at most sets of rows), so a site left unchanged by those three runs is decided by one more
-    (`_follows_all_rows`): the model with the plate's rows set to all ``full_size`` rows.
+    (`_follows_probed_rows`): the model with the plate's rows set to both sets of rows at once, a
+    number of rows other than the model's.
     """
 
     def observed(plate_rows) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -157,13 +158,13 @@ def check_data_follow_rows(
         unchanged = [site for site in unchanged if site in other and same(taken[site], other[site])]
     if unchanged:
         ends = {site: (taken[site][0], own[site][0]) for site in unchanged}
-        follow = _follows_all_rows(model, args, kwargs, name, full_size, given, rows, ends)
+        follow = _follows_probed_rows(model, args, kwargs, name, full_size, given, rows, ends)
         unchanged = [site for site in unchanged if site not in follow]
     if unchanged or not taken:
         raise ValueError(replaced_rows_message(name, full_size, len(given), guide, unchanged))
 
 
-def _follows_all_rows(
+def _follows_probed_rows(
     model: Callable,
     args: tuple,
     kwargs: dict,
@@ -176,25 +177,34 @@ def _follows_all_rows(
     """The observed sites among ``values`` (site -> its observed value at the guide's ``rows``
     and at the model's ``given`` rows) whose data follow the rows of plate ``name``.
 
-    The model runs once with the plate's rows set to all ``full_size`` rows. The guide's latents
-    are not replayed (local latents cannot take all rows): the model draws them from its priors,
-    under a forked random state, with validation off, hidden from the handlers around it; a run
-    that fails decides nothing. A site follows the rows iff its value there has ``full_size``
-    entries along the plate's dim and, indexed by ``rows`` and by ``given`` along that dim,
-    equals its values at those rows. A model reading ``y[idx]`` gives ``len(idx)`` entries
-    there; data equal over all rows follow them trivially (the fit is the same either way).
+    The model runs once with the plate's rows set to `_probe_rows`: the rows of both sets, in
+    order, and one more where they are the same rows, so that there are more of them than the
+    model's ``len(given)``. The guide's latents are not replayed (its local latents are at
+    other rows): the model draws them from its priors, under a forked random state, with
+    validation off, hidden from the handlers around it; a run that fails decides nothing. A site
+    follows the rows iff its value there has an entry per probed row along the plate's dim and,
+    at the places of ``rows`` and of ``given`` among them, equals its values at those rows. A
+    model reading ``y[idx]`` gives ``len(idx)`` entries there, whatever its data; data equal at
+    both sets of rows follow them trivially (the fit is the same either way). The run costs
+    what a step's run of the model does at ``len(given) + len(rows)`` rows: at all
+    ``full_size`` rows, as it ran before, it cost a pass over the whole data set, twice at the
+    guide's set-up (`benchmarks/bench_rows_scale.py`).
     """
+    device = torch.as_tensor(rows).device
+    indices = [torch.as_tensor(index, device=device).long() for index in (rows, given)]
+    probed = _probe_rows(*indices, len(given), full_size)
     plate_rows = Trace()
     plate_rows.add_node(name, type="sample", name=name, is_observed=False, infer={})
-    plate_rows.nodes[name]["value"] = torch.arange(full_size, device=torch.as_tensor(rows).device)
+    plate_rows.nodes[name]["value"] = probed
     try:
         devices = cuda_devices(rows, args, kwargs)
         with poutine.block(), torch.random.fork_rng(devices), pyro.validation_enabled(False):
             trace = poutine.trace(poutine.replay(model, trace=plate_rows)).get_trace(
                 *args, **kwargs
             )
-    except Exception:  # a model that cannot take all rows shows nothing
+    except Exception:  # a model that cannot take the probed rows shows nothing
         return set()
+    places = [torch.searchsorted(probed, index) for index in indices]
     follow = set()
     for site, (at_rows, at_given) in values.items():
         node = trace.nodes.get(site)
@@ -205,17 +215,29 @@ def _follows_all_rows(
             continue
         value = torch.as_tensor(node["value"])
         dim = frame.dim - node["fn"].event_dim
-        if value.dim() < -dim or value.shape[dim] != full_size:
+        if value.dim() < -dim or value.shape[dim] != len(probed):
             continue
-        picked = [
-            value.index_select(dim, torch.as_tensor(index, device=value.device).long())
-            for index in (rows, given)
-        ]
+        picked = [value.index_select(dim, place.to(value.device)) for place in places]
         if all(
             x.shape == y.shape and torch.equal(x, y) for x, y in zip(picked, (at_rows, at_given))
         ):
             follow.add(site)
     return follow
+
+
+def _probe_rows(rows: torch.Tensor, given: torch.Tensor, size: int, full_size: int) -> torch.Tensor:
+    """The rows `_follows_probed_rows` gives the plate, in order: those of ``rows`` and ``given``,
+    and, where they are ``size`` rows (the model's number: one set holds the other), the first
+    row of the plate outside them, if any. Without it a permutation of the model's rows would
+    show as many entries for data kept at the model's rows (``y[idx]``) as for data that follow
+    the plate's rows."""
+    probed = torch.unique(torch.cat([rows, given]))
+    if len(probed) == size and size < full_size:
+        # (of the first size + 1 rows, one at least is not among the size probed)
+        first = torch.arange(size + 1, device=probed.device)
+        extra = first[~torch.isin(first, probed)][:1]
+        probed = torch.unique(torch.cat([probed, extra]))
+    return probed
 
 
 def same_rows(a: Sequence[int] | torch.Tensor, b: Sequence[int] | torch.Tensor) -> bool:
