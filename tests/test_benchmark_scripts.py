@@ -111,6 +111,7 @@ RUNS = {
     "many_sites": ("bench_many_sites.py", "--quick", ()),
     "given_rows": ("bench_given_rows.py", "--repeats 1", ()),
     "unscaled": ("bench_unscaled.py", "--draws 2 --seeds 1 --steps 2 --rules hadamard", ()),
+    "rows_scale": ("bench_rows_scale.py", "--sizes 1000 --variants now --repeats 1 --steps 2", ()),
 }
 
 # scripts that report in prose lines, not a markdown table
@@ -146,16 +147,17 @@ def _table_rows(stdout: str) -> int:
 
 
 # in the default suite: the scripts that subclass the package's classes or call its private
-# functions (bnn_speed, blocked_signs, data_checks, given_rows, many_sites, observed_check,
-# small_net_elbo, sparse_qnvb_trial: the ones a refactor breaks first) and two quick ones of
-# the export and the sparse optimizers; the others with ``-m slow`` (together 65 s on one core,
-# mostly each process's imports of torch and pyro)
+# functions (bnn_speed, blocked_signs, data_checks, given_rows, rows_scale, many_sites,
+# observed_check, small_net_elbo, sparse_qnvb_trial: the ones a refactor breaks first) and two
+# quick ones of the export and the sparse optimizers; the others with ``-m slow`` (together 65 s
+# on one core, mostly each process's imports of torch and pyro)
 INTERNALS = {
     "bnn_speed",
     "arviz_export",
     "blocked_signs",
     "data_checks",
     "given_rows",
+    "rows_scale",
     "many_sites",
     "observed_check",
     "small_net_elbo",

@@ -5,7 +5,10 @@ IndexError ("invalid index of a 0-dim tensor"): it is now evaluated as ``z[None]
 without the points' axis; points of more than 2 dims, or none, are refused naming ``z``.
 
 The priors of `pyro_quadvi.nn` take an integer tensor (``scale=torch.tensor(2)``) as the number it
-holds, in the parameter's dtype, as they take a float.
+holds, in the parameter's dtype, as they take a float. So does ``IidNormal(loc, scale)`` built by
+hand, whose integer ``loc=torch.tensor(0)`` stayed an integer tensor: its draws failed with
+torch's NotImplementedError ("normal_kernel_cpu not implemented for 'Long'") and a float
+``scale=1.5`` beside it was cast to 1, a wrong log density without an error.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from pyro.infer import SVI
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.distributions import IidNormal
 from pyro_quadvi.infer.log_joint import LogJoint, latent_sites_of_model
 from pyro_quadvi.nn import priors
 
@@ -159,6 +163,44 @@ def test_a_prior_of_integer_tensors_equals_the_float_one_to_the_bit(make, dtype)
     draw = of_ints.sample()
     torch.manual_seed(0)
     assert draw.dtype == dtype and torch.equal(draw, of_floats.sample())
+
+
+@pytest.mark.parametrize(
+    "loc, scale, dtype",
+    [
+        (torch.tensor(0), 1.5, torch.get_default_dtype()),
+        (torch.tensor([0, 1]), torch.tensor(2, dtype=torch.int32), torch.get_default_dtype()),
+        (torch.tensor(1), torch.tensor(2.0, dtype=F64), F64),
+        (torch.tensor(1.0, dtype=F64), torch.tensor(3), F64),
+    ],
+)
+def test_iid_normal_takes_integer_tensors_in_the_other_arguments_float_dtype(loc, scale, dtype):
+    prior = IidNormal(loc, scale)
+    assert prior.loc.dtype == prior.scale.dtype == dtype
+    expected = dist.Normal(torch.as_tensor(loc, dtype=dtype), torch.as_tensor(scale, dtype=dtype))
+    value = torch.tensor(0.3, dtype=dtype)
+    assert torch.equal(prior.log_prob(value), expected.log_prob(value))
+    torch.manual_seed(0)
+    draw = prior.sample()
+    torch.manual_seed(0)
+    assert torch.equal(draw, expected.sample())
+
+
+def test_a_model_with_an_integer_loc_fits_as_the_float_one_to_the_bit():
+    y = torch.tensor([0.5, 1.5, 1.0])
+
+    def model(loc):
+        w = pyro.sample("w", IidNormal(loc, torch.tensor(2)))
+        with pyro.plate("data", 3):
+            pyro.sample("y", dist.Normal(w, 1.0), obs=y)
+
+    losses = []
+    for loc in (torch.tensor(1), 1.0):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoMeanFieldNormal(model)
+        losses.append(QuadratureELBO().loss(model, guide, loc))
+    assert losses[0] == losses[1]
 
 
 # ---------------------------------------------------------------- the rows check at scale

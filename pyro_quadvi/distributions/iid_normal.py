@@ -31,10 +31,25 @@ class IidNormal(dist.Normal):
     ``Normal.log_prob`` makes six, each with a backward. Equal to ``Normal.log_prob`` to
     rounding, bit for bit at ``loc = 0, scale = 1``. Sample validation is Pyro's, as for any
     distribution. Built with ``Normal``'s own arguments (as Pyro's reparameterizers rebuild a
-    site's distribution, ``type(fn)(loc=..., scale=...)``) it is a plain ``Normal``.
+    site's distribution, ``type(fn)(loc=..., scale=...)``) it is a plain ``Normal``, save that
+    an integer ``loc`` or ``scale`` tensor (``torch.tensor(0)``) is taken in the floating dtype of
+    the other, else torch's default dtype, as a Python number is: torch's ``Normal`` keeps it an
+    integer tensor, whose draws fail ("normal_kernel_cpu not implemented for 'Long'") and which
+    casts a float ``scale=1.5`` beside it to 1.
     """
 
     iid: tuple[float, float] | None = None
+
+    def __init__(
+        self,
+        loc: torch.Tensor | float,
+        scale: torch.Tensor | float,
+        validate_args: bool | None = None,
+    ):
+        dtypes = [t.dtype for t in (loc, scale) if _is_floating(t)]
+        dtype = dtypes[0] if dtypes else torch.get_default_dtype()
+        loc, scale = (_as_floating(value, dtype) for value in (loc, scale))
+        super().__init__(loc, scale, validate_args=validate_args)
 
     @classmethod
     def of(cls, loc: float, scale: float, like: torch.Tensor) -> IidNormal:
@@ -71,6 +86,17 @@ class IidNormal(dist.Normal):
         out = centred.square().mul(-0.5 / scale**2).sub_(math.log(scale) + _HALF_LOG_2PI)
         shape = torch.broadcast_shapes(out.shape, self.batch_shape)
         return out if shape == out.shape else out.expand(shape)
+
+
+def _is_floating(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _as_floating(value: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor | float:
+    """An integer or bool tensor in ``dtype``; any other value as it is."""
+    if isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex()):
+        return value.to(dtype)
+    return value
 
 
 def expected_log_density(
