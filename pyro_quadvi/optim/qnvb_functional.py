@@ -147,11 +147,17 @@ def _finite_nonnegative(value: float) -> bool:
     return 0 <= value < math.inf
 
 
+def _is_real_scalar(value: torch.Tensor) -> bool:
+    """Whether a tensor holds one real number: one element, neither bool nor complex (what
+    `_check_scalar` and the annealing factor take for a number)."""
+    return value.numel() == 1 and value.dtype != torch.bool and not value.is_complex()
+
+
 def _check_scalar(owner: str, name: str, value: object, ok, expected: str) -> None:
     """`_check_number` of ``weight`` or ``prior_precision``, which may also be a one-element real
     tensor (its value read back: a host sync off the CPU; pass a Python number to avoid it)."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+        if not _is_real_scalar(value):
             raise TypeError(
                 f"{owner}: {name} must be a real number {expected}, got a tensor of shape "
                 f"{tuple(value.shape)} and dtype {value.dtype}"
