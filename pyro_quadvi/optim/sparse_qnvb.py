@@ -232,6 +232,8 @@ class SparseQNVB(QNVB):
             TypeError: when no ``"dirac_gauss"`` block came with moments in this step (a guide
                 other than ``AutoSpikeSlab``, or an ELBO other than ``QuadratureELBO``); the
                 message says which, and nothing is updated.
+            ValueError: for the third step in a row whose terms the guard dropped at every
+                coordinate (`_refuse_if_idle`); nothing is updated.
         """
         params = list(params)
         received = {id(p) for p in params}

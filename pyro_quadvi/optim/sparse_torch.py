@@ -404,7 +404,9 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         ``likelihood_weight``: a short last batch of ``b`` cases counts each of them
         ``(num_cases / steps_per_epoch) / b`` times (see the docs). A step whose average loss
         exceeds the first step's by more than 1000 times the first's magnitude gets a
-        ``RuntimeWarning`` (once): the means may be diverging.
+        ``RuntimeWarning`` (once): the means may be diverging. The third step in a row whose
+        terms the guard dropped at every coordinate is refused with a ``ValueError``
+        (`_refuse_if_idle`).
         """
         params = self._params()
         first = params[0]

@@ -863,8 +863,10 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     type or value is refused by name. Steps warn once per kind, with the number of coordinates
     concerned: a non-finite gradient or curvature, an update that overflowed while the gradient
     was finite (both leave the coordinates unchanged), a ``sigma`` pinned at ``sigma_min``, a
-    ``sigma`` pinned at ``sigma_max``. Reading the counts is the step's only host-device sync, and
-    it stops once all four kinds have been warned about.
+    ``sigma`` pinned at ``sigma_max``. The third step in a row in which every coordinate was left
+    unchanged so is refused with a ``ValueError`` (`count_idle_step`, as in ``QNVB``), the
+    parameters at their means. The counts are read from the device once per step, a read the
+    warnings and that rule share (with the loss's finiteness check, the step's two host syncs).
 
     The update of all the parameters of a group runs on one flat buffer
     (`qnvb_update_many`).
