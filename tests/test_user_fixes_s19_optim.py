@@ -1,7 +1,6 @@
 """Session 19 fixes of the optimizers: the third step in a row in which the guard kept every
 coordinate is refused by `QNVBOptimizer`, `SparseQNVB` and `SparseQNVBOptimizer` as by `QNVB`
-(one shared rule, its count in each one's saved state), and a refused step puts
-`QuadratureELBO`'s sequence position back."""
+(one shared rule, its count in each one's saved state)."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from pyro.infer import SVI
 from pyro.infer.autoguide.initialization import init_to_value
 from torch import nn
 
-from pyro_quadvi import QNVB, AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO, SparseQNVB
+from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
 from pyro_quadvi.distributions import SpikeSlab
-from pyro_quadvi.infer.quadrature_elbo import rewind_sequence
 from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
 from pyro_quadvi.optim.qnvb_functional import IDLE_STEPS_REFUSED, count_idle_step
 
@@ -236,8 +234,8 @@ def _spike_slab_fit() -> tuple[AutoSpikeSlab, SparseQNVB, QuadratureELBO, SVI]:
 
 def test_sparse_qnvb_refuses_the_third_step_whose_terms_were_all_dropped(fresh_param_store):
     """The same Poisson under ``AutoSpikeSlab``: the third step in a row whose terms were all
-    dropped is refused, naming the site; the blocks, the counters, the guide and the ELBO's
-    position in the Hadamard sequence are as before it, and the count is in ``get_state``."""
+    dropped is refused, naming the site; the blocks, the counters and the guide are as before
+    it, and the count is in ``get_state``."""
     guide, optim, elbo, svi = _spike_slab_fit()
     with pytest.warns(RuntimeWarning, match="non-finite gradient or curvature"):
         svi.step()
@@ -253,68 +251,12 @@ def test_sparse_qnvb_refuses_the_third_step_whose_terms_were_all_dropped(fresh_p
     )
     assert (
         "This step was refused, the blocks, counters and guide are as before it and the "
-        "fallback did not step, and QuadratureELBO's position in its rule's sequence was put "
-        "back: standardize the inputs or use float64"
+        "fallback did not step"
     ) in message
     assert optim.counters.step == 2 and optim.num_steps == 2
-    assert elbo.step(guide) == 2
     assert all(torch.equal(p, q) for p, q in zip(guide.parameters(), params))
     assert all(p.grad is None or not p.grad.any() for p in guide.parameters())
     resumed = SparseQNVB(num_epochs=3, steps_per_epoch=10)
     resumed.set_state(state)
     with pytest.raises(ValueError, match="in 3 steps in a row"):
         SVI(_spike_slab_poisson, guide, resumed, elbo).step()
-
-
-# ------------------------------------------------- QNVB: the refused step's ELBO position
-def _linear(x, y):
-    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
-    with pyro.plate("n", x.shape[0]):
-        pyro.sample("y", dist.Normal((x * w).sum(-1), 1.0), obs=y)
-
-
-def test_a_refused_qnvb_step_puts_the_hadamard_position_back(fresh_param_store):
-    """A refused step changes nothing, the ELBO's position in the Hadamard sequence included
-    (it had moved on by one, so a retry, or a run resumed from a checkpoint taken after the
-    refusal, drew the next step's nodes, not those of the step that was not taken)."""
-    torch.manual_seed(0)
-    x = torch.randn(16, 2)
-    y = x @ torch.tensor([1.0, -2.0])
-    bad = x.clone()
-    bad[0] = 1e10  # g^2 overflows float32 at every coordinate, the loss stays finite
-    guide = AutoMeanFieldNormal(_linear)
-    qnvb = QNVB()
-    elbo = QuadratureELBO("hadamard", num_points=4)
-    svi = SVI(_linear, guide, qnvb, elbo)
-    svi.step(x, y)
-    with pytest.warns(RuntimeWarning, match="overflowed"):
-        svi.step(bad, y)
-    svi.step(bad, y)
-    assert elbo.step(guide) == 3
-    with pytest.raises(ValueError, match="sequence was put back"):
-        svi.step(bad, y)
-    assert elbo.step(guide) == 3
-    saved = pyro.get_param_store().get_state()
-    assert saved["params"][elbo.step_key(guide)].item() == 3.0
-    svi.step(x, y)  # the retry draws the nodes of position 3
-    assert elbo.step(guide) == 4 and qnvb.get_state()["qnvb"]["idle_steps"] == 0
-
-
-def test_rewind_sequence_undoes_the_last_move_only_while_the_position_holds_it(
-    fresh_param_store,
-):
-    """The position of a guide's first loss goes back to no position at all; one that moved on
-    since (another loss) is left; a block of no QuadratureELBO loss has nothing to put back."""
-    x, y = torch.randn(4, 2), torch.randn(4)
-    guide = AutoMeanFieldNormal(_linear)
-    elbo = QuadratureELBO("hadamard", num_points=4)
-    elbo.differentiable_loss(_linear, guide, x, y)
-    key = elbo.step_key(guide)
-    assert rewind_sequence([guide.locs.w]) is True
-    assert key not in pyro.get_param_store()
-    elbo.differentiable_loss(_linear, guide, x, y)
-    elbo.differentiable_loss(_linear, guide, x, y)
-    pyro.get_param_store()[key] = torch.tensor(7.0, dtype=torch.float64)  # moved since
-    assert rewind_sequence([guide.locs.w]) is False
-    assert elbo.step(guide) == 7
-    assert rewind_sequence([torch.zeros(2)]) is False

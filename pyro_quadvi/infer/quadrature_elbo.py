@@ -50,7 +50,7 @@ Gaussian, which is what the sequence paper's eq. 4.6 takes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyro
@@ -58,7 +58,6 @@ import torch
 from pyro.infer import ELBO
 from pyro.poutine import Trace
 from pyro.poutine.util import site_is_subsample
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..distributions.iid_normal import expected_log_density
 from ..guides.interface import (
@@ -92,7 +91,7 @@ from .log_joint import (
     total_of,
 )
 
-__all__ = ["PointsELBO", "QuadratureELBO", "rewind_sequence"]
+__all__ = ["PointsELBO", "QuadratureELBO"]
 
 
 @dataclass
@@ -329,8 +328,7 @@ class QuadratureELBO(PointsELBO):
 
     The sequence position (which matters for the ``hadamard`` rule) advances once per
     `loss_and_grads` or `differentiable_loss` call, never on `loss` (that is,
-    not on ``SVI.evaluate_loss``); a step that ``QNVB`` or ``SparseQNVB`` refuses puts it back
-    (`rewind_sequence`). It lives in Pyro's param store, so saving and restoring the
+    not on ``SVI.evaluate_loss``). It lives in Pyro's param store, so saving and restoring the
     param store resumes the sequence where it stopped; ``pyro.clear_param_store()`` restarts it.
     Guides of two models fitted side by side each follow their own sequence.
     """
@@ -418,16 +416,8 @@ class QuadratureELBO(PointsELBO):
             )
 
     def _advance(self, description: GuideDescription) -> None:
-        """Move ``description``'s guide one step on in the rule's sequence, and record the move
-        for the blocks of its sites (`rewind_sequence`)."""
-        key = self.step_key(description)
-        before = self.step(description) if key in pyro.get_param_store() else None
-        after = (before or 0) + 1
-        pyro.get_param_store()[key] = torch.tensor(float(after), dtype=torch.float64)
-        for site in description.sites:
-            leaf = site.params.get("loc")  # (a guide's own description may hold none)
-            if leaf is not None:
-                _ADVANCES[leaf] = (key, before, after)
+        position = torch.tensor(float(self.step(description) + 1), dtype=torch.float64)
+        pyro.get_param_store()[self.step_key(description)] = position
 
     # -- the loss ------------------------------------------------------------------------------
 
@@ -505,39 +495,6 @@ class QuadratureELBO(PointsELBO):
 
     def __repr__(self) -> str:
         return f"QuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize})"
-
-
-_ADVANCES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""A block's loc leaf -> ``(step key, position before, position after)``: the last move of a
-sequence position (`QuadratureELBO.step_key`) by a loss over the block's guide (``None``
-before: the key was not in the param store). Weak: it keeps no guide's parameters alive."""
-
-
-def rewind_sequence(loc_leaves: Iterable[torch.Tensor]) -> bool:
-    """Put back the sequence position that the last `QuadratureELBO.differentiable_loss` over
-    the blocks of ``loc_leaves`` moved on, for an optimizer that refuses the step those blocks'
-    published moments were for: a retry of the step, or a run resumed from a checkpoint taken
-    after the refusal, then draws the nodes of the step that was not taken (the ``hadamard``
-    rule's place in its sequence; a random rule draws from its generator, which is not put
-    back). A position that moved again since or was removed is left as it is; one that two
-    losses moved for one step (gradients accumulated over two calls) goes back by the last
-    move only. Returns whether a position was put back.
-
-    Pass the loc leaves of the blocks whose moments were published for the refused step
-    (`published_moments`): moments are published by a loss that moved its position in the same
-    step, while a block read from its gradients (Pyro's ELBOs) has no move of that step."""
-    store = pyro.get_param_store()
-    moves = {_ADVANCES[leaf] for leaf in loc_leaves if leaf in _ADVANCES}
-    rewound = False
-    for key, before, after in moves:
-        if key not in store or store[key].item() != after:
-            continue
-        if before is None:
-            del store[key]
-        else:
-            store[key] = torch.tensor(float(before), dtype=torch.float64)
-        rewound = True
-    return rewound
 
 
 def _guide_words(owner: tuple[str, tuple[str, ...]]) -> str:

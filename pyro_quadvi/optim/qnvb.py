@@ -70,7 +70,6 @@ from ..guides.interface import (
     watch_guides,
 )
 from ..guides.mean_field import RunStamp, last_run_stamp
-from ..infer.quadrature_elbo import rewind_sequence
 from ..store import detached_parameters
 from .annealing import anneal_likelihood, annealing_factor, check_schedule
 from .qnvb_functional import (
@@ -731,7 +730,7 @@ class QNVB(PyroOptim):
         self._update_prepared(prepared, counts)
         table = None
         if not part_of_step:
-            table = self._refuse_if_nothing_updated(params, blocks, prepared, counts)
+            table = self._refuse_if_nothing_updated(params, prepared, counts)
         for message in count_messages(counts, self._warned, table):
             warnings.warn(f"QNVB: {message} (this warning is shown once)", RuntimeWarning, 2)
         rest = [p for p in params if id(p) not in paired]
@@ -744,7 +743,6 @@ class QNVB(PyroOptim):
     def _refuse_if_nothing_updated(
         self,
         params: list[torch.Tensor],
-        blocks: list[QNVBBlock],
         prepared: list[_Prepared],
         counts: list,
     ) -> list[list[int]] | None:
@@ -755,11 +753,9 @@ class QNVB(PyroOptim):
         overflows) gives one such step and passes with the count warnings; a cause that stays
         (the unscaled Poisson of a user trial ran 1,000 such steps, loss 2.4e25, after one
         warning) repeats at every step. Raised before the fallback steps, with the gradients of
-        ``params`` zeroed as ``SVI`` zeroes them after a step, and the sequence position of the
-        ELBO that published the moments of ``blocks`` put back (`rewind_sequence`), so that
-        the next step may go on as if this one had not been tried. Returns the counts it read
-        from the device (`count_table`), which the step's warnings then read without another
-        copy (``None`` if nothing was updated: no counts)."""
+        ``params`` zeroed as ``SVI`` zeroes them after a step, so that the next step may go on.
+        Returns the counts it read from the device (`count_table`), which the step's warnings
+        then read without another copy (``None`` if nothing was updated: no counts)."""
         total = sum(item.values["loc"].numel() for item in prepared)
         if not total:
             return None
@@ -770,8 +766,6 @@ class QNVB(PyroOptim):
             return table
         zero_grads(params)
         untaken = "the fallback did not step"
-        if rewind_sequence(b.site.params["loc"] for b in blocks if b.moments is not None):
-            untaken += " and QuadratureELBO's position in its rule's sequence was put back"
         raise idle_step_refusal(
             "QNVB",
             self._idle_steps,

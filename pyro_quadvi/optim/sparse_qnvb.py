@@ -30,7 +30,6 @@ from pyro.optim import PyroOptim
 from torch.distributions import transform_to
 
 from ..guides.interface import MeanFieldSite, published_moments
-from ..infer.quadrature_elbo import rewind_sequence
 from .qnvb import QNVB, parameters_given, settings_words
 from .qnvb_functional import (
     IDLE_STEPS_REFUSED,
@@ -351,16 +350,13 @@ class SparseQNVB(QNVB):
         coordinate of every block (``kept`` of them), the rule of every QNVB optimizer
         (`count_idle_step`), before the blocks, the counters or the guide take the step and
         before the fallback steps: the gradients of ``params`` are zeroed, as ``SVI`` zeroes
-        them after a step, and the ELBO's sequence position is put back (`rewind_sequence`),
-        so that a next step evaluates the nodes this one did."""
+        them after a step, so that a next step may go on."""
         total = sum(site.values["loc"].numel() for site, _, _ in sites)
         self._idle_steps = count_idle_step(self._idle_steps, kept, total)
         if self._idle_steps < IDLE_STEPS_REFUSED:
             return
         zero_grads(params)
         untaken = "the blocks, counters and guide are as before it and the fallback did not step"
-        if rewind_sequence(site.params["loc"] for site, _, _ in sites):
-            untaken += ", and QuadratureELBO's position in its rule's sequence was put back"
         raise idle_step_refusal(
             "SparseQNVB",
             self._idle_steps,
