@@ -22,6 +22,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
 from ..infer.log_joint import _layers
+from .qnvb_functional import _is_real_scalar
 
 __all__ = [
     "AnnealLikelihoodMessenger",
@@ -36,8 +37,7 @@ def _factor_value(factor: object) -> float | None:
     """A likelihood factor's value, if it is a real number (not a bool) or a one-element real
     tensor; else ``None``."""
     if isinstance(factor, torch.Tensor):
-        real = factor.numel() == 1 and factor.dtype != torch.bool and not factor.is_complex()
-        return float(factor) if real else None
+        return float(factor) if _is_real_scalar(factor) else None
     if isinstance(factor, numbers.Real) and not isinstance(factor, bool):
         return float(factor)
     return None

@@ -73,6 +73,8 @@ from ..guides.mean_field import RunStamp, last_run_stamp
 from ..store import detached_parameters
 from .annealing import anneal_likelihood, annealing_factor, check_schedule
 from .qnvb_functional import (
+    IDLE_STEPS_REFUSED,
+    QNVB_IDLE,
     QNVBHyperparameters,
     QNVBResult,
     QNVBState,
@@ -80,10 +82,11 @@ from .qnvb_functional import (
     cast_state_to,
     check_settings,
     consecutive_base,
+    count_idle_step,
     count_messages,
     count_table,
+    idle_step_refusal,
     init_qnvb_state,
-    or_float64,
     qnvb_update,
     qnvb_update_many,
     result_counts,
@@ -119,11 +122,6 @@ def _gaussian_update(
 
 FAMILY_UPDATES: dict[str, Callable] = {"gaussian": _gaussian_update}
 """family -> pure update ``(values by role, g, h, state, hyperparameters) -> (values, result)``."""
-
-
-IDLE_STEPS_REFUSED = 3
-"""The number of steps in a row, each updating no coordinate of any block, whose last `QNVB`
-refuses: one bad minibatch gives one such step, which passes with a warning."""
 
 
 def _gaussian_update_many(
@@ -730,7 +728,9 @@ class QNVB(PyroOptim):
         if self.annealing is not None and self.num_steps > 0 and prepared:
             self._warn_if_annealing_elsewhere(prepared)
         self._update_prepared(prepared, counts)
-        table = None if part_of_step else self._refuse_if_nothing_updated(params, prepared, counts)
+        table = None
+        if not part_of_step:
+            table = self._refuse_if_nothing_updated(params, prepared, counts)
         for message in count_messages(counts, self._warned, table):
             warnings.warn(f"QNVB: {message} (this warning is shown once)", RuntimeWarning, 2)
         rest = [p for p in params if id(p) not in paired]
@@ -741,40 +741,40 @@ class QNVB(PyroOptim):
         self.num_steps += 1
 
     def _refuse_if_nothing_updated(
-        self, params: list[torch.Tensor], prepared: list[_Prepared], counts: list
+        self,
+        params: list[torch.Tensor],
+        prepared: list[_Prepared],
+        counts: list,
     ) -> list[list[int]] | None:
         """Refuse the `IDLE_STEPS_REFUSED`-th step in a row in which the guard (rule 11) kept
-        every coordinate of every block: each ``g`` or ``h`` was not finite, or the update
-        overflowed. Such a step changes no mean, scale or state. One bad minibatch (an outlier
-        row whose ``g^2`` overflows) gives one such step and passes with the count warnings; a
-        cause that stays (the unscaled Poisson of a user trial ran 1,000 such steps, loss 2.4e25,
-        after one warning) repeats at every step. Raised before the fallback steps, with the
-        gradients of ``params`` zeroed as ``SVI`` zeroes them after a step, so that the next
-        step may go on. Returns the counts it read from the device (`count_table`), which the
-        step's warnings then read without another copy (``None`` if nothing was updated: no
-        counts)."""
+        every coordinate of every block (`count_idle_step`, the rule every QNVB optimizer
+        shares): each ``g`` or ``h`` was not finite, or the update overflowed. Such a step
+        changes no mean, scale or state. One bad minibatch (an outlier row whose ``g^2``
+        overflows) gives one such step and passes with the count warnings; a cause that stays
+        (the unscaled Poisson of a user trial ran 1,000 such steps, loss 2.4e25, after one
+        warning) repeats at every step. Raised before the fallback steps, with the gradients of
+        ``params`` zeroed as ``SVI`` zeroes them after a step, so that the next step may go on.
+        Returns the counts it read from the device (`count_table`), which the step's warnings
+        then read without another copy (``None`` if nothing was updated: no counts)."""
         total = sum(item.values["loc"].numel() for item in prepared)
         if not total:
             return None
         table = count_table(counts)
-        if sum(row[0] + row[1] for row in table) < total:  # num_nonfinite + num_overflow
-            self._idle_steps = 0
-            return table
-        self._idle_steps += 1
+        kept = sum(row[0] + row[1] for row in table)  # num_nonfinite + num_overflow
+        self._idle_steps = count_idle_step(self._idle_steps, kept, total)
         if self._idle_steps < IDLE_STEPS_REFUSED:
             return table
         zero_grads(params)
-        labels = [label for label, *_ in counts]
-        sites = ", ".join(labels[:5]) + (f" and {len(labels) - 5} more" if len(labels) > 5 else "")
-        advice = or_float64("standardize the inputs", [dtype for _, _, dtype, _ in counts])
-        raise ValueError(
-            f"QNVB: no coordinate of any block could be updated in {self._idle_steps} steps in a "
-            f"row (in this one, {total} coordinates of {sites}): each one's expected gradient or "
-            "curvature was not finite, or its update overflowed (g^2 beyond the dtype's range), "
-            "so these steps changed no mean, scale or state. Likely causes: data on scales far "
-            "from 1 (unstandardized features under an exp, or a likelihood far sharper than the "
-            "guide's scales), or a previous step too large (a diverged mean: a smaller lr, or "
-            f"trust_region=0.3). This step was refused, the fallback did not step: {advice}"
+        untaken = "the fallback did not step"
+        raise idle_step_refusal(
+            "QNVB",
+            self._idle_steps,
+            total,
+            [label for label, *_ in counts],
+            [dtype for _, _, dtype, _ in counts],
+            unit="block",
+            words=QNVB_IDLE,
+            untaken=untaken,
         )
 
     def _nothing_paired(self, params: list[torch.Tensor]) -> str:

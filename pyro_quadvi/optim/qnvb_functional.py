@@ -113,12 +113,17 @@ from ..infer.batched import below_float64
 __all__ = [
     "COUNT_KINDS",
     "DONATABLE",
+    "IDLE_STEPS_REFUSED",
+    "QNVB_IDLE",
+    "IdleWords",
     "QNVBHyperparameters",
     "QNVBResult",
     "QNVBState",
     "cast_state_to",
     "check_settings",
+    "count_idle_step",
     "count_messages",
+    "idle_step_refusal",
     "init_qnvb_state",
     "or_float64",
     "qnvb_update",
@@ -147,11 +152,17 @@ def _finite_nonnegative(value: float) -> bool:
     return 0 <= value < math.inf
 
 
+def _is_real_scalar(value: torch.Tensor) -> bool:
+    """Whether a tensor holds one real number: one element, neither bool nor complex (what
+    `_check_scalar` and the annealing factor take for a number)."""
+    return value.numel() == 1 and value.dtype != torch.bool and not value.is_complex()
+
+
 def _check_scalar(owner: str, name: str, value: object, ok, expected: str) -> None:
     """`_check_number` of ``weight`` or ``prior_precision``, which may also be a one-element real
     tensor (its value read back: a host sync off the CPU; pass a Python number to avoid it)."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+        if not _is_real_scalar(value):
             raise TypeError(
                 f"{owner}: {name} must be a real number {expected}, got a tensor of shape "
                 f"{tuple(value.shape)} and dtype {value.dtype}"
@@ -492,6 +503,80 @@ def count_messages(
         where = f"{total} coordinates (first: {label})"
         messages.append(_count_message(kind, hp, dtype, where))
     return messages
+
+
+IDLE_STEPS_REFUSED = 3
+"""The number of steps in a row, each updating no coordinate, whose last every QNVB optimizer
+refuses (`count_idle_step`): one bad minibatch gives one such step, which passes with a
+warning."""
+
+
+def count_idle_step(idle: int, kept: int, total: int) -> int:
+    """The count of idle steps in a row after a step whose guard kept ``kept`` of its ``total``
+    coordinates (rule 11; in `sparse_functional`, the guard drops their terms), given the count
+    ``idle`` before it: one more where it kept all of them, else 0; a step without coordinates
+    (``total`` 0) leaves it. A count of `IDLE_STEPS_REFUSED` or more refuses the step
+    (`idle_step_refusal`).
+
+    The rule of `QNVB`, `QNVBOptimizer`, `SparseQNVB` and `SparseQNVBOptimizer`, each of which
+    keeps the count in its saved state, so that a resumed run refuses where an unbroken one
+    does."""
+    if not total:
+        return idle
+    return idle + 1 if kept >= total else 0
+
+
+class IdleWords(NamedTuple):
+    """What `idle_step_refusal` says of an update's guard.
+
+    Attributes:
+        guard: what the guard did to every coordinate, and what that left of the steps.
+        remedy: the settings that make a step smaller, for a mean that diverged.
+    """
+
+    guard: str
+    remedy: str
+
+
+QNVB_IDLE = IdleWords(
+    "each one's expected gradient or curvature was not finite, or its update overflowed (g^2 "
+    "beyond the dtype's range), so these steps changed no mean, scale or state",
+    "a smaller lr, or trust_region=0.3",
+)
+"""`IdleWords` of the QNVB update (`qnvb_update_many`)."""
+
+
+def idle_step_refusal(
+    owner: str,
+    idle: int,
+    total: int,
+    labels: list[str],
+    dtypes: Iterable[torch.dtype],
+    *,
+    unit: str,
+    words: IdleWords,
+    untaken: str,
+) -> ValueError:
+    """The ``ValueError`` of a step that `count_idle_step` counted ``idle`` (at least
+    `IDLE_STEPS_REFUSED`).
+
+    Args:
+        owner: the optimizer's name, which begins the message.
+        total: the step's coordinates; ``labels``: where they are (``"site 'w'"``, five shown).
+        dtypes: the parameters' dtypes (float64 is advised only below it, `or_float64`).
+        unit: what holds the coordinates (``"block"``, ``"parameter"``).
+        words: what the update's guard did (`IdleWords`).
+        untaken: what the refusal left as it was.
+    """
+    where = ", ".join(labels[:5]) + (f" and {len(labels) - 5} more" if len(labels) > 5 else "")
+    return ValueError(
+        f"{owner}: no coordinate of any {unit} could be updated in {idle} steps in a row (in "
+        f"this one, {total} coordinates of {where}): {words.guard}. Likely causes: data on "
+        "scales far from 1 (unstandardized features under an exp, or a likelihood far sharper "
+        f"than the current scales), or a previous step too large (a diverged mean: "
+        f"{words.remedy}). This step was refused, {untaken}: "
+        f"{or_float64('standardize the inputs', dtypes)}"
+    )
 
 
 def check_settings(owner: str, saved: dict, current: dict) -> None:

@@ -68,9 +68,10 @@ from typing import NamedTuple
 
 import torch
 
-from .qnvb_functional import _check_number, _check_tensors, or_float64
+from .qnvb_functional import IdleWords, _check_number, _check_tensors, or_float64
 
 __all__ = [
+    "SPARSE_IDLE",
     "SievePieces",
     "SparseQNVBBlock",
     "SparseQNVBCounters",
@@ -83,6 +84,7 @@ __all__ = [
     "init_sparse_counters",
     "loss_growth_message",
     "mixture_moments",
+    "result_count_values",
     "result_messages",
     "run_settings",
     "sieve_fractions",
@@ -266,18 +268,43 @@ class SparseQNVBResult(NamedTuple):
     num_clamped: torch.Tensor
 
 
+_COUNT_KINDS = ("num_nonfinite", "num_overflow", "num_clamped")
+"""The counts of a `SparseQNVBResult`, in the order of `result_count_values`."""
+
+SPARSE_IDLE = IdleWords(
+    "each one's gradient or curvature was not finite, or its step overflowed, so the update "
+    "dropped its term: these steps took nothing from the data (the sieve alone moved the "
+    "mixtures)",
+    "a smaller max_lr or tau_max",
+)
+"""`IdleWords` of `sparse_qnvb_update` (its guard, step 7 of the module), for
+`idle_step_refusal`: a step whose terms the guard dropped at every coordinate is idle
+(`count_idle_step`, with ``num_nonfinite + num_overflow`` coordinates kept)."""
+
+
+def result_count_values(result: SparseQNVBResult) -> list[int]:
+    """``[num_nonfinite, num_overflow, num_clamped]`` of ``result``, read to the host in one copy
+    (the one read of a step: the idle-step rule and `result_messages` share it)."""
+    return torch.stack([getattr(result, kind) for kind in _COUNT_KINDS]).tolist()
+
+
 def result_messages(
-    result: SparseQNVBResult, warned: set[str], cap: Callable[[], str] | None = None
+    result: SparseQNVBResult,
+    warned: set[str],
+    cap: Callable[[], str] | None = None,
+    counts: list[int] | None = None,
 ) -> list[str]:
     """One message per kind of count of ``result`` that occurred and is not yet in ``warned``
-    (the kinds reported are added to it). Reads the counts only while a kind is left to report.
+    (the kinds reported are added to it). Reads the counts only while a kind is left to report,
+    and not at all where ``counts`` (`result_count_values`) holds them already.
     ``cap`` (a call of `step_cap_message`, made only for a message) replaces the general advice
     of the overflow and clamp messages; the overflow message advises float64 only where a block
     is of a lower precision (`or_float64`)."""
-    kinds = ("num_nonfinite", "num_overflow", "num_clamped")
+    kinds = _COUNT_KINDS
     if warned.issuperset(kinds):
         return []
-    counts = torch.stack([getattr(result, kind) for kind in kinds]).tolist()
+    if counts is None:
+        counts = result_count_values(result)
     texts = {
         "num_nonfinite": "non-finite gradient or curvature at {} coordinates; their term was "
         "dropped",

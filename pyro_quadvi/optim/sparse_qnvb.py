@@ -25,13 +25,21 @@ import math
 from collections.abc import Iterable
 
 import torch
+from pyro.infer.util import zero_grads
 from pyro.optim import PyroOptim
 from torch.distributions import transform_to
 
 from ..guides.interface import MeanFieldSite, published_moments
 from .qnvb import QNVB, parameters_given, settings_words
-from .qnvb_functional import _check_number, check_settings
+from .qnvb_functional import (
+    IDLE_STEPS_REFUSED,
+    _check_number,
+    check_settings,
+    count_idle_step,
+    idle_step_refusal,
+)
 from .sparse_functional import (
+    SPARSE_IDLE,
     SparseQNVBBlock,
     SparseQNVBCounters,
     SparseQNVBHyperparameters,
@@ -40,6 +48,7 @@ from .sparse_functional import (
     init_sparse_counters,
     loss_growth_message,
     mixture_moments,
+    result_count_values,
     result_messages,
     run_settings,
     sparse_qnvb_update,
@@ -222,6 +231,8 @@ class SparseQNVB(QNVB):
             TypeError: when no ``"dirac_gauss"`` block came with moments in this step (a guide
                 other than ``AutoSpikeSlab``, or an ELBO other than ``QuadratureELBO``); the
                 message says which, and nothing is updated.
+            ValueError: for the third step in a row whose terms the guard dropped at every
+                coordinate (`_refuse_if_idle`); nothing is updated.
         """
         params = list(params)
         received = {id(p) for p in params}
@@ -257,7 +268,7 @@ class SparseQNVB(QNVB):
         if loss is not None:
             self._check_growth(loss, [site.values["loc"].dtype for site, _, _ in sites])
         if sites:
-            self._update(sites)
+            self._update(sites, params)
         rest = [p for p in params if id(p) not in paired]
         if rest:
             self._guarded_fallback(rest, *args, **kwargs)
@@ -291,7 +302,13 @@ class SparseQNVB(QNVB):
         return step_cap_message(self.counters, hp, steps, self.cases_per_step)
 
     @torch.no_grad()
-    def _update(self, sites: list[tuple[MeanFieldSite, torch.Tensor, torch.Tensor]]) -> None:
+    def _update(
+        self,
+        sites: list[tuple[MeanFieldSite, torch.Tensor, torch.Tensor]],
+        params: list[torch.Tensor],
+    ) -> None:
+        """One term of `sparse_qnvb_update` for every spike-and-slab block, written into the
+        blocks, the counters and the guide's parameters, unless `_refuse_if_idle` refuses it."""
         hp, steps = self.sparse_hyperparameters, self.steps_per_epoch
         blocks, g_terms, h_terms = [], [], []
         for site, g, h in sites:
@@ -308,8 +325,10 @@ class SparseQNVB(QNVB):
         result = sparse_qnvb_update(
             blocks, self.counters, g_terms, h_terms, hp, steps, self.cases_per_step
         )
+        counts = result_count_values(result)
+        self._refuse_if_idle(sites, params, counts[0] + counts[1])
         self.counters = result.counters
-        for message in result_messages(result, self._sparse_warned, self._step_cap):
+        for message in result_messages(result, self._sparse_warned, self._step_cap, counts):
             self._warn_once(message, f"SparseQNVB: {message} (this warning is shown once)")
         for (site, _, _), block in zip(sites, result.blocks):
             self.blocks[site.param_names["loc"]] = block
@@ -320,6 +339,34 @@ class SparseQNVB(QNVB):
             site.params["loc"].data.copy_(block.nu)
             scale_leaf.data.copy_(torch.where(torch.isfinite(new_u), new_u, scale_leaf.data))
             site.params["logit"].data.copy_(logit)
+
+    def _refuse_if_idle(
+        self,
+        sites: list[tuple[MeanFieldSite, torch.Tensor, torch.Tensor]],
+        params: list[torch.Tensor],
+        kept: int,
+    ) -> None:
+        """Refuse the `IDLE_STEPS_REFUSED`-th step in a row whose terms the guard dropped at every
+        coordinate of every block (``kept`` of them), the rule of every QNVB optimizer
+        (`count_idle_step`), before the blocks, the counters or the guide take the step and
+        before the fallback steps: the gradients of ``params`` are zeroed, as ``SVI`` zeroes
+        them after a step, so that a next step may go on."""
+        total = sum(site.values["loc"].numel() for site, _, _ in sites)
+        self._idle_steps = count_idle_step(self._idle_steps, kept, total)
+        if self._idle_steps < IDLE_STEPS_REFUSED:
+            return
+        zero_grads(params)
+        untaken = "the blocks, counters and guide are as before it and the fallback did not step"
+        raise idle_step_refusal(
+            "SparseQNVB",
+            self._idle_steps,
+            total,
+            [f"site {site.name!r}" for site, _, _ in sites],
+            [site.values["loc"].dtype for site, _, _ in sites],
+            unit="block",
+            words=SPARSE_IDLE,
+            untaken=untaken,
+        )
 
     def _initial_block(self, site: MeanFieldSite) -> SparseQNVBBlock:
         """Algorithm 5.1, lines 3-5, at the guide's current factor: ``g0 = 0`` and the curvature
@@ -355,12 +402,14 @@ class SparseQNVB(QNVB):
         )
 
     def get_state(self) -> dict:
-        """Deep copies of the counters, the first step's loss, every block's state and the
-        fallback's state, and the settings of the run
+        """Deep copies of the counters, the count of idle steps in a row (`count_idle_step`),
+        the first step's loss, every block's state and the fallback's state, and the settings
+        of the run
         (`run_settings`)."""
         return {
             "sparse_qnvb": {
                 "num_steps": self.num_steps,
+                "idle_steps": self._idle_steps,
                 "counters": tuple(self.counters),
                 "first_loss": self.first_loss,
                 "blocks": {
@@ -379,6 +428,7 @@ class SparseQNVB(QNVB):
         state = state_dict["sparse_qnvb"]
         check_settings("SparseQNVB.set_state", state["settings"], self._settings())
         self.num_steps = state["num_steps"]
+        self._idle_steps = state.get("idle_steps", 0)  # (absent from earlier states)
         self.counters = SparseQNVBCounters(*state["counters"])
         self.first_loss = state.get("first_loss")  # absent from states saved before it was kept
         self.blocks = {

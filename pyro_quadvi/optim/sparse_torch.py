@@ -27,8 +27,16 @@ import torch
 from ..quadrature import make_rule
 from ..quadrature.base import draw_device
 from ..quadrature.hadamard import HadamardRule
-from .qnvb_functional import _check_number, cast_state_to, check_settings
+from .qnvb_functional import (
+    IDLE_STEPS_REFUSED,
+    _check_number,
+    cast_state_to,
+    check_settings,
+    count_idle_step,
+    idle_step_refusal,
+)
 from .sparse_functional import (
+    SPARSE_IDLE,
     SparseQNVBBlock,
     SparseQNVBCounters,
     SparseQNVBHyperparameters,
@@ -37,6 +45,7 @@ from .sparse_functional import (
     init_sparse_counters,
     loss_growth_message,
     mixture_moments,
+    result_count_values,
     result_messages,
     run_settings,
     sparse_qnvb_update,
@@ -215,6 +224,8 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         self._warned: set[str] = set()
         self._written: dict[int, tuple[int, int]] = {}  # id(p) -> (_version, data_ptr)
         self._loaded: dict | None = None  # the "sparse_qnvb" entry being loaded (_check_loaded)
+        # steps in a row whose terms the guard dropped everywhere (count_idle_step; saved)
+        self._idle_steps = 0
         self._register_checkpoint_hooks()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -393,7 +404,9 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         ``likelihood_weight``: a short last batch of ``b`` cases counts each of them
         ``(num_cases / steps_per_epoch) / b`` times (see the docs). A step whose average loss
         exceeds the first step's by more than 1000 times the first's magnitude gets a
-        ``RuntimeWarning`` (once): the means may be diverging.
+        ``RuntimeWarning`` (once): the means may be diverging. The third step in a row whose
+        terms the guard dropped at every coordinate is refused with a ``ValueError``
+        (`_refuse_if_idle`).
         """
         params = self._params()
         first = params[0]
@@ -444,19 +457,49 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             self.steps_per_epoch,
             cases_per_step=scale,
         )
+        counts = result_count_values(result)
+        self._refuse_if_idle(params, mus, counts[0] + counts[1])
         self.counters = result.counters
         for p, block in zip(params, result.blocks):
             self.state[p].update(block._asdict())
             p.copy_(block.mu)
             p.grad = None
         self._written.update(written_marks(params))
-        for message in result_messages(result, self._warned, self._step_cap):
+        for message in result_messages(result, self._warned, self._step_cap, counts):
             warnings.warn(
                 f"SparseQNVBOptimizer: {message} (this warning is shown once)",
                 RuntimeWarning,
                 stacklevel=4,  # step <- no_grad <- torch's step hook <- the caller
             )
         return loss_avg
+
+    def _refuse_if_idle(
+        self, params: list[torch.Tensor], mus: list[torch.Tensor], kept: int
+    ) -> None:
+        """Refuse the `IDLE_STEPS_REFUSED`-th step in a row whose terms the guard dropped at every
+        coordinate (``kept`` of them: a gradient or curvature not finite, or a step that
+        overflowed), the rule of every QNVB optimizer (`count_idle_step`). Refused before
+        the mixtures and counters take the step: the parameters go back to their means ``mus``,
+        their gradients cleared, and the next step evaluates the same nodes (the sequence
+        position follows the counters)."""
+        total = sum(p.numel() for p in params)
+        self._idle_steps = count_idle_step(self._idle_steps, kept, total)
+        if self._idle_steps < IDLE_STEPS_REFUSED:
+            return
+        for p, mu in zip(params, mus):
+            p.copy_(mu)
+            p.grad = None
+        self._written.update(written_marks(params))
+        raise idle_step_refusal(
+            "SparseQNVBOptimizer",
+            self._idle_steps,
+            total,
+            [f"a parameter of shape {tuple(p.shape)}" for p in params],
+            [p.dtype for p in params],
+            unit="parameter",
+            words=SPARSE_IDLE,
+            untaken="the mixtures and counters are as before it, the parameters at their means",
+        )
 
     def _check_growth(self, value: float, dtypes: list[torch.dtype]) -> None:
         """Warn once where the loss grew beyond ``first + 1000 |first|``
@@ -491,13 +534,12 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         )
 
     def state_dict(self) -> dict:
-        """Torch's state dict plus a ``"sparse_qnvb"`` entry: the counters, the sequence offset,
-        the first step's loss, the generator's state and the settings of the run
-        (`run_settings`), added by a state-dict
+        """Torch's state dict plus a ``"sparse_qnvb"`` entry: the counters, the count of idle
+        steps in a row (`count_idle_step`), the sequence offset, the first step's loss, the
+        generator's state and the settings of the run (`run_settings`), added by a state-dict
         post-hook the optimizer registers first, so that a post-hook registered without
-        ``prepend=True`` sees it (`CheckpointHooks`). The
-        mixtures saved take a change of the parameters since the last step
-        (`_take_edits`)."""
+        ``prepend=True`` sees it (`CheckpointHooks`). The mixtures saved take a change of the
+        parameters since the last step (`_take_edits`)."""
         return super().state_dict()
 
     _entry_key = "sparse_qnvb"
@@ -505,6 +547,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     def _checkpoint_entry(self) -> dict:
         return {
             "counters": tuple(self.counters),
+            "idle_steps": self._idle_steps,
             "sequence_offset": self.sequence_offset,
             "first_loss": self.first_loss,
             "generator": None if self.generator is None else self.generator.get_state(),
@@ -543,12 +586,13 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         self._loaded = extra
 
     def _restore_loaded(self) -> None:
-        """The counters, offset, first loss and generator state of the entry just loaded, and
-        the loaded means into the parameters."""
+        """The counters, count of idle steps, offset, first loss and generator state of the
+        entry just loaded, and the loaded means into the parameters."""
         self.param_groups = [_SparseGroup(group) for group in self.param_groups]
         self._write_means()
         extra, self._loaded = self._loaded, None
         self.counters = SparseQNVBCounters(*extra["counters"])
+        self._idle_steps = extra.get("idle_steps", 0)  # (absent from earlier states)
         self.sequence_offset = extra["sequence_offset"]
         self.first_loss = extra.get("first_loss")  # absent from states saved before it was kept
         if extra["generator"] is not None:

@@ -54,12 +54,17 @@ from ..quadrature.base import draw_device
 from .annealing import annealing_factor, check_schedule
 from .qnvb_functional import (
     DONATABLE,
+    IDLE_STEPS_REFUSED,
+    QNVB_IDLE,
     QNVBHyperparameters,
     QNVBState,
     _check_number,
     cast_state_to,
     check_settings,
+    count_idle_step,
     count_messages,
+    count_table,
+    idle_step_refusal,
     init_qnvb_state,
     or_float64,
     qnvb_update_many,
@@ -442,6 +447,7 @@ class CheckpointHooks(CopyableOptimizerState):
         # loaded, copied or unpickled: every parameter is compared with its mean at the next step
         self._written = {}
         self.__dict__.setdefault("_loaded", None)  # absent from a copy of an earlier version
+        self.__dict__.setdefault("_idle_steps", 0)  # likewise
         hooks = getattr(self, "_checkpoint_hooks", None)  # likewise
         if hooks is None or hooks[1] not in self._optimizer_load_state_dict_pre_hooks:
             self._register_checkpoint_hooks()  # a copy (torch leaves the hooks out)
@@ -857,8 +863,10 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     type or value is refused by name. Steps warn once per kind, with the number of coordinates
     concerned: a non-finite gradient or curvature, an update that overflowed while the gradient
     was finite (both leave the coordinates unchanged), a ``sigma`` pinned at ``sigma_min``, a
-    ``sigma`` pinned at ``sigma_max``. Reading the counts is the step's only host-device sync, and
-    it stops once all four kinds have been warned about.
+    ``sigma`` pinned at ``sigma_max``. The third step in a row in which every coordinate was left
+    unchanged so is refused with a ``ValueError`` (`count_idle_step`, as in ``QNVB``), the
+    parameters at their means. The counts are read from the device once per step, a read the
+    warnings and that rule share (with the loss's finiteness check, the step's two host syncs).
 
     The update of all the parameters of a group runs on one flat buffer
     (`qnvb_update_many`).
@@ -969,6 +977,8 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         self._loaded: dict | None = None  # the "qnvb" entry being loaded (_check_loaded)
         # id(p) -> the state tensors the last step wrote, which the next may write over
         self._in_place: dict[int, tuple[torch.Tensor, ...]] = {}
+        # steps in a row in which no coordinate could be updated (count_idle_step; saved)
+        self._idle_steps = 0
         self._register_checkpoint_hooks()
 
     def __setstate__(self, state: dict) -> None:
@@ -1403,14 +1413,46 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             p.copy_(self.state[p]["mu"])
             p.grad = None
         self._written.update(written_marks(p for p, _ in params))
+        total = sum(params[i][0].numel() for indices in by_group.values() for i in indices)
+        table = self._refuse_if_idle(counts, total)
         self.num_steps += 1
-        self._warn(counts)
+        self._warn(counts, table)
+
+    def _refuse_if_idle(self, counts: list, total: int) -> list[list[int]] | None:
+        """Refuse the `IDLE_STEPS_REFUSED`-th step in a row in which the guard (rule 11) kept
+        every coordinate (`count_idle_step`, as `QNVB` does): each ``g`` or ``h`` not finite, or
+        the update overflowed (the unscaled Poisson of ``docs/qnvb_torch.md`` ran every step so
+        with ``blocked_simplex``). Such a step leaves every mean, scale and state as it was, and
+        the parameters are back at their means, their gradients cleared; the step count does not
+        move, so a deterministic rule's next step evaluates the same nodes. ``total``: the
+        coordinates updated. Returns the counts read from the device (`count_table`, the one
+        copy the warnings then read; ``None`` without counts)."""
+        if not counts:
+            return None
+        table = count_table(counts)
+        kept = sum(row[0] + row[1] for row in table)  # num_nonfinite + num_overflow
+        self._idle_steps = count_idle_step(self._idle_steps, kept, total)
+        if self._idle_steps >= IDLE_STEPS_REFUSED:
+            raise idle_step_refusal(
+                type(self).__name__,
+                self._idle_steps,
+                total,
+                [label for label, *_ in counts],
+                [dtype for _, _, dtype, _ in counts],
+                unit="parameter",
+                words=QNVB_IDLE,
+                untaken="the parameters are left at their means",
+            )
+        return table
 
     def _warn(
-        self, counts: list[tuple[str, QNVBHyperparameters, torch.dtype, torch.Tensor]]
+        self,
+        counts: list[tuple[str, QNVBHyperparameters, torch.dtype, torch.Tensor]],
+        table: list[list[int]] | None,
     ) -> None:
-        """Warn once per kind of count (`count_messages`: at most one host sync)."""
-        for message in count_messages(counts, self._warned):
+        """Warn once per kind of count (`count_messages`, from the counts ``table`` read
+        already)."""
+        for message in count_messages(counts, self._warned, table):
             warnings.warn(
                 f"QNVBOptimizer: {message} (this warning is shown once)",
                 RuntimeWarning,
@@ -1430,11 +1472,11 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         }
 
     def state_dict(self) -> dict:
-        """Torch's state dict plus a ``"qnvb"`` entry: the step count, the generator's state and
-        the run's settings (`_settings`), added by a state-dict post-hook the optimizer
-        registers first, so that a post-hook registered without ``prepend=True`` sees it
-        (`CheckpointHooks`). The means saved are the
-        parameters' values (a change since the last step included: `_take_edits`).
+        """Torch's state dict plus a ``"qnvb"`` entry: the step count, the count of idle steps
+        in a row (`count_idle_step`), the generator's state and the run's settings
+        (`_settings`), added by a state-dict post-hook the optimizer registers first, so that a
+        post-hook registered without ``prepend=True`` sees it (`CheckpointHooks`). The means
+        saved are the parameters' values (a change since the last step included: `_take_edits`).
 
         With a random rule (``blocked_simplex``, ``rasp_simplex``, ``mc``) and no ``generator``,
         the nodes come from torch's global random state, which this state dict does not hold:
@@ -1452,6 +1494,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     def _checkpoint_entry(self) -> dict:
         return {
             "num_steps": self.num_steps,
+            "idle_steps": self._idle_steps,
             "generator": None if self.generator is None else self.generator.get_state(),
             "settings": self._settings(),
         }
@@ -1500,10 +1543,11 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         self._loaded = extra
 
     def _restore_loaded(self) -> None:
-        """The step count and the generator's state of the ``"qnvb"`` entry just loaded, and
-        the loaded means into the parameters."""
+        """The step count, the count of idle steps and the generator's state of the ``"qnvb"``
+        entry just loaded, and the loaded means into the parameters."""
         self._write_means()
         extra, self._loaded = self._loaded, None
         self.num_steps = extra["num_steps"]
+        self._idle_steps = extra.get("idle_steps", 0)  # (absent from earlier states)
         if extra["generator"] is not None and self.generator is not None:
             self.generator.set_state(extra["generator"])

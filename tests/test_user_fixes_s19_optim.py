@@ -1,0 +1,262 @@
+"""Session 19 fixes of the optimizers: the third step in a row in which the guard kept every
+coordinate is refused by `QNVBOptimizer`, `SparseQNVB` and `SparseQNVBOptimizer` as by `QNVB`
+(one shared rule, its count in each one's saved state)."""
+
+from __future__ import annotations
+
+import copy
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI
+from pyro.infer.autoguide.initialization import init_to_value
+from torch import nn
+
+from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
+from pyro_quadvi.distributions import SpikeSlab
+from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
+from pyro_quadvi.optim.qnvb_functional import IDLE_STEPS_REFUSED, count_idle_step
+
+# ------------------------------------------------------------------ the rule all four share
+IDLE_HEAD = "no coordinate of any {} could be updated in 3 steps in a row (in this one, {})"
+
+
+def test_the_idle_count_grows_on_steps_that_keep_everything_and_restarts_otherwise():
+    """One count for every optimizer: up by one where the guard kept all coordinates, back to 0
+    where it kept fewer, unchanged by a step without coordinates; refused from 3 on."""
+    counts = [0]
+    for kept, total in [(5, 5), (5, 5), (4, 5), (5, 5), (0, 0), (5, 5), (5, 5)]:
+        counts.append(count_idle_step(counts[-1], kept, total))
+    assert counts == [0, 1, 2, 0, 1, 1, 2, 3]
+    assert IDLE_STEPS_REFUSED == 3
+
+
+# ----------------------------------------------------------------- QNVBOptimizer (plain torch)
+def _poisson_net() -> tuple[nn.Module, callable]:
+    """A Poisson regression on unstandardized features (scales 1e-3 to 1e4 under an exp), its
+    weights at 0, and its closure: at ``init_sigma=1e-3`` the loss is near 7e22 (finite in
+    float32) and every coordinate's ``g^2`` overflows."""
+    generator = torch.Generator().manual_seed(12)
+    x = torch.tensor([1e-3, 1.0, 1e2, 1e4]) * torch.exp(
+        0.5 * torch.randn(300, 4, generator=generator)
+    )
+    y = torch.full((300,), 5.0)
+    net = nn.Linear(4, 1)
+    nn.init.zeros_(net.weight)
+    nn.init.zeros_(net.bias)
+
+    def closure():
+        eta = net(x).squeeze(-1)
+        loss = (eta.exp() - y * eta).mean()
+        loss.backward()
+        return loss
+
+    return net, closure
+
+
+def _torch_qnvb(net: nn.Module) -> QNVBOptimizer:
+    return QNVBOptimizer(
+        net.parameters(),
+        likelihood_weight=300,
+        quadrature="blocked_simplex",
+        generator=torch.Generator().manual_seed(0),
+    )
+
+
+def test_qnvb_optimizer_refuses_the_third_step_that_updates_nothing(recwarn):
+    """It ran every step of the unscaled Poisson as a no-op (40 of 40 with ``blocked_simplex``,
+    26 of 40 with the default ``rasp_simplex``) after one warning. Now the third such step in a
+    row is refused: parameters, means, scales and state as they were, the step count too."""
+    net, closure = _poisson_net()
+    optimizer = _torch_qnvb(net)
+    optimizer.step(closure)
+    assert any("overflowed" in str(w.message) for w in recwarn)
+    optimizer.step(closure)
+    params = [p.detach().clone() for p in net.parameters()]
+    state = copy.deepcopy(optimizer.state_dict()["state"])
+    with pytest.raises(ValueError) as raised:
+        optimizer.step(closure)
+    message = str(raised.value)
+    where = "5 coordinates of a parameter of shape (1, 4), a parameter of shape (1,)"
+    assert message.startswith("QNVBOptimizer: " + IDLE_HEAD.format("parameter", where))
+    assert "so these steps changed no mean, scale or state" in message
+    assert "a smaller lr, or trust_region=0.3" in message
+    assert message.endswith(
+        "This step was refused, the parameters are left at their means: standardize the "
+        "inputs or use float64"
+    )
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), params))
+    assert all(p.grad is None for p in net.parameters())
+    after = optimizer.state_dict()["state"]
+    assert all(torch.equal(after[i][k], state[i][k]) for i in state for k in state[i])
+    assert optimizer.num_steps == 2
+
+
+def test_qnvb_optimizer_resumed_from_its_state_dict_refuses_at_the_same_step():
+    """The count of idle steps is in ``state_dict()["qnvb"]``: a run resumed after two such steps
+    refuses the third, as the unbroken run does."""
+    net, closure = _poisson_net()
+    optimizer = _torch_qnvb(net)
+    with pytest.warns(RuntimeWarning, match="overflowed"):
+        optimizer.step(closure)
+    optimizer.step(closure)
+    saved = copy.deepcopy(optimizer.state_dict())
+    assert saved["qnvb"]["idle_steps"] == 2
+    with pytest.raises(ValueError, match="in 3 steps in a row"):
+        optimizer.step(closure)
+    resumed_net, resumed_closure = _poisson_net()
+    resumed = _torch_qnvb(resumed_net)
+    resumed.load_state_dict(saved)
+    with pytest.raises(ValueError, match="in 3 steps in a row"):
+        resumed.step(resumed_closure)
+    assert resumed.num_steps == 2
+
+
+def test_qnvb_optimizer_goes_on_after_one_step_that_updates_nothing():
+    """One batch with an outlier row (``x = 1e10``: ``g^2`` overflows at every coordinate, the
+    loss finite) is one idle step, warned of; the next batch's step updates and restarts the
+    count."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 2)
+    y = x @ torch.tensor([1.0, -2.0])
+    bad = x.clone()
+    bad[0] = 1e10
+    net = nn.Linear(2, 1, bias=False)
+    optimizer = QNVBOptimizer(net.parameters(), likelihood_weight=16, quadrature="hadamard")
+
+    def closure_on(inputs):
+        def closure():
+            loss = 0.5 * (net(inputs).squeeze(-1) - y).pow(2).mean()
+            loss.backward()
+            return loss
+
+        return closure
+
+    optimizer.step(closure_on(x))
+    kept = net.weight.detach().clone()
+    with pytest.warns(RuntimeWarning, match="overflowed"):
+        optimizer.step(closure_on(bad))
+    assert torch.equal(net.weight, kept)
+    assert optimizer.state_dict()["qnvb"]["idle_steps"] == 1
+    optimizer.step(closure_on(x))
+    assert optimizer.state_dict()["qnvb"]["idle_steps"] == 0
+    assert not torch.equal(net.weight, kept)
+
+
+# ------------------------------------------------------------------- SparseQNVBOptimizer
+def _sparse_poisson_net() -> tuple[nn.Module, callable]:
+    """A Poisson regression on one feature of 1e4 without an intercept, its weight where the
+    log rate is 74: the loss (near 1e32) is finite in float32, the curvature of the minibatch's
+    term ``(n_c / S) sum_k w_k grad_k x_k / sigma`` is not, at every coordinate."""
+    x = torch.full((300, 1), 1e4)
+    y = torch.full((300,), 5.0)
+    net = nn.Linear(1, 1, bias=False)
+    nn.init.constant_(net.weight, 74 / 1e4)
+
+    def closure():
+        eta = net(x).squeeze(-1)
+        loss = (eta.exp() - y * eta).mean()
+        loss.backward()
+        return loss
+
+    return net, closure
+
+
+def _sparse_optimizer(net: nn.Module) -> SparseQNVBOptimizer:
+    return SparseQNVBOptimizer(
+        net.parameters(),
+        num_cases=300,
+        steps_per_epoch=10,
+        num_epochs=3,
+        initial_lr=1e-12,
+        generator=torch.Generator().manual_seed(0),
+    )
+
+
+def test_sparse_qnvb_optimizer_refuses_the_third_step_whose_terms_were_all_dropped():
+    """Its guard drops every coordinate's term at each step of this Poisson, with no warning but
+    the first; the third such step is now refused, before the mixtures, the counters or the
+    parameters take it, and the count is in the state dict (a resumed run refuses there too)."""
+    net, closure = _sparse_poisson_net()
+    optimizer = _sparse_optimizer(net)
+    with pytest.warns(RuntimeWarning, match="non-finite gradient or curvature at 1 coordinates"):
+        optimizer.step(closure)
+    optimizer.step(closure)
+    saved = copy.deepcopy(optimizer.state_dict())
+    assert saved["sparse_qnvb"]["idle_steps"] == 2
+    weight = net.weight.detach().clone()
+    with pytest.raises(ValueError) as raised:
+        optimizer.step(closure)
+    message = str(raised.value)
+    where = "1 coordinates of a parameter of shape (1, 1)"
+    assert message.startswith("SparseQNVBOptimizer: " + IDLE_HEAD.format("parameter", where))
+    assert "the update dropped its term: these steps took nothing from the data" in message
+    assert "a smaller max_lr or tau_max" in message
+    assert message.endswith(
+        "This step was refused, the mixtures and counters are as before it, the parameters at "
+        "their means: standardize the inputs or use float64"
+    )
+    assert optimizer.counters.step == 2
+    assert torch.equal(net.weight, weight) and net.weight.grad is None
+    state = optimizer.state_dict()["state"]
+    assert all(torch.equal(state[0][k], saved["state"][0][k]) for k in saved["state"][0])
+    resumed_net, resumed_closure = _sparse_poisson_net()
+    resumed = _sparse_optimizer(resumed_net)
+    resumed.load_state_dict(saved)
+    with pytest.raises(ValueError, match="in 3 steps in a row"):
+        resumed.step(resumed_closure)
+
+
+# ------------------------------------------------------------------------ SparseQNVB (Pyro)
+_X = torch.full((300, 1), 1e4)
+_Y = torch.full((300,), 5.0)
+
+
+def _spike_slab_poisson():
+    w = pyro.sample("w", SpikeSlab(0.5, 0.3).expand([1]).to_event(1))
+    with pyro.plate("data", 300):
+        pyro.sample("y", dist.Poisson((_X * w).sum(-1).exp()), obs=_Y)
+
+
+def _spike_slab_fit() -> tuple[AutoSpikeSlab, SparseQNVB, QuadratureELBO, SVI]:
+    guide = AutoSpikeSlab(
+        _spike_slab_poisson,
+        init_scale=1e-6,
+        init_inclusion=1 - 1e-9,
+        init_loc_fn=init_to_value(values={"w": torch.tensor([74 / 1e4])}),
+    )
+    optim = SparseQNVB(num_epochs=3, steps_per_epoch=10)
+    elbo = QuadratureELBO("hadamard", num_points=4)
+    return guide, optim, elbo, SVI(_spike_slab_poisson, guide, optim, elbo)
+
+
+def test_sparse_qnvb_refuses_the_third_step_whose_terms_were_all_dropped(fresh_param_store):
+    """The same Poisson under ``AutoSpikeSlab``: the third step in a row whose terms were all
+    dropped is refused, naming the site; the blocks, the counters and the guide are as before
+    it, and the count is in ``get_state``."""
+    guide, optim, elbo, svi = _spike_slab_fit()
+    with pytest.warns(RuntimeWarning, match="non-finite gradient or curvature"):
+        svi.step()
+    svi.step()
+    state = copy.deepcopy(optim.get_state())
+    assert state["sparse_qnvb"]["idle_steps"] == 2
+    params = [p.detach().clone() for p in guide.parameters()]
+    with pytest.raises(ValueError) as raised:
+        svi.step()
+    message = str(raised.value)
+    assert message.startswith(
+        "SparseQNVB: " + IDLE_HEAD.format("block", "1 coordinates of site 'w'")
+    )
+    assert (
+        "This step was refused, the blocks, counters and guide are as before it and the "
+        "fallback did not step"
+    ) in message
+    assert optim.counters.step == 2 and optim.num_steps == 2
+    assert all(torch.equal(p, q) for p, q in zip(guide.parameters(), params))
+    assert all(p.grad is None or not p.grad.any() for p in guide.parameters())
+    resumed = SparseQNVB(num_epochs=3, steps_per_epoch=10)
+    resumed.set_state(state)
+    with pytest.raises(ValueError, match="in 3 steps in a row"):
+        SVI(_spike_slab_poisson, guide, resumed, elbo).step()
