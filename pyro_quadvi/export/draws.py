@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import pyro
 import torch
 from pyro import poutine
+from pyro.distributions import Delta, MaskedDistribution
 from pyro.distributions.util import scale_and_mask
 from pyro.infer.autoguide import AutoGuide
 from pyro.poutine.messenger import Messenger
@@ -52,7 +53,7 @@ from tqdm.auto import tqdm
 
 from ..guides.interface import unwrap_guide
 from ..infer.batched import BatchMismatch, evaluate_batch
-from ..infer.log_joint import check_observed_not_nan, model_max_plate_nesting
+from ..infer.log_joint import _layers, check_observed_not_nan, model_max_plate_nesting
 from ..quadrature.base import format_bytes
 from ..store import follow_param_store
 
@@ -227,7 +228,24 @@ def _log_density(node: dict) -> torch.Tensor:
 
 
 def _is_deterministic(node: dict) -> bool:
-    return bool(node["infer"].get("_deterministic"))
+    """Whether a sample site holds a value the model computes rather than data.
+
+    That is a ``pyro.deterministic`` site (``infer["_deterministic"]``), or the site a Pyro
+    reparameterizer leaves in place of the latent it reparameterizes (`poutine.reparam` with
+    ``LocScaleReparam``, ``TransformReparam``, ``AutoReparam``, ...): Pyro marks that one
+    observed and leaves the flag off, but builds its distribution as ``pyro.deterministic``
+    does, a ``Delta`` at the value with its density masked off (``Delta(value).mask(False)``,
+    "simulate a pyro.deterministic() site" in Pyro's source). That mask is what tells it from
+    data: an observed ``Delta`` the user wrote (``pyro.sample("x", dist.Delta(v), obs=data)``)
+    has a density, so it stays observed, and an observation masked off entirely carries no data.
+    """
+    if node["infer"].get("_deterministic"):
+        return True
+    if not node["is_observed"]:
+        return False
+    layers = list(_layers(node["fn"]))
+    masked_off = any(isinstance(fn, MaskedDistribution) and fn._mask is False for fn in layers)
+    return masked_off and isinstance(layers[-1], Delta)
 
 
 class _Runner:
@@ -407,7 +425,10 @@ class _Runner:
             self._collect(trace, {**latents, **deterministic}, rows, particles)
             self._collect(trace, loglik, rows, particles, loglik=True)
             for name in self.observed:
-                value = trace.nodes[name]["value"].expand(self.sites[name].shape)
+                value = trace.nodes[name]["value"]
+                if value.dim() > len(self.sites[name].shape):  # a dim of the draws
+                    raise _not_data(name)
+                value = value.expand(self.sites[name].shape)
                 data.setdefault(name, _Assembly(self.sites[name].chunked, self.full_sizes))
                 data[name].scatter(rows, value)
             released = _ReleaseObserved(self.observed)(model)
@@ -470,6 +491,19 @@ class _Runner:
                         f"draw {s} of site {name!r} differs between the batched run and an "
                         "unbatched run"
                     )
+
+
+def _not_data(name: str) -> ValueError:
+    """The refusal of an observed site whose value changes with the posterior draw."""
+    return ValueError(
+        f"to_inference_data: site {name!r} is observed, but its value changes from one "
+        "posterior draw to the next: the model computes it from the latents, so it is no data. "
+        "Pyro's reparameterizers that leave the site an unmasked Delta do this "
+        "(HaarReparam, DiscreteCosineReparam, SplitReparam, NeuTraReparam; those that mask it "
+        "off, as pyro.deterministic does, export fine: LocScaleReparam, TransformReparam). "
+        f"Write the transform into the model, pyro.deterministic({name!r}, value), or use a "
+        "reparameterizer of the second kind"
+    )
 
 
 def _values(assemblies: Mapping[str, _Assembly]) -> dict[str, torch.Tensor]:
@@ -649,5 +683,8 @@ def _all_draws(run: Callable, num_samples: int, vectorize: bool | None, label: s
         bar.close()
     if not decision.vectorized and "observed_data" in groups:
         # the data are the same in every looped run: no draw axis
+        for name, values in groups["observed_data"].items():
+            if not torch.equal(values, values[:1].expand_as(values)):
+                raise _not_data(name)
         groups["observed_data"] = {name: v[0] for name, v in groups["observed_data"].items()}
     return groups, decision.vectorized

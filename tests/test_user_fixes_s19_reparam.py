@@ -1,0 +1,168 @@
+"""Session 19 fixes around Pyro's reparameterizers (`poutine.reparam`), from a user trial:
+
+- the ArviZ export took the site a reparameterizer leaves behind (``theta`` under
+  ``LocScaleReparam``, marked observed by Pyro) for observed data: ``posterior`` lacked it,
+  ``observed_data`` held one draw of it, ``log_likelihood`` zeros, and the vectorized export
+  failed with a bare ``expand`` error. It is now a deterministic site of the posterior; an
+  observed site whose value changes with the draw (an unmasked ``Delta`` of ``HaarReparam``) is
+  refused by name.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer.reparam import HaarReparam, LocScaleReparam, TransformReparam
+from pyro.infer.reparam.strategies import AutoReparam
+
+from pyro_quadvi import AutoMeanFieldNormal, to_inference_data
+from pyro_quadvi.testing.problems import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y
+
+Y = torch.tensor(EIGHT_SCHOOLS_Y)
+SIGMA = torch.tensor(EIGHT_SCHOOLS_SIGMA)
+
+
+def centred(sigma, y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+    with pyro.plate("school", 8):
+        theta = pyro.sample("theta", dist.Normal(mu, tau))
+        pyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
+def transformed(sigma, y):
+    """Centred eight schools with ``theta`` an affine transform of a standard normal."""
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+    with pyro.plate("school", 8):
+        affine = dist.transforms.AffineTransform(mu, tau)
+        theta = pyro.sample("theta", dist.TransformedDistribution(dist.Normal(0.0, 1.0), affine))
+        pyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
+def _export(model, vectorize, num_samples=20):
+    """The export of ``model`` with a guide run once (its values at the guide's initial point)."""
+    guide = AutoMeanFieldNormal(model)
+    guide(SIGMA, Y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the loop would warn
+        return to_inference_data(
+            model, guide, SIGMA, Y, num_samples=num_samples, vectorize=vectorize
+        )
+
+
+def _groups(idata) -> dict[str, list[str]]:
+    return {
+        group: sorted(getattr(idata, group).data_vars)
+        for group in ("posterior", "observed_data", "log_likelihood", "posterior_predictive")
+    }
+
+
+def _assert_observes_obs_only(idata) -> None:
+    """``obs`` and nothing else is data, and its log likelihood is the model's, draw by draw."""
+    post = idata.posterior
+    assert sorted(idata.observed_data.data_vars) == ["obs"]
+    assert sorted(idata.log_likelihood.data_vars) == ["obs"]
+    assert sorted(idata.posterior_predictive.data_vars) == ["obs"]
+    torch.testing.assert_close(torch.as_tensor(idata.observed_data["obs"].values), Y)
+    theta = torch.as_tensor(post["theta"].values)
+    expected = dist.Normal(theta.double(), SIGMA.double()).log_prob(Y.double())
+    torch.testing.assert_close(torch.as_tensor(idata.log_likelihood["obs"].values), expected)
+
+
+@pytest.mark.parametrize("vectorize", [False, None, True])
+def test_a_loc_scale_reparameterized_site_is_exported_as_a_deterministic_site(
+    fresh_param_store, vectorize
+):
+    """It was observed data (``vectorize=False``) or a bare ``expand`` error (otherwise)."""
+    model = poutine.reparam(centred, config={"theta": LocScaleReparam(centered=0.0)})
+    idata = _export(model, vectorize)
+    post = idata.posterior
+    assert sorted(post.data_vars) == ["mu", "tau", "theta", "theta_decentered"]
+    assert post["theta"].dims == ("chain", "draw", "school") and post["theta"].shape == (1, 20, 8)
+    # the draws vary, and each is the transform of its own draw
+    assert float(post["theta"].std("draw").min()) > 0
+    torch.testing.assert_close(
+        torch.as_tensor(post["theta"].values),
+        torch.as_tensor((post["mu"] + post["tau"] * post["theta_decentered"]).values),
+    )
+    _assert_observes_obs_only(idata)
+    assert sorted(idata.prior.data_vars) == ["mu", "tau", "theta", "theta_decentered"]
+    assert idata.posterior.attrs["vectorized"] == int(vectorize is not False)
+
+
+def test_a_transform_reparameterized_site_is_exported_as_a_deterministic_site(fresh_param_store):
+    model = poutine.reparam(transformed, config={"theta": TransformReparam()})
+    idata = _export(model, None)
+    post = idata.posterior
+    assert sorted(post.data_vars) == ["mu", "tau", "theta", "theta_base"]
+    torch.testing.assert_close(
+        torch.as_tensor(post["theta"].values),
+        torch.as_tensor((post["mu"] + post["tau"] * post["theta_base"]).values),
+    )
+    _assert_observes_obs_only(idata)
+    assert idata.posterior.attrs["vectorized"] == 1
+
+
+@pytest.mark.parametrize("vectorize", [False, None])
+def test_auto_reparam_keeps_mu_in_the_posterior(fresh_param_store, vectorize):
+    """`AutoReparam` decentres ``mu`` too: it had gone from the posterior into the data."""
+    model = poutine.reparam(centred, config=AutoReparam(centered=0.0))
+    idata = _export(model, vectorize)
+    post = idata.posterior
+    assert {"mu", "mu_decentered", "theta", "theta_decentered"} <= set(post.data_vars)
+    # mu ~ N(0, 5): mu = 5 mu_decentered
+    torch.testing.assert_close(
+        torch.as_tensor(post["mu"].values), torch.as_tensor(5 * post["mu_decentered"].values)
+    )
+    _assert_observes_obs_only(idata)
+
+
+def test_an_observed_delta_the_model_writes_stays_observed_data(fresh_param_store):
+    """A user's ``pyro.sample("d", Delta(v), obs=data)`` has a density: it is data (the mark of
+    a reparameterized site is its masked-off density, not the Delta)."""
+    one = torch.tensor(1.0)
+
+    def model(sigma, y):
+        centred(sigma, y)
+        pyro.sample("d", dist.Delta(torch.tensor(1.0)), obs=one)
+
+    idata = _export(model, None)
+    assert _groups(idata) == {
+        "posterior": ["mu", "tau", "theta"],
+        "observed_data": ["d", "obs"],
+        "log_likelihood": ["d", "obs"],
+        "posterior_predictive": ["d", "obs"],
+    }
+    assert idata.observed_data["d"].values == 1
+    assert (idata.log_likelihood["d"].values == 0).all()
+
+
+@pytest.mark.parametrize("vectorize", [False, None])
+def test_an_observed_site_whose_value_changes_with_the_draw_is_refused_by_name(
+    fresh_param_store, vectorize
+):
+    """`HaarReparam` leaves an unmasked ``Delta`` at the transformed value, marked observed: its
+    value was exported as data (one draw of it) or failed with a bare ``expand`` error."""
+    y = torch.tensor([1.0, 2.0, 0.5, -1.0])
+
+    def model(y):
+        x = pyro.sample("x", dist.Normal(torch.zeros(4), 1.0).to_event(1))
+        pyro.sample("obs", dist.Normal(x, 1.0).to_event(1), obs=y)
+
+    reparameterized = poutine.reparam(model, config={"x": HaarReparam()})
+    guide = AutoMeanFieldNormal(reparameterized)
+    guide(y)
+    with pytest.raises(ValueError) as caught:
+        to_inference_data(reparameterized, guide, y, num_samples=5, vectorize=vectorize)
+    message = str(caught.value)
+    assert message.startswith(
+        "to_inference_data: site 'x' is observed, but its value changes from one posterior "
+        "draw to the next: the model computes it from the latents, so it is no data."
+    )
+    assert "HaarReparam" in message and "pyro.deterministic('x', value)" in message
