@@ -5,7 +5,10 @@
   ``observed_data`` held one draw of it, ``log_likelihood`` zeros, and the vectorized export
   failed with a bare ``expand`` error. It is now a deterministic site of the posterior; an
   observed site whose value changes with the draw (an unmasked ``Delta`` of ``HaarReparam``) is
-  refused by name.
+  refused by name;
+- QNVB's warning for a site whose loc gets no gradient (no density depends on it) said "frozen or
+  detached" and "use AutoMeanFieldNormal" to a user of AutoMeanFieldNormal;
+- QNVB's "nothing paired" warning did not say that an amortized guide trains with Adam.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro import poutine
+from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.reparam import HaarReparam, LocScaleReparam, TransformReparam
 from pyro.infer.reparam.strategies import AutoReparam
 
-from pyro_quadvi import AutoMeanFieldNormal, to_inference_data
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, to_inference_data
 from pyro_quadvi.testing.problems import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y
 
 Y = torch.tensor(EIGHT_SCHOOLS_Y)
@@ -166,3 +170,61 @@ def test_an_observed_site_whose_value_changes_with_the_draw_is_refused_by_name(
         "draw to the next: the model computes it from the latents, so it is no data."
     )
     assert "HaarReparam" in message and "pyro.deterministic('x', value)" in message
+
+
+# ------------------------------------------------------------------------- QNVB's warnings
+def _warnings_of_steps(model, guide, elbo, *args, steps: int = 2) -> list[str]:
+    svi = SVI(model, guide, QNVB(), elbo)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            svi.step(*args)
+    return [str(w.message) for w in caught]
+
+
+def test_a_site_no_density_depends_on_is_named_as_such_not_as_frozen(fresh_param_store):
+    """Under ``poutine.mask(model, False)`` the loc gets no gradient and the scale only the
+    entropy's. The warnings said "is the other frozen or detached?" and "Use
+    AutoMeanFieldNormal", to a user of AutoMeanFieldNormal."""
+    x, y = torch.randn(20, 2), torch.randn(20)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with pyro.plate("n", 20):
+            pyro.sample("y", dist.Normal((w * x).sum(-1), 0.5), obs=y)
+
+    masked = poutine.mask(model, mask=False)
+    messages = _warnings_of_steps(masked, AutoMeanFieldNormal(masked), QuadratureELBO(), x, y)
+    assert messages == [
+        "QNVB: site 'w' has a gradient on its scale only, none on its loc: no log density of the "
+        "model depends on the site (its prior and every term that reads it are masked out, by "
+        "poutine.mask or .mask(False), or left out of the loss), so only the guide's entropy "
+        "reads it. Its posterior is improper, the prior being missing, and the fallback "
+        "optimizer, which both go to, widens its scale without end: leave the site's prior "
+        "unmasked, or drop the site from the model and the guide"
+    ]
+
+
+def test_the_nothing_paired_warning_says_an_amortized_guide_trains_with_adam(fresh_param_store):
+    data = torch.randn(10, 3)
+    decoder, encoder = torch.nn.Linear(2, 3), torch.nn.Linear(3, 4)
+
+    def model(data):
+        pyro.module("decoder", decoder)
+        with pyro.plate("data", 10):
+            z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+            pyro.sample("x", dist.Normal(decoder(z), 1.0).to_event(1), obs=data)
+
+    def guide(data):
+        pyro.module("encoder", encoder)
+        out = encoder(data)
+        with pyro.plate("data", 10):
+            pyro.sample("z", dist.Normal(out[:, :2], out[:, 2:].exp()).to_event(1))
+
+    (message,) = _warnings_of_steps(model, guide, Trace_ELBO(), data, steps=1)
+    assert message.startswith("QNVB: none of the 4 parameters it received belongs to a guide")
+    assert (
+        "An amortized guide (an encoder network: its locs and scales are the network's outputs, "
+        "not parameters of a site) has no block QNVB can update: it trains with "
+        "pyro.optim.Adam, so pass that to SVI (the fallback optimizer does its work now)."
+    ) in message

@@ -383,6 +383,26 @@ schedule ended, with a tenth of the updates they are right within 10 to 100 (``d
 "Annealing the likelihood"; ``benchmarks/bench_anneal_lag.py``)."""
 
 
+def _one_gradient(name: str, loc_leaf: torch.Tensor) -> str:
+    """The warning of a block with a gradient on one of its loc and scale only. A loc without
+    one means that nothing of the loss reads the site but the guide's entropy, which reads the
+    scale alone: no log density of the model depends on the site. Otherwise the scale is cut
+    off from the loss (frozen or detached)."""
+    if loc_leaf.grad is None:
+        return (
+            f"QNVB: site {name!r} has a gradient on its scale only, none on its loc: no log "
+            "density of the model depends on the site (its prior and every term that reads it "
+            "are masked out, by poutine.mask or .mask(False), or left out of the loss), so only "
+            "the guide's entropy reads it. Its posterior is improper, the prior being missing, "
+            "and the fallback optimizer, which both go to, widens its scale without end: leave "
+            "the site's prior unmasked, or drop the site from the model and the guide"
+        )
+    return (
+        f"QNVB: site {name!r} has a gradient on only one of its loc and scale (is the other "
+        "frozen or detached?); both go to the fallback optimizer"
+    )
+
+
 def settings_words(settings, defaults, skip: tuple[str, ...] = ()) -> list[str]:
     """``["name=value", ...]`` for the fields of the dataclass ``settings`` that differ from
     ``defaults`` (an instance of the same class), in field order, leaving out ``skip`` (repr)."""
@@ -734,7 +754,7 @@ class QNVB(PyroOptim):
         for message in count_messages(counts, self._warned, table):
             warnings.warn(f"QNVB: {message} (this warning is shown once)", RuntimeWarning, 2)
         rest = [p for p in params if id(p) not in paired]
-        if params and not paired and not explained:
+        if params and not blocks and not explained:  # a refused block said why (_prepare_block)
             self._warn_once("nothing paired", self._nothing_paired(params))
         if rest:
             self._guarded_fallback(rest, *args, **kwargs)
@@ -803,7 +823,10 @@ class QNVB(PyroOptim):
         return (
             f"{head} Use AutoMeanFieldNormal (or Pyro's AutoNormal / AutoDiagonalNormal), or "
             "describe a guide of your own (quadrature_description; see 'Writing a guide for "
-            "QuadratureELBO and QNVB'). A guide whose run is no nn.Module call (Pyro's "
+            "QuadratureELBO and QNVB'). An amortized guide (an encoder network: its locs and "
+            "scales are the network's outputs, not parameters of a site) has no block QNVB can "
+            "update: it trains with pyro.optim.Adam, so pass that to SVI (the fallback optimizer "
+            "does its work now). A guide whose run is no nn.Module call (Pyro's "
             "AutoNormalMessenger, a guide function or callable object) is found only once "
             "registered: call pyro_quadvi.guides.register_guide(guide) once (QuadratureELBO "
             "needs none). Pyro's other effect-based guides and easy_guide guides are not read."
@@ -1031,11 +1054,7 @@ class QNVB(PyroOptim):
         if block.moments is None and loc_leaf.grad is None and scale_leaf.grad is None:
             return True  # not used by this step's loss: nothing to do, nothing for the fallback
         if block.moments is None and (loc_leaf.grad is None or scale_leaf.grad is None):
-            self._warn_once(
-                f"one gradient {site.name}",
-                f"QNVB: site {site.name!r} has a gradient on only one of its loc and scale (is "
-                "the other frozen or detached?); both go to the fallback optimizer",
-            )
+            self._warn_once(f"one gradient {site.name}", _one_gradient(site.name, loc_leaf))
             return False
         name = site.param_names["loc"]
         rows = site.rows
