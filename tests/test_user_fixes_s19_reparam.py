@@ -174,6 +174,24 @@ def test_an_observed_site_whose_value_changes_with_the_draw_is_refused_by_name(
     assert "HaarReparam" in message and "pyro.deterministic('x', value)" in message
 
 
+def test_nan_data_of_a_masked_off_observation_are_the_same_data_in_every_draw(fresh_param_store):
+    """The check that the data do not change between looped draws read NaN as a change: a
+    ``Normal(...).mask(False)`` observation with a NaN entry (its density never reads it) was
+    refused as computed from the latents."""
+    y = torch.tensor([1.0, float("nan"), 0.5])
+
+    def model(y):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        with pyro.plate("n", 3):
+            pyro.sample("y", dist.Normal(z, 1.0).mask(False), obs=y)
+
+    guide = AutoMeanFieldNormal(model)
+    guide(y)
+    idata = to_inference_data(model, guide, y, num_samples=5, vectorize=False)
+    torch.testing.assert_close(torch.as_tensor(idata.observed_data["y"].values), y, equal_nan=True)
+    assert (idata.log_likelihood["y"].values == 0).all()
+
+
 # ------------------------------------------------------------------------- QNVB's warnings
 def _warnings_of_steps(model, guide, elbo, *args, steps: int = 2) -> list[str]:
     svi = SVI(model, guide, QNVB(), elbo)

@@ -684,7 +684,8 @@ def _all_draws(run: Callable, num_samples: int, vectorize: bool | None, label: s
     if not decision.vectorized and "observed_data" in groups:
         # the data are the same in every looped run: no draw axis
         for name, values in groups["observed_data"].items():
-            if not torch.equal(values, values[:1].expand_as(values)):
+            first = values[:1].expand_as(values)  # NaN under a mask(False) is the same data
+            if not torch.allclose(values, first, rtol=0, atol=0, equal_nan=True):
                 raise _not_data(name)
         groups["observed_data"] = {name: v[0] for name, v in groups["observed_data"].items()}
     return groups, decision.vectorized

@@ -37,7 +37,8 @@ def to_inference_data(
     observed sites and their data are read from the model's trace. The groups are
 
     - ``posterior``: ``num_samples`` draws of the guide (one chain), the model's latent sites in
-      their constrained space and its deterministic sites;
+      their constrained space and its deterministic sites (``pyro.deterministic``'s, and those a
+      Pyro reparameterizer leaves, ``theta`` beside ``theta_decentered``);
     - ``posterior_predictive``: for each posterior draw, new values of the observed sites from the
       model with its observations released;
     - ``log_likelihood`` (with ``log_likelihood=True``): ``log p(y_i | theta_s)`` pointwise per
@@ -87,8 +88,9 @@ def to_inference_data(
             values``, or ``dims`` that are not a mapping ``variable -> dim names`` (str).
         ValueError: for a bad ``num_samples``, ``dims``, ``vectorize`` or ``max_bytes``, an
             export larger than ``max_bytes``, a plate given only some of its indices by the
-            model's arguments, observed data with NaN (naming the site), or a log likelihood
-            that is not finite.
+            model's arguments, observed data with NaN (naming the site), an observed site whose
+            value changes from draw to draw (computed from the latents, naming it), or a log
+            likelihood that is not finite.
         NotImplementedError: with ArviZ 1.x.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
