@@ -342,6 +342,16 @@ def loo_of_the_stacked_sites(ns: dict, out: str) -> None:
     assert ns["loo"].n_data_points == 6 and math.isfinite(ns["loo"].elpd_loo)
 
 
+def decentred_eight_schools_at_the_exact_mean_field(ns: dict, out: str) -> None:
+    from pyro_quadvi.testing.problems import eight_schools as exact_eight_schools
+
+    problem, guide = exact_eight_schools(), ns["guide"]
+    names = ("mu", "tau", "theta_decentered")
+    loc = torch.cat([getattr(guide.locs, n).detach().reshape(-1) for n in names])
+    scale = torch.cat([getattr(guide.scales, n).detach().reshape(-1) for n in names])
+    assert problem.error(loc, scale) < 0.12  # 0.093: log tau's scale, blocked_simplex's bias
+
+
 def markov_chain_at_the_exact_mean_field(ns: dict, out: str) -> None:
     # the chain's precision: (D^T D) / q^2 + I / r^2, D the first differences (x_0 = 0)
     y, q, r, guide = ns["y"].double(), ns["q"], ns["r"], ns["guide"]
@@ -854,6 +864,7 @@ EXAMPLES: dict[str, Example] = {
     "guides-example": Example(
         skip="a snippet include of examples/custom_guide.py, run by tests/test_guide_interface.py"
     ),
+    "guides-reparam": Example(check=decentred_eight_schools_at_the_exact_mean_field),
     "guides-gp-fit": Example(skip="run, with its claims, by tests/test_user_fixes_s18_messages.py"),
     "guides-gp-median": Example(skip="run by tests/test_user_fixes_s18_messages.py"),
     "guides-gp-draws": Example(skip="run by tests/test_user_fixes_s18_messages.py"),
