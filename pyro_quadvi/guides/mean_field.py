@@ -16,6 +16,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.poutine import Trace
 
+from ..infer.quadrature_elbo import take_saved_position
 from .adapters import check_set_up, describe_auto_normal, scale_factor, subsample_rows
 from .interface import GuideDescription, MeanFieldSite
 from .rows import GivenRows, check_data_follow_rows, same_rows
@@ -104,6 +105,9 @@ class AutoMeanFieldNormal(AutoNormal):
         )
         self._last_run: dict[str, tuple[float, dict[int, torch.Tensor]]] | None = None
         self._last_run_stamp: RunStamp | None = None
+        # a local-mode checkpoint holds QuadratureELBO's sequence position: a new guide set up by
+        # one call (not yet met by the ELBO) takes it instead of refusing the key
+        self.register_load_state_dict_pre_hook(take_saved_position)
 
     def __getstate__(self):
         # Pyro's AutoGuide drops its model reference from the pickle by clearing it on the guide
