@@ -1,16 +1,20 @@
 """Session 19 fixes from porting Pyro's tutorials: each guide module keeps its own
-`QuadratureELBO` sequence position under ``module_local_params=True`` ("Modules in Pyro")."""
+`QuadratureELBO` sequence position under ``module_local_params=True`` ("Modules in Pyro"); a
+latent support without a bijection (``ProjectedNormal``) is refused by name."""
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro import poutine
 from pyro.infer import SVI
 from pyro.infer.autoguide import AutoNormal
+from pyro.infer.reparam import ProjectedNormalReparam
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 
@@ -139,3 +143,54 @@ def test_a_position_an_earlier_version_left_in_the_store_is_taken_over_in_local_
     assert elbo.step(guide) == 6
     with pytest.raises(TypeError, match=r"module_local_params=True.*pass the guide"):
         elbo.step(guide.quadrature_description())
+
+
+# ------------------------------------------------------- a latent support without a bijection
+def _sphere_model():
+    x = pyro.sample("x", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    y = pyro.sample("y", dist.ProjectedNormal(x))
+    pyro.sample("obs", dist.Normal(y, 1.0).to_event(1), obs=torch.tensor([1.0, 0.0, 0.0]))
+
+
+class _Manifold(dist.constraints.Constraint):
+    """A continuous support that torch has no bijection for."""
+
+    def check(self, value):
+        return torch.ones_like(value, dtype=torch.bool)
+
+
+class _OnAManifold(dist.Normal):
+    support = _Manifold()
+
+
+def _manifold_model():
+    pyro.sample("m", _OnAManifold(0.0, 1.0))
+
+
+@pytest.mark.parametrize("guide_class", [AutoMeanFieldNormal, AutoNormal])
+def test_a_sphere_latent_is_refused_naming_the_site_and_its_reparameterizer(guide_class):
+    """Before: a bare ``NotImplementedError: Cannot transform _Sphere constraints``. The
+    reparameterized model fits."""
+    pyro.clear_param_store()
+    svi = SVI(_sphere_model, guide_class(_sphere_model), QNVB(), QuadratureELBO())
+    with pytest.raises(
+        ValueError,
+        match=r"latent site 'y' \(ProjectedNormal\) has the support Sphere, which no bijection.*"
+        r"poutine\.reparam\(model, config=\{'y': ProjectedNormalReparam\(\)\}\)",
+    ):
+        svi.step()
+    model = poutine.reparam(_sphere_model, config={"y": ProjectedNormalReparam()})
+    pyro.clear_param_store()
+    svi = SVI(model, guide_class(model), QNVB(), QuadratureELBO())
+    assert all(math.isfinite(svi.step()) for _ in range(3))
+
+
+def test_any_latent_support_without_a_bijection_is_refused_by_name():
+    pyro.clear_param_store()
+    svi = SVI(_manifold_model, AutoMeanFieldNormal(_manifold_model), QNVB(), QuadratureELBO())
+    with pytest.raises(
+        ValueError,
+        match=r"latent site 'm' \(_OnAManifold\) has the support Manifold\(\).*"
+        r"poutine\.reparam\(model, config=\{'m': \.\.\.\}\)",
+    ):
+        svi.step()
