@@ -1,11 +1,13 @@
 """Session 19 fixes from porting Pyro's tutorials: each guide module keeps its own
 `QuadratureELBO` sequence position under ``module_local_params=True`` ("Modules in Pyro"); a
-latent support without a bijection (``ProjectedNormal``) is refused by name."""
+latent support without a bijection (``ProjectedNormal``) is refused by name; an ``init_scale``
+below ``sigma_min`` gets no false "pinned at sigma_min" warning."""
 
 from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -17,6 +19,12 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.infer.reparam import ProjectedNormalReparam
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.optim.qnvb_functional import (
+    QNVBHyperparameters,
+    init_qnvb_state,
+    qnvb_update,
+    qnvb_update_many,
+)
 
 # ------------------------------------------- module_local_params: a sequence position per guide
 N, D = 50, 6
@@ -194,3 +202,41 @@ def test_any_latent_support_without_a_bijection_is_refused_by_name():
         r"poutine\.reparam\(model, config=\{'m': \.\.\.\}\)",
     ):
         svi.step()
+
+
+# --------------------------------------- an init_scale below sigma_min is not "pinned there"
+def test_a_sigma_raised_from_below_sigma_min_by_the_rate_limit_is_not_counted_as_pinned():
+    """Each coordinate is raised to ``sigma_min = 1e-6``; only the two whose curvature asks for a
+    smaller sigma (1e-8 and 1e-7) are counted. Before, the first (curvature asking for 1.0,
+    started at 1e-8 and raised by the rate limit) was counted too: 3."""
+    mu = torch.zeros(3, dtype=torch.float64)
+    sigma = torch.tensor([1e-8, 1e-8, 1e-6], dtype=torch.float64)
+    h = torch.tensor([1.0, 1e16, 1e14], dtype=torch.float64)
+    hp = QNVBHyperparameters()
+    args = (torch.zeros_like(mu), h)
+    single = qnvb_update(mu, sigma, *args, init_qnvb_state(mu), hp)
+    (many,) = qnvb_update_many([mu], [sigma], [args[0]], [h], [init_qnvb_state(mu)], hp)
+    for result in (single, many):
+        assert result.sigma.tolist() == [1e-6] * 3
+        assert result.num_sigma_min.item() == 2
+
+
+def test_pyros_init_scale_1e_8_gets_no_false_sigma_min_warning():
+    """Pyro's ``test_init_scale`` value: the curvature asks for 1.0, the rate limit raises the
+    scale from 1e-8 to ``sigma_min``, then tenfold a step. Before: "sigma pinned at
+    sigma_min=1e-06 ... the curvature asks for a smaller sigma"."""
+
+    def model():
+        pyro.sample("z", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+
+    pyro.clear_param_store()
+    guide = AutoMeanFieldNormal(model, init_scale=1e-8)
+    svi = SVI(model, guide, QNVB(), QuadratureELBO("hadamard"))
+    scales = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            svi.step()
+            scales.append(guide.mean_field_sites()[0].scale[0].item())
+    assert scales == pytest.approx([1e-6, 1e-5, 1e-4], rel=1e-5)
+    assert [str(w.message) for w in caught if "sigma_min" in str(w.message)] == []
