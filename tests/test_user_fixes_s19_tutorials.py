@@ -1,7 +1,8 @@
 """Session 19 fixes from porting Pyro's tutorials: each guide module keeps its own
 `QuadratureELBO` sequence position under ``module_local_params=True`` ("Modules in Pyro"); a
 latent support without a bijection (``ProjectedNormal``) is refused by name; an ``init_scale``
-below ``sigma_min`` gets no false "pinned at sigma_min" warning."""
+below ``sigma_min`` gets no false "pinned at sigma_min" warning; a guide's loc is its own copy of
+an ``init_to_value`` tensor."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pytest
 import torch
 from pyro import poutine
 from pyro.infer import SVI
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoNormal, init_to_value
 from pyro.infer.reparam import ProjectedNormalReparam
 
-from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO, SparseQNVB
+from pyro_quadvi.distributions import SpikeSlab
 from pyro_quadvi.optim.qnvb_functional import (
     QNVBHyperparameters,
     init_qnvb_state,
@@ -240,3 +242,44 @@ def test_pyros_init_scale_1e_8_gets_no_false_sigma_min_warning():
             scales.append(guide.mean_field_sites()[0].scale[0].item())
     assert scales == pytest.approx([1e-6, 1e-5, 1e-4], rel=1e-5)
     assert [str(w.message) for w in caught if "sigma_min" in str(w.message)] == []
+
+
+# ------------------------------------------------- init_to_value: the guide's loc is its own
+def _sparse_regression(y):
+    w = pyro.sample("w", SpikeSlab(0.5, 1.0).expand([D]).to_event(1))
+    with pyro.plate("data", N):
+        pyro.sample("obs", dist.Normal((X.float() * w).sum(-1), 1.0), obs=y)
+
+
+def _float_regression(y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(D), 1.0).to_event(1))
+    with pyro.plate("data", N):
+        pyro.sample("obs", dist.Normal((X.float() * w).sum(-1), 1.0), obs=y)
+
+
+@pytest.mark.parametrize(
+    "guide_class, model, optim",
+    [
+        (AutoMeanFieldNormal, _float_regression, QNVB),
+        (AutoSpikeSlab, _sparse_regression, lambda: SparseQNVB(steps_per_epoch=5)),
+    ],
+)
+def test_init_to_value_leaves_the_users_tensors_alone(guide_class, model, optim):
+    """Pyro's AutoNormal makes a real site's loc from the ``init_to_value`` tensor itself, and
+    the fit updated the user's dict in place (a trial's comparison was spoiled). The fit is the
+    same, bit for bit, as one from a copy of the values."""
+    y = Y.float()
+    fits = []
+    for values in ({"w": torch.full((D,), 0.5)}, {"w": torch.full((D,), 0.5)}):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        initial = {"w": values["w"].clone()} if fits else values
+        guide = guide_class(model, init_loc_fn=init_to_value(values=initial))
+        svi = SVI(model, guide, optim(), QuadratureELBO("hadamard"))
+        for _ in range(5):
+            svi.step(y)
+        assert torch.equal(values["w"], torch.full((D,), 0.5))
+        fits.append(guide.mean_field_sites()[0].loc.detach().clone())
+    assert not torch.equal(fits[0], torch.full((D,), 0.5))  # the fit moved the loc
+    assert torch.equal(fits[0], fits[1])
+    pyro.clear_param_store()
