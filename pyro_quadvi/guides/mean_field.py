@@ -16,7 +16,8 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.poutine import Trace
 
-from .adapters import check_set_up, describe_auto_normal, scale_factor, subsample_rows
+from ..infer.quadrature_elbo import take_saved_position
+from .adapters import _leaf, check_set_up, describe_auto_normal, scale_factor, subsample_rows
 from .interface import GuideDescription, MeanFieldSite
 from .rows import GivenRows, check_data_follow_rows, same_rows
 
@@ -84,6 +85,8 @@ class AutoMeanFieldNormal(AutoNormal):
     Args:
         model: a Pyro model with continuous latent sites.
         init_loc_fn: per-site initialization of the loc (in the constrained space), as in Pyro.
+            The loc is the guide's own copy: the tensors of ``init_to_value(values=d)`` stay as
+            they are (Pyro's ``AutoNormal`` fits a real site's tensor of ``d`` in place).
         init_scale: initial standard deviation in the unconstrained space.
         create_plates: as in Pyro's AutoGuides, to subsample local latents.
     """
@@ -104,6 +107,9 @@ class AutoMeanFieldNormal(AutoNormal):
         )
         self._last_run: dict[str, tuple[float, dict[int, torch.Tensor]]] | None = None
         self._last_run_stamp: RunStamp | None = None
+        # a local-mode checkpoint holds QuadratureELBO's sequence position: a new guide set up by
+        # one call (not yet met by the ELBO) takes it instead of refusing the key
+        self.register_load_state_dict_pre_hook(take_saved_position)
 
     def __getstate__(self):
         # Pyro's AutoGuide drops its model reference from the pickle by clearing it on the guide
@@ -124,6 +130,14 @@ class AutoMeanFieldNormal(AutoNormal):
         finally:
             self._model = model
         self._given_rows = given.given
+        # Pyro's AutoNormal makes the loc of a real-valued site from the initial value itself
+        # (biject_to(real) is the identity): an init_to_value(values=d) tensor of the user's,
+        # which the fit then updated in place. The guide's loc is its own copy.
+        for name in self._event_dims:
+            leaf = _leaf(self.locs, name)[0]
+            initial = self.prototype_trace.nodes[name]["value"]
+            if leaf.untyped_storage().data_ptr() == initial.untyped_storage().data_ptr():
+                leaf.data = leaf.data.clone()
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         tracer = poutine.trace(self._draw)

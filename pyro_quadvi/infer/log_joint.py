@@ -126,6 +126,34 @@ def check_latent_site(site: dict) -> None:
         )
 
 
+def unconstraining_bijection(site: dict) -> Transform:
+    """``biject_to`` of a latent site's support, where quadrature places its nodes; a support
+    without one (``ProjectedNormal``'s sphere) is refused naming the site, its support and a
+    reparameterizer, as Pyro's AutoGuides name them (torch's own error names neither)."""
+    support = site["fn"].support
+    try:
+        return biject_to(support)
+    except NotImplementedError:
+        name = site["name"]
+        if "sphere" in type(support).__name__.lower():
+            way = (
+                f"poutine.reparam(model, config={{{name!r}: ProjectedNormalReparam()}}) (from "
+                f"pyro.infer.reparam), which draws a real latent {name + '_normal'!r} and makes "
+                f"{name!r} its direction"
+            )
+        else:
+            way = (
+                f"poutine.reparam(model, config={{{name!r}: ...}}) with a reparameterizer of "
+                "pyro.infer.reparam that draws latents of a real (or bijectively constrained) "
+                "support"
+            )
+        raise ValueError(
+            f"latent site {name!r} ({type(site['fn']).__name__}) has the support {support!r}, "
+            "which no bijection maps to the real space where quadrature places its nodes. "
+            f"Reparameterize it: fit {way}, and build the guide from the wrapped model"
+        ) from None
+
+
 def check_observed_not_nan(node: dict, before: str, *, masked_infinity: bool = False) -> None:
     """Refuse an observed site of a trace whose data hold NaN, naming the site and the first index
     (a ``pyro.deterministic`` site, a value of the model's, is not data: it is left alone).
@@ -222,7 +250,7 @@ def latent_sites_of_model(model: Callable, *args, **kwargs) -> list[LatentSite]:
     sites = []
     for name, site in latent_nodes(trace):
         check_latent_site(site)
-        transform = biject_to(site["fn"].support)
+        transform = unconstraining_bijection(site)
         unconstrained = transform.inv(site["value"].detach())
         event_dim = site["fn"].event_dim + unconstrained.dim() - site["value"].dim()
         sites.append(LatentSite(name, unconstrained.shape, event_dim, transform))

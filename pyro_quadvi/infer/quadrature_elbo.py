@@ -93,6 +93,36 @@ from .log_joint import (
 
 __all__ = ["PointsELBO", "QuadratureELBO"]
 
+SEQUENCE_POSITION = "quadrature_elbo_step"
+"""The buffer of a guide module that keeps its own sequence position (`position_holder`)."""
+
+
+def position_holder(guide: Callable) -> torch.nn.Module | None:
+    """The guide module that keeps its own position in `QuadratureELBO`'s rule sequence, as
+    the buffer `SEQUENCE_POSITION`: under ``pyro.settings.set(module_local_params=True)``, a
+    guide that is a ``torch.nn.Module``, whose parameters are its own (``state_dict()``), not
+    the param store's; ``None`` otherwise (the position lives in the param store,
+    `QuadratureELBO.step_key`).
+
+    Two instances of one model have guides of the same name and sites, which would share a
+    param store key: in local mode each keeps its own position, and a checkpoint of the guide
+    (``state_dict()``) holds it.
+    """
+    if not pyro.settings.get("module_local_params"):
+        return None
+    module = unwrap_guide(guide)
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+def take_saved_position(
+    module: torch.nn.Module, state_dict: dict, prefix: str, *rest: object
+) -> None:
+    """A ``load_state_dict`` pre-hook: give ``module`` the position buffer
+    (`SEQUENCE_POSITION`) that a saved state holds, so a guide the ELBO has not met yet (a new
+    guide, set up by one call) loads a local-mode checkpoint instead of refusing its key."""
+    if prefix + SEQUENCE_POSITION in state_dict and SEQUENCE_POSITION not in module._buffers:
+        module.register_buffer(SEQUENCE_POSITION, torch.zeros((), dtype=torch.int64))
+
 
 @dataclass
 class _Fit:
@@ -312,7 +342,8 @@ class QuadratureELBO(PointsELBO):
         generator: the ``torch.Generator`` of random rules; ``None`` draws from torch's global
             generator, so ``pyro.set_rng_seed`` makes runs reproducible.
         name: key of the sequence position in Pyro's param store (``"{name}.step"``), for one
-            guide; ``None`` (default) keeps one position per guide (`step_key`).
+            guide; ``None`` (default) keeps one position per guide (`step_key`). Not used for
+            a guide module under ``module_local_params=True``, which keeps its own.
         num_particles: refused (a ``TypeError``): the points are the rule's nodes.
         vectorize_particles: ``True`` is refused (a ``TypeError``): the switch is ``vectorize``
             (above); ``False`` changes nothing.
@@ -330,7 +361,10 @@ class QuadratureELBO(PointsELBO):
     `loss_and_grads` or `differentiable_loss` call, never on `loss` (that is,
     not on ``SVI.evaluate_loss``). It lives in Pyro's param store, so saving and restoring the
     param store resumes the sequence where it stopped; ``pyro.clear_param_store()`` restarts it.
-    Guides of two models fitted side by side each follow their own sequence.
+    Guides of two models fitted side by side each follow their own sequence. Under
+    ``pyro.settings.set(module_local_params=True)`` a guide module keeps its position in its
+    own buffer ``quadrature_elbo_step`` (`position_holder`): two instances of one model each
+    follow their own sequence, and the guide's ``state_dict()`` saves and restores it.
     """
 
     def __init__(
@@ -367,15 +401,21 @@ class QuadratureELBO(PointsELBO):
         self.generator = generator
         self.name = name
         self._name_owner: tuple[str, tuple[str, ...]] | None = None  # the guide of "{name}.step"
+        # the description of the last loss and the guide module keeping its position (local
+        # mode), for `_advance`
+        self._met: tuple[GuideDescription, torch.nn.Module | None] | None = None
 
-    # -- the sequence position, kept in Pyro's param store ------------------------------------
+    # -- the sequence position: in Pyro's param store, or in a local-mode guide module --------
 
     def step_key(self, guide: Callable | GuideDescription) -> str:
         """The param store key holding ``guide``'s position in the rule's sequence.
 
         With ``name=None``: ``"QuadratureELBO.{guide name}.{first latent site}.step"``, so guides
         of different models keep their own positions; two guides with the same name and the same
-        first site share one (as they would share their parameters in Pyro's param store).
+        first site share one (as they share their parameters in Pyro's global param store).
+        Under ``pyro.settings.set(module_local_params=True)`` a guide that is a module keeps its
+        position itself (`position_holder`); the key is then only read once, when the ELBO
+        first meets the guide (a checkpoint of an earlier version kept the position there).
         """
         if self.name is not None:
             return f"{self.name}.step"
@@ -384,11 +424,33 @@ class QuadratureELBO(PointsELBO):
         return f"QuadratureELBO.{description.guide}.{first}.step"
 
     def step(self, guide: Callable | GuideDescription) -> int:
-        """The current position of ``guide`` in the rule's sequence (0 before its first run)."""
+        """The current position of ``guide`` in the rule's sequence (0 before its first run).
+
+        Raises:
+            TypeError: for a description under ``module_local_params=True``, where the
+                position of a module guide is the guide's own: pass the guide.
+        """
+        if isinstance(guide, GuideDescription):
+            if pyro.settings.get("module_local_params"):
+                raise TypeError(
+                    "QuadratureELBO.step: under pyro.settings.set(module_local_params=True) a "
+                    "guide module keeps its own sequence position; pass the guide, not its "
+                    "description"
+                )
+            holder = None
+        else:
+            holder = position_holder(guide)
         try:
-            key = self.step_key(guide)
+            return self._position(guide, holder)
         except RuntimeError:  # the guide has not run yet
             return 0
+
+    def _position(self, guide: Callable | GuideDescription, holder: torch.nn.Module | None) -> int:
+        """The position kept by ``holder`` (its buffer `SEQUENCE_POSITION`), else in the param
+        store (0 where neither has one)."""
+        if holder is not None and SEQUENCE_POSITION in holder._buffers:
+            return int(holder._buffers[SEQUENCE_POSITION])
+        key = self.step_key(guide)
         store = pyro.get_param_store()
         return int(store[key].item()) if key in store else 0
 
@@ -415,8 +477,29 @@ class QuadratureELBO(PointsELBO):
                 "name=None (a position per guide)"
             )
 
+    def _meet(self, guide: Callable, description: GuideDescription) -> int:
+        """``guide``'s position for this call, recorded for `_advance`. A local-mode guide
+        module met for the first time gets its position buffer here (`position_holder`), so
+        that its ``state_dict()`` holds the position from then on."""
+        holder = position_holder(guide)
+        if holder is None:
+            self._claim_name(description)
+        elif SEQUENCE_POSITION not in holder._buffers:
+            start = torch.tensor(self._position(description, None), dtype=torch.int64)
+            holder.register_buffer(SEQUENCE_POSITION, start)
+        self._met = (description, holder)
+        return self._position(description, holder)
+
     def _advance(self, description: GuideDescription) -> None:
-        position = torch.tensor(float(self.step(description) + 1), dtype=torch.float64)
+        met, self._met = self._met, None
+        holder = met[1] if met is not None and met[0] is description else None
+        if holder is not None:
+            # a new tensor, on the CPU: a state_dict taken before keeps its value, and the next
+            # read needs no device sync
+            position = torch.tensor(int(holder._buffers[SEQUENCE_POSITION]) + 1)
+            holder.register_buffer(SEQUENCE_POSITION, position)
+            return
+        position = torch.tensor(float(self._position(description, None) + 1), dtype=torch.float64)
         pyro.get_param_store()[self.step_key(description)] = position
 
     # -- the loss ------------------------------------------------------------------------------
@@ -425,11 +508,11 @@ class QuadratureELBO(PointsELBO):
         self, model: Callable, guide: Callable, args, kwargs
     ) -> tuple[torch.Tensor, GuideDescription]:
         guide_trace, description = self._described_run(model, guide, args, kwargs)
-        self._claim_name(description)
+        position = self._meet(guide, description)
         entropy = description.entropy_outside_kl()
         nodes = self.rule.draw(
             description.dim,
-            step=self.step(description),
+            step=position,
             generator=self.generator,
             dtype=entropy.dtype,
             device=entropy.device,
@@ -473,7 +556,9 @@ class QuadratureELBO(PointsELBO):
     def loss(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
         """The negative ELBO, without gradients; does not advance the sequence."""
         with torch.no_grad():
-            return self._quadrature_loss(model, guide, args, kwargs)[0].item()
+            value = self._quadrature_loss(model, guide, args, kwargs)[0].item()
+        self._met = None  # nothing to advance
+        return value
 
     def differentiable_loss(
         self, model: Callable, guide: Callable, *args, **kwargs

@@ -401,7 +401,9 @@ class QNVBResult(NamedTuple):
         num_overflow: coordinates whose ``g`` and ``h`` were finite but whose update was not
             (e.g. ``g^2`` overflowed the dtype); they keep their mean, scale and state too.
         num_sigma_min: coordinates (of those updated) whose new ``sigma`` was raised to
-            ``sigma_min`` by this step: the curvature asked for a smaller one.
+            ``sigma_min`` by this step and whose curvature asked for a smaller one (a sigma that
+            started below ``sigma_min``, an ``init_scale`` below it, raised to it by the rate
+            limit while the curvature asks for more, is not counted).
         num_sigma_max: coordinates (of those updated) whose new ``sigma`` was lowered to
             ``sigma_max`` by this step, or whose curvature (taken, not held) asks for a wider
             ``sigma`` than ``sigma_max``: the curvature floor holds their ``sigma`` at
@@ -777,9 +779,11 @@ def _reference_rules(
 
     # rules 5, 9 and 10: sigma* = (w H + prior)^(-1/2) with the curvature floored at
     # 1 / sigma_max^2, rate-limited, then bounded
-    target = torch.where(significant, total_curv.clamp(min=hp.sigma_max**-2).rsqrt(), sigma)
+    asked = total_curv.clamp(min=hp.sigma_max**-2).rsqrt()
+    target = torch.where(significant, asked, sigma)
     limited = torch.minimum(torch.maximum(target, sigma * hp.scale_min), sigma * hp.scale_max)
     new_sigma = limited.clamp(hp.sigma_min, hp.sigma_max)
+    narrower = significant & (asked < hp.sigma_min)  # asks for less than sigma_min
 
     if hp.drift_forgetting > 0:  # rule 2
         # a step taken while damped (k > 1) is mostly noise or oscillation, not drift
@@ -807,7 +811,7 @@ def _reference_rules(
     masks = (
         ~finite_input,
         finite_input & ~updated,
-        updated & (limited < hp.sigma_min),
+        updated & (limited < hp.sigma_min) & narrower,
         updated & ((limited > hp.sigma_max) | wider),
     )
     return new_mu, new_sigma, new_state, masks
@@ -971,7 +975,9 @@ def _flat_update(
     target = total_curv.clamp(min=hp.sigma_max**-2)
     del total_curv, curv
     target.rsqrt_()
+    narrower = target < hp.sigma_min  # the curvature asks for less than sigma_min
     if significant is not None:
+        narrower &= significant
         target = torch.where(significant, target, sigma, out=target)
     limited = torch.clamp(target, sigma * hp.scale_min, sigma * hp.scale_max, out=target)
     new_sigma = limited.clamp(hp.sigma_min, hp.sigma_max)
@@ -987,7 +993,7 @@ def _flat_update(
         del travelled
 
     news = (new_mu, new_sigma, g_avg, s_avg, h_avg, h2_avg, count, curvature_count, grad, damping)
-    return news, limited, wider
+    return news, limited, wider, narrower
 
 
 def _add_to_probe(probe: torch.Tensor, values) -> torch.Tensor:
@@ -1047,14 +1053,20 @@ def _chunk_counts(
     hp: QNVBHyperparameters,
     limited: torch.Tensor,
     wider: torch.Tensor,
+    narrower: torch.Tensor,
     sizes: list[int],
     probes: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
     """The `COUNT_KINDS` of a chunk, per segment of ``sizes``, ``(segments, 4)``, from
-    `_flat_update`'s ``limited`` and ``wider`` and, where the guard kept a coordinate, its
-    ``probes`` (of ``g`` and ``h``, and of them and the results); ``None``: it kept none (the
-    first two kinds are then 0, and every coordinate was updated)."""
-    pinned = (limited < hp.sigma_min, (limited > hp.sigma_max).logical_or_(wider))
+    `_flat_update`'s ``limited``, ``wider`` and ``narrower`` and, where the guard kept a
+    coordinate, its ``probes`` (of ``g`` and ``h``, and of them and the results); ``None``: it
+    kept none (the first two kinds are then 0, and every coordinate was updated). A sigma
+    raised to ``sigma_min`` whose curvature asks for more (one started below it, raised by the
+    rate limit alone) is not pinned by the curvature: not counted."""
+    pinned = (
+        (limited < hp.sigma_min).logical_and_(narrower),
+        (limited > hp.sigma_max).logical_or_(wider),
+    )
     if probes is None:
         return torch.nn.functional.pad(_segment_counts(pinned, sizes), (2, 0))
     finite_input, updated = (probe == 0 for probe in probes)
@@ -1199,7 +1211,7 @@ def qnvb_update_many(
     for index, pieces in enumerate(chunks):
         start, stop = index * chunk, min((index + 1) * chunk, total)
         olds = [read(start, stop, pieces) for read in readers]
-        news, limited, wider = _flat_update(
+        news, limited, wider, narrower = _flat_update(
             *olds[:4], QNVBState(*olds[4:]), hp, weight, prior_precision
         )
         g, h, olds = olds[2], olds[3], olds[:2] + olds[4:]  # olds: those of the results
@@ -1223,7 +1235,8 @@ def qnvb_update_many(
                     outs[i] = new.new_empty(total)
                 outs[i][start:stop].copy_(new)
         del news, olds, g, h
-        counts = _chunk_counts(hp, limited, wider, [b - a for _, a, b in pieces], probes)
+        sizes_in_chunk = [b - a for _, a, b in pieces]
+        counts = _chunk_counts(hp, limited, wider, narrower, sizes_in_chunk, probes)
         for (i, _, _), row in zip(pieces, counts):
             rows[i].append(row)
     if kept_flags:
