@@ -18,6 +18,13 @@ from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
 from pyro_quadvi.distributions import SpikeSlab
 from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
 from pyro_quadvi.optim.qnvb_functional import IDLE_STEPS_REFUSED, count_idle_step
+from pyro_quadvi.optim.sparse_functional import (
+    SparseQNVBHyperparameters,
+    init_sparse_block,
+    init_sparse_counters,
+    result_count_values,
+    sparse_qnvb_update,
+)
 
 # ------------------------------------------------------------------ the rule all four share
 IDLE_HEAD = "no coordinate of any {} could be updated in 3 steps in a row (in this one, {})"
@@ -260,3 +267,57 @@ def test_sparse_qnvb_refuses_the_third_step_whose_terms_were_all_dropped(fresh_p
     resumed.set_state(state)
     with pytest.raises(ValueError, match="in 3 steps in a row"):
         SVI(_spike_slab_poisson, guide, resumed, elbo).step()
+
+
+def test_the_sparse_guard_counts_each_coordinate_once():
+    """A block of 3 whose first coordinate diverged (``nu = 3e38``, ``g = inf``): its term is
+    dropped (``num_nonfinite``), and its step and its fields overflow as well. It was counted
+    again by both guards, so ``num_nonfinite + num_overflow`` was 3 of 3 at every step while the
+    two other coordinates moved, and the idle count grew. Now it is counted once."""
+    hp = SparseQNVBHyperparameters(num_epochs=3)
+    block = init_sparse_block(torch.zeros(3), hp)._replace(nu=torch.tensor([3e38, 0.0, 0.0]))
+    counters = init_sparse_counters(hp, 10)
+    g, h = torch.tensor([float("inf"), 0.5, -0.3]), torch.ones(3)
+    idle = 0
+    for _ in range(3):
+        result = sparse_qnvb_update([block], counters, [g], [h], hp, 10)
+        assert result_count_values(result) == [1, 0, 1]  # its zero logit clamped, too
+        assert torch.equal(result.blocks[0].nu != block.nu, torch.tensor([False, True, True]))
+        idle = count_idle_step(idle, int(result.num_nonfinite + result.num_overflow), 3)
+        block, counters = result.blocks[0], result.counters
+    assert idle == 0
+
+
+def test_sparse_qnvb_optimizer_goes_on_while_one_coordinate_has_diverged():
+    """The same diverged coordinate in a parameter of ``SparseQNVBOptimizer``: its fourth step
+    was refused ("no coordinate ... could be updated") though ``w[1]`` had moved 0.0004 -> 0.346
+    in the two before. Now every step is taken and the idle count stays 0."""
+    w = nn.Parameter(torch.zeros(3))
+    optimizer = SparseQNVBOptimizer(
+        [w],
+        num_cases=10,
+        steps_per_epoch=10,
+        num_epochs=3,
+        generator=torch.Generator().manual_seed(0),
+    )
+    target = torch.tensor([0.0, 1.0, -1.0])
+
+    def closure():
+        loss = ((w[1:] - target[1:]) ** 2).sum()
+        loss.backward()
+        w.grad[0] = float("inf")
+        return loss
+
+    with pytest.warns(RuntimeWarning, match="non-finite gradient or curvature at 1 coordinates"):
+        optimizer.step(closure)
+    optimizer.state[w]["nu"][0] = 3e38
+    moved = []
+    for step in range(3):
+        if step == 0:  # the diverged mean's zero logit is clamped: warned once
+            with pytest.warns(RuntimeWarning, match="zero logits of 1 coordinates reached"):
+                optimizer.step(closure)
+        else:
+            optimizer.step(closure)
+        moved.append(w[1].item())
+        assert optimizer.state_dict()["sparse_qnvb"]["idle_steps"] == 0
+    assert moved[0] < 1e-3 < 0.3 < moved[1] < moved[2] < 1
