@@ -16,7 +16,7 @@ from torch import nn
 
 from pyro_quadvi import AutoSpikeSlab, QuadratureELBO, SparseQNVB
 from pyro_quadvi.distributions import SpikeSlab
-from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
+from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, sparse_torch, torch_qnvb
 from pyro_quadvi.optim.qnvb_functional import IDLE_STEPS_REFUSED, count_idle_step
 from pyro_quadvi.optim.sparse_functional import (
     SparseQNVBHyperparameters,
@@ -73,9 +73,10 @@ def _torch_qnvb(net: nn.Module) -> QNVBOptimizer:
 
 
 def test_qnvb_optimizer_refuses_the_third_step_that_updates_nothing(recwarn):
-    """It ran every step of the unscaled Poisson as a no-op (40 of 40 with ``blocked_simplex``,
-    26 of 40 with the default ``rasp_simplex``) after one warning. Now the third such step in a
-    row is refused: parameters, means, scales and state as they were, the step count too."""
+    """With ``blocked_simplex`` it ran every step of the unscaled Poisson as a no-op (40 of 40)
+    after one warning (the default ``rasp_simplex``, 17 of 40 at generator seed 0: the figure
+    depends on the seed). Now the third such step in a row is refused: parameters, means, scales
+    and state as they were, the step count too."""
     net, closure = _poisson_net()
     optimizer = _torch_qnvb(net)
     optimizer.step(closure)
@@ -321,3 +322,46 @@ def test_sparse_qnvb_optimizer_goes_on_while_one_coordinate_has_diverged():
         moved.append(w[1].item())
         assert optimizer.state_dict()["sparse_qnvb"]["idle_steps"] == 0
     assert moved[0] < 1e-3 < 0.3 < moved[1] < moved[2] < 1
+
+
+def test_the_docs_figures_of_idle_steps_before_the_refusal(monkeypatch):
+    """docs/qnvb_torch.md's figures, the refusal turned off: the unscaled Poisson idles at all
+    40 steps with ``blocked_simplex`` and at 17 of 40 with ``rasp_simplex`` at generator seed 0
+    (the figure depends on the seed; "26" was seed 3's)."""
+    monkeypatch.setattr(torch_qnvb, "IDLE_STEPS_REFUSED", 10**9)
+    for rule, expected in [("blocked_simplex", 40), ("rasp_simplex", 17)]:
+        net, closure = _poisson_net()
+        optimizer = QNVBOptimizer(
+            net.parameters(),
+            likelihood_weight=300,
+            quadrature=rule,
+            generator=torch.Generator().manual_seed(0),
+        )
+        idle = 0
+        with pytest.warns(RuntimeWarning):
+            for _ in range(40):
+                before = optimizer._idle_steps
+                optimizer.step(closure)
+                idle += optimizer._idle_steps == before + 1
+        assert idle == expected, rule
+
+
+def test_the_sparse_docs_account_of_the_steps_before_the_refusal(monkeypatch):
+    """docs/sparse_qnvb.md's account, the refusal turned off: the mean stays to the bit where the
+    first step's sieve put it (``p_nonzero`` 0.999), and ``sigma`` grows from 2.3e-4 to
+    ``tau_max = 0.3`` at the third step (the curvature sums at their floor), whose nodes make
+    the fourth step's loss overflow. (It said the sieve moved the mean.)"""
+    monkeypatch.setattr(sparse_torch, "IDLE_STEPS_REFUSED", 10**9)
+    net, closure = _sparse_poisson_net()
+    optimizer = _sparse_optimizer(net)
+    rows = []
+    with pytest.warns(RuntimeWarning):
+        for _ in range(3):
+            optimizer.step(closure)
+            state = optimizer.state[net.weight]
+            rows.append((net.weight.item(), state["sigma"].item(), state["p_nonzero"].item()))
+    assert rows[0][0] == rows[1][0] == rows[2][0] == torch.tensor(0.0074 * 0.999).item()
+    assert all(p == torch.tensor(0.999).item() for *_, p in rows)
+    assert [s for _, s, _ in rows] == pytest.approx([2.34e-4, 2.34e-4, 0.3], rel=1e-3)
+    with pytest.raises(ValueError, match="the loss averaged over the quadrature nodes is in"):
+        optimizer.step(closure)

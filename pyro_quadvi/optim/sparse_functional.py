@@ -276,8 +276,8 @@ _COUNT_KINDS = ("num_nonfinite", "num_overflow", "num_clamped")
 
 SPARSE_IDLE = IdleWords(
     "each one's gradient or curvature was not finite, or its step overflowed, so the update "
-    "dropped its term: these steps took nothing from the data (the sieve alone moved the "
-    "mixtures)",
+    "dropped its term: these steps took nothing from the data (what still moved, moved on the "
+    "sums of earlier steps and on the sieve's schedule)",
     "a smaller max_lr or tau_max",
 )
 """`IdleWords` of `sparse_qnvb_update` (its guard, step 7 of the module), for
