@@ -365,3 +365,91 @@ def test_the_sparse_docs_account_of_the_steps_before_the_refusal(monkeypatch):
     assert [s for _, s, _ in rows] == pytest.approx([2.34e-4, 2.34e-4, 0.3], rel=1e-3)
     with pytest.raises(ValueError, match="the loss averaged over the quadrature nodes is in"):
         optimizer.step(closure)
+
+
+# ------------------------------------------- states saved before the count of idle steps was kept
+_XC = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+_YC = (_XC[:, :2].sum(-1) > 0).long()
+
+
+def _classifier(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    if kind == "dense":
+        optimizer = QNVBOptimizer(
+            net.parameters(), likelihood_weight=64, generator=torch.Generator().manual_seed(3)
+        )
+    else:
+        optimizer = SparseQNVBOptimizer(
+            net.parameters(),
+            num_cases=64,
+            steps_per_epoch=4,
+            num_epochs=3,
+            generator=torch.Generator().manual_seed(4),
+        )
+    return net, optimizer
+
+
+def _losses(net: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3) -> list[float]:
+    def closure():
+        loss = nn.functional.cross_entropy(net(_XC), _YC)
+        loss.backward()
+        return loss
+
+    return [optimizer.step(closure).item() for _ in range(steps)]
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_state_dict_without_the_idle_count_loads_and_resumes_bit_for_bit(kind):
+    """A state dict saved before the count was kept has no ``"idle_steps"``: it loads as a count
+    of 0 and the run goes on as from the same state with the count."""
+    net, optimizer = _classifier(kind)
+    _losses(net, optimizer)
+    saved, weights = copy.deepcopy(optimizer.state_dict()), copy.deepcopy(net.state_dict())
+    expected = _losses(net, optimizer)
+    entry = optimizer._entry_key
+    del saved[entry]["idle_steps"]
+    resumed_net, resumed = _classifier(kind)
+    resumed._idle_steps = 2  # a count of the optimizer's own, which the load replaces
+    resumed_net.load_state_dict(weights)
+    resumed.load_state_dict(saved)
+    assert _losses(resumed_net, resumed) == expected
+    assert resumed.state_dict()[entry]["idle_steps"] == 0
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_an_optimizer_pickled_without_the_idle_count_unpickles_and_steps_bit_for_bit(kind):
+    """An optimizer pickled (or copied) before the count was kept has no ``_idle_steps``: the
+    copy gets a count of 0 and takes the original's steps."""
+    net, optimizer = _classifier(kind)
+    _losses(net, optimizer)
+    intact_net, intact = copy.deepcopy((net, optimizer))
+    del optimizer.__dict__["_idle_steps"]
+    old_net, old = copy.deepcopy((net, optimizer))
+    assert _losses(old_net, old) == _losses(intact_net, intact)
+    assert old._idle_steps == 0
+
+
+def _logistic_spike_slab():
+    w = pyro.sample("w", SpikeSlab(0.5, 1.0).expand([4]).to_event(1))
+    with pyro.plate("data", 64):
+        pyro.sample("y", dist.Bernoulli(logits=(_XC * w).sum(-1)), obs=_YC.float())
+
+
+def test_a_sparse_qnvb_state_without_the_idle_count_resumes_bit_for_bit(fresh_param_store):
+    """`SparseQNVB.get_state` before the count was kept has no ``"idle_steps"``: ``set_state``
+    reads a count of 0 and the fit goes on as from the same state with the count."""
+    guide = AutoSpikeSlab(_logistic_spike_slab)
+    optim = SparseQNVB(num_epochs=3, steps_per_epoch=4)
+    svi = SVI(_logistic_spike_slab, guide, optim, QuadratureELBO("hadamard"))
+    for _ in range(3):
+        svi.step()
+    state = copy.deepcopy(optim.get_state())
+    params = copy.deepcopy(pyro.get_param_store().get_state())
+    expected = [svi.step() for _ in range(3)]
+    del state["sparse_qnvb"]["idle_steps"]
+    optim._idle_steps = 2  # a count of the optimizer's own, which the load replaces
+    pyro.get_param_store().set_state(params)
+    optim.set_state(state)
+    assert optim._idle_steps == 0
+    assert [svi.step() for _ in range(3)] == expected
