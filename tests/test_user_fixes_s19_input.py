@@ -265,3 +265,21 @@ def test_the_guide_taking_the_models_rows_in_another_order(float64_store, follow
         svi.step(idx)
     assert max(seen) == BATCH + 1
     torch.testing.assert_close(guide.locs.z.detach()[idx], SPARSE[idx], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "loc, scale, name, shown",
+    [
+        (torch.tensor(True), 1.0, "loc", "a bool tensor (tensor(True))"),
+        (0.0, torch.tensor([True, False]), "scale", "a bool tensor (tensor([ True, False]))"),
+        (0.0, True, "scale", "a bool value (True)"),
+    ],
+)
+def test_iid_normal_refuses_a_bool_loc_or_scale(loc, scale, name, shown):
+    """``IidNormal(loc=torch.tensor(True), ...)`` was silently a loc of 1.0."""
+    with pytest.raises(TypeError) as raised:
+        IidNormal(loc, scale)
+    assert str(raised.value) == (
+        f"IidNormal: {name} must be a real number or a floating or integer tensor, got {shown}, "
+        "which would be taken as 1.0 or 0.0: pass the number itself"
+    )
