@@ -221,8 +221,9 @@ def sparse_rows_model(idx, seen: list[int], follow: bool = True):
 def test_the_rows_check_runs_the_model_at_the_compared_rows_not_at_all_rows(float64_store):
     """The data are zero at the guide's rows, the model's and the shifted ones, so the check
     runs the model once more to tell data that follow the rows from data kept at ``idx``: that
-    run took all 1000 rows (1.4 s and 330 MB at 10^6 rows of a small MLP per row, twice at
-    set-up), and now takes both sets of rows at once."""
+    run took all 1000 rows (at 10^6 rows of a small MLP per row, 2.9 s and 380 MB more at set-up
+    for its two runs: docs/benchmarks.md, "The rows check at scale"), and now takes both sets of
+    rows at once."""
     seen: list[int] = []
     model = functools.partial(sparse_rows_model, seen=seen)
     pyro.set_rng_seed(0)
@@ -265,3 +266,58 @@ def test_the_guide_taking_the_models_rows_in_another_order(float64_store, follow
         svi.step(idx)
     assert max(seen) == BATCH + 1
     torch.testing.assert_close(guide.locs.z.detach()[idx], SPARSE[idx], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "loc, scale, name, shown",
+    [
+        (torch.tensor(True), 1.0, "loc", "a bool tensor (tensor(True))"),
+        (0.0, torch.tensor([True, False]), "scale", "a bool tensor (tensor([ True, False]))"),
+        (0.0, True, "scale", "a bool value (True)"),
+    ],
+)
+def test_iid_normal_refuses_a_bool_loc_or_scale(loc, scale, name, shown):
+    """``IidNormal(loc=torch.tensor(True), ...)`` was silently a loc of 1.0."""
+    with pytest.raises(TypeError) as raised:
+        IidNormal(loc, scale)
+    assert str(raised.value) == (
+        f"IidNormal: {name} must be a real number or a floating or integer tensor, got {shown}, "
+        "which would be taken as 1.0 or 0.0: pass the number itself"
+    )
+
+
+# ------------------------------------------- the rows check where the model's rows are all rows
+FULL = 50
+X_FULL = torch.linspace(0.1, 5.0, FULL, dtype=F64)
+Y_FULL = torch.zeros(FULL, dtype=F64)
+
+
+def all_rows_model(idx, follow: bool):
+    """``z_i ~ N(0, 10^2)``, ``y_i ~ N(x_i z_i, 1)`` with ``y = 0``, the data read by the plate's
+    rows (``follow``) or kept at the model's ``idx``."""
+    with pyro.plate("rows", FULL, subsample=idx) as ind:
+        rows = ind if follow else idx
+        z = pyro.sample("z", dist.Normal(0.0, 10.0))
+        pyro.sample("y", dist.Normal(X_FULL[rows] * z, 1.0), obs=Y_FULL[rows])
+
+
+@pytest.mark.parametrize("follow", [True, False])
+def test_the_rows_check_where_the_models_rows_are_a_permutation_of_all_rows(float64_store, follow):
+    """``idx`` a permutation of all 50 rows, ``y`` all zero: the check's last run took all 50
+    rows, where data kept at ``idx`` have as many entries as data that follow the rows, and it
+    accepted the model reading ``x[idx]``, whose fit paired each row's latent with another row's
+    ``x`` (its sds up to 12.5 times off). That run now takes 49 of the rows: data kept at ``idx``
+    are refused, data read by the plate's rows accepted and fitted (sd ``(0.01 + x_i^2)^-1/2``)."""
+    model = functools.partial(all_rows_model, follow=follow)
+    idx = torch.randperm(FULL, generator=torch.Generator().manual_seed(0))
+    pyro.set_rng_seed(0)
+    guide = AutoMeanFieldNormal(model)
+    svi = SVI(model, guide, QNVB(), QuadratureELBO())
+    if not follow:
+        with pytest.raises(ValueError, match="its observed sites 'y' keep the same data"):
+            svi.step(idx)
+        return
+    for _ in range(20):
+        svi.step(idx)
+    exact = (0.01 + X_FULL**2) ** -0.5
+    torch.testing.assert_close(guide.scales.z.detach(), exact, rtol=1e-12, atol=0)

@@ -35,7 +35,8 @@ class IidNormal(dist.Normal):
     an integer ``loc`` or ``scale`` tensor (``torch.tensor(0)``) is taken in the floating dtype of
     the other, else torch's default dtype, as a Python number is: torch's ``Normal`` keeps it an
     integer tensor, whose draws fail ("normal_kernel_cpu not implemented for 'Long'") and which
-    casts a float ``scale=1.5`` beside it to 1.
+    casts a float ``scale=1.5`` beside it to 1. A bool ``loc`` or ``scale`` (``True``, or
+    ``torch.tensor(True)``, which would be taken as 1) is refused with a ``TypeError`` naming it.
     """
 
     iid: tuple[float, float] | None = None
@@ -46,6 +47,15 @@ class IidNormal(dist.Normal):
         scale: torch.Tensor | float,
         validate_args: bool | None = None,
     ):
+        for name, value in (("loc", loc), ("scale", scale)):
+            if isinstance(value, bool) or (
+                isinstance(value, torch.Tensor) and value.dtype == torch.bool
+            ):
+                raise TypeError(
+                    f"IidNormal: {name} must be a real number or a floating or integer tensor, "
+                    f"got a bool {'tensor' if isinstance(value, torch.Tensor) else 'value'} "
+                    f"({value!r}), which would be taken as 1.0 or 0.0: pass the number itself"
+                )
         dtypes = [t.dtype for t in (loc, scale) if _is_floating(t)]
         dtype = dtypes[0] if dtypes else torch.get_default_dtype()
         loc, scale = (_as_floating(value, dtype) for value in (loc, scale))
@@ -93,7 +103,7 @@ def _is_floating(value: object) -> bool:
 
 
 def _as_floating(value: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor | float:
-    """An integer or bool tensor in ``dtype``; any other value as it is."""
+    """An integer tensor in ``dtype``; any other value as it is."""
     if isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex()):
         return value.to(dtype)
     return value

@@ -178,17 +178,17 @@ def _follows_probed_rows(
     and at the model's ``given`` rows) whose data follow the rows of plate ``name``.
 
     The model runs once with the plate's rows set to `_probe_rows`: the rows of both sets, in
-    order, and one more where they are the same rows, so that there are more of them than the
-    model's ``len(given)``. The guide's latents are not replayed (its local latents are at
-    other rows): the model draws them from its priors, under a forked random state, with
-    validation off, hidden from the handlers around it; a run that fails decides nothing. A site
-    follows the rows iff its value there has an entry per probed row along the plate's dim and,
-    at the places of ``rows`` and of ``given`` among them, equals its values at those rows. A
-    model reading ``y[idx]`` gives ``len(idx)`` entries there, whatever its data; data equal at
-    both sets of rows follow them trivially (the fit is the same either way). The run costs
-    what a step's run of the model does at ``len(given) + len(rows)`` rows: at all
-    ``full_size`` rows, as it ran before, it cost a pass over the whole data set, twice at the
-    guide's set-up (`benchmarks/bench_rows_scale.py`).
+    order, and one more where they are the same rows, or one fewer where they are all the
+    plate's rows, so that their number is not the model's ``len(given)``. The guide's latents
+    are not replayed (its local latents are at other rows): the model draws them from its
+    priors, under a forked random state, with validation off, hidden from the handlers around
+    it; a run that fails decides nothing. A site follows the rows iff its value there has an
+    entry per probed row along the plate's dim and, at the places of the rows of ``rows`` and of
+    ``given`` among them, equals its values at those rows. A model reading ``y[idx]`` gives
+    ``len(idx)`` entries there, whatever its data. The run costs what a step's run of the model
+    does at ``len(given) + len(rows)`` rows at most: at all ``full_size`` rows, as it ran before,
+    it cost a pass over the whole data set, twice at the guide's set-up
+    (`benchmarks/bench_rows_scale.py`).
     """
     device = torch.as_tensor(rows).device
     indices = [torch.as_tensor(index, device=device).long() for index in (rows, given)]
@@ -204,7 +204,10 @@ def _follows_probed_rows(
             )
     except Exception:  # a model that cannot take the probed rows shows nothing
         return set()
-    places = [torch.searchsorted(probed, index) for index in indices]
+    # the rows of each set among the probed (all of them, unless the probe left one out) and
+    # their places there
+    kept = [torch.isin(index, probed).nonzero().squeeze(-1) for index in indices]
+    places = [torch.searchsorted(probed, index[k]) for index, k in zip(indices, kept)]
     follow = set()
     for site, (at_rows, at_given) in values.items():
         node = trace.nodes.get(site)
@@ -215,12 +218,12 @@ def _follows_probed_rows(
             continue
         value = torch.as_tensor(node["value"])
         dim = frame.dim - node["fn"].event_dim
-        if value.dim() < -dim or value.shape[dim] != len(probed):
+        lowest = min(v.dim() for v in (value, at_rows, at_given))
+        if lowest < -dim or value.shape[dim] != len(probed):
             continue
         picked = [value.index_select(dim, place.to(value.device)) for place in places]
-        if all(
-            x.shape == y.shape and torch.equal(x, y) for x, y in zip(picked, (at_rows, at_given))
-        ):
+        expected = [v.index_select(dim, k.to(v.device)) for v, k in zip((at_rows, at_given), kept)]
+        if all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(picked, expected)):
             follow.add(site)
     return follow
 
@@ -228,15 +231,18 @@ def _follows_probed_rows(
 def _probe_rows(rows: torch.Tensor, given: torch.Tensor, size: int, full_size: int) -> torch.Tensor:
     """The rows `_follows_probed_rows` gives the plate, in order: those of ``rows`` and ``given``,
     and, where they are ``size`` rows (the model's number: one set holds the other), the first
-    row of the plate outside them, if any. Without it a permutation of the model's rows would
-    show as many entries for data kept at the model's rows (``y[idx]``) as for data that follow
-    the plate's rows."""
+    row of the plate outside them, or, where there is none (the model's rows are all
+    ``full_size`` rows, in some order), all of them but the last. Probed at ``size`` rows, data
+    kept at the model's rows (``y[idx]``, ``size`` entries) would show as many entries as data
+    that follow the plate's rows."""
     probed = torch.unique(torch.cat([rows, given]))
     if len(probed) == size and size < full_size:
         # (of the first size + 1 rows, one at least is not among the size probed)
         first = torch.arange(size + 1, device=probed.device)
         extra = first[~torch.isin(first, probed)][:1]
         probed = torch.unique(torch.cat([probed, extra]))
+    elif len(probed) == size > 1:  # all the plate's rows: a strict subset of them
+        probed = probed[:-1]
     return probed
 
 

@@ -54,8 +54,8 @@ One update (Algorithm 5.3, with the errata of ``design/qnvb-update-rule.md``):
    replaces the previous one and restarts (Algorithm 5.2, lines 13-15).
 7. **Guard**: a non-finite ``g`` or ``h`` drops the term at its coordinate; a Gaussian step that
    overflows keeps the coordinate's Gaussian; a coordinate with any other non-finite field keeps
-   its whole previous state. Both are counted (`result_messages`): no NaN or infinity ever
-   leaves the update.
+   its whole previous state. Each such coordinate is counted once (`SparseQNVBResult`,
+   `result_messages`): no NaN or infinity ever leaves the update.
 """
 
 from __future__ import annotations
@@ -252,9 +252,12 @@ class SparseQNVBResult(NamedTuple):
             epoch, where the pattern is fixed).
         num_nonfinite: coordinates whose ``g`` or ``h`` was not finite (0-d tensor); their term is
             dropped (it adds nothing to the sums).
-        num_overflow: coordinates whose update overflowed although ``g`` and ``h`` were finite;
-            they drop the term (Gaussian step overflow) or keep their whole previous state (any
-            other field), so that no NaN or infinity ever leaves the update.
+        num_overflow: the other coordinates, whose ``g`` and ``h`` were finite, whose update
+            overflowed; they drop the term (Gaussian step overflow) or keep their whole previous
+            state (any other field), so that no NaN or infinity ever leaves the update. Each
+            coordinate is counted once, in one of the two (where both guards keep it, too):
+            ``num_nonfinite + num_overflow`` is the number of coordinates that took nothing from
+            the term, at most the total (`count_idle_step` reads it).
         num_clamped: coordinates whose zero logit reached the clamp ``+-sqrt(finfo.max)``
             (``h nu^2`` too large, in practice because the Gaussian means diverged): their
             logits tie, and the sieve ranks them by index, not by evidence.
@@ -273,8 +276,8 @@ _COUNT_KINDS = ("num_nonfinite", "num_overflow", "num_clamped")
 
 SPARSE_IDLE = IdleWords(
     "each one's gradient or curvature was not finite, or its step overflowed, so the update "
-    "dropped its term: these steps took nothing from the data (the sieve alone moved the "
-    "mixtures)",
+    "dropped its term: these steps took nothing from the data (what still moved, moved on the "
+    "sums of earlier steps and on the sieve's schedule)",
     "a smaller max_lr or tau_max",
 )
 """`IdleWords` of `sparse_qnvb_update` (its guard, step 7 of the module), for
@@ -672,7 +675,7 @@ def sparse_qnvb_update(
         g1_before, h1_before = g1, h1
         g1 = g1 + g_b
         h1 = (h1 + h_b).clamp(min=floor)
-        work.append((block, g1, h1, pattern, g1_before, h1_before))
+        work.append((block, g1, h1, pattern, g1_before, h1_before, bad))
     if in_epoch == 0:
         n1 = 0.0
     n1 += 1.0
@@ -681,14 +684,15 @@ def sparse_qnvb_update(
 
     moved = []
     num_overflow = torch.zeros_like(num_nonfinite)
-    for block, g1, h1, pattern, g1_before, h1_before in work:
+    for block, g1, h1, pattern, g1_before, h1_before, bad in work:
         g_hat = alpha0 * block.g0 + alpha1 * g1
         h_hat = alpha0 * block.h0 + alpha1 * h1
         g_nu = g_hat + h_hat * (block.nu - block.mu)
         nu = block.nu - g_nu / h_hat.clamp(min=trust)
         # guard: where the step overflowed, the coordinate drops this term and keeps its Gaussian
         overflow = ~torch.isfinite(nu + h_hat)
-        num_overflow = num_overflow + overflow.sum()
+        # each coordinate counted once: one whose term was dropped already is in num_nonfinite
+        num_overflow = num_overflow + (overflow & ~bad).sum()
         if overflow.any():
             nu = torch.where(overflow, block.nu, nu)
             h_hat = torch.where(overflow, block.tau**-2, h_hat)
@@ -696,16 +700,16 @@ def sparse_qnvb_update(
             h1 = torch.where(overflow, h1_before, h1)
         if floor < slab_floor:  # late_tau_max > tau_max: the slab's precision stays >= it
             h_hat = h_hat.clamp(min=slab_floor)
-        moved.append((block, g1, h1, pattern, nu, h_hat.rsqrt(), h_hat))
+        moved.append((block, g1, h1, pattern, nu, h_hat.rsqrt(), h_hat, bad | overflow))
 
     num_clamped = torch.zeros_like(num_nonfinite)
     if final:
         logits = None
-        p_nonzero = [pattern for _, _, _, pattern, _, _, _ in moved]
+        p_nonzero = [pattern for _, _, _, pattern, *_ in moved]
     else:
         big = torch.finfo(blocks[0].nu.dtype).max ** 0.5  # h nu^2 may overflow: -inf -> -big
         logits = tuple(
-            zero_logits(h_hat, nu, hp.tau_max).clamp(-big, big) for *_, nu, _, h_hat in moved
+            zero_logits(h_hat, nu, hp.tau_max).clamp(-big, big) for *_, nu, _, h_hat, _ in moved
         )
         num_clamped = sum((z.abs() >= big).sum() for z in logits)
         s0, s1 = sieve_fractions(epoch - 1 + (in_epoch + 1) / steps_per_epoch, hp)
@@ -717,7 +721,7 @@ def sparse_qnvb_update(
         ]
 
     new_blocks = []
-    for (block, g1, h1, pattern, nu, tau, _), p in zip(moved, p_nonzero):
+    for (block, g1, h1, pattern, nu, tau, _, counted), p in zip(moved, p_nonzero):
         mu, sigma = mixture_moments(p, nu, tau)
         delta = mu - block.mu
         new = SparseQNVBBlock(
@@ -736,7 +740,7 @@ def sparse_qnvb_update(
         # sum of the fields is not finite if one is not; the rare overflow of the sum itself only
         # keeps a coordinate too)
         bad = ~torch.isfinite(sum(new))
-        num_overflow = num_overflow + bad.sum()
+        num_overflow = num_overflow + (bad & ~counted).sum()  # not counted by an earlier guard
         if bad.any():
             new = SparseQNVBBlock(*(torch.where(bad, b, a) for a, b in zip(new, block)))
         new_blocks.append(new)

@@ -1418,7 +1418,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         self.num_steps += 1
         self._warn(counts, table)
 
-    def _refuse_if_idle(self, counts: list, total: int) -> list[list[int]] | None:
+    def _refuse_if_idle(self, counts: list, total: int) -> list[list[int]]:
         """Refuse the `IDLE_STEPS_REFUSED`-th step in a row in which the guard (rule 11) kept
         every coordinate (`count_idle_step`, as `QNVB` does): each ``g`` or ``h`` not finite, or
         the update overflowed (the unscaled Poisson of ``docs/qnvb_torch.md`` ran every step so
@@ -1426,9 +1426,8 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         the parameters are back at their means, their gradients cleared; the step count does not
         move, so a deterministic rule's next step evaluates the same nodes. ``total``: the
         coordinates updated. Returns the counts read from the device (`count_table`, the one
-        copy the warnings then read; ``None`` without counts)."""
-        if not counts:
-            return None
+        copy the warnings then read). ``counts`` is never empty: a step in which no parameter has
+        a gradient is refused before it."""
         table = count_table(counts)
         kept = sum(row[0] + row[1] for row in table)  # num_nonfinite + num_overflow
         self._idle_steps = count_idle_step(self._idle_steps, kept, total)
@@ -1448,7 +1447,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     def _warn(
         self,
         counts: list[tuple[str, QNVBHyperparameters, torch.dtype, torch.Tensor]],
-        table: list[list[int]] | None,
+        table: list[list[int]],
     ) -> None:
         """Warn once per kind of count (`count_messages`, from the counts ``table`` read
         already)."""
