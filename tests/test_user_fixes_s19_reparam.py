@@ -149,6 +149,11 @@ def test_an_observed_delta_the_model_writes_stays_observed_data(fresh_param_stor
     assert (idata.log_likelihood["d"].values == 0).all()
 
 
+def _vector(y):
+    x = pyro.sample("x", dist.Normal(torch.zeros(4), 1.0).to_event(1))
+    pyro.sample("obs", dist.Normal(x, 1.0).to_event(1), obs=y)
+
+
 @pytest.mark.parametrize("vectorize", [False, None])
 def test_an_observed_site_whose_value_changes_with_the_draw_is_refused_by_name(
     fresh_param_store, vectorize
@@ -156,12 +161,7 @@ def test_an_observed_site_whose_value_changes_with_the_draw_is_refused_by_name(
     """`HaarReparam` leaves an unmasked ``Delta`` at the transformed value, marked observed: its
     value was exported as data (one draw of it) or failed with a bare ``expand`` error."""
     y = torch.tensor([1.0, 2.0, 0.5, -1.0])
-
-    def model(y):
-        x = pyro.sample("x", dist.Normal(torch.zeros(4), 1.0).to_event(1))
-        pyro.sample("obs", dist.Normal(x, 1.0).to_event(1), obs=y)
-
-    reparameterized = poutine.reparam(model, config={"x": HaarReparam()})
+    reparameterized = poutine.reparam(_vector, config={"x": HaarReparam()})
     guide = AutoMeanFieldNormal(reparameterized)
     guide(y)
     with pytest.raises(ValueError) as caught:
@@ -172,6 +172,39 @@ def test_an_observed_site_whose_value_changes_with_the_draw_is_refused_by_name(
         "draw to the next: the model computes it from the latents, so it is no data."
     )
     assert "HaarReparam" in message and "pyro.deterministic('x', value)" in message
+
+
+def test_one_looped_draw_of_a_site_computed_from_the_latents_is_refused_too(fresh_param_store):
+    """The looped check compares the draws' observed values with each other: one draw passed, and
+    `HaarReparam`'s ``x`` was exported as observed data with a log likelihood."""
+    y = torch.tensor([1.0, 2.0, 0.5, -1.0])
+    reparameterized = poutine.reparam(_vector, config={"x": HaarReparam()})
+    guide = AutoMeanFieldNormal(reparameterized)
+    guide(y)
+    with pytest.raises(ValueError, match=r"^to_inference_data: site 'x' is observed, but its"):
+        to_inference_data(reparameterized, guide, y, num_samples=1, vectorize=False)
+
+
+def test_the_check_of_one_looped_draw_changes_neither_the_export_nor_the_random_state(
+    fresh_param_store,
+):
+    """The extra run that checks one looped draw draws from a forked random state: the groups and
+    the random state after the export are those of the batched one-draw export, bit for bit."""
+    y = torch.tensor([1.0, 2.0, 0.5, -1.0])
+    guide = AutoMeanFieldNormal(_vector)
+    guide(y)
+    exports = {}
+    for vectorize in (True, False):
+        pyro.set_rng_seed(1)
+        idata = to_inference_data(_vector, guide, y, num_samples=1, vectorize=vectorize, prior=True)
+        exports[vectorize] = idata, torch.get_rng_state()
+    (batched, batched_state), (looped, looped_state) = exports[True], exports[False]
+    assert looped.posterior.attrs["vectorized"] == 0
+    for group in ("posterior", "log_likelihood", "posterior_predictive", "prior"):
+        for name, values in getattr(batched, group).data_vars.items():
+            assert (getattr(looped, group)[name].values == values.values).all(), (group, name)
+    assert (looped.observed_data["obs"].values == y.numpy()).all()
+    assert torch.equal(looped_state, batched_state)
 
 
 def test_nan_data_of_a_masked_off_observation_are_the_same_data_in_every_draw(fresh_param_store):

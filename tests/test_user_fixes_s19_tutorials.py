@@ -93,41 +93,100 @@ def test_two_instances_of_one_model_each_follow_their_own_sequence(local_params)
     assert list(pyro.get_param_store().keys()) == []
 
 
+def _build(guide_class):
+    guide, optim, elbo = guide_class(regression), QNVB(), QuadratureELBO("hadamard")
+    return guide, optim, elbo, SVI(regression, guide, optim, elbo)
+
+
+def _set_up(guide, svi) -> None:
+    """A new `AutoMeanFieldNormal` set up by one call; Pyro's `AutoNormal` through the ELBO,
+    which gives it the position's buffer."""
+    if isinstance(guide, AutoMeanFieldNormal):
+        guide(Y)
+    else:
+        svi.evaluate_loss(Y)
+
+
 @pytest.mark.parametrize("guide_class", [AutoMeanFieldNormal, AutoNormal])
 def test_a_local_mode_checkpoint_of_the_guide_resumes_the_sequence_bit_for_bit(
     local_params, guide_class
 ):
     """The guide's ``state_dict()`` (with QNVB's state and the random state) resumes the run;
-    the param store is neither saved nor needed. A new `AutoMeanFieldNormal` set up by one call
-    takes the saved position; Pyro's `AutoNormal` is set up through the ELBO."""
-
-    def build():
-        guide = guide_class(regression)
-        optim = QNVB()
-        return guide, optim, SVI(regression, guide, optim, QuadratureELBO("hadamard"))
-
-    guide, optim, svi = build()
-    expected = [svi.step(Y) for _ in range(8)]
+    the param store is neither saved nor needed. Saved at step 3: ``hadamard`` at dimension 6
+    with 4 nodes repeats every 4 steps, so a checkpoint at step 4 resumed the same losses with
+    its position lost."""
+    guide, optim, elbo, svi = _build(guide_class)
+    expected = [svi.step(Y) for _ in range(7)]
 
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    guide, optim, svi = build()
-    got = [svi.step(Y) for _ in range(4)]
+    guide, optim, elbo, svi = _build(guide_class)
+    got = [svi.step(Y) for _ in range(3)]
     guide_state = copy.deepcopy(guide.state_dict())
     optim_state, rng_state = optim.get_state(), pyro.util.get_rng_state()
-    assert guide_state[POSITION].item() == 4
+    assert guide_state[POSITION].item() == 3
 
     pyro.clear_param_store()
-    guide, optim, svi = build()
-    if guide_class is AutoMeanFieldNormal:
-        guide(Y)
-    else:  # a guide the ELBO has met has the position's buffer
-        svi.evaluate_loss(Y)
+    guide, optim, elbo, svi = _build(guide_class)
+    _set_up(guide, svi)
     guide.load_state_dict(guide_state)
+    assert elbo.step(guide) == 3
     optim.set_state(optim_state)
     pyro.util.set_rng_state(rng_state)
     got += [svi.step(Y) for _ in range(4)]
     assert got == expected
+
+
+@pytest.mark.parametrize("guide_class", [AutoMeanFieldNormal, AutoNormal])
+def test_a_state_saved_before_the_first_step_reloads_into_the_fitted_guide(
+    local_params, guide_class
+):
+    """The "reset to the initial state" pattern: a state taken after set-up holds no position.
+    Before, reloading it into the fitted guide failed (``Missing key(s) in state_dict:
+    "quadrature_elbo_step"``); now the guide restarts the sequence at 0, as a new one."""
+    guide, _, elbo, svi = _build(guide_class)
+    guide(Y)
+    initial = copy.deepcopy(guide.state_dict())
+    assert POSITION not in initial
+    expected = [svi.step(Y) for _ in range(3)]
+
+    guide.load_state_dict(initial)
+    assert POSITION not in guide.state_dict()
+    assert elbo.step(guide) == 0
+    pyro.set_rng_seed(0)
+    svi = SVI(regression, guide, QNVB(), elbo)
+    assert [svi.step(Y) for _ in range(3)] == expected
+    assert guide.state_dict()[POSITION].item() == 3
+
+
+def test_an_earlier_versions_local_checkpoint_loads_into_a_guide_the_elbo_has_met(local_params):
+    """An earlier version's local-mode checkpoint: the guide's state without the position,
+    which was in the param store (its recipe saved the store too). Before, Pyro's `AutoNormal`
+    set up through the ELBO (the recipe) refused it (``Missing key(s)``); now the ELBO takes
+    the store's position at the next step and the run resumes bit for bit."""
+    guide, optim, _, svi = _build(AutoNormal)
+    expected = [svi.step(Y) for _ in range(7)]
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide, optim, _, svi = _build(AutoNormal)
+    got = [svi.step(Y) for _ in range(3)]
+    guide_state = copy.deepcopy(guide.state_dict())
+    guide_state.pop(POSITION)  # as the earlier version saved it
+    store_state = {"params": {"QuadratureELBO.AutoNormal.w.step": torch.tensor(3.0)}}
+    store_state["constraints"] = {"QuadratureELBO.AutoNormal.w.step": dist.constraints.real}
+    optim_state, rng_state = optim.get_state(), pyro.util.get_rng_state()
+
+    pyro.clear_param_store()
+    guide, optim, _, svi = _build(AutoNormal)
+    _set_up(guide, svi)
+    guide.load_state_dict(guide_state)
+    pyro.get_param_store().set_state(store_state)
+    optim.set_state(optim_state)
+    pyro.util.set_rng_state(rng_state)
+    got += [svi.step(Y) for _ in range(4)]
+    assert got == expected
+    assert guide.state_dict()[POSITION].item() == 7
 
 
 def test_the_global_mode_keeps_the_position_in_the_param_store():

@@ -53,7 +53,12 @@ from tqdm.auto import tqdm
 
 from ..guides.interface import unwrap_guide
 from ..infer.batched import BatchMismatch, evaluate_batch
-from ..infer.log_joint import _layers, check_observed_not_nan, model_max_plate_nesting
+from ..infer.log_joint import (
+    _layers,
+    check_observed_not_nan,
+    cuda_devices,
+    model_max_plate_nesting,
+)
 from ..quadrature.base import format_bytes
 from ..store import follow_param_store
 
@@ -499,7 +504,8 @@ def _not_data(name: str) -> ValueError:
         f"to_inference_data: site {name!r} is observed, but its value changes from one "
         "posterior draw to the next: the model computes it from the latents, so it is no data. "
         "Pyro's reparameterizers that leave the site an unmasked Delta do this "
-        "(HaarReparam, DiscreteCosineReparam, SplitReparam, NeuTraReparam; those that mask it "
+        "(UnitJacobianReparam, HaarReparam, DiscreteCosineReparam, SplitReparam, NeuTraReparam, "
+        "ConjugateReparam, StructuredReparam; those that mask it "
         "off, as pyro.deterministic does, export fine: LocScaleReparam, TransformReparam). "
         f"Write the transform into the model, pyro.deterministic({name!r}, value), or use a "
         "reparameterizer of the second kind"
@@ -587,13 +593,16 @@ def draw(
     check_guide_was_run(guide, args, kwargs)
     follow_param_store(unwrap_guide(guide))  # a restored param store's values, not stale ones
     follow_param_store(unwrap_guide(model))
+    devices = cuda_devices(model, guide, args, kwargs)
     with torch.no_grad():
         runner = _Runner(model, guide, args, kwargs)
         _check_size(runner, num_samples, prior, max_bytes)
-        groups, vectorized = _all_draws(runner.posterior, num_samples, vectorize, "posterior")
+        groups, vectorized = _all_draws(
+            runner.posterior, num_samples, vectorize, "posterior", devices
+        )
         prior_groups = {"prior": None, "prior_predictive": None}
         if prior:
-            prior_groups, _ = _all_draws(runner.prior, num_samples, vectorize, "prior")
+            prior_groups, _ = _all_draws(runner.prior, num_samples, vectorize, "prior", devices)
     return Draws(
         sites=runner.sites,
         full_sizes=runner.full_sizes,
@@ -648,8 +657,13 @@ def available_memory() -> int | None:
     return None
 
 
-def _all_draws(run: Callable, num_samples: int, vectorize: bool | None, label: str):
-    """``run(S)`` (one batched pass that checks itself) or ``run(None)`` once per draw."""
+def _all_draws(
+    run: Callable, num_samples: int, vectorize: bool | None, label: str, devices: list[int]
+):
+    """``run(S)`` (one batched pass that checks itself) or ``run(None)`` once per draw. Looped,
+    the observed data must be the same in every run (a site the model computes from the latents
+    is refused, `_not_data`); ``devices``: the CUDA devices whose random states the runs draw
+    from (`cuda_devices`)."""
     bar = None
 
     def one_draw(_) -> dict:
@@ -683,7 +697,14 @@ def _all_draws(run: Callable, num_samples: int, vectorize: bool | None, label: s
         bar.close()
     if not decision.vectorized and "observed_data" in groups:
         # the data are the same in every looped run: no draw axis
-        for name, values in groups["observed_data"].items():
+        observed = groups["observed_data"]
+        if num_samples == 1:
+            # one draw has none to be compared with: one more run, for this check only, from a
+            # forked random state (the export and the random state after it stay as they are)
+            with torch.random.fork_rng(devices=devices):
+                again = run(None)["observed_data"]
+            observed = {name: torch.cat([v, again[name][None]]) for name, v in observed.items()}
+        for name, values in observed.items():
             first = values[:1].expand_as(values)  # NaN under a mask(False) is the same data
             if not torch.allclose(values, first, rtol=0, atol=0, equal_nan=True):
                 raise _not_data(name)

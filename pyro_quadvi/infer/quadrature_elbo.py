@@ -117,11 +117,29 @@ def position_holder(guide: Callable) -> torch.nn.Module | None:
 def take_saved_position(
     module: torch.nn.Module, state_dict: dict, prefix: str, *rest: object
 ) -> None:
-    """A ``load_state_dict`` pre-hook: give ``module`` the position buffer
-    (`SEQUENCE_POSITION`) that a saved state holds, so a guide the ELBO has not met yet (a new
-    guide, set up by one call) loads a local-mode checkpoint instead of refusing its key."""
-    if prefix + SEQUENCE_POSITION in state_dict and SEQUENCE_POSITION not in module._buffers:
+    """A ``load_state_dict`` pre-hook that makes ``module``'s position buffer
+    (`SEQUENCE_POSITION`) follow the saved state (torch runs it before collecting the buffers).
+
+    A saved state holding a position gives the buffer to a guide the ELBO has not met yet (a new
+    guide, set up by one call), which then loads it instead of refusing the key. A saved state
+    without one (taken before the ELBO met the guide, or written by an earlier version, which
+    kept the position in the param store) removes the buffer: the guide is new to the ELBO
+    again, which at its next loss takes the param store's position under the guide's key, or 0
+    (`QuadratureELBO._meet`), instead of the load refusing the missing key.
+    """
+    key = prefix + SEQUENCE_POSITION
+    if key in state_dict and SEQUENCE_POSITION not in module._buffers:
         module.register_buffer(SEQUENCE_POSITION, torch.zeros((), dtype=torch.int64))
+    elif key not in state_dict and SEQUENCE_POSITION in module._buffers:
+        del module._buffers[SEQUENCE_POSITION]
+
+
+def _follow_saved_positions(module: torch.nn.Module) -> None:
+    """Register `take_saved_position` on ``module``, unless it has it (`AutoMeanFieldNormal`
+    registers it when made; a Pyro guide gets it here, with its buffer)."""
+    hooks = module._load_state_dict_pre_hooks.values()
+    if not any(getattr(hook, "hook", None) is take_saved_position for hook in hooks):
+        module.register_load_state_dict_pre_hook(take_saved_position)
 
 
 @dataclass
@@ -480,13 +498,15 @@ class QuadratureELBO(PointsELBO):
     def _meet(self, guide: Callable, description: GuideDescription) -> int:
         """``guide``'s position for this call, recorded for `_advance`. A local-mode guide
         module met for the first time gets its position buffer here (`position_holder`), so
-        that its ``state_dict()`` holds the position from then on."""
+        that its ``state_dict()`` holds the position from then on, and the load pre-hook
+        `take_saved_position`, so that a saved state with or without a position loads."""
         holder = position_holder(guide)
         if holder is None:
             self._claim_name(description)
         elif SEQUENCE_POSITION not in holder._buffers:
             start = torch.tensor(self._position(description, None), dtype=torch.int64)
             holder.register_buffer(SEQUENCE_POSITION, start)
+            _follow_saved_positions(holder)
         self._met = (description, holder)
         return self._position(description, holder)
 
