@@ -45,7 +45,7 @@ from typing import Protocol
 import pyro
 import torch
 from pyro import poutine
-from pyro.distributions import Delta, ExpandedDistribution, MaskedDistribution
+from pyro.distributions import Delta, ExpandedDistribution, MaskedDistribution, constraints
 from pyro.distributions.transforms import Transform
 from pyro.distributions.util import scale_and_mask, sum_rightmost
 from pyro.poutine import Trace
@@ -135,7 +135,7 @@ def unconstraining_bijection(site: dict) -> Transform:
         return biject_to(support)
     except NotImplementedError:
         name = site["name"]
-        if "sphere" in type(support).__name__.lower():
+        if isinstance(support, type(constraints.sphere)):
             way = (
                 f"poutine.reparam(model, config={{{name!r}: ProjectedNormalReparam()}}) (from "
                 f"pyro.infer.reparam), which draws a real latent {name + '_normal'!r} and makes "

@@ -748,9 +748,7 @@ class QNVB(PyroOptim):
         if self.annealing is not None and self.num_steps > 0 and prepared:
             self._warn_if_annealing_elsewhere(prepared)
         self._update_prepared(prepared, counts)
-        table = None
-        if not part_of_step:
-            table = self._refuse_if_nothing_updated(params, prepared, counts)
+        table = None if part_of_step else self._refuse_if_nothing_updated(params, prepared, counts)
         for message in count_messages(counts, self._warned, table):
             warnings.warn(f"QNVB: {message} (this warning is shown once)", RuntimeWarning, 2)
         rest = [p for p in params if id(p) not in paired]
@@ -761,10 +759,7 @@ class QNVB(PyroOptim):
         self.num_steps += 1
 
     def _refuse_if_nothing_updated(
-        self,
-        params: list[torch.Tensor],
-        prepared: list[_Prepared],
-        counts: list,
+        self, params: list[torch.Tensor], prepared: list[_Prepared], counts: list
     ) -> list[list[int]] | None:
         """Refuse the `IDLE_STEPS_REFUSED`-th step in a row in which the guard (rule 11) kept
         every coordinate of every block (`count_idle_step`, the rule every QNVB optimizer
@@ -785,7 +780,6 @@ class QNVB(PyroOptim):
         if self._idle_steps < IDLE_STEPS_REFUSED:
             return table
         zero_grads(params)
-        untaken = "the fallback did not step"
         raise idle_step_refusal(
             "QNVB",
             self._idle_steps,
@@ -794,7 +788,7 @@ class QNVB(PyroOptim):
             [dtype for _, _, dtype, _ in counts],
             unit="block",
             words=QNVB_IDLE,
-            untaken=untaken,
+            untaken="the fallback did not step",
         )
 
     def _nothing_paired(self, params: list[torch.Tensor]) -> str:
