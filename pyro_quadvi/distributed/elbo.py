@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from pyro.distributions.util import is_identically_one
 from pyro.poutine.messenger import Messenger
-from pyro.poutine.util import site_is_subsample
 
 from ..guides.interface import first_rows
+from ..guides.rows import is_data_site
 from ..infer import QuadratureELBO
 from ..infer.log_joint import _NODE_PLATE
 from ..quadrature import QuadratureRule
@@ -369,10 +369,12 @@ class DistributedQuadratureELBO(QuadratureELBO):
 
 
 class _WholePlateObservations(Messenger):
-    """Notes each observed sample site inside a vectorized plate that is not subsampled (its
-    frame's ``size`` is its ``full_size``; the ELBO's own node plate aside) with nothing that
-    scales it: no subsampled plate around it (a full plate of features inside the subsampled
-    data plate is scaled by the latter) and no ``poutine.scale`` (a minibatch scaled by hand).
+    """Notes each observed sample site that holds data (`is_data_site`: not a
+    ``pyro.deterministic`` site, nor one a reparameterizer leaves, whose values the rank computes)
+    inside a vectorized plate that is not subsampled (its frame's ``size`` is its ``full_size``;
+    the ELBO's own node plate aside) with nothing that scales it: no subsampled plate around it
+    (a full plate of features inside the subsampled data plate is scaled by the latter) and no
+    ``poutine.scale`` (a minibatch scaled by hand).
     ``found`` maps the site's name to that plate's name and the observed value (the last
     run's). ``minibatch_rows`` is the most rows of an observed site in subsampled plates (the
     product of their minibatch sizes): the shard this rank was given; NaN without one.
@@ -390,7 +392,7 @@ class _WholePlateObservations(Messenger):
         self.minibatch_rows = math.nan
 
     def _process_message(self, msg) -> None:
-        if msg["type"] != "sample" or not msg["is_observed"] or site_is_subsample(msg):
+        if msg["type"] != "sample" or not is_data_site(msg):
             return
         plates = [
             frame

@@ -24,13 +24,21 @@ from collections.abc import Callable, Sequence
 import pyro
 import torch
 from pyro import poutine
+from pyro.distributions import Delta
 from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
+from pyro.poutine.util import site_is_subsample
 
-from ..infer.log_joint import cuda_devices
+from ..infer.log_joint import _innermost, cuda_devices
 
-__all__ = ["GivenRows", "check_data_follow_rows", "replaced_rows_message", "same_rows"]
+__all__ = [
+    "GivenRows",
+    "check_data_follow_rows",
+    "is_data_site",
+    "replaced_rows_message",
+    "same_rows",
+]
 
 
 class GivenRows(Messenger):
@@ -105,6 +113,27 @@ class GivenRows(Messenger):
             self._replaced[name] = msg["value"]
 
 
+def is_data_site(msg: dict) -> bool:
+    """Whether a sample site (a trace node or a message) holds data: an observed site whose log
+    density is a likelihood term ``p(x | theta)``, the term annealing tempers, the rows check
+    follows and the distributed ELBO compares across ranks.
+
+    Not one is a site whose distribution is a ``Delta``: Pyro's reparameterizers leave one at the
+    latent they replace (``LocScaleReparam``, ``TransformReparam``: masked off, density 0;
+    ``HaarReparam``, ``UnitJacobianReparam``: density 0; ``SplitReparam``, ``NeuTraReparam``,
+    ``StructuredReparam``, ``ConjugateReparam``: a ``log_density`` that is the latent's prior,
+    with its Jacobian), and so does ``pyro.deterministic``. A ``Delta`` observation the user
+    writes has no likelihood to temper either: its log density is 0 (or its ``log_density``) at
+    its value and ``-inf`` elsewhere, which a factor ``a > 0`` leaves as it is. ``pyro.factor``
+    sites (``Unit``) are tempered, as a likelihood written by hand.
+    """
+    return (
+        msg["is_observed"]
+        and not site_is_subsample(msg)
+        and not isinstance(_innermost(msg["fn"]), Delta)
+    )
+
+
 def check_data_follow_rows(
     model: Callable,
     args: tuple,
@@ -119,7 +148,9 @@ def check_data_follow_rows(
     """Refuse a model whose plate ``name`` was given its rows (``subsample=given``) and took the
     guide's ``rows`` instead, if an observed site inside that plate keeps its values (and log
     density) when the plate's rows change: its data stay at ``given`` while its local latents
-    are the guide's rows, and each row would be fitted to another row's data.
+    are the guide's rows, and each row would be fitted to another row's data. Only sites that
+    hold data count (`is_data_site`): a ``pyro.deterministic`` site, or the one a reparameterizer
+    leaves, takes its values from the replayed latents, which do not move with the rows.
 
     The model runs with the latents of ``guide_trace`` replayed and the plate's rows set to
     ``rows``, to ``given``, and, for the sites that did not change, to ``rows`` shifted by half
@@ -142,7 +173,7 @@ def check_data_follow_rows(
             site: (node["value"], node["fn"].log_prob(node["value"]))
             for site, node in trace.nodes.items()
             if node["type"] == "sample"
-            and node["is_observed"]
+            and is_data_site(node)
             and any(frame.name == name for frame in node["cond_indep_stack"])
         }
 
@@ -211,7 +242,7 @@ def _follows_probed_rows(
     follow = set()
     for site, (at_rows, at_given) in values.items():
         node = trace.nodes.get(site)
-        if node is None or node["type"] != "sample" or not node["is_observed"]:
+        if node is None or node["type"] != "sample" or not is_data_site(node):
             continue
         frame = next((f for f in node["cond_indep_stack"] if f.name == name), None)
         if frame is None or frame.dim is None:

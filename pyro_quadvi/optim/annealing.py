@@ -2,7 +2,9 @@
 
 A tempered likelihood widens the posterior early in training, which keeps the mean field from
 settling into the first basin it meets (the reference QNVB grows its likelihood weight likewise).
-In Pyro the factor multiplies the log density of every observed site:
+In Pyro the factor multiplies the log density of every observed site that holds data (a
+``Delta`` site, which Pyro's reparameterizers and ``pyro.deterministic`` leave, is not tempered:
+`is_data_site`):
 
     qnvb = QNVB(annealing=geometric_annealing(0.01, num_steps=500))
     svi = SVI(qnvb.anneal(model), guide, qnvb, QuadratureELBO())
@@ -19,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 from pyro.poutine.messenger import Messenger
-from pyro.poutine.util import site_is_subsample
 
+from ..guides.rows import is_data_site
 from ..infer.log_joint import _layers
 from .qnvb_functional import _is_real_scalar
 
@@ -151,8 +153,9 @@ _EXPONENT = (
 
 
 class AnnealLikelihoodMessenger(Messenger):
-    """Multiplies the log density of every observed sample site by ``factor()``, which must
-    return a finite number ``> 0`` (a ``ValueError`` at the site otherwise)."""
+    """Multiplies the log density of every observed sample site that holds data (`is_data_site`)
+    by ``factor()``, which must return a finite number ``> 0`` (a ``ValueError`` at the site
+    otherwise)."""
 
     def __init__(self, factor: Callable[[], float]):
         super().__init__()
@@ -165,7 +168,7 @@ class AnnealLikelihoodMessenger(Messenger):
         self.factor = factor
 
     def _process_message(self, msg):
-        if msg["type"] == "sample" and msg["is_observed"] and not site_is_subsample(msg):
+        if msg["type"] == "sample" and is_data_site(msg):
             factor = self.factor()
             value = _checked_factor(
                 factor, f"anneal_likelihood: factor() at site {msg['name']!r} must be", _EXPONENT
@@ -192,7 +195,10 @@ def _check_representable(factor: float, msg: dict) -> None:
 
 
 def anneal_likelihood(model: Callable, factor: float | Callable[[], float]) -> Callable:
-    """``model`` with its observed sites' log densities multiplied by ``factor``.
+    """``model`` with its observed sites' log densities multiplied by ``factor``: the tempered
+    joint ``p(theta) p(x | theta)^a``. ``pyro.factor`` terms count as likelihood and are
+    tempered; ``Delta`` sites (``pyro.deterministic``, the sites Pyro's reparameterizers leave,
+    whose densities belong to the prior) are not (`is_data_site`).
 
     Args:
         model: a Pyro model.
