@@ -30,9 +30,8 @@ from pyro.distributions.util import is_identically_one
 from pyro.poutine.messenger import Messenger
 
 from ..guides.interface import first_rows
-from ..guides.rows import is_data_site
 from ..infer import QuadratureELBO
-from ..infer.log_joint import _NODE_PLATE
+from ..infer.log_joint import _NODE_PLATE, is_data_site
 from ..quadrature import QuadratureRule
 from .comm import (
     arguments_section,

@@ -243,6 +243,9 @@ def _is_deterministic(node: dict) -> bool:
     "simulate a pyro.deterministic() site" in Pyro's source). That mask is what tells it from
     data: an observed ``Delta`` the user wrote (``pyro.sample("x", dist.Delta(v), obs=data)``)
     has a density, so it stays observed, and an observation masked off entirely carries no data.
+    Narrower than `is_data_site` (every ``Delta`` is no data to annealing, the rows check and
+    the distributed ELBO) on purpose: the export keeps an unmasked ``Delta`` as observed data and
+    refuses it where its value changes with the draw (`_not_data`).
     """
     if node["infer"].get("_deterministic"):
         return True

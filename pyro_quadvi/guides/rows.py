@@ -24,18 +24,15 @@ from collections.abc import Callable, Sequence
 import pyro
 import torch
 from pyro import poutine
-from pyro.distributions import Delta
 from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
-from pyro.poutine.util import site_is_subsample
 
-from ..infer.log_joint import _innermost, cuda_devices
+from ..infer.log_joint import cuda_devices, is_data_site
 
 __all__ = [
     "GivenRows",
     "check_data_follow_rows",
-    "is_data_site",
     "replaced_rows_message",
     "same_rows",
 ]
@@ -111,27 +108,6 @@ class GivenRows(Messenger):
             return
         if not same_rows(given[1], msg["value"]):
             self._replaced[name] = msg["value"]
-
-
-def is_data_site(msg: dict) -> bool:
-    """Whether a sample site (a trace node or a message) holds data: an observed site whose log
-    density is a likelihood term ``p(x | theta)``, the term annealing tempers, the rows check
-    follows and the distributed ELBO compares across ranks.
-
-    Not one is a site whose distribution is a ``Delta``: Pyro's reparameterizers leave one at the
-    latent they replace (``LocScaleReparam``, ``TransformReparam``: masked off, density 0;
-    ``HaarReparam``, ``UnitJacobianReparam``: density 0; ``SplitReparam``, ``NeuTraReparam``,
-    ``StructuredReparam``, ``ConjugateReparam``: a ``log_density`` that is the latent's prior,
-    with its Jacobian), and so does ``pyro.deterministic``. A ``Delta`` observation the user
-    writes has no likelihood to temper either: its log density is 0 (or its ``log_density``) at
-    its value and ``-inf`` elsewhere, which a factor ``a > 0`` leaves as it is. ``pyro.factor``
-    sites (``Unit``) are tempered, as a likelihood written by hand.
-    """
-    return (
-        msg["is_observed"]
-        and not site_is_subsample(msg)
-        and not isinstance(_innermost(msg["fn"]), Delta)
-    )
 
 
 def check_data_follow_rows(

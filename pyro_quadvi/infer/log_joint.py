@@ -71,6 +71,7 @@ __all__ = [
     "check_max_plate_nesting",
     "check_observed_not_nan",
     "cuda_devices",
+    "is_data_site",
     "latent_sites_of_model",
     "model_max_plate_nesting",
     "total_of",
@@ -152,6 +153,27 @@ def unconstraining_bijection(site: dict) -> Transform:
             "which no bijection maps to the real space where quadrature places its nodes. "
             f"Reparameterize it: fit {way}, and build the guide from the wrapped model"
         ) from None
+
+
+def is_data_site(msg: dict) -> bool:
+    """Whether a sample site (a trace node or a message) holds data: an observed site whose log
+    density is a likelihood term ``p(x | theta)``, the term annealing tempers, the rows check
+    follows and the distributed ELBO compares across ranks.
+
+    Not one is a site whose distribution is a ``Delta``: Pyro's reparameterizers leave one at the
+    latent they replace (``LocScaleReparam``, ``TransformReparam``: masked off, density 0;
+    ``HaarReparam``, ``UnitJacobianReparam``: density 0; ``SplitReparam``, ``NeuTraReparam``,
+    ``StructuredReparam``, ``ConjugateReparam``: a ``log_density`` that is the latent's prior,
+    with its Jacobian), and so does ``pyro.deterministic``. A ``Delta`` observation the user
+    writes has no likelihood to temper either: its log density is 0 (or its ``log_density``) at
+    its value and ``-inf`` elsewhere, which a factor ``a > 0`` leaves as it is. ``pyro.factor``
+    sites (``Unit``) are tempered, as a likelihood written by hand.
+    """
+    return (
+        msg["is_observed"]
+        and not site_is_subsample(msg)
+        and not isinstance(_innermost(msg["fn"]), Delta)
+    )
 
 
 def check_observed_not_nan(node: dict, before: str, *, masked_infinity: bool = False) -> None:

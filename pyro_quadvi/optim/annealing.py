@@ -22,8 +22,7 @@ from collections.abc import Callable
 import torch
 from pyro.poutine.messenger import Messenger
 
-from ..guides.rows import is_data_site
-from ..infer.log_joint import _layers
+from ..infer.log_joint import _layers, is_data_site
 from .qnvb_functional import _is_real_scalar
 
 __all__ = [
