@@ -87,6 +87,7 @@ from .qnvb_functional import (
     count_table,
     idle_step_refusal,
     init_qnvb_state,
+    kept_coordinates,
     qnvb_update,
     qnvb_update_many,
     result_counts,
@@ -775,8 +776,7 @@ class QNVB(PyroOptim):
         if not total:
             return None
         table = count_table(counts)
-        kept = sum(row[0] + row[1] for row in table)  # num_nonfinite + num_overflow
-        self._idle_steps = count_idle_step(self._idle_steps, kept, total)
+        self._idle_steps = count_idle_step(self._idle_steps, kept_coordinates(table), total)
         if self._idle_steps < IDLE_STEPS_REFUSED:
             return table
         zero_grads(params)

@@ -102,7 +102,7 @@ import functools
 import itertools
 import math
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -125,6 +125,7 @@ __all__ = [
     "count_messages",
     "idle_step_refusal",
     "init_qnvb_state",
+    "kept_coordinates",
     "or_float64",
     "qnvb_update",
     "qnvb_update_many",
@@ -472,6 +473,15 @@ def count_table(
 ) -> list[list[int]]:
     """The rows of ``counts``' count tensors (`count_messages`), read to the host in one copy."""
     return torch.stack([c for *_, c in counts]).tolist()
+
+
+def kept_coordinates(table: list[list[int]], kinds: Sequence[str] = COUNT_KINDS) -> int:
+    """The coordinates the guard kept (rule 11) in a step's counts, ``table``'s rows of
+    ``kinds`` (`count_table`; `sparse_functional.result_count_values`, one row): those whose
+    ``g`` or ``h`` was not finite and those whose update overflowed (each counted once, in one
+    of the two), what `count_idle_step` compares with the step's total."""
+    columns = [kinds.index(kind) for kind in ("num_nonfinite", "num_overflow")]
+    return sum(row[column] for row in table for column in columns)
 
 
 def count_messages(

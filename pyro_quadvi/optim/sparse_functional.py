@@ -71,6 +71,7 @@ import torch
 from .qnvb_functional import IdleWords, _check_number, _check_tensors, or_float64
 
 __all__ = [
+    "SPARSE_COUNT_KINDS",
     "SPARSE_IDLE",
     "SievePieces",
     "SparseQNVBBlock",
@@ -271,7 +272,7 @@ class SparseQNVBResult(NamedTuple):
     num_clamped: torch.Tensor
 
 
-_COUNT_KINDS = ("num_nonfinite", "num_overflow", "num_clamped")
+SPARSE_COUNT_KINDS = ("num_nonfinite", "num_overflow", "num_clamped")
 """The counts of a `SparseQNVBResult`, in the order of `result_count_values`."""
 
 SPARSE_IDLE = IdleWords(
@@ -288,7 +289,7 @@ SPARSE_IDLE = IdleWords(
 def result_count_values(result: SparseQNVBResult) -> list[int]:
     """``[num_nonfinite, num_overflow, num_clamped]`` of ``result``, read to the host in one copy
     (the one read of a step: the idle-step rule and `result_messages` share it)."""
-    return torch.stack([getattr(result, kind) for kind in _COUNT_KINDS]).tolist()
+    return torch.stack([getattr(result, kind) for kind in SPARSE_COUNT_KINDS]).tolist()
 
 
 def result_messages(
@@ -303,7 +304,7 @@ def result_messages(
     ``cap`` (a call of `step_cap_message`, made only for a message) replaces the general advice
     of the overflow and clamp messages; the overflow message advises float64 only where a block
     is of a lower precision (`or_float64`)."""
-    kinds = _COUNT_KINDS
+    kinds = SPARSE_COUNT_KINDS
     if warned.issuperset(kinds):
         return []
     if counts is None:

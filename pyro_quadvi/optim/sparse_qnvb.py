@@ -37,8 +37,10 @@ from .qnvb_functional import (
     check_settings,
     count_idle_step,
     idle_step_refusal,
+    kept_coordinates,
 )
 from .sparse_functional import (
+    SPARSE_COUNT_KINDS,
     SPARSE_IDLE,
     SparseQNVBBlock,
     SparseQNVBCounters,
@@ -326,7 +328,7 @@ class SparseQNVB(QNVB):
             blocks, self.counters, g_terms, h_terms, hp, steps, self.cases_per_step
         )
         counts = result_count_values(result)
-        self._refuse_if_idle(sites, params, counts[0] + counts[1])
+        self._refuse_if_idle(sites, params, kept_coordinates([counts], SPARSE_COUNT_KINDS))
         self.counters = result.counters
         for message in result_messages(result, self._sparse_warned, self._step_cap, counts):
             self._warn_once(message, f"SparseQNVB: {message} (this warning is shown once)")
@@ -356,7 +358,6 @@ class SparseQNVB(QNVB):
         if self._idle_steps < IDLE_STEPS_REFUSED:
             return
         zero_grads(params)
-        untaken = "the blocks, counters and guide are as before it and the fallback did not step"
         raise idle_step_refusal(
             "SparseQNVB",
             self._idle_steps,
@@ -365,7 +366,7 @@ class SparseQNVB(QNVB):
             [site.values["loc"].dtype for site, _, _ in sites],
             unit="block",
             words=SPARSE_IDLE,
-            untaken=untaken,
+            untaken="the blocks, counters and guide are as before it and the fallback did not step",
         )
 
     def _initial_block(self, site: MeanFieldSite) -> SparseQNVBBlock:

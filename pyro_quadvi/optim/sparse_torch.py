@@ -34,8 +34,10 @@ from .qnvb_functional import (
     check_settings,
     count_idle_step,
     idle_step_refusal,
+    kept_coordinates,
 )
 from .sparse_functional import (
+    SPARSE_COUNT_KINDS,
     SPARSE_IDLE,
     SparseQNVBBlock,
     SparseQNVBCounters,
@@ -458,7 +460,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             cases_per_step=scale,
         )
         counts = result_count_values(result)
-        self._refuse_if_idle(params, mus, counts[0] + counts[1])
+        self._refuse_if_idle(params, mus, kept_coordinates([counts], SPARSE_COUNT_KINDS))
         self.counters = result.counters
         for p, block in zip(params, result.blocks):
             self.state[p].update(block._asdict())

@@ -66,6 +66,7 @@ from .qnvb_functional import (
     count_table,
     idle_step_refusal,
     init_qnvb_state,
+    kept_coordinates,
     or_float64,
     qnvb_update_many,
     result_counts,
@@ -1429,8 +1430,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         copy the warnings then read). ``counts`` is never empty: a step in which no parameter has
         a gradient is refused before it."""
         table = count_table(counts)
-        kept = sum(row[0] + row[1] for row in table)  # num_nonfinite + num_overflow
-        self._idle_steps = count_idle_step(self._idle_steps, kept, total)
+        self._idle_steps = count_idle_step(self._idle_steps, kept_coordinates(table), total)
         if self._idle_steps >= IDLE_STEPS_REFUSED:
             raise idle_step_refusal(
                 type(self).__name__,
