@@ -59,10 +59,11 @@ from ..infer.log_joint import (
     cuda_devices,
     model_max_plate_nesting,
 )
+from ..nn.module import BayesianModule
 from ..quadrature.base import format_bytes
 from ..store import follow_param_store
 
-__all__ = ["Draws", "SiteSpec", "check_observed_not_nan", "draw"]
+__all__ = ["Draws", "SiteSpec", "all_rows_fix", "check_observed_not_nan", "draw"]
 
 _DRAW_PLATE = "_quadvi_draws"
 
@@ -127,37 +128,115 @@ class Draws:
     vectorized: bool
 
 
+class _Refused(ValueError):
+    """A refusal raised inside a run of the model or the guide: `_Runner._probe` raises its
+    message as a `ValueError`, without the trace shapes Pyro's ``poutine.trace`` appends to an
+    error on its way out (and the same message again, as the cause)."""
+
+
+def all_rows_fix(model: Callable, plate: str, size: int, rows: int, given: bool) -> str:
+    """How to give the plate ``plate`` (``size`` rows, ``rows`` of them in a run) all its rows,
+    by where its minibatch came from: a `BayesianModule`'s likelihood (its plate ``"data"`` of
+    ``dataset_size`` rows, given ``subsample=arange(B)`` for the ``B`` rows of ``x`` and ``y``
+    passed), indices the caller gave (``subsample=...``, ``given``), or a random draw
+    (``subsample_size=...``). The refusals of `opqa_evidence` and `to_inference_data` end with it.
+    """
+    if given and plate == "data" and isinstance(unwrap_guide(model), BayesianModule):
+        return (
+            f"the BayesianModule's likelihood has dataset_size={size}, so x and y of {rows} rows "
+            f"are a minibatch of its data set: pass all {size} rows of x and y (or, for these "
+            f"{rows} rows alone, a likelihood with dataset_size={rows} or None)"
+        )
+    if given:
+        return (
+            f"the model gives it these {rows} indices (pyro.plate({plate!r}, {size}, "
+            f"subsample=...)): pass all {size} of them (subsample=torch.arange({size})), or no "
+            "subsample"
+        )
+    return (
+        f"the plate draws {rows} of its {size} rows at random in each run (subsample_size={rows}): "
+        "drop subsample_size (or pass subsample_size=None)"
+    )
+
+
 class _PlateRows(Messenger):
     """Sets the subsample indices of the model's (or guide's) subsampling plates.
 
     A plate ``pyro.plate(name, N, subsample_size=B)`` whose name is in ``rows`` takes
-    ``rows[name]`` (``B`` indices) instead of a random subsample. Every subsampling plate seen is
-    recorded in ``subsampled`` as ``name -> (N, B)``. A plate given its indices by the caller
-    (``subsample=...``) with fewer than ``N`` of them is refused: its rows cannot be swept here.
+    ``rows[name]`` (``B`` indices) instead of a random subsample. Every plate seen is recorded in
+    ``plates`` as ``name -> (N, rows per run)``, and every subsampling plate in ``subsampled`` as
+    ``name -> (N, B)``. Refused, raising `_Refused`: a plate given its indices by the caller
+    (``subsample=...``) with fewer than ``N`` of them (its rows cannot be swept here; ``model``
+    tells the fix, `all_rows_fix`), and a plate of the model that takes another number of rows
+    per run than the guide's plate of that name in ``guide_plates`` (`_Runner._probe` sets it
+    from the guide's run: its plates that hold a latent), whose local latents would not line up
+    with the model's rows.
     """
 
-    def __init__(self, rows: Mapping[str, torch.Tensor]):
+    def __init__(self, rows: Mapping[str, torch.Tensor], model: Callable | None = None):
         super().__init__()
         self.rows = rows
+        self.model = model
+        self.guide_plates: dict[str, tuple[int, int]] = {}
+        self.plates: dict[str, tuple[int, int]] = {}
         self.subsampled: dict[str, tuple[int, int]] = {}
 
     def _pyro_sample(self, msg) -> None:
         fn = msg["fn"]
         if not isinstance(fn, _Subsample):
             return
-        name = msg["name"]
-        if msg["value"] is not None:
-            if len(msg["value"]) < fn.size:
-                raise ValueError(
-                    f"plate {name!r} is given {len(msg['value'])} of its {fn.size} indices by the "
-                    "model's arguments (subsample=...); the export needs every row: pass the full "
-                    f"indices (torch.arange({fn.size})) or use subsample_size=... instead"
+        name, given = msg["name"], msg["value"]
+        if given is not None:
+            per_run = len(given)
+            if per_run < fn.size:
+                raise _Refused(
+                    f"to_inference_data: plate {name!r} is given {per_run} of its {fn.size} "
+                    "indices; the export needs every row: "
+                    + all_rows_fix(self.model, name, fn.size, per_run, given=True)
                 )
-            return
-        if fn.subsample_size is not None and fn.subsample_size < fn.size:
-            self.subsampled[name] = (fn.size, fn.subsample_size)
+        elif fn.subsample_size is None:
+            per_run = fn.size
+        else:
+            per_run = min(fn.subsample_size, fn.size)
+        if name in self.guide_plates:
+            _check_guide_plate(name, self.guide_plates[name], (fn.size, per_run))
+        self.plates[name] = (fn.size, per_run)
+        if given is None and per_run < fn.size:
+            self.subsampled[name] = (fn.size, per_run)
             if name in self.rows:
                 msg["value"] = self.rows[name]
+
+
+def _check_guide_plate(name: str, guide: tuple[int, int], model: tuple[int, int]) -> None:
+    """Refuse a plate that takes ``guide[1]`` rows per run in the guide and ``model[1]`` in the
+    model: an AutoGuide builds its plates on its first run, with that run's subsample size, and
+    keeps them whatever the model's arguments later (a guide fitted with ``subsample_size=5``,
+    exported with the model's ``subsample_size=None``)."""
+    if guide[1] == model[1]:
+        return
+
+    def rows(size: int, batch: int) -> str:
+        return f"{batch} of its {size}" if batch < size else f"all {size}"
+
+    size, batch = guide
+    if batch < size:
+        fit = (
+            f"The guide was fitted on minibatches of {batch}: export with the model's arguments "
+            f"of the fit (those given to svi.step); the export then sweeps all {size} rows in "
+            f"chunks of {batch} and draws the local latents of every row (the guide holds them "
+            f"for all {size} rows, each fitted on the steps whose minibatch held it)"
+        )
+    else:
+        fit = (
+            f"The guide was fitted on all {size} rows: export with the model's arguments of the "
+            "fit (those given to svi.step), without subsampling"
+        )
+    raise _Refused(
+        f"to_inference_data: plate {name!r} takes {rows(*guide)} rows per run in the guide but "
+        f"{rows(*model)} in the model with these arguments, so the guide's local latents do not "
+        "line up with the model's rows: an AutoGuide keeps the subsample size its plates had on "
+        f"its first run, whatever the model is given later. {fit}"
+    )
 
 
 class _ReleaseObserved(Messenger):
@@ -261,13 +340,13 @@ class _Runner:
 
     def __init__(self, model: Callable, guide: Callable, args: tuple, kwargs: dict):
         self.model, self.guide, self.args, self.kwargs = model, guide, args, kwargs
-        discovery = _PlateRows({})  # a first run finds the subsampled plates
-        self._probe(discovery, discovery)
-        self.full_sizes = {name: size for name, (size, _) in discovery.subsampled.items()}
-        chunks = {
-            name: _chunks(size, batch)
-            for name, (size, batch) in sorted(discovery.subsampled.items())
-        }
+        # a first run finds the subsampled plates, and checks the model's against the guide's
+        guide_plates = _PlateRows({}, model)
+        model_plates = _PlateRows({}, model)
+        self._probe(guide_plates, model_plates)
+        subsampled = {**guide_plates.subsampled, **model_plates.subsampled}
+        self.full_sizes = {name: size for name, (size, _) in subsampled.items()}
+        chunks = {name: _chunks(size, batch) for name, (size, batch) in sorted(subsampled.items())}
         self.combos = [dict(zip(chunks, combo)) for combo in itertools.product(*chunks.values())]
         rows = _PlateRows(self.combos[0])
         guide_trace, model_trace = self._probe(rows, rows)
@@ -291,9 +370,23 @@ class _Runner:
     # -- one unbatched run: the chunked plates and the sites ---------------------------------
 
     def _probe(self, guide_rows: _PlateRows, model_rows: _PlateRows) -> tuple[Trace, Trace]:
-        guide_trace = poutine.trace(guide_rows(self.guide)).get_trace(*self.args, **self.kwargs)
-        conditioned = poutine.condition(model_rows(self.model), data=_guide_latents(guide_trace))
-        model_trace = poutine.trace(conditioned).get_trace(*self.args, **self.kwargs)
+        try:
+            guide_trace = poutine.trace(guide_rows(self.guide)).get_trace(*self.args, **self.kwargs)
+            latents = _guide_latents(guide_trace)
+            model_rows.guide_plates = {
+                frame.name: guide_rows.plates[frame.name]
+                for name in latents
+                for frame in guide_trace.nodes[name]["cond_indep_stack"]
+                if frame.name in guide_rows.plates
+            }
+            conditioned = poutine.condition(model_rows(self.model), data=latents)
+            model_trace = poutine.trace(conditioned).get_trace(*self.args, **self.kwargs)
+        except _Refused as refused:
+            # each poutine.trace on the way out raised a copy with its trace shapes appended,
+            # from the one before: the first is the refusal as written, said once
+            while isinstance(refused.__cause__, _Refused):
+                refused = refused.__cause__
+            raise ValueError(str(refused)) from None
         return guide_trace, model_trace
 
     def _site_specs(self, guide_trace: Trace, model_trace: Trace) -> dict[str, SiteSpec]:
