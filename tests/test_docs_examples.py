@@ -833,6 +833,58 @@ def hadamard_timing(ns: dict, out: str) -> None:
     assert set(matrix.unique().tolist()) == {-1.0, 1.0}
 
 
+# The two-plate model of docs/arviz.md's "Observed sites in plates of different sizes": ya in
+# a plate of 25 rows, yb in one of 10, exported from a guide set up by one call.
+TWO_PLATES = """
+import arviz as az
+import pyro
+import pyro.distributions as dist
+import torch
+
+from pyro_quadvi import AutoMeanFieldNormal, to_inference_data
+
+generator = torch.Generator().manual_seed(0)
+xa, xb = torch.randn(25, generator=generator), torch.randn(10, generator=generator)
+ya = 1 + xa + 0.3 * torch.randn(25, generator=generator)
+yb = 1 - xb + 0.6 * torch.randn(10, generator=generator)
+
+
+def model(xa, ya, xb, yb):
+    mu = pyro.sample("mu", dist.Normal(0.0, 3.0))
+    s = pyro.sample("s", dist.HalfNormal(1.0))
+    with pyro.plate("groupA", len(ya)):
+        pyro.sample("ya", dist.Normal(mu + xa, s), obs=ya)
+    with pyro.plate("groupB", len(yb)):
+        pyro.sample("yb", dist.Normal(mu - xb, 2 * s), obs=yb)
+
+
+pyro.clear_param_store()
+pyro.set_rng_seed(0)
+guide = AutoMeanFieldNormal(model)
+guide(xa, ya, xb, yb)
+idata = to_inference_data(model, guide, xa, ya, xb, yb, num_samples=100, prior=False)
+"""
+
+
+def loo_over_both_plates(ns: dict, out: str) -> None:
+    """One observation dim of 25 + 10 rows, each site's rows as exported; its elpd_loo is the
+    sum of the two sites' (tests/test_export_loo.py computes it by hand)."""
+    idata, loo, az = ns["idata"], ns["loo"], ns["az"]
+    combined = idata.log_likelihood["y"]
+    assert combined.dims == ("chain", "draw", "obs") and combined.shape == (1, 100, 35)
+    assert (combined.values[..., 25:] == idata.log_likelihood["yb"].values).all()
+    assert loo.n_data_points == 35
+    each = sum(az.loo(idata, var_name=site).elpd_loo for site in ("ya", "yb"))
+    assert loo.elpd_loo == pytest.approx(each, abs=1e-10)
+
+
+def elbo_bound_as_printed(ns: dict, out: str) -> None:
+    """The step's -loss above the evidence, the Gauss-Hermite ELBO below it, as printed
+    (tests/test_evidence_bound.py checks the numbers against the closed form)."""
+    assert out.splitlines() == printed_claims(ns["__block__"])
+    assert ns["elbo"] < ns["log_evidence"] < -ns["loss"]
+
+
 EXAMPLES: dict[str, Example] = {
     # README.md and docs/index.md: the one-line change, on a model of the reader's
     "readme-quick-start": Example(
@@ -853,10 +905,12 @@ EXAMPLES: dict[str, Example] = {
     "arviz-obs-mask": Example(OBS_MASK, check=loo_counts_the_observed),
     "arviz-coords": Example(after="arviz-ppc", check=coords_named),
     "arviz-stack-sites": Example(STACK_SITES, check=loo_of_the_stacked_sites),
+    "arviz-loo-plates": Example(TWO_PLATES, check=loo_over_both_plates),
     # docs/elbo.md, docs/evidence.md, docs/guides.md
     "elbo-fit": Example(CONJUGATE, check=fits_the_conjugate_posterior),
     "elbo-markov-chain": Example(check=markov_chain_at_the_exact_mean_field),
     "evidence-result": Example(EVIDENCE, check=evidence_to_1e8),
+    "evidence-elbo-bound": Example(check=elbo_bound_as_printed),
     "guides-hook": Example(
         "from pyro.poutine import Trace\nfrom pyro_quadvi.guides import GuideDescription\n",
         check=guide_hook_signature,

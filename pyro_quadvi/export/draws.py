@@ -59,6 +59,7 @@ from ..infer.log_joint import (
     cuda_devices,
     model_max_plate_nesting,
 )
+from ..nn.likelihoods import DATA_PLATE
 from ..nn.module import BayesianModule
 from ..quadrature.base import format_bytes
 from ..store import follow_param_store
@@ -141,7 +142,7 @@ def all_rows_fix(model: Callable, plate: str, size: int, rows: int, given: bool)
     passed), indices the caller gave (``subsample=...``, ``given``), or a random draw
     (``subsample_size=...``). The refusals of `opqa_evidence` and `to_inference_data` end with it.
     """
-    if given and plate == "data" and isinstance(unwrap_guide(model), BayesianModule):
+    if given and plate == DATA_PLATE and isinstance(unwrap_guide(model), BayesianModule):
         return (
             f"the BayesianModule's likelihood has dataset_size={size}, so x and y of {rows} rows "
             f"are a minibatch of its data set: pass all {size} rows of x and y (or, for these "

@@ -18,6 +18,10 @@ import torch
 
 from ..optim.torch_qnvb import check_representable, where_entries
 
+DATA_PLATE = "data"
+"""The name of the plate `Likelihood.plate` puts a batch's rows in (the export and the evidence
+name it in their refusals)."""
+
 __all__ = ["Bernoulli", "Categorical", "Gaussian", "Likelihood"]
 
 NOISE_SITE = "noise_scale"
@@ -70,7 +74,7 @@ class Likelihood:
                 "takes any number of rows)"
             )
         index = torch.arange(rows, device=device)
-        return pyro.plate("data", size, subsample=index, dim=-1, device=device)
+        return pyro.plate(DATA_PLATE, size, subsample=index, dim=-1, device=device)
 
     def sample_latents(self, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         """The likelihood's own latent sites (sampled before the data plate); none by default."""
