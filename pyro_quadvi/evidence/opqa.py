@@ -46,7 +46,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.subsample_messenger import _Subsample
 from pyro.poutine.util import site_is_subsample
 
-from ..export.draws import all_rows_fix, check_guide_was_run, check_observed_not_nan
+from ..export.draws import all_rows_refusal, check_guide_was_run, check_observed_not_nan
 from ..guides.interface import unwrap_guide
 from ..guides.rows import GivenRows
 from ..infer.batched import BatchDecision, DtypeMismatch, evaluate_batch, first_line
@@ -216,7 +216,7 @@ def opqa_evidence(
         follow_param_store(unwrap_guide(guide))
     args, kwargs = _to_float64(args), _to_float64(kwargs)
     sites, device = _latent_sites_and_device(model, args, kwargs)
-    _check_sample_sites(_Float64Prior()(model), args, kwargs, model)
+    _check_sample_sites(_Float64Prior()(model), args, kwargs)
     dim = sum(site.numel for site in sites)
     if dim == 0:
         raise ValueError(
@@ -458,11 +458,11 @@ def _drawn_on(devices: dict[str, torch.device]) -> str:
     return ", ".join(f"{name!r} on {device}" for name, device in devices.items())
 
 
-def _check_sample_sites(model: Callable, args: tuple, kwargs: dict, user_model: Callable) -> None:
-    """Refuse what would change the integrand unseen: a subsampled plate (with the fix for how
-    it was subsampled: ``user_model``, the model as given, tells a `BayesianModule`'s minibatch),
-    a masked latent (the integral over it is infinite), a sample site scaled by ``poutine.scale``
-    (a tempered likelihood), observed data with NaN; each named."""
+def _check_sample_sites(model: Callable, args: tuple, kwargs: dict) -> None:
+    """Refuse what would change the integrand unseen: a plate that does not run on each of its
+    rows once (with the fix for how its rows came: `all_rows_refusal`), a masked latent (the
+    integral over it is infinite), a sample site scaled by ``poutine.scale`` (a tempered
+    likelihood), observed data with NaN; each named."""
     given = GivenRows()  # the plates whose rows the caller gave (subsample=...)
     blocked = poutine.block(given(model), hide_types=["param"])
     trace = poutine.trace(blocked).get_trace(*args, **kwargs)
@@ -471,13 +471,9 @@ def _check_sample_sites(model: Callable, args: tuple, kwargs: dict, user_model: 
             _check_latent_not_masked(name, site, trace)
     for name, site in trace.nodes.items():
         if site["type"] == "sample" and site_is_subsample(site):
-            size, rows = site["fn"].size, site["value"].numel()
-            if rows != size:
-                fix = all_rows_fix(user_model, name, size, rows, given=name in given.given)
-                raise ValueError(
-                    f"opqa_evidence: plate {name!r} is subsampled ({rows} of {size}); the "
-                    f"evidence needs the full data: {fix}"
-                )
+            refusal = all_rows_refusal(site, name in given.given, "the evidence")
+            if refusal:
+                raise ValueError(f"opqa_evidence: {refusal}")
     for name, site in trace.nodes.items():
         if site["type"] != "sample" or site_is_subsample(site):
             continue

@@ -59,12 +59,11 @@ from ..infer.log_joint import (
     cuda_devices,
     model_max_plate_nesting,
 )
-from ..nn.likelihoods import DATA_PLATE
-from ..nn.module import BayesianModule
+from ..nn.likelihoods import made_by_likelihood
 from ..quadrature.base import format_bytes
 from ..store import follow_param_store
 
-__all__ = ["Draws", "SiteSpec", "all_rows_fix", "check_observed_not_nan", "draw"]
+__all__ = ["Draws", "SiteSpec", "all_rows_refusal", "check_observed_not_nan", "draw"]
 
 _DRAW_PLATE = "_quadvi_draws"
 
@@ -135,50 +134,98 @@ class _Refused(ValueError):
     error on its way out (and the same message again, as the cause)."""
 
 
-def all_rows_fix(model: Callable, plate: str, size: int, rows: int, given: bool) -> str:
-    """How to give the plate ``plate`` (``size`` rows, ``rows`` of them in a run) all its rows,
-    by where its minibatch came from: a `BayesianModule`'s likelihood (its plate ``"data"`` of
+def all_rows_refusal(site: Mapping, given: bool, needs: str, by: str = "model") -> str | None:
+    """Why the plate of the subsample site ``site`` (a message or a trace node) does not run on
+    each of its rows once, and how to make it, by where its run's rows came from; ``None`` where
+    it does. ``needs``: who needs all the rows, ``"the evidence"`` or ``"the export"``. The rows
+    come from a `BayesianModule`'s likelihood (`made_by_likelihood`: its plate `DATA_PLATE` of
     ``dataset_size`` rows, given ``subsample=arange(B)`` for the ``B`` rows of ``x`` and ``y``
-    passed), indices the caller gave (``subsample=...``, ``given``), or a random draw
+    passed), from indices the ``by`` (``"model"`` or ``"guide"``) gives (``subsample=...``,
+    ``given``; repeated indices and indices outside the plate are named), or from a random draw
     (``subsample_size=...``). The refusals of `opqa_evidence` and `to_inference_data` end with it.
     """
-    if given and plate == DATA_PLATE and isinstance(unwrap_guide(model), BayesianModule):
+    name, size, index = site["name"], site["fn"].size, site["value"]
+    # Pyro's draws and a likelihood's arange(B) are distinct rows; indices given are read (a sync)
+    checked = given and not made_by_likelihood(site)
+    rows, wrong = len(index), _rows_not_once(index, size) if checked else ""
+    if rows == size and not wrong:
+        return None
+    plate = f"pyro.plate({name!r}, {size}, subsample=...)"
+    if wrong:
         return (
+            f"plate {name!r} is given {rows} indices of its {size} rows, {wrong}; {needs} needs "
+            f"each row once: the {by} gives them ({plate}): pass each of the {size} rows once "
+            f"(subsample=torch.arange({size})), or no subsample"
+        )
+    if not given:
+        return (
+            f"plate {name!r} is subsampled ({rows} of {size}); {needs} needs the full data: the "
+            f"plate draws {rows} of its {size} rows at random in each run "
+            f"(subsample_size={rows}): drop subsample_size (or pass subsample_size=None)"
+        )
+    if made_by_likelihood(site):
+        fix = (
             f"the BayesianModule's likelihood has dataset_size={size}, so x and y of {rows} rows "
             f"are a minibatch of its data set: pass all {size} rows of x and y (or, for these "
             f"{rows} rows alone, a likelihood with dataset_size={rows} or None)"
         )
-    if given:
-        return (
-            f"the model gives it these {rows} indices (pyro.plate({plate!r}, {size}, "
-            f"subsample=...)): pass all {size} of them (subsample=torch.arange({size})), or no "
-            "subsample"
+    else:
+        fix = (
+            f"the {by} gives it these {rows} indices ({plate}): pass all {size} of them "
+            f"(subsample=torch.arange({size})), or no subsample"
         )
-    return (
-        f"the plate draws {rows} of its {size} rows at random in each run (subsample_size={rows}): "
-        "drop subsample_size (or pass subsample_size=None)"
-    )
+    return f"plate {name!r} is given {rows} of its {size} indices; {needs} needs every row: {fix}"
+
+
+def _rows_not_once(index: torch.Tensor | list, size: int) -> str:
+    """What keeps the indices ``index`` from being distinct rows of ``0..size-1``: the rows given
+    more than once, the indices outside the plate and, where there are ``size`` or more of them,
+    the rows left out; ``""`` where none."""
+    index = torch.as_tensor(index).reshape(-1).cpu()
+    inside = (index >= 0) & (index < size)
+    counts = torch.bincount(index[inside], minlength=size)
+    found = [
+        ("row", torch.nonzero(counts > 1).flatten(), "more than once"),
+        ("index", index[~inside], f"outside 0..{size - 1}"),
+    ]
+    if len(index) >= size:
+        found.append(("row", torch.nonzero(counts == 0).flatten(), "not at all"))
+    return ", ".join(_listed(noun, x.tolist()) + " " + what for noun, x, what in found if len(x))
+
+
+def _listed(noun: str, values: list[int], most: int = 5) -> str:
+    """``"row 9"``, ``"rows 0, 3"``, ``"rows 3, 4, 5, 6, 7, ... (997 in all)"``."""
+    if len(values) == 1:
+        return f"{noun} {values[0]}"
+    plural = "indices" if noun == "index" else noun + "s"
+    more = f", ... ({len(values)} in all)" if len(values) > most else ""
+    return f"{plural} {', '.join(map(str, values[:most]))}{more}"
 
 
 class _PlateRows(Messenger):
     """Sets the subsample indices of the model's (or guide's) subsampling plates.
 
     A plate ``pyro.plate(name, N, subsample_size=B)`` whose name is in ``rows`` takes
-    ``rows[name]`` (``B`` indices) instead of a random subsample. Every plate seen is recorded in
-    ``plates`` as ``name -> (N, rows per run)``, and every subsampling plate in ``subsampled`` as
-    ``name -> (N, B)``. Refused, raising `_Refused`: a plate given its indices by the caller
-    (``subsample=...``) with fewer than ``N`` of them (its rows cannot be swept here; ``model``
-    tells the fix, `all_rows_fix`), and a plate of the model that takes another number of rows
-    per run than the guide's plate of that name in ``guide_plates`` (`_Runner._probe` sets it
-    from the guide's run: its plates that hold a latent), whose local latents would not line up
-    with the model's rows.
+    ``rows[name]`` (``B`` indices) instead of a random subsample. Every subsampling plate seen is
+    recorded in ``subsampled`` as ``name -> (N, B)``.
+
+    In a probe (`_Runner._probe`, ``by`` the ``"guide"`` or the ``"model"`` it runs), every
+    plate is recorded in ``plates`` as ``name -> (N, rows per run)``, and refused, raising
+    `_Refused`: a plate given its indices (``subsample=...``) other than each of its ``N`` rows
+    once (its rows cannot be swept here; `all_rows_refusal`), and a plate of the model that does
+    not match the guide's plate of that name in ``guide_plates`` (`_check_guide_plate`).
     """
 
-    def __init__(self, rows: Mapping[str, torch.Tensor], model: Callable | None = None):
+    def __init__(
+        self,
+        rows: Mapping[str, torch.Tensor],
+        by: str | None = None,
+        guide_plates: Mapping[str, _GuidePlate] | None = None,
+    ):
         super().__init__()
         self.rows = rows
-        self.model = model
-        self.guide_plates: dict[str, tuple[int, int]] = {}
+        self.by = by
+        self.guide_plates = guide_plates or {}
         self.plates: dict[str, tuple[int, int]] = {}
         self.subsampled: dict[str, tuple[int, int]] = {}
 
@@ -189,54 +236,79 @@ class _PlateRows(Messenger):
         name, given = msg["name"], msg["value"]
         if given is not None:
             per_run = len(given)
-            if per_run < fn.size:
-                raise _Refused(
-                    f"to_inference_data: plate {name!r} is given {per_run} of its {fn.size} "
-                    "indices; the export needs every row: "
-                    + all_rows_fix(self.model, name, fn.size, per_run, given=True)
-                )
         elif fn.subsample_size is None:
             per_run = fn.size
         else:
             per_run = min(fn.subsample_size, fn.size)
-        if name in self.guide_plates:
-            _check_guide_plate(name, self.guide_plates[name], (fn.size, per_run))
-        self.plates[name] = (fn.size, per_run)
+        if self.by is not None:
+            refusal = given is not None and all_rows_refusal(msg, True, "the export", self.by)
+            if refusal:
+                raise _Refused(f"to_inference_data: {refusal}")
+            if name in self.guide_plates:
+                _check_guide_plate(name, self.guide_plates[name], (fn.size, per_run))
+            self.plates[name] = (fn.size, per_run)
         if given is None and per_run < fn.size:
             self.subsampled[name] = (fn.size, per_run)
             if name in self.rows:
                 msg["value"] = self.rows[name]
 
 
-def _check_guide_plate(name: str, guide: tuple[int, int], model: tuple[int, int]) -> None:
-    """Refuse a plate that takes ``guide[1]`` rows per run in the guide and ``model[1]`` in the
-    model: an AutoGuide builds its plates on its first run, with that run's subsample size, and
-    keeps them whatever the model's arguments later (a guide fitted with ``subsample_size=5``,
-    exported with the model's ``subsample_size=None``)."""
-    if guide[1] == model[1]:
+@dataclass(frozen=True)
+class _GuidePlate:
+    """A plate of the guide's run, for `_check_guide_plate`: its full size, its rows per run,
+    whether it holds a latent the guide draws, and who built it, for the message."""
+
+    size: int
+    per_run: int
+    local: bool
+    built_by: str
+
+
+def _check_guide_plate(name: str, guide: _GuidePlate, model: tuple[int, int]) -> None:
+    """Refuse a plate whose rows in the model (``model``: its full size and rows per run) do not
+    match the guide's ``guide``, where that breaks the export: a plate of the guide's local
+    latents must have the same size (the guide holds those latents for the rows it was fitted
+    on, none other) and rows per run (the draws pair the guide's latents with the model's rows);
+    a plate without latents that the guide subsamples must be swept as the model's is."""
+    if (guide.size, guide.per_run) == model:
         return
 
     def rows(size: int, batch: int) -> str:
         return f"{batch} of its {size}" if batch < size else f"all {size}"
 
-    size, batch = guide
-    if batch < size:
-        fit = (
-            f"The guide was fitted on minibatches of {batch}: export with the model's arguments "
-            f"of the fit (those given to svi.step); the export then sweeps all {size} rows in "
-            f"chunks of {batch} and draws the local latents of every row (the guide holds them "
-            f"for all {size} rows, each fitted on the steps whose minibatch held it)"
+    fit = "export with the model's arguments of the fit (those given to svi.step)"
+    if not guide.local:
+        if guide.per_run == guide.size:
+            return  # the guide's run holds no latent there, and takes the plate whole
+        raise _Refused(
+            f"to_inference_data: plate {name!r} takes {rows(guide.size, guide.per_run)} rows per "
+            f"run in the guide but {rows(*model)} in the model with these arguments; the guide "
+            f"holds no latent in it ({guide.built_by}), and the export sweeps a "
+            "plate's rows once for the guide and the model: give the guide's plate the model's "
+            "size and subsample size, or leave it out of the guide (an AutoGuide's create_plates "
+            "need not return a plate that holds none of its latents)"
+        )
+    if guide.size != model[0]:
+        raise _Refused(
+            f"to_inference_data: the guide's local latents are of a plate {name!r} of "
+            f"{guide.size} rows, but the model's plate {name!r} has {model[0]} with these "
+            f"arguments: a guide of local latents holds them for the rows it was fitted on and "
+            f"for no other. {fit[0].upper() + fit[1:]}; on new data only a guide of global "
+            "latents exports (fit a guide to the new data for its local latents)"
+        )
+    if guide.per_run < guide.size:
+        how = (
+            f"The guide was fitted on minibatches of {guide.per_run}: {fit}; the export then "
+            f"sweeps all {guide.size} rows in chunks of {guide.per_run} and draws the local "
+            f"latents of every row (the guide holds them for all {guide.size} rows, each fitted "
+            "on the steps whose minibatch held it)"
         )
     else:
-        fit = (
-            f"The guide was fitted on all {size} rows: export with the model's arguments of the "
-            "fit (those given to svi.step), without subsampling"
-        )
+        how = f"The guide was fitted on all {guide.size} rows: {fit}, without subsampling"
     raise _Refused(
-        f"to_inference_data: plate {name!r} takes {rows(*guide)} rows per run in the guide but "
-        f"{rows(*model)} in the model with these arguments, so the guide's local latents do not "
-        "line up with the model's rows: an AutoGuide keeps the subsample size its plates had on "
-        f"its first run, whatever the model is given later. {fit}"
+        f"to_inference_data: plate {name!r} takes {rows(guide.size, guide.per_run)} rows per run "
+        f"in the guide but {rows(*model)} in the model with these arguments, so the guide's "
+        f"local latents do not line up with the model's rows ({guide.built_by}). {how}"
     )
 
 
@@ -336,21 +408,33 @@ def _is_deterministic(node: dict) -> bool:
     return masked_off and isinstance(layers[-1], Delta)
 
 
+def _plates_built_by(guide: Callable) -> str:
+    """Who builds the plates of ``guide``, for `_check_guide_plate`'s message."""
+    guide = unwrap_guide(guide)
+    if not isinstance(guide, AutoGuide):
+        return "the guide's own code builds its plates"
+    if getattr(guide, "create_plates", None) is None:
+        return (
+            "an AutoGuide builds its plates on its first run and keeps that run's rows per run, "
+            "whatever the model is given later"
+        )
+    return (
+        "the guide's create_plates builds its plates, or, for a plate it does not return, the "
+        "AutoGuide on its first run"
+    )
+
+
 class _Runner:
     """Runs the guide and the model for the draws of one export (see the module docstring)."""
 
     def __init__(self, model: Callable, guide: Callable, args: tuple, kwargs: dict):
         self.model, self.guide, self.args, self.kwargs = model, guide, args, kwargs
-        # a first run finds the subsampled plates, and checks the model's against the guide's
-        guide_plates = _PlateRows({}, model)
-        model_plates = _PlateRows({}, model)
-        self._probe(guide_plates, model_plates)
-        subsampled = {**guide_plates.subsampled, **model_plates.subsampled}
+        self.built_by = _plates_built_by(guide)
+        _, _, subsampled = self._probe({})  # a first run finds the subsampled plates
         self.full_sizes = {name: size for name, (size, _) in subsampled.items()}
         chunks = {name: _chunks(size, batch) for name, (size, batch) in sorted(subsampled.items())}
         self.combos = [dict(zip(chunks, combo)) for combo in itertools.product(*chunks.values())]
-        rows = _PlateRows(self.combos[0])
-        guide_trace, model_trace = self._probe(rows, rows)
+        guide_trace, model_trace, _ = self._probe(self.combos[0])
         for name in _guide_latents(guide_trace):
             if name not in model_trace.nodes:
                 model_sites = [
@@ -370,16 +454,23 @@ class _Runner:
 
     # -- one unbatched run: the chunked plates and the sites ---------------------------------
 
-    def _probe(self, guide_rows: _PlateRows, model_rows: _PlateRows) -> tuple[Trace, Trace]:
+    def _probe(self, rows: Mapping[str, torch.Tensor]) -> tuple[Trace, Trace, dict]:
+        """One run of the guide and the model at the chunks ``rows``, checking their plates
+        (`_PlateRows`): the traces, and the subsampled plates of both, ``name -> (N, B)``."""
+        guide_rows = _PlateRows(rows, by="guide")
         try:
             guide_trace = poutine.trace(guide_rows(self.guide)).get_trace(*self.args, **self.kwargs)
             latents = _guide_latents(guide_trace)
-            model_rows.guide_plates = {
-                frame.name: guide_rows.plates[frame.name]
+            local = {
+                frame.name
                 for name in latents
                 for frame in guide_trace.nodes[name]["cond_indep_stack"]
-                if frame.name in guide_rows.plates
             }
+            guide_plates = {
+                name: _GuidePlate(size, per_run, name in local, self.built_by)
+                for name, (size, per_run) in guide_rows.plates.items()
+            }
+            model_rows = _PlateRows(rows, by="model", guide_plates=guide_plates)
             conditioned = poutine.condition(model_rows(self.model), data=latents)
             model_trace = poutine.trace(conditioned).get_trace(*self.args, **self.kwargs)
         except _Refused as refused:
@@ -388,7 +479,7 @@ class _Runner:
             while isinstance(refused.__cause__, _Refused):
                 refused = refused.__cause__
             raise ValueError(str(refused)) from None
-        return guide_trace, model_trace
+        return guide_trace, model_trace, {**guide_rows.subsampled, **model_rows.subsampled}
 
     def _site_specs(self, guide_trace: Trace, model_trace: Trace) -> dict[str, SiteSpec]:
         guided = _guide_latents(guide_trace)

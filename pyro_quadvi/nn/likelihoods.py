@@ -15,12 +15,24 @@ import math
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro import poutine
 
 from ..optim.torch_qnvb import check_representable, where_entries
 
 DATA_PLATE = "data"
-"""The name of the plate `Likelihood.plate` puts a batch's rows in (the export and the evidence
-name it in their refusals)."""
+"""The name of the plate `Likelihood.plate` puts a batch's rows in."""
+
+_MADE_BY_LIKELIHOOD = "quadvi_likelihood_plate"
+"""The key `Likelihood.plate` sets (``True``) in its plate's subsample site's ``infer``."""
+
+
+def made_by_likelihood(site: dict) -> bool:
+    """Whether a plate's subsample site (a trace node or a message) is the data plate of a
+    `Likelihood`: the plate of a `BayesianModule`, of ``dataset_size`` rows, given the rows of the
+    ``x`` and ``y`` passed. The mark is on the site, so it is seen whatever wraps the module
+    (a handler, a lambda, a ``PyroModule`` holding it)."""
+    return bool(site["infer"].get(_MADE_BY_LIKELIHOOD))
+
 
 __all__ = ["Bernoulli", "Categorical", "Gaussian", "Likelihood"]
 
@@ -74,7 +86,9 @@ class Likelihood:
                 "takes any number of rows)"
             )
         index = torch.arange(rows, device=device)
-        return pyro.plate(DATA_PLATE, size, subsample=index, dim=-1, device=device)
+        # the plate's subsample site is sampled as it is built: mark it (made_by_likelihood)
+        with poutine.infer_config(config_fn=lambda msg: {_MADE_BY_LIKELIHOOD: True}):
+            return pyro.plate(DATA_PLATE, size, subsample=index, dim=-1, device=device)
 
     def sample_latents(self, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         """The likelihood's own latent sites (sampled before the data plate); none by default."""
