@@ -112,6 +112,7 @@ RUNS = {
     "given_rows": ("bench_given_rows.py", "--repeats 1", ()),
     "unscaled": ("bench_unscaled.py", "--draws 2 --seeds 1 --steps 2 --rules hadamard", ()),
     "rows_scale": ("bench_rows_scale.py", "--sizes 1000 --variants now --repeats 1 --steps 2", ()),
+    "elbo_bound": ("bench_elbo_bound.py", "--seeds 0 --steps 100 --mc-repeats 2", ()),
 }
 
 # scripts that report in prose lines, not a markdown table

@@ -872,6 +872,7 @@ def loo_over_both_plates(ns: dict, out: str) -> None:
     idata, loo, az = ns["idata"], ns["loo"], ns["az"]
     combined = idata.log_likelihood["y"]
     assert combined.dims == ("chain", "draw", "obs") and combined.shape == (1, 100, 35)
+    assert (combined.values[..., :25] == idata.log_likelihood["ya"].values).all()
     assert (combined.values[..., 25:] == idata.log_likelihood["yb"].values).all()
     assert loo.n_data_points == 35
     each = sum(az.loo(idata, var_name=site).elpd_loo for site in ("ya", "yb"))
