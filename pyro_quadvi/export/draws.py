@@ -5,7 +5,9 @@ For ``S`` draws ``theta_s ~ q`` of the guide this module computes, with the conv
 
 - the latent sites ``theta_s`` (constrained) and the model's deterministic sites,
 - the pointwise log likelihood ``log p(y_i | theta_s)`` of every observed site, without minibatch
-  scale factors (masks apply as in Pyro: a masked entry contributes 0),
+  scale factors (masks apply as in Pyro: a masked entry contributes 0), and the pointwise values
+  of the ``pyro.factor`` sites the caller names (a factor is a term of the log joint: a likelihood,
+  or a penalty, a prior or a Jacobian, which only the user can tell apart),
 - posterior predictive draws ``y_rep ~ p(y | theta_s)``: the model with its observed sites released,
   run on the same ``theta_s``,
 - optionally prior draws ``theta_s ~ p(theta)`` and prior predictive draws.
@@ -36,7 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import pyro
@@ -57,6 +59,7 @@ from ..infer.log_joint import (
     _layers,
     check_observed_not_nan,
     cuda_devices,
+    is_improper,
     model_max_plate_nesting,
 )
 from ..nn.likelihoods import made_by_likelihood
@@ -74,9 +77,11 @@ class SiteSpec:
 
     Attributes:
         name: the sample site.
-        kind: ``"latent"``, ``"deterministic"`` or ``"observed"``.
+        kind: ``"latent"``, ``"deterministic"``, ``"observed"`` or ``"factor"`` (a
+            ``pyro.factor`` site exported as a log likelihood term).
         shape: the site's value in one draw and one chunk of the subsampled plates (batch + event
-            dims; for observed sites the distribution's ``batch_shape + event_shape``).
+            dims; for observed sites the distribution's ``batch_shape + event_shape``; for a
+            factor its log factor's shape).
         batch_ndim: how many leading dims of ``shape`` are batch dims (those plates can index).
         frames: ``(plate name, dim, full size)`` of the vectorized plates the site is in; ``dim``
             counts from the right of the batch dims, as in Pyro.
@@ -126,6 +131,7 @@ class Draws:
     prior: dict[str, torch.Tensor] | None
     prior_predictive: dict[str, torch.Tensor] | None
     vectorized: bool
+    factors_left_out: tuple[str, ...] = ()
 
 
 class _Refused(ValueError):
@@ -427,7 +433,14 @@ def _plates_built_by(guide: Callable) -> str:
 class _Runner:
     """Runs the guide and the model for the draws of one export (see the module docstring)."""
 
-    def __init__(self, model: Callable, guide: Callable, args: tuple, kwargs: dict):
+    def __init__(
+        self,
+        model: Callable,
+        guide: Callable,
+        args: tuple,
+        kwargs: dict,
+        factors: str | Collection[str] | None = None,
+    ):
         self.model, self.guide, self.args, self.kwargs = model, guide, args, kwargs
         self.built_by = _plates_built_by(guide)
         _, _, subsampled = self._probe({})  # a first run finds the subsampled plates
@@ -445,7 +458,11 @@ class _Runner:
                     f"model's sample sites: {', '.join(model_sites) or 'none'}); export a guide "
                     "built from this model"
                 )
+        self.factors_left_out = _factors_left_out(model_trace, factors)
         self.sites = self._site_specs(guide_trace, model_trace)
+        self.improper = [
+            s.name for s in self.sites.values() if is_improper(model_trace.nodes[s.name]["fn"])
+        ]
         self.max_plate_nesting = max(
             model_max_plate_nesting(guide_trace), model_max_plate_nesting(model_trace)
         )
@@ -485,7 +502,7 @@ class _Runner:
         guided = _guide_latents(guide_trace)
         sites = {}
         for name, node in model_trace.nodes.items():
-            if node["type"] != "sample" or site_is_subsample(node):
+            if node["type"] != "sample" or site_is_subsample(node) or name in self.factors_left_out:
                 continue
             fn, value = node["fn"], node["value"]
             if name in guided or not node["is_observed"]:
@@ -494,8 +511,8 @@ class _Runner:
                 # pyro.deterministic makes every dim an event dim by default; plates index them
                 kind, shape = "deterministic", value.shape
                 event_ndim = 0 if fn.event_dim >= value.dim() else fn.event_dim
-            elif node["infer"].get("is_auxiliary"):
-                continue  # pyro.factor
+            elif node["infer"].get("is_auxiliary"):  # pyro.factor: its log factor, pointwise
+                kind, shape, event_ndim = "factor", fn.batch_shape, 0
             else:
                 kind, shape, event_ndim = "observed", fn.batch_shape + fn.event_shape, fn.event_dim
             frames = tuple(
@@ -608,7 +625,9 @@ class _Runner:
         latents.update(self._new(s for s in self.latents if not s.guided))
         deterministic = self._new(s for s in self.sites.values() if s.kind == "deterministic")
         observed = [self.sites[name] for name in self.observed]
-        loglik, predictive, data = self._new(observed, loglik=True), self._new(observed), {}
+        factors = [s for s in self.sites.values() if s.kind == "factor"]
+        loglik = self._new(observed + factors, loglik=True)
+        predictive, data = self._new(observed), {}
         for i, rows in enumerate(self.combos):
             model = _PlateRows(rows)(self.model)
             conditioned = poutine.condition(model, data=self._fixed(latents, rows, particles))
@@ -700,6 +719,46 @@ def _not_data(name: str) -> ValueError:
     )
 
 
+def check_factors_argument(factors: object) -> None:
+    """Refuse a ``factors`` argument of `to_inference_data` that is not ``None``, ``"all"`` or a
+    collection of site names, before any draw."""
+    if factors is None or factors == "all":
+        return
+    if isinstance(factors, str):
+        raise TypeError(
+            f"to_inference_data: factors must be None, 'all' or a collection of pyro.factor site "
+            f"names: pass factors=[{factors!r}] for the one site, got {factors!r}"
+        )
+    if not isinstance(factors, Collection) or not all(isinstance(name, str) for name in factors):
+        raise TypeError(
+            "to_inference_data: factors must be None, 'all' or a collection of pyro.factor site "
+            f"names (e.g. ['cens']), got {factors!r}"
+        )
+
+
+def _factors_left_out(model_trace: Trace, factors: str | Collection[str] | None) -> tuple[str, ...]:
+    """The ``pyro.factor`` sites of ``model_trace`` left out of the log likelihood under
+    ``factors``; names that are no factor site of the model are refused, naming those that are."""
+    model_factors = [
+        name
+        for name, node in model_trace.nodes.items()
+        if node["type"] == "sample"
+        and node["is_observed"]
+        and node["infer"].get("is_auxiliary")
+        and not _is_deterministic(node)
+    ]
+    if isinstance(factors, str):  # "all", checked by check_factors_argument
+        return ()
+    chosen = set(factors or ())
+    unknown = sorted(chosen - set(model_factors))
+    if unknown:
+        raise ValueError(
+            f"to_inference_data: factors names {unknown}, which are not pyro.factor sites of the "
+            f"model; its factor sites are {model_factors or 'none'}"
+        )
+    return tuple(name for name in model_factors if name not in chosen)
+
+
 def _values(assemblies: Mapping[str, _Assembly]) -> dict[str, torch.Tensor]:
     return {name: assembly.value for name, assembly in assemblies.items()}
 
@@ -762,6 +821,7 @@ def draw(
     prior: bool,
     vectorize: bool | None = None,
     max_bytes: int | None = None,
+    factors: str | Collection[str] | None = None,
 ) -> Draws:
     """Draw the posterior, log likelihood, posterior predictive, observed data and (with
     ``prior``) the prior and prior predictive, batched over the draws if the model allows it
@@ -771,6 +831,8 @@ def draw(
     unbatched runs at its first and last draws, and under ``True`` a disagreement raises
     `BatchMismatch` naming the ways out. Groups that would hold more than ``max_bytes`` in all
     (``None``: the memory available now, where the platform says) are refused before any draw.
+    ``factors`` names the ``pyro.factor`` sites whose values go into the log likelihood
+    (``"all"``, or names; ``None`` and ``()``: none); the others are ``Draws.factors_left_out``.
     """
     if max_bytes is not None and (
         isinstance(max_bytes, bool) or not isinstance(max_bytes, numbers.Integral) or max_bytes < 1
@@ -778,12 +840,19 @@ def draw(
         raise ValueError(
             f"to_inference_data: max_bytes must be None or an integer >= 1, got {max_bytes!r}"
         )
+    check_factors_argument(factors)
     check_guide_was_run(guide, args, kwargs)
     follow_param_store(unwrap_guide(guide))  # a restored param store's values, not stale ones
     follow_param_store(unwrap_guide(model))
     devices = cuda_devices(model, guide, args, kwargs)
     with torch.no_grad():
-        runner = _Runner(model, guide, args, kwargs)
+        runner = _Runner(model, guide, args, kwargs, factors)
+        if prior and runner.improper:
+            raise ValueError(
+                f"to_inference_data: the latent sites {runner.improper} have an ImproperUniform "
+                "prior, which has no sampler, so the prior and prior_predictive groups cannot be "
+                "drawn: pass prior=False (the posterior groups need no prior draw)"
+            )
         _check_size(runner, num_samples, prior, max_bytes)
         groups, vectorized = _all_draws(
             runner.posterior, num_samples, vectorize, "posterior", devices
@@ -797,6 +866,7 @@ def draw(
         vectorized=vectorized,
         **groups,
         **prior_groups,
+        factors_left_out=runner.factors_left_out,
     )
 
 
@@ -809,8 +879,9 @@ def _check_size(runner: _Runner, num_samples: int, prior: bool, max_bytes: int |
     values = log_likelihood = 0  # a draw of every site's value; the pointwise log likelihood
     for site in runner.sites.values():
         shape = site.full_shape(runner.full_sizes)
-        values += math.prod(shape) * site.itemsize
-        if site.kind == "observed":
+        if site.kind != "factor":  # a factor has a log likelihood and no value
+            values += math.prod(shape) * site.itemsize
+        if site.kind in ("observed", "factor"):
             log_likelihood += math.prod(shape[: site.batch_ndim]) * torch.float64.itemsize
     per_draw = (2 if prior else 1) * values + log_likelihood  # the prior's groups again
     limit, what = max_bytes, "max_bytes"

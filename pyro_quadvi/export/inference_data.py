@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from importlib.metadata import version
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ def to_inference_data(
     dims: Mapping[str, Sequence[str]] | None = None,
     vectorize: bool | None = None,
     max_bytes: int | None = None,
+    factors: str | Collection[str] | None = None,
     **kwargs: Any,
 ) -> InferenceData:
     """Export a fitted variational posterior to ArviZ: summaries, LOO, predictive checks, plots.
@@ -42,7 +44,9 @@ def to_inference_data(
     - ``posterior_predictive``: for each posterior draw, new values of the observed sites from the
       model with its observations released;
     - ``log_likelihood`` (with ``log_likelihood=True``): ``log p(y_i | theta_s)`` pointwise per
-      observation, without minibatch scale factors, as ``arviz.loo`` and ``arviz.waic`` need;
+      observation, without minibatch scale factors, as ``arviz.loo`` and ``arviz.waic`` need, and
+      the pointwise log factor of each ``pyro.factor`` site named by ``factors``, under the
+      site's name;
     - ``observed_data``: the data of the observed sites;
     - ``prior`` and ``prior_predictive`` (with ``prior=True``): draws of the model's prior.
 
@@ -77,6 +81,12 @@ def to_inference_data(
             the observed sites in the data's dtype, per posterior draw and again per prior draw,
             and the pointwise log likelihood in float64. A larger export is refused before any
             draw, naming the largest ``num_samples`` that fits.
+        factors: the ``pyro.factor`` sites whose values are log likelihood terms, exported in
+            ``log_likelihood`` under their names: a collection of site names, or ``"all"``. A
+            factor is a term of the log joint that may be a likelihood (a censored row's log
+            survival) or a penalty, a prior or a Jacobian, which only the model's author can
+            tell. ``None`` (default) exports none and warns, naming the factor sites left out
+            (LOO would count their rows' likelihood as 0); ``()`` exports none, silently.
         **kwargs: the model's keyword arguments.
 
     Returns:
@@ -85,10 +95,12 @@ def to_inference_data(
     Raises:
         RuntimeError: if the guide was never run (fit it with ``svi.step`` first).
         TypeError: before anything is drawn, for ``coords`` that are not a mapping ``dim ->
-            values``, or ``dims`` that are not a mapping ``variable -> dim names`` (str).
+            values``, ``dims`` that are not a mapping ``variable -> dim names`` (str), or
+            ``factors`` that are not ``None``, ``"all"`` or a collection of names.
         ValueError: for a bad ``num_samples``, ``dims``, ``vectorize`` or ``max_bytes``, an
             export larger than ``max_bytes``, a plate given only some of its indices by the
-            model's arguments, observed data with NaN (naming the site), an observed site whose
+            model's arguments, ``factors`` naming a site that is no ``pyro.factor`` site of the
+            model, observed data with NaN (naming the site), an observed site whose
             value changes from draw to draw (computed from the latents, naming it), or a log
             likelihood that is not finite.
         NotImplementedError: with ArviZ 1.x.
@@ -102,7 +114,19 @@ def to_inference_data(
             f"to_inference_data supports ArviZ 0.x; ArviZ {version('arviz')} is installed: "
             "install arviz<1"
         )
-    draws = draw(model, guide, args, kwargs, num_samples, prior, vectorize, max_bytes)
+    draws = draw(model, guide, args, kwargs, num_samples, prior, vectorize, max_bytes, factors)
+    if log_likelihood and factors is None and draws.factors_left_out:
+        left_out = ", ".join(map(repr, draws.factors_left_out))
+        warnings.warn(
+            f"to_inference_data: the log_likelihood group leaves out the model's pyro.factor "
+            f"sites {left_out}, so az.loo and az.waic count nothing of them. Pass "
+            f"factors=[{left_out}] (or factors='all') to export those that are likelihood terms "
+            "pointwise, and sum a factor with the observed site of its plate into one log "
+            "likelihood per row before az.loo (docs/arviz.md, 'Factor sites'); pass factors=() "
+            "where they are priors or penalties",
+            UserWarning,
+            stacklevel=2,
+        )
     if log_likelihood:
         for name, values in draws.log_likelihood.items():
             bad = ~torch.isfinite(values)

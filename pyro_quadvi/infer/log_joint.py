@@ -45,10 +45,17 @@ from typing import Protocol
 import pyro
 import torch
 from pyro import poutine
-from pyro.distributions import Delta, ExpandedDistribution, MaskedDistribution, constraints
+from pyro.distributions import (
+    Delta,
+    ExpandedDistribution,
+    ImproperUniform,
+    MaskedDistribution,
+    constraints,
+)
 from pyro.distributions.transforms import Transform
 from pyro.distributions.util import scale_and_mask, sum_rightmost
 from pyro.poutine import Trace
+from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch.distributions import Independent, biject_to
 from torch.distributions.transforms import ComposeTransform, IndependentTransform
@@ -263,10 +270,11 @@ def latent_sites_of_model(model: Callable, *args, **kwargs) -> list[LatentSite]:
     The run draws its values from the prior and only finds the sites: without Pyro's
     validation, since nothing scores these values (a ``pyro.factor`` that is not finite somewhere
     in the prior's range is the model's own business until a point lands there, where
-    `LogJoint` names the site and the point).
+    `LogJoint` names the site and the point). A prior that cannot be sampled (``ImproperUniform``)
+    gets a point of its support instead (`FeasibleImproper`), as quadrature never samples it.
     """
     check_callable("latent_sites_of_model", "model", model, "a callable Pyro model")
-    blocked = poutine.block(model, hide_types=["param"])
+    blocked = FeasibleImproper()(poutine.block(model, hide_types=["param"]))
     with pyro.validation_enabled(False):
         trace = poutine.trace(blocked).get_trace(*args, **kwargs)
     sites = []
@@ -277,6 +285,24 @@ def latent_sites_of_model(model: Callable, *args, **kwargs) -> list[LatentSite]:
         event_dim = site["fn"].event_dim + unconstrained.dim() - site["value"].dim()
         sites.append(LatentSite(name, unconstrained.shape, event_dim, transform))
     return sites
+
+
+def is_improper(fn) -> bool:
+    """Whether a site's distribution is Pyro's ``ImproperUniform`` (in any wrapper), a density
+    without a sampler."""
+    return isinstance(_innermost(fn), ImproperUniform)
+
+
+class FeasibleImproper(Messenger):
+    """Gives each latent ``ImproperUniform`` site, which cannot be sampled, the point of its
+    support at 0 in unconstrained space (as Pyro's ``init_to_feasible``, which samples first and
+    so fails there). Every other site draws from its prior as before, from the same random state.
+    """
+
+    def _pyro_sample(self, msg) -> None:
+        if msg["value"] is None and not msg["is_observed"] and is_improper(msg["fn"]):
+            transform = biject_to(msg["fn"].support)
+            msg["value"] = transform(torch.zeros(transform.inverse_shape(msg["fn"].shape())))
 
 
 def latent_nodes(trace: Trace):
