@@ -118,7 +118,11 @@ def check_latent_site(site: dict) -> None:
     if site["infer"].get("enumerate"):
         raise ValueError(
             f"latent site {name!r} is marked for enumeration; quadrature integrates continuous "
-            "latents only: marginalize it out in the model or use TraceEnum_ELBO"
+            "latents only: marginalize it out in the model, or fit with Pyro's "
+            "TraceEnum_ELBO(max_plate_nesting=...) and a guide of the other latents, built on "
+            f"the model with the enumerated sites hidden: AutoMeanFieldNormal(poutine.block("
+            f"model, hide=[{name!r}])), which QNVB updates from the gradients (docs/guides.md, "
+            "'Discrete latents: enumeration')"
         )
     if site["fn"].support.is_discrete:
         raise ValueError(
