@@ -866,6 +866,44 @@ idata = to_inference_data(model, guide, xa, ya, xb, yb, num_samples=100, prior=F
 """
 
 
+FACTORS = """
+import arviz as az
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer import SVI
+
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, to_inference_data
+
+torch.manual_seed(1)
+X = torch.randn(200, 3)
+T = torch.distributions.Exponential((-0.5 + X @ torch.tensor([0.5, -0.7, 0.3])).exp()).sample()
+C = torch.distributions.Exponential(0.35).sample((200,))
+y, d = torch.minimum(T, C), T <= C
+"""
+
+FIT_THEN_EXPORT = """pyro.clear_param_store()
+pyro.set_rng_seed(0)
+guide = AutoMeanFieldNormal(model)
+svi = SVI(model, guide, QNVB(), QuadratureELBO())
+for step in range(60):
+    svi.step(X, y, d)
+idata = to_inference_data(model, guide, X, y, d, num_samples=200, prior=False, factors=["cens"])
+"""
+
+
+def factor_rows_summed(ns: dict, out: str) -> None:
+    idata, X, y, d = ns["idata"], ns["X"], ns["y"], ns["d"]
+    a = torch.as_tensor(idata.posterior["a"].values[0], dtype=torch.float64)
+    beta = torch.as_tensor(idata.posterior["beta"].values[0], dtype=torch.float64)
+    lr = a[:, None] + beta @ X.double().T
+    rows = torch.where(d, lr - lr.exp() * y.double(), -lr.exp() * y.double())  # by hand
+    row = torch.as_tensor(idata.log_likelihood["row"].values[0])
+    torch.testing.assert_close(row, rows, rtol=1e-5, atol=1e-5)
+    assert int((~d).sum()) == 68  # the censored rows, through the factor
+    assert ns["loo"].n_data_points == 200
+
+
 def loo_over_both_plates(ns: dict, out: str) -> None:
     """One observation dim of 25 + 10 rows, each site's rows as exported; its elpd_loo is the
     sum of the two sites' (tests/test_export_loo.py computes it by hand)."""
@@ -907,6 +945,13 @@ EXAMPLES: dict[str, Example] = {
     "arviz-coords": Example(after="arviz-ppc", check=coords_named),
     "arviz-stack-sites": Example(STACK_SITES, check=loo_of_the_stacked_sites),
     "arviz-loo-plates": Example(TWO_PLATES, check=loo_over_both_plates),
+    "arviz-factors": Example(
+        FACTORS,
+        replace={
+            'idata = to_inference_data(model, guide, X, y, d, factors=["cens"])\n': FIT_THEN_EXPORT
+        },
+        check=factor_rows_summed,
+    ),
     # docs/elbo.md, docs/evidence.md, docs/guides.md
     "elbo-fit": Example(CONJUGATE, check=fits_the_conjugate_posterior),
     "elbo-markov-chain": Example(check=markov_chain_at_the_exact_mean_field),
