@@ -20,7 +20,7 @@ from pyro.distributions import constraints
 from pyro.infer import SVI
 from pyro.infer.autoguide import init_to_value
 
-from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, to_inference_data
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, opqa_evidence, to_inference_data
 
 N = 200
 
@@ -251,3 +251,17 @@ def test_enumeration_refusal_says_how():
     assert "TraceEnum_ELBO(max_plate_nesting=...)" in message
     assert "AutoMeanFieldNormal(poutine.block(model, hide=['z']))" in message
     assert "'Discrete latents: enumeration'" in message
+
+
+def test_the_evidence_refuses_an_improper_prior_by_name():
+    """The evidence integrates likelihood times prior, undefined for an ImproperUniform prior:
+    named, where Pyro's 'does not support sampling' came out of the prior's draw."""
+    y = torch.linspace(-1.0, 2.0, 20, dtype=torch.float64)
+
+    def model(y):
+        mu = pyro.sample("mu", dist.ImproperUniform(constraints.real, (), ()))
+        with pyro.plate("data", 20):
+            pyro.sample("y", dist.Normal(mu, torch.tensor(1.0, dtype=torch.float64)), obs=y)
+
+    with pytest.raises(ValueError, match="latent site 'mu' has an improper prior"):
+        opqa_evidence(model, y)

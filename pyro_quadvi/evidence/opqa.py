@@ -55,6 +55,7 @@ from ..infer.log_joint import (
     LogJoint,
     check_callable,
     cuda_devices,
+    is_improper,
     latent_sites_of_model,
 )
 from ..quadrature.hermite import gauss_hermite, orthonormal_hermite
@@ -382,6 +383,13 @@ class _Float64Prior(Messenger):
     def _pyro_sample(self, msg) -> None:
         if msg["is_observed"] or msg["value"] is not None or isinstance(msg["fn"], _Subsample):
             return
+        if is_improper(msg["fn"]):
+            raise ValueError(
+                f"opqa_evidence: latent site {msg['name']!r} has an improper prior "
+                "(ImproperUniform), and the evidence, the integral of likelihood times prior, "
+                "is defined for proper priors only. Give the site a proper prior (a wide Normal; "
+                "for ordered cut points, a Normal transformed by OrderedTransform)"
+            )
         value = msg["fn"](*msg["args"], **msg["kwargs"])
         msg["value"] = value.to(torch.float64) if value.is_floating_point() else value
         msg["done"] = True
