@@ -18,7 +18,7 @@ Each row fits `AutoMeanFieldNormal` from `pyro.set_rng_seed(0)`: QNVB() with
 * `quad loss`: the row's own training loss (`QuadratureELBO(rule).loss`, QNVB rows only), the
   mean of `--mc-repeats` evaluations, and its difference from the MC figure (negative: the training
   loss is optimistic);
-* `tau`: the median of `--draws` draws of `tau` from the guide; `null max|mean|`: the largest
+* `tau`: the median of `--draws` draws of `tau` from the guide; `null max abs mean`: the largest
   absolute posterior mean of the 17 null coefficients; `signals`: the means of the first three.
 """
 
@@ -130,7 +130,7 @@ def main() -> None:
     )
     print(
         "| form | method | -ELBO (MC) | sd of one | quad loss | quad - MC | tau | "
-        "null max|mean| | signals |"
+        "null max abs mean | signals |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     runs = [("QNVB", rule) for rule in a.rules] + [("Adam", lr) for lr in a.adam_lrs]
