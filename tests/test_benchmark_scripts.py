@@ -113,6 +113,7 @@ RUNS = {
     "unscaled": ("bench_unscaled.py", "--draws 2 --seeds 1 --steps 2 --rules hadamard", ()),
     "rows_scale": ("bench_rows_scale.py", "--sizes 1000 --variants now --repeats 1 --steps 2", ()),
     "elbo_bound": ("bench_elbo_bound.py", "--seeds 0 --steps 100 --mc-repeats 2", ()),
+    "horseshoe": ("bench_horseshoe.py", "--quick", ()),
 }
 
 # scripts that report in prose lines, not a markdown table

@@ -904,6 +904,25 @@ def factor_rows_summed(ns: dict, out: str) -> None:
     assert ns["loo"].n_data_points == 200
 
 
+def forecast_tracks_the_signal(ns: dict, out: str) -> None:
+    samples, signal, T, H = ns["samples"], ns["signal"], ns["T"], ns["H"]
+    assert samples.shape == (200, H, 1)
+    error = (samples.mean(0).squeeze(-1) - signal[T:]).abs().max().item()
+    sd = samples.std(0).squeeze(-1)
+    assert error < 0.8  # 0.46; Forecaster's unconverged default is several sds off
+    # 0.40 to 0.50: above the noise sd 0.3, far below the unconverged default's 2.6 to 4
+    assert 0.3 < sd.min().item() and sd.max().item() < 0.7
+
+
+def mixture_components_found(ns: dict, out: str) -> None:
+    draws = ns["draws"]
+    locs, w = draws["locs"].mean(0), draws["w"].mean(0)
+    # (-1.00, 2.50) and (0.65, 0.35); from the guide's default start: (-0.13, 0.76) after 300
+    torch.testing.assert_close(locs, torch.tensor([-1.0, 2.5]), atol=0.1, rtol=0)
+    assert abs(w[0].item() - 0.7) < 0.1
+    assert 0.7 < draws["scale"].mean().item() < 1.0  # 0.83; stalled fits: 1.8
+
+
 def loo_over_both_plates(ns: dict, out: str) -> None:
     """One observation dim of 25 + 10 rows, each site's rows as exported; its elpd_loo is the
     sum of the two sites' (tests/test_export_loo.py computes it by hand)."""
@@ -965,6 +984,8 @@ EXAMPLES: dict[str, Example] = {
         skip="a snippet include of examples/custom_guide.py, run by tests/test_guide_interface.py"
     ),
     "guides-reparam": Example(check=decentred_eight_schools_at_the_exact_mean_field),
+    "guides-forecast": Example(check=forecast_tracks_the_signal),
+    "guides-enumeration": Example(check=mixture_components_found),
     "guides-gp-fit": Example(skip="run, with its claims, by tests/test_user_fixes_s18_messages.py"),
     "guides-gp-median": Example(skip="run by tests/test_user_fixes_s18_messages.py"),
     "guides-gp-draws": Example(skip="run by tests/test_user_fixes_s18_messages.py"),
