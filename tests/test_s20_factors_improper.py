@@ -6,6 +6,7 @@ check of `QuadratureELBO` sampled an `ImproperUniform` prior (Pyro's bare `NotIm
 and so did the export's prior groups.
 """
 
+import math
 import re
 import warnings
 from pathlib import Path
@@ -265,3 +266,43 @@ def test_the_evidence_refuses_an_improper_prior_by_name():
 
     with pytest.raises(ValueError, match="latent site 'mu' has an improper prior"):
         opqa_evidence(model, y)
+
+
+def test_an_improper_latent_of_a_float64_model_has_its_closed_form_loss():
+    """The site-finding run's point of an ImproperUniform support takes the model's dtype: a
+    float64 model failed there with torch's bare 'addmv ... Float, Double' (the second review);
+    the loss is the closed-form negative ELBO at the start (the prior's log density is 0)."""
+    X = torch.linspace(-1.0, 1.0, 40, dtype=torch.float64).reshape(20, 2)
+    y = X @ torch.tensor([1.0, -2.0], dtype=torch.float64)
+
+    def model(X, y):
+        w = pyro.sample("w", dist.ImproperUniform(constraints.real, (), (2,)))
+        with pyro.plate("data", 20):
+            pyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)  # no mixed dtypes
+
+    pyro.clear_param_store()
+    start = {"w": torch.zeros(2, dtype=torch.float64)}
+    guide = AutoMeanFieldNormal(model, init_loc_fn=init_to_value(values=start))
+    elbo = QuadratureELBO("gauss_hermite", num_points=3, vectorize=False)  # X @ w: one by one
+    loss = SVI(model, guide, QNVB(), elbo).evaluate_loss(X, y)
+    # the Gaussian model's expected log density at the start (loc 0, scale 0.1) in closed form
+    scale2 = 0.1**2
+    expected = (y**2 + scale2 * (X**2).sum(-1)).sum() / 2 + 20 * 0.5 * math.log(2 * math.pi)
+    entropy = 2 * (0.5 * math.log(2 * math.pi * math.e * scale2))
+    assert loss == pytest.approx(float(expected) - entropy, rel=1e-9)
+
+
+def test_a_guide_drawing_its_start_from_an_improper_prior_is_named():
+    """AutoMeanFieldNormal's default init_loc_fn samples the prior: the ImproperUniform site is
+    named, with init_to_value as the fix (Pyro's 'does not support sampling' named none)."""
+    y = torch.linspace(-1.0, 2.0, 20)
+
+    def model(y):
+        mu = pyro.sample("mu", dist.ImproperUniform(constraints.real, (), ()))
+        with pyro.plate("data", 20):
+            pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    pyro.clear_param_store()
+    svi = SVI(model, AutoMeanFieldNormal(model), QNVB(), QuadratureELBO())
+    with pytest.raises(ValueError, match=r"\['mu'\] have an improper prior.*init_to_value"):
+        svi.step(y)

@@ -96,12 +96,14 @@ class LatentSite:
         shape: its unconstrained shape in one run of the model (batch + event).
         event_dim: number of rightmost dims of ``shape`` that are event dims.
         transform: ``biject_to(support)``, unconstrained to constrained.
+        improper: whether its prior is an ``ImproperUniform`` (a density without a sampler).
     """
 
     name: str
     shape: torch.Size
     event_dim: int
     transform: Transform
+    improper: bool = False
 
     @property
     def numel(self) -> int:
@@ -278,7 +280,12 @@ def latent_sites_of_model(model: Callable, *args, **kwargs) -> list[LatentSite]:
     gets a point of its support instead (`FeasibleImproper`), as quadrature never samples it.
     """
     check_callable("latent_sites_of_model", "model", model, "a callable Pyro model")
-    blocked = FeasibleImproper()(poutine.block(model, hide_types=["param"]))
+    like = next((t for t in tensors_in(args, kwargs) if t.is_floating_point()), None)
+    feasible = FeasibleImproper(
+        torch.get_default_dtype() if like is None else like.dtype,
+        torch.device("cpu") if like is None else like.device,
+    )
+    blocked = feasible(poutine.block(model, hide_types=["param"]))
     with pyro.validation_enabled(False):
         trace = poutine.trace(blocked).get_trace(*args, **kwargs)
     sites = []
@@ -287,7 +294,8 @@ def latent_sites_of_model(model: Callable, *args, **kwargs) -> list[LatentSite]:
         transform = unconstraining_bijection(site)
         unconstrained = transform.inv(site["value"].detach())
         event_dim = site["fn"].event_dim + unconstrained.dim() - site["value"].dim()
-        sites.append(LatentSite(name, unconstrained.shape, event_dim, transform))
+        improper = is_improper(site["fn"])
+        sites.append(LatentSite(name, unconstrained.shape, event_dim, transform, improper))
     return sites
 
 
@@ -301,12 +309,20 @@ class FeasibleImproper(Messenger):
     """Gives each latent ``ImproperUniform`` site, which cannot be sampled, the point of its
     support at 0 in unconstrained space (as Pyro's ``init_to_feasible``, which samples first and
     so fails there). Every other site draws from its prior as before, from the same random state.
+    The point takes the floating dtype and the device of the model's first floating tensor
+    argument (the default dtype on the CPU without one): an ``ImproperUniform`` has no parameters
+    of its own to take them from.
     """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.dtype, self.device = dtype, device
 
     def _pyro_sample(self, msg) -> None:
         if msg["value"] is None and not msg["is_observed"] and is_improper(msg["fn"]):
             transform = biject_to(msg["fn"].support)
-            msg["value"] = transform(torch.zeros(transform.inverse_shape(msg["fn"].shape())))
+            shape = transform.inverse_shape(msg["fn"].shape())
+            msg["value"] = transform(torch.zeros(shape, dtype=self.dtype, device=self.device))
 
 
 def latent_nodes(trace: Trace):
@@ -1207,27 +1223,28 @@ def _not_finite(
     )
 
 
-def cuda_devices(*objects) -> list[int]:
-    """The indices of the CUDA devices that hold the tensors among ``objects``: tensors, the
-    parameters and buffers of ``torch.nn.Module`` s, and those inside lists, tuples and dicts (a
-    model's arguments). Empty on a machine without CUDA: what
-    ``torch.random.fork_rng(devices=...)`` takes to fork the random states a model's run draws
-    from, the CPU's and those of the devices its tensors live on."""
-    found: set[int] = set()
-    pending = list(objects)
+def tensors_in(*objects):
+    """The tensors among ``objects``, in order: tensors, the parameters and buffers of
+    ``torch.nn.Module`` s, and those inside lists, tuples and dicts (a model's arguments)."""
+    pending = list(reversed(objects))
     while pending:
         item = pending.pop()
         if isinstance(item, torch.Tensor):
-            if item.device.type == "cuda":
-                found.add(item.device.index)
+            yield item
         elif isinstance(item, torch.nn.Module):
-            pending.extend(item.parameters())
-            pending.extend(item.buffers())
+            pending.extend(reversed([*item.parameters(), *item.buffers()]))
         elif isinstance(item, list | tuple):
-            pending.extend(item)
+            pending.extend(reversed(item))
         elif isinstance(item, dict):
-            pending.extend(item.values())
-    return sorted(found)
+            pending.extend(reversed(list(item.values())))
+
+
+def cuda_devices(*objects) -> list[int]:
+    """The indices of the CUDA devices that hold the tensors among ``objects`` (`tensors_in`).
+    Empty on a machine without CUDA: what ``torch.random.fork_rng(devices=...)`` takes to fork
+    the random states a model's run draws from, the CPU's and those of the devices its tensors
+    live on."""
+    return sorted({t.device.index for t in tensors_in(*objects) if t.device.type == "cuda"})
 
 
 @dataclass(frozen=True)

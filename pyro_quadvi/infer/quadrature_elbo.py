@@ -77,6 +77,7 @@ from .batched import (
     BatchDecision,
     DecisionCache,
     evaluate_batch,
+    first_line,
     is_broadcast_error,
     product_advice,
 )
@@ -206,7 +207,7 @@ class PointsELBO(ELBO):
             # (the CPU's state, and the CUDA devices' that the model's tensors live on)
             devices = cuda_devices(model, args, kwargs)
             with torch.random.fork_rng(devices=devices):
-                latent_sites_of_model(model, *args, **kwargs)
+                sites = latent_sites_of_model(model, *args, **kwargs)
             state = RandomState.get(devices)
         # a restored param store holds other tensors than a guide's plain nn.Parameters (an
         # AutoDiagonalNormal's loc) or a PyroModule model's: they take the store's values and
@@ -215,6 +216,16 @@ class PointsELBO(ELBO):
         follow_param_store(unwrap_guide(model))
         try:
             guide_trace = trace_for_description(guide, *args, **kwargs)
+        except NotImplementedError as error:  # an init_loc_fn drawing from an improper prior?
+            improper = [site.name for site in sites if site.improper] if set_up else []
+            if improper:
+                raise ValueError(
+                    f"{type(self).__name__}: latent site(s) {improper} have an improper prior "
+                    "(ImproperUniform), which cannot be sampled, and the guide's init_loc_fn "
+                    f"draws its start from the prior ({first_line(error)}): pass "
+                    "init_loc_fn=init_to_value(values={...}) with a point of each site's support"
+                ) from error
+            raise
         except ValueError as error:  # Pyro's validation, at the set-up's initial values?
             if set_up and not is_broadcast_error(error):
                 name_the_invalid_initial_site(auto_guide, args, kwargs, error, state)
