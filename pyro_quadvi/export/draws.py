@@ -511,7 +511,7 @@ class _Runner:
                 # pyro.deterministic makes every dim an event dim by default; plates index them
                 kind, shape = "deterministic", value.shape
                 event_ndim = 0 if fn.event_dim >= value.dim() else fn.event_dim
-            elif node["infer"].get("is_auxiliary"):  # pyro.factor: its log factor, pointwise
+            elif _is_factor(node):  # its log factor, pointwise
                 kind, shape, event_ndim = "factor", fn.batch_shape, 0
             else:
                 kind, shape, event_ndim = "observed", fn.batch_shape + fn.event_shape, fn.event_dim
@@ -736,16 +736,23 @@ def check_factors_argument(factors: object) -> None:
         )
 
 
+def _is_factor(node: dict) -> bool:
+    """Whether an observed sample site is a ``pyro.factor`` (Pyro marks it auxiliary), not a
+    value the model computes (`_is_deterministic`): the sites ``factors`` chooses from."""
+    return (
+        node["is_observed"]
+        and bool(node["infer"].get("is_auxiliary"))
+        and not _is_deterministic(node)
+    )
+
+
 def _factors_left_out(model_trace: Trace, factors: str | Collection[str] | None) -> tuple[str, ...]:
     """The ``pyro.factor`` sites of ``model_trace`` left out of the log likelihood under
     ``factors``; names that are no factor site of the model are refused, naming those that are."""
     model_factors = [
         name
         for name, node in model_trace.nodes.items()
-        if node["type"] == "sample"
-        and node["is_observed"]
-        and node["infer"].get("is_auxiliary")
-        and not _is_deterministic(node)
+        if node["type"] == "sample" and _is_factor(node)
     ]
     if isinstance(factors, str):  # "all", checked by check_factors_argument
         return ()
