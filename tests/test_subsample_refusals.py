@@ -145,6 +145,9 @@ def test_indices_that_are_not_each_row_once_are_refused(store):
     assert message == "opqa_evidence: " + wrong.format("the evidence")
     message = refusal(lambda: to_inference_data(model_given_rows, guide, y, repeated))
     assert message == "to_inference_data: " + wrong.format("the export")
+    zeros = torch.zeros(10, dtype=torch.long)  # row 0 ten times: the rows left out, shortened
+    message = refusal(lambda: opqa_evidence(model_given_rows, y, zeros))
+    assert "row 0 more than once, rows 1, 2, 3, 4, 5, ... (9 in all) not at all;" in message
     outside = torch.tensor([-1, 0, 1, 2, 3])  # y[-1] is row 9, the plate's indices are 0..9
     message = refusal(lambda: opqa_evidence(model_given_rows, y, outside))
     assert "plate 'data' is given 5 indices of its 10 rows, index -1 outside 0..9;" in message
