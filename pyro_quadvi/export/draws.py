@@ -443,11 +443,12 @@ class _Runner:
     ):
         self.model, self.guide, self.args, self.kwargs = model, guide, args, kwargs
         self.built_by = _plates_built_by(guide)
-        _, _, subsampled = self._probe({})  # a first run finds the subsampled plates
+        # a first run finds the subsampled plates and checks every plate's rows
+        _, _, subsampled = self._probe({}, check=True)
         self.full_sizes = {name: size for name, (size, _) in subsampled.items()}
         chunks = {name: _chunks(size, batch) for name, (size, batch) in sorted(subsampled.items())}
         self.combos = [dict(zip(chunks, combo)) for combo in itertools.product(*chunks.values())]
-        guide_trace, model_trace, _ = self._probe(self.combos[0])
+        guide_trace, model_trace, _ = self._probe(self.combos[0], check=False)
         for name in _guide_latents(guide_trace):
             if name not in model_trace.nodes:
                 model_sites = [
@@ -471,10 +472,12 @@ class _Runner:
 
     # -- one unbatched run: the chunked plates and the sites ---------------------------------
 
-    def _probe(self, rows: Mapping[str, torch.Tensor]) -> tuple[Trace, Trace, dict]:
-        """One run of the guide and the model at the chunks ``rows``, checking their plates
-        (`_PlateRows`): the traces, and the subsampled plates of both, ``name -> (N, B)``."""
-        guide_rows = _PlateRows(rows, by="guide")
+    def _probe(self, rows: Mapping[str, torch.Tensor], check: bool) -> tuple[Trace, Trace, dict]:
+        """One run of the guide and the model at the chunks ``rows``, with ``check`` checking
+        their plates (`_PlateRows`; the rows given and the plates' sizes are the same in every
+        probe, so the first checks them): the traces, and the subsampled plates of both,
+        ``name -> (N, B)``."""
+        guide_rows = _PlateRows(rows, by="guide" if check else None)
         try:
             guide_trace = poutine.trace(guide_rows(self.guide)).get_trace(*self.args, **self.kwargs)
             latents = _guide_latents(guide_trace)
@@ -487,7 +490,7 @@ class _Runner:
                 name: _GuidePlate(size, per_run, name in local, self.built_by)
                 for name, (size, per_run) in guide_rows.plates.items()
             }
-            model_rows = _PlateRows(rows, by="model", guide_plates=guide_plates)
+            model_rows = _PlateRows(rows, by="model" if check else None, guide_plates=guide_plates)
             conditioned = poutine.condition(model_rows(self.model), data=latents)
             model_trace = poutine.trace(conditioned).get_trace(*self.args, **self.kwargs)
         except _Refused as refused:
