@@ -73,6 +73,7 @@ from ..guides.mean_field import RunStamp, last_run_stamp
 from ..store import detached_parameters
 from .annealing import anneal_likelihood, annealing_factor, check_schedule
 from .qnvb_functional import (
+    COUNT_KINDS,
     IDLE_STEPS_REFUSED,
     QNVB_IDLE,
     QNVBHyperparameters,
@@ -92,6 +93,7 @@ from .qnvb_functional import (
     qnvb_update_many,
     result_counts,
 )
+from .torch_qnvb import check_precision, check_representable
 
 __all__ = [
     "FAMILY_UPDATES",
@@ -360,6 +362,38 @@ class QNVBBlock:
     run: RunStamp | None = None
 
 
+def _check_dtype(item: _Prepared) -> None:
+    """Refuse a block whose loc is narrower than float32 (`check_precision`, the refusal of
+    `QNVBOptimizer`) and settings beyond the range of its dtype (`check_representable`:
+    ``sigma_max=1e40`` in float32), naming the site; once per group of blocks and step."""
+    loc, label = item.values["loc"], f"site {item.site.name!r}"
+    check_precision(loc, label, "QNVB")
+    check_representable(f"QNVB ({label}): ", "sigma_max", item.hp.sigma_max, loc.dtype)
+
+
+#: how far below the root mean square of a block's past total gradients (``sqrt(s_avg)``) its
+#: current one must be for `_held_coordinates`
+HELD_GRADIENT_RATIO = 1e4
+
+
+def _held_coordinates(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Where a block's mean is held nearly still by one past step (``docs/qnvb.md``,
+    "A frozen start"): its curvature average is positive and one step holds most of its mean
+    square (``h2_avg > count h_avg^2 / 2``: for ``n`` similar values ``h2_avg`` is about
+    ``h_avg^2``, for one value among ``n`` near-zero ones ``n h_avg^2``), and the current total
+    gradient is below `HELD_GRADIENT_RATIO` of the root mean square of the past ones, which caps
+    the mean's step (rule 7, ``g / max(H, sqrt(s_avg) / lr)``). A coordinate whose gradient is
+    exactly 0 (a dead unit) is not held: it has nowhere to go."""
+    n, h, grad = state["curvature_count"], state["h_avg"], state["last_grad"]
+    one_step = (n >= 3) & (h > 0) & (state["h2_avg"] > 0.5 * n * h * h)
+    return one_step & (grad != 0) & (state["s_avg"] > HELD_GRADIENT_RATIO**2 * grad * grad)
+
+
+def _is_decade(step: int) -> bool:
+    """Whether ``step`` is 10, 100, 1000, ...: when QNVB looks for held means."""
+    return step >= 10 and str(step).rstrip("0") == "1"
+
+
 def _row_index(shape: torch.Size, rows: dict[int, torch.Tensor] | None) -> tuple | None:
     """An outer-product index selecting ``rows[dim]`` along each subsampled dim (None: all)."""
     if not rows:
@@ -402,6 +436,37 @@ def _one_gradient(name: str, loc_leaf: torch.Tensor) -> str:
         f"QNVB: site {name!r} has a gradient on only one of its loc and scale (is the other "
         "frozen or detached?); both go to the fallback optimizer"
     )
+
+
+def _held_message(name: str, item: _Prepared, held: int, ratio: float) -> str:
+    """The warning of a site whose mean is held by one past step (`QNVB._warn_if_held`)."""
+    beta2 = item.hp.betas[1]
+    return (
+        f"QNVB: site {name!r}: its mean is held nearly still by one past step. At {held} of its "
+        f"{item.site.params['loc'].numel()} coordinates the running averages of the squared "
+        f"gradient and of the curvature (betas[1]={beta2:g}: over up to {1 / (1 - beta2):.0f} "
+        f"steps) are dominated by one earlier step whose gradient was up to {ratio:.3g} times "
+        "the current one: an overflowing start, such as an exp link whose first nodes met "
+        "unscaled inputs (a loss of 1e40 at step 1). The mean's steps are divided by that "
+        "step's gradient or curvature, so the loss stays where it is for hundreds of steps, "
+        "and sigma stays where that curvature put it (at sigma_min, say). Start closer "
+        "(the guide's init_loc_fn=init_to_value(values={...}), or a smaller init_scale), "
+        "rescale the inputs, or let the averages forget faster: betas=(0, 0.9)"
+    )
+
+
+def _unresolved_words(item: _Prepared) -> str:
+    """``"|mu| up to 1e+03, sigma down to 1e-06, float32"``: a site's coordinates whose nodes
+    the dtype does not resolve (rule 12), read from its parameters after the step (a warning's
+    words; a host read)."""
+    site = item.site
+    loc = site.params["loc"].detach()
+    sigma = transform_to(site.param_constraints["scale"])(site.params["scale"].detach())
+    unresolved = sigma < loc.abs() * torch.finfo(loc.dtype).eps
+    if not bool(unresolved.any()):  # sigma widened past it in this step: all coordinates
+        unresolved = torch.ones_like(unresolved)
+    top, low = loc.abs()[unresolved].max().item(), sigma[unresolved].min().item()
+    return f"|mu| up to {top:.3g}, sigma down to {low:.3g}, {loc.dtype}"
 
 
 def settings_words(settings, defaults, skip: tuple[str, ...] = ()) -> list[str]:
@@ -750,7 +815,11 @@ class QNVB(PyroOptim):
             self._warn_if_annealing_elsewhere(prepared)
         self._update_prepared(prepared, counts)
         table = None if part_of_step else self._refuse_if_nothing_updated(params, prepared, counts)
-        for message in count_messages(counts, self._warned, table):
+        table = self._warn_if_held(prepared, counts, table)
+        by_label = {f"site {item.site.name!r}": item for item in prepared}
+        for message in count_messages(
+            counts, self._warned, table, lambda i: _unresolved_words(by_label[counts[i][0]])
+        ):
             warnings.warn(f"QNVB: {message} (this warning is shown once)", RuntimeWarning, 2)
         rest = [p for p in params if id(p) not in paired]
         if params and not blocks and not explained:  # a refused block said why (_prepare_block)
@@ -758,6 +827,35 @@ class QNVB(PyroOptim):
         if rest:
             self._guarded_fallback(rest, *args, **kwargs)
         self.num_steps += 1
+
+    def _warn_if_held(
+        self, prepared: list[_Prepared], counts: list, table: list[list[int]] | None
+    ) -> list[list[int]] | None:
+        """Warn once per site whose mean is held nearly still by one past step
+        (`_held_coordinates`), looked for at steps 10, 100, 1000, ... and at the step that would
+        first warn of a sigma pinned at ``sigma_min`` (a held start pins it there: its warning,
+        whose advice to lower ``sigma_min`` would be wrong, is then replaced by this one).
+        Returns the step's counts table, read here if it was needed and not read yet."""
+        pinned_low = False
+        if "num_sigma_min" not in self._warned and counts:
+            table = count_table(counts) if table is None else table
+            column = COUNT_KINDS.index("num_sigma_min")
+            pinned_low = any(row[column] for row in table)
+        if not (pinned_low or _is_decade(self.num_steps + 1)):
+            return table
+        for item in prepared:
+            name = item.site.name
+            if f"held {name}" in self._warned:
+                continue
+            held = _held_coordinates(item.state)
+            if not bool(held.any()):
+                continue
+            grad, s_avg = item.state["last_grad"][held], item.state["s_avg"][held]
+            ratio = (s_avg.sqrt() / grad.abs()).max().item()
+            self._warn_once(f"held {name}", _held_message(name, item, int(held.sum()), ratio))
+            if pinned_low:
+                self._warned.add("num_sigma_min")
+        return table
 
     def _refuse_if_nothing_updated(
         self, params: list[torch.Tensor], prepared: list[_Prepared], counts: list
@@ -1104,10 +1202,12 @@ class QNVB(PyroOptim):
                 key = (item.site.family, item.hp, constraint, loc.dtype, loc.device)
                 together.setdefault(key, []).append(item)
             else:
+                _check_dtype(item)
                 update = FAMILY_UPDATES[item.site.family]
                 new_values, result = update(item.values, item.g, item.h, item.old, item.hp)
                 self._finish_block(item, new_values, result, counts)
         for (family, hp, constraint, _, _), items in together.items():
+            _check_dtype(items[0])  # one dtype for the group
             transform = transform_to(constraint)
             _constrain([item for item in items if "scale" not in item.values], transform)
             outcomes = _FAMILY_BATCH_UPDATES[family](

@@ -61,6 +61,11 @@ update's rules, each measured", gives the test and the benchmark row behind each
     ``g^2`` beyond the dtype's range while ``g`` is finite), keeps its mean, scale and state; the
     two causes are counted apart. The counts stay 0-d tensors: the update never synchronizes
     with the host.
+12. **Resolution** (counted, nothing changed): the coordinates whose ``sigma`` (that of the
+    nodes this step's ``g`` and ``h`` came from) is below ``eps |mu|``, ``eps`` the dtype's
+    machine epsilon: their nodes ``mu + sigma x_k`` lie within about one spacing of the dtype
+    from ``mu`` (in float32 at a mean of 1000 every node rounds to ``mu`` itself below
+    ``sigma = 3e-5``), so ``h``, a difference of gradients over ``sigma``, is rounding: 0, or noise.
 
 **Inputs.** Every tensor has the mean's shape (nothing broadcasts: a ``g`` of shape ``(1,)``
 would move every coordinate, one of shape ``(3, 1)`` grow a ``(3,)`` mean field to ``(3, 3)``),
@@ -114,6 +119,7 @@ __all__ = [
     "COUNT_KINDS",
     "DONATABLE",
     "IDLE_STEPS_REFUSED",
+    "PER_LABEL_KINDS",
     "QNVB_IDLE",
     "IdleWords",
     "QNVBHyperparameters",
@@ -409,6 +415,8 @@ class QNVBResult(NamedTuple):
             ``sigma_max`` by this step, or whose curvature (taken, not held) asks for a wider
             ``sigma`` than ``sigma_max``: the curvature floor holds their ``sigma`` at
             ``sigma_max``.
+        num_unresolved: coordinates whose input ``sigma`` is below ``eps |mu|`` (rule 12): the
+            dtype does not resolve their nodes from the mean.
     """
 
     mu: torch.Tensor
@@ -418,10 +426,16 @@ class QNVBResult(NamedTuple):
     num_overflow: torch.Tensor
     num_sigma_min: torch.Tensor
     num_sigma_max: torch.Tensor
+    num_unresolved: torch.Tensor
 
 
-COUNT_KINDS = ("num_nonfinite", "num_overflow", "num_sigma_min", "num_sigma_max")
-"""The counts of a `QNVBResult` that an optimizer reports (once each)."""
+COUNT_KINDS = ("num_nonfinite", "num_overflow", "num_sigma_min", "num_sigma_max", "num_unresolved")
+"""The counts of a `QNVBResult` that an optimizer reports: once each, and
+``"num_unresolved"`` once per tensor (`count_messages`)."""
+
+PER_LABEL_KINDS = frozenset({"num_unresolved"})
+"""The `COUNT_KINDS` reported once per labelled tensor (a site, a parameter) rather than once:
+what to do about one depends on that tensor's scale (`count_messages`)."""
 
 
 def or_float64(advice: str, dtypes: Iterable[torch.dtype], sep: str = " or ") -> str:
@@ -449,7 +463,19 @@ def _count_message(kind: str, hp: QNVBHyperparameters, dtype: torch.dtype, where
     if kind == "num_sigma_min":
         return (
             f"sigma pinned at sigma_min={hp.sigma_min:g} at {where}: the curvature asks for a "
-            "smaller sigma; lower sigma_min if that is wanted"
+            "smaller sigma. Lower sigma_min if a posterior sd below it is expected; if the loss "
+            "was huge at the first steps (an overflowing start), the curvature averages still "
+            "hold those steps instead: start closer, rescale the inputs, or betas=(0, 0.9)"
+        )
+    if kind == "num_unresolved":
+        resolves = 1.0 / torch.finfo(dtype).eps
+        advice = "Centre or rescale the latent (fit its offset from a known value)"
+        return (
+            f"the nodes mu + sigma * x_k round back to (near) mu at {where}: sigma is below "
+            f"{dtype}'s spacing at the mean (sigma < |mu| / {resolves:.3g}), so the curvature "
+            "read from the nodes is 0 or rounding noise, and sigma holds or goes wrong (in "
+            "float32, a posterior sd of 1e-6 at a mean of 1000 came out 5 to 18 times too wide). "
+            f"{or_float64(advice, [dtype])}"
         )
     return (
         f"sigma pinned at sigma_max={hp.sigma_max:g}, or rising to it at the scale rate limit "
@@ -488,24 +514,44 @@ def count_messages(
     counts: list[tuple[str, QNVBHyperparameters, torch.dtype, torch.Tensor]],
     warned: set[str],
     table: list[list[int]] | None = None,
+    detail: Callable[[int], str] | None = None,
 ) -> list[str]:
-    """One message per kind of `COUNT_KINDS` not yet in ``warned`` that occurred.
+    """One message per kind of `COUNT_KINDS` not yet in ``warned`` that occurred, and per
+    tensor for the `PER_LABEL_KINDS`.
 
     Args:
         counts: per updated tensor, a label (``"site 'w'"``), its hyperparameters, its dtype
             (which says whether float64 is advice) and its `result_counts`.
-        warned: the kinds already reported; the kinds reported now are added to it.
+        warned: the kinds already reported (``"num_unresolved site 'w'"`` for a kind reported
+            per tensor); the kinds reported now are added to it.
         table: the counts already read to the host (`count_table`), or ``None`` to read them here.
+        detail: ``detail(i)``, words on the ``i``-th tensor's unresolved coordinates (its mean's
+            magnitude and sigma), called only for a message of `PER_LABEL_KINDS`.
 
-    The counts stay on the device until a kind is still to be reported; then one copy to the host
-    (a single sync) reads them all. Each message names the first tensor concerned and the total.
+    The counts are read to the host only where the caller has not (``table``) and a kind may
+    still be reported (one copy, a single sync). Each message names the first tensor concerned
+    and the total; a per-tensor one names its tensor.
     """
-    if warned.issuperset(COUNT_KINDS) or not counts:
+    if not counts:
         return []
     if table is None:
+        if warned.issuperset(set(COUNT_KINDS) - PER_LABEL_KINDS) and all(
+            f"{kind} {label}" in warned for kind in PER_LABEL_KINDS for label, *_ in counts
+        ):
+            return []
         table = count_table(counts)
     messages = []
     for column, kind in enumerate(COUNT_KINDS):
+        if kind in PER_LABEL_KINDS:
+            for i, (row, (label, hp, dtype, _)) in enumerate(zip(table, counts)):
+                key = f"{kind} {label}"
+                if row[column] and key not in warned:
+                    warned.add(key)
+                    where = f"{row[column]} coordinates of {label}"
+                    if detail is not None:
+                        where += f" ({detail(i)})"
+                    messages.append(_count_message(kind, hp, dtype, where))
+            continue
         rows = [(row[column], *info) for row, (*info, _) in zip(table, counts) if row[column]]
         if kind in warned or not rows:
             continue
@@ -823,8 +869,15 @@ def _reference_rules(
         finite_input & ~updated,
         updated & (limited < hp.sigma_min) & narrower,
         updated & ((limited > hp.sigma_max) | wider),
+        _unresolved(mu, sigma),  # rule 12
     )
     return new_mu, new_sigma, new_state, masks
+
+
+def _unresolved(mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """Rule 12: where ``sigma < eps |mu|`` (``eps``: the dtype's machine epsilon), the nodes
+    ``mu + sigma x_k`` lie within about one spacing of the dtype from ``mu``. Three passes."""
+    return torch.gt(mu.abs().mul_(torch.finfo(mu.dtype).eps), sigma)
 
 
 #: the update through ``torch.compile``, made on first use: "per tensor" (`_reference_update`) and
@@ -887,8 +940,10 @@ def _flat_update(
 
     Returns:
         The new mean, scale and eight state fields before the guard (rule 11), the rate-limited
-        scale before its bounds (rule 10: ``limited``) and where the curvature asks for a wider
-        scale than ``sigma_max`` (``wider``), from which the caller counts the bounds.
+        scale before its bounds (rule 10: ``limited``), where the curvature asks for a wider
+        scale than ``sigma_max`` (``wider``) and a smaller one than ``sigma_min``
+        (``narrower``), from which the caller counts the bounds, and where the dtype does not
+        resolve the nodes from the mean (rule 12: ``unresolved``).
     """
     beta1, beta2 = hp.betas
     unit_weight = _is_number(weight, 1.0)
@@ -1003,7 +1058,7 @@ def _flat_update(
         del travelled
 
     news = (new_mu, new_sigma, g_avg, s_avg, h_avg, h2_avg, count, curvature_count, grad, damping)
-    return news, limited, wider, narrower
+    return news, limited, wider, narrower, _unresolved(mu, sigma)
 
 
 def _add_to_probe(probe: torch.Tensor, values) -> torch.Tensor:
@@ -1064,27 +1119,29 @@ def _chunk_counts(
     limited: torch.Tensor,
     wider: torch.Tensor,
     narrower: torch.Tensor,
+    unresolved: torch.Tensor,
     sizes: list[int],
     probes: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
-    """The `COUNT_KINDS` of a chunk, per segment of ``sizes``, ``(segments, 4)``, from
-    `_flat_update`'s ``limited``, ``wider`` and ``narrower`` and, where the guard kept a
-    coordinate, its ``probes`` (of ``g`` and ``h``, and of them and the results); ``None``: it
-    kept none (the first two kinds are then 0, and every coordinate was updated). A sigma
-    raised to ``sigma_min`` whose curvature asks for more (one started below it, raised by the
-    rate limit alone) is not pinned by the curvature: not counted."""
+    """The `COUNT_KINDS` of a chunk, per segment of ``sizes``, ``(segments, 5)``, from
+    `_flat_update`'s ``limited``, ``wider``, ``narrower`` and ``unresolved`` and, where the
+    guard kept a coordinate, its ``probes`` (of ``g`` and ``h``, and of them and the results);
+    ``None``: it kept none (the first two kinds are then 0, and every coordinate was updated). A
+    sigma raised to ``sigma_min`` whose curvature asks for more (one started below it, raised by
+    the rate limit alone) is not pinned by the curvature: not counted."""
     pinned = (
         (limited < hp.sigma_min).logical_and_(narrower),
         (limited > hp.sigma_max).logical_or_(wider),
     )
     if probes is None:
-        return torch.nn.functional.pad(_segment_counts(pinned, sizes), (2, 0))
+        return torch.nn.functional.pad(_segment_counts((*pinned, unresolved), sizes), (2, 0))
     finite_input, updated = (probe == 0 for probe in probes)
     masks = (
         ~finite_input,
         finite_input & ~updated,
         pinned[0].logical_and_(updated),
         pinned[1].logical_and_(updated),
+        unresolved,
     )
     return _segment_counts(masks, sizes)
 
@@ -1221,7 +1278,7 @@ def qnvb_update_many(
     for index, pieces in enumerate(chunks):
         start, stop = index * chunk, min((index + 1) * chunk, total)
         olds = [read(start, stop, pieces) for read in readers]
-        news, limited, wider, narrower = _flat_update(
+        news, limited, wider, narrower, unresolved = _flat_update(
             *olds[:4], QNVBState(*olds[4:]), hp, weight, prior_precision
         )
         g, h, olds = olds[2], olds[3], olds[:2] + olds[4:]  # olds: those of the results
@@ -1246,7 +1303,7 @@ def qnvb_update_many(
                 outs[i][start:stop].copy_(new)
         del news, olds, g, h
         sizes_in_chunk = [b - a for _, a, b in pieces]
-        counts = _chunk_counts(hp, limited, wider, narrower, sizes_in_chunk, probes)
+        counts = _chunk_counts(hp, limited, wider, narrower, unresolved, sizes_in_chunk, probes)
         for (i, _, _), row in zip(pieces, counts):
             rows[i].append(row)
     if kept_flags:

@@ -277,13 +277,20 @@ def refuse_half_precision(param_group: object, first_position: int, owner: str) 
     for k, item in enumerate(param_group["params"]):
         name, p = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
         if isinstance(p, torch.Tensor):
-            check_precision(p, first_position + k, name, owner)
+            check_precision(p, _parameter_label(first_position + k, name), owner)
 
 
-def check_precision(p: torch.Tensor, position: int, name: str | None, owner: str) -> None:
+def _parameter_label(position: int, name: str | None) -> str:
+    """``"parameter 3"``, or ``"parameter 3 ('fc.weight')"`` where it has a name."""
+    return f"parameter {position}" + ("" if name is None else f" ({name!r})")
+
+
+def check_precision(p: torch.Tensor, label: str, owner: str) -> None:
     """Refuse a parameter in float16, bfloat16 (or any float narrower than float32), when it is
     given and again at every step (a net cast with ``net.half()`` after the optimizer was built
-    changes its parameters in place).
+    changes its parameters in place); ``label`` names it (``"parameter 3 ('fc.weight')"``,
+    ``"site 'w'"``). The one refusal of `QNVBOptimizer`, `SparseQNVBOptimizer` and `QNVB`
+    (for a guide's loc, checked once per group of blocks and step).
 
     The quadrature nodes ``mu + sigma * x_k`` lie ``sigma`` (``1e-3`` at first) from the mean:
     in bfloat16 (8 bits of mantissa) such a move is lost next to a mean of order one, and the
@@ -291,11 +298,11 @@ def check_precision(p: torch.Tensor, position: int, name: str | None, owner: str
     sums lose the rest in float16.
     """
     if p.is_floating_point() and torch.finfo(p.dtype).bits < 32:
-        label = f"parameter {position}" + ("" if name is None else f" ({name!r})")
         raise TypeError(
             f"{owner}: {label} is {p.dtype}; the quadrature nodes mu + sigma * x_k and the "
             "curvature from them need at least float32 (in half precision the means and "
-            "sigma come out silently wrong). Keep the parameters in float32 (net.float()) "
+            "sigma come out silently wrong). Keep the parameters in float32 (net.float(), "
+            "before a BayesianModule wraps the net; a Pyro guide takes its model's dtype) "
             "and run the forward pass in half precision under torch.autocast"
         )
 
@@ -308,7 +315,8 @@ def checked_parameters(optimizer: torch.optim.Optimizer, owner: str):
         names = group.get("param_names")
         for k, p in enumerate(group["params"]):
             if p.requires_grad:
-                check_precision(p, position, None if names is None else names[k], owner)
+                label = _parameter_label(position, None if names is None else names[k])
+                check_precision(p, label, owner)
                 yield p, group
             position += 1
 

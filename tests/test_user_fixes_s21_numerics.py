@@ -1,0 +1,114 @@
+"""Session 21 (h1): QNVB on narrow floats, settings beyond the dtype's range, nodes the dtype
+rounds back to the mean, and a start held by one overflowing step."""
+
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SVI
+from pyro.infer.autoguide import init_to_value
+
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.optim.qnvb_functional import (
+    QNVBHyperparameters,
+    init_qnvb_state,
+    qnvb_update,
+    qnvb_update_many,
+)
+
+
+def _normal_mean(y: torch.Tensor, noise: float):
+    def model():
+        mu = pyro.sample("mu", dist.Normal(torch.zeros((), dtype=y.dtype), 1e4))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Normal(mu, noise), obs=y)
+
+    return model
+
+
+def _fit(model, steps: int, guide_kw: dict | None = None, **settings):
+    pyro.set_rng_seed(0)
+    pyro.clear_param_store()
+    guide = AutoMeanFieldNormal(model, **(guide_kw or {}))
+    svi = SVI(model, guide, QNVB(**settings), QuadratureELBO())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            svi.step()
+    return guide, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qnvb_refuses_a_guide_in_half_precision_naming_the_site(dtype):
+    y = torch.tensor([0.5, 1.0, 1.5], dtype=dtype)
+    with pytest.raises(TypeError, match=rf"QNVB: site 'mu' is {dtype}; .*torch.autocast"):
+        _fit(_normal_mean(y, 1.0), 1)
+
+
+def test_qnvb_refuses_a_sigma_max_beyond_float32():
+    y = torch.tensor([0.5, 1.0, 1.5])
+    with pytest.raises(ValueError, match=r"QNVB \(site 'mu'\): sigma_max=1e\+40 is beyond"):
+        _fit(_normal_mean(y, 1.0), 1, sigma_max=1e40)
+
+
+def test_nodes_that_round_to_the_mean_are_counted_in_both_updates():
+    mu = torch.tensor([1000.0, 1000.0, 0.5])
+    sigma = torch.tensor([1e-5, 1e-3, 1e-7])  # below 1000 * 1.19e-7, above it, at a small mean
+    g, h = torch.ones(3), torch.ones(3)
+    hp = QNVBHyperparameters()
+    assert int(qnvb_update(mu, sigma, g, h, init_qnvb_state(mu), hp).num_unresolved) == 1
+    (many,) = qnvb_update_many([mu], [sigma], [g], [h], [init_qnvb_state(mu)], hp)
+    assert int(many.num_unresolved) == 1
+    wide = qnvb_update(
+        mu.double(), sigma.double(), g.double(), h.double(), init_qnvb_state(mu.double()), hp
+    )
+    assert int(wide.num_unresolved) == 0  # float64 resolves 1e-5 at 1000
+
+
+def test_qnvb_warns_once_of_a_site_whose_nodes_round_to_its_mean():
+    torch.manual_seed(0)
+    y = 1000 + 1e-5 * torch.randn(100)  # posterior sd 1e-6 at a mean of 1000: float32 cannot
+    start = {"init_loc_fn": init_to_value(values={"mu": torch.tensor(1000.0)})}
+    guide, messages = _fit(_normal_mean(y, 1e-5), 30, start)
+    unresolved = [m for m in messages if "round back" in m]
+    assert len(unresolved) == 1
+    assert "site 'mu'" in unresolved[0] and "torch.float32" in unresolved[0]
+    assert "use float64" in unresolved[0]
+    assert guide.scales.mu.item() > 2e-6  # what the warning is about: sigma too wide
+    start = {"init_loc_fn": init_to_value(values={"mu": torch.tensor(1000.0).double()})}
+    guide, messages = _fit(_normal_mean(y.double(), 1e-5), 30, start)
+    assert not [m for m in messages if "round back" in m]
+    assert guide.scales.mu.item() == pytest.approx(1e-6, rel=0.01)
+
+
+def _poisson(x, y):
+    def model():
+        w = pyro.sample("w", dist.Normal(torch.zeros((), dtype=x.dtype), 1.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Poisson((w * x).exp()), obs=y)
+
+    return model
+
+
+def test_a_start_held_by_one_overflowing_step_is_named_not_blamed_on_sigma_min():
+    torch.manual_seed(0)
+    x = torch.rand(200, dtype=torch.float64) * 1000.0  # the first nodes' loss is 3.6e43
+    y = torch.poisson((0.002 * x).exp())
+    _, messages = _fit(_poisson(x, y), 12)
+    held = [m for m in messages if "held nearly still by one past step" in m]
+    assert len(held) == 1 and "site 'w'" in held[0] and "betas=(0, 0.9)" in held[0]
+    assert not [m for m in messages if "sigma pinned at sigma_min" in m]
+    # the advice works: started with nodes that do not overflow, the mean is not held
+    guide, messages = _fit(_poisson(x, y), 12, {"init_scale": 1e-4})
+    assert not [m for m in messages if "held nearly still" in m]
+    assert guide.locs.w.item() == pytest.approx(0.002, abs=1e-4)
+
+
+def test_a_fit_converging_normally_is_not_called_held():
+    torch.manual_seed(0)
+    y = 3.0 + torch.randn(50, dtype=torch.float64)
+    guide, messages = _fit(_normal_mean(y, 1.0), 100)
+    assert not [m for m in messages if "held nearly still" in m]
+    assert abs(guide.locs.mu.item() - y.mean().item()) < 1e-3
