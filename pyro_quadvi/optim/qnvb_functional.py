@@ -463,9 +463,7 @@ def _count_message(kind: str, hp: QNVBHyperparameters, dtype: torch.dtype, where
     if kind == "num_sigma_min":
         return (
             f"sigma pinned at sigma_min={hp.sigma_min:g} at {where}: the curvature asks for a "
-            "smaller sigma. Lower sigma_min if a posterior sd below it is expected; if the loss "
-            "was huge at the first steps (an overflowing start), the curvature averages still "
-            "hold those steps instead: start closer, rescale the inputs, or betas=(0, 0.9)"
+            "smaller sigma; lower sigma_min if that is wanted"
         )
     if kind == "num_unresolved":
         resolves = 1.0 / torch.finfo(dtype).eps
