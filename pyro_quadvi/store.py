@@ -305,10 +305,8 @@ def _constraint_matches(saved: object, constraint: constraints.Constraint) -> bo
 
 def listed_names(names: Iterable[str], most: int = 6) -> str:
     """Parameter names for a message: the first ``most`` quoted, and how many in all
-    (``"'a', 'b', ... (40 in all)"``; ``"no parameter"`` for none)."""
+    (``"'a', 'b', ... (40 in all)"``)."""
     names = list(names)
-    if not names:
-        return "no parameter"
     shown = ", ".join(repr(name) for name in names[:most])
     return shown + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
@@ -347,10 +345,10 @@ def set_weights_only_state(state: dict) -> None:
     Raises:
         ValueError: if ``state`` is not such a dict, or a saved parameter's constraint is not the
             one the store holds under its name (another model or guide), or is not
-            ``constraints.real`` and the store holds none (the guide not set up, or another
-            model or guide: the message lists the names the store holds), or has another shape
-            or dtype than the store's tensor under its name (another model), naming it. Nothing
-            is restored then.
+            ``constraints.real`` and the store holds none (the guide not set up, or, where the
+            store holds others, which the message lists, another model or guide), or has
+            another shape or dtype than the store's tensor under its name (another model),
+            naming it. Nothing is restored then.
     """
     if not isinstance(state, dict) or set(state) != {"params", "constraints", "rng"}:
         raise ValueError(
@@ -369,12 +367,17 @@ def set_weights_only_state(state: dict) -> None:
         if constraint is None and _constraint_matches(saved, constraints.real):
             constraint = constraints.real
         if constraint is None:
+            other = (  # a store holding parameters: a guide was set up, perhaps another one
+                "; or the checkpoint is of another model or guide (a renamed site, another "
+                f"guide class): the store holds {listed_names(held)}"
+                if held
+                else ""
+            )
             raise ValueError(
                 f"the checkpoint's parameter {name!r} has the constraint {shown}, which the param "
                 "store does not hold now: set the guide up before restoring (call it once with "
-                "the model's arguments, guide(x, y)), so that the store holds its constraints; "
-                "or the checkpoint is of another model or guide (a renamed site, another guide "
-                f"class): the store holds {listed_names(held)}"
+                "the model's arguments, guide(x, y)), so that the store holds its constraints"
+                + other
             )
         if not _constraint_matches(saved, constraint):
             same = " (the same repr: they differ in a bound's digits or elided entries)"
