@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pyro
@@ -303,6 +303,34 @@ def _constraint_matches(saved: object, constraint: constraints.Constraint) -> bo
     return _same_description(described, constraint_description(constraint))
 
 
+def listed_names(names: Iterable[str], most: int = 6) -> str:
+    """Parameter names for a message: the first ``most`` quoted, and how many in all
+    (``"'a', 'b', ... (40 in all)"``)."""
+    names = list(names)
+    shown = ", ".join(repr(name) for name in names[:most])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
+def _check_like_held(name: str, saved: torch.Tensor, held: torch.Tensor | None) -> None:
+    """Refuse a saved parameter whose shape or dtype is not that of the tensor the set-up
+    guide's store holds under its name (none held: nothing to compare)."""
+    if held is None or (saved.shape == held.shape and saved.dtype == held.dtype):
+        return
+    fix = (
+        f"; to resume a fit saved in {saved.dtype} in {held.dtype}, convert the checkpoint's "
+        f"parameters first (state['params'] = {{k: t.to({held.dtype}) ...}}), or build the model "
+        f"in {saved.dtype}"
+        if saved.shape == held.shape
+        else ""
+    )
+    raise ValueError(
+        f"the checkpoint's parameter {name!r} has shape {tuple(saved.shape)} and {saved.dtype}, "
+        f"but the set-up guide's param store holds it with shape {tuple(held.shape)} and "
+        f"{held.dtype}: the checkpoint is of another model or guide. Restore a checkpoint into "
+        f"the model and guide it was saved from{fix}"
+    )
+
+
 def set_weights_only_state(state: dict) -> None:
     """Restore a `weights_only_state`: clear the param store, fill it with copies of the saved
     parameters under the constraints the store holds now, and set Pyro's random state.
@@ -317,7 +345,10 @@ def set_weights_only_state(state: dict) -> None:
     Raises:
         ValueError: if ``state`` is not such a dict, or a saved parameter's constraint is not the
             one the store holds under its name (another model or guide), or is not
-            ``constraints.real`` and the store holds none (the guide not set up), naming it.
+            ``constraints.real`` and the store holds none (the guide not set up, or, where the
+            store holds others, which the message lists, another model or guide), or has
+            another shape or dtype than the store's tensor under its name (another model),
+            naming it. Nothing is restored then.
     """
     if not isinstance(state, dict) or set(state) != {"params", "constraints", "rng"}:
         raise ValueError(
@@ -326,7 +357,8 @@ def set_weights_only_state(state: dict) -> None:
             + (f" with keys {sorted(state)}" if isinstance(state, dict) else "")
         )
     store = pyro.get_param_store()
-    held = store.get_state()["constraints"]
+    held_state = store.get_state()
+    held, held_params = held_state["constraints"], held_state["params"]
     restored = {}
     for name in state["params"]:
         saved = state["constraints"].get(name, repr(constraints.real))
@@ -335,10 +367,17 @@ def set_weights_only_state(state: dict) -> None:
         if constraint is None and _constraint_matches(saved, constraints.real):
             constraint = constraints.real
         if constraint is None:
+            other = (  # a store holding parameters: a guide was set up, perhaps another one
+                "; or the checkpoint is of another model or guide (a renamed site, another "
+                f"guide class): the store holds {listed_names(held)}"
+                if held
+                else ""
+            )
             raise ValueError(
                 f"the checkpoint's parameter {name!r} has the constraint {shown}, which the param "
                 "store does not hold now: set the guide up before restoring (call it once with "
                 "the model's arguments, guide(x, y)), so that the store holds its constraints"
+                + other
             )
         if not _constraint_matches(saved, constraint):
             same = " (the same repr: they differ in a bound's digits or elided entries)"
@@ -349,6 +388,7 @@ def set_weights_only_state(state: dict) -> None:
                 f"{same if held_shown == shown else ''}: restore a checkpoint into the "
                 "model and guide it was saved from"
             )
+        _check_like_held(name, state["params"][name], held_params.get(name))
         restored[name] = constraint
     store.clear()
     store.set_state({"params": copy.deepcopy(state["params"]), "constraints": restored})

@@ -15,6 +15,7 @@ from pyro import poutine
 from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.poutine import Trace
+from pyro.poutine.messenger import Messenger
 
 from ..infer.quadrature_elbo import take_saved_position
 from .adapters import _leaf, check_set_up, describe_auto_normal, scale_factor, subsample_rows
@@ -141,11 +142,26 @@ class AutoMeanFieldNormal(AutoNormal):
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         tracer = poutine.trace(self._draw)
+        initial = _InitialParams() if self.prototype_trace is None else None
         try:
-            result = tracer(*args, **kwargs)
+            if initial is None:
+                result = tracer(*args, **kwargs)
+            else:  # the set-up run: record the shape and dtype each parameter is made with
+                with initial:
+                    result = tracer(*args, **kwargs)
+        except Exception as error:  # a restored tensor of another shape fails inside torch
+            refusal = self._restored_refusal(tracer.trace)
+            if refusal is not None:
+                raise refusal from error
+            raise
         finally:  # set by this run's set-up, for this run only (a failed run leaves none)
             given = self.__dict__.pop("_given_rows", None)
+            if initial is not None:
+                self._initial_params = initial.made
         trace = tracer.trace
+        refusal = self._restored_refusal(trace)
+        if refusal is not None:
+            raise refusal
         self._last_run = {}
         plates = self.master().plates if self.master is not None else None  # a list's part
         if given:
@@ -156,6 +172,47 @@ class AutoMeanFieldNormal(AutoNormal):
             self._last_run[name] = (scale_factor(aux), rows)
         self._last_run_stamp = RunStamp(next(_RUN_NUMBERS), torch.is_grad_enabled())
         return result
+
+    def _restored_refusal(self, trace: Trace) -> ValueError | None:
+        """The refusal of a run that read a parameter whose shape or dtype is not the one the
+        guide's set-up made it with, naming the site, both shapes and dtypes and the cause (the
+        param store holds a checkpoint of another model or guide); ``None`` if none. A shape
+        comparison per parameter read, no read of the values."""
+        made = self.__dict__.get("_initial_params")  # (a guide pickled before the record: none)
+        if not made:
+            return None
+        for name, (shape, dtype) in made.items():
+            node = trace.nodes.get(name)
+            if node is None or node["type"] != "param":
+                continue
+            value = node["value"]
+            if value.shape != shape or value.dtype != dtype:
+                return ValueError(self._restored_message(name, value, shape, dtype))
+        return None
+
+    def _restored_message(
+        self, name: str, value: torch.Tensor, shape: torch.Size, dtype: torch.dtype
+    ) -> str:
+        """Why the parameter ``name`` of the store cannot be this guide's, and the way out."""
+        sites = [site for site in self._event_dims if name.endswith(f".{site}")]
+        site = max(sites, key=len) if sites else None
+        message = (
+            f"{type(self).__name__}: the param store holds {name!r}"
+            + (f" (site {site!r})" if site is not None else "")
+            + f" with shape {tuple(value.shape)} and {value.dtype}, but the guide set "
+            f"{'the site' if site is not None else 'it'} up with shape {tuple(shape)} and "
+            f"{dtype}: the store holds a checkpoint of another model or guide (restored by "
+            "set_state, load or set_weights_only_state), or a parameter of another model built "
+            "under the same name. Restore a checkpoint saved from this model and guide, or call "
+            "pyro.clear_param_store() before building this one"
+        )
+        if value.shape == shape:
+            message += (
+                f". To resume a fit saved in {value.dtype} in {dtype}, convert the checkpoint's "
+                f"parameters before restoring it ({{name: t.to({dtype}) ...}}), or build the "
+                f"model in {value.dtype}"
+            )
+        return message
 
     def _check_rows(
         self,
@@ -216,6 +273,20 @@ class AutoMeanFieldNormal(AutoNormal):
         """The sites of `quadrature_description`: the param store's current parameters,
         the last run's rows."""
         return self.quadrature_description().sites
+
+
+class _InitialParams(Messenger):
+    """Records, during a guide's set-up, the shape and dtype of the initial value of each
+    ``pyro.param`` made with one (``made``): the parameters as the guide makes them for this
+    model, whatever a restored param store holds under their names."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: dict[str, tuple[torch.Size, torch.dtype]] = {}
+
+    def _pyro_param(self, msg: dict) -> None:
+        if len(msg["args"]) > 1 and isinstance(msg["args"][1], torch.Tensor):
+            self.made[msg["name"]] = (msg["args"][1].shape, msg["args"][1].dtype)
 
 
 def last_run_stamp(guide: object) -> RunStamp | None:

@@ -34,7 +34,8 @@ class History:
     Attributes:
         loss: the loss ``svi.step`` returned at every step.
         metrics: name -> ``[(step, value), ...]``, evaluated after the steps ``every``,
-            ``2 every``, ... and after the last step.
+            ``2 every``, ... and after the last step (steps counted from ``fit``'s
+            ``start_step``).
     """
 
     loss: list[float] = field(default_factory=list)
@@ -167,6 +168,7 @@ def fit(
     progress: bool = True,
     desc: str = "SVI",
     device: torch.device | str | None = None,
+    start_step: int = 0,
 ) -> History:
     """Run ``num_steps`` of ``svi.step`` and record the loss and ``metrics``.
 
@@ -186,14 +188,20 @@ def fit(
         desc: the bar's label.
         device: where to move each batch's tensors before its step (the model's device, e.g.
             ``"cuda"``, for a ``DataLoader`` of CPU tensors); ``None`` leaves them where they are.
+        start_step: the steps done before this call, for a fit resumed from a checkpoint (the
+            first call's ``num_steps``): the metrics' steps and their spacing ``every`` go on
+            from it, so that the two calls' ``History.metrics`` read as one run's. The batches
+            still start at ``data``'s first: to resume a fit over minibatches bit for bit, save
+            at the end of an epoch (a whole number of passes over ``data``), or pass the rest of
+            the epoch's batches to a first resumed call.
 
     Before the first step the plain parameters of the guide and of a ``PyroModule`` model take
     the values of a restored param store (`follow_param_store`),
     whatever the ELBO.
 
     Raises:
-        ValueError: for ``num_steps < 0``, ``every < 1``, an empty iterable, or a one-shot
-            iterator that runs out before ``num_steps``.
+        ValueError: for ``num_steps < 0``, ``every < 1``, ``start_step < 0``, an empty
+            iterable, or a one-shot iterator that runs out before ``num_steps``.
         TypeError: for an ``svi`` without ``step``, ``model`` and ``guide``, ``metrics`` that
             is not a dict of callables, ``data`` that is not iterable or is a tensor, an array
             or a dict, a batch that is a dict, and, for a ``BayesianModule`` model, a batch
@@ -202,6 +210,7 @@ def fit(
             tensor of several elements), naming the metric, at its first evaluation.
     """
     num_steps, every = _count("num_steps", num_steps, 0), _count("every", every, 1)
+    start_step = _count("start_step", start_step, 0)
     if not all(hasattr(svi, name) for name in ("step", "model", "guide")):
         raise TypeError(
             f"fit: svi must be a pyro.infer.SVI (fit calls its step and reads its model and "
@@ -226,8 +235,8 @@ def fit(
         _check_batch(bayesian, batch)
         history.loss.append(svi.step(*batch))
         bar.set_postfix(loss=f"{history.loss[-1]:.4g}", refresh=False)
-        done = step + 1
-        if metrics and (done % every == 0 or done == num_steps):
+        done = start_step + step + 1
+        if metrics and (done % every == 0 or step + 1 == num_steps):
             # a metric that draws (predict's samples) must not move the training's random
             # streams (a shuffled DataLoader's order, a random rule's nodes): recording a score
             # leaves the fit as it would be without it

@@ -70,7 +70,7 @@ from ..guides.interface import (
     watch_guides,
 )
 from ..guides.mean_field import RunStamp, last_run_stamp
-from ..store import detached_parameters
+from ..store import detached_parameters, listed_names
 from .annealing import anneal_likelihood, annealing_factor, check_schedule
 from .qnvb_functional import (
     COUNT_KINDS,
@@ -1113,6 +1113,22 @@ class QNVB(PyroOptim):
         return found, explained
 
     def _state_for(self, name: str, loc_leaf: torch.Tensor) -> dict[str, torch.Tensor]:
+        # after set_state: which blocks start afresh in the first step (set_state's record)
+        restored = self.__dict__.get("_restored_step")
+        if restored is not None and restored[0] != self.num_steps:
+            self._restored_step = None  # that step is over: warn once if it left states unbound
+            if restored[1] and self._pending:
+                self._warn_once(
+                    "unbound after set_state",
+                    "QNVB: in the first step after set_state, the block(s) "
+                    f"{listed_names(sorted(restored[1]))} started afresh while the saved state(s) "
+                    f"of {listed_names(sorted(self._pending))} bound to no parameter: the state "
+                    "was saved for another model or guide (a renamed site, another guide class), "
+                    "so those blocks restarted (count 0, no curvature average). Restore a state "
+                    "into the model and guide it was saved from; a state that holds the blocks "
+                    "of another guide on purpose (two guides fitted in turn) keeps them, and "
+                    "this warning may be ignored",
+                )
         bound = self._bound.get(name)
         if bound is not None and bound[0] is loc_leaf:
             return bound[1]
@@ -1130,6 +1146,8 @@ class QNVB(PyroOptim):
         if state is None:
             state = init_qnvb_state(loc_leaf.detach())._asdict()
             self._fresh.add(name)
+            if restored is not None and restored[0] == self.num_steps:
+                restored[1].add(name)
         else:  # a state saved on another device or in another float type follows its
             # parameter, as torch's Optimizer.load_state_dict casts its state
             state = dict(state)
@@ -1376,8 +1394,11 @@ class QNVB(PyroOptim):
         under the same model hints: a ``ValueError`` names the block and every setting that
         differs, and nothing is restored. A state saved without them (an earlier version) loads
         unchecked. States of blocks not (yet) seen are kept and written out again by
-        `get_state`. A block's state binds on its parameter's device and, where floating,
-        in its dtype (a state saved on the CPU resumes a CUDA fit), as
+        `get_state`; if in the first step after the restore a block starts afresh while saved
+        states stay unbound (a renamed site, another guide class), a warning names both, once
+        that step is over (at the next block's binding). A block's state binds on its
+        parameter's device and, where floating, in its dtype (a state saved on the CPU resumes a
+        CUDA fit), as
         ``torch.optim.Optimizer.load_state_dict`` moves and casts its state.
         """
         qnvb = state_dict["qnvb"]
@@ -1397,6 +1418,9 @@ class QNVB(PyroOptim):
             for name, state in qnvb["pairs"].items()
         }
         self._block_settings = settings
+        # the restored step and the blocks that start afresh in it (`_state_for` warns once
+        # that step is over if saved states stayed unbound: another model or guide)
+        self._restored_step = (self.num_steps, set())
         super().set_state(copy.deepcopy(state_dict["fallback"]))
 
 
