@@ -826,7 +826,28 @@ class QNVB(PyroOptim):
             self._warn_once("nothing paired", self._nothing_paired(params))
         if rest:
             self._guarded_fallback(rest, *args, **kwargs)
+        self._warn_if_unbound_after_restore()
         self.num_steps += 1
+
+    def _warn_if_unbound_after_restore(self) -> None:
+        """At the end of the first step after `set_state`: warn once if blocks started afresh
+        in it while saved states bound to no parameter (a renamed site, another guide class)."""
+        restored = self.__dict__.get("_restored_step")
+        if restored is None or restored[0] != self.num_steps:
+            return
+        self._restored_step = None
+        if restored[1] and self._pending:
+            self._warn_once(
+                "unbound after set_state",
+                "QNVB: in the first step after set_state, the block(s) "
+                f"{listed_names(sorted(restored[1]))} started afresh while the saved state(s) "
+                f"of {listed_names(sorted(self._pending))} bound to no parameter: the state "
+                "was saved for another model or guide (a renamed site, another guide class), "
+                "so those blocks restarted (count 0, no curvature average). Restore a state "
+                "into the model and guide it was saved from; a state that holds the blocks "
+                "of another guide on purpose (two guides fitted in turn) keeps them, and "
+                "this warning may be ignored",
+            )
 
     def _warn_if_held(
         self, prepared: list[_Prepared], counts: list, table: list[list[int]] | None
@@ -1113,22 +1134,6 @@ class QNVB(PyroOptim):
         return found, explained
 
     def _state_for(self, name: str, loc_leaf: torch.Tensor) -> dict[str, torch.Tensor]:
-        # after set_state: which blocks start afresh in the first step (set_state's record)
-        restored = self.__dict__.get("_restored_step")
-        if restored is not None and restored[0] != self.num_steps:
-            self._restored_step = None  # that step is over: warn once if it left states unbound
-            if restored[1] and self._pending:
-                self._warn_once(
-                    "unbound after set_state",
-                    "QNVB: in the first step after set_state, the block(s) "
-                    f"{listed_names(sorted(restored[1]))} started afresh while the saved state(s) "
-                    f"of {listed_names(sorted(self._pending))} bound to no parameter: the state "
-                    "was saved for another model or guide (a renamed site, another guide class), "
-                    "so those blocks restarted (count 0, no curvature average). Restore a state "
-                    "into the model and guide it was saved from; a state that holds the blocks "
-                    "of another guide on purpose (two guides fitted in turn) keeps them, and "
-                    "this warning may be ignored",
-                )
         bound = self._bound.get(name)
         if bound is not None and bound[0] is loc_leaf:
             return bound[1]
@@ -1146,6 +1151,7 @@ class QNVB(PyroOptim):
         if state is None:
             state = init_qnvb_state(loc_leaf.detach())._asdict()
             self._fresh.add(name)
+            restored = self.__dict__.get("_restored_step")  # set_state's record of its step
             if restored is not None and restored[0] == self.num_steps:
                 restored[1].add(name)
         else:  # a state saved on another device or in another float type follows its
@@ -1396,7 +1402,7 @@ class QNVB(PyroOptim):
         unchecked. States of blocks not (yet) seen are kept and written out again by
         `get_state`; if in the first step after the restore a block starts afresh while saved
         states stay unbound (a renamed site, another guide class), a warning names both, once
-        that step is over (at the next block's binding). A block's state binds on its
+        at the end of that step. A block's state binds on its
         parameter's device and, where floating, in its dtype (a state saved on the CPU resumes a
         CUDA fit), as
         ``torch.optim.Optimizer.load_state_dict`` moves and casts its state.
