@@ -11,6 +11,7 @@ from pyro.infer import SVI
 from pyro.infer.autoguide import init_to_value
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.optim.qnvb import held_site
 from pyro_quadvi.optim.qnvb_functional import (
     QNVBHyperparameters,
     init_qnvb_state,
@@ -112,3 +113,26 @@ def test_a_fit_converging_normally_is_not_called_held():
     guide, messages = _fit(_normal_mean(y, 1.0), 100)
     assert not [m for m in messages if "held nearly still" in m]
     assert abs(guide.locs.mu.item() - y.mean().item()) < 1e-3
+
+
+def test_a_site_is_held_only_where_at_least_half_of_its_coordinates_are():
+    # coordinate 0: one step holds the curvature average (h2_avg = n h_avg^2) and the gradient
+    # is 1e5 below the past ones' root mean square; the others move as usual
+    def state(held: int, size: int = 100) -> dict:
+        h_avg = torch.ones(size)
+        h2_avg = torch.ones(size)
+        h2_avg[:held] = 10.0
+        grad = torch.ones(size)
+        grad[:held] = 1e-5
+        return {
+            "curvature_count": torch.full((size,), 10.0),
+            "h_avg": h_avg,
+            "h2_avg": h2_avg,
+            "last_grad": grad,
+            "s_avg": torch.ones(size),
+        }
+
+    assert held_site(state(1)) is None  # one weight of a hundred (the tutorial's false warning)
+    assert held_site(state(49)) is None
+    held = held_site(state(50))
+    assert held is not None and int(held.sum()) == 50
