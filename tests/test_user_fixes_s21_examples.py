@@ -1,0 +1,54 @@
+"""Session 21 fixes from a trial on matrix latents and Pyro's examples."""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+from pyro_quadvi import to_inference_data
+from pyro_quadvi.guides import AutoMeanFieldNormal
+
+
+def _centred_lkj(seen: list[torch.Size]):
+    """Varying intercepts and slopes with an LKJ prior, written with `mu.unsqueeze(-2)`: batched
+    over the draws, the log density of ``b`` broadcasts to ``(S, S, G)``; ``seen`` records the
+    shapes of the log densities of ``b``."""
+
+    class Recording(dist.MultivariateNormal):
+        def log_prob(self, value):
+            log_prob = super().log_prob(value)
+            seen.append(log_prob.shape)
+            return log_prob
+
+    G = 4
+    group = torch.arange(G).repeat_interleave(3)
+    x = torch.linspace(-1.0, 1.0, len(group))
+    y = 0.5 + 0.3 * x
+
+    def model(group, x, y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0).expand([2]).to_event(1))
+        tau = pyro.sample("tau", dist.HalfNormal(2.0).expand([2]).to_event(1))
+        L = pyro.sample("L", dist.LKJCholesky(2, torch.tensor(2.0)))
+        scale_tril = (tau.unsqueeze(-1) * L).unsqueeze(-3)
+        with pyro.plate("groups", G):
+            b = pyro.sample("b", Recording(mu.unsqueeze(-2), scale_tril=scale_tril))
+        with pyro.plate("obs", len(y)):
+            pyro.sample("y", dist.Normal(b[..., group, 0] + b[..., group, 1] * x, 1.0), obs=y)
+
+    return model, (group, x, y)
+
+
+def test_export_of_a_model_that_mis_broadcasts_never_makes_the_draws_squared():
+    seen: list[torch.Size] = []
+    model, args = _centred_lkj(seen)
+    guide = AutoMeanFieldNormal(model)
+    guide(*args)
+    S = 200
+    with pytest.warns(UserWarning, match="one by one|loop"):
+        idata = to_inference_data(model, guide, *args, num_samples=S, prior=False)
+    assert idata.posterior.attrs["vectorized"] == 0
+    assert idata.posterior["b"].shape == (1, S, 4, 2)
+    # the batched trial on 2 draws made (2, 2, 4) and stopped there, never (S, S, 4)
+    assert max(shape.numel() for shape in seen) == 2 * 2 * 4
