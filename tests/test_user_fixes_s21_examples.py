@@ -9,6 +9,7 @@ import torch
 
 from pyro_quadvi import to_inference_data
 from pyro_quadvi.guides import AutoMeanFieldNormal
+from pyro_quadvi.infer import QuadratureELBO
 
 
 def _centred_lkj(seen: list[torch.Size]):
@@ -52,3 +53,25 @@ def test_export_of_a_model_that_mis_broadcasts_never_makes_the_draws_squared():
     assert idata.posterior["b"].shape == (1, S, 4, 2)
     # the batched trial on 2 draws made (2, 2, 4) and stopped there, never (S, S, 4)
     assert max(shape.numel() for shape in seen) == 2 * 2 * 4
+
+
+def test_an_infinite_log_density_after_steps_names_a_divergence_not_only_the_start():
+    """QNVB on Pyro's sparse_gamma_def diverged in 8 steps, a Gamma(0.1, ...) latent's exp
+    underflowed to 0 (log density +inf), and the message said only to start the guide inside the
+    support. A guide moved there by hand stands for that fit."""
+
+    def model():
+        pyro.sample("z", dist.Gamma(0.1, 1.0))
+
+    pyro.clear_param_store()
+    guide = AutoMeanFieldNormal(model)
+    elbo = QuadratureELBO()
+    elbo.loss(model, guide)
+    with torch.no_grad():
+        guide.locs.z.fill_(-1000.0)  # exp(-1000) is 0 in float32: log Gamma(0 | 0.1, 1) = inf
+    with pytest.raises(ValueError, match="site 'z' is not finite") as raised:
+        elbo.loss(model, guide)
+    message = str(raised.value)
+    assert "the fit may have diverged" in message
+    assert "trust_region" in message and "a smaller lr" in message
+    assert "start the guide inside it" in message  # the advice for a start stays

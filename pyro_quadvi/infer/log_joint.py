@@ -1217,9 +1217,14 @@ def _not_finite(
     if hint:
         return f"{head}: {hint}"
     return (
-        f"{head}; check the model's support and parameters. Where a latent sets the support of "
-        "a site (x ~ Uniform(0, theta)), start the guide inside it (init_loc_fn=init_to_value("
-        "values={...}) in the guide), else from a smaller init_scale"
+        f"{head}; check the model's support and parameters. At the guide's start: where a latent "
+        "sets the support of a site (x ~ Uniform(0, theta)), start the guide inside it "
+        "(init_loc_fn=init_to_value(values={...}) in the guide), else from a smaller init_scale. "
+        "After steps of an optimizer (the guide has moved): the fit may have diverged, a positive "
+        "latent's exp underflowing to 0 or a value pushed out of the support; look for a loss "
+        "that grew and for the optimizer's warnings before this error (sigma pinned at "
+        "sigma_max, non-finite gradients or updates), and take smaller steps (a smaller lr, or "
+        "QNVB's trust_region)"
     )
 
 
