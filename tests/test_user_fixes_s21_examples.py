@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro import poutine
+from pyro.infer import SVI, TraceEnum_ELBO, config_enumerate
 
-from pyro_quadvi import to_inference_data
+from pyro_quadvi import QNVB, to_inference_data
 from pyro_quadvi.guides import AutoMeanFieldNormal
 from pyro_quadvi.infer import QuadratureELBO
+from pyro_quadvi.infer.log_joint import latent_sites_of_model
 
 
 def _centred_lkj(seen: list[torch.Size]):
@@ -75,3 +80,30 @@ def test_an_infinite_log_density_after_steps_names_a_divergence_not_only_the_sta
     assert "the fit may have diverged" in message
     assert "trust_region" in message and "a smaller lr" in message
     assert "start the guide inside it" in message  # the advice for a start stays
+
+
+@config_enumerate
+def _hmm(y):
+    p = pyro.sample("p", dist.Beta(2.0, 2.0))
+    locs = pyro.sample("locs", dist.Normal(0.0, 5.0).expand([2]).to_event(1))
+    x = 0
+    for t in pyro.markov(range(len(y))):
+        transition = torch.stack([torch.stack([p, 1 - p]), torch.stack([1 - p, p])])
+        x = pyro.sample(f"x_{t}", dist.Categorical(transition[x]))
+        pyro.sample(f"y_{t}", dist.Normal(locs[x], 1.0), obs=y[t])
+
+
+def test_the_enumeration_refusal_hides_every_enumerated_site_in_a_form_that_fits():
+    """For Pyro's examples/hmm.py the refusal suggested hide=['x_0'] of 72 enumerated sites."""
+    y = torch.tensor([0.0, 0.1, 3.0, 3.2, 0.2, 2.9])
+    with pytest.raises(ValueError, match="marked for enumeration") as raised:
+        latent_sites_of_model(_hmm, y)
+    suggested = "poutine.block(model, hide_fn=lambda msg: bool(msg['infer'].get('enumerate')))"
+    assert suggested in str(raised.value)
+    # the suggestion, as written, fits with TraceEnum_ELBO and QNVB
+    pyro.clear_param_store()
+    guide = AutoMeanFieldNormal(eval(suggested, {"poutine": poutine, "model": _hmm}))
+    svi = SVI(_hmm, guide, QNVB(), TraceEnum_ELBO(max_plate_nesting=0))
+    losses = [svi.step(y) for _ in range(20)]
+    assert all(math.isfinite(loss) for loss in losses)
+    assert sorted(guide.median(y)) == ["locs", "p"]

@@ -122,9 +122,11 @@ def check_latent_site(site: dict) -> None:
             f"latent site {name!r} is marked for enumeration; quadrature integrates continuous "
             "latents only: marginalize it out in the model, or fit with Pyro's "
             "TraceEnum_ELBO(max_plate_nesting=...) and a guide of the other latents, built on "
-            f"the model with the enumerated sites hidden: AutoMeanFieldNormal(poutine.block("
-            f"model, hide=[{name!r}])), which QNVB updates from the gradients (docs/guides.md, "
-            "'Discrete latents: enumeration')"
+            "the model with every enumerated site hidden: AutoMeanFieldNormal(poutine.block("
+            "model, hide_fn=lambda msg: bool(msg['infer'].get('enumerate')))), which QNVB "
+            "updates from the gradients (AutoMeanFieldNormal(poutine.block(model, hide=["
+            f"{name!r}])) would hide this site only, and the model may enumerate others; "
+            "docs/guides.md, 'Discrete latents: enumeration')"
         )
     if site["fn"].support.is_discrete:
         raise ValueError(
