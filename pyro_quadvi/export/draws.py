@@ -23,7 +23,9 @@ A pass is *vectorized* when the model and guide broadcast over a draw plate left
 (one run for all ``S`` draws, as ``Predictive(parallel=True)``), and *looped* otherwise (one run per
 draw, e.g. a ``PyroModule`` network whose ``nn.Linear`` cannot take a batch of weights).
 `evaluate_batch` chooses, with the package's one meaning of
-``vectorize``: with ``None`` the vectorized pass is tried first and accepted only if every site has
+``vectorize``: with ``None`` the vectorized pass is tried first (on two draws, then on all of them,
+so that a model which broadcasts the draws against each other fails before it makes ``(S, S, ...)``
+tensors) and accepted only if every site has
 the expected shape and two of its draws (the first and the last) reproduce, site by site, the log
 densities and deterministic values of an unbatched run of the model at the same values; a
 broadcasting error or a mismatch loops over the draws (with one warning), any other error
@@ -69,6 +71,7 @@ from ..store import follow_param_store
 __all__ = ["Draws", "SiteSpec", "all_rows_refusal", "check_observed_not_nan", "draw"]
 
 _DRAW_PLATE = "_quadvi_draws"
+_TRIAL_DRAWS = 2  # the batched trial run before the run over all the draws (`_all_draws`)
 
 
 @dataclass(frozen=True)
@@ -944,6 +947,12 @@ def _all_draws(
 
     def batched(draws: torch.Tensor) -> dict:
         try:
+            if len(draws) > _TRIAL_DRAWS:
+                # a model that does not broadcast over the draws can make a site of (S, S, ...)
+                # values before the shape check sees it: a trial on a few draws finds it at a
+                # small cost, from a forked random state (the draws after it are as without it)
+                with torch.random.fork_rng(devices=devices):
+                    run(_TRIAL_DRAWS)
             return run(len(draws))
         except BatchMismatch as error:
             if vectorize is not True:

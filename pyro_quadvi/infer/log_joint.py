@@ -122,9 +122,11 @@ def check_latent_site(site: dict) -> None:
             f"latent site {name!r} is marked for enumeration; quadrature integrates continuous "
             "latents only: marginalize it out in the model, or fit with Pyro's "
             "TraceEnum_ELBO(max_plate_nesting=...) and a guide of the other latents, built on "
-            f"the model with the enumerated sites hidden: AutoMeanFieldNormal(poutine.block("
-            f"model, hide=[{name!r}])), which QNVB updates from the gradients (docs/guides.md, "
-            "'Discrete latents: enumeration')"
+            "the model with every enumerated site hidden: AutoMeanFieldNormal(poutine.block("
+            "model, hide_fn=lambda msg: bool(msg['infer'].get('enumerate')))), which QNVB "
+            "updates from the gradients (AutoMeanFieldNormal(poutine.block(model, hide=["
+            f"{name!r}])) would hide this site only, and the model may enumerate others; "
+            "docs/guides.md, 'Discrete latents: enumeration')"
         )
     if site["fn"].support.is_discrete:
         raise ValueError(
@@ -1217,9 +1219,14 @@ def _not_finite(
     if hint:
         return f"{head}: {hint}"
     return (
-        f"{head}; check the model's support and parameters. Where a latent sets the support of "
-        "a site (x ~ Uniform(0, theta)), start the guide inside it (init_loc_fn=init_to_value("
-        "values={...}) in the guide), else from a smaller init_scale"
+        f"{head}; check the model's support and parameters. At the guide's start: where a latent "
+        "sets the support of a site (x ~ Uniform(0, theta)), start the guide inside it "
+        "(init_loc_fn=init_to_value(values={...}) in the guide), else from a smaller init_scale. "
+        "After steps of an optimizer (the guide has moved): the fit may have diverged, a positive "
+        "latent's exp underflowing to 0 or a value pushed out of the support; look for a loss "
+        "that grew and for the optimizer's warnings before this error (sigma pinned at "
+        "sigma_max, non-finite gradients or updates), and take smaller steps (a smaller lr, or "
+        "QNVB's trust_region)"
     )
 
 

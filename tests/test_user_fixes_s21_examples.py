@@ -1,0 +1,109 @@
+"""Session 21 fixes from a trial on matrix latents and Pyro's examples."""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro import poutine
+from pyro.infer import SVI, TraceEnum_ELBO, config_enumerate
+
+from pyro_quadvi import QNVB, to_inference_data
+from pyro_quadvi.guides import AutoMeanFieldNormal
+from pyro_quadvi.infer import QuadratureELBO
+from pyro_quadvi.infer.log_joint import latent_sites_of_model
+
+
+def _centred_lkj(seen: list[torch.Size]):
+    """Varying intercepts and slopes with an LKJ prior, written with `mu.unsqueeze(-2)`: batched
+    over the draws, the log density of ``b`` broadcasts to ``(S, S, G)``; ``seen`` records the
+    shapes of the log densities of ``b``."""
+
+    class Recording(dist.MultivariateNormal):
+        def log_prob(self, value):
+            log_prob = super().log_prob(value)
+            seen.append(log_prob.shape)
+            return log_prob
+
+    G = 4
+    group = torch.arange(G).repeat_interleave(3)
+    x = torch.linspace(-1.0, 1.0, len(group))
+    y = 0.5 + 0.3 * x
+
+    def model(group, x, y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0).expand([2]).to_event(1))
+        tau = pyro.sample("tau", dist.HalfNormal(2.0).expand([2]).to_event(1))
+        L = pyro.sample("L", dist.LKJCholesky(2, torch.tensor(2.0)))
+        scale_tril = (tau.unsqueeze(-1) * L).unsqueeze(-3)
+        with pyro.plate("groups", G):
+            b = pyro.sample("b", Recording(mu.unsqueeze(-2), scale_tril=scale_tril))
+        with pyro.plate("obs", len(y)):
+            pyro.sample("y", dist.Normal(b[..., group, 0] + b[..., group, 1] * x, 1.0), obs=y)
+
+    return model, (group, x, y)
+
+
+def test_export_of_a_model_that_mis_broadcasts_never_makes_the_draws_squared():
+    seen: list[torch.Size] = []
+    model, args = _centred_lkj(seen)
+    guide = AutoMeanFieldNormal(model)
+    guide(*args)
+    S = 200
+    with pytest.warns(UserWarning, match="one by one|loop"):
+        idata = to_inference_data(model, guide, *args, num_samples=S, prior=False)
+    assert idata.posterior.attrs["vectorized"] == 0
+    assert idata.posterior["b"].shape == (1, S, 4, 2)
+    # the batched trial on 2 draws made (2, 2, 4) and stopped there, never (S, S, 4)
+    assert max(shape.numel() for shape in seen) == 2 * 2 * 4
+
+
+def test_an_infinite_log_density_after_steps_names_a_divergence_not_only_the_start():
+    """QNVB on Pyro's sparse_gamma_def diverged in 8 steps, a Gamma(0.1, ...) latent's exp
+    underflowed to 0 (log density +inf), and the message said only to start the guide inside the
+    support. A guide moved there by hand stands for that fit."""
+
+    def model():
+        pyro.sample("z", dist.Gamma(0.1, 1.0))
+
+    pyro.clear_param_store()
+    guide = AutoMeanFieldNormal(model)
+    elbo = QuadratureELBO()
+    elbo.loss(model, guide)
+    with torch.no_grad():
+        guide.locs.z.fill_(-1000.0)  # exp(-1000) is 0 in float32: log Gamma(0 | 0.1, 1) = inf
+    with pytest.raises(ValueError, match="site 'z' is not finite") as raised:
+        elbo.loss(model, guide)
+    message = str(raised.value)
+    assert "the fit may have diverged" in message
+    assert "trust_region" in message and "a smaller lr" in message
+    assert "start the guide inside it" in message  # the advice for a start stays
+
+
+@config_enumerate
+def _hmm(y):
+    p = pyro.sample("p", dist.Beta(2.0, 2.0))
+    locs = pyro.sample("locs", dist.Normal(0.0, 5.0).expand([2]).to_event(1))
+    x = 0
+    for t in pyro.markov(range(len(y))):
+        transition = torch.stack([torch.stack([p, 1 - p]), torch.stack([1 - p, p])])
+        x = pyro.sample(f"x_{t}", dist.Categorical(transition[x]))
+        pyro.sample(f"y_{t}", dist.Normal(locs[x], 1.0), obs=y[t])
+
+
+def test_the_enumeration_refusal_hides_every_enumerated_site_in_a_form_that_fits():
+    """For Pyro's examples/hmm.py the refusal suggested hide=['x_0'] of 72 enumerated sites."""
+    y = torch.tensor([0.0, 0.1, 3.0, 3.2, 0.2, 2.9])
+    with pytest.raises(ValueError, match="marked for enumeration") as raised:
+        latent_sites_of_model(_hmm, y)
+    suggested = "poutine.block(model, hide_fn=lambda msg: bool(msg['infer'].get('enumerate')))"
+    assert suggested in str(raised.value)
+    # the suggestion, as written, fits with TraceEnum_ELBO and QNVB
+    pyro.clear_param_store()
+    guide = AutoMeanFieldNormal(eval(suggested, {"poutine": poutine, "model": _hmm}))
+    svi = SVI(_hmm, guide, QNVB(), TraceEnum_ELBO(max_plate_nesting=0))
+    losses = [svi.step(y) for _ in range(20)]
+    assert all(math.isfinite(loss) for loss in losses)
+    assert sorted(guide.median(y)) == ["locs", "p"]
