@@ -60,26 +60,54 @@ def test_export_of_a_model_that_mis_broadcasts_never_makes_the_draws_squared():
     assert max(shape.numel() for shape in seen) == 2 * 2 * 4
 
 
-def test_an_infinite_log_density_after_steps_names_a_divergence_not_only_the_start():
-    """QNVB on Pyro's sparse_gamma_def diverged in 8 steps, a Gamma(0.1, ...) latent's exp
-    underflowed to 0 (log density +inf), and the message said only to start the guide inside the
-    support. A guide moved there by hand stands for that fit."""
+def _gamma_at(loc: float, steps: int) -> str:
+    """The message of an infinite log density of a ``Gamma(0.1, 1)`` latent whose guide was moved
+    to ``loc`` (``exp(-1000)`` is 0 in float32: ``log Gamma(0 | 0.1, 1) = inf``) after ``steps``
+    steps of the quadrature ELBO. The latent is an observation's scale: Pyro's validation, where
+    on, refuses ``Normal(0, 0)`` as the model builds it, and the site is named from a run without
+    it (`_name_the_invalid_site`); without validation, from the log densities."""
 
     def model():
-        pyro.sample("z", dist.Gamma(0.1, 1.0))
+        z = pyro.sample("z", dist.Gamma(0.1, 1.0))
+        pyro.sample("y", dist.Normal(0.0, z), obs=torch.tensor(1.0))
 
     pyro.clear_param_store()
     guide = AutoMeanFieldNormal(model)
     elbo = QuadratureELBO()
-    elbo.loss(model, guide)
+    elbo.loss(model, guide)  # (does not advance the sequence)
+    for _ in range(steps):
+        elbo.loss_and_grads(model, guide)
     with torch.no_grad():
-        guide.locs.z.fill_(-1000.0)  # exp(-1000) is 0 in float32: log Gamma(0 | 0.1, 1) = inf
+        guide.locs.z.fill_(loc)
     with pytest.raises(ValueError, match="site 'z' is not finite") as raised:
         elbo.loss(model, guide)
-    message = str(raised.value)
-    assert "the fit may have diverged" in message
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_an_infinite_log_density_after_steps_names_a_divergence(validate):
+    """QNVB on Pyro's sparse_gamma_def diverged in 8 steps, a Gamma(0.1, ...) latent's exp
+    underflowed to 0 (log density +inf), and the message said only to start the guide inside the
+    support. A guide moved there by hand after 2 steps stands for that fit; the advice for a
+    start is left out (with Pyro's validation, which refuses the value at the site, or without)."""
+    with pyro.validation_enabled(validate):
+        message = _gamma_at(-1000.0, steps=2)
+    assert ("Expected parameter scale" in message) == validate  # (Pyro's refusal, appended)
+    assert "moved from its start by steps of an optimizer: the fit may have diverged" in message
     assert "trust_region" in message and "a smaller lr" in message
-    assert "start the guide inside it" in message  # the advice for a start stays
+    assert "start the guide inside it" not in message and "init_scale" not in message
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_an_infinite_log_density_at_the_start_gives_the_advice_for_a_start(validate):
+    """The same point before any step (the sequence position is 0): the guide starts outside
+    what the model can evaluate, and no optimizer has run for its steps to be made smaller."""
+    with pyro.validation_enabled(validate):
+        message = _gamma_at(-1000.0, steps=0)
+    assert ("Expected parameter scale" in message) == validate
+    assert "This is the guide's start, before any step: where a latent sets the" in message
+    assert "start the guide inside it" in message and "smaller init_scale" in message
+    assert "diverged" not in message and "trust_region" not in message
 
 
 @config_enumerate

@@ -470,6 +470,11 @@ class LogJoint:
             of the points at a time (`NodeByNodeNormal`): the same value and gradient, bit for
             bit, without the intermediates of all points at once; a backward that builds a
             graph (``create_graph=True``) is refused (``QuadratureELBO`` sets it).
+        after_steps: whether the points come from a guide that steps of an optimizer have moved
+            (``QuadratureELBO``: its sequence position is past 0), for the advice of a log
+            density that is not finite: ``False`` gives that for a guide's start (start inside
+            the support, a smaller ``init_scale``), ``True`` that for a fit that diverged
+            (smaller steps), ``None`` (not known: the OPQA evidence's points) both.
 
     One minibatch per object: the first run of the model records the subsample indices of the
     plates that the ``replay_trace`` does not supply (plates only the model has, such as
@@ -489,6 +494,7 @@ class LogJoint:
         closed_form: Mapping[str, ClosedFormSite] | None = None,
         expected_log_priors: Collection[str] = (),
         node_by_node: bool = False,
+        after_steps: bool | None = None,
     ):
         check_callable("LogJoint", "model", model, "a callable Pyro model")
         check_max_plate_nesting("LogJoint", max_plate_nesting, None)
@@ -497,6 +503,7 @@ class LogJoint:
         _check_arguments(sites, closed_form, expected_log_priors)
         self.model = model
         self.node_by_node = node_by_node
+        self.after_steps = after_steps
         self.sites = sites
         self.closed_form = dict(closed_form or {})
         self.expected_log_priors = frozenset(expected_log_priors)
@@ -616,8 +623,11 @@ class LogJoint:
                 k = int(bad.nonzero()[0, 0])
                 at_k = None if single_traces is None else single_traces[k]
                 overflow = self._overflow(name, unconstrained, k, args, kwargs, replay_trace, at_k)
+                node, value = trace.nodes[name], term[k].item()
                 raise ValueError(
-                    _not_finite(trace.nodes[name], term[k].item(), _where(z, k), overflow=overflow)
+                    _not_finite(
+                        node, value, _where(z, k), overflow=overflow, after_steps=self.after_steps
+                    )
                 )
         k = int((~torch.isfinite(total)).nonzero()[0, 0])
         largest = max(terms, key=lambda name: terms[name][k].abs().item())
@@ -754,7 +764,9 @@ class LogJoint:
                 raise PlateCollision(plate, dim, self.max_plate_nesting) from error
             if is_broadcast_error(error):
                 raise
-            _name_the_invalid_site(model, args, kwargs, error, where, locate)
+            _name_the_invalid_site(
+                model, args, kwargs, error, where, locate, after_steps=self.after_steps
+            )
             raise
         for name, site in latent_nodes(trace):
             check_latent_site(site)
@@ -1186,10 +1198,13 @@ def _not_finite(
     where: str,
     hint: str | None = None,
     overflow: str | None = None,
+    after_steps: bool | None = None,
 ) -> str:
     """Why the log density of ``site`` is ``value`` (not finite), and what to do; ``hint``: the
     model's own account, in place of the general advice; ``overflow``: a value that overflowed
-    at the point (`LogJoint._overflow`), the cause, unless the data hold NaN."""
+    at the point (`LogJoint._overflow`), the cause, unless the data hold NaN. The general advice
+    is for a guide's start where ``after_steps`` is ``False``, for a fit that diverged where it
+    is ``True``, and both where it is ``None`` (not known)."""
     name = site["name"]
     head = f"the log density of site {name!r} is not finite ({value}) at {where}"
     if site["is_observed"] and torch.isnan(torch.as_tensor(site["value"])).any():
@@ -1218,16 +1233,26 @@ def _not_finite(
         )
     if hint:
         return f"{head}: {hint}"
-    return (
-        f"{head}; check the model's support and parameters. At the guide's start: where a latent "
-        "sets the support of a site (x ~ Uniform(0, theta)), start the guide inside it "
-        "(init_loc_fn=init_to_value(values={...}) in the guide), else from a smaller init_scale. "
-        "After steps of an optimizer (the guide has moved): the fit may have diverged, a positive "
-        "latent's exp underflowing to 0 or a value pushed out of the support; look for a loss "
-        "that grew and for the optimizer's warnings before this error (sigma pinned at "
-        "sigma_max, non-finite gradients or updates), and take smaller steps (a smaller lr, or "
-        "QNVB's trust_region)"
+    start = (
+        "where a latent sets the support of a site (x ~ Uniform(0, theta)), start the guide "
+        "inside it (init_loc_fn=init_to_value(values={...}) in the guide), else from a smaller "
+        "init_scale"
     )
+    diverged = (
+        "the fit may have diverged, a positive latent's exp underflowing to 0 or a value pushed "
+        "out of the support; look for a loss that grew and for the optimizer's warnings before "
+        "this error (sigma pinned at sigma_max, non-finite gradients or updates), and take "
+        "smaller steps (a smaller lr, or QNVB's trust_region)"
+    )
+    head = f"{head}; check the model's support and parameters"
+    if after_steps is None:
+        return (
+            f"{head}. At the guide's start: {start}. After steps of an optimizer (the guide has "
+            f"moved): {diverged}"
+        )
+    if after_steps:
+        return f"{head}. The guide has moved from its start by steps of an optimizer: {diverged}"
+    return f"{head}. This is the guide's start, before any step: {start}"
 
 
 def tensors_in(*objects):
@@ -1298,7 +1323,9 @@ def name_the_invalid_initial_site(
     with torch.random.fork_rng(devices=list(rng_state.cuda)):
         rng_state.restore()
         where = "the guide's initial values (from its init_loc_fn)"
-        _name_the_invalid_site(blocked, args, kwargs, error, lambda: where, hint=hint, steps=False)
+        _name_the_invalid_site(
+            blocked, args, kwargs, error, lambda: where, hint=hint, steps=False, after_steps=False
+        )
 
 
 def _name_the_invalid_site(
@@ -1310,6 +1337,7 @@ def _name_the_invalid_site(
     locate: Callable[[torch.Tensor], str] | None = None,
     hint: Callable[[Trace], str | None] | None = None,
     steps: bool = True,
+    after_steps: bool | None = None,
 ) -> None:
     """Raise a ValueError naming the site whose argument validation raised ``error``, if found.
 
@@ -1322,7 +1350,7 @@ def _name_the_invalid_site(
     observed site or a factor, NaN or an infinity in the model's inputs comes before it
     (`_nonfinite_input`, as in `LogJoint._overflow`); else a value
     that overflowed is named (`_overflow_in`; a latent's only where ``steps`` of an optimizer
-    reached the point, not at a guide's initial values).
+    reached the point, not at a guide's initial values). ``after_steps``: `_not_finite`'s.
     """
     with pyro.validation_enabled(False), torch.no_grad():
         try:
@@ -1340,7 +1368,7 @@ def _name_the_invalid_site(
             inputs = _nonfinite_input(model, args, kwargs) if node["is_observed"] else None
             hinted = None if hint is None or inputs else hint(trace)
             overflow = inputs or (None if hinted else _overflow_in(trace, node, steps))
-            why = _not_finite(node, value, at, hinted, overflow=overflow)
+            why = _not_finite(node, value, at, hinted, overflow=overflow, after_steps=after_steps)
             raise ValueError(f"{why}. ({first_line(error)})") from None
 
 

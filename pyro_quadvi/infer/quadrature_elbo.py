@@ -265,9 +265,11 @@ class PointsELBO(ELBO):
         kwargs,
         guide_trace,
         expected_log_priors: frozenset[str] = frozenset(),
+        after_steps: bool | None = None,
     ) -> tuple[torch.Tensor, dict[str, tuple[float, float, float]]]:
         """The log joint at the points ``z``, and the priors of ``expected_log_priors`` left to
-        the caller (`closed_priors`)."""
+        the caller (`closed_priors`); ``after_steps``: whether steps of an optimizer have moved
+        the guide (`LogJoint`'s, for its advice on a log density that is not finite)."""
         fit = self._fit(model, guide)
         # one LogJoint per step: all points of the step see one minibatch. Where the guide has
         # subsampled plates, whose rows the LogJoint replays into the model, the model runs
@@ -285,6 +287,7 @@ class PointsELBO(ELBO):
             closed_form=description.closed_form_sites(),
             expected_log_priors=expected_log_priors,
             node_by_node=True,
+            after_steps=after_steps,
         )
         given = not math.isinf(self.max_plate_nesting)
         if fit.decision is None and given:
@@ -557,8 +560,9 @@ class QuadratureELBO(PointsELBO):
                 expected = frozenset(s.name for s in description.sites if s.family == "gaussian")
         else:
             z = description.affine(x)
+        # (position 0: the guide's start, which no step has moved)
         log_joint, priors = self._log_joint(
-            model, guide, description, z, args, kwargs, guide_trace, expected
+            model, guide, description, z, args, kwargs, guide_trace, expected, position > 0
         )
         # float64 data with float32 latents give a float64 log joint, as in Trace_ELBO
         weights = node_weights.to(torch.promote_types(node_weights.dtype, log_joint.dtype))
