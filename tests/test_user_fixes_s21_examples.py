@@ -10,6 +10,8 @@ import pytest
 import torch
 from pyro import poutine
 from pyro.infer import SVI, TraceEnum_ELBO, config_enumerate
+from pyro.infer.reparam import TransformReparam
+from torch.distributions.transforms import LowerCholeskyTransform
 
 from pyro_quadvi import QNVB, to_inference_data
 from pyro_quadvi.guides import AutoMeanFieldNormal
@@ -135,3 +137,48 @@ def test_the_enumeration_refusal_hides_every_enumerated_site_in_a_form_that_fits
     losses = [svi.step(y) for _ in range(20)]
     assert all(math.isfinite(loss) for loss in losses)
     assert sorted(guide.median(y)) == ["locs", "p"]
+
+
+_Y2 = torch.tensor([[0.3, -0.2], [1.1, 0.9], [-0.7, -0.4], [0.2, 0.5]])
+
+
+def _wishart(y):
+    P = pyro.sample("P", dist.Wishart(df=torch.tensor(4.0), covariance_matrix=torch.eye(2)))
+    with pyro.plate("n", len(y)):
+        pyro.sample("y", dist.MultivariateNormal(torch.zeros(2), precision_matrix=P), obs=y)
+
+
+def _lower_cholesky(y):
+    base = dist.Normal(torch.zeros(2, 2), 1.0).to_event(2)
+    L = pyro.sample("L", dist.TransformedDistribution(base, LowerCholeskyTransform()))
+    with pyro.plate("n", len(y)):
+        pyro.sample("y", dist.MultivariateNormal(torch.zeros(2), scale_tril=L), obs=y)
+
+
+def test_a_wishart_latent_is_refused_with_a_rewrite_not_a_reparameterizer_pyro_lacks():
+    """The refusal sent a Wishart to "a reparameterizer of pyro.infer.reparam": Pyro has none."""
+    pyro.clear_param_store()
+    with pytest.raises(ValueError, match=r"latent site 'P' \(Wishart\)") as raised:
+        QuadratureELBO().loss(_wishart, AutoMeanFieldNormal(_wishart), _Y2)
+    message = str(raised.value)
+    assert "pyro.infer.reparam has no reparameterizer for it" in message
+    assert "L = scale.unsqueeze(-1) * L_corr, which is diag(scale) @ L_corr" in message
+    assert "Bartlett decomposition" in message and "c_i ~ Chi2(df - i)" in message
+    assert "poutine.reparam" not in message
+
+
+def test_a_transformed_lower_cholesky_latent_is_sent_to_transform_reparam_which_fits():
+    """The refusal names TransformReparam for a TransformedDistribution onto lower_cholesky, and
+    the model wrapped as it says fits (its latent is the base's real ``L_base``)."""
+    pyro.clear_param_store()
+    with pytest.raises(ValueError, match=r"latent site 'L' \(TransformedDistribution\)") as raised:
+        QuadratureELBO().loss(_lower_cholesky, AutoMeanFieldNormal(_lower_cholesky), _Y2)
+    message = str(raised.value)
+    assert "poutine.reparam(model, config={'L': TransformReparam()})" in message
+    assert "latent 'L_base'" in message
+    model = poutine.reparam(_lower_cholesky, config={"L": TransformReparam()})
+    guide = AutoMeanFieldNormal(model)
+    svi = SVI(model, guide, QNVB(), QuadratureELBO())
+    losses = [svi.step(_Y2) for _ in range(20)]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    assert [site.name for site in latent_sites_of_model(model, _Y2)] == ["L_base"]

@@ -144,14 +144,41 @@ def check_latent_site(site: dict) -> None:
 
 def unconstraining_bijection(site: dict) -> Transform:
     """``biject_to`` of a latent site's support, where quadrature places its nodes; a support
-    without one (``ProjectedNormal``'s sphere) is refused naming the site, its support and a
-    reparameterizer, as Pyro's AutoGuides name them (torch's own error names neither)."""
+    without one is refused naming the site, its support and the way out, as Pyro's AutoGuides
+    name them (torch's own error names neither): a reparameterizer of ``pyro.infer.reparam``
+    (``ProjectedNormalReparam`` for the sphere, ``TransformReparam`` for a
+    ``TransformedDistribution``, onto ``lower_cholesky`` say), or, for a ``Wishart`` or another
+    positive definite matrix, for which Pyro has none, the model written another way."""
     support = site["fn"].support
     try:
         return biject_to(support)
     except NotImplementedError:
         name = site["name"]
-        if isinstance(support, type(constraints.sphere)):
+        head = (
+            f"latent site {name!r} ({type(site['fn']).__name__}) has the support {support!r}, "
+            "which no bijection maps to the real space where quadrature places its nodes"
+        )
+        layers = list(_layers(site["fn"]))  # (a TransformedDistribution is a layer too)
+        if any(isinstance(fn, torch.distributions.TransformedDistribution) for fn in layers):
+            way = (
+                f"poutine.reparam(model, config={{{name!r}: TransformReparam()}}) (from "
+                f"pyro.infer.reparam), which draws the base distribution's latent "
+                f"{name + '_base'!r} and makes {name!r} its transform"
+            )
+        elif any(isinstance(fn, torch.distributions.Wishart) for fn in layers) or isinstance(
+            support, type(constraints.positive_definite) | type(constraints.positive_semidefinite)
+        ):
+            raise ValueError(
+                f"{head}, and pyro.infer.reparam has no reparameterizer for it. Write the model "
+                "another way: a covariance as an LKJCholesky times scales (L_corr ~ "
+                "LKJCholesky(d, eta), scale ~ HalfNormal(s).expand([d]).to_event(1), L = "
+                "scale.unsqueeze(-1) * L_corr, which is diag(scale) @ L_corr, and the covariance "
+                "L @ L.T; MultivariateNormal(loc, scale_tril=L)), or a Wishart(df, "
+                "scale_tril=S) by its Bartlett decomposition (a lower triangular A with A[i, i] "
+                "= sqrt(c_i), c_i ~ Chi2(df - i), i = 0..d-1, and A[i, j] ~ Normal(0, 1) below "
+                "the diagonal; the matrix is S @ A @ A.T @ S.T)"
+            ) from None
+        elif isinstance(support, type(constraints.sphere)):
             way = (
                 f"poutine.reparam(model, config={{{name!r}: ProjectedNormalReparam()}}) (from "
                 f"pyro.infer.reparam), which draws a real latent {name + '_normal'!r} and makes "
@@ -164,9 +191,7 @@ def unconstraining_bijection(site: dict) -> Transform:
                 "support"
             )
         raise ValueError(
-            f"latent site {name!r} ({type(site['fn']).__name__}) has the support {support!r}, "
-            "which no bijection maps to the real space where quadrature places its nodes. "
-            f"Reparameterize it: fit {way}, and build the guide from the wrapped model"
+            f"{head}. Reparameterize it: fit {way}, and build the guide from the wrapped model"
         ) from None
 
 
