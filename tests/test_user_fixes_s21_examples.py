@@ -13,7 +13,7 @@ from pyro.infer import SVI, TraceEnum_ELBO, config_enumerate
 from pyro.infer.reparam import TransformReparam
 from torch.distributions.transforms import LowerCholeskyTransform
 
-from pyro_quadvi import QNVB, to_inference_data
+from pyro_quadvi import QNVB, opqa_evidence, to_inference_data
 from pyro_quadvi.guides import AutoMeanFieldNormal
 from pyro_quadvi.infer import QuadratureELBO
 from pyro_quadvi.infer.log_joint import latent_sites_of_model
@@ -182,3 +182,41 @@ def test_a_transformed_lower_cholesky_latent_is_sent_to_transform_reparam_which_
     losses = [svi.step(_Y2) for _ in range(20)]
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
     assert [site.name for site in latent_sites_of_model(model, _Y2)] == ["L_base"]
+
+
+def _lkj(y):
+    d = y.shape[1]
+    theta = pyro.sample("theta", dist.HalfNormal(torch.ones(d, dtype=y.dtype)).to_event(1))
+    L = pyro.sample("L", dist.LKJCholesky(d, torch.ones((), dtype=y.dtype)))
+    pyro.deterministic("corr", L @ L.transpose(-1, -2))
+    scale_tril = theta.sqrt().unsqueeze(-1) * L
+    with pyro.plate("n", len(y)):
+        pyro.sample(
+            "y",
+            dist.MultivariateNormal(torch.zeros(d, dtype=y.dtype), scale_tril=scale_tril),
+            obs=y,
+        )
+
+
+def test_a_cholesky_factor_exports_as_the_matrix_and_its_marginals_as_its_coordinates():
+    """docs/arviz.md, "Matrix latents", and docs/evidence.md: ``L`` (3 x 3) exports with dims
+    ``L_dim_0, L_dim_1``, its fixed entries constant (sd 0), ``corr`` beside it; OPQA's marginals
+    of ``L`` are of its 3 unconstrained coordinates, whose tanh is ``L[1, 0]``."""
+    y = torch.randn(12, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    pyro.clear_param_store()
+    guide = AutoMeanFieldNormal(_lkj)
+    guide(y)
+    idata = to_inference_data(_lkj, guide, y, num_samples=50)
+    L = idata.posterior["L"]
+    assert L.dims == ("chain", "draw", "L_dim_0", "L_dim_1")
+    assert idata.posterior["corr"].dims == ("chain", "draw", "corr_dim_0", "corr_dim_1")
+    assert float(L[..., 0, 0].std()) == 0.0 and float(L[..., 0, 1].std()) == 0.0
+    assert float(L[..., 1, 0].std()) > 0.01
+    corr = torch.as_tensor(idata.posterior["corr"].values)
+    assert torch.allclose(corr[..., 1, 0], torch.as_tensor(L[..., 1, 0].values))
+    marginal = opqa_evidence(_lkj, y, num_points=3).posterior.marginals(num=5)["L"]
+    assert marginal.values.shape == (5, 3) and not marginal.constrained
+    z = torch.zeros(3, dtype=torch.float64)
+    z[0] = 0.4
+    factor = torch.distributions.biject_to(dist.constraints.corr_cholesky)(z)
+    assert math.isclose(float(factor[1, 0]), math.tanh(0.4), rel_tol=1e-12)
