@@ -54,8 +54,10 @@ def test_export_of_a_model_that_mis_broadcasts_never_makes_the_draws_squared():
     guide = AutoMeanFieldNormal(model)
     guide(*args)
     S = 200
-    with pytest.warns(UserWarning, match="one by one|loop"):
+    with pytest.warns(UserWarning, match="one by one|loop") as caught:
         idata = to_inference_data(model, guide, *args, num_samples=S, prior=False)
+    # the warning says its shapes are the trial's, not the export's
+    assert any("in a trial batched run of 2 draws" in str(w.message) for w in caught)
     assert idata.posterior.attrs["vectorized"] == 0
     assert idata.posterior["b"].shape == (1, S, 4, 2)
     # the batched trial on 2 draws made (2, 2, 4) and stopped there, never (S, S, 4)

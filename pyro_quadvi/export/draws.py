@@ -619,11 +619,15 @@ class _Runner:
 
     # -- the draws --------------------------------------------------------------------------
 
-    def posterior(self, particles: int | None) -> dict[str, dict[str, torch.Tensor]]:
-        """Posterior, log likelihood, posterior predictive and observed data over the full data."""
+    def posterior(
+        self, particles: int | None, trial: bool = False
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Posterior, log likelihood, posterior predictive and observed data over the full data;
+        ``trial``: over the first rows' chunk only (`_all_draws`'s trial run)."""
+        combos = self.combos[:1] if trial else self.combos
         guided = [s for s in self.latents if s.guided]
         latents = self._new(guided)
-        for rows in self.combos:
+        for rows in combos:
             guide = poutine.condition(
                 _PlateRows(rows)(self.guide), data=self._fixed(latents, rows, particles)
             )
@@ -634,7 +638,7 @@ class _Runner:
         factors = [s for s in self.sites.values() if s.kind == "factor"]
         loglik = self._new(observed + factors, loglik=True)
         predictive, data = self._new(observed), {}
-        for i, rows in enumerate(self.combos):
+        for i, rows in enumerate(combos):
             model = _PlateRows(rows)(self.model)
             conditioned = poutine.condition(model, data=self._fixed(latents, rows, particles))
             trace = self._trace(conditioned, particles)
@@ -662,12 +666,14 @@ class _Runner:
             "observed_data": _values(data),
         }
 
-    def prior(self, particles: int | None) -> dict[str, dict[str, torch.Tensor]]:
-        """Prior and prior predictive draws over the full data."""
+    def prior(
+        self, particles: int | None, trial: bool = False
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Prior and prior predictive draws over the full data; ``trial``: as in `posterior`."""
         latents = self._new(self.latents)
         deterministic = self._new(s for s in self.sites.values() if s.kind == "deterministic")
         predictive = self._new(self.sites[name] for name in self.observed)
-        for i, rows in enumerate(self.combos):
+        for i, rows in enumerate(self.combos[:1] if trial else self.combos):
             released = _ReleaseObserved(self.observed)(_PlateRows(rows)(self.model))
             conditioned = poutine.condition(released, data=self._fixed(latents, rows, particles))
             trace = self._trace(conditioned, particles)
@@ -949,10 +955,16 @@ def _all_draws(
         try:
             if len(draws) > _TRIAL_DRAWS:
                 # a model that does not broadcast over the draws can make a site of (S, S, ...)
-                # values before the shape check sees it: a trial on a few draws finds it at a
-                # small cost, from a forked random state (the draws after it are as without it)
+                # values before the check sees it: a trial on a few draws and the first rows'
+                # chunk finds it at a small cost, from a forked random state (the draws after
+                # it are as without it)
                 with torch.random.fork_rng(devices=devices):
-                    run(_TRIAL_DRAWS)
+                    try:
+                        run(_TRIAL_DRAWS, trial=True)
+                    except BatchMismatch as error:
+                        raise BatchMismatch(
+                            f"in a trial batched run of {_TRIAL_DRAWS} draws, {error}"
+                        ) from error
             return run(len(draws))
         except BatchMismatch as error:
             if vectorize is not True:
