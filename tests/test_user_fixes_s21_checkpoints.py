@@ -21,7 +21,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO
 from pyro_quadvi.distributions import SpikeSlab
 from pyro_quadvi.nn import fit
-from pyro_quadvi.store import set_weights_only_state, weights_only_state
+from pyro_quadvi.store import listed_names, set_weights_only_state, shortened, weights_only_state
 
 
 def _data(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,3 +280,12 @@ def test_double_in_the_middle_of_a_fit_fails_in_the_update_naming_the_dtypes():
     x, y = _data(torch.float64)
     with pytest.raises(TypeError, match=r"torch.float32.*torch.float64"):
         svi.step(x, y)
+
+
+def test_one_helper_shortens_every_list_of_a_message():
+    names = [f"p{i}" for i in range(8)]
+    assert shortened(names, 8) == ", ".join(names)
+    assert shortened(names, 3) == "p0, p1, p2, ... (8 in all)"
+    assert shortened(names, 3, "sites") == "p0, p1, p2, ... (8 sites)"
+    assert shortened(names, 3, None) == "p0, p1, p2 and 5 more"
+    assert listed_names(names, 2) == "'p0', 'p1', ... (8 in all)"

@@ -84,6 +84,38 @@ def test_nodes_that_round_to_the_mean_are_counted_in_both_updates():
     assert int(wide.num_unresolved) == 0  # float64 resolves 1e-5 at 1000
 
 
+def test_a_sigma_the_step_widens_past_the_spacing_is_not_counted_in_either_update():
+    # rule 12 counts a coordinate whose sigma stays below eps |mu| after the step: 1e-7 at a
+    # mean of 5 with a curvature asking for sigma 1 is widened to 1e-6 (the rate limit) at once
+    mu, sigma = torch.tensor([5.0, 1000.0]), torch.tensor([1e-7, 1e-7])
+    g, h = torch.zeros(2), torch.ones(2)
+    hp = QNVBHyperparameters()
+    state = init_qnvb_state(mu)
+    assert qnvb_update(mu, sigma, g, h, state, hp).sigma.tolist() == pytest.approx([1e-6] * 2)
+    assert int(qnvb_update(mu, sigma, g, h, state, hp).num_unresolved) == 1  # 1e-6 < 1.2e-4
+    (many,) = qnvb_update_many([mu], [sigma], [g], [h], [state], hp)
+    assert int(many.num_unresolved) == 1
+
+
+def test_a_tiny_init_scale_that_the_fit_widens_gives_no_resolution_warning():
+    # init_scale=1e-7 at w = 5 (float32 spacing 6e-7 there): warned at step 1, then the fit
+    # converged exactly, its sigma 5e4 times the spacing
+    torch.manual_seed(0)
+    x = torch.randn(100)
+    y = 2 * x + 0.5 * torch.randn(100)
+
+    def model():
+        w = pyro.sample("w", dist.Normal(0.0, 10.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Normal(w * x, 0.5), obs=y)
+
+    start = {"init_scale": 1e-7, "init_loc_fn": init_to_value(values={"w": torch.tensor(5.0)})}
+    guide, messages = _fit(model, 100, start)
+    assert not [m for m in messages if "round back" in m]
+    assert guide.locs.w.item() == pytest.approx(1.9433, abs=1e-3)
+    assert guide.scales.w.item() == pytest.approx(0.0488, abs=1e-3)
+
+
 def test_qnvb_warns_once_of_a_site_whose_nodes_round_to_its_mean():
     torch.manual_seed(0)
     y = 1000 + 1e-5 * torch.randn(100)  # posterior sd 1e-6 at a mean of 1000: float32 cannot

@@ -491,13 +491,13 @@ def _held_message(name: str, item: _Prepared, held: int, ratio: float) -> str:
 
 def _unresolved_words(item: _Prepared) -> str:
     """``"|mu| up to 1e+03, sigma down to 1e-06, float32"``: a site's coordinates whose nodes
-    the dtype does not resolve (rule 12), read from its parameters after the step (a warning's
-    words; a host read)."""
+    the dtype does not resolve (rule 12: before the step and after it), read from its
+    parameters after the step (a warning's words; a host read)."""
     site = item.site
     loc = site.params["loc"].detach()
     sigma = transform_to(site.param_constraints["scale"])(site.params["scale"].detach())
     unresolved = sigma < loc.abs() * torch.finfo(loc.dtype).eps
-    if not bool(unresolved.any()):  # sigma widened past it in this step: all coordinates
+    if not bool(unresolved.any()):  # the scale parameter's rounding moved it: all coordinates
         unresolved = torch.ones_like(unresolved)
     top, low = loc.abs()[unresolved].max().item(), sigma[unresolved].min().item()
     return f"|mu| up to {top:.3g}, sigma down to {low:.3g}, {loc.dtype}"
