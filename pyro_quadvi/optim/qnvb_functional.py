@@ -860,7 +860,7 @@ def _reference_rules(
         last_grad=grad,
         damping=damping,
     )
-    unresolved = _unresolved(mu, sigma, new_mu, new_sigma)  # rule 12, before the guard
+    unresolved = _still_unresolved(mu, sigma, new_mu, new_sigma)  # rule 12, before the guard
     # rule 11: a non-finite input or an overflow (e.g. of g^2) leaves a coordinate unchanged: no
     # NaN or infinity ever leaves this function. Counted as tensors: no host-device sync here.
     updated = finite_input.clone()
@@ -879,16 +879,19 @@ def _reference_rules(
     return new_mu, new_sigma, new_state, masks
 
 
-def _unresolved(
+def _unresolved(mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """Where ``sigma < eps |mu|`` (``eps``: the dtype's machine epsilon), the nodes
+    ``mu + sigma x_k`` lie within about one spacing of the dtype from ``mu``. Three passes;
+    rule 12 asks it of the step's input and of its result (`_still_unresolved`)."""
+    return torch.gt(mu.abs().mul_(torch.finfo(mu.dtype).eps), sigma)
+
+
+def _still_unresolved(
     mu: torch.Tensor, sigma: torch.Tensor, new_mu: torch.Tensor, new_sigma: torch.Tensor
 ) -> torch.Tensor:
-    """Rule 12: where ``sigma < eps |mu|`` (``eps``: the dtype's machine epsilon), the nodes
-    ``mu + sigma x_k`` lie within about one spacing of the dtype from ``mu``, and the step's
-    ``new_sigma`` is still below ``eps |new_mu|`` (the step did not widen it past). Seven
-    passes."""
-    eps = torch.finfo(mu.dtype).eps
-    before = torch.gt(mu.abs().mul_(eps), sigma)
-    return before.logical_and_(torch.gt(new_mu.abs().mul_(eps), new_sigma))
+    """Rule 12: the coordinates `_unresolved` before the step and after it (the step did not
+    widen ``sigma`` past the dtype's spacing at the mean). Seven passes."""
+    return torch.logical_and(_unresolved(mu, sigma), _unresolved(new_mu, new_sigma))
 
 
 #: the update through ``torch.compile``, made on first use: "per tensor" (`_reference_update`) and
@@ -1069,7 +1072,7 @@ def _flat_update(
         del travelled
 
     news = (new_mu, new_sigma, g_avg, s_avg, h_avg, h2_avg, count, curvature_count, grad, damping)
-    return news, limited, wider, narrower, _unresolved(mu, sigma, new_mu, new_sigma)
+    return news, limited, wider, narrower, _still_unresolved(mu, sigma, new_mu, new_sigma)
 
 
 def _add_to_probe(probe: torch.Tensor, values) -> torch.Tensor:
