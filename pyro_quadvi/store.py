@@ -303,12 +303,24 @@ def _constraint_matches(saved: object, constraint: constraints.Constraint) -> bo
     return _same_description(described, constraint_description(constraint))
 
 
+def shortened(items: Iterable[str], most: int, total: str | None = "in all") -> str:
+    """``items`` joined by commas for a message, the first ``most`` of them, then how many in
+    all (``"a, b, ... (40 in all)"``, ``total="sites"``: ``"a, b, ... (40 sites)"``) or, with
+    ``total=None``, how many more (``"a, b and 38 more"``); all of them where they are no more
+    than ``most``."""
+    items = list(items)
+    shown = ", ".join(items[:most])
+    if len(items) <= most:
+        return shown
+    if total is None:
+        return f"{shown} and {len(items) - most} more"
+    return f"{shown}, ... ({len(items)} {total})"
+
+
 def listed_names(names: Iterable[str], most: int = 6) -> str:
     """Parameter names for a message: the first ``most`` quoted, and how many in all
-    (``"'a', 'b', ... (40 in all)"``)."""
-    names = list(names)
-    shown = ", ".join(repr(name) for name in names[:most])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > most else "")
+    (``"'a', 'b', ... (40 in all)"``, `shortened`)."""
+    return shortened(map(repr, names), most)
 
 
 def _check_like_held(name: str, saved: torch.Tensor, held: torch.Tensor | None) -> None:

@@ -21,7 +21,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO
 from pyro_quadvi.distributions import SpikeSlab
 from pyro_quadvi.nn import fit
-from pyro_quadvi.store import set_weights_only_state, weights_only_state
+from pyro_quadvi.store import listed_names, set_weights_only_state, shortened, weights_only_state
 
 
 def _data(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,3 +236,56 @@ def test_fit_resumed_at_an_epoch_end_goes_on_bit_for_bit_with_its_metric_steps()
     svi_of_a_new_fit = SVI(_model(), AutoNormal(_model()), QNVB(), QuadratureELBO())
     with pytest.raises(ValueError, match="start_step must be an integer >= 0, got -5"):
         fit(svi_of_a_new_fit, _data(), 1, start_step=-5)
+
+
+# ---------------------------------------------------------------- 1b. the guide's own conversions
+def _fit_then_double(clear: bool) -> tuple[AutoMeanFieldNormal, SVI]:
+    """Five float32 steps, then ``guide.double()`` (after ``pyro.clear_param_store()`` if
+    ``clear``); returns the guide and the SVI of the float32 fit."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x, y = _data()
+    guide = AutoMeanFieldNormal(_model())
+    svi, _ = _fit(_model(), guide, 5, x, y)
+    if clear:
+        pyro.clear_param_store()
+    guide.double()
+    return guide, svi
+
+
+def test_a_guide_converted_by_double_refits_in_float64_on_a_fresh_store():
+    # the record of the set-up's dtypes follows the guide's own conversion: a refit in float64
+    # with a new SVI and QNVB is no restored checkpoint of another model
+    guide, _ = _fit_then_double(clear=True)
+    x, y = _data(torch.float64)
+    model = _model(dtype=torch.float64)
+    _fit(model, guide, 30, x, y)
+    assert guide.locs.w.dtype == torch.float64
+    assert guide.locs.w.detach().tolist() == pytest.approx([1.0, 0.0, -2.0], abs=0.15)
+
+
+def test_a_converted_guide_still_refuses_a_restored_store_of_the_old_dtype(saved):
+    x, y = _data(torch.float64)
+    guide = AutoMeanFieldNormal(_model())
+    guide(*_data())
+    guide.to(torch.float64)
+    pyro.get_param_store().set_state(copy.deepcopy(saved["store"]))
+    with pytest.raises(ValueError, match=r"\(3,\) and torch.float32, but the guide set"):
+        guide(x, y)
+
+
+def test_double_in_the_middle_of_a_fit_fails_in_the_update_naming_the_dtypes():
+    # the same QNVB holds float32 averages: the update refuses them with both dtypes
+    _, svi = _fit_then_double(clear=False)
+    x, y = _data(torch.float64)
+    with pytest.raises(TypeError, match=r"torch.float32.*torch.float64"):
+        svi.step(x, y)
+
+
+def test_one_helper_shortens_every_list_of_a_message():
+    names = [f"p{i}" for i in range(8)]
+    assert shortened(names, 8) == ", ".join(names)
+    assert shortened(names, 3) == "p0, p1, p2, ... (8 in all)"
+    assert shortened(names, 3, "sites") == "p0, p1, p2, ... (8 sites)"
+    assert shortened(names, 3, None) == "p0, p1, p2 and 5 more"
+    assert listed_names(names, 2) == "'p0', 'p1', ... (8 in all)"

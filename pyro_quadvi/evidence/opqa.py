@@ -59,7 +59,7 @@ from ..infer.log_joint import (
     latent_sites_of_model,
 )
 from ..quadrature.hermite import gauss_hermite, orthonormal_hermite
-from ..store import follow_param_store
+from ..store import follow_param_store, shortened
 from .posterior import OPQAPosterior, multi_indices
 from .weight import GaussianWeight, fixed_weight, guide_weight, laplace_weight
 
@@ -307,9 +307,7 @@ def opqa_evidence(
 def _grid_too_large(sites: list[LatentSite], dim: int, num_points: int, max_nodes: int) -> str:
     """The refusal of a grid of more than ``max_nodes`` nodes, with the largest ``num_points``
     that fits, or, where not even 2 points fit, what to use instead."""
-    names = ", ".join(site.name for site in sites[:5])
-    if len(sites) > 5:
-        names += f", ... ({len(sites)} sites)"
+    names = shortened((site.name for site in sites), 5, "sites")
     size = f"{num_points}^{dim}"
     if dim * math.log2(num_points) <= 64:
         size += f" = {num_points**dim}"

@@ -66,7 +66,7 @@ from ..infer.log_joint import (
 )
 from ..nn.likelihoods import made_by_likelihood
 from ..quadrature.base import format_bytes
-from ..store import follow_param_store
+from ..store import follow_param_store, shortened
 
 __all__ = ["Draws", "SiteSpec", "all_rows_refusal", "check_observed_not_nan", "draw"]
 
@@ -207,8 +207,7 @@ def _listed(noun: str, values: list[int], most: int = 5) -> str:
     if len(values) == 1:
         return f"{noun} {values[0]}"
     plural = "indices" if noun == "index" else noun + "s"
-    more = f", ... ({len(values)} in all)" if len(values) > most else ""
-    return f"{plural} {', '.join(map(str, values[:most]))}{more}"
+    return f"{plural} {shortened(map(str, values), most)}"
 
 
 class _PlateRows(Messenger):

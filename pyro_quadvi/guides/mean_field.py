@@ -173,6 +173,19 @@ class AutoMeanFieldNormal(AutoNormal):
         self._last_run_stamp = RunStamp(next(_RUN_NUMBERS), torch.is_grad_enabled())
         return result
 
+    def _apply(self, fn: Callable, *args, **kwargs):
+        """``nn.Module``'s conversion of every tensor by ``fn`` (``.double()``, ``.to(dtype)``),
+        with the record of the parameters' set-up dtypes (`_restored_refusal`) converted by the
+        same ``fn``: a guide the user converts reads parameters of the new dtype."""
+        result = super()._apply(fn, *args, **kwargs)
+        made = self.__dict__.get("_initial_params")
+        if made:
+            self._initial_params = {
+                name: (shape, fn(torch.empty(0, dtype=dtype)).dtype)
+                for name, (shape, dtype) in made.items()
+            }
+        return result
+
     def _restored_refusal(self, trace: Trace) -> ValueError | None:
         """The refusal of a run that read a parameter whose shape or dtype is not the one the
         guide's set-up made it with, naming the site, both shapes and dtypes and the cause (the

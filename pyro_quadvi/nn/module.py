@@ -51,7 +51,7 @@ from ..infer.batched import (
 from ..optim.qnvb_functional import QNVBHyperparameters
 from ..optim.torch_qnvb import check_tensor_output, nonfinite_data
 from ..quadrature import QuadratureRule
-from ..store import follow_store, uncompiled
+from ..store import follow_store, shortened, uncompiled
 from .likelihoods import Likelihood
 from .priors import LayerwiseNormal
 
@@ -261,9 +261,7 @@ class BayesianModule(PyroModule):
         ]
         if not shown:
             return None
-        listed = ", ".join(map(repr, shown[:4])) + (
-            f" and {len(shown) - 4} more" if len(shown) > 4 else ""
-        )
+        listed = shortened(map(repr, shown), 4, None)
         return (
             f"the BayesianModule's weights {listed} start at 0 everywhere (the guide's "
             "init_loc_fn; Pyro's default init_to_feasible puts a weight at its prior's centre), "
@@ -357,9 +355,7 @@ class BayesianModule(PyroModule):
             if m.training and not any(child.training for child in m.children())
         ]
         if training:
-            shown = ", ".join(training[:6]) + (
-                f" and {len(training) - 6} more" if len(training) > 6 else ""
-            )
+            shown = shortened(training, 6, None)
             raise ValueError(
                 f"BayesianModule: {shown} of the network {'is' if len(training) == 1 else 'are'} "
                 "in training mode; "

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
@@ -448,32 +449,55 @@ def _one_gradient(name: str, loc_leaf: torch.Tensor) -> str:
     )
 
 
+def forget_steps(ratio: float, beta2: float) -> float:
+    """About how many steps the running average of ``g^2`` (rule 7's ``s_avg``, weight
+    ``beta2`` a step) takes to forget one past step whose gradient was ``ratio`` times the
+    current one: ``2 ln(ratio) / -ln(beta2)`` (the factor ``ratio^2`` to lose). A held Poisson
+    start (``ratio`` 2.3e40) released at step 1672 with ``beta2=0.9`` (this gives 1765 more
+    after step 10) and at step 268 with ``0.5`` (268)."""
+    if ratio <= 1.0:
+        return 0.0
+    if beta2 <= 0.0:
+        return 1.0
+    return 2.0 * math.log(ratio) / -math.log(beta2)
+
+
+def _two_digits(steps: float) -> str:
+    """``steps`` to two significant digits, with thousands separators (``"190,000"``)."""
+    digits = 1 - math.floor(math.log10(steps)) if steps >= 1 else 0
+    return f"{round(steps, digits):,.0f}"
+
+
 def _held_message(name: str, item: _Prepared, held: int, ratio: float) -> str:
-    """The warning of a site whose mean is held by one past step (`QNVB._warn_if_held`)."""
+    """The warning of a site whose mean is held by one past step (`QNVB._warn_if_held`), with
+    the steps the averages take to forget it (`forget_steps`) at its ``betas[1]`` and at 0.5."""
     beta2 = item.hp.betas[1]
     return (
         f"QNVB: site {name!r}: its mean is held nearly still by one past step. At {held} of its "
         f"{item.site.params['loc'].numel()} coordinates the running averages of the squared "
-        f"gradient and of the curvature (betas[1]={beta2:g}: over up to {1 / (1 - beta2):.0f} "
-        f"steps) are dominated by one earlier step whose gradient was up to {ratio:.3g} times "
-        "the current one: an overflowing start, such as an exp link whose first nodes met "
-        "unscaled inputs (a loss of 1e40 at step 1). The mean's steps are divided by that "
-        "step's gradient or curvature, so the loss stays where it is for hundreds of steps, "
-        "and sigma stays where that curvature put it (at sigma_min, say). Start closer "
-        "(the guide's init_loc_fn=init_to_value(values={...}), or a smaller init_scale), "
-        "rescale the inputs, or let the averages forget faster: betas=(0, 0.9)"
+        "gradient and of the curvature are dominated by one earlier step whose gradient was up "
+        f"to {ratio:.3g} times the current one: an overflowing start, such as an exp link whose "
+        "first nodes mu + sigma * x_k met unscaled inputs (a loss of 1e40 at step 1). The "
+        "mean's steps are divided by that step's gradient or curvature, and sigma stays where "
+        "that curvature put it (at sigma_min, say), until the averages forget it: a factor of "
+        f"{ratio * ratio:.2g} in g^2, about {_two_digits(forget_steps(ratio, beta2))} steps at "
+        f"betas[1]={beta2:g}. Start with a smaller init_scale (the nodes sit sigma * x_k from "
+        "the mean, so a start at the optimum overflows too; 1e-3 and 1e-4 fitted a Poisson "
+        "start held by init_scale=0.1), or rescale the inputs; or, in a full-batch fit, let "
+        "the averages forget faster: betas=(0, 0.5), about "
+        f"{_two_digits(forget_steps(ratio, 0.5))} steps"
     )
 
 
 def _unresolved_words(item: _Prepared) -> str:
     """``"|mu| up to 1e+03, sigma down to 1e-06, float32"``: a site's coordinates whose nodes
-    the dtype does not resolve (rule 12), read from its parameters after the step (a warning's
-    words; a host read)."""
+    the dtype does not resolve (rule 12: before the step and after it), read from its
+    parameters after the step (a warning's words; a host read)."""
     site = item.site
     loc = site.params["loc"].detach()
     sigma = transform_to(site.param_constraints["scale"])(site.params["scale"].detach())
     unresolved = sigma < loc.abs() * torch.finfo(loc.dtype).eps
-    if not bool(unresolved.any()):  # sigma widened past it in this step: all coordinates
+    if not bool(unresolved.any()):  # the scale parameter's rounding moved it: all coordinates
         unresolved = torch.ones_like(unresolved)
     top, low = loc.abs()[unresolved].max().item(), sigma[unresolved].min().item()
     return f"|mu| up to {top:.3g}, sigma down to {low:.3g}, {loc.dtype}"
@@ -865,27 +889,34 @@ class QNVB(PyroOptim):
         """Warn once per site whose mean is held nearly still by one past step
         (`_held_coordinates`), looked for at steps 10, 100, 1000, ... and at the step that would
         first warn of a sigma pinned at ``sigma_min`` (a held start pins it there: its warning,
-        whose advice to lower ``sigma_min`` would be wrong, is then replaced by this one).
+        whose advice to lower ``sigma_min`` would be wrong, is then replaced by this one where
+        every site it would count is held; a site pinned for its own reasons keeps it).
         Returns the step's counts table, read here if it was needed and not read yet."""
-        pinned_low = False
+        pinned: set[str] = set()  # the labels of the sites with a sigma at sigma_min
         if "num_sigma_min" not in self._warned and counts:
             table = count_table(counts) if table is None else table
             column = COUNT_KINDS.index("num_sigma_min")
-            pinned_low = any(row[column] for row in table)
-        if not (pinned_low or _is_decade(self.num_steps + 1)):
+            pinned = {label for (label, *_), row in zip(counts, table) if row[column]}
+        if not (pinned or _is_decade(self.num_steps + 1)):
             return table
+        held_labels = set()
         for item in prepared:
             name = item.site.name
-            if f"held {name}" in self._warned:
+            label = f"site {name!r}"
+            warned = f"held {name}" in self._warned
+            if warned and label not in pinned:
                 continue
             held = held_site(item.state)
             if held is None:
                 continue
-            grad, s_avg = item.state["last_grad"][held], item.state["s_avg"][held]
-            ratio = (s_avg.sqrt() / grad.abs()).max().item()
-            self._warn_once(f"held {name}", _held_message(name, item, int(held.sum()), ratio))
-            if pinned_low:
-                self._warned.add("num_sigma_min")
+            held_labels.add(label)
+            if not warned:
+                grad, s_avg = item.state["last_grad"][held], item.state["s_avg"][held]
+                ratio = (s_avg.sqrt() / grad.abs()).max().item()
+                message = _held_message(name, item, int(held.sum()), ratio)
+                self._warn_once(f"held {name}", message)
+        if pinned and pinned <= held_labels:  # else a site pinned for its own reasons is named
+            self._warned.add("num_sigma_min")
         return table
 
     def _refuse_if_nothing_updated(

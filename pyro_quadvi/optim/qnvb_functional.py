@@ -66,6 +66,9 @@ update's rules, each measured", gives the test and the benchmark row behind each
     machine epsilon: their nodes ``mu + sigma x_k`` lie within about one spacing of the dtype
     from ``mu`` (in float32 at a mean of 1000 every node rounds to ``mu`` itself below
     ``sigma = 3e-5``), so ``h``, a difference of gradients over ``sigma``, is rounding: 0, or noise.
+    Counted where the step's new ``sigma`` (before the guard, rule 11) is still below ``eps``
+    times the new ``|mu|``: a tiny ``init_scale`` that the rate limit (rule 10) widens past it in
+    one step is no resolution problem (``init_scale=1e-7`` at a mean of 5 fits exactly).
 
 **Inputs.** Every tensor has the mean's shape (nothing broadcasts: a ``g`` of shape ``(1,)``
 would move every coordinate, one of shape ``(3, 1)`` grow a ``(3,)`` mean field to ``(3, 3)``),
@@ -114,6 +117,7 @@ from typing import NamedTuple
 import torch
 
 from ..infer.batched import below_float64
+from ..store import shortened
 
 __all__ = [
     "COUNT_KINDS",
@@ -415,8 +419,9 @@ class QNVBResult(NamedTuple):
             ``sigma_max`` by this step, or whose curvature (taken, not held) asks for a wider
             ``sigma`` than ``sigma_max``: the curvature floor holds their ``sigma`` at
             ``sigma_max``.
-        num_unresolved: coordinates whose input ``sigma`` is below ``eps |mu|`` (rule 12): the
-            dtype does not resolve their nodes from the mean.
+        num_unresolved: coordinates whose input ``sigma`` is below ``eps |mu|`` and whose new
+            one below ``eps`` times the new ``|mu|`` (rule 12): the dtype does not resolve
+            their nodes from the mean, and the step did not widen them past it.
     """
 
     mu: torch.Tensor
@@ -472,7 +477,8 @@ def _count_message(kind: str, hp: QNVBHyperparameters, dtype: torch.dtype, where
             f"the nodes mu + sigma * x_k round back to (near) mu at {where}: sigma is below "
             f"{dtype}'s spacing at the mean (sigma < |mu| / {resolves:.3g}), so the curvature "
             "read from the nodes is 0 or rounding noise, and sigma holds or goes wrong (in "
-            "float32, a posterior sd of 1e-6 at a mean of 1000 came out 5 to 18 times too wide). "
+            "float32, a posterior sd of 1e-6 at a mean of 1000 came out 2.4 to 20 times too "
+            "wide over five data sets). "
             f"{or_float64(advice, [dtype])}"
         )
     return (
@@ -624,7 +630,7 @@ def idle_step_refusal(
         words: what the update's guard did (`IdleWords`).
         untaken: what the refusal left as it was.
     """
-    where = ", ".join(labels[:5]) + (f" and {len(labels) - 5} more" if len(labels) > 5 else "")
+    where = shortened(labels, 5, None)
     return ValueError(
         f"{owner}: no coordinate of any {unit} could be updated in {idle} steps in a row (in "
         f"this one, {total} coordinates of {where}): {words.guard}. Likely causes: data on "
@@ -854,6 +860,7 @@ def _reference_rules(
         last_grad=grad,
         damping=damping,
     )
+    unresolved = _still_unresolved(mu, sigma, new_mu, new_sigma)  # rule 12, before the guard
     # rule 11: a non-finite input or an overflow (e.g. of g^2) leaves a coordinate unchanged: no
     # NaN or infinity ever leaves this function. Counted as tensors: no host-device sync here.
     updated = finite_input.clone()
@@ -867,15 +874,24 @@ def _reference_rules(
         finite_input & ~updated,
         updated & (limited < hp.sigma_min) & narrower,
         updated & ((limited > hp.sigma_max) | wider),
-        _unresolved(mu, sigma),  # rule 12
+        unresolved,
     )
     return new_mu, new_sigma, new_state, masks
 
 
 def _unresolved(mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """Rule 12: where ``sigma < eps |mu|`` (``eps``: the dtype's machine epsilon), the nodes
-    ``mu + sigma x_k`` lie within about one spacing of the dtype from ``mu``. Three passes."""
+    """Where ``sigma < eps |mu|`` (``eps``: the dtype's machine epsilon), the nodes
+    ``mu + sigma x_k`` lie within about one spacing of the dtype from ``mu``. Three passes;
+    rule 12 asks it of the step's input and of its result (`_still_unresolved`)."""
     return torch.gt(mu.abs().mul_(torch.finfo(mu.dtype).eps), sigma)
+
+
+def _still_unresolved(
+    mu: torch.Tensor, sigma: torch.Tensor, new_mu: torch.Tensor, new_sigma: torch.Tensor
+) -> torch.Tensor:
+    """Rule 12: the coordinates `_unresolved` before the step and after it (the step did not
+    widen ``sigma`` past the dtype's spacing at the mean). Seven passes."""
+    return torch.logical_and(_unresolved(mu, sigma), _unresolved(new_mu, new_sigma))
 
 
 #: the update through ``torch.compile``, made on first use: "per tensor" (`_reference_update`) and
@@ -941,7 +957,7 @@ def _flat_update(
         scale before its bounds (rule 10: ``limited``), where the curvature asks for a wider
         scale than ``sigma_max`` (``wider``) and a smaller one than ``sigma_min``
         (``narrower``), from which the caller counts the bounds, and where the dtype does not
-        resolve the nodes from the mean (rule 12: ``unresolved``).
+        resolve the nodes from the mean, before the step and after (rule 12: ``unresolved``).
     """
     beta1, beta2 = hp.betas
     unit_weight = _is_number(weight, 1.0)
@@ -1056,7 +1072,7 @@ def _flat_update(
         del travelled
 
     news = (new_mu, new_sigma, g_avg, s_avg, h_avg, h2_avg, count, curvature_count, grad, damping)
-    return news, limited, wider, narrower, _unresolved(mu, sigma)
+    return news, limited, wider, narrower, _still_unresolved(mu, sigma, new_mu, new_sigma)
 
 
 def _add_to_probe(probe: torch.Tensor, values) -> torch.Tensor:

@@ -57,6 +57,7 @@ from .sparse_functional import (
     step_cap_message,
 )
 from .sparse_torch import check_ranges
+from .torch_qnvb import check_precision
 
 __all__ = ["SparseQNVB"]
 
@@ -232,7 +233,8 @@ class SparseQNVB(QNVB):
         Raises:
             TypeError: when no ``"dirac_gauss"`` block came with moments in this step (a guide
                 other than ``AutoSpikeSlab``, or an ELBO other than ``QuadratureELBO``); the
-                message says which, and nothing is updated.
+                message says which, and nothing is updated. Also for a block narrower than
+                float32 (`check_precision`: a bfloat16 guide's means come out silently wrong).
             ValueError: for the third step in a row whose terms the guard dropped at every
                 coordinate (`_refuse_if_idle`); nothing is updated.
         """
@@ -262,6 +264,7 @@ class SparseQNVB(QNVB):
                     "every coordinate at every step, so only global sites can be sparsified. Fit "
                     "local latents with another guide (e.g. AutoMeanFieldNormal on a sub-model)"
                 )
+            check_precision(site.values["loc"], f"site {site.name!r}", "SparseQNVB")
             sites.append((site, moments.g, moments.h))
             loss = moments.loss if loss is None else loss
         if params and "dirac_gauss" not in families:

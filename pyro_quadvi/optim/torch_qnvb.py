@@ -51,6 +51,7 @@ from ..infer.batched import (
 )
 from ..quadrature import NodeSet, make_rule
 from ..quadrature.base import draw_device
+from ..store import shortened
 from .annealing import annealing_factor, check_schedule
 from .qnvb_functional import (
     DONATABLE,
@@ -1352,11 +1353,10 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         if not outside:
             return
         self._warned.add("outside")
-        shown = ", ".join(repr(n) for n in outside[:5])
-        more = f" and {len(outside) - 5} more" if len(outside) > 5 else ""
+        shown = shortened(map(repr, outside), 5, None)
         warnings.warn(
             f"QNVBOptimizer: the network of loss_fn has {len(outside)} trainable parameters "
-            f"that this optimizer does not hold ({shown}{more}); step(loss_fn=...) evaluates "
+            f"that this optimizer does not hold ({shown}); step(loss_fn=...) evaluates "
             "them as they are and gives them no .grad, so another optimizer over them moves "
             "them by nothing. Put them in QNVB (add_param_group), freeze them "
             "(requires_grad_(False)), or compute their gradient in a pass of your own (this "
