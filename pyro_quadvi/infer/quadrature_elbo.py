@@ -562,7 +562,17 @@ class QuadratureELBO(PointsELBO):
             z = description.affine(x)
         # (position 0: the guide's start, which no step has moved)
         log_joint, priors = self._log_joint(
-            model, guide, description, z, args, kwargs, guide_trace, expected, position > 0
+            model,
+            guide,
+            description,
+            z,
+            args,
+            kwargs,
+            guide_trace,
+            expected,
+            # past 0, steps of this ELBO moved the guide; at 0 it may still have moved (fitted
+            # by another ELBO, a state_dict loaded, an ELBO of another name): both advices
+            True if position > 0 else None,
         )
         # float64 data with float32 latents give a float64 log joint, as in Trace_ELBO
         weights = node_weights.to(torch.promote_types(node_weights.dtype, log_joint.dtype))
