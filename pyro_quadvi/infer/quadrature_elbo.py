@@ -560,7 +560,6 @@ class QuadratureELBO(PointsELBO):
                 expected = frozenset(s.name for s in description.sites if s.family == "gaussian")
         else:
             z = description.affine(x)
-        # (position 0: the guide's start, which no step has moved)
         log_joint, priors = self._log_joint(
             model,
             guide,
