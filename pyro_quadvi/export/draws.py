@@ -669,10 +669,11 @@ class _Runner:
         self, particles: int | None, trial: bool = False
     ) -> dict[str, dict[str, torch.Tensor]]:
         """Prior and prior predictive draws over the full data; ``trial``: as in `posterior`."""
+        combos = self.combos[:1] if trial else self.combos
         latents = self._new(self.latents)
         deterministic = self._new(s for s in self.sites.values() if s.kind == "deterministic")
         predictive = self._new(self.sites[name] for name in self.observed)
-        for i, rows in enumerate(self.combos[:1] if trial else self.combos):
+        for i, rows in enumerate(combos):
             released = _ReleaseObserved(self.observed)(_PlateRows(rows)(self.model))
             conditioned = poutine.condition(released, data=self._fixed(latents, rows, particles))
             trace = self._trace(conditioned, particles)

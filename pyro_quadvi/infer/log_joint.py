@@ -495,11 +495,12 @@ class LogJoint:
             of the points at a time (`NodeByNodeNormal`): the same value and gradient, bit for
             bit, without the intermediates of all points at once; a backward that builds a
             graph (``create_graph=True``) is refused (``QuadratureELBO`` sets it).
-        after_steps: whether the points come from a guide that steps of an optimizer have moved
-            (``QuadratureELBO``: its sequence position is past 0), for the advice of a log
-            density that is not finite: ``False`` gives that for a guide's start (start inside
-            the support, a smaller ``init_scale``), ``True`` that for a fit that diverged
-            (smaller steps), ``None`` (not known: the OPQA evidence's points) both.
+        after_steps: whether the points come from a guide that steps of an optimizer have moved,
+            for the advice of a log density that is not finite: ``False`` gives that for a
+            guide's start (start inside the support, a smaller ``init_scale``), ``True`` that for
+            a fit that diverged (smaller steps), ``None`` (not known) both. ``QuadratureELBO``
+            passes ``True`` past its sequence position 0 and ``None`` at it (a guide fitted by
+            another ELBO has moved too); the OPQA evidence, ``None``.
 
     One minibatch per object: the first run of the model records the subsample indices of the
     plates that the ``replay_trace`` does not supply (plates only the model has, such as

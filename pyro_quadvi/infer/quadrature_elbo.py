@@ -269,7 +269,8 @@ class PointsELBO(ELBO):
     ) -> tuple[torch.Tensor, dict[str, tuple[float, float, float]]]:
         """The log joint at the points ``z``, and the priors of ``expected_log_priors`` left to
         the caller (`closed_priors`); ``after_steps``: whether steps of an optimizer have moved
-        the guide (`LogJoint`'s, for its advice on a log density that is not finite)."""
+        the guide, ``None`` where not known (`LogJoint`'s, for its advice on a log density that
+        is not finite)."""
         fit = self._fit(model, guide)
         # one LogJoint per step: all points of the step see one minibatch. Where the guide has
         # subsampled plates, whose rows the LogJoint replays into the model, the model runs

@@ -363,11 +363,17 @@ class QNVBBlock:
     run: RunStamp | None = None
 
 
+def site_label(name: str) -> str:
+    """``"site 'w'"``: how the optimizer's counts, warnings and refusals name a site's block (the
+    key by which the step's warnings find a block again in its counts)."""
+    return f"site {name!r}"
+
+
 def _check_dtype(item: _Prepared) -> None:
     """Refuse a block whose loc is narrower than float32 (`check_precision`, the refusal of
     `QNVBOptimizer`) and settings beyond the range of its dtype (`check_representable`:
     ``sigma_max=1e40`` in float32), naming the site; once per group of blocks and step."""
-    loc, label = item.values["loc"], f"site {item.site.name!r}"
+    loc, label = item.values["loc"], site_label(item.site.name)
     check_precision(loc, label, "QNVB")
     check_representable(f"QNVB ({label}): ", "sigma_max", item.hp.sigma_max, loc.dtype)
 
@@ -850,7 +856,7 @@ class QNVB(PyroOptim):
         self._update_prepared(prepared, counts)
         table = None if part_of_step else self._refuse_if_nothing_updated(params, prepared, counts)
         table = self._warn_if_held(prepared, counts, table)
-        by_label = {f"site {item.site.name!r}": item for item in prepared}
+        by_label = {site_label(item.site.name): item for item in prepared}
         for message in count_messages(
             counts, self._warned, table, lambda i: _unresolved_words(by_label[counts[i][0]])
         ):
@@ -902,7 +908,7 @@ class QNVB(PyroOptim):
         held_labels = set()
         for item in prepared:
             name = item.site.name
-            label = f"site {name!r}"
+            label = site_label(name)
             warned = f"held {name}" in self._warned
             if warned and label not in pinned:
                 continue
@@ -1290,7 +1296,7 @@ class QNVB(PyroOptim):
             )
             for item, (new_values, result), w in zip(items, outcomes, whole):
                 if w:
-                    label = f"site {item.site.name!r}"
+                    label = site_label(item.site.name)
                     dtype = item.values["loc"].dtype
                     counts.append((label, hp, dtype, result_counts(result)))
                 else:
@@ -1361,7 +1367,7 @@ class QNVB(PyroOptim):
         transform = transform_to(site.param_constraints["scale"])
         u = values["scale_leaf"]
         new_mu, new_sigma, new_state = new_values["loc"], new_values["scale"], result.state
-        counts.append((f"site {site.name!r}", item.hp, values["loc"].dtype, result_counts(result)))
+        counts.append((site_label(site.name), item.hp, values["loc"].dtype, result_counts(result)))
         # an unchanged sigma keeps its parameter bit for bit (no round trip through the transform);
         # sigma_min keeps the inverse finite, a coordinate it cannot represent stays unchanged
         new_u = transform.inv(new_sigma)
@@ -1465,8 +1471,9 @@ class QNVB(PyroOptim):
             for name, state in qnvb["pairs"].items()
         }
         self._block_settings = settings
-        # the restored step and the blocks that start afresh in it (`_state_for` warns once
-        # that step is over if saved states stayed unbound: another model or guide)
+        # the restored step and the blocks that start afresh in it (`_state_for` records them;
+        # `_warn_if_unbound_after_restore` warns once at that step's end if saved states stayed
+        # unbound: another model or guide)
         self._restored_step = (self.num_steps, set())
         super().set_state(copy.deepcopy(state_dict["fallback"]))
 

@@ -30,7 +30,7 @@ from pyro.optim import PyroOptim
 from torch.distributions import transform_to
 
 from ..guides.interface import MeanFieldSite, published_moments
-from .qnvb import QNVB, parameters_given, settings_words
+from .qnvb import QNVB, parameters_given, settings_words, site_label
 from .qnvb_functional import (
     IDLE_STEPS_REFUSED,
     _check_number,
@@ -264,7 +264,7 @@ class SparseQNVB(QNVB):
                     "every coordinate at every step, so only global sites can be sparsified. Fit "
                     "local latents with another guide (e.g. AutoMeanFieldNormal on a sub-model)"
                 )
-            check_precision(site.values["loc"], f"site {site.name!r}", "SparseQNVB")
+            check_precision(site.values["loc"], site_label(site.name), "SparseQNVB")
             sites.append((site, moments.g, moments.h))
             loss = moments.loss if loss is None else loss
         if params and "dirac_gauss" not in families:
@@ -365,7 +365,7 @@ class SparseQNVB(QNVB):
             "SparseQNVB",
             self._idle_steps,
             total,
-            [f"site {site.name!r}" for site, _, _ in sites],
+            [site_label(site.name) for site, _, _ in sites],
             [site.values["loc"].dtype for site, _, _ in sites],
             unit="block",
             words=SPARSE_IDLE,
