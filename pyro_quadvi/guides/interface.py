@@ -616,7 +616,10 @@ def _not_read(target: object) -> tuple[str, str]:
     if isinstance(target, AutoGuideList):
         return name, (
             " An AutoGuideList is not read part by part: use one guide over all the latents "
-            "(AutoMeanFieldNormal or AutoNormal give each site its own block)."
+            "(AutoMeanFieldNormal or AutoNormal give each site its own block), or, to keep a "
+            "part that is amortized or hand-written (an encoder of local latents), fit the list "
+            "with Pyro's Trace_ELBO and QNVB(): QNVB updates its AutoMeanFieldNormal, AutoNormal "
+            "and AutoDiagonalNormal parts and trains the rest with its fallback optimizer."
         )
     reason = _refusal(type(target))
     if reason is not None:
