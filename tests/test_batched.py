@@ -132,7 +132,27 @@ def test_none_checks_the_probes_and_keeps_the_vectorized_pass():
         values, decision = evaluate_batch(lambda p: p**2, counted, POINTS, None)
     assert torch.equal(values, POINTS**2)
     assert probed == [0.0, 2.0, 4.0]  # first, middle, last
-    assert decision == BatchDecision(True, None, 3)
+    # the three single runs, and the three points again in the mixing check's pass
+    assert decision == BatchDecision(True, None, 6)
+
+
+def test_a_pass_that_mixes_points_closer_than_the_tolerance_is_found_out():
+    # the pass reads point 0 for every point (a model's w[0] on the nodes' dim); the points lie
+    # 1e-9 apart, so every value agrees with its single run within the tolerance, but the
+    # gradient of point 2's value reaches point 0
+    points = 1.0 + 1e-9 * torch.arange(5, dtype=torch.float64)
+
+    def mixing(p):
+        return (p[:1] ** 2).expand(len(p))
+
+    with pytest.warns(UserWarning, match="the vectorized value at point 2 depends on point 0"):
+        values, decision = evaluate_batch(mixing, lambda x: x**2, points, None)
+    assert torch.equal(values, points**2) and not decision.vectorized
+    with pytest.raises(BatchMismatch, match=r"value at point 2 depends on point 0.*w\[\.\.\., 0\]"):
+        evaluate_batch(mixing, lambda x: x**2, points, True)
+    # a pass that does not mix is kept however close the points
+    values, decision = evaluate_batch(lambda p: p**2, lambda x: x**2, points, None)
+    assert decision.vectorized
 
 
 def test_none_falls_back_on_a_broadcasting_error_with_one_warning():

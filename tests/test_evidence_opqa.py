@@ -287,7 +287,8 @@ def test_number_of_evaluations():
     result = opqa_evidence(logistic_regression, X, y, num_points=5, center="none", vectorize=False)
     assert result.num_evaluations == 25 + 1  # the grid and the check at the centre
     laplace = opqa_evidence(logistic_regression, X, y, num_points=5)
-    assert laplace.num_evaluations == 25 + 1 + 3 + laplace.diagnostics["weight_evaluations"]
+    # the three probes of the vectorized pass count twice: alone and in the mixing check's pass
+    assert laplace.num_evaluations == 25 + 1 + 6 + laplace.diagnostics["weight_evaluations"]
     assert laplace.diagnostics["weight_evaluations"] > 3  # the MAP search is counted
 
 
@@ -445,8 +446,9 @@ def test_vectorize_true_forces_the_vectorized_pass():
     with pytest.raises(RuntimeError, match="Expected size for first two dimensions"):
         opqa_evidence(linear_regression_matmul, X, y, num_points=2, vectorize=True)
     result = opqa_evidence(linear_regression, X, y, num_points=2, vectorize=True)
-    # the first chunk checked at its first, middle and last node (vectorize=True's meaning)
-    assert result.diagnostics["vectorized"] and result.diagnostics["probe_evaluations"] == 3
+    # the first chunk checked at its first, middle and last node (vectorize=True's meaning),
+    # each run alone and the three in one pass for the mixing check
+    assert result.diagnostics["vectorized"] and result.diagnostics["probe_evaluations"] == 6
 
 
 def test_an_error_of_the_model_propagates_instead_of_a_fallback():

@@ -61,9 +61,10 @@ def _run(device: torch.device, **options):
 @pytest.mark.parametrize(
     "options, evaluations",
     [
-        # 5^2 grid nodes, 3 probes of the vectorized pass, the centre
-        ({"center": "none", "num_points": 5}, 25 + 3 + 1),
-        ({"center": "none", "num_points": 5, "chunk_size": 4}, 25 + 3 + 1),  # 7 chunks
+        # 5^2 grid nodes, 3 probes of the vectorized pass and its mixing check's pass over
+        # them, the centre
+        ({"center": "none", "num_points": 5}, 25 + 3 + 3 + 1),
+        ({"center": "none", "num_points": 5, "chunk_size": 4}, 25 + 3 + 3 + 1),  # 7 chunks
         ({"center": "none", "num_points": 3, "vectorize": False}, 9 + 1),
     ],
     ids=["one-chunk", "chunks", "loop"],

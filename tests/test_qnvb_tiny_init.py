@@ -90,11 +90,6 @@ def test_the_loop_over_the_nodes_fits_the_mixing_model_from_a_tiny_init_scale():
     assert abs(reference.locs.w.item() - 2) < 0.2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="QuadratureELBO keeps a vectorized pass that mixes the nodes when they lie within "
-    "its probes' tolerance of each other (pyro_quadvi/infer/batched.py, evaluate_batch)",
-)
 def test_a_model_that_mixes_the_nodes_is_found_out_from_a_tiny_init_scale():
     reference, _ = _fit(_unknown_noise, _unknown_noise_data(), 0.1, 60, vectorize=False)
     guide, caught = _fit(_unknown_noise, _unknown_noise_data(), 1e-5, 60)

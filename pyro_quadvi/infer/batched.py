@@ -77,7 +77,8 @@ class BatchDecision:
     Attributes:
         vectorized: ``True`` for one vectorized pass, ``False`` for a loop over the points.
         reason: why a tried vectorized pass was abandoned (``None`` if it was not).
-        probe_evaluations: single evaluations spent only on checking the vectorized pass.
+        probe_evaluations: evaluations of points spent only on checking the vectorized pass
+            (the probes' single runs, and the probed points again in the mixing check).
     """
 
     vectorized: bool
@@ -264,9 +265,12 @@ def evaluate_batch(
     else:
         indices = sorted({0, K // 2, K - 1}) if probe is None else sorted(set(probe))
         known = {k: single(points[k]) for k in indices}
+        mixing = _checks_mixing(points, indices)
         reason = _disagreement(values, known, rtol, atol)
-        if reason is None:
-            return values, BatchDecision(True, None, len(known))
+        if reason is None and mixing:
+            reason = _mixed_points(batched, points, indices)
+        if reason is None:  # the probes' single runs and the points of the mixing check
+            return values, BatchDecision(True, None, len(known) + (len(indices) if mixing else 0))
         first = indices[0]
         again = _repeat_difference(single(points[first]), known[first], first, rtol, atol)
         if again is not None:  # not the vectorized pass: the model itself is random
@@ -422,6 +426,44 @@ def _disagreement(
                         "BayesianModule's init_to_net())"
                     )
                 return reason
+    return None
+
+
+def _checks_mixing(points: Any, indices: list[int]) -> bool:
+    """Whether `_mixed_points` checks the pass: points of a floating tensor, two probed or more
+    (`QNVBOptimizer`'s node stacks run under ``vmap``, which cannot mix the nodes)."""
+    return isinstance(points, torch.Tensor) and points.is_floating_point() and len(indices) > 1
+
+
+def _mixed_points(batched: Callable, points: torch.Tensor, indices: list[int]) -> str | None:
+    """Why the vectorized pass mixes the points (``None``: it does not), from a pass over the
+    probed points alone.
+
+    A pass that reads one point's latent for all of them (``w[0]`` on a vector latent indexes
+    the points' dim) agrees with the single evaluations within the tolerance where the points lie
+    closer than it (a tiny ``init_scale``), and its gradients, from which QNVB reads its
+    curvature, are wrong. Where the pass is right, the gradient of a point's value is exactly 0
+    at every other point, however close. One more pass over the ``len(indices)`` probed points
+    (detached: the caller's graph is not touched) and a backward pass per point."""
+    with torch.enable_grad():
+        free = points[indices].detach().requires_grad_()
+        values = batched(free)
+        for j, k in enumerate(indices):
+            total = sum(got.sum() for _, got, _ in _pairs(values, values, j) if got is not None)
+            if not (isinstance(total, torch.Tensor) and total.requires_grad):
+                continue
+            (grad,) = torch.autograd.grad(total, free, retain_graph=True, allow_unused=True)
+            if grad is None:
+                continue
+            reached = (grad != 0) & torch.isfinite(grad)  # 0 * NaN (masked data): no dependence
+            reached[j] = False
+            if bool(reached.any()):
+                other = indices[int(reached.reshape(len(indices), -1).any(1).nonzero()[0])]
+                return (
+                    f"the vectorized value at point {k} depends on point {other}: the pass mixes "
+                    "the points (a latent indexed along their dim, as w[0] for a vector w: write "
+                    "w[..., 0])"
+                )
     return None
 
 
