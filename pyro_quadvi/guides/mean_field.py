@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import pyro
+import pyro.distributions as dist
 import torch
 from pyro import poutine
 from pyro.infer.autoguide import AutoNormal
@@ -17,6 +18,7 @@ from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
+from ..distributions.guide_delta import GuideDelta
 from ..infer.quadrature_elbo import take_saved_position
 from .adapters import _leaf, check_set_up, describe_auto_normal, scale_factor, subsample_rows
 from .interface import GuideDescription, MeanFieldSite
@@ -65,6 +67,21 @@ class RunStamp(NamedTuple):
 
 
 _RUN_NUMBERS = itertools.count(1)
+
+
+class _KeepDensity(Messenger):
+    """Samples a guide's own sites through `GuideDelta` in place of Pyro's ``Delta`` (the same
+    value and density), so that ``TraceMeanField_ELBO`` counts a constrained site's change of
+    variables. The model's sites in the guide's set-up run are left as they are."""
+
+    def __init__(self, guide: AutoNormal) -> None:
+        super().__init__()
+        self.guide = guide
+
+    def _pyro_sample(self, msg: dict) -> None:
+        fn = msg["fn"]
+        if type(fn) is dist.Delta and msg["name"] in self.guide._event_dims:
+            msg["fn"] = GuideDelta(fn.v, log_density=fn.log_density, event_dim=fn.event_dim)
 
 
 class AutoMeanFieldNormal(AutoNormal):
@@ -270,8 +287,10 @@ class AutoMeanFieldNormal(AutoNormal):
         return super().quantiles(quantiles, *args, **kwargs)
 
     def _draw(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """One draw of every latent site (Pyro's ``AutoNormal``); subclasses change the family."""
-        return AutoNormal.forward(self, *args, **kwargs)
+        """One draw of every latent site (Pyro's ``AutoNormal``, each site's ``Delta`` a
+        `GuideDelta`); subclasses change the family."""
+        with _KeepDensity(self):
+            return AutoNormal.forward(self, *args, **kwargs)
 
     def quadrature_description(self, trace: Trace | None = None) -> GuideDescription:
         """The guide's ``"gaussian"`` sites: of the run in ``trace``, else of its last run.

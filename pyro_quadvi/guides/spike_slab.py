@@ -34,7 +34,7 @@ from pyro.nn import PyroModule, PyroParam
 from pyro.poutine import Trace
 from torch.distributions import biject_to, constraints, transform_to
 
-from ..distributions import SpikeSlab
+from ..distributions import GuideDelta, SpikeSlab
 from ..infer.log_joint import LatentSite, look_through
 from .adapters import _leaf, _select, check_draws_traced, check_set_up, gaussian_block, site_run
 from .interface import GuideDescription, MeanFieldSite, no_point_mass_message, unwrap_guide
@@ -174,7 +174,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
                     log_density = sum_rightmost(
                         log_density, log_density.dim() - value.dim() + site["fn"].event_dim
                     )
-                delta = dist.Delta(value, log_density=log_density, event_dim=site["fn"].event_dim)
+                delta = GuideDelta(value, log_density=log_density, event_dim=site["fn"].event_dim)
                 result[name] = pyro.sample(name, delta)
         return result
 
