@@ -535,7 +535,10 @@ class QuadratureELBO(PointsELBO):
             holder.register_buffer(SEQUENCE_POSITION, position)
             return
         position = torch.tensor(float(self._position(description, None) + 1), dtype=torch.float64)
-        pyro.get_param_store()[self.step_key(description)] = position
+        store, key = pyro.get_param_store(), self.step_key(description)
+        if key in store:  # the store maps every tensor ever set to its name: drop the old one
+            del store[key]
+        store[key] = position
 
     # -- the loss ------------------------------------------------------------------------------
 
