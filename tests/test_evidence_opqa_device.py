@@ -131,7 +131,7 @@ def test_a_guide_fitted_on_the_cpu_lends_its_weight_on_the_data_device():
             model, X.to(META), y.to(META), num_points=3, center="guide", guide=guide
         )
     assert {device for device, _ in model.points} == {META}
-    assert result.num_evaluations == 9 + 3 + 1
+    assert result.num_evaluations == 9 + 3 + 3 + 1  # the probes, alone and in the mixing check
     assert sum(k for _, k in model.points) == result.num_evaluations + 3
 
 

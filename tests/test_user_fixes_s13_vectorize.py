@@ -59,7 +59,7 @@ def test_evaluate_batch_true_checks_the_probes_and_raises_on_a_disagreement():
 
     values, decision = evaluate_batch(lambda p: p**2, single, points, True)
     assert torch.equal(values, points**2) and probed == [0.0, 2.0, 4.0]
-    assert decision == BatchDecision(True, None, 3)
+    assert decision == BatchDecision(True, None, 6)  # and the three in the mixing check's pass
     # the pass mixes the points: the sum over all of them where each needs its own square
     with pytest.raises(BatchMismatch, match=rf"what\(vectorize=True\): .*point 0.*{WAYS_OUT}"):
         evaluate_batch(lambda p: p**2 + p.sum(), lambda x: x**2, points, True, what="what")
@@ -141,8 +141,9 @@ def test_the_elbo_checks_once_and_later_steps_run_the_pass_alone_bit_for_bit():
         params = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
         runs[vectorize] = counts, losses, params
     counts, losses, params = runs[True]
-    # first step: the guide's description run and the two probes (nodes 0 and K-1); later: none
-    assert counts == [(3, 1), (0, 1), (0, 1)]
+    # first step: the guide's description run and the two probes (nodes 0 and K-1), and the
+    # mixing check's pass over the probes; later: none
+    assert counts == [(3, 2), (0, 1), (0, 1)]
     assert runs[None][0] == counts and runs[None][1] == losses
     assert all(torch.equal(params[k], runs[None][2][k]) for k in params)
 
