@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (script, arguments; "{tmp}" is the test's tmp_path, files: what it must have written)
 RUNS = {
+    "skewed_site": ("bench_skewed_site.py", "--steps 5", ()),
     "export_trial": ("bench_export_trial.py", "--rows 200 --chunks 50 --repeats 1", ()),
     "resolution_check": ("bench_resolution_check.py", "--repeats 1 --steps 1 --widths 10-5-3", ()),
     "bnn_speed": ("bench_bnn_speed.py", "--nets 1-50-1 --repeats 1 --steps 1 --no-compile", ()),
