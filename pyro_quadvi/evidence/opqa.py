@@ -466,20 +466,30 @@ def _drawn_on(devices: dict[str, torch.device]) -> str:
 
 def _check_sample_sites(model: Callable, args: tuple, kwargs: dict) -> None:
     """Refuse what would change the integrand unseen: a plate that does not run on each of its
-    rows once (with the fix for how its rows came: `all_rows_refusal`), a masked latent (the
-    integral over it is infinite), a sample site scaled by ``poutine.scale`` (a tempered
-    likelihood), observed data with NaN; each named."""
+    rows once (with the fix for how its rows came: `all_rows_refusal`; every such plate in one
+    message), a masked latent (the integral over it is infinite), a sample site scaled by
+    ``poutine.scale`` (a tempered likelihood), observed data with NaN; each named."""
     given = GivenRows()  # the plates whose rows the caller gave (subsample=...)
     blocked = poutine.block(given(model), hide_types=["param"])
     trace = poutine.trace(blocked).get_trace(*args, **kwargs)
     for name, site in trace.nodes.items():
         if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site):
             _check_latent_not_masked(name, site, trace)
+    refusals = {}  # every plate in one message: a user who fixes one does not meet the next
     for name, site in trace.nodes.items():
         if site["type"] == "sample" and site_is_subsample(site):
             refusal = all_rows_refusal(site, name in given.given, "the evidence")
             if refusal:
-                raise ValueError(f"opqa_evidence: {refusal}")
+                refusals[name] = refusal
+    if len(refusals) == 1:
+        raise ValueError(f"opqa_evidence: {refusals.popitem()[1]}")
+    if refusals:
+        names = [repr(name) for name in refusals]
+        listed = " ".join(f"({k}) {refusal}." for k, refusal in enumerate(refusals.values(), 1))
+        raise ValueError(
+            f"opqa_evidence: {len(refusals)} plates do not run on each of their rows once, "
+            f"{', '.join(names[:-1])} and {names[-1]}: {listed}"
+        )
     for name, site in trace.nodes.items():
         if site["type"] != "sample" or site_is_subsample(site):
             continue

@@ -62,6 +62,7 @@ from ..infer.log_joint import (
     check_observed_not_nan,
     cuda_devices,
     is_improper,
+    look_through,
     model_max_plate_nesting,
 )
 from ..nn.likelihoods import made_by_likelihood
@@ -520,6 +521,7 @@ class _Runner:
                 kind, shape, event_ndim = "factor", fn.batch_shape, 0
             else:
                 kind, shape, event_ndim = "observed", fn.batch_shape + fn.event_shape, fn.event_dim
+                _check_data_fits(name, fn, value)
             frames = tuple(
                 (f.name, f.dim, f.full_size or f.size)
                 for f in node["cond_indep_stack"]
@@ -715,6 +717,75 @@ class _Runner:
                         f"draw {s} of site {name!r} differs between the batched run and an "
                         "unbatched run"
                     )
+
+
+def _check_data_fits(name: str, fn: torch.distributions.Distribution, data: torch.Tensor) -> None:
+    """Refuse an observed site whose distribution is narrower than its data: an Independent
+    whose event shape is ``(1,)`` where the data's rows are ``(n,)``, a batch dim of 1 (or none)
+    where the data have more. Its log density broadcasts over the data (``Normal.log_prob`` of a
+    value wider than its loc), so a fit and `opqa_evidence` run on the right density, but its
+    draws have the distribution's shape: the ``posterior_predictive`` draws would be of another
+    shape than ``observed_data`` (one replicate where the data hold ``n``), a wrong answer, not a
+    shape to take. The refusal names both shapes and the rewrite that gives the distribution the
+    data's shape (`_widening`)."""
+    shape = fn.batch_shape + fn.event_shape
+    try:
+        full = torch.broadcast_shapes(shape, data.shape)
+    except RuntimeError:
+        return  # no broadcast: the log density raises, naming both shapes, as in the fit
+    if full == shape:
+        return
+    padded = (1,) * (len(full) - len(shape)) + tuple(shape)
+    widened = [i for i in range(len(full)) if padded[-1 - i] != full[-1 - i]]  # from the right
+    base = look_through(fn)
+    while isinstance(base, MaskedDistribution):
+        base = look_through(base.base_dist)
+    raise ValueError(
+        f"to_inference_data: observed site {name!r} has data of shape {tuple(data.shape)}, but "
+        f"its distribution is of shape {tuple(shape)} (batch_shape {tuple(fn.batch_shape)}, "
+        f"event_shape {tuple(fn.event_shape)}): its log density broadcasts over the data, so "
+        "the fit and opqa_evidence run, but its draws have the distribution's shape, and the "
+        f"posterior_predictive draws of {name!r} would not match its observed_data. Give the "
+        f"distribution the data's shape: {_widening(fn, base, full, widened)}"
+    )
+
+
+def _widening(
+    fn: torch.distributions.Distribution,
+    base: torch.distributions.Distribution,
+    full: torch.Size,
+    widened: list[int],
+) -> str:
+    """The rewrite of `_check_data_fits`, for the dims ``widened`` (from the right) that the data
+    ``full`` have and the distribution ``fn`` lacks. An event dim: ``base`` (``fn`` without its
+    ``to_event``, ``expand`` and masks) expanded to the data's shape, then ``to_event`` as before;
+    the shape is written from ``d.batch_shape``, whose leading dims a batch of draws widens
+    (`QuadratureELBO`'s nodes, the export's draws), where a fixed one (``expand([6, 4])``) does
+    not broadcast. A batch dim: a plate over it (an event dim made of it would move the plates'
+    dims)."""
+    fixes = []
+    kind, base_event = type(base).__name__, base.event_dim
+    events = [i for i in widened if i < fn.event_dim]
+    if events and min(events) < base_event:  # the base's own event dim: expand cannot widen it
+        fixes.append(f"a {kind} of event shape {tuple(full[len(full) - base_event :])}")
+    elif events:
+        end = len(full) - base_event
+        set_dims = max(events) + 1 - base_event  # the base's batch dims from the right to set
+        to_event = f".to_event({fn.event_dim - base_event})"  # >= 1: an event dim is widened
+        fixes.append(
+            f"with d = dist.{kind}(...), write d.expand(d.batch_shape[:-{set_dims}] + "
+            f"{tuple(full[end - set_dims : end])}){to_event} in place of d{to_event} (that is "
+            f"d.expand({list(full[:end])}){to_event} in one run; a fixed shape does not broadcast "
+            "over a batch of draws, d.batch_shape keeps its leading dims)"
+        )
+    plates = [
+        f"pyro.plate(..., {full[-1 - i]}, dim={fn.event_dim - i - 1})"
+        for i in reversed(widened)
+        if i >= fn.event_dim
+    ]
+    if plates:
+        fixes.append(f"observe it inside {' and '.join(plates)}")
+    return "; and ".join(fixes)
 
 
 def _not_data(name: str) -> ValueError:
