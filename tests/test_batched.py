@@ -47,6 +47,9 @@ BROADCAST = {
     "conv": lambda: nn.Conv1d(1, 1, 2)(torch.ones(2, 3, 1, 5)),
     "reshape": lambda: torch.ones(6).reshape(4, 2),
     "expand": lambda: torch.ones(3).expand(4, 2),
+    # a fixed expand([G, n]) of a distribution whose parameters the pass holds with the nodes'
+    # dim in front
+    "expand to fewer dims": lambda: torch.ones(3, 6, 1).expand([6, 4]),
     "cat": lambda: torch.cat([torch.ones(2, 3), torch.ones(2, 4)]),
     "index": lambda: torch.ones(3)[0, 1],
     "dim out of range": lambda: torch.ones(3).sum(2),

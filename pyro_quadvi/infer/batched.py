@@ -111,6 +111,7 @@ _BROADCAST_MESSAGES = re.compile(
             r"size mismatch",
             r"is invalid for input of size",  # view / reshape
             r"The expanded size of the tensor",
+            r"number of sizes provided \(\d+\) must be greater or equal",  # expand([G, n])
             r"doesn't match the broadcast shape",
             r"not broadcastable",  # torch.distributions' validate_sample
             r"cannot be broadcast",
