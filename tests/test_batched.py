@@ -277,3 +277,29 @@ def test_cache_copies_start_empty():
     for copied in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
         assert len(copied) == 0 and copied.get(model, guide) is None
     assert cache.get(model, guide) == BatchDecision(True)
+
+
+def test_an_assert_that_fails_in_the_pass_only_falls_back_under_none():
+    # the "Tensor shapes" tutorial's assert d.shape == (3, 4) fails on the pass's leading dim
+    def batched(p):
+        assert p.dim() == 1 and len(p) == 1
+        return p**2
+
+    with pytest.warns(
+        UserWarning, match=r"AssertionError.*an assert of the model .*d.shape\[-2:\] == \(3, 4\)"
+    ):
+        values, decision = evaluate_batch(batched, single, POINTS, None)
+    assert torch.equal(values, POINTS**2) and decision == BatchDecision(False, decision.reason, 0)
+    # under True it propagates as it is
+    with pytest.raises(AssertionError):
+        evaluate_batch(batched, single, POINTS, True)
+
+
+def test_an_assert_that_fails_one_point_at_a_time_too_is_the_models_own():
+    def failing(x):
+        raise AssertionError("the model's own check")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AssertionError, match="the model's own check"):
+            evaluate_batch(failing, failing, POINTS, None)

@@ -240,8 +240,9 @@ def evaluate_batch(
         once per call, naming the reason; pass the decision's ``vectorized`` next time (see
         `DecisionCache`) to decide once.
 
-    Whatever ``batched`` or ``single`` raise propagates, except the broadcasting errors of
-    ``batched`` under ``vectorize=None``.
+    Whatever ``batched`` or ``single`` raise propagates, except, under ``vectorize=None``, the
+    broadcasting errors of ``batched`` and its ``AssertionError`` where ``single`` passes the
+    first point (a shape assert of the model that the points' leading dims fail).
 
     Raises:
         BatchMismatch: with ``vectorize=True``, where the pass disagrees with the probes (or the
@@ -259,10 +260,19 @@ def evaluate_batch(
     try:
         values = batched(points)
     except Exception as error:
-        if vectorize is True or not is_broadcast_error(error):
+        if vectorize is True:
             raise
-        reason = f"{type(error).__name__}: {first_line(error)}"
         known: dict[int, Any] = {}
+        if isinstance(error, AssertionError):
+            try:
+                known[0] = single(points[0])
+            except AssertionError:
+                raise error from None  # it fails one point at a time too: the model's own assert
+            reason = _assert_reason(error)
+        elif is_broadcast_error(error):
+            reason = f"{type(error).__name__}: {first_line(error)}"
+        else:
+            raise
     else:
         indices = sorted({0, K // 2, K - 1}) if probe is None else sorted(set(probe))
         known = {k: single(points[k]) for k in indices}
@@ -310,6 +320,17 @@ def evaluate_batch(
         stacklevel=2,
     )
     return _loop(single, points, known), BatchDecision(False, reason, 0)
+
+
+def _assert_reason(error: AssertionError) -> str:
+    """Why the pass was left for an ``assert`` of the model that fails in the pass only."""
+    said = first_line(error)
+    return (
+        f"AssertionError{': ' + said if said else ''}: an assert of the model fails in the pass "
+        "but not at a single point; a shape assert such as assert d.shape == (3, 4) sees the "
+        "points' leading dims in the pass: assert on the rightmost dims, "
+        "d.shape[-2:] == (3, 4), to keep the pass"
+    )
 
 
 def _check_tolerance(name: str, value: object) -> None:
