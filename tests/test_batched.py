@@ -303,3 +303,30 @@ def test_an_assert_that_fails_one_point_at_a_time_too_is_the_models_own():
         warnings.simplefilter("error")
         with pytest.raises(AssertionError, match="the model's own check"):
             evaluate_batch(failing, failing, POINTS, None)
+
+
+def test_a_cross_gradient_of_rounding_size_is_no_mixing():
+    # a model that centres over the whole tensor (logits - logits.mean()) leaves a gradient of
+    # rounding size at the other points; 1e-12 of the own gradient is counted as none
+    points = torch.arange(1.0, 6.0, dtype=torch.float64)
+
+    def centred(p):
+        return p**2 + 1e-12 * p.sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, decision = evaluate_batch(centred, lambda x: x**2, points, None)
+    assert decision.vectorized
+
+
+def test_a_pass_that_fails_on_the_probe_points_alone_falls_back():
+    # the whole pass runs and agrees, but the model reads the points' dim at index 3, which the
+    # mixing check's pass over the three probe points (0, 2, 4) does not have
+    def reads_index_3(p):
+        return p**2 * (1 + 0 * p[3])
+
+    with pytest.warns(
+        UserWarning, match=r"the pass over the 3 probe points alone fails \(IndexError"
+    ):
+        values, decision = evaluate_batch(reads_index_3, single, POINTS, None)
+    assert torch.equal(values, POINTS**2) and not decision.vectorized

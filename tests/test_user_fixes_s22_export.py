@@ -143,3 +143,34 @@ def test_opqa_names_every_subsampled_plate():
         "the plate draws 3 of its 4 rows at random in each run (subsample_size=3): drop "
         "subsample_size (or pass subsample_size=None)"
     )
+
+
+def _leading_one_model(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    with pyro.plate("g", G):
+        pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+def test_data_with_a_leading_dim_of_one_is_told_to_take_the_distributions_shape():
+    # the data (1, G) add only a leading dim of size 1: the message gave an empty rewrite (the
+    # first review); and the log density (1, G) is the data's, so the fit runs
+    y = _data()[:, 0][None]
+    message = _refusal(_leading_one_model, y, None)
+    assert "the fit and opqa_evidence run" in message
+    assert message.endswith(
+        "Pass data of the distribution's shape: the data's 1 leading dim(s) of size 1 are not "
+        "the distribution's (data.reshape((6,)))"
+    )
+
+
+def _broadcasting_data_model(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    with pyro.plate("g", 2, dim=-2):
+        pyro.sample("y", dist.Normal(mu, 1.0).expand([1, G]).to_event(1), obs=y)
+
+
+def test_data_that_broadcast_too_are_not_said_to_give_the_fits_density():
+    # data (2, G) against a distribution (2, 1, G): the log density is (2, 2, G), neither's
+    message = _refusal(_broadcasting_data_model, torch.zeros(2, G), None)
+    assert "its log density broadcasts with the data to (2, 2, 6)" in message
+    assert "the fit and opqa_evidence run" not in message

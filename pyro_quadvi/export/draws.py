@@ -740,13 +740,23 @@ def _check_data_fits(name: str, fn: torch.distributions.Distribution, data: torc
     base = look_through(fn)
     while isinstance(base, MaskedDistribution):
         base = look_through(base.base_dist)
+    if full == data.shape:
+        density = "its log density broadcasts over the data, so the fit and opqa_evidence run"
+    else:  # the data broadcast too: neither shape is the density's
+        density = f"its log density broadcasts with the data to {tuple(full)}"
+    if widened:
+        fix = f"Give the distribution the data's shape: {_widening(fn, base, full, widened)}"
+    else:  # only leading dims of size 1 that the distribution lacks
+        fix = (
+            f"Pass data of the distribution's shape: the data's {len(full) - len(shape)} leading "
+            f"dim(s) of size 1 are not the distribution's (data.reshape({tuple(shape)}))"
+        )
     raise ValueError(
         f"to_inference_data: observed site {name!r} has data of shape {tuple(data.shape)}, but "
         f"its distribution is of shape {tuple(shape)} (batch_shape {tuple(fn.batch_shape)}, "
-        f"event_shape {tuple(fn.event_shape)}): its log density broadcasts over the data, so "
-        "the fit and opqa_evidence run, but its draws have the distribution's shape, and the "
-        f"posterior_predictive draws of {name!r} would not match its observed_data. Give the "
-        f"distribution the data's shape: {_widening(fn, base, full, widened)}"
+        f"event_shape {tuple(fn.event_shape)}): {density}, but its draws have the "
+        f"distribution's shape, and the posterior_predictive draws of {name!r} would not match "
+        f"its observed_data. {fix}"
     )
 
 
