@@ -36,10 +36,18 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 
+import pyro
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from ..guides.interface import (
+    GuideDescription,
+    describe_live_guides,
+    guide_class_name,
+    is_describable,
+    register_guide,
+)
 from ..infer.batched import (
     BatchMismatch,
     DecisionCache,
@@ -320,6 +328,64 @@ def checked_parameters(optimizer: torch.optim.Optimizer, owner: str):
                 check_precision(p, label, owner)
                 yield p, group
             position += 1
+
+
+def refuse_guide_parameters(
+    owner: str,
+    params: list[torch.Tensor],
+    names: list[str | None],
+    described: list[tuple[object, GuideDescription]],
+    first_position: int = 0,
+) -> None:
+    """Refuse parameters of a plain-torch optimizer that are a guide's variational parameters:
+    the locs and scales (a joint Gaussian's too) of a guide in ``described`` (pairs of
+    `describe_live_guides`), matched by identity as `QNVB` pairs them. ``names[k]`` names
+    ``params[k]`` where a name is known (``named_parameters()``); the messages number them
+    from ``first_position`` (the first one's position among the optimizer's parameters).
+
+    The optimizer puts a Gaussian of its own around every parameter (rasp paper, eq. 4), so
+    on a guide's loc and scale it integrates the ELBO over a second Gaussian and the guide's
+    scales come out wrong, with no error: the user's trial of session 22 (one Normal mean, 50
+    observations) ended at a posterior sd of 0.080 where the exact one is 0.141.
+
+    Raises:
+        TypeError: naming the guide, the parameters and the latent sites, and the way to fit
+            the guide (`SVI` with `QNVB` and `QuadratureELBO`, in Pyro's local mode as well).
+    """
+    from .qnvb import _leaves  # (qnvb imports this module)
+
+    position = {id(p): k for k, p in enumerate(params)}
+    store = pyro.get_param_store()
+    for guide, description in described:
+        held = sorted(position[id(t)] for t in _leaves(description) if id(t) in position)
+        if not held:
+            continue
+        roles = {
+            id(leaf): site.param_names.get(role)
+            for site in description.sites
+            for role, leaf in site.params.items()
+        }
+        labels = ", ".join(
+            _parameter_label(
+                first_position + k,
+                names[k] or store.param_name(params[k]) or roles.get(id(params[k])),
+            )
+            for k in held
+        )
+        sites = [site.name for site in description.latent_sites]
+        raise TypeError(
+            f"{owner} was given the variational parameters (locs and scales) of the guide "
+            f"{guide_class_name(guide)} {description.guide!r} over the latent sites {sites}: "
+            f"{labels}. {owner} is for the weights of a network: it keeps a Gaussian of its "
+            "own around every parameter and averages the loss over it, so on a guide's locs "
+            "and scales it fits a Gaussian over the guide's Gaussian and the guide's scales "
+            "come out wrong, without an error. Fit the guide with SVI(model, guide, QNVB(), "
+            "QuadratureELBO()) and svi.step(*args) (QNVB pairs each loc with its scale and "
+            "updates them from the quadrature's moments): SVI runs under "
+            "pyro.settings.set(module_local_params=True) too, in place of the loop over "
+            "loss_fn = elbo(model, guide) with a torch optimizer on loss_fn.parameters(). See "
+            "the pages 'QNVB for plain PyTorch' and 'QNVB'."
+        )
 
 
 def standard_normal(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -1039,7 +1105,16 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             items = group["params"]
             params = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in items]
             self._check_ranges({**self.defaults, **group}, params, f"{type(self).__name__}: ")
+            names = [p[0] if isinstance(p, tuple) and len(p) == 2 else None for p in items]
+            tensors = [p for p in params if isinstance(p, torch.Tensor)]
+            if len(tensors) == len(params):  # (anything else: torch's own error)
+                # the guides QNVB or an earlier step saw running; the first step checks the
+                # guides its loss runs (`_guides_watched`)
+                described = describe_live_guides(params)
+                owner = type(self).__name__
+                refuse_guide_parameters(owner, params, names, described, position)
         super().add_param_group(group)
+        self._guides_unchecked = True
 
     @staticmethod
     def _check_ranges(group: dict, params: list, owner: str = "") -> None:
@@ -1182,6 +1257,13 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             raise TypeError(
                 "QNVBOptimizer.step takes either a closure (step(closure)) or a loss function "
                 "(step(loss_fn=..., batch=(x, y))), exactly one of them"
+                + (
+                    ": it evaluates the loss itself at every quadrature node. A Pyro guide's "
+                    "parameters are not for QNVBOptimizer: fit a guide with SVI(model, guide, "
+                    "QNVB(), QuadratureELBO()) and svi.step(*args)"
+                    if closure is None
+                    else ""
+                )
             )
         if closure is not None and (batch != () or vectorize is not None):
             raise TypeError(
@@ -1214,10 +1296,11 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             device=first.device,
         )
         nodes = self._local_nodes(nodes)
-        if closure is not None:
-            loss_avg, moments = self._closure_moments(params, nodes, closure)
-        else:
-            loss_avg, moments = self._one_pass_moments(params, nodes, loss_fn, batch, vectorize)
+        with self._guides_watched():
+            if closure is not None:
+                loss_avg, moments = self._closure_moments(params, nodes, closure)
+            else:
+                loss_avg, moments = self._one_pass_moments(params, nodes, loss_fn, batch, vectorize)
         loss_avg, moments = self._combine(params, loss_avg, moments)
         tensors = [p for p, _ in params]
         check_finite_loss(
@@ -1231,6 +1314,55 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         )
         self._update(params, moments, weight, settings)
         return loss_avg
+
+    @contextmanager
+    def _guides_watched(self) -> Iterator[None]:
+        """In the first step after parameters were added, refuse those that are the variational
+        parameters of a guide the loss runs (`refuse_guide_parameters`): construction saw only
+        the guides known to be live (`describe_live_guides`: the ones `QNVB`'s watch saw), so a
+        module forward pre-hook, there for this step only, registers (`register_guide`) each
+        guide the loss calls and checks the parameters against the live guides at once, before
+        the guide runs; the parameters go back to their means (`closure_moments`). Only where a
+        guide could hold a parameter: in Pyro's local mode (``module_local_params``), or for a
+        parameter in Pyro's param store."""
+        if not getattr(self, "_guides_unchecked", True):
+            yield
+            return
+        params, names = [], []
+        for group in self.param_groups:
+            params.extend(group["params"])
+            names.extend(group.get("param_names") or [None] * len(group["params"]))
+        store = pyro.get_param_store()
+        if not pyro.settings.get("module_local_params") and all(
+            store.param_name(p) is None for p in params
+        ):
+            # no guide can hold these parameters: a guide's are in the param store, but in
+            # Pyro's local mode (a network outside Pyro sees no hook, which would make
+            # dynamo compile a torch.compile'd network again after this step)
+            self._guides_unchecked = False
+            yield
+            return
+        owner = type(self).__name__
+        describable: dict[type, bool] = {}
+        seen: set[int] = set()
+
+        def check_guide(module: nn.Module, args: tuple) -> None:
+            if torch.compiler.is_compiling() or id(module) in seen:
+                return
+            cls = type(module)
+            if cls not in describable:
+                describable[cls] = is_describable(module)
+            if describable[cls]:
+                seen.add(id(module))
+                register_guide(module)
+                refuse_guide_parameters(owner, params, names, describe_live_guides(params))
+
+        handle = nn.modules.module.register_module_forward_pre_hook(check_guide)
+        try:
+            yield
+        finally:
+            handle.remove()
+        self._guides_unchecked = False
 
     # Two hooks for pyro_quadvi.distributed.NodeParallelQNVBOptimizer; here, one process
     # evaluates every node and its weighted sums are the whole step's.
