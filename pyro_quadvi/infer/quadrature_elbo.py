@@ -620,14 +620,61 @@ class QuadratureELBO(PointsELBO):
         return loss
 
     def loss_and_grads(self, model: Callable, guide: Callable, *args, **kwargs) -> float:
-        """The negative ELBO; accumulates its gradients; advances the sequence by one step."""
+        """The negative ELBO; accumulates its gradients; advances the sequence by one step.
+
+        Raises:
+            RuntimeError: under ``torch.no_grad()`` or ``torch.inference_mode()`` (a step that
+                could change nothing: `loss` evaluates), and where no parameter of the guide
+                can take a gradient (`_untrainable`).
+        """
+        if not torch.is_grad_enabled():
+            within = (
+                "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+            )
+            raise RuntimeError(
+                f"QuadratureELBO.loss_and_grads (svi.step) was called under {within}: no gradient "
+                "and no moments reach the optimizer, so the step would change nothing. Take the "
+                "step outside it; for the loss alone call svi.evaluate_loss(*args) or "
+                "elbo.loss(model, guide, *args)"
+            )
         loss = self.differentiable_loss(model, guide, *args, **kwargs)
         if loss.requires_grad:
             loss.backward()
+        else:
+            refusal = _untrainable(guide)
+            if refusal is not None:
+                raise refusal
         return loss.item()
 
     def __repr__(self) -> str:
         return f"QuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize})"
+
+
+def _untrainable(guide: Callable) -> RuntimeError | None:
+    """Why a loss of ``guide`` has no gradient, where its parameters cannot take one: they are
+    inference tensors (the guide's first run, which makes them, was under
+    ``torch.inference_mode()``: an ``evaluate_loss`` or ``Predictive`` before training), or none
+    of them requires grad (``guide.requires_grad_(False)``). ``None`` for a guide that is no
+    module, or one without parameters."""
+    if not isinstance(guide, torch.nn.Module):
+        return None
+    named = list(guide.named_parameters())
+    made_in_inference = [name for name, p in named if p.is_inference()]
+    if made_in_inference:
+        return RuntimeError(
+            f"QuadratureELBO: the guide's parameters {made_in_inference} are inference tensors: "
+            "the guide's first run, which made them, was under torch.inference_mode() (an "
+            "svi.evaluate_loss or a Predictive before training, say), and no step can train "
+            "them (the loss has no gradient). Run the guide first outside inference_mode "
+            "(torch.no_grad() is fine), or load its state_dict into a new guide run outside it"
+        )
+    if named and not any(p.requires_grad for _, p in named):
+        return RuntimeError(
+            "QuadratureELBO: none of the guide's parameters requires grad "
+            "(guide.requires_grad_(False)?), so no step can train them. Call "
+            "guide.requires_grad_(True) to train it, or svi.evaluate_loss(*args) for the loss"
+        )
+    return None
 
 
 def _guide_words(owner: tuple[str, tuple[str, ...]]) -> str:
