@@ -50,6 +50,8 @@ BROADCAST = {
     # a fixed expand([G, n]) of a distribution whose parameters the pass holds with the nodes'
     # dim in front
     "expand to fewer dims": lambda: torch.ones(3, 6, 1).expand([6, 4]),
+    # control flow on a latent's value (if mu > 0, assert mu <= 0.2), given the points
+    "bool of a batch": lambda: bool(torch.ones(3) > 0),
     "cat": lambda: torch.cat([torch.ones(2, 3), torch.ones(2, 4)]),
     "index": lambda: torch.ones(3)[0, 1],
     "dim out of range": lambda: torch.ones(3).sum(2),

@@ -36,3 +36,22 @@ def test_a_shape_assert_falls_back_to_the_loop_with_the_rightmost_dims_advice():
         warnings.simplefilter("error")
         looped = _losses(False)
     assert tried == looped
+
+
+def _value_model(data):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    assert mu <= 0.2, f"mu must be <= 0.2, got {mu}"
+    with pyro.plate("data", 3):
+        pyro.sample("obs", dist.Normal(mu, 1.0), obs=data)
+
+
+def test_an_assert_on_a_latents_value_raises_without_the_fallback_warning():
+    # the first node passes, another fails: the loop raises the model's own error, and no
+    # warning says first that the assert fails in the pass only (the second review)
+    pyro.clear_param_store()
+    guide = AutoMeanFieldNormal(_value_model, init_loc_fn=lambda site: torch.tensor(0.1))
+    svi = SVI(_value_model, guide, QNVB(), QuadratureELBO(rule="gauss_hermite", num_points=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AssertionError, match=r"mu must be <= 0\.2"):
+            svi.step(torch.tensor([1.0, 2.0, 3.0]))

@@ -112,6 +112,7 @@ _BROADCAST_MESSAGES = re.compile(
             r"is invalid for input of size",  # view / reshape
             r"The expanded size of the tensor",
             r"number of sizes provided \(\d+\) must be greater or equal",  # expand([G, n])
+            r"Boolean value of Tensor with more than one value",  # if / assert on a latent
             r"doesn't match the broadcast shape",
             r"not broadcastable",  # torch.distributions' validate_sample
             r"cannot be broadcast",
@@ -312,6 +313,7 @@ def evaluate_batch(
                 "vectorize=None to fall back to a loop over the points (with one warning), or "
                 "vectorize=False to loop without trying the pass"
             )
+    looped = _loop(single, points, known)  # first: an error of the loop is the model's own
     warnings.warn(
         f"{what}: the model does not evaluate all {K} points in one vectorized pass ({reason}); "
         "evaluating them one by one. Pass vectorize=False to skip the vectorized pass and this "
@@ -319,7 +321,7 @@ def evaluate_batch(
         UserWarning,
         stacklevel=2,
     )
-    return _loop(single, points, known), BatchDecision(False, reason, 0)
+    return looped, BatchDecision(False, reason, 0)
 
 
 def _assert_reason(error: AssertionError) -> str:

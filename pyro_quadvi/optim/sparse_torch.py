@@ -63,7 +63,9 @@ from .torch_qnvb import (
     checked_parameters,
     closure_moments,
     group_params,
+    refuse_added_guide_parameters,
     refuse_half_precision,
+    refuse_run_guides,
     sampled_values,
     standard_normal,
     weight_decay_conversion,
@@ -255,7 +257,9 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         if isinstance(group, dict) and isinstance(group.get("params"), list):
             for dtype in {p.dtype for p in group["params"] if isinstance(p, torch.Tensor)}:
                 self._check_ranges(dtype)
+            refuse_added_guide_parameters("SparseQNVBOptimizer", group["params"], position)
         super().add_param_group(group)
+        self._guides_unchecked = True
 
     def _check_ranges(self, dtype: torch.dtype) -> None:
         """Refuse settings that the step's terms in ``dtype`` would turn into an infinity
@@ -430,6 +434,8 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         loss_avg, moments = closure_moments(
             params, mus, sigmas, nodes, closure, "SparseQNVBOptimizer"
         )
+        if getattr(self, "_guides_unchecked", True):
+            refuse_run_guides(self, params, mus)
         value = check_finite_loss(
             loss_avg,
             params,

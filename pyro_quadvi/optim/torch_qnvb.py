@@ -45,8 +45,7 @@ from ..guides.interface import (
     GuideDescription,
     describe_live_guides,
     guide_class_name,
-    is_describable,
-    register_guide,
+    watch_guides,
 )
 from ..infer.batched import (
     BatchMismatch,
@@ -386,6 +385,49 @@ def refuse_guide_parameters(
             "loss_fn = elbo(model, guide) with a torch optimizer on loss_fn.parameters(). See "
             "the pages 'QNVB for plain PyTorch' and 'QNVB'."
         )
+
+
+def refuse_added_guide_parameters(owner: str, items: list, position: int) -> None:
+    """At ``add_param_group`` of a plain-torch optimizer (``items``: the group's parameters, or
+    ``(name, parameter)`` pairs; ``position``: the first one's among the optimizer's):
+    `refuse_guide_parameters` against the guides known to be live, and, where a guide could hold
+    one of them (Pyro's local mode, or a parameter in Pyro's param store), `watch_guides`, which
+    notes the guides the first step's loss runs for `refuse_run_guides`. Installed once and
+    kept, like QNVB's, the watch makes dynamo compile a compiled network no second time."""
+    params = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in items]
+    if not all(isinstance(p, torch.Tensor) for p in params):
+        return  # torch's own error
+    names = [p[0] if isinstance(p, tuple) and len(p) == 2 else None for p in items]
+    refuse_guide_parameters(owner, params, names, describe_live_guides(params), position)
+    store = pyro.get_param_store()
+    if pyro.settings.get("module_local_params") or any(
+        store.param_name(p) is not None for p in params
+    ):
+        watch_guides()
+
+
+def refuse_run_guides(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], mus: list[torch.Tensor]
+) -> None:
+    """In the first step after parameters were added, once the loss has run the guides it calls
+    and before the update: `refuse_guide_parameters` of every parameter of ``optimizer``
+    against the guides now known to be live (construction saw only those known then). On a
+    refusal ``params`` go back to their means ``mus`` (the loss left them at a node), their
+    gradients cleared; else the check is not made again (``_guides_unchecked``, which
+    ``add_param_group`` sets)."""
+    every, names = [], []
+    for group in optimizer.param_groups:
+        every.extend(group["params"])
+        names.extend(group.get("param_names") or [None] * len(group["params"]))
+    try:
+        refuse_guide_parameters(type(optimizer).__name__, every, names, describe_live_guides(every))
+    except TypeError:
+        with torch.no_grad():
+            for p, mu in zip(params, mus):
+                p.copy_(mu)
+                p.grad = None
+        raise
+    optimizer._guides_unchecked = False
 
 
 def standard_normal(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -1105,14 +1147,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             items = group["params"]
             params = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in items]
             self._check_ranges({**self.defaults, **group}, params, f"{type(self).__name__}: ")
-            names = [p[0] if isinstance(p, tuple) and len(p) == 2 else None for p in items]
-            tensors = [p for p in params if isinstance(p, torch.Tensor)]
-            if len(tensors) == len(params):  # (anything else: torch's own error)
-                # the guides QNVB or an earlier step saw running; the first step checks the
-                # guides its loss runs (`_guides_watched`)
-                described = describe_live_guides(params)
-                owner = type(self).__name__
-                refuse_guide_parameters(owner, params, names, described, position)
+            refuse_added_guide_parameters(type(self).__name__, items, position)
         super().add_param_group(group)
         self._guides_unchecked = True
 
@@ -1296,11 +1331,13 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             device=first.device,
         )
         nodes = self._local_nodes(nodes)
-        with self._guides_watched():
-            if closure is not None:
-                loss_avg, moments = self._closure_moments(params, nodes, closure)
-            else:
-                loss_avg, moments = self._one_pass_moments(params, nodes, loss_fn, batch, vectorize)
+        if closure is not None:
+            loss_avg, moments = self._closure_moments(params, nodes, closure)
+        else:
+            loss_avg, moments = self._one_pass_moments(params, nodes, loss_fn, batch, vectorize)
+        if getattr(self, "_guides_unchecked", True):
+            tensors = [p for p, _ in params]
+            refuse_run_guides(self, tensors, [self.state[p]["mu"] for p in tensors])
         loss_avg, moments = self._combine(params, loss_avg, moments)
         tensors = [p for p, _ in params]
         check_finite_loss(
@@ -1314,55 +1351,6 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         )
         self._update(params, moments, weight, settings)
         return loss_avg
-
-    @contextmanager
-    def _guides_watched(self) -> Iterator[None]:
-        """In the first step after parameters were added, refuse those that are the variational
-        parameters of a guide the loss runs (`refuse_guide_parameters`): construction saw only
-        the guides known to be live (`describe_live_guides`: the ones `QNVB`'s watch saw), so a
-        module forward pre-hook, there for this step only, registers (`register_guide`) each
-        guide the loss calls and checks the parameters against the live guides at once, before
-        the guide runs; the parameters go back to their means (`closure_moments`). Only where a
-        guide could hold a parameter: in Pyro's local mode (``module_local_params``), or for a
-        parameter in Pyro's param store."""
-        if not getattr(self, "_guides_unchecked", True):
-            yield
-            return
-        params, names = [], []
-        for group in self.param_groups:
-            params.extend(group["params"])
-            names.extend(group.get("param_names") or [None] * len(group["params"]))
-        store = pyro.get_param_store()
-        if not pyro.settings.get("module_local_params") and all(
-            store.param_name(p) is None for p in params
-        ):
-            # no guide can hold these parameters: a guide's are in the param store, but in
-            # Pyro's local mode (a network outside Pyro sees no hook, which would make
-            # dynamo compile a torch.compile'd network again after this step)
-            self._guides_unchecked = False
-            yield
-            return
-        owner = type(self).__name__
-        describable: dict[type, bool] = {}
-        seen: set[int] = set()
-
-        def check_guide(module: nn.Module, args: tuple) -> None:
-            if torch.compiler.is_compiling() or id(module) in seen:
-                return
-            cls = type(module)
-            if cls not in describable:
-                describable[cls] = is_describable(module)
-            if describable[cls]:
-                seen.add(id(module))
-                register_guide(module)
-                refuse_guide_parameters(owner, params, names, describe_live_guides(params))
-
-        handle = nn.modules.module.register_module_forward_pre_hook(check_guide)
-        try:
-            yield
-        finally:
-            handle.remove()
-        self._guides_unchecked = False
 
     # Two hooks for pyro_quadvi.distributed.NodeParallelQNVBOptimizer; here, one process
     # evaluates every node and its weighted sums are the whole step's.
