@@ -1,7 +1,8 @@
 """What session 22's two checks cost, and what they buy.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_session22_checks.py [--repeats 7]
-        [--rows 10000] [--sites 10 100 1000] [--fit-steps 60] [--gamma-steps 300] [--quick]
+        [--rows 10000] [--sites 10 100 1000] [--fit-steps 60] [--gamma-steps 300]
+        [--seeds 0 1 2] [--quick]
 
 1. **The mixing check** (`pyro_quadvi.infer.batched._mixed_points`): where the probes of the
    vectorized pass run (``QuadratureELBO``'s first call for a model and guide, ``opqa_evidence``'s
@@ -13,10 +14,11 @@
       check and without it (``batched._checks_mixing`` replaced by one that returns ``False``),
       on the non-centred eight schools, a regression of ``--rows`` rows and 10 weights (unknown
       noise), and a ``BayesianModule`` MLP 784-100-10 (ReLU, categorical, random data) at a
-      batch of 256; with one later step for scale (decided on the first call: neither variant
-      probes). Each repeat builds fresh objects (the guide run once before the timed step).
-      Also ``opqa_evidence`` (8 points a coordinate, the Laplace centre) on a regression of 1,000
-      rows, 2 weights and the noise (512 nodes, one chunk), total time.
+      batch of 256; the check's own time (``_mixed_points`` wrapped in a timer: less noisy than
+      the difference of two first steps); and one later step for scale (decided on the first
+      call: neither variant probes). Each repeat builds fresh objects (the guide run once before
+      the timed step). Also ``opqa_evidence`` (8 points a coordinate, the Laplace centre) on a
+      regression of 1,000 rows, 2 weights and the noise (512 nodes, one chunk), total time.
    b) What it buys: the fit of ``w`` in the model of ``tests/test_qnvb_tiny_init.py`` (``w[0] * x``
       on a vector latent ``w`` of one entry, ``s ~ LogNormal``; float32, ``--fit-steps`` QNVB
       steps of ``QuadratureELBO()``) from an ``init_scale`` of 1e-1, 1e-5 and 1e-8, with the
@@ -30,8 +32,10 @@
    c) Its cost: one guide run (``poutine.trace(guide)(...)``) with it and without it
       (``AutoMeanFieldNormal._draw`` replaced by ``AutoNormal.forward``, as before the change),
       on models of ``--sites`` sites of shape ``(5,)``, their priors alternately ``Gamma(2, 1)``
-      and ``LogNormal(0, 1)``, observed through a Normal of their sum; and one SVI step of
-      ``QuadratureELBO`` + ``QNVB`` on the model of 100 sites.
+      and ``LogNormal(0, 1)``, observed through a Normal of their sum, the variants alternated
+      call by call (about 2,000 sites drawn a repeat), and the extra a site; one SVI step of
+      ``QuadratureELBO`` + ``QNVB`` on the model of 100 sites (10 a repeat); and, for the work
+      added a site besides the messenger's dispatch, one ``Delta`` and one ``GuideDelta`` built.
    d) What it buys: the lone ``Gamma(0.1, 1)`` site fitted by ``QNVB`` in ``--gamma-steps`` steps
       under ``TraceMeanField_ELBO`` with the ``GuideDelta`` and without it, against
       ``Trace_ELBO`` and against ``QuadratureELBO(rule="gauss_hermite", num_points=20)`` (the
@@ -39,19 +43,22 @@
       ``init_scale`` 0.1; and the optimum in closed form (``loc = log(0.1) - 5``,
       ``scale = sqrt(10)``: the loss is ``-0.1 m + exp(m + s^2 / 2) - log s``).
 
-Times are CPU times (``time.process_time``, one thread), medians of ``--repeats``, the variants
-alternated within each repeat and compared in the same run. ``--quick`` runs a few seconds.
+Times are CPU times (``time.process_time``, one thread, the garbage collector off during each
+timed run, as in ``timeit``), medians of ``--repeats``, the variants alternated within each
+repeat and compared in the same run. ``--quick`` runs a few seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import statistics
 import time
 import timeit
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pyro
 import pyro.distributions as dist
@@ -71,8 +78,38 @@ _CHECKS_MIXING = batched._checks_mixing
 _KEEP_DENSITY_DRAW = AutoMeanFieldNormal._draw
 
 
+_MIXED_POINTS = batched._mixed_points
+_CHECK_TIMES: list[float] = []  # CPU seconds of each run of the check itself
+
+
 def _mixing_check(on: bool) -> None:
     batched._checks_mixing = _CHECKS_MIXING if on else (lambda points, indices: False)
+
+
+def _timed_mixed_points(*args, **kwargs):
+    start = time.process_time()
+    try:
+        return _MIXED_POINTS(*args, **kwargs)
+    finally:
+        _CHECK_TIMES.append(time.process_time() - start)
+
+
+def _own_time(run: Callable[[bool], float]) -> tuple[Callable[[bool], float], list[float]]:
+    """``run``, and the list it fills with the CPU seconds the check took in each run with it."""
+    own: list[float] = []
+
+    def timed(on: bool) -> float:
+        del _CHECK_TIMES[:]
+        batched._mixed_points = _timed_mixed_points
+        try:
+            seconds = run(on)
+        finally:
+            batched._mixed_points = _MIXED_POINTS
+        if on:
+            own.append(sum(_CHECK_TIMES))
+        return seconds
+
+    return timed, own
 
 
 def _guide_delta(on: bool) -> None:
@@ -85,6 +122,18 @@ def _cpu(call: Callable[[], object]) -> float:
     return time.process_time() - start
 
 
+@contextmanager
+def _no_collector() -> Iterator[None]:
+    """The garbage collector off, after a collection, as ``timeit`` runs its statement: its
+    pauses land on whichever call allocates when they fall due."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _alternate(run: Callable[[bool], float], switch, repeats: int) -> dict[bool, float]:
     """Median of ``run(on)`` for ``on`` in (True, False), alternated ``repeats`` times after one
     untimed round (the first runs in a process import and build what later ones reuse)."""
@@ -93,7 +142,8 @@ def _alternate(run: Callable[[bool], float], switch, repeats: int) -> dict[bool,
         for repeat in range(repeats + 1):
             for on in (True, False) if repeat % 2 else (False, True):
                 switch(on)
-                seconds = run(on)
+                with _no_collector():
+                    seconds = run(on)
                 if repeat:
                     times[on].append(seconds)
     finally:
@@ -149,13 +199,17 @@ def _first_steps(label: str, make_model, args: tuple, repeats: int) -> str:
             later.append(_cpu(lambda: svi.step(*args)))
         return first
 
+    timed, own = _own_time(run)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback to the loop would time something else
-        median = _alternate(run, _mixing_check, repeats)
+        median = _alternate(timed, _mixing_check, repeats)
     on, off = median[True] * 1e3, median[False] * 1e3
-    step = statistics.median(later[1:] or later) * 1e3  # the untimed round left out
-    extra = (on - off) / step
-    return f"| {label} | {off:.1f} | {on:.1f} | {on / off:.2f} | {extra:.2f} | {step:.1f} |"
+    check = statistics.median(own[1:] or own) * 1e3  # the untimed round left out
+    step = statistics.median(later[1:] or later) * 1e3
+    return (
+        f"| {label} | {off:.1f} | {on:.1f} | {on / off:.2f} | {check:.1f} | {step:.1f} "
+        f"| {check / step:.2f} |"
+    )
 
 
 def _opqa_row(repeats: int) -> str:
@@ -173,19 +227,21 @@ def _opqa_row(repeats: int) -> str:
             raise RuntimeError("opqa_evidence did not keep the vectorized pass")
         return seconds
 
-    median = _alternate(run, _mixing_check, repeats)
+    timed, own = _own_time(run)
+    median = _alternate(timed, _mixing_check, repeats)
     on, off = median[True] * 1e3, median[False] * 1e3
+    check = statistics.median(own[1:] or own) * 1e3
     label = "opqa_evidence, regression 1000 rows, 3 latents, 512 nodes (total)"
-    return f"| {label} | {off:.1f} | {on:.1f} | {on / off:.2f} | - | - |"
+    return f"| {label} | {off:.1f} | {on:.1f} | {on / off:.2f} | {check:.1f} | - | - |"
 
 
 def part_a(rows: int, repeats: int, mlp: bool) -> None:
     print("\n### a) The mixing check's cost: the first QuadratureELBO step (it probes)\n")
     print(
         "| model | first step, no check (ms) | with the check (ms) | ratio "
-        "| extra / later step | later step (ms) |"
+        "| the check itself (ms) | later step (ms) | check / later step |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     schools = eight_schools().model
     print(_first_steps("eight schools (10 latents)", lambda: schools, (), repeats))
     x, y = _regression_data(rows, 10)
@@ -277,10 +333,11 @@ def _interleaved(call: Callable[[], object], calls: int, repeats: int) -> dict[b
             call()
         for _ in range(repeats):
             total = {True: 0.0, False: 0.0}
-            for i in range(calls):
-                for on in (True, False) if i % 2 else (False, True):
-                    _guide_delta(on)
-                    total[on] += _cpu(call)
+            with _no_collector():
+                for i in range(calls):
+                    for on in (True, False) if i % 2 else (False, True):
+                        _guide_delta(on)
+                        total[on] += _cpu(call)
             for on in total:
                 times[on].append(total[on] / calls)
     finally:
@@ -290,8 +347,8 @@ def _interleaved(call: Callable[[], object], calls: int, repeats: int) -> dict[b
 
 def part_c(sites: list[int], repeats: int, svi_sites: int | None, draws: int) -> None:
     print("\n### c) GuideDelta's cost: one guide run, sites of shape (5,), positive support\n")
-    print("| what | without GuideDelta (ms) | with (ms) | ratio |")
-    print("|---|---:|---:|---:|")
+    print("| what | without GuideDelta (ms) | with (ms) | ratio | extra a site (µs) |")
+    print("|---|---:|---:|---:|---:|")
     y = torch.tensor(1.0)
     for n in sites:
         pyro.clear_param_store()
@@ -303,7 +360,8 @@ def part_c(sites: list[int], repeats: int, svi_sites: int | None, draws: int) ->
             repeats,
         )
         on, off = median[True] * 1e3, median[False] * 1e3
-        print(f"| guide run, {n} sites | {off:.3f} | {on:.3f} | {on / off:.3f} |")
+        extra = (on - off) / n * 1e3
+        print(f"| guide run, {n} sites | {off:.3f} | {on:.3f} | {on / off:.3f} | {extra:.0f} |")
     if svi_sites:
         model = _sites_model(svi_sites)
         pyro.clear_param_store()
@@ -311,19 +369,24 @@ def part_c(sites: list[int], repeats: int, svi_sites: int | None, draws: int) ->
         guide = AutoMeanFieldNormal(model)
         svi = SVI(model, guide, QNVB(), QuadratureELBO())
         svi.step(y)
-        median = _interleaved(lambda: svi.step(y), 4, repeats)
+        median = _interleaved(lambda: svi.step(y), 10, repeats)
         on, off = median[True] * 1e3, median[False] * 1e3
         label = f"SVI step, QuadratureELBO + QNVB, {svi_sites} sites"
-        print(f"| {label} | {off:.2f} | {on:.2f} | {on / off:.3f} |")
+        extra = (on - off) / svi_sites * 1e3
+        print(f"| {label} | {off:.2f} | {on:.2f} | {on / off:.3f} | {extra:.0f} |")
     # the work `_KeepDensity` adds a site, besides its dispatch on every message: one more Delta
     v, log_density = torch.rand(5), torch.zeros(())
-    built = {}
-    for kind in (dist.Delta, GuideDelta):
-        runs = timeit.repeat(lambda k=kind: k(v, log_density=log_density, event_dim=1), number=2000)
-        built[kind.__name__] = min(runs) / 2000 * 1e6
+    built: dict[str, list[float]] = {"Delta": [], "GuideDelta": []}
+    for repeat in range(6):  # alternated; the first round untimed
+        for kind in (dist.Delta, GuideDelta) if repeat % 2 else (GuideDelta, dist.Delta):
+            seconds = timeit.timeit(
+                lambda k=kind: k(v, log_density=log_density, event_dim=1), number=2000
+            )
+            if repeat:
+                built[kind.__name__].append(seconds / 2000 * 1e6)
     print(
-        f"\nOne Delta of shape (5,) built: {built['Delta']:.1f} µs, one GuideDelta: "
-        f"{built['GuideDelta']:.1f} µs (best of 5 timings of 2,000)."
+        f"\nOne Delta of shape (5,) built: {min(built['Delta']):.1f} µs, one GuideDelta: "
+        f"{min(built['GuideDelta']):.1f} µs (best of 5 timings of 2,000, alternated)."
     )
 
 
