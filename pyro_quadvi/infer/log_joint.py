@@ -52,6 +52,7 @@ from pyro.distributions import (
     MaskedDistribution,
     constraints,
 )
+from pyro.distributions.torch_distribution import TorchDistributionMixin
 from pyro.distributions.transforms import Transform
 from pyro.distributions.util import scale_and_mask, sum_rightmost
 from pyro.poutine import Trace
@@ -71,6 +72,7 @@ from .batched import (
 from .normal_density import NodeByNodeNormal
 
 __all__ = [
+    "GuideShapeMismatch",
     "LatentSite",
     "LogJoint",
     "PlateCollision",
@@ -78,9 +80,11 @@ __all__ = [
     "check_max_plate_nesting",
     "check_observed_not_nan",
     "cuda_devices",
+    "first_observed_by_the_model",
     "is_data_site",
     "latent_sites_of_model",
     "model_max_plate_nesting",
+    "observed_by_the_model",
     "total_of",
 ]
 
@@ -350,6 +354,88 @@ class FeasibleImproper(Messenger):
             transform = biject_to(msg["fn"].support)
             shape = transform.inverse_shape(msg["fn"].shape())
             msg["value"] = transform(torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+
+class GuideShapeMismatch(ValueError):
+    """A latent site's value from the guide has another shape than the model's distribution
+    there (`_GuideShapes`)."""
+
+
+class _GuideShapes(Messenger):
+    """Refuse a latent site whose value from the guide has another shape than the model's
+    distribution there, broadcast over its plates, before the model reads the value.
+
+    An autoguide fixes its sites' shapes on its first run; run again on data of another width
+    (``Normal(0, 1).expand([x.shape[1]])``), the model got the old shape: torch's bare size
+    error, or a silent wrong answer where the old shape broadcasts (one weight for every
+    column, its prior counted once per column). A replayed site is not broadcast by its plates
+    (Pyro's replay marks it done), so the plates' broadcast is done here as Pyro's
+    ``BroadcastMessenger`` does it; in the vectorized pass (``vectorized``) both shapes lead
+    with the points' plate and the padding to the model's plates."""
+
+    def __init__(self, values: Mapping[str, torch.Tensor], vectorized: bool) -> None:
+        super().__init__()
+        self.values = values
+        self.vectorized = vectorized
+
+    def _pyro_post_sample(self, msg) -> None:
+        fn = msg["fn"]
+        if msg["name"] not in self.values or msg["is_observed"]:
+            return
+        if not isinstance(fn, TorchDistributionMixin):  # Pyro broadcasts only its own
+            return
+        batch = list(fn.batch_shape)
+        for frame in msg["cond_indep_stack"]:
+            if frame.dim is None or frame.size == -1:
+                continue
+            batch = [1] * (-frame.dim - len(batch)) + batch
+            if batch[frame.dim] == 1:
+                batch[frame.dim] = frame.size
+        given, wanted = tuple(msg["value"].shape), (*batch, *fn.event_shape)
+        if given == wanted:
+            return
+        if self.vectorized and len(given) == len(wanted):  # the points' plate is no site's
+            given, wanted = given[1:], wanted[1:]
+            while given and given[0] == 1 and wanted and wanted[0] == 1:  # the padding
+                given, wanted = given[1:], wanted[1:]
+        raise GuideShapeMismatch(
+            f"latent site {msg['name']!r}: the guide gives it shape {given}, but the model's "
+            f"distribution there has shape {wanted}. The guide fixed its sites' shapes on its "
+            "first run, with other data (of another width?) or another model; build a new "
+            "guide for this model and data, or run the model on data of the guide's shapes"
+        )
+
+
+def observed_by_the_model(name: str) -> ValueError:
+    """The refusal of a guide that samples ``name``, a site the model observes."""
+    return ValueError(
+        f"the guide samples {name!r}, which the model observes: the guide was built from a run "
+        "of the model without its observations (an AutoGuide builds itself on its first call: "
+        "guide(x), or a BayesianModule's predict, before any training). Build it with the "
+        "data, guide(x, y) or a first svi.step(x, y), on a new guide"
+    )
+
+
+def first_observed_by_the_model(
+    model: Callable, names: Iterable[str], args: tuple, kwargs: dict
+) -> str | None:
+    """The first of ``names`` that one run of ``model`` (from a fork of the random state)
+    observes; ``None`` where none is, or where the run fails (the caller's error stands)."""
+    try:
+        with torch.random.fork_rng(devices=cuda_devices(model, args, kwargs)):
+            trace = poutine.trace(model).get_trace(*args, **kwargs)
+    except Exception:  # a question asked on the way to another error: that error stands
+        return None
+    return next(
+        (
+            name
+            for name in names
+            if name in trace.nodes
+            and trace.nodes[name]["type"] == "sample"
+            and trace.nodes[name]["is_observed"]
+        ),
+        None,
+    )
 
 
 def latent_nodes(trace: Trace):
@@ -770,7 +856,9 @@ class LogJoint:
             conditioned.add_node(
                 name, type="sample", name=name, value=value, is_observed=False, infer={}
             )
-        model = poutine.replay(self.model, trace=conditioned)
+        model = _GuideShapes(values, points is not None)(
+            poutine.replay(self.model, trace=conditioned)
+        )
         locate = None
         if points is not None:  # one pass over all points, under a plate of them
             particle_dims = self.max_plate_nesting + 1
@@ -783,6 +871,8 @@ class LogJoint:
         try:
             trace = poutine.trace(model).get_trace(*args, **kwargs)
         except ValueError as error:
+            if isinstance(error.__cause__, GuideShapeMismatch):  # without Pyro's shape dump
+                raise error.__cause__ from None
             collision = _COLLISION.search(str(error))
             if points is not None and collision and _NODE_PLATE in collision.groups()[:2]:
                 plate = next(name for name in collision.groups()[:2] if name != _NODE_PLATE)
@@ -809,13 +899,7 @@ class LogJoint:
                     "the guide from this model, or rename the site to match the model's"
                 )
             if trace.nodes[name]["is_observed"]:
-                raise ValueError(
-                    f"the guide samples {name!r}, which the model observes: the guide was built "
-                    "from a run of the model without its observations (an AutoGuide builds "
-                    "itself on its first call: guide(x), or a BayesianModule's predict, before "
-                    "any training). Build it with the data, guide(x, y) or a first "
-                    "svi.step(x, y), on a new guide"
-                )
+                raise observed_by_the_model(name)
         if self._subsample is None:  # the first run: its data are every run's
             # NaN data under a mask count 0 in the log joint, so its check of the total cannot
             # see them, but make the gradients NaN: refused here, by site and index (unmasked

@@ -87,8 +87,10 @@ from .log_joint import (
     RandomState,
     check_max_plate_nesting,
     cuda_devices,
+    first_observed_by_the_model,
     latent_sites_of_model,
     name_the_invalid_initial_site,
+    observed_by_the_model,
     total_of,
 )
 
@@ -545,16 +547,32 @@ class QuadratureELBO(PointsELBO):
     def _quadrature_loss(
         self, model: Callable, guide: Callable, args, kwargs
     ) -> tuple[torch.Tensor, GuideDescription]:
+        if torch._C._are_functorch_transforms_active():
+            raise RuntimeError(
+                "QuadratureELBO cannot run under a torch.func transform (grad, vjp, vmap, "
+                "jacrev, ...): its backward publishes the moments g, h that QNVB reads, which "
+                "no transform can carry out, and a Pyro guide reads its parameters from Pyro's "
+                "param store, which torch.func.functional_call does not replace (Pyro's "
+                "Trace_ELBO gets zero gradients there). Take the gradients with loss.backward() "
+                "or torch.autograd.grad(loss, list(guide.parameters()))"
+            )
         guide_trace, description = self._described_run(model, guide, args, kwargs)
         position = self._meet(guide, description)
         entropy = description.entropy_outside_kl()
-        nodes = self.rule.draw(
-            description.dim,
-            step=position,
-            generator=self.generator,
-            dtype=entropy.dtype,
-            device=entropy.device,
-        )
+        try:
+            nodes = self.rule.draw(
+                description.dim,
+                step=position,
+                generator=self.generator,
+                dtype=entropy.dtype,
+                device=entropy.device,
+            )
+        except ValueError as error:  # too many nodes: for sites the guide should not have?
+            names = [site.name for site in description.latent_sites]
+            observed = first_observed_by_the_model(model, names, args, kwargs)
+            if observed is not None:
+                raise observed_by_the_model(observed) from error
+            raise
         x, node_weights = self.local_nodes(nodes.matrix(), nodes.weights)
         expected = frozenset()
         if description.joint is None:
