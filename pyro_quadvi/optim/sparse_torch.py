@@ -64,8 +64,10 @@ from .torch_qnvb import (
     closure_moments,
     group_params,
     refuse_added_guide_parameters,
+    refuse_grad_scaler,
     refuse_half_precision,
     refuse_run_guides,
+    restore_means,
     sampled_values,
     standard_normal,
     weight_decay_conversion,
@@ -414,6 +416,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         terms the guard dropped at every coordinate is refused with a ``ValueError``
         (`_refuse_if_idle`).
         """
+        refuse_grad_scaler(self)
         params = self._params()
         first = params[0]
         dim = sum(p.numel() for p in params)
@@ -431,48 +434,53 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         )
         blocks = [self._block(p) for p in params]
         mus, sigmas = [b.mu for b in blocks], [b.sigma for b in blocks]
-        loss_avg, moments = closure_moments(
-            params, mus, sigmas, nodes, closure, "SparseQNVBOptimizer"
-        )
-        if getattr(self, "_guides_unchecked", True):
-            refuse_run_guides(self, params, mus)
-        value = check_finite_loss(
-            loss_avg,
-            params,
-            mus,
-            "SparseQNVBOptimizer",
-            sigmas=sigmas,
-            field_hint=(
-                " The mixtures' moments went out of the parameters' range: check initial_lr, "
-                "max_lr and tau_max (sigma starts at initial_lr^(1/2)), or use float64 parameters"
-            ),
-        )
-        self._check_growth(value, [p.dtype for p in params])
-        scale = self.num_cases / self.steps_per_epoch
-        prior = self.prior_precision / self.steps_per_epoch
-        g_terms, h_terms = [], []
-        for block, moment in zip(blocks, moments):
-            g, gx = (0.0, 0.0) if moment is None else moment  # no gradient: no loss term
-            sigma = block.sigma
-            g_terms.append(scale * g + prior * block.mu)
-            h_terms.append(scale * torch.where(sigma > 0, gx / sigma, 0.0) + prior)
-        result = sparse_qnvb_update(
-            blocks,
-            self.counters,
-            g_terms,
-            h_terms,
-            self.hyperparameters,
-            self.steps_per_epoch,
-            cases_per_step=scale,
-        )
-        counts = result_count_values(result)
-        self._refuse_if_idle(params, mus, kept_coordinates([counts], SPARSE_COUNT_KINDS))
-        self.counters = result.counters
-        for p, block in zip(params, result.blocks):
-            self.state[p].update(block._asdict())
-            p.copy_(block.mu)
-            p.grad = None
-        self._written.update(written_marks(params))
+        try:
+            loss_avg, moments = closure_moments(
+                params, mus, sigmas, nodes, closure, "SparseQNVBOptimizer"
+            )
+            if getattr(self, "_guides_unchecked", True):
+                refuse_run_guides(self, params, mus)
+            value = check_finite_loss(
+                loss_avg,
+                params,
+                mus,
+                "SparseQNVBOptimizer",
+                sigmas=sigmas,
+                field_hint=(
+                    " The mixtures' moments went out of the parameters' range: check "
+                    "initial_lr, max_lr and tau_max (sigma starts at initial_lr^(1/2)), or use "
+                    "float64 parameters"
+                ),
+            )
+            self._check_growth(value, [p.dtype for p in params])
+            scale = self.num_cases / self.steps_per_epoch
+            prior = self.prior_precision / self.steps_per_epoch
+            g_terms, h_terms = [], []
+            for block, moment in zip(blocks, moments):
+                g, gx = (0.0, 0.0) if moment is None else moment  # no gradient: no loss term
+                sigma = block.sigma
+                g_terms.append(scale * g + prior * block.mu)
+                h_terms.append(scale * torch.where(sigma > 0, gx / sigma, 0.0) + prior)
+            result = sparse_qnvb_update(
+                blocks,
+                self.counters,
+                g_terms,
+                h_terms,
+                self.hyperparameters,
+                self.steps_per_epoch,
+                cases_per_step=scale,
+            )
+            counts = result_count_values(result)
+            self._refuse_if_idle(params, mus, kept_coordinates([counts], SPARSE_COUNT_KINDS))
+            self.counters = result.counters
+            for p, block in zip(params, result.blocks):
+                self.state[p].update(block._asdict())
+                p.copy_(block.mu)
+                p.grad = None
+            self._written.update(written_marks(params))
+        except BaseException:  # whatever failed, the parameters are left at their means
+            restore_means(params, [self.state[p]["mu"] for p in params])
+            raise
         for message in result_messages(result, self._warned, self._step_cap, counts):
             warnings.warn(
                 f"SparseQNVBOptimizer: {message} (this warning is shown once)",
@@ -494,9 +502,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         self._idle_steps = count_idle_step(self._idle_steps, kept, total)
         if self._idle_steps < IDLE_STEPS_REFUSED:
             return
-        for p, mu in zip(params, mus):
-            p.copy_(mu)
-            p.grad = None
+        restore_means(params, mus)
         self._written.update(written_marks(params))
         raise idle_step_refusal(
             "SparseQNVBOptimizer",

@@ -126,6 +126,33 @@ def check_representable(owner: str, name: str, value: float, dtype: torch.dtype)
         )
 
 
+def refuse_grad_scaler(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a step that ``torch.amp.GradScaler.step`` called (the first thing a step does).
+
+    The plain-torch optimizers declare ``_step_supports_amp_scaling``, so that the scaler calls
+    their ``step`` directly after setting ``grad_scale`` and ``found_inf`` on the optimizer
+    (torch's contract for optimizers that unscale themselves), instead of an ``AssertionError``
+    of its own. QNVB takes no loss scaling: a scaled loss scales every node's gradient, hence
+    ``g`` and the curvature ``h``, and ``sigma`` comes out too small, silently. The two
+    attributes are removed (the scaler, refused, leaves them) and nothing else is touched.
+    """
+    state = vars(optimizer)
+    if "grad_scale" not in state and "found_inf" not in state:
+        return
+    state.pop("grad_scale", None)
+    state.pop("found_inf", None)
+    owner = type(optimizer).__name__
+    raise RuntimeError(
+        f"{owner}.step was called by torch.amp.GradScaler.step: {owner} takes no loss scaling. "
+        "A loss multiplied by the scaler (scaler.scale(loss).backward()) multiplies the "
+        "gradient at every node, hence the curvature h, by the scale (65536 at first), and "
+        "sigma comes out too small without an error. Drop the scaler: call loss.backward() in "
+        "the closure and optimizer.step(closure). The parameters stay in float32 (or float64); "
+        "for a half-precision forward use torch.autocast with dtype=torch.bfloat16, which has "
+        "float32's range and needs no scaler. Nothing was evaluated or changed by this step"
+    )
+
+
 def check_generator(owner: str, generator: object) -> None:
     """Refuse a ``generator`` that is neither a ``torch.Generator`` nor ``None`` when an
     optimizer is built (the rules refuse one at their first draw; a deterministic rule never
@@ -304,7 +331,18 @@ def check_precision(p: torch.Tensor, label: str, owner: str) -> None:
     in bfloat16 (8 bits of mantissa) such a move is lost next to a mean of order one, and the
     curvature ``h`` (a difference of gradients over ``sigma``) is rounding noise; the update's
     sums lose the rest in float16.
+
+    A complex parameter is refused too (a ``ValueError``), named with its shape: the mean field
+    is a real Gaussian per coordinate, and its nodes are real (a complex parameter failed in
+    the middle of a step before).
     """
+    if p.is_complex():
+        raise ValueError(
+            f"{owner}: {label} of shape {tuple(p.shape)} is {p.dtype}; the mean field is a real "
+            "Gaussian per coordinate, so complex parameters are not supported. Keep the real "
+            "and imaginary parts as two real parameters (torch.view_as_real gives them as a "
+            "last axis of 2) and form the complex tensor in the forward (torch.complex(re, im))"
+        )
     if p.is_floating_point() and torch.finfo(p.dtype).bits < 32:
         raise TypeError(
             f"{owner}: {label} is {p.dtype}; the quadrature nodes mu + sigma * x_k and the "
@@ -422,10 +460,7 @@ def refuse_run_guides(
     try:
         refuse_guide_parameters(type(optimizer).__name__, every, names, describe_live_guides(every))
     except TypeError:
-        with torch.no_grad():
-            for p, mu in zip(params, mus):
-                p.copy_(mu)
-                p.grad = None
+        restore_means(params, mus)
         raise
     optimizer._guides_unchecked = False
 
@@ -458,6 +493,15 @@ def sampled_values(
             for p, mean in zip(params, means):
                 p.copy_(mean)
         marks.update(written_marks(params))
+
+
+def restore_means(params: list[torch.Tensor], mus: list[torch.Tensor]) -> None:
+    """Every parameter set back to its mean (``mus``, in the same order), its gradient cleared:
+    where a step stops with an error, at whatever node the parameters were."""
+    with torch.no_grad():
+        for p, mu in zip(params, mus):
+            p.copy_(mu)
+            p.grad = None
 
 
 def written_marks(params: Iterable[torch.Tensor]) -> dict[int, tuple[int, int]]:
@@ -559,6 +603,10 @@ class CheckpointHooks(CopyableOptimizerState):
 
     _entry_key: str
     """The key of the optimizer's entry in its state dict."""
+
+    _step_supports_amp_scaling = True
+    """Read by ``torch.amp.GradScaler.step``, which then calls ``step`` itself, where
+    `refuse_grad_scaler` refuses it by name (not the scaler's own ``AssertionError``)."""
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -697,9 +745,7 @@ def closure_moments(
                 "on the loss before returning it"
             )
     except BaseException:  # the parameters go back to their means, unchanged
-        for p, mu in zip(params, mus):
-            p.copy_(mu)
-            p.grad = None
+        restore_means(params, mus)
         raise
     moments = [(g, gx) if ok else None for g, gx, ok in zip(g_sum, gx_sum, seen)]
     return loss_avg, moments
@@ -790,9 +836,7 @@ def check_finite_loss(
         if math.isfinite(value) and (where is None or not _nonfinite_moments(moments)):
             return value
     field = None if sigmas is None or where is not None else _nonfinite_field(params, mus, sigmas)
-    for p, mu in zip(params, mus):
-        p.copy_(mu)
-        p.grad = None
+    restore_means(params, mus)
     untaken = "The parameters are left at their means and the step was not taken"
     skip = (
         "To skip such a step and go on, catch this ValueError, but not under "
@@ -1288,6 +1332,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         Returns:
             The quadrature average of the loss.
         """
+        refuse_grad_scaler(self)
         if (closure is None) == (loss_fn is None):
             raise TypeError(
                 "QNVBOptimizer.step takes either a closure (step(closure)) or a loss function "
@@ -1331,25 +1376,28 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             device=first.device,
         )
         nodes = self._local_nodes(nodes)
-        if closure is not None:
-            loss_avg, moments = self._closure_moments(params, nodes, closure)
-        else:
-            loss_avg, moments = self._one_pass_moments(params, nodes, loss_fn, batch, vectorize)
-        if getattr(self, "_guides_unchecked", True):
-            tensors = [p for p, _ in params]
-            refuse_run_guides(self, tensors, [self.state[p]["mu"] for p in tensors])
-        loss_avg, moments = self._combine(params, loss_avg, moments)
         tensors = [p for p, _ in params]
-        check_finite_loss(
-            loss_avg,
-            tensors,
-            [self.state[p]["mu"] for p in tensors],
-            type(self).__name__,
-            sigmas=[self.state[p]["sigma"] for p in tensors],
-            batch=tuple(batch) if isinstance(batch, tuple | list) else (batch,),
-            moments=moments,
-        )
-        self._update(params, moments, weight, settings)
+        try:
+            if closure is not None:
+                loss_avg, moments = self._closure_moments(params, nodes, closure)
+            else:
+                loss_avg, moments = self._one_pass_moments(params, nodes, loss_fn, batch, vectorize)
+            if getattr(self, "_guides_unchecked", True):
+                refuse_run_guides(self, tensors, [self.state[p]["mu"] for p in tensors])
+            loss_avg, moments = self._combine(params, loss_avg, moments)
+            check_finite_loss(
+                loss_avg,
+                tensors,
+                [self.state[p]["mu"] for p in tensors],
+                type(self).__name__,
+                sigmas=[self.state[p]["sigma"] for p in tensors],
+                batch=tuple(batch) if isinstance(batch, tuple | list) else (batch,),
+                moments=moments,
+            )
+            self._update(params, moments, weight, settings)
+        except BaseException:  # whatever failed, the parameters are left at their means
+            restore_means(tensors, [self.state[p]["mu"] for p in tensors])
+            raise
         return loss_avg
 
     # Two hooks for pyro_quadvi.distributed.NodeParallelQNVBOptimizer; here, one process

@@ -1,0 +1,134 @@
+"""Session 24, helper h1: the plain-torch optimizers (`QNVBOptimizer`, `SparseQNVBOptimizer`)
+against a user's trial: ``torch.amp.GradScaler``, complex and duplicate parameters, an error in
+the middle of a step, a closure whose loss misses the optimizer's tensors, sparse gradients, and a
+learning rate set by hand in a `SparseQNVBOptimizer` group."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
+
+X = torch.randn(32, 3, generator=torch.Generator().manual_seed(0))
+Y = X @ torch.tensor([1.0, -2.0, 0.5])
+
+
+def make(kind: str, params):
+    if kind == "qnvb":
+        return QNVBOptimizer(params, likelihood_weight=32)
+    return SparseQNVBOptimizer(params, num_cases=32, steps_per_epoch=4)
+
+
+def closure_of(net: nn.Module):
+    def closure():
+        loss = F.mse_loss(net(X).squeeze(-1), Y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+@pytest.mark.parametrize("kind", ["qnvb", "sparse"])
+def test_grad_scaler_step_is_refused_by_name_and_changes_nothing(kind):
+    net = nn.Linear(3, 1)
+    optimizer = make(kind, net.parameters())
+    closure = closure_of(net)
+    optimizer.step(closure)
+    before = [p.detach().clone() for p in net.parameters()]
+    steps = dict(vars(optimizer))
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(F.mse_loss(net(X).squeeze(-1), Y)).backward()
+    name = type(optimizer).__name__
+    with pytest.raises(RuntimeError, match=rf"{name}.step was called by torch.amp.GradScaler") as e:
+        scaler.step(optimizer, closure)
+    assert "Drop the scaler" in str(e.value) and "dtype=torch.bfloat16" in str(e.value)
+    for p, b in zip(net.parameters(), before):
+        assert torch.equal(p, b)
+    # the scaler's attributes are gone, the counters as they were, and a plain step goes on
+    assert "grad_scale" not in vars(optimizer) and "found_inf" not in vars(optimizer)
+    assert getattr(optimizer, "num_steps", None) == steps.get("num_steps")
+    assert getattr(optimizer, "counters", None) == steps.get("counters")
+    optimizer.step(closure)
+
+
+def test_a_scaled_loss_in_the_closure_shrinks_sigma_by_the_root_of_the_scale():
+    """What the docs say of a scaler used inside the closure (which no step can see): in a
+    one-weight linear-Gaussian fit, sigma comes out 1 / sqrt(65536) = 1 / 256 of the exact
+    1 / sqrt(sum x^2), the mean as exact."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(100, dtype=torch.float64, generator=gen)
+    y = 0.7 * x + torch.randn(100, dtype=torch.float64, generator=gen)
+    exact = float((x**2).sum()) ** -0.5
+    fits = []
+    for scale in (1.0, 65536.0):
+        w = torch.zeros((), dtype=torch.float64, requires_grad=True)
+        optimizer = QNVBOptimizer([w], likelihood_weight=100, quadrature="hadamard")
+
+        def closure(w=w, scale=scale):
+            loss = 0.5 * ((y - w * x) ** 2).mean()
+            (scale * loss).backward()
+            return loss
+
+        for _ in range(100):
+            optimizer.step(closure)
+        fits.append((float(optimizer.state[w]["sigma"]) / exact, float(w.detach())))
+    assert fits[0][0] == pytest.approx(1.0, rel=1e-6)
+    assert fits[1][0] == pytest.approx(1 / 256, rel=1e-6)
+    assert fits[1][1] == pytest.approx(fits[0][1], rel=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["qnvb", "sparse"])
+def test_a_complex_parameter_is_refused_at_construction_by_position_shape_and_dtype(kind):
+    real = nn.Parameter(torch.zeros(2))
+    z = nn.Parameter(torch.zeros(4, 2, dtype=torch.complex64))
+    name = type(make(kind, [real])).__name__
+    with pytest.raises(
+        ValueError, match=rf"{name}: parameter 1 of shape \(4, 2\) is torch.complex64"
+    ):
+        make(kind, [real, z])
+    with pytest.raises(
+        ValueError, match=r"parameter 1 \('z'\) of shape \(4, 2\) is torch.complex64"
+    ):
+        make(kind, [("real", real), ("z", z)])
+
+
+@pytest.mark.parametrize("kind", ["qnvb", "sparse"])
+def test_an_error_in_the_update_leaves_the_parameters_at_their_means(kind):
+    """A state tensor of the wrong shape, set by hand, fails in the update, after the nodes were
+    evaluated: the parameters were left at the last node before."""
+    net = nn.Linear(3, 1)
+    optimizer = make(kind, net.parameters())
+    closure = closure_of(net)
+    optimizer.step(closure)
+    means = [p.detach().clone() for p in net.parameters()]
+    optimizer.state[net.weight]["h_avg" if kind == "qnvb" else "h0"] = torch.zeros(5)
+    with pytest.raises((ValueError, RuntimeError), match="5"):
+        optimizer.step(closure)
+    for p, mean in zip(net.parameters(), means):
+        assert torch.equal(p, mean) and p.grad is None
+
+
+@pytest.mark.parametrize("kind", ["qnvb", "sparse"])
+def test_an_error_in_the_closure_at_the_second_node_leaves_the_parameters_at_their_means(kind):
+    net = nn.Linear(3, 1)
+    optimizer = make(kind, net.parameters())
+    optimizer.step(closure_of(net))
+    means = [p.detach().clone() for p in net.parameters()]
+    calls = []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyError("node 2")
+        return closure_of(net)()
+
+    with pytest.raises(KeyError, match="node 2"):
+        optimizer.step(failing)
+    assert len(calls) == 2
+    for p, mean in zip(net.parameters(), means):
+        assert torch.equal(p, mean) and p.grad is None
