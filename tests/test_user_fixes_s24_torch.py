@@ -132,3 +132,22 @@ def test_an_error_in_the_closure_at_the_second_node_leaves_the_parameters_at_the
     assert len(calls) == 2
     for p, mean in zip(net.parameters(), means):
         assert torch.equal(p, mean) and p.grad is None
+
+
+@pytest.mark.parametrize("kind", ["qnvb", "sparse"])
+def test_a_parameter_given_twice_is_refused_at_construction_naming_both_positions(kind):
+    net = nn.Linear(3, 1)
+    w, b = net.weight, net.bias
+    name = type(make(kind, [w])).__name__
+    with pytest.raises(
+        ValueError,
+        match=rf"{name}: parameter 0 and parameter 2 are the same tensor \(shape \(1, 3\)\)",
+    ):
+        make(kind, [w, b, w])
+    with pytest.raises(ValueError, match=r"parameter 1 \('b'\) and parameter 2 \('b2'\)"):
+        make(kind, [("w", w), ("b", b), ("b2", b)])
+    # in another group, as torch refuses it
+    optimizer = make(kind, [w])
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        optimizer.add_param_group({"params": [w]})
+    assert len(optimizer.param_groups) == 1

@@ -64,6 +64,7 @@ from .torch_qnvb import (
     closure_moments,
     group_params,
     refuse_added_guide_parameters,
+    refuse_duplicate_parameters,
     refuse_grad_scaler,
     refuse_half_precision,
     refuse_run_guides,
@@ -256,6 +257,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             group = _SparseGroup(group)
         position = sum(len(g["params"]) for g in self.param_groups)
         refuse_half_precision(group, position, "SparseQNVBOptimizer")
+        refuse_duplicate_parameters(group, position, "SparseQNVBOptimizer")
         if isinstance(group, dict) and isinstance(group.get("params"), list):
             for dtype in {p.dtype for p in group["params"] if isinstance(p, torch.Tensor)}:
                 self._check_ranges(dtype)

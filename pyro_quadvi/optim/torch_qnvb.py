@@ -315,6 +315,28 @@ def refuse_half_precision(param_group: object, first_position: int, owner: str) 
             check_precision(p, _parameter_label(first_position + k, name), owner)
 
 
+def refuse_duplicate_parameters(param_group: object, first_position: int, owner: str) -> None:
+    """Refuse a group that holds one tensor twice, naming both positions (as
+    `refuse_half_precision` numbers them) and its shape. Torch's optimizers warn of such a group
+    ("duplicate parameters", an error to come); here one tensor would be given two mean fields,
+    whose second step failed in the update with the tensor left at a quadrature node. (Torch
+    refuses a tensor in two groups itself.)"""
+    if not isinstance(param_group, dict) or not isinstance(param_group.get("params"), list):
+        return
+    seen: dict[int, str] = {}
+    for k, item in enumerate(param_group["params"]):
+        name, p = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
+        label = _parameter_label(first_position + k, name)
+        if id(p) in seen:
+            raise ValueError(
+                f"{owner}: {seen[id(p)]} and {label} are the same tensor (shape "
+                f"{tuple(p.shape)}); torch's optimizers warn that a parameter group with "
+                "duplicate parameters will be an error, and here it is one: a tensor has one "
+                "mean field. Pass each parameter once (list(dict.fromkeys(params)) drops repeats)"
+            )
+        seen[id(p)] = label
+
+
 def _parameter_label(position: int, name: str | None) -> str:
     """``"parameter 3"``, or ``"parameter 3 ('fc.weight')"`` where it has a name."""
     return f"parameter {position}" + ("" if name is None else f" ({name!r})")
@@ -1187,6 +1209,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             self._check_group({**self.defaults, **group})
         position = sum(len(g["params"]) for g in self.param_groups)
         refuse_half_precision(group, position, type(self).__name__)
+        refuse_duplicate_parameters(group, position, type(self).__name__)
         if isinstance(group, dict) and isinstance(group.get("params"), list):
             items = group["params"]
             params = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in items]
