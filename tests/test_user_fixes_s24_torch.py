@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
+from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
 
 X = torch.randn(32, 3, generator=torch.Generator().manual_seed(0))
 Y = X @ torch.tensor([1.0, -2.0, 0.5])
@@ -151,3 +151,24 @@ def test_a_parameter_given_twice_is_refused_at_construction_naming_both_position
     with pytest.raises(ValueError, match="more than one parameter group"):
         optimizer.add_param_group({"params": [w]})
     assert len(optimizer.param_groups) == 1
+
+
+def test_a_closure_over_other_tensors_than_the_optimizers_says_the_module_was_moved():
+    """The optimizer built before the net went from the meta device to the CPU (``to_empty``
+    makes new tensors), and a copy of the optimizer stepped with the original net: the message
+    says which tensors got no gradient and why that may be."""
+    with torch.device("meta"):
+        net = nn.Linear(3, 1)
+    optimizer = QNVBOptimizer(net.parameters())
+    net.to_empty(device="cpu")
+    net.reset_parameters()
+    moved = (
+        r"QNVBOptimizer: none of the 2 parameters this optimizer holds received a gradient\. .*"
+        r"did you rebuild or move the module after creating the optimizer \(net\.to_empty\(\)"
+    )
+    with pytest.raises(RuntimeError, match=moved):
+        optimizer.step(closure_of(net))
+    net = nn.Linear(3, 1)
+    optimizer = SparseQNVBOptimizer(net.parameters(), num_cases=32, steps_per_epoch=4)
+    with pytest.raises(RuntimeError, match=r"none of the 2 .* a copy\.deepcopy of the optimizer"):
+        copy.deepcopy(optimizer).step(closure_of(net))

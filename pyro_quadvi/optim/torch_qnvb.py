@@ -763,8 +763,13 @@ def closure_moments(
                 gx_sum[i] += weight_k * p.grad * offsets[i]
         if not any(seen):
             raise RuntimeError(
-                f"{owner}: no parameter received a gradient; the closure must call backward() "
-                "on the loss before returning it"
+                f"{owner}: none of the {len(params)} parameters this optimizer holds received a "
+                "gradient. The closure must call backward() on the loss before returning it, "
+                "and compute the loss from these tensors: did you rebuild or move the module "
+                "after creating the optimizer (net.to_empty() after building it on the meta "
+                "device, a new module, or a copy.deepcopy of the optimizer stepped with the "
+                "original net)? Then the optimizer holds other tensors than the network's: "
+                "create it from the parameters the network has now"
             )
     except BaseException:  # the parameters go back to their means, unchanged
         restore_means(params, mus)
