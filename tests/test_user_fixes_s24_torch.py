@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
+from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
 
 X = torch.randn(32, 3, generator=torch.Generator().manual_seed(0))
 Y = X @ torch.tensor([1.0, -2.0, 0.5])
@@ -172,3 +172,54 @@ def test_a_closure_over_other_tensors_than_the_optimizers_says_the_module_was_mo
     optimizer = SparseQNVBOptimizer(net.parameters(), num_cases=32, steps_per_epoch=4)
     with pytest.raises(RuntimeError, match=r"none of the 2 .* a copy\.deepcopy of the optimizer"):
         copy.deepcopy(optimizer).step(closure_of(net))
+
+
+def embedding_net(sparse: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(10, 4, sparse=sparse), nn.Flatten(), nn.Linear(8, 1)).double()
+
+
+IDX = torch.randint(0, 10, (16, 2), generator=torch.Generator().manual_seed(0))
+T = torch.randn(16, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("vectorize", [None, True, False])
+def test_the_one_pass_step_refuses_sparse_gradients_by_name(vectorize):
+    net = embedding_net(sparse=True)
+    before = [p.detach().clone() for p in net.parameters()]
+    optimizer = QNVBOptimizer(net.named_parameters())
+    with pytest.raises(
+        RuntimeError,
+        match=r"QNVBOptimizer: the one-pass backward failed on a sparse gradient \(.*\): .*"
+        r"nn\.Embedding\(\.\.\., sparse=False\).* step\(closure\), which takes sparse gradients",
+    ):
+        optimizer.step(loss_fn=module_loss(net, F.mse_loss), batch=(IDX, T), vectorize=vectorize)
+    for p, b in zip(net.parameters(), before):
+        assert torch.equal(p, b)
+    assert optimizer.num_steps == 0
+
+
+@pytest.mark.parametrize("kind", ["qnvb", "sparse"])
+def test_the_closure_form_takes_sparse_gradients_as_dense_ones(kind):
+    """nn.Embedding(sparse=True) with a closure: three float64 steps equal the dense layer's."""
+    fits = []
+    for sparse in (True, False):
+        net = embedding_net(sparse)
+        if kind == "qnvb":
+            optimizer = QNVBOptimizer(net.parameters(), likelihood_weight=16, quadrature="hadamard")
+        else:
+            optimizer = SparseQNVBOptimizer(net.parameters(), num_cases=16, steps_per_epoch=1)
+
+        def closure(net=net):
+            loss = F.mse_loss(net(IDX), T)
+            loss.backward()
+            return loss
+
+        for _ in range(3):
+            optimizer.step(closure)
+        fits.append(
+            [optimizer.state[p]["sigma"] for p in net.parameters()] + list(net.parameters())
+        )
+    assert fits[0][0].shape == (10, 4)
+    for a, b in zip(*fits):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -1516,7 +1516,19 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             if not total.requires_grad:
                 grads = [None] * len(stacked)
             else:
-                grads = torch.autograd.grad(total, stacked, allow_unused=True)
+                try:
+                    grads = torch.autograd.grad(total, stacked, allow_unused=True)
+                except (RuntimeError, NotImplementedError) as error:
+                    if "sparse" not in str(error).lower():
+                        raise
+                    raise RuntimeError(
+                        "QNVBOptimizer: the one-pass backward failed on a sparse gradient ("
+                        f"{first_line(error).split('. ')[0]}): step(loss_fn=...) differentiates "
+                        "the parameters stacked over the nodes, which takes dense gradients "
+                        "only. Build the layer with dense gradients (nn.Embedding(..., "
+                        "sparse=False), the default), or use the closure form, step(closure), "
+                        "which takes sparse gradients"
+                    ) from error
         if all(grad is None for grad in grads):
             raise RuntimeError(
                 "QNVBOptimizer: the loss does not depend on any parameter of the optimizer; "
