@@ -223,3 +223,26 @@ def test_the_closure_form_takes_sparse_gradients_as_dense_ones(kind):
     assert fits[0][0].shape == (10, 4)
     for a, b in zip(*fits):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_learning_rate_set_by_hand_in_a_sparse_group_is_refused_not_ignored():
+    """The step ignored it before (the weights moved as much under a hand-set lr of 0)."""
+    net = nn.Linear(3, 1)
+    optimizer = SparseQNVBOptimizer(net.parameters(), num_cases=32, steps_per_epoch=4)
+    closure = closure_of(net)
+    optimizer.step(closure)
+    before = [p.detach().clone() for p in net.parameters()]
+    counters = optimizer.counters
+    optimizer.param_groups[0]["lr"] = 0.0
+    with pytest.raises(
+        ValueError,
+        match=r"SparseQNVBOptimizer: parameter group 0 holds \['lr'\], set after it was added, "
+        r"which this optimizer does not read: .*\(del optimizer.param_groups\[0\]\['lr'\]\)",
+    ):
+        optimizer.step(closure)
+    assert optimizer.counters == counters
+    for p, b in zip(net.parameters(), before):
+        assert torch.equal(p, b)
+    del optimizer.param_groups[0]["lr"]
+    optimizer.step(closure)
+    assert optimizer.counters.step == 2

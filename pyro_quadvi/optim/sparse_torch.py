@@ -419,6 +419,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         (`_refuse_if_idle`).
         """
         refuse_grad_scaler(self)
+        self._refuse_group_settings()
         params = self._params()
         first = params[0]
         dim = sum(p.numel() for p in params)
@@ -490,6 +491,24 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 stacklevel=4,  # step <- no_grad <- torch's step hook <- the caller
             )
         return loss_avg
+
+    def _refuse_group_settings(self) -> None:
+        """Refuse a step whose parameter groups hold a setting put there after they were added
+        (``optimizer.param_groups[0]["lr"] = 0.01``, by hand or by a scheduler that writes
+        without reading), which the step would ignore: the learning rate follows the optimizer's
+        own schedule and every hyperparameter is global (`add_param_group` refuses the same
+        keys). Nothing is evaluated or changed before the refusal."""
+        for index, group in enumerate(self.param_groups):
+            extra = sorted(set(group) - {"params", "param_names"})
+            if extra:
+                raise ValueError(
+                    f"SparseQNVBOptimizer: parameter group {index} holds {extra}, set after it "
+                    "was added, which this optimizer does not read: its learning rate follows "
+                    "its own schedule (initial_lr rising to max_lr, Algorithm 5.3) and every "
+                    f"hyperparameter is global. Delete it (del optimizer.param_groups[{index}]"
+                    f"[{extra[0]!r}]) and set max_lr, initial_lr and num_epochs in the "
+                    "constructor; nothing was evaluated or changed by this step"
+                )
 
     def _refuse_if_idle(
         self, params: list[torch.Tensor], mus: list[torch.Tensor], kept: int
