@@ -744,6 +744,7 @@ for x_batch, y_batch in batches:
     svi.step(x_batch, y_batch)
 """
 NN_FIT_STEPS = 200  # of the page's 2000
+NN_TEMPERING_STEPS = 20  # of the page's 100
 
 
 def latent_sites(trace: pyro.poutine.Trace) -> dict:
@@ -811,6 +812,30 @@ def plotted_on_one_axis(ns: dict, out: str) -> None:
     loss, nll = ns["plt"].gca().get_lines()
     assert list(loss.get_xdata()) == list(range(1, NN_FIT_STEPS + 1))
     assert list(nll.get_xdata()) == list(range(100, NN_FIT_STEPS + 1, 100))
+
+
+def tempered(ns: dict, out: str) -> None:
+    # at the guide's draw: the warm model's log density is log prior + a log lik, the scaled
+    # one's a (log prior + log lik)
+    bnn, x, y, a = ns["bnn"], ns["x"], ns["y"], ns["a"]
+    drawn = pyro.poutine.trace(ns["guide"]).get_trace(x, y)
+
+    def log_density(model) -> float:
+        return float(
+            pyro.poutine.trace(pyro.poutine.replay(model, drawn)).get_trace(x, y).log_prob_sum()
+        )
+
+    plain = pyro.poutine.trace(pyro.poutine.replay(bnn, drawn)).get_trace(x, y)
+    plain.compute_log_prob()
+    lik = float(plain.nodes["obs"]["log_prob_sum"])
+    prior = float(plain.log_prob_sum()) - lik
+    assert lik < 0 and prior < 0
+    assert log_density(ns["warm"]) == pytest.approx(prior + a * lik, rel=1e-5)
+    assert log_density(ns["whole"]) == pytest.approx(a * (prior + lik), rel=1e-5)
+    assert len(ns["history"].loss) == NN_TEMPERING_STEPS and all(
+        map(math.isfinite, ns["history"].loss)
+    )
+    assert ns["p"].mean.shape == (len(ns["x_test"]), 1)
 
 
 def likelihood_counted_ten_times(ns: dict, out: str) -> None:
@@ -1088,7 +1113,12 @@ EXAMPLES: dict[str, Example] = {
         check=fit_history,
     ),
     "nn-fit-plot": Example(after="nn-fit", check=plotted_on_one_axis),
-    "nn-kl-weight": Example(after="nn-fit-plot", check=likelihood_counted_ten_times),
+    "nn-tempering": Example(
+        after="nn-fit-plot",
+        replace={"(x, y), 100)": f"(x, y), {NN_TEMPERING_STEPS})"},
+        check=tempered,
+    ),
+    "nn-kl-weight": Example(after="nn-tempering", check=likelihood_counted_ten_times),
     # docs/benchmarks.md
     "benchmarks-hadamard-matrix": Example(check=hadamard_timing),
     "benchmarks-cpu-scan": Example(

@@ -56,6 +56,24 @@ def test_hybrid_sum_of_random_sums(n0, n1):
     assert abs(a_hat.var().item() - var * m) < 4 * var * m * math.sqrt(2 / reps)
 
 
+@pytest.mark.parametrize(
+    ("n0", "n1", "named"),
+    [
+        (math.nan, 2.0, "n0 is nan"),  # max(0, nan) = 0: was (0.0, 1.0), silently
+        (3.0, math.nan, "n1 is nan"),
+        (math.inf, 2.0, "n0 is inf"),  # (inf - 2) / inf = nan: was (0.0, 1.0)
+        (3.0, math.inf, "n1 is inf"),
+        (-1.0, 2.0, "n0 is -1.0"),
+        (3.0, -2.0, "n1 is -2.0"),
+    ],
+)
+def test_hybrid_sums_refuse_a_count_that_is_not_finite_and_nonnegative(n0, n1, named):
+    with pytest.raises(ValueError, match=f"finite counts >= 0 .*: {named} "):
+        hybrid_coefficients(n0, n1)
+    with pytest.raises(ValueError, match=f": {named} "):
+        hybrid_sum(torch.ones(2), torch.ones(2), n0, n1)
+
+
 # --- the sieve ----------------------------------------------------------------------------------
 
 

@@ -119,3 +119,22 @@ def test_a_one_dim_scale_of_one_per_output_is_taken():
     assert per_output == pytest.approx(hand, abs=1e-12)
     with pytest.raises(ValueError, match=r"scale of shape \(2,\) is ambiguous"):
         gaussian_nll(mean, _SCALE[:2], y)  # n scales: meant per case, read per column
+
+
+@pytest.mark.parametrize(
+    ("dtype", "unit"),
+    [(torch.float32, 1e19), (torch.float32, 1e-30), (torch.float16, 100.0)],
+    ids=["float32 squares overflow", "float32 squares underflow", "float16 squares overflow"],
+)
+def test_rmse_of_residuals_whose_squares_leave_the_dtype(dtype, unit):
+    # residuals 3, -3, 1, 0 (times unit): sqrt((9 + 9 + 1) / 4) = sqrt(4.75) units. Squared
+    # first, 3e19 became inf in float32 (9e38 > 3.4e38), 1e-30 became 0, and 300 inf in float16
+    from pyro_quadvi.metrics import rmse
+
+    pred = torch.tensor([3.0, -3.0, 1.0, 0.0]).mul(unit).to(dtype)
+    y = torch.zeros(4, dtype=dtype)
+    reference = np.sqrt(np.mean(pred.double().numpy() ** 2))  # numpy in float64
+    assert reference == pytest.approx(math.sqrt(4.75) * unit, rel=1e-6)
+    value = rmse(pred, y)
+    assert value.dtype == dtype
+    assert value.item() == pytest.approx(reference, rel=2 * torch.finfo(dtype).eps, abs=0)

@@ -304,11 +304,28 @@ def test_valid_factors_scale_the_likelihood_as_before():
 _THEOREM = dict(num_params=1527, hidden_layers=3, width=7, num_data=3000, num_inputs=200)
 
 
-@pytest.mark.parametrize("delta", [math.nan, math.inf, -math.inf, 0.0, -1.0, 1.0, 1.5])
-def test_theorem_inclusion_refuses_a_delta_outside_zero_one(delta):
+@pytest.mark.parametrize("delta", [math.nan, math.inf, -math.inf, 0.0, -1.0])
+def test_theorem_inclusion_refuses_a_delta_that_is_not_finite_and_positive(delta):
     # before: NaN, or delta = -1 an "inclusion probability" of 17224
-    with pytest.raises(ValueError, match=r"theorem_inclusion: delta must be in \(0, 1\), got"):
+    with pytest.raises(ValueError, match=r"theorem_inclusion: delta must be a finite number > 0"):
         priors.theorem_inclusion(**_THEOREM, delta=delta)
+
+
+@pytest.mark.parametrize(("delta", "expected"), [(1.0, 1e-6), (2.0, 1e-10)])
+def test_theorem_inclusion_takes_any_delta_above_zero(delta, expected):
+    # the theorem holds "for any constant delta > 0"; delta >= 1 was refused. By hand, T = 100,
+    # L = 1, N = 10, n = 100, p = 10: -log lambda = log 100 + delta (2 log 10 + log(10 * 10))
+    # = (2 + 4 delta) log 10, so lambda = 10^-(2 + 4 delta)
+    counts = dict(num_params=100, hidden_layers=1, width=10, num_data=100, num_inputs=10)
+    assert priors.theorem_inclusion(**counts, delta=delta) == pytest.approx(expected, rel=1e-12)
+
+
+def test_theorem_inclusion_refuses_a_delta_whose_lambda_underflows():
+    # the paper's network: log T = 7.331, (L + 1) log N + log(sqrt(n) p) = 17.085; delta = 50 gives
+    # -log lambda = 861.6, and exp(-861.6) is 0 in float64; 745 is reached at delta = 43.18
+    with pytest.raises(ValueError, match=r"delta=50 gives -log lambda = 861\.6, .* delta < 43\.18"):
+        priors.theorem_inclusion(**_THEOREM, delta=50)
+    assert priors.theorem_inclusion(**_THEOREM, delta=43) > 0
 
 
 @pytest.mark.parametrize("argument", list(_THEOREM))

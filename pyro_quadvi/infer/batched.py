@@ -87,12 +87,22 @@ class BatchDecision:
 
 
 # Messages of torch.func.vmap refusing to batch an operation (a BayesianModule runs its net under
-# vmap); one point at a time, without vmap, the operation runs.
+# vmap, QNVBOptimizer's one pass its loss); one point at a time, without vmap, the operation runs.
 _VMAP_REFUSALS = [
     r"Batching rule not implemented for",  # e.g. aten::gru.input
     r"vmap: It looks like you're calling \.item\(\)",
     r"vmap: It looks like you're attempting to use a Tensor in some data-dependent",
     r"vmap: We do not support batching operators that can (output|support) dynamic shape",
+    # an in-place write of a batched value into a tensor that is not (out[mask] = h: index_put_)
+    r"vmap: \S+\(self, \*extra_args\) is not possible because",
+    # a random operation (F.dropout with training=True, sdpa's dropout_p > 0)
+    r"vmap: called random operation while in randomness error mode",
+    # a torch.autograd.Function without setup_context, or without vmap / generate_vmap_rule
+    r"In order to use an autograd\.Function with functorch transforms",
+    r"You tried to vmap over \w+, but it does not have vmap support",
+    # batch norm in training mode, whose running statistics are updated in place
+    r"Batch norm got a batched tensor as input while the running_mean",
+    r"(not supported|NYI: .*) inside of vmap",
 ]
 _VMAP_REFUSAL = re.compile("|".join(_VMAP_REFUSALS))
 
@@ -168,7 +178,10 @@ def is_broadcast_error(error: BaseException) -> bool:
     ``IndexError`` that torch, torch.distributions and Pyro raise on incompatible shapes (sizes
     that must match, matrix products, reshapes, indexing, Pyro's plate shape checks), and for
     vmap's refusals: an operator without a batching rule (``nn.GRU``), ``.item()``, control flow
-    on a tensor's value, outputs of data-dependent shape (``nonzero``, boolean masks). ``False``
+    on a tensor's value, outputs of data-dependent shape (``nonzero``, boolean masks), an
+    in-place write of a batched value into an unbatched tensor (``out[mask] = h``), a random
+    operation (``F.dropout(x, p)``, sdpa's ``dropout_p > 0``), a ``torch.autograd.Function``
+    without ``setup_context`` or a vmap rule. ``False``
     for everything else: a model's own exceptions, dtype mismatches, failed argument validation
     (a NaN parameter or observation), non-finite densities.
     """

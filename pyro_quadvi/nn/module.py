@@ -395,13 +395,23 @@ class BayesianModule(PyroModule):
         except RuntimeError as error:
             if not is_vmap_refusal(error):
                 raise
+            # dropout that eval mode does not turn off: the loop runs it, a new mask each time
+            noise = (
+                " The net draws random numbers in eval mode (F.dropout(x, p), whose training "
+                "defaults to True, or scaled_dot_product_attention with dropout_p > 0): one at "
+                "a time, every evaluation gets its own dropout mask, a noisy loss; pass "
+                "training=self.training, or dropout_p=p if self.training else 0.0, to turn it "
+                "off."
+                if "random operation" in str(error)
+                else ""
+            )
             raise RuntimeError(
                 f"{first_line(error)} (BayesianModule: the network "
                 f"{type(self._net).__name__} cannot run {n} weight draws or nodes in one "
                 "torch.func.vmap pass). Evaluate them one at a time: QuadratureELBO and predict "
                 "fall back by themselves with vectorize=None (the default), or pass "
                 "vectorize=False; Trace_ELBO(vectorize_particles=False); "
-                "Predictive(parallel=False)."
+                f"Predictive(parallel=False).{noise}"
             ) from error
         return out.reshape(lead + out.shape[1:]), len(lead)
 

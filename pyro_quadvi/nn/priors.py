@@ -18,7 +18,7 @@ from torch.nn.init import _calculate_fan_in_and_fan_out
 
 from .. import distributions
 from ..distributions.iid_normal import IidNormal
-from ..optim.qnvb_functional import _check_number, _check_scalar
+from ..optim.qnvb_functional import _check_number, _check_scalar, _finite_positive
 from ..optim.sparse_functional import _check_int
 
 __all__ = [
@@ -271,18 +271,28 @@ def theorem_inclusion(
         width: ``N``, the hidden layers' width.
         num_data: ``n``, the training set's size.
         num_inputs: ``p``, the input dimension.
-        delta: the theorem's constant (0.1 in the paper's experiment).
+        delta: the theorem's constant, any finite ``delta > 0`` (0.1 in the paper's
+            experiment); the larger, the smaller ``lambda`` (at most ``1 / T`` for any).
 
     Raises:
         TypeError, ValueError: naming the argument, for a count that is not an integer ``>= 1``
             (a NaN made the result NaN, a network of no hidden layer or a count of 0 is not one
-            the theorem speaks of), or a ``delta`` not in ``(0, 1)`` (``delta = -1`` returned an
-            "inclusion probability" of 17224).
+            the theorem speaks of), a ``delta`` that is not finite and ``> 0`` (``delta = -1``
+            returned an "inclusion probability" of 17224), or one so large that ``lambda``
+            underflows to 0 in float64 (``-log lambda > 745``).
     """
     counts = {"num_params": num_params, "hidden_layers": hidden_layers, "width": width}
     counts.update(num_data=num_data, num_inputs=num_inputs)
     for name, value in counts.items():
         _check_int(f"theorem_inclusion: {name}", value, 1)
-    _check_number("theorem_inclusion: delta", delta, lambda v: 0 < v < 1, "in (0, 1)")
+    _check_number("theorem_inclusion: delta", delta, _finite_positive, "a finite number > 0")
     log_n = (hidden_layers + 1) * math.log(width) + math.log(math.sqrt(num_data) * num_inputs)
-    return math.exp(-(math.log(num_params) + delta * log_n))
+    neg_log_lambda = math.log(num_params) + delta * log_n
+    inclusion = math.exp(-neg_log_lambda)
+    if inclusion == 0:
+        raise ValueError(
+            f"theorem_inclusion: delta={delta} gives -log lambda = {neg_log_lambda:.4g}, so "
+            "lambda underflows to 0 in float64 (an inclusion probability of 0 keeps no weight); "
+            f"take delta < {(745 - math.log(num_params)) / log_n:.4g}"
+        )
+    return inclusion

@@ -427,9 +427,20 @@ def hybrid_coefficients(n0: float, n1: float) -> tuple[float, float]:
     ``a_hat = alpha_0 a_0 + alpha_1 a_1`` with ``alpha_0 = max(0, (n0 - n1) / (n0 + n1))`` and
     ``alpha_1 = max(1, 2 n0 / (n0 + n1))``: for sums of ``n0`` and ``n1`` i.i.d. terms its mean and
     variance are those of ``max(n0, n1)`` terms.
+
+    Raises:
+        ValueError: naming the count, for a count that is negative, NaN or infinite (``max(0,
+            nan)`` would be 0 and ``inf / inf`` NaN: silently wrong coefficients), or for
+            ``n0 + n1 == 0``.
     """
-    if n0 < 0 or n1 < 0 or n0 + n1 == 0:
-        raise ValueError(f"hybrid sums need n0, n1 >= 0 and n0 + n1 > 0, got n0={n0}, n1={n1}")
+    for name, count in (("n0", n0), ("n1", n1)):
+        if not (math.isfinite(count) and count >= 0):
+            raise ValueError(
+                f"hybrid sums need finite counts >= 0 (numbers of terms summed): {name} is "
+                f"{count} (n0={n0}, n1={n1})"
+            )
+    if n0 + n1 == 0:
+        raise ValueError(f"hybrid sums need n0 + n1 > 0, got n0={n0}, n1={n1}")
     total = n0 + n1
     return max(0.0, (n0 - n1) / total), max(1.0, 2 * n0 / total)
 
