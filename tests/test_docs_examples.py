@@ -522,6 +522,8 @@ def ddp_step(ns: dict, out: str) -> None:
 
 
 def epochs_of_fit(ns: dict, out: str) -> None:
+    # the snippet builds the data-parallel svi again (the node-parallel block rebound svi)
+    assert ns["svi"].loss_and_grads.__self__.parallel == "data"
     assert len(ns["histories"]) == ns["num_epochs"]
     assert [len(h.loss) for h in ns["histories"]] == [len(ns["loader"])] * ns["num_epochs"]
 
@@ -1072,8 +1074,7 @@ EXAMPLES: dict[str, Example] = {
     "scaling-ddp": Example(after="scaling-node-parallel", prelude="x, y = X, Y\n", check=ddp_step),
     "scaling-fit-epochs": Example(
         after="scaling-ddp",
-        prelude="from pyro.infer import SVI\n"
-        "svi = SVI(bnn, guide, optim, DistributedQuadratureELBO(parallel='data'))\n",
+        prelude="from pyro.infer import SVI\n",
         check=epochs_of_fit,
     ),
     "scaling-checkpoint": Example(after="scaling-fit-epochs", check=checkpoint_written),

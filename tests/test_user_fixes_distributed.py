@@ -137,8 +137,10 @@ def _both(ranks, case: str, kind: str, text: str) -> None:
 
 
 def test_ranks_seeded_differently_refused(ranks):
-    """The Hadamard rule's nodes are the same on every rank; the parameters were not."""
-    _both(ranks, "seeds", "RuntimeError", "disagree on the values of the parameters to update")
+    """The Hadamard rule's nodes are the same on every rank; the parameters were not: the ELBO's
+    collective finds them apart at the first step."""
+    _both(ranks, "seeds", "RuntimeError", "disagree on the values of the guide's parameters")
+    _both(ranks, "seeds", "RuntimeError", "every rank must start from the same values")
 
 
 def test_different_batches_in_node_parallel_refused(ranks):

@@ -26,6 +26,7 @@ __all__ = [
     "global_rank",
     "raise_together",
     "refuse_disagreement",
+    "same_world",
     "shard",
     "world",
 ]
@@ -50,6 +51,31 @@ def world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
             )
         return rank, dist.get_world_size(group)
     return 0, 1
+
+
+def same_world(
+    first: int | None, who: str, fix: str, group: dist.ProcessGroup | None = None
+) -> tuple[int, int]:
+    """`world`, refused when its size is not ``first``, the size ``who`` found at its first
+    use (``None``: not used yet). A process group destroyed after training started would
+    otherwise leave each rank going on alone, fitting its own shard (or its own nodes) as if it
+    were the whole problem, without any error.
+
+    Raises:
+        RuntimeError: naming ``who``, both sizes and ``fix``.
+    """
+    rank, size = world(group)
+    if first is not None and size != first:
+        now = (
+            f"a world of {size} rank(s)"
+            if dist.is_available() and dist.is_initialized()
+            else "no process group (torch.distributed.destroy_process_group() was called)"
+        )
+        raise RuntimeError(
+            f"{who} was first used in a world of {first} ranks and now finds {now}; it does not "
+            f"go on as another world, which would fit another problem. {fix}"
+        )
+    return rank, size
 
 
 def global_rank(rank: int, group: dist.ProcessGroup | None = None) -> int:

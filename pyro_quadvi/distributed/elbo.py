@@ -32,6 +32,7 @@ from pyro.poutine.messenger import Messenger
 from ..guides.interface import first_rows
 from ..infer import QuadratureELBO
 from ..infer.log_joint import _NODE_PLATE, is_data_site
+from ..optim.qnvb import _leaves
 from ..quadrature import QuadratureRule
 from .comm import (
     arguments_section,
@@ -39,6 +40,7 @@ from .comm import (
     node_sections,
     projections,
     refuse_disagreement,
+    same_world,
     world,
 )
 
@@ -46,6 +48,21 @@ __all__ = ["PARALLEL_MODES", "DistributedQuadratureELBO"]
 
 PARALLEL_MODES = ("data", "nodes")
 """How ranks share a step: shards of the minibatch, or subsets of the nodes."""
+
+START_FIX = (
+    "every rank must start from the same values: seed every rank identically (pyro.set_rng_seed) "
+    "before the guide's first run, or load one checkpoint"
+)
+UNWRAPPED_FIX = (
+    "after a step, each rank's optimizer stepped on its own gradients: wrap it, SVI(model, "
+    "guide, DistributedOptimizer(QNVB()), elbo), so that every rank takes the same step from the "
+    "means over the ranks"
+)
+WORLD_FIX = (
+    "Build a new DistributedQuadratureELBO (and DistributedOptimizer) after "
+    "init_process_group; to evaluate in one process, use a plain QuadratureELBO with the same "
+    "rule"
+)
 
 
 class DistributedQuadratureELBO(QuadratureELBO):
@@ -63,7 +80,8 @@ class DistributedQuadratureELBO(QuadratureELBO):
             ``"nodes"`` (each rank passes the whole minibatch and evaluates every ``W``-th node).
         check_nodes: compare fingerprints of the step's nodes and weights (and, with
             ``parallel="nodes"``, of the minibatch) across ranks every step, in the step's one
-            small collective, and raise on every rank if they differ.
+            small collective, and raise on every rank if they differ. (A projection of the
+            guide's parameters is compared in any case.)
         group: the process group (``None``: the default group); a ``RuntimeError`` when this
             process is not a member. Built with one, the ELBO cannot be deep-copied or pickled
             (torch cannot pickle a ``ProcessGroup``).
@@ -114,6 +132,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
         self._node_sections: list | None = None
         self._whole_plates: dict[str, tuple[str, torch.Tensor]] = {}
         self._minibatch_rows = math.nan
+        self._world_size: int | None = None  # at the first step (`same_world`)
 
     def _factor(self) -> float:
         """What this rank's loss is multiplied by so that the plain mean over ranks is right."""
@@ -231,7 +250,9 @@ class DistributedQuadratureELBO(QuadratureELBO):
         the share, whether this rank's evaluation raised, and (``check_nodes``) the fingerprints
         of the nodes and, in node mode, of the minibatch. An error on any rank is raised on every
         rank (the local error where it happened), before anything is accumulated or advanced."""
-        _, size = world(self.group)
+        first = self._world_size is None
+        _, size = same_world(self._world_size, "DistributedQuadratureELBO", WORLD_FIX, self.group)
+        self._world_size = size
         self._node_sections = None
         sections = []
         if self.check_nodes and size > 1 and self.parallel == "nodes":
@@ -244,6 +265,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
                 )
             )
         error, loss, description, share = None, None, None, 1.0 / size
+        params = torch.tensor(math.nan, dtype=torch.float64)
         try:
             self._refuse_empty(args, kwargs)
             factor = self._factor()
@@ -253,6 +275,8 @@ class DistributedQuadratureELBO(QuadratureELBO):
             if factor != 1.0:
                 loss = loss * factor
             value = loss.item()
+            if size > 1:
+                params = projections(_leaves(description))
         except Exception as caught:  # raised below, after every rank has heard of it
             error, value = caught, 0.0
         if size == 1:
@@ -262,6 +286,8 @@ class DistributedQuadratureELBO(QuadratureELBO):
         if self.check_nodes:
             nan = torch.full((1, 1), float("nan"), dtype=torch.float64)
             sections = (self._node_sections or node_sections(nan, nan[0])) + sections
+        fix = START_FIX if first else UNWRAPPED_FIX
+        sections.append((params[None], "the values of the guide's parameters", fix))
         status = torch.tensor(
             [
                 value,
@@ -342,8 +368,9 @@ class DistributedQuadratureELBO(QuadratureELBO):
         """Accumulate this rank's gradients; return the negative ELBO (mean over ranks).
 
         One collective per step (an ``all_gather`` of a few numbers) carries the rank's loss, its
-        share, whether its evaluation raised and, with ``check_nodes``, fingerprints of the nodes
-        (and of the minibatch with ``parallel="nodes"``). Before any gradient is accumulated or
+        share, whether its evaluation raised, a projection of the guide's parameters and, with
+        ``check_nodes``, fingerprints of the nodes (and of the minibatch with
+        ``parallel="nodes"``). Before any gradient is accumulated or
         the sequence advanced, every rank raises together when
 
         * the evaluation raised on some rank (a non-finite loss there, an empty shard): that rank
@@ -352,6 +379,11 @@ class DistributedQuadratureELBO(QuadratureELBO):
           everywhere;
         * the ranks drew different nodes, or have models of different dimensions, or (node
           parallel) were given different minibatches (``RuntimeError``);
+        * the guide's parameters differ between the ranks, whatever ``check_nodes``: ranks
+          seeded differently (at the first step) or an optimizer not wrapped in
+          `DistributedOptimizer` (at the next) (``RuntimeError``);
+        * the world size is not that of the first step: the process group was destroyed or
+          replaced (``RuntimeError``, before the collective);
         * the shares do not add up to 1 (``ValueError``).
         """
         loss, description, mean = self._evaluate(model, guide, args, kwargs, grad=True)

@@ -40,6 +40,7 @@ from .comm import (
     projections,
     raise_together,
     refuse_disagreement,
+    same_world,
     world,
 )
 
@@ -135,16 +136,26 @@ class DistributedOptimizer(PyroOptim):
         self.shard_update = shard_update
         self.group = group
         self._owners: dict[str, int] = {}  # loc parameter name -> the rank updating its block
+        self._world_size: int | None = None  # at the first step (`same_world`)
 
     def __getattr__(self, name: str):
-        if name in ("optim", "shard_update", "group", "_owners"):  # unpickling: no recursion
+        # unpickling: no recursion
+        if name in ("optim", "shard_update", "group", "_owners", "_world_size"):
             raise AttributeError(name)
         return getattr(self.optim, name)
 
     def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
         """Average the gradients and moments of ``params`` over the ranks; step the optimizer."""
         params = list(params)
-        if world(self.group)[1] == 1 or not params:
+        _, size = same_world(
+            self._world_size,
+            "DistributedOptimizer",
+            "Build a new DistributedOptimizer after init_process_group; to step in one process, "
+            "use the wrapped optimizer itself",
+            self.group,
+        )
+        self._world_size = size
+        if size == 1 or not params:
             self.optim(params, *args, **kwargs)
             return
         blocks, descriptions = self._reduce(params)
