@@ -399,12 +399,16 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             yield
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Evaluate ``closure`` at every quadrature node and update the mixtures (one term).
 
         Args:
             closure: computes the mean loss per case of a minibatch at the current parameter
-                values, calls ``backward()`` on it and returns it.
+                values, calls ``backward()`` on it and returns it. Required: ``None`` (torch's
+                default, which ``torch.amp.GradScaler.step(optimizer)`` passes) is refused
+                with a ``TypeError``, after the scaler's refusal (`refuse_grad_scaler`).
 
         Returns:
             The quadrature average of the closure's loss.
@@ -419,6 +423,11 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         (`_refuse_if_idle`).
         """
         refuse_grad_scaler(self)
+        if closure is None:
+            raise TypeError(
+                "SparseQNVBOptimizer.step takes a closure (step(closure)): it evaluates the "
+                "loss itself at every quadrature node"
+            )
         self._refuse_group_settings()
         params = self._params()
         first = params[0]
