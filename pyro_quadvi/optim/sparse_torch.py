@@ -510,13 +510,17 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             extra = sorted(set(group) - {"params", "param_names"})
             if extra:
+                delete = (
+                    f"it (del optimizer.param_groups[{index}][{extra[0]!r}])"
+                    if len(extra) == 1
+                    else f"them (for key in {extra}: del optimizer.param_groups[{index}][key])"
+                )
                 raise ValueError(
                     f"SparseQNVBOptimizer: parameter group {index} holds {extra}, set after it "
                     "was added, which this optimizer does not read: its learning rate follows "
                     "its own schedule (initial_lr rising to max_lr, Algorithm 5.3) and every "
-                    f"hyperparameter is global. Delete it (del optimizer.param_groups[{index}]"
-                    f"[{extra[0]!r}]) and set max_lr, initial_lr and num_epochs in the "
-                    "constructor; nothing was evaluated or changed by this step"
+                    f"hyperparameter is global. Delete {delete} and set max_lr, initial_lr and "
+                    "num_epochs in the constructor; nothing was evaluated or changed by this step"
                 )
 
     def _refuse_if_idle(
