@@ -269,14 +269,15 @@ def rmse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     For targets with several outputs this is the square root of the mean over cases *and*
     outputs (the convention of ``sklearn.metrics.root_mean_squared_error`` on flattened arrays).
 
-    Args:
-        pred: Point predictions (e.g. the predictive mean), shape ``(n, ...)``.
-        y: Observed targets, the shape of ``pred``.
-
     The residuals are divided by their largest magnitude before they are squared (and the root
     multiplied by it after), so that squares beyond the dtype's range neither overflow to
     infinity (float32 residuals of 3e19, float16 ones of 300) nor underflow to 0 (float32
-    residuals of 1e-30).
+    residuals of 1e-30). A residual beyond the dtype's range (finite ``pred`` and ``y`` of
+    opposite signs near its largest value) gives ``inf``.
+
+    Args:
+        pred: Point predictions (e.g. the predictive mean), shape ``(n, ...)``.
+        y: Observed targets, the shape of ``pred``.
 
     Returns:
         The RMSE, a 0-dim tensor.
@@ -285,7 +286,7 @@ def rmse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     y = _check_same_shape("y", y, "pred", pred)
     residual = pred - y
     largest = residual.abs().max()
-    if largest == 0:
+    if largest == 0 or largest.isinf():  # 0 / 0 and inf / inf would be NaN
         return largest
     return largest * (residual / largest).square().mean().sqrt()
 

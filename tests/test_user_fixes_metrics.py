@@ -138,3 +138,13 @@ def test_rmse_of_residuals_whose_squares_leave_the_dtype(dtype, unit):
     value = rmse(pred, y)
     assert value.dtype == dtype
     assert value.item() == pytest.approx(reference, rel=2 * torch.finfo(dtype).eps, abs=0)
+
+
+def test_rmse_of_a_residual_beyond_the_dtype_s_range_is_inf():
+    # 3e38 - (-3e38) = 6e38 > float32's 3.4e38 is inf, and the RMSE (4.24e38) is beyond the
+    # range too: inf, as the plain formula gave; inf / inf made it NaN
+    from pyro_quadvi.metrics import rmse
+
+    pred = torch.tensor([3e38, 0.0])
+    assert rmse(pred, torch.tensor([-3e38, 0.0])).item() == math.inf
+    assert rmse(pred, torch.zeros(2)).item() == pytest.approx(3e38 / math.sqrt(2), rel=1e-6)

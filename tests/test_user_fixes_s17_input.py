@@ -307,8 +307,14 @@ _THEOREM = dict(num_params=1527, hidden_layers=3, width=7, num_data=3000, num_in
 @pytest.mark.parametrize("delta", [math.nan, math.inf, -math.inf, 0.0, -1.0])
 def test_theorem_inclusion_refuses_a_delta_that_is_not_finite_and_positive(delta):
     # before: NaN, or delta = -1 an "inclusion probability" of 17224
-    with pytest.raises(ValueError, match=r"theorem_inclusion: delta must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"theorem_inclusion: delta must be finite and > 0, got"):
         priors.theorem_inclusion(**_THEOREM, delta=delta)
+
+
+def test_theorem_inclusion_names_a_delta_that_is_no_number():
+    # read "delta must be a real number a finite number > 0" before
+    with pytest.raises(TypeError, match=r"^theorem_inclusion: delta must be a real number finite"):
+        priors.theorem_inclusion(**_THEOREM, delta="0.1")
 
 
 @pytest.mark.parametrize(("delta", "expected"), [(1.0, 1e-6), (2.0, 1e-10)])

@@ -246,3 +246,43 @@ def test_a_learning_rate_set_by_hand_in_a_sparse_group_is_refused_not_ignored():
     del optimizer.param_groups[0]["lr"]
     optimizer.step(closure)
     assert optimizer.counters.step == 2
+
+
+@pytest.mark.parametrize("kind", ["qnvb", "sparse"])
+def test_grad_scaler_step_without_a_closure_is_refused_and_leaves_no_attribute(kind):
+    # scaler.step(optimizer) as in torch's AMP recipe: SparseQNVBOptimizer.step, whose closure
+    # had no default, raised a TypeError of a missing argument and left the scaler's
+    # grad_scale and found_inf on the optimizer, so that every later plain step was refused
+    # as called by the scaler
+    net = nn.Linear(3, 1)
+    optimizer = make(kind, net.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(F.mse_loss(net(X).squeeze(-1), Y)).backward()
+    name = type(optimizer).__name__
+    with pytest.raises(RuntimeError, match=rf"^{name}.step was called by torch.amp.GradScaler"):
+        scaler.step(optimizer)
+    assert "grad_scale" not in vars(optimizer) and "found_inf" not in vars(optimizer)
+    optimizer.zero_grad()
+    assert torch.isfinite(optimizer.step(closure_of(net)))
+    with pytest.raises(
+        TypeError, match=rf"^{name}.step takes (either )?a closure \(step\(closure\)\)"
+    ):
+        optimizer.step()
+
+
+def test_keys_left_by_a_refused_scheduler_are_named_with_a_deletion_of_each():
+    # OneCycleLR writes initial_lr, max_lr and min_lr into the group before it reads the
+    # missing 'lr'; the step's refusal told to delete the first key only
+    net = nn.Linear(3, 1)
+    optimizer = make("sparse", net.parameters())
+    with pytest.raises(KeyError, match="hold no 'lr'"):
+        torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=4, cycle_momentum=False)
+    keys = ["initial_lr", "max_lr", "min_lr"]
+    fix = f"for key in {keys}: del optimizer.param_groups[0][key]"
+    with pytest.raises(
+        ValueError, match=r"group 0 holds \['initial_lr', 'max_lr', 'min_lr'\]"
+    ) as e:
+        optimizer.step(closure_of(net))
+    assert f"Delete them ({fix})" in str(e.value)
+    exec(fix, {"optimizer": optimizer})  # what the message says, as written
+    assert torch.isfinite(optimizer.step(closure_of(net)))

@@ -186,3 +186,58 @@ def test_qnvb_optimizer_passes_on_a_loss_s_own_error_that_names_vmap():
             optimizer.step(loss_fn=loss_fn, batch=(X, Y), vectorize=vectorize)
     assert optimizer.num_steps == 0
     assert torch.equal(net.weight, optimizer.state[net.weight]["mu"])  # back at the mean
+
+
+def _slice_assignment(w: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(5, dtype=w.dtype)
+    out[:] = w  # a batched value into an unbatched tensor: "inplace arithmetic"
+    return out
+
+
+# vmap's refusals that the predicate missed (QNVBOptimizer's one pass took them for any message
+# naming vmap before, then raised them): each runs one point at a time
+OTHER_REFUSALS = {
+    "slice assignment": (_slice_assignment, r"^vmap: inplace arithmetic\(self, \*extra_args\)"),
+    "copy_": (lambda w: torch.zeros(5, dtype=w.dtype).copy_(w), r"^vmap: inplace arithmetic"),
+    "masked_select": (lambda w: torch.masked_select(w, w > 0), r"^vmap: Attempted to vmap over"),
+    "allclose": (lambda w: w * torch.allclose(w, w + 1), r"^vmap over torch\.allclose isn't"),
+    "one_hot": (lambda w: F.one_hot((w > 0).long()), r"^When vmap-ing torch\.nn\.functional"),
+    ".data": (lambda w: w.data * 2, r"^accessing `data` under vmap transform"),
+    "clone(memory_format)": (
+        lambda w: w.reshape(1, 5, 1, 1).clone(memory_format=torch.channels_last),
+        r"^NYI: Tensor\.clone\(memory_format\) inside vmap",
+    ),
+}
+
+
+@pytest.mark.parametrize("operation", OTHER_REFUSALS)
+def test_the_predicate_recognises_vmap_s_other_refusals(operation):
+    function, message = OTHER_REFUSALS[operation]
+    function(torch.ones(5, dtype=DTYPE))  # one point at a time it runs
+    with pytest.raises(RuntimeError, match=message) as caught:
+        torch.func.vmap(function)(torch.ones(3, 5, dtype=DTYPE))
+    assert is_vmap_refusal(caught.value) and is_broadcast_error(caught.value)
+
+
+def test_qnvb_optimizer_s_one_pass_falls_back_for_a_slice_assignment():
+    # out[:] = net(x): vmap's "inplace arithmetic" refusal, raised by the one pass under
+    # vectorize=None after its list replaced "any message naming vmap"
+    def run(vectorize):
+        torch.manual_seed(0)
+        net = nn.Linear(2, 1).double()
+        optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=5)
+
+        def loss_fn(params, x, y):
+            out = torch.zeros(len(y), dtype=y.dtype)
+            out[:] = torch.func.functional_call(net, params, (x,)).squeeze(-1)
+            return F.mse_loss(out, y)
+
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            loss = optimizer.step(loss_fn=loss_fn, batch=(X, Y), vectorize=vectorize)
+        return loss, [str(w.message) for w in record], net.weight.detach().clone()
+
+    loss, (message,), weight = run(None)
+    looped, quiet, looped_weight = run(False)
+    assert quiet == [] and loss == looped and torch.equal(weight, looped_weight)
+    assert "vmap: inplace arithmetic(self, *extra_args) is not possible" in message

@@ -93,8 +93,14 @@ _VMAP_REFUSALS = [
     r"vmap: It looks like you're calling \.item\(\)",
     r"vmap: It looks like you're attempting to use a Tensor in some data-dependent",
     r"vmap: We do not support batching operators that can (output|support) dynamic shape",
-    # an in-place write of a batched value into a tensor that is not (out[mask] = h: index_put_)
-    r"vmap: \S+\(self, \*extra_args\) is not possible because",
+    # an in-place write of a batched value into a tensor that is not (out[mask] = h: index_put_;
+    # out[:] = h, out.copy_(h): "inplace arithmetic")
+    r"vmap: [\w ]+\(self, \*extra_args\) is not possible because",
+    # operators without a batching rule for a batched argument, and .data
+    r"vmap: Attempted to vmap over",  # masked_select's mask
+    r"vmap over torch\.\w+ isn't supported",  # torch.allclose
+    r"When vmap-ing torch\.nn\.functional\.one_hot",  # without num_classes
+    r"`data` under vmap transform is not allowed",
     # a random operation (F.dropout with training=True, sdpa's dropout_p > 0)
     r"vmap: called random operation while in randomness error mode",
     # a torch.autograd.Function without setup_context, or without vmap / generate_vmap_rule
@@ -102,7 +108,7 @@ _VMAP_REFUSALS = [
     r"You tried to vmap over \w+, but it does not have vmap support",
     # batch norm in training mode, whose running statistics are updated in place
     r"Batch norm got a batched tensor as input while the running_mean",
-    r"(not supported|NYI: .*) inside of vmap",
+    r"(not supported|NYI: .*) inside (of )?vmap",  # clone(memory_format=...): "inside vmap"
 ]
 _VMAP_REFUSAL = re.compile("|".join(_VMAP_REFUSALS))
 
@@ -179,10 +185,11 @@ def is_broadcast_error(error: BaseException) -> bool:
     that must match, matrix products, reshapes, indexing, Pyro's plate shape checks), and for
     vmap's refusals: an operator without a batching rule (``nn.GRU``), ``.item()``, control flow
     on a tensor's value, outputs of data-dependent shape (``nonzero``, boolean masks), an
-    in-place write of a batched value into an unbatched tensor (``out[mask] = h``), a random
-    operation (``F.dropout(x, p)``, sdpa's ``dropout_p > 0``), a ``torch.autograd.Function``
-    without ``setup_context`` or a vmap rule. ``False``
-    for everything else: a model's own exceptions, dtype mismatches, failed argument validation
+    in-place write of a batched value into an unbatched tensor (``out[mask] = h``,
+    ``out[:] = h``), ``masked_select``, ``allclose``, ``one_hot`` without ``num_classes``,
+    ``.data``, a random operation (``F.dropout(x, p)``, sdpa's ``dropout_p > 0``), a
+    ``torch.autograd.Function`` without ``setup_context`` or a vmap rule. ``False`` for
+    everything else: a model's own exceptions, dtype mismatches, failed argument validation
     (a NaN parameter or observation), non-finite densities.
     """
     if isinstance(error, BatchMismatch):

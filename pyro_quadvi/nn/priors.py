@@ -285,7 +285,7 @@ def theorem_inclusion(
     counts.update(num_data=num_data, num_inputs=num_inputs)
     for name, value in counts.items():
         _check_int(f"theorem_inclusion: {name}", value, 1)
-    _check_number("theorem_inclusion: delta", delta, _finite_positive, "a finite number > 0")
+    _check_number("theorem_inclusion: delta", delta, _finite_positive, "finite and > 0")
     log_n = (hidden_layers + 1) * math.log(width) + math.log(math.sqrt(num_data) * num_inputs)
     neg_log_lambda = math.log(num_params) + delta * log_n
     inclusion = math.exp(-neg_log_lambda)

@@ -399,12 +399,16 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             yield
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Evaluate ``closure`` at every quadrature node and update the mixtures (one term).
 
         Args:
             closure: computes the mean loss per case of a minibatch at the current parameter
-                values, calls ``backward()`` on it and returns it.
+                values, calls ``backward()`` on it and returns it. Required: ``None`` (torch's
+                default, which ``torch.amp.GradScaler.step(optimizer)`` passes) is refused
+                with a ``TypeError``, after the scaler's refusal (`refuse_grad_scaler`).
 
         Returns:
             The quadrature average of the closure's loss.
@@ -419,6 +423,11 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         (`_refuse_if_idle`).
         """
         refuse_grad_scaler(self)
+        if closure is None:
+            raise TypeError(
+                "SparseQNVBOptimizer.step takes a closure (step(closure)): it evaluates the "
+                "loss itself at every quadrature node"
+            )
         self._refuse_group_settings()
         params = self._params()
         first = params[0]
@@ -501,13 +510,17 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             extra = sorted(set(group) - {"params", "param_names"})
             if extra:
+                delete = (
+                    f"it (del optimizer.param_groups[{index}][{extra[0]!r}])"
+                    if len(extra) == 1
+                    else f"them (for key in {extra}: del optimizer.param_groups[{index}][key])"
+                )
                 raise ValueError(
                     f"SparseQNVBOptimizer: parameter group {index} holds {extra}, set after it "
                     "was added, which this optimizer does not read: its learning rate follows "
                     "its own schedule (initial_lr rising to max_lr, Algorithm 5.3) and every "
-                    f"hyperparameter is global. Delete it (del optimizer.param_groups[{index}]"
-                    f"[{extra[0]!r}]) and set max_lr, initial_lr and num_epochs in the "
-                    "constructor; nothing was evaluated or changed by this step"
+                    f"hyperparameter is global. Delete {delete} and set max_lr, initial_lr and "
+                    "num_epochs in the constructor; nothing was evaluated or changed by this step"
                 )
 
     def _refuse_if_idle(
