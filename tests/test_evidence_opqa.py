@@ -81,6 +81,22 @@ def test_linear_regression_with_correlated_features_is_exact(num_points):
     assert result.diagnostics["vectorized"]
 
 
+@pytest.mark.parametrize("dim", [64, 70])
+def test_one_point_is_exact_beyond_torchs_64_axes(dim):
+    # a coefficient tensor with an axis per coordinate, or its multi-indices with one more,
+    # exceeds torch's 64 axes: the contraction, the degrees and the posterior run flat
+    X, y = regression_data(n=150, p=dim)
+    mean, covariance, log_evidence = linear_regression_posterior(X, y)
+    result = opqa_evidence(linear_regression, X, y, num_points=1)
+    assert abs(result.log_evidence - log_evidence) < 1e-8
+    shape = (1,) * dim if dim <= 64 else (1,)  # flat above torch's limit
+    assert result.normalized_coefficients.shape == shape
+    assert result.normalized_coefficients.abs().item() == pytest.approx(1.0, abs=1e-12)
+    posterior = result.posterior
+    assert torch.allclose(posterior.mean_unconstrained, mean, atol=1e-8)
+    assert torch.allclose(posterior.covariance_unconstrained, covariance, atol=1e-10)
+
+
 def test_beta_latent_evidence():
     _, _, log_evidence = beta_bernoulli_posterior(BERNOULLI_DATA)
     result = opqa_evidence(beta_bernoulli, BERNOULLI_DATA, num_points=24)

@@ -66,6 +66,7 @@ from .weight import GaussianWeight, fixed_weight, guide_weight, laplace_weight
 __all__ = ["OPQAResult", "opqa_evidence"]
 
 CENTERS = ("laplace", "guide", "none")
+_MAX_AXES = 64  # torch's limit on a tensor's number of axes
 
 
 @dataclass
@@ -76,6 +77,8 @@ class OPQAResult:
         log_evidence: ``log p(x) = log sum_{tau in T} a_tau^2`` (eq. 11), in nats.
         coefficients: the ``a_tau`` of ``sqrt(g)`` (eq. 9), a tensor of shape
             ``(num_points,) * dim`` indexed by the multi-index ``tau`` (``coefficients[tau]``);
+            above 64 coordinates (torch's limit on a tensor's axes; only ``num_points=1`` gets
+            there) the flat tensor of ``num_points ** dim`` entries, first coordinate slowest;
             entries outside the truncation set ``T`` (total degree above ``max_degree``) are 0.
             They equal ``exp(log_evidence / 2) * normalized_coefficients`` and underflow to 0
             where ``log_evidence`` is below about -1400; use ``normalized_coefficients`` then.
@@ -248,20 +251,22 @@ def opqa_evidence(
     # log Pi_j = log w_j + (log|det L| + log f(z_j) - log phi(x_j)) / 2   (eq. 31)
     log_w = torch.zeros(grid_size, dtype=torch.float64)
     log_phi = torch.full((grid_size,), -0.5 * dim * math.log(2 * math.pi), dtype=torch.float64)
-    for digit in _grid_digits(torch.arange(grid_size), num_points, dim):
+    indices = multi_indices(num_points, dim)  # (dim, grid_size)
+    for digit in indices:
         log_w += log_weights[digit]
         log_phi -= 0.5 * nodes[digit] ** 2
     log_g = weight.log_abs_det + log_f - log_phi
     log_pi = log_w + 0.5 * log_g
     shift = log_pi.max()
-    pi = (log_pi - shift).exp().reshape((num_points,) * dim)
+    pi = (log_pi - shift).exp()
 
-    # a_tau = Pi . Phi_tau (eq. 30): one contraction with the (node x degree) table per coordinate
+    # a_tau = Pi . Phi_tau (eq. 30): one contraction with the (node x degree) table per
+    # coordinate, on the flat grid (first coordinate slowest): each contracts the slowest
+    # coordinate and appends its degree as the fastest, so after dim of them the order is back
     table = orthonormal_hermite(nodes, num_points - 1)
     scaled = pi
     for _ in range(dim):
-        scaled = torch.tensordot(scaled, table, dims=([0], [0]))
-    indices = multi_indices(num_points, dim)
+        scaled = (scaled.reshape(num_points, -1).T @ table).reshape(-1)
     degree = indices.sum(0)
     keep = degree <= (max_degree if max_degree is not None else dim * (num_points - 1))
     truncated = torch.where(keep, scaled, torch.zeros_like(scaled))
@@ -269,6 +274,8 @@ def opqa_evidence(
     total = energy.sum()
     log_evidence = float(2.0 * shift + total.log())
     normalized = truncated / total.sqrt()
+    if dim <= _MAX_AXES:
+        normalized = normalized.reshape((num_points,) * dim)
 
     quadrature_log_evidence = float(torch.logsumexp(log_w + log_g, 0))
     top = dim * (num_points - 1)
@@ -581,14 +588,6 @@ def _log_joint_at_center(log_joint, weight, center, args, kwargs) -> float:
     return float(value)
 
 
-def _grid_digits(index: torch.Tensor, num_points: int, dim: int) -> list[torch.Tensor]:
-    """The node index of each coordinate at the grid nodes ``index`` (first coordinate slowest)."""
-    return [
-        torch.div(index, num_points ** (dim - 1 - k), rounding_mode="floor") % num_points
-        for k in range(dim)
-    ]
-
-
 def _evaluate_grid(
     log_joint, weight, nodes, dim, args, kwargs, vectorize, chunk_size, progress
 ) -> tuple[torch.Tensor, BatchDecision]:
@@ -611,12 +610,12 @@ def _evaluate_grid(
     values, decision = [], None
     with torch.no_grad():
         for start in bar:
-            digits = _grid_digits(
-                torch.arange(start, min(start + chunk_size, grid_size), device=nodes.device),
+            digits = multi_indices(
                 num_points,
                 dim,
+                torch.arange(start, min(start + chunk_size, grid_size), device=nodes.device),
             )
-            z = weight.loc + nodes[torch.stack(digits, -1)] @ weight.scale_tril.T
+            z = weight.loc + nodes[digits.T] @ weight.scale_tril.T
             mode = vectorize if decision is None else decision.vectorized
             try:
                 chunk, chosen = evaluate_batch(

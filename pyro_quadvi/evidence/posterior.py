@@ -70,8 +70,9 @@ class OPQAPosterior:
         sites: the latent sites laid out in the flat unconstrained vector.
         loc: the weight's center: ``z = loc + scale_tril @ x``.
         scale_tril: the weight's lower-triangular scale.
-        coefficients: the normalized coefficients ``b_tau``, shape ``(num_points,) * dim``,
-            ``sum b^2 = 1``.
+        coefficients: the normalized coefficients ``b_tau``, shape ``(num_points,) * dim`` or
+            the flat ``(num_points ** dim,)`` (first coordinate slowest: above 64 coordinates,
+            torch's limit on a tensor's axes), ``sum b^2 = 1``.
 
     The posterior lives on the device of ``loc``: ``scale_tril`` and ``coefficients`` are copied
     there, and so are the tensors inside the sites' transforms (the bounds of a ``Uniform``
@@ -100,7 +101,9 @@ class OPQAPosterior:
         self.scale_tril = scale_tril.to(device)
         self.coefficients = coefficients.to(device)
         self.dim = loc.shape[0]
-        self.num_points = coefficients.shape[0]
+        # the computations run on the flat tensor: it holds any dim
+        self._flat = self.coefficients.reshape(-1)
+        self.num_points = round(self._flat.numel() ** (1.0 / self.dim))
         self._moments: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def polynomial(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,11 +115,12 @@ class OPQAPosterior:
         return torch.cat([self._polynomial(chunk) for chunk in flat.split(step)]).reshape(batch)
 
     def _polynomial(self, x: torch.Tensor) -> torch.Tensor:
-        psi = orthonormal_hermite(x, self.num_points - 1)  # (B, dim, m)
-        out = torch.tensordot(psi[:, 0], self.coefficients, dims=([1], [0]))  # (B, m, ...)
+        m = self.num_points
+        psi = orthonormal_hermite(x, m - 1)  # (B, dim, m)
+        out = psi[:, 0] @ self._flat.reshape(m, -1)  # (B, m ** (dim - 1))
         for k in range(1, self.dim):
-            out = torch.einsum("bi,bi...->b...", psi[:, k], out)
-        return out
+            out = torch.einsum("bi,bir->br", psi[:, k], out.reshape(len(x), m, -1))
+        return out.reshape(len(x))
 
     def log_prob_unconstrained(self, z: torch.Tensor) -> torch.Tensor:
         """Log density at flat unconstrained latents ``z`` of shape ``(..., dim)`` (on any
@@ -194,22 +198,24 @@ class OPQAPosterior:
 
         ``x_k psi_n = sqrt(n + 1) psi_{n+1} + sqrt(n) psi_{n-1}`` maps the coefficients of
         ``p_T`` to those of ``x_k p_T``; ``E[x_k] = <p_T, x_k p_T>`` and
-        ``E[x_k x_l] = <x_k p_T, x_l p_T>`` by orthonormality.
+        ``E[x_k x_l] = <x_k p_T, x_l p_T>`` by orthonormality. Only ``x_k p_T`` reaches degree
+        ``m`` in coordinate ``k``, so that part adds to ``E[x_k^2]`` alone,
+        ``m sum_{tau_k = m - 1} b_tau^2``; the rest lies on the coefficients' own grid.
         """
         if self._moments is None:
             m, d = self.num_points, self.dim
-            padded = torch.nn.functional.pad(self.coefficients, (0, 1) * d)  # (m + 1,) * d
-            root = torch.arange(m + 1, dtype=torch.float64, device=self.loc.device).sqrt()
-            times = []
+            root = torch.arange(m, dtype=torch.float64, device=self.loc.device).sqrt()[1:, None]
+            times, spill = [], []
             for k in range(d):
-                moved = padded.movedim(k, -1)
+                moved = self._flat.reshape(m**k, m, -1)  # coordinate k in the middle
                 up = torch.zeros_like(moved)
-                up[..., 1:] = root[1:] * moved[..., :-1]  # sqrt(n) b_{n-1}
-                up[..., :-1] += root[1:] * moved[..., 1:]  # sqrt(n + 1) b_{n+1}
-                times.append(up.movedim(-1, k).reshape(-1))
-            products = torch.stack(times)  # (d, (m + 1)^d)
-            mean = products @ padded.reshape(-1)
-            second = products @ products.T
+                up[:, 1:] = root * moved[:, :-1]  # sqrt(n) b_{n-1}
+                up[:, :-1] += root * moved[:, 1:]  # sqrt(n + 1) b_{n+1}
+                times.append(up.reshape(-1))
+                spill.append(m * moved[:, -1].square().sum())
+            products = torch.stack(times)  # (d, m^d)
+            mean = products @ self._flat
+            second = products @ products.T + torch.diag(torch.stack(spill))
             self._moments = (mean, second - torch.outer(mean, mean))
         return self._moments
 
@@ -294,7 +300,7 @@ class OPQAPosterior:
         if d == 1:
             return None, True
         degree = multi_indices(m, d).sum(0).to(self.coefficients.device)
-        significant = self.coefficients.abs() > 1e-12
+        significant = self._flat.abs() > 1e-12
         top = int(degree[significant].max()) if significant.any() else 0
         cap = max(1, math.floor(_MAX_COMPLEMENT_NODES ** (1.0 / (d - 1)) + 1e-9))
         points = min(top + 1, cap)
@@ -302,12 +308,28 @@ class OPQAPosterior:
         return (y, w), points == top + 1
 
 
-def multi_indices(num_points: int, dim: int) -> torch.Tensor:
-    """The multi-index ``tau`` at every entry of a coefficient tensor ``(num_points,) * dim``.
+def multi_indices(num_points: int, dim: int, index: torch.Tensor | None = None) -> torch.Tensor:
+    """The multi-index ``tau`` of entries of a flat coefficient tensor of ``num_points ** dim``
+    entries (the grid's order: the first coordinate slowest).
 
-    Returns a tensor of shape ``(dim,) + (num_points,) * dim``: entry ``[k, tau]`` is ``tau_k``.
+    Args:
+        num_points: the entries per coordinate.
+        dim: the number of coordinates.
+        index: the flat entries (an integer tensor, on any device); ``None``: all of them.
+
+    Returns:
+        A tensor of shape ``(dim, len(index))`` on the device of ``index``: entry ``[k, j]`` is
+        ``tau_k`` of entry ``index[j]``. Flat, it holds any ``dim`` (torch's tensors have at most
+        64 axes, so a ``(num_points,) * dim`` layout does not).
     """
-    return torch.stack(torch.meshgrid(*[torch.arange(num_points)] * dim, indexing="ij"))
+    if index is None:
+        index = torch.arange(num_points**dim)
+    return torch.stack(
+        [
+            torch.div(index, num_points ** (dim - 1 - k), rounding_mode="floor") % num_points
+            for k in range(dim)
+        ]
+    )
 
 
 def _elementwise(transform: Transform) -> Transform | None:
