@@ -308,6 +308,28 @@ def test_number_of_evaluations():
     assert laplace.diagnostics["weight_evaluations"] > 3  # the MAP search is counted
 
 
+@pytest.mark.parametrize("detach", [torch.Tensor.detach, float], ids=["detach", "float"])
+def test_a_likelihood_without_a_gradient_is_warned_of(detach):
+    # autograd sees the prior alone: the Laplace weight sat on it (loc 0, scale 1, the MAP
+    # gradient 0), and at 8 points the evidence was 0.63 nats off, without a word
+    y = torch.tensor([0.5, 1.2, 0.9, -0.1, 0.7], dtype=F64)
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0))
+        with pyro.plate("d", len(y)):
+            pyro.sample("y", dist.Normal(detach(mu), 0.5), obs=y)
+
+    with pytest.warns(UserWarning, match="derivatives of the log joint disagree") as record:
+        opqa_evidence(model, y, num_points=2, vectorize=False)
+    (warning,) = [w for w in record if "disagree" in str(w.message)]
+    # d/dmu at 0 of the likelihood: sum(y) / 0.5^2 = 12.8; the curvature 1 + 5 / 0.25 = 21
+    assert (
+        "the slope is 12.8 by finite differences and 0 by autograd, the curvature -21 and -1"
+        in (str(warning.message))
+    )
+    assert "float(x)" in str(warning.message)
+
+
 # ---------------------------------------------------------------- errors
 
 
