@@ -298,6 +298,31 @@ def test_models_that_do_not_vectorize_fall_back_to_a_loop(model):
     assert abs(result.log_evidence - log_evidence) < 1e-8
 
 
+def _scale_from_a_float(x):
+    mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0))
+    scale = 0.1 if float(mu) < 100 else 1.0  # float() of the batch of points in a pass
+    pyro.sample("x", dist.Normal(mu, scale), obs=x)
+
+
+def test_float_of_a_latent_falls_back_to_a_loop_without_the_advice_on_far_nodes():
+    # was: "only one element tensors can be converted to Python scalars ... The outermost nodes
+    # lie 2.65 weight standard deviations from the centre; fewer points keep them closer"
+    x = torch.tensor(0.7, dtype=F64)
+    with pytest.warns(UserWarning, match="only one element tensors can be converted"):
+        result = opqa_evidence(_scale_from_a_float, x, num_points=4)
+    assert not result.diagnostics["vectorized"]
+    assert abs(result.log_evidence - normal_normal_log_evidence(0.7)) < 1e-8
+    # forced, the error propagates, named, without advice on the nodes that does not apply
+    with pytest.raises(ValueError) as error:
+        opqa_evidence(_scale_from_a_float, x, num_points=4, vectorize=True)
+    message = str(error.value)
+    assert message.startswith(
+        "opqa_evidence: at the grid chunk starting at node 0: only one element tensors can be "
+        "converted to Python scalars"
+    )
+    assert "outermost nodes" not in message
+
+
 def test_number_of_evaluations():
     X, y = logistic_data()
     result = opqa_evidence(logistic_regression, X, y, num_points=5, center="none", vectorize=False)

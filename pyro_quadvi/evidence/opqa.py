@@ -627,10 +627,14 @@ def _evaluate_grid(
                     what="opqa_evidence",
                 )
             except ValueError as error:
+                far = ""
+                if "not finite" in str(error):  # LogJoint's account of a log joint out of range
+                    far = (
+                        f". The outermost nodes lie {float(nodes.abs().max()):.3g} weight "
+                        "standard deviations from the centre; fewer points keep them closer"
+                    )
                 raise ValueError(
-                    f"opqa_evidence: at the grid chunk starting at node {start}: {error}. "
-                    f"The outermost nodes lie {float(nodes.abs().max()):.3g} weight "
-                    "standard deviations from the centre; fewer points keep them closer"
+                    f"opqa_evidence: at the grid chunk starting at node {start}: {error}{far}"
                 ) from None
             decision = decision or chosen
             values.append(chunk.to(torch.float64))

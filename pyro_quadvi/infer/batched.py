@@ -129,6 +129,9 @@ _BROADCAST_MESSAGES = re.compile(
             r"The expanded size of the tensor",
             r"number of sizes provided \(\d+\) must be greater or equal",  # expand([G, n])
             r"Boolean value of Tensor with more than one value",  # if / assert on a latent
+            # float(latent) / latent.item() on the batch of points
+            r"only one element tensors can be converted to Python scalars",
+            r"a Tensor with \d+ elements cannot be converted to Scalar",
             r"doesn't match the broadcast shape",
             r"not broadcastable",  # torch.distributions' validate_sample
             r"cannot be broadcast",
