@@ -412,6 +412,33 @@ def test_refuses_a_flat_direction():
     )
 
 
+def test_a_funnel_names_the_scale_that_ran_away_and_no_guide_advice():
+    # a centred hierarchical model: the log joint grows without bound as tau -> 0 with the
+    # group means at mu, so L-BFGS runs tau's log to about -1e5; the message named 'th' and
+    # gave advice for a guide (init_to_value, init_scale, trust_region) though none was passed
+    y = torch.tensor([2.8, 0.8, -0.3], dtype=F64)
+    s = torch.tensor([1.5, 1.0, 1.6], dtype=F64)
+
+    def model(y, s):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=F64), 2.0))
+        tau = pyro.sample("tau", dist.HalfNormal(torch.tensor(1.0, dtype=F64)))
+        with pyro.plate("J", len(y)):
+            theta = pyro.sample("th", dist.Normal(mu, tau))
+            pyro.sample("y", dist.Normal(theta, s), obs=y)
+
+    with pytest.raises(ValueError) as error:
+        opqa_evidence(model, y, s, num_points=4)
+    message = str(error.value)
+    assert "having moved farthest along 'tau' (unconstrained, from 0 to -" in message
+    assert "no mode exists" in message
+    assert message.endswith(
+        "Write the model non-centred (theta = mu + tau * theta_raw with theta_raw ~ Normal(0, "
+        "1)), or fit a Gaussian guide and use center='guide'"
+    )
+    for guide_advice in ("init_to_value", "init_scale", "trust_region", "guide's start"):
+        assert guide_advice not in message
+
+
 def test_refuses_subsampling():
     def model(data):
         mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0))

@@ -570,7 +570,7 @@ def _build_weight(center, guide, log_joint, sites, dim, device, args, kwargs) ->
         start = guide_weight(guide, sites, args, kwargs).loc.to(device)
     start_weight = GaussianWeight(start, torch.eye(dim, dtype=torch.float64, device=device))
     _log_joint_at_center(log_joint, start_weight, "MAP start", args, kwargs)
-    weight = laplace_weight(log_joint, start, args, kwargs)
+    weight = laplace_weight(log_joint, start, args, kwargs, from_guide=guide is not None)
     weight.evaluations += 1  # the check at the start
     return weight
 

@@ -74,16 +74,19 @@ def laplace_weight(
     kwargs: dict,
     max_iter: int = 500,
     tolerance_grad: float = 1e-9,
+    from_guide: bool = False,
 ) -> GaussianWeight:
     """Laplace approximation ``N(mode, H^-1)`` of the unconstrained posterior.
 
     The mode maximizes ``log p(x, T(z)) + log|J_T(z)|`` over the unconstrained ``z`` (L-BFGS with a
     strong Wolfe line search, from ``start``); ``H`` is the Hessian of its negative at the mode, by
     autograd, and ``L`` the lower Cholesky factor of ``H^-1``; all on the device of ``start``
-    (the model's: each step of the search evaluates the model).
+    (the model's: each step of the search evaluates the model). ``from_guide``: whether ``start``
+    is a fitted guide's loc (for the advice of an error).
 
     Raises:
-        ValueError: where the log joint is not finite along the search, or ``H`` is not positive
+        ValueError: where the log joint is not finite along the search (naming the coordinate
+            that moved farthest: no mode may exist), or ``H`` is not positive
             definite at the point found (no isolated mode).
     """
 
@@ -114,9 +117,19 @@ def laplace_weight(
     try:
         optimizer.step(closure)
     except ValueError as error:
+        # LogJoint's first clause names the site and the point; its advice is a guide's
+        reached = point.detach()
+        farthest = int((reached - start).abs().argmax())
+        origin = f"{float(start[farthest]):.4g}" + (", the guide's loc," if from_guide else "")
         raise ValueError(
-            f"opqa_evidence(center='laplace'): the MAP search met a log joint that is not finite "
-            f"({error}); start it from a fitted guide (guide=...) or use center='guide'"
+            "opqa_evidence(center='laplace'): the MAP search met a log joint that is not finite "
+            f"({str(error).partition(';')[0]}), having moved farthest along "
+            f"{_coordinate(log_joint.sites, farthest)} (unconstrained, from {origin} to "
+            f"{float(reached[farthest]):.4g}): the log joint may grow without bound that way, so "
+            "that no mode exists (a centred hierarchical model's funnel, whose density grows "
+            "without bound as a group scale goes to 0), or the search stepped out of a support "
+            "that a latent sets. Write the model non-centred (theta = mu + tau * theta_raw with "
+            "theta_raw ~ Normal(0, 1)), or fit a Gaussian guide and use center='guide'"
         ) from None
     mode = point.detach()
     with torch.enable_grad():
@@ -205,14 +218,18 @@ def _check_derivatives(
 
 
 def _flat_sites(sites: Sequence[LatentSite], hessian: torch.Tensor) -> list[str]:
-    """The sites (``'name'`` or ``'name' (entry k)``) of the coordinates whose Hessian row is 0."""
-    flat, start = [], 0
+    """The sites (`_coordinate`) of the coordinates whose Hessian row is 0."""
+    flat = (hessian == 0).all(-1).nonzero().flatten().tolist()
+    return [_coordinate(sites, index) for index in flat]
+
+
+def _coordinate(sites: Sequence[LatentSite], index: int) -> str:
+    """``'name'`` or ``'name' (entry k)``: the site of coordinate ``index`` of the flat latents."""
     for site in sites:
-        rows = hessian[start : start + site.numel]
-        for k in (rows == 0).all(-1).nonzero().flatten().tolist():
-            flat.append(f"{site.name!r}" + (f" (entry {k})" if site.numel > 1 else ""))
-        start += site.numel
-    return flat
+        if index < site.numel:
+            return f"{site.name!r}" + (f" (entry {index})" if site.numel > 1 else "")
+        index -= site.numel
+    raise IndexError(index)
 
 
 def guide_weight(
