@@ -9,11 +9,16 @@ string for a flag or a class. Each is now refused, naming the argument and the f
 from __future__ import annotations
 
 import math
+import warnings
 
+import pyro
+import pyro.distributions as dist
 import pytest
 import torch
+from pyro.infer import SVI
 
-from pyro_quadvi.optim import qnvb_functional
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.optim import QNVBOptimizer, qnvb_functional
 from pyro_quadvi.optim.qnvb_functional import (
     QNVBHyperparameters,
     init_qnvb_state,
@@ -72,3 +77,50 @@ def test_a_positive_scale_still_updates_as_before():
     assert result.mu.tolist() == pytest.approx([-2.0, -1.0, 0.0], abs=2e-8)
     assert result.sigma.tolist() == [1.0] * 3
     assert math.isclose(float(qnvb_update_many(*([args[k]] for k in args), HP)[0].sigma[0]), 1.0)
+
+
+def _normal_model(y):
+    theta = pyro.sample("th", dist.Normal(0.0, 1.0))
+    with pyro.plate("d", y.shape[-1]):
+        pyro.sample("y", dist.Normal(theta, 1.0), obs=y)
+
+
+def test_a_guide_started_far_below_sigma_min_is_named_as_the_cause_not_the_data():
+    # before: "Likely causes: data on scales far from 1 ... standardize the inputs"
+    pyro.clear_param_store()
+    y = torch.randn(20, generator=torch.Generator().manual_seed(0)) + 1.0  # the trial's data
+    guide = AutoMeanFieldNormal(_normal_model, init_scale=1e-20)
+    svi = SVI(_normal_model, guide, QNVB(), QuadratureELBO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the update's overflow, once
+        svi.step(y)
+        svi.step(y)
+        with pytest.raises(ValueError) as error:
+            svi.step(y)
+    message = str(error.value)
+    assert "the smallest, 1e-20 (site 'th'), is below sigma_min=1e-06" in message
+    assert "1 / sigma^2 there, 1e+40, overflows float32" in message
+    assert "start from scales >= sigma_min (a guide's init_scale" in message
+    assert "data on scales far from 1" not in message
+
+
+def test_qnvb_optimizer_started_below_sigma_min_names_init_sigma():
+    p = torch.zeros(3, requires_grad=True)
+    optimizer = QNVBOptimizer([p], init_sigma=1e-20)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = ((p - 1.0) ** 2).sum()
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        optimizer.step(closure)
+        optimizer.step(closure)
+        with pytest.raises(
+            ValueError,
+            match=r"1e-20 \(a parameter of shape \(3,\)\), is below "
+            r"sigma_min=1e-06.*QNVBOptimizer's init_sigma",
+        ):
+            optimizer.step(closure)

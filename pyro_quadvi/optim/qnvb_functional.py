@@ -631,6 +631,7 @@ def idle_step_refusal(
     unit: str,
     words: IdleWords,
     untaken: str,
+    scales: Sequence[tuple[str, torch.Tensor, float]] = (),
 ) -> ValueError:
     """The ``ValueError`` of a step that `count_idle_step` counted ``idle`` (at least
     `IDLE_STEPS_REFUSED`).
@@ -642,11 +643,34 @@ def idle_step_refusal(
         unit: what holds the coordinates (``"block"``, ``"parameter"``).
         words: what the update's guard did (`IdleWords`).
         untaken: what the refusal left as it was.
+        scales: per tensor, its label, its scale ``sigma`` and its ``sigma_min``. A scale below
+            its ``sigma_min`` after such steps was never updated (a step raises it to
+            ``sigma_min`` at least): it started there, and its precision ``1 / sigma^2`` may be
+            beyond the dtype's range. The message then names the smallest against
+            ``sigma_min`` as the cause, rather than the data (read only here, at the refusal).
     """
     where = shortened(labels, 5, None)
-    return ValueError(
+    head = (
         f"{owner}: no coordinate of any {unit} could be updated in {idle} steps in a row (in "
-        f"this one, {total} coordinates of {where}): {words.guard}. Likely causes: data on "
+        f"this one, {total} coordinates of {where}): {words.guard}."
+    )
+    below = [
+        (least, bound, label)
+        for label, sigma, bound in scales
+        if sigma.numel() and (least := float(sigma.min())) < bound
+    ]
+    if below:
+        least, bound, label = min(below)
+        return ValueError(
+            f"{head} Likely cause: a starting scale far below sigma_min: the smallest, "
+            f"{least:.3g} ({label}), is below sigma_min={bound:g}: no step raised it, and the "
+            f"update's precision 1 / sigma^2 there, {least**-2.0 if least > 0 else math.inf:.3g}, "
+            f"overflows float32 beyond {torch.finfo(torch.float32).max:.3g}. This step was "
+            f"refused, {untaken}: "
+            "start from scales >= sigma_min (a guide's init_scale, QNVBOptimizer's init_sigma)"
+        )
+    return ValueError(
+        f"{head} Likely causes: data on "
         "scales far from 1 (unstandardized features under an exp, or a likelihood far sharper "
         f"than the current scales), or a previous step too large (a diverged mean: "
         f"{words.remedy}). This step was refused, {untaken}: "
