@@ -18,6 +18,9 @@ import torch
 from pyro.infer import SVI
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.distributed import save_checkpoint
+from pyro_quadvi.evidence import opqa_evidence
+from pyro_quadvi.export import to_inference_data
 from pyro_quadvi.optim import QNVBOptimizer, qnvb_functional
 from pyro_quadvi.optim.qnvb_functional import (
     QNVBHyperparameters,
@@ -25,6 +28,7 @@ from pyro_quadvi.optim.qnvb_functional import (
     qnvb_update,
     qnvb_update_many,
 )
+from pyro_quadvi.quadrature import cross_reference, simplex_reference
 
 DTYPE = torch.float64
 HP = QNVBHyperparameters()
@@ -124,3 +128,42 @@ def test_qnvb_optimizer_started_below_sigma_min_names_init_sigma():
             r"sigma_min=1e-06.*QNVBOptimizer's init_sigma",
         ):
             optimizer.step(closure)
+
+
+@pytest.mark.parametrize("function", [simplex_reference, cross_reference])
+@pytest.mark.parametrize("r", [2.5, "3", None])
+def test_a_reference_of_a_non_integer_r_is_refused_naming_r(function, r):
+    # before: torch's "eye() received an invalid combination", or "'<' not supported"
+    with pytest.raises(ValueError, match=rf"{function.__name__}: r must be an integer >= 1"):
+        function(r)
+
+
+@pytest.mark.parametrize("init_loc_fn", [None, "median"])
+def test_auto_mean_field_normal_refuses_an_init_loc_fn_that_is_not_callable(init_loc_fn):
+    # before: "'NoneType' object is not callable" at the first step
+    with pytest.raises(TypeError, match=r"init_loc_fn must be a callable .*init_to_median"):
+        AutoMeanFieldNormal(_normal_model, init_loc_fn=init_loc_fn)
+
+
+def test_export_and_checkpoint_refuse_none_for_the_guide_or_the_optimizer(tmp_path):
+    y = torch.zeros(3)
+    with pytest.raises(TypeError, match="to_inference_data: guide must be the fitted guide"):
+        to_inference_data(_normal_model, None, y)
+    with pytest.raises(TypeError, match="to_inference_data: prior must be True or False"):
+        to_inference_data(_normal_model, AutoMeanFieldNormal(_normal_model), y, prior="yes")
+    with pytest.raises(TypeError, match="save_checkpoint: optim must be the Pyro optimizer"):
+        save_checkpoint(tmp_path / "c.pt", None)
+    assert not (tmp_path / "c.pt").exists()
+
+
+def test_opqa_evidence_names_a_list_given_for_a_tensor_and_refuses_a_string_progress():
+    y = torch.linspace(-1.0, 3.0, 5, dtype=DTYPE)
+    with pytest.raises(ValueError, match=r"with a list as its argument 0: pass a tensor"):
+        opqa_evidence(_vector_model, y.tolist())
+    with pytest.raises(TypeError, match="progress must be None, True or False, got 'yes'"):
+        opqa_evidence(_vector_model, y, progress="yes")
+
+
+def _vector_model(y):
+    theta = pyro.sample("th", dist.Normal(0.0, 1.0))
+    pyro.sample("y", dist.Normal(theta, 1.0).expand([5]).to_event(1), obs=y)
