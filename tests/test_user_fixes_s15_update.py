@@ -137,9 +137,10 @@ def test_a_donated_argument_that_shares_memory_is_refused():
         qnvb_update_many([mu], [sigma], [mu], [sigma], [strided], hp, donate=("state",))
     with pytest.raises(ValueError, match="donate must be a tuple of names from"):
         qnvb_update_many([mu], [sigma], [mu], [sigma], [state], hp, donate="mu")
-    # the same memory, none of it donated: pure, as before
-    (result,) = qnvb_update_many([mu], [mu], [mu], [mu], [init_qnvb_state(mu)], hp)
-    assert result.mu is not mu
+    # the same memory, none of it donated: pure, as before (positive: it is a scale too)
+    same = mu.abs() + 0.5
+    (result,) = qnvb_update_many([same], [same], [same], [same], [init_qnvb_state(same)], hp)
+    assert result.mu is not same
 
 
 def test_off_the_cpu_the_in_place_update_reads_nothing_back(monkeypatch):

@@ -37,6 +37,18 @@ _GENERATOR_FIX = (
 )
 
 
+def _check_optim(optim: object, caller: str) -> None:
+    """Refuse an ``optim`` without ``get_state`` and ``set_state`` (``None``, a torch optimizer):
+    it failed with ``'NoneType' object has no attribute 'get_state'``."""
+    if not (
+        callable(getattr(optim, "get_state", None)) and callable(getattr(optim, "set_state", None))
+    ):
+        raise TypeError(
+            f"{caller}: optim must be the Pyro optimizer of the fit (a PyroOptim: QNVB, "
+            f"DistributedOptimizer, pyro.optim.Adam, ...), got {type(optim).__name__}"
+        )
+
+
 def _generators(generator: Generators, caller: str) -> list[torch.Generator]:
     """``generator=`` as a list (empty for ``None``), or a ``TypeError`` naming the caller."""
     if generator is None:
@@ -83,10 +95,11 @@ def save_checkpoint(
         Exception: the error rank 0 met writing ``path`` (a missing folder, a full disk), of the
             same type on every rank (a ``RuntimeError`` where the type takes other arguments),
             naming the file; ``path`` is left as it was.
-        TypeError: for a ``generator`` that is neither a ``torch.Generator`` nor a sequence of
-            them.
+        TypeError: for an ``optim`` that is no ``PyroOptim`` (no ``get_state``), or a
+            ``generator`` that is neither a ``torch.Generator`` nor a sequence of them.
         RuntimeError: when this process is not a member of ``group``.
     """
+    _check_optim(optim, "save_checkpoint")
     rank, size = world(group)
     generators = _generators(generator, "save_checkpoint")
     optim_state = optim.get_state()  # collective for DistributedOptimizer(shard_update=True)
@@ -226,14 +239,15 @@ def load_checkpoint(
             gives another number of generators than ``save_checkpoint`` was given; or when an
             entry of the live param store is missing from the checkpoint or has another shape
             there (another model), naming the first such entry. Nothing is restored then.
-        TypeError: for a ``generator`` that is neither a ``torch.Generator`` nor a sequence of
-            them.
+        TypeError: for an ``optim`` that is no ``PyroOptim`` (no ``get_state``), or a
+            ``generator`` that is neither a ``torch.Generator`` nor a sequence of them.
         RuntimeError: when this process is not a member of ``group``.
         Exception: whatever ``optim.set_state`` raised on any rank (a ``QNVB`` built with other
             settings: a ``ValueError`` naming the block and the settings), on every rank
             together; the param store, the random states and every rank's optimizer state are
             then left as they were.
     """
+    _check_optim(optim, "load_checkpoint")
     _, size = world(group)
     generators = _generators(generator, "load_checkpoint")
     state = _load_state(os.fspath(path), group)

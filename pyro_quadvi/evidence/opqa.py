@@ -213,7 +213,9 @@ def opqa_evidence(
             tensors are on different devices, or a weight that cannot be built.
     """
     start_time = time.perf_counter()
-    _check_arguments(num_points, max_degree, center, guide, max_nodes, chunk_size, vectorize)
+    _check_arguments(
+        num_points, max_degree, center, guide, max_nodes, chunk_size, vectorize, progress
+    )
     # a restored param store's values, not the stale ones of plain parameters (store.py)
     follow_param_store(unwrap_guide(model))
     if guide is not None:
@@ -336,7 +338,7 @@ def _grid_too_large(sites: list[LatentSite], dim: int, num_points: int, max_node
 
 
 def _check_arguments(
-    num_points, max_degree, center, guide, max_nodes, chunk_size, vectorize
+    num_points, max_degree, center, guide, max_nodes, chunk_size, vectorize, progress
 ) -> None:
     if isinstance(num_points, bool) or not isinstance(num_points, int) or num_points < 1:
         raise ValueError(f"opqa_evidence: num_points must be an int >= 1, got {num_points!r}")
@@ -362,6 +364,8 @@ def _check_arguments(
             raise ValueError(f"opqa_evidence: {name} must be an int >= 1, got {value!r}")
     if vectorize not in (None, True, False):
         raise ValueError(f"opqa_evidence: vectorize must be None, True or False, got {vectorize!r}")
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"opqa_evidence: progress must be None, True or False, got {progress!r}")
 
 
 def _to_float64(value):
@@ -581,6 +585,14 @@ def _log_joint_at_center(log_joint, weight, center, args, kwargs) -> float:
         try:
             value = log_joint(weight.loc[None], args, kwargs, vectorize=False)[0]
         except ValueError as error:
+            named = [*enumerate(args), *kwargs.items()]  # position or keyword, value
+            lists = [f"{key!r}" for key, value in named if type(value) is list]
+            if lists:  # Pyro's "the value argument to log_prob must be a Tensor", not a NaN
+                raise ValueError(
+                    f"opqa_evidence: the model failed at the centre of the weight ({center}) "
+                    f"with a list as its argument {', '.join(lists)}: pass a tensor "
+                    f"(torch.tensor(...)) where the model expects one; the error: {error}"
+                ) from None
             raise ValueError(
                 f"opqa_evidence: the log joint is not finite at the centre of the weight "
                 f"({center}, z = {weight.loc.tolist()}): {error}"

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..infer.log_joint import check_callable
 from .arviz_v0 import to_inference_data_v0
 from .draws import draw
 from .labels import label
@@ -94,7 +95,8 @@ def to_inference_data(
 
     Raises:
         RuntimeError: if the guide was never run (fit it with ``svi.step`` first).
-        TypeError: before anything is drawn, for ``coords`` that are not a mapping ``dim ->
+        TypeError: before anything is drawn, for a ``guide`` that is not callable, a ``prior``
+            or ``log_likelihood`` that is not a bool, ``coords`` that are not a mapping ``dim ->
             values``, ``dims`` that are not a mapping ``variable -> dim names`` (str), or
             ``factors`` that are not ``None``, ``"all"`` or a collection of names.
         ValueError: for a bad ``num_samples``, ``dims``, ``vectorize`` or ``max_bytes``, an
@@ -105,8 +107,15 @@ def to_inference_data(
             likelihood that is not finite.
         NotImplementedError: with ArviZ 1.x.
     """
+    check_callable("to_inference_data", "guide", guide, "the fitted guide (a callable)")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    for name, flag in (("prior", prior), ("log_likelihood", log_likelihood)):
+        if not isinstance(flag, bool):
+            raise TypeError(
+                f"to_inference_data: {name} must be True or False, got {flag!r} "
+                f"({type(flag).__name__})"
+            )
     _check_labels(coords, dims)
     arviz_major = int(version("arviz").split(".")[0])
     if arviz_major >= 1:

@@ -19,6 +19,7 @@ from pyro.poutine import Trace
 from pyro.poutine.messenger import Messenger
 
 from ..distributions.guide_delta import GuideDelta
+from ..infer.log_joint import check_callable
 from ..infer.quadrature_elbo import take_saved_position
 from .adapters import _leaf, check_set_up, describe_auto_normal, scale_factor, subsample_rows
 from .interface import GuideDescription, MeanFieldSite
@@ -104,7 +105,9 @@ class AutoMeanFieldNormal(AutoNormal):
         model: a Pyro model with continuous latent sites.
         init_loc_fn: per-site initialization of the loc (in the constrained space), as in Pyro.
             The loc is the guide's own copy: the tensors of ``init_to_value(values=d)`` stay as
-            they are (Pyro's ``AutoNormal`` fits a real site's tensor of ``d`` in place).
+            they are (Pyro's ``AutoNormal`` fits a real site's tensor of ``d`` in place). A
+            callable, as in Pyro: ``None`` or a name (``"median"``) is refused here, naming
+            ``init_to_median``.
         init_scale: initial standard deviation in the unconstrained space.
         create_plates: as in Pyro's AutoGuides, to subsample local latents.
     """
@@ -117,6 +120,13 @@ class AutoMeanFieldNormal(AutoNormal):
         init_scale: float = 0.1,
         create_plates: Callable | None = None,
     ):
+        check_callable(
+            "AutoMeanFieldNormal",
+            "init_loc_fn",
+            init_loc_fn,
+            "a callable of a site, as in Pyro's AutoGuides (e.g. init_loc_fn=pyro.infer."
+            "autoguide.init_to_median, not 'median')",
+        )
         super().__init__(
             model,
             init_loc_fn=init_loc_fn,

@@ -955,6 +955,10 @@ class QNVB(PyroOptim):
             unit="block",
             words=QNVB_IDLE,
             untaken="the fallback did not step",
+            scales=[
+                (site_label(item.site.name), item.values["scale"], item.hp.sigma_min)
+                for item in prepared
+            ],
         )
 
     def _nothing_paired(self, params: list[torch.Tensor]) -> str:

@@ -76,11 +76,12 @@ dtype and device (nothing is converted: an integer ``g`` is refused, naming it);
 ``weight`` is finite and ``> 0`` and ``prior_precision`` finite and ``>= 0``. A non-finite mean or
 scale is refused where reading one value back costs no sync, on the CPU (a tensor under ``vmap``
 or ``torch.compile`` is not read): the guard would keep it as it is at every step, a NaN mean
-counted as an overflow and an infinite scale clamped to ``sigma_max``. ``qnvb_update`` tests the
-mean and scale in one pass; ``qnvb_update_many`` tests them only in a chunk whose results its
-guard finds not finite (an infinite scale makes the scale before its bounds infinite), so that
-the usual step costs nothing more, and only when nothing is donated (a donated chunk before it
-would already be written).
+counted as an overflow and an infinite scale clamped to ``sigma_max``; so is a scale ``<= 0``,
+which the bounds would raise to ``sigma_min`` unseen. ``qnvb_update`` tests the mean and scale in
+one pass; ``qnvb_update_many`` tests them only in a chunk whose results its guard finds not finite
+(an infinite scale makes the scale before its bounds infinite) or whose scale before its bounds
+is ``<= 0`` (as the input scale is), so that the usual step costs one reduction more per chunk,
+and only when nothing is donated (a donated chunk before it would already be written).
 
 **Two implementations, the same numbers.** `qnvb_update` is the reference: one tensor, each
 rule written as above. `qnvb_update_many` is what the optimizers run: it lays every tensor of a
@@ -269,19 +270,31 @@ def _readable(t: torch.Tensor) -> bool:
     )
 
 
-def _refuse_nonfinite(owner: str, named: list[tuple[str, torch.Tensor]]) -> None:
-    """A ``ValueError`` naming each of the ``named`` means and scales that is not finite and at
-    how many coordinates, if one is not."""
-    counts = torch.stack([torch.isfinite(t).logical_not().sum() for _, t in named]).tolist()
+def _refuse_nonfinite(
+    owner: str, means: list[tuple[str, torch.Tensor]], scales: list[tuple[str, torch.Tensor]]
+) -> None:
+    """A ``ValueError`` naming each of the named ``means`` and ``scales`` that is not finite, and
+    each scale that is not ``> 0``, and at how many coordinates, if one is (the counts read back
+    in one copy)."""
+    named = means + scales
+    counts = torch.stack(
+        [torch.isfinite(t).logical_not().sum() for _, t in named]
+        + [torch.le(t, 0).sum() for _, t in scales]
+    ).tolist()
     bad = [
         f"{n} is not finite at {c} of {t.numel()} coordinates"
         for (n, t), c in zip(named, counts)
         if c
+    ] + [
+        f"{n} is <= 0 at {c} of {t.numel()} coordinates"
+        for (n, t), c in zip(scales, counts[len(named) :])
+        if c
     ]
     if bad:
         raise ValueError(
-            f"{owner}: {', '.join(bad)}; the mean and scale must be finite (the update would "
-            "keep such a coordinate as it is at every step): start from finite ones"
+            f"{owner}: {', '.join(bad)}; the mean and scale must be finite and the scale > 0 (the "
+            "update would keep a non-finite coordinate as it is at every step, and set a scale "
+            "<= 0 to sigma_min): start from finite ones, with scales > 0"
         )
 
 
@@ -618,6 +631,7 @@ def idle_step_refusal(
     unit: str,
     words: IdleWords,
     untaken: str,
+    scales: Sequence[tuple[str, torch.Tensor, float]] = (),
 ) -> ValueError:
     """The ``ValueError`` of a step that `count_idle_step` counted ``idle`` (at least
     `IDLE_STEPS_REFUSED`).
@@ -629,11 +643,34 @@ def idle_step_refusal(
         unit: what holds the coordinates (``"block"``, ``"parameter"``).
         words: what the update's guard did (`IdleWords`).
         untaken: what the refusal left as it was.
+        scales: per tensor, its label, its scale ``sigma`` and its ``sigma_min``. A scale below
+            its ``sigma_min`` after such steps was never updated (a step raises it to
+            ``sigma_min`` at least): it started there, and its precision ``1 / sigma^2`` may be
+            beyond the dtype's range. The message then names the smallest against
+            ``sigma_min`` as the cause, rather than the data (read only here, at the refusal).
     """
     where = shortened(labels, 5, None)
-    return ValueError(
+    head = (
         f"{owner}: no coordinate of any {unit} could be updated in {idle} steps in a row (in "
-        f"this one, {total} coordinates of {where}): {words.guard}. Likely causes: data on "
+        f"this one, {total} coordinates of {where}): {words.guard}."
+    )
+    below = [
+        (least, bound, label)
+        for label, sigma, bound in scales
+        if sigma.numel() and (least := float(sigma.min())) < bound
+    ]
+    if below:
+        least, bound, label = min(below)
+        return ValueError(
+            f"{head} Likely cause: a starting scale far below sigma_min: the smallest, "
+            f"{least:.3g} ({label}), is below sigma_min={bound:g}: no step raised it, and the "
+            f"update's precision 1 / sigma^2 there, {least**-2.0 if least > 0 else math.inf:.3g}, "
+            f"overflows float32 beyond {torch.finfo(torch.float32).max:.3g}. This step was "
+            f"refused, {untaken}: "
+            "start from scales >= sigma_min (a guide's init_scale, QNVBOptimizer's init_sigma)"
+        )
+    return ValueError(
+        f"{head} Likely causes: data on "
         "scales far from 1 (unstandardized features under an exp, or a likelihood far sharper "
         f"than the current scales), or a previous step too large (a diverged mean: "
         f"{words.remedy}). This step was refused, {untaken}: "
@@ -741,15 +778,15 @@ def qnvb_update(
     Raises:
         TypeError, ValueError: naming the argument, for a tensor of another shape, dtype or
             device than ``mu``, a ``weight`` not finite and ``> 0``, a ``prior_precision`` not
-            finite and ``>= 0``, and on the CPU a ``mu`` or ``sigma`` not finite (module
-            docstring, "Inputs").
+            finite and ``>= 0``, and on the CPU a ``mu`` or ``sigma`` not finite or a ``sigma``
+            ``<= 0`` (module docstring, "Inputs").
     """
     _check_state("qnvb_update", state, lambda: "state")
     _check_tensors("qnvb_update", mu, (sigma, g, h, *state), _argument_name)
     _check_dtypes("qnvb_update", mu, (sigma, g, h, *state), _argument_name)
     _check_shared("qnvb_update", hp, weight, prior_precision)
     if _readable(mu):
-        _refuse_nonfinite("qnvb_update", [("mu", mu), ("sigma", sigma)])
+        _refuse_nonfinite("qnvb_update", [("mu", mu)], [("sigma", sigma)])
     return _reference_update(mu, sigma, g, h, state, hp, weight, prior_precision)
 
 
@@ -1103,20 +1140,28 @@ def _all_finite(news: tuple[torch.Tensor, ...], limited: torch.Tensor) -> bool:
     The new scale is summed as ``limited``, the scale before its bounds, from which it is
     clamped: finite where ``limited`` is, and ``limited`` is not finite only where the new scale
     is NaN or the input scale is not finite (an infinite one, clamped to ``sigma_max``, would
-    pass the test unseen; the caller then refuses it)."""
+    pass the test unseen; the caller then refuses it). ``limited`` is ``<= 0`` exactly where the
+    input scale is (the rate limit clamps it between ``sigma * scale_min`` and
+    ``sigma * scale_max``): its least value, read in the same copy, answers ``False`` too, so that
+    the caller refuses a scale ``<= 0`` which the bounds would raise to ``sigma_min`` unseen."""
+    if not limited.numel():  # no coordinates (empty tensors): nothing to test, no least value
+        return True
     sums = [news[i].sum() if i != 1 else limited.sum() for i in _PROBED]
-    return math.isfinite(torch.stack(sums).sum().item())
+    total, least = torch.stack([torch.stack(sums).sum(), limited.amin()]).tolist()
+    return math.isfinite(total) and least > 0
 
 
 def _refuse_nonfinite_means(
     mus: list[torch.Tensor], sigmas: list[torch.Tensor], chunk: list[torch.Tensor]
 ) -> None:
     """`_refuse_nonfinite` of every mean and scale of `qnvb_update_many` if the mean or the scale
-    of a chunk (``chunk``: the two) is not finite: read only in a chunk whose guard acts."""
-    if not all(bool(torch.isfinite(t).all()) for t in chunk):
-        named = [(f"mus[{i}]", m) for i, m in enumerate(mus)]
+    of a chunk (``chunk``: the two) is not finite, or the scale not ``> 0``: read only in a chunk
+    whose guard acts or whose scale is not ``> 0`` (`_all_finite`)."""
+    if not (all(bool(torch.isfinite(t).all()) for t in chunk) and bool((chunk[1] > 0).all())):
         _refuse_nonfinite(
-            "qnvb_update_many", named + [(f"sigmas[{i}]", s) for i, s in enumerate(sigmas)]
+            "qnvb_update_many",
+            [(f"mus[{i}]", m) for i, m in enumerate(mus)],
+            [(f"sigmas[{i}]", s) for i, s in enumerate(sigmas)],
         )
 
 
@@ -1241,9 +1286,9 @@ def qnvb_update_many(
 
     Raises:
         TypeError, ValueError: as `qnvb_update`, naming the list and position (``gs[2]``); a
-            ``mu`` or ``sigma`` not finite on the CPU and without ``donate`` (module docstring,
-            "Inputs": in place the guard keeps it, as before); means of several dtypes or
-            devices.
+            ``mu`` or ``sigma`` not finite, or a ``sigma <= 0``, on the CPU and without
+            ``donate`` (module docstring, "Inputs": in place the guard keeps it, as before);
+            means of several dtypes or devices.
     """
     lengths = {len(mus), len(sigmas), len(gs), len(hs), len(states)}
     if len(lengths) != 1:

@@ -1599,6 +1599,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         state's tensors, not copies), so the next step makes new ones (copy on write): a state
         dict taken earlier keeps its values."""
         counts = []
+        scales = []  # per parameter, its label, scale and sigma_min (`idle_step_refusal`)
         by_group: dict[int, list[int]] = {}
         for i, (_, group) in enumerate(params):
             if moments[i] is not None:
@@ -1626,16 +1627,17 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 self._in_place[id(params[i][0])] = tuple(state[k] for k in _OWNED_KEYS)
                 label = f"a parameter of shape {tuple(params[i][0].shape)}"
                 counts.append((label, hp, params[i][0].dtype, result_counts(result)))
+                scales.append((label, result.sigma, hp.sigma_min))
         for p, _ in params:
             p.copy_(self.state[p]["mu"])
             p.grad = None
         self._written.update(written_marks(p for p, _ in params))
         total = sum(params[i][0].numel() for indices in by_group.values() for i in indices)
-        table = self._refuse_if_idle(counts, total)
+        table = self._refuse_if_idle(counts, scales, total)
         self.num_steps += 1
         self._warn(counts, table)
 
-    def _refuse_if_idle(self, counts: list, total: int) -> list[list[int]]:
+    def _refuse_if_idle(self, counts: list, scales: list, total: int) -> list[list[int]]:
         """Refuse the `IDLE_STEPS_REFUSED`-th step in a row in which the guard (rule 11) kept
         every coordinate (`count_idle_step`, as `QNVB` does): each ``g`` or ``h`` not finite, or
         the update overflowed (the unscaled Poisson of ``docs/qnvb_torch.md`` ran every step so
@@ -1644,7 +1646,8 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         move, so a deterministic rule's next step evaluates the same nodes. ``total``: the
         coordinates updated. Returns the counts read from the device (`count_table`, the one
         copy the warnings then read). ``counts`` is never empty: a step in which no parameter has
-        a gradient is refused before it."""
+        a gradient is refused before it. ``scales``: per parameter, its label, scale and
+        ``sigma_min``, which the refusal names where one started below ``sigma_min``."""
         table = count_table(counts)
         self._idle_steps = count_idle_step(self._idle_steps, kept_coordinates(table), total)
         if self._idle_steps >= IDLE_STEPS_REFUSED:
@@ -1657,6 +1660,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 unit="parameter",
                 words=QNVB_IDLE,
                 untaken="the parameters are left at their means",
+                scales=scales,
             )
         return table
 

@@ -21,12 +21,25 @@ from .base import (
     DEFAULT_MAX_BYTES,
     NodeSet,
     QuadratureRule,
+    as_index,
     check_num_points,
     draw_device,
     equal_weights,
 )
 
 __all__ = ["BlockedSimplexRule", "RASPRule", "cross_reference", "simplex_reference"]
+
+
+def _check_r(owner: str, r: object) -> int:
+    """``r`` as an ``int``: an integer (numpy's, a 0-d integer tensor; not a bool) ``>= 1``, else
+    a ``ValueError`` naming ``owner`` (a float or a string failed deep in torch or Python)."""
+    index = as_index(r)
+    if index is None or index < 1:
+        raise ValueError(
+            f"{owner}: r must be an integer >= 1 (the number of dimensions), got {r!r} "
+            f"({type(r).__name__})"
+        )
+    return index
 
 
 def simplex_reference(r: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -36,8 +49,7 @@ def simplex_reference(r: int, dtype: torch.dtype = torch.float64) -> torch.Tenso
     ``beta = 1 / (1 + alpha)``. The nodes have zero mean and identity second moment, so every
     polynomial of total degree <= 2 in ``r`` variables is integrated exactly against ``N(0, I_r)``.
     """
-    if r < 1:
-        raise ValueError(f"the simplex reference needs r >= 1 dimensions, got {r}")
+    r = _check_r("simplex_reference", r)
     alpha = math.sqrt(r + 1)
     beta = 1.0 / (1.0 + alpha)
     first = alpha * torch.eye(r, dtype=dtype) - beta * torch.ones(r, r, dtype=dtype)
@@ -50,8 +62,7 @@ def cross_reference(r: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     rasp paper, Algorithm 2: ``R = sqrt(r) [I, -I]``. Symmetric, so every odd moment vanishes and
     the rule is exact to degree 3 (degree 5 in one variable when ``r = 3``).
     """
-    if r < 1:
-        raise ValueError(f"the cross-polytope reference needs r >= 1 dimensions, got {r}")
+    r = _check_r("cross_reference", r)
     eye = math.sqrt(r) * torch.eye(r, dtype=dtype)
     return torch.cat([eye, -eye], dim=1)
 
