@@ -9,13 +9,16 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
+from pyro_quadvi import AutoMeanFieldNormal
 from pyro_quadvi.metrics import (
     accuracy,
     brier_score,
     categorical_nll,
     expected_calibration_error,
 )
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 
 ONE_COLUMN = (
     "probs has one column (shape (3, 1)), a problem of one class; for a binary classifier's "
@@ -51,3 +54,22 @@ def test_metrics_clamp_an_overshoot_of_rounding_and_refuse_more():
         "probs must lie in [0, 1] up to rounding (0.0001); an entry is outside by 0.5 (pass "
         "probabilities, not logits)"
     )
+
+
+@pytest.mark.parametrize("num_samples", [10, 20, 30])
+def test_predict_clamps_a_float32_average_of_saturated_probabilities(
+    fresh_param_store, num_samples
+):
+    # the trial's net: Linear(5, 2) with logits of +-30 x_0; unclamped, 1.0000001 to 1.0000004
+    x = torch.randn(200, 5, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long()
+    net = nn.Linear(5, 2)
+    with torch.no_grad():
+        net.weight.copy_(torch.tensor([[-30.0, 0, 0, 0, 0], [30.0, 0, 0, 0, 0]]))
+        net.bias.zero_()
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Categorical(200))
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net(), init_scale=0.1)
+    guide(x, y)
+    probs = bnn.predict(guide, x, num_samples=num_samples).probs
+    assert probs.max().item() == 1.0
+    assert probs.min().item() >= 0.0
