@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from pyro.infer import Predictive
 from torch import nn
 
 from pyro_quadvi import AutoMeanFieldNormal
@@ -73,3 +74,60 @@ def test_predict_clamps_a_float32_average_of_saturated_probabilities(
     probs = bnn.predict(guide, x, num_samples=num_samples).probs
     assert probs.max().item() == 1.0
     assert probs.min().item() >= 0.0
+
+
+def _categorical_5_4_3() -> tuple[BayesianModule, AutoMeanFieldNormal, torch.Tensor]:
+    x = torch.randn(8, 5, generator=torch.Generator().manual_seed(0))
+    net = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Categorical(8))
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
+    guide(x, torch.zeros(8, dtype=torch.long))
+    return bnn, guide, x
+
+
+def _one_example(why: str) -> str:
+    return (
+        f"BayesianModule: x of shape (5,) is one example, not a batch of rows: {why}. The net "
+        "takes x of B rows (its first dim); pass one example as a batch of one row, x[None] "
+        "(x.unsqueeze(0))"
+    )
+
+
+def test_one_unbatched_example_is_refused_in_predict_predictive_and_training(fresh_param_store):
+    bnn, guide, x = _categorical_5_4_3()
+    message = _one_example("the net's first layer, nn.Linear(5, 4), takes 5 features")
+    with pytest.raises(ValueError) as info:
+        bnn.predict(guide, x[0])
+    assert str(info.value) == message
+    with pytest.raises(ValueError, match=r"x of shape \(5,\) is one example") as info:
+        Predictive(bnn, guide=guide, num_samples=4)(x[0])
+    assert message in str(info.value)
+    with pytest.raises(ValueError) as info:
+        bnn(x[0], torch.tensor([1]))
+    assert str(info.value) == message
+    # the fix: one row, the first row of the batched prediction
+    batched = bnn.predict(guide, x, quadrature="hadamard").probs
+    single = bnn.predict(guide, x[0][None], quadrature="hadamard").probs
+    assert single.shape == (1, 3)
+    torch.testing.assert_close(single[0], batched[0])
+
+
+def test_one_example_whose_outputs_have_other_rows_is_refused(fresh_param_store):
+    # the first layer with parameters is no nn.Linear: the outputs' 3 rows name it
+    net = nn.Sequential(nn.LayerNorm(5), nn.Linear(5, 3))
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(8, scale=0.1))
+    with pytest.raises(ValueError) as info:
+        bnn(torch.randn(5))
+    assert str(info.value) == _one_example(
+        "the net's outputs, of shape (3,), do not have its 5 rows"
+    )
+
+
+def test_a_one_dim_x_of_rows_is_taken(fresh_param_store):
+    # token ids, one a row: the outputs have x's 5 rows and the first layer is no nn.Linear
+    net = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3))
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Categorical(5))
+    x = torch.tensor([1, 2, 3, 4, 5])
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
+    guide(x, torch.zeros(5, dtype=torch.long))
+    assert bnn.predict(guide, x, num_samples=2).probs.shape == (5, 3)

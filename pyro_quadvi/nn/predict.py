@@ -132,6 +132,8 @@ def predict(
             ``num_samples < 1`` without it.
         TypeError, ValueError: for an ``x`` that is no tensor, or holds a NaN or an infinity
             (the rows named; `BayesianModule` refuses such an ``x`` as the model, too).
+        ValueError: for one example ``x`` of shape ``(F,)`` (the fix: ``x[None]``), as the model
+            refuses it.
         TypeError, ValueError: for a ``batch_size`` that is not an int or ``None`` (a bool, a
             float), or an int below 1; for ``steps`` that is not an int >= 1 or ``"period"``,
             that is not 1 without ``quadrature``, or ``"period"`` with a rule that has none.
