@@ -6,7 +6,9 @@ rows, and the documented bias of one quadrature step's predictive variance."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import pyro
 import pytest
 import torch
 from pyro.infer import Predictive
@@ -21,6 +23,7 @@ from pyro_quadvi.metrics import (
 )
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 ONE_COLUMN = (
     "probs has one column (shape (3, 1)), a problem of one class; for a binary classifier's "
     "probability p of class 1, pass both columns, torch.cat([1 - p, p], dim=1), of shape (n, 2)"
@@ -131,3 +134,24 @@ def test_a_one_dim_x_of_rows_is_taken(fresh_param_store):
     guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
     guide(x, torch.zeros(5, dtype=torch.long))
     assert bnn.predict(guide, x, num_samples=2).probs.shape == (5, 3)
+
+
+def test_documented_variance_ratios_of_one_quadrature_step_are_measured(float64_store):
+    # docs/nn.md, "Prediction": Linear(4, 1), all scales 0.5, 2,000 random N(0, 1) inputs
+    x = torch.randn(2000, 4, generator=torch.Generator().manual_seed(0))
+    bnn = BayesianModule(nn.Linear(4, 1), priors.Normal(1.0), likelihoods.Gaussian(2000, 1e-3))
+    guide = AutoMeanFieldNormal(bnn)
+    guide(x, torch.zeros(2000))
+    with torch.no_grad():
+        guide.scales.weight = torch.full((1, 4), 0.5)
+        guide.scales.bias = torch.full((1,), 0.5)
+    exact = (x.square().sum(1) + 1) * 0.25 + 1e-6  # sum_i x_i^2 s_i^2 + scale^2
+    text = " ".join(DOCS.joinpath("nn.md").read_text().split())
+    for rule in ("hadamard", "blocked_simplex"):
+        pyro.set_rng_seed(0)  # the blocked simplex's nodes are random
+        ratio = bnn.predict(guide, x, quadrature=rule).variance[:, 0] / exact
+        assert f"{ratio.min().item():.1g} to {ratio.max().item():.3g}" in text
+        assert ratio.min().item() < 1e-3 and ratio.max().item() > 2.9
+    for rule, kwargs in (("hadamard", {"steps": "period"}), ("gauss_hermite", {"num_points": 2})):
+        ratio = bnn.predict(guide, x, quadrature=rule, **kwargs).variance[:, 0] / exact
+        torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=1e-14, atol=0)
