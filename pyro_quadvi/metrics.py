@@ -4,11 +4,11 @@ Pure torch: every metric takes tensors and returns a 0-dim tensor (on the inputs
 floating dtype), so it runs on CUDA unchanged. Conventions:
 
 - The leading dimension of every input indexes the test cases (``n`` of them).
-- Classification metrics take class **probabilities** ``probs`` of shape ``(n, C)`` (for a Bayesian
-  model, the model-averaged predictive probabilities), never logits; each row must lie in
-  ``[0, 1]`` and sum to 1 within ``PROB_SUM_ATOL`` (float16 and bfloat16: within 4 ulps of 1 of
-  their dtype, ``4 * torch.finfo(dtype).eps``). Labels ``y`` are integers of shape ``(n,)``
-  in ``[0, C)``.
+- Classification metrics take class **probabilities** ``probs`` of shape ``(n, C)``, ``C >= 2``
+  (for a Bayesian model, the model-averaged predictive probabilities), never logits; each row must
+  lie in ``[0, 1]`` and sum to 1 within ``PROB_SUM_ATOL`` (float16 and bfloat16: within 4 ulps of
+  1 of their dtype, ``4 * torch.finfo(dtype).eps``), and an entry outside ``[0, 1]`` by no more
+  than that (rounding) is clamped. Labels ``y`` are integers of shape ``(n,)`` in ``[0, C)``.
 - The predicted class is ``probs.argmax(-1)``; ties go to the lowest class index (``torch.argmax``
   returns the first maximum).
 
@@ -93,25 +93,31 @@ def _check_probs(probs: object) -> torch.Tensor:
             f"probs has no classes (shape {tuple(probs.shape)}); pass one column of "
             "probabilities per class, shape (n, C)"
         )
-    if ((probs < 0) | (probs > 1)).any():
-        raise ValueError("probs must lie in [0, 1] (pass probabilities, not logits)")
+    if probs.shape[1] == 1:
+        # refused even where every row is 1: a saturated P(y = 1) read as one class scores 0 loss
+        raise ValueError(
+            f"probs has one column (shape {tuple(probs.shape)}), a problem of one class; for a "
+            "binary classifier's probability p of class 1, pass both columns, "
+            "torch.cat([1 - p, p], dim=1), of shape (n, 2)"
+        )
+    atol = max(PROB_SUM_ATOL, _PROB_SUM_ULPS * torch.finfo(probs.dtype).eps)
+    within = f"{atol:.3g}" if atol == PROB_SUM_ATOL else f"{atol:.3g} for {probs.dtype}"
+    outside = torch.maximum(-probs, probs - 1).max().item()
+    if outside > atol:
+        raise ValueError(
+            f"probs must lie in [0, 1] up to rounding ({within}); an entry is outside by "
+            f"{outside:.3g} (pass probabilities, not logits)"
+        )
     # summed in float32 at least: the sum of a low-precision row does not add its own rounding
     sums = probs.sum(-1, dtype=torch.promote_types(probs.dtype, torch.float32))
     worst = (sums - 1).abs().max().item()
-    atol = max(PROB_SUM_ATOL, _PROB_SUM_ULPS * torch.finfo(probs.dtype).eps)
     if worst > atol:
-        hint = (
-            "for a binary classifier's probability p of class 1, pass both columns, "
-            "torch.cat([1 - p, p], dim=1), of shape (n, 2)"
-            if probs.shape[1] == 1
-            else "pass probabilities, not logits"
-        )
-        within = f"{atol:.3g}" if atol == PROB_SUM_ATOL else f"{atol:.3g} for {probs.dtype}"
         raise ValueError(
             f"every row of probs must sum to 1 within {within}; the worst row is off "
-            f"by {worst:.3g} ({hint})"
+            f"by {worst:.3g} (pass probabilities, not logits)"
         )
-    return probs
+    # a rounding overshoot (a float32 mean of draws, 1.0000004) is clamped, as the sums are let be
+    return probs.clamp(0, 1) if outside > 0 else probs
 
 
 def _check_labels(y: object, probs: torch.Tensor) -> torch.Tensor:

@@ -97,9 +97,9 @@ def test_a_single_column_of_binary_probabilities_gets_the_two_column_hint():
     with pytest.raises(ValueError) as info:
         categorical_nll(p, torch.tensor([0, 1]))
     assert str(info.value) == (
-        "every row of probs must sum to 1 within 0.0001; the worst row is off by 0.7 (for a "
-        "binary classifier's probability p of class 1, pass both columns, "
-        "torch.cat([1 - p, p], dim=1), of shape (n, 2))"
+        "probs has one column (shape (2, 1)), a problem of one class; for a binary classifier's "
+        "probability p of class 1, pass both columns, torch.cat([1 - p, p], dim=1), of shape "
+        "(n, 2)"
     )
     # the hint's fix: -(log(1 - 0.3) + log(0.9)) / 2
     nll = categorical_nll(torch.cat([1 - p, p], dim=1), torch.tensor([0, 1]))

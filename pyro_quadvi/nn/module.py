@@ -382,7 +382,9 @@ class BayesianModule(PyroModule):
 
         if len(lead) == 0:
             flat = {name: value.reshape(params[name].shape) for name, value in values.items()}
-            return one(flat), 0
+            out = one(flat)
+            _refuse_one_example(self._net, x, out, 0)
+            return out, 0
         n = math.prod(lead)
         flat = {}
         for name, value in values.items():
@@ -413,7 +415,9 @@ class BayesianModule(PyroModule):
                 "vectorize=False; Trace_ELBO(vectorize_particles=False); "
                 f"Predictive(parallel=False).{noise}"
             ) from error
-        return out.reshape(lead + out.shape[1:]), len(lead)
+        out = out.reshape(lead + out.shape[1:])
+        _refuse_one_example(self._net, x, out, len(lead))
+        return out, len(lead)
 
     # -- the model --------------------------------------------------------------------------------
 
@@ -506,6 +510,33 @@ def _check_data(x: torch.Tensor, y: object, outputs: torch.Tensor, likelihood: L
     if flags and not bool(torch.stack(flags).all()):
         check_inputs(x, "BayesianModule", "the step")
         likelihood.check_observations(y, outputs)
+
+
+def _refuse_one_example(
+    net: nn.Module, x: torch.Tensor, outputs: torch.Tensor, batch_dims: int
+) -> None:
+    """Refuse a 1-D ``x`` that is one example of ``F`` features, not ``F`` rows: its outputs
+    (``(C,)`` from a first ``nn.Linear(F, C)``) would be read as ``C`` rows. It is one where the
+    outputs' rows are not ``x``'s, or where the net's first layer with parameters is an
+    ``nn.Linear`` taking ``F`` features (a batch of ``F`` scalars would be ``(F, 1)`` for it)."""
+    if x.dim() != 1:
+        return
+    shape = tuple(outputs.shape[batch_dims:])
+    first = next((m for m in net.modules() if next(m.parameters(False), None) is not None), None)
+    takes = isinstance(first, nn.Linear) and first.in_features == x.shape[0]
+    if shape[:1] == x.shape[:1] and not takes:
+        return
+    why = (
+        f"the net's first layer, nn.Linear({first.in_features}, {first.out_features}), takes "
+        f"{first.in_features} features"
+        if takes
+        else f"the net's outputs, of shape {shape}, do not have its {x.shape[0]} rows"
+    )
+    raise ValueError(
+        f"BayesianModule: x of shape {tuple(x.shape)} is one example, not a batch of rows: "
+        f"{why}. The net takes x of B rows (its first dim); pass one example as a batch of one "
+        "row, x[None] (x.unsqueeze(0))"
+    )
 
 
 def check_inputs(x: object, owner: str, before: str) -> None:

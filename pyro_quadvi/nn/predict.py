@@ -48,8 +48,9 @@ class Prediction:
         mean: the weighted mean of ``outputs``, ``(B, ...)``: the Bayesian model average of the
             net's output (for a Gaussian likelihood, the predictive mean).
         probs: for ``Categorical`` (softmax over the last dim) and ``Bernoulli`` (sigmoid)
-            likelihoods, the weighted mean of the per-draw probabilities, ``(B, ...)``; ``None``
-            otherwise.
+            likelihoods, the weighted mean of the per-draw probabilities, ``(B, ...)``, clamped
+            to ``[0, 1]`` where no weight is negative (a float32 mean of 30 draws of 1 is
+            1.0000004 unclamped); ``None`` otherwise.
         variance: for a ``Gaussian`` likelihood, the predictive variance of ``y``: the weighted
             variance of ``outputs`` about ``mean`` (the model-average part) plus
             ``noise_variance``, ``(B, ...)`` like ``mean``; ``None`` otherwise.
@@ -131,6 +132,8 @@ def predict(
             ``num_samples < 1`` without it.
         TypeError, ValueError: for an ``x`` that is no tensor, or holds a NaN or an infinity
             (the rows named; `BayesianModule` refuses such an ``x`` as the model, too).
+        ValueError: for one example ``x`` of shape ``(F,)`` (the fix: ``x[None]``), as the model
+            refuses it.
         TypeError, ValueError: for a ``batch_size`` that is not an int or ``None`` (a bool, a
             float), or an int below 1; for ``steps`` that is not an int >= 1 or ``"period"``,
             that is not 1 without ``quadrature``, or ``"period"`` with a rule that has none.
@@ -204,9 +207,9 @@ def predict(
         probs = variance = noise_variance = None
         likelihood = bnn.likelihood
         if isinstance(likelihood, Categorical):
-            probs = _average(torch.softmax(outputs, dim=-1), weights)
+            probs = _average_probs(torch.softmax(outputs, dim=-1), weights)
         elif isinstance(likelihood, Bernoulli):
-            probs = _average(torch.sigmoid(outputs), weights)
+            probs = _average_probs(torch.sigmoid(outputs), weights)
         elif isinstance(likelihood, Gaussian):
             if noise_scales is None:
                 noise_variance = torch.full_like(mean, likelihood.scale**2)
@@ -219,6 +222,14 @@ def predict(
 
 def _average(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.tensordot(weights, values, dims=([0], [0]))
+
+
+def _average_probs(probs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The weighted mean of per-draw probabilities, clamped to ``[0, 1]`` where no weight is
+    negative: there only rounding leaves the range (a float32 mean of ones at 1/30 each is
+    1.0000004). A signed average of a rule with negative weights is kept as it is."""
+    mean = _average(probs, weights)
+    return mean.clamp(0, 1) if bool((weights >= 0).all()) else mean
 
 
 def _learned_noise(bnn) -> bool:
