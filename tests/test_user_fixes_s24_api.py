@@ -167,3 +167,14 @@ def test_opqa_evidence_names_a_list_given_for_a_tensor_and_refuses_a_string_prog
 def _vector_model(y):
     theta = pyro.sample("th", dist.Normal(0.0, 1.0))
     pyro.sample("y", dist.Normal(theta, 1.0).expand([5]).to_event(1), obs=y)
+
+
+def test_register_adapter_refuses_a_name_in_place_of_a_class():
+    # trial t3: register_adapter("x") failed later with "'str' object has no attribute
+    # '_pyro_quadvi_adapter'", at decoration, without naming the argument
+    from pyro_quadvi.guides import register_adapter
+
+    with pytest.raises(
+        TypeError, match=r"register_adapter takes the guide's class, got 'x' of type str"
+    ):
+        register_adapter("x")

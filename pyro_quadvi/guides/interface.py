@@ -374,7 +374,16 @@ def register_adapter(cls: type, *, refuses: Callable[[type], str | None] | None 
     the adapter does not describe a subclass of ``cls`` (one that changes its family), ``None``
     where it does: such a subclass has no adapter, and `describe_guide`'s refusal gives the
     reason.
+
+    Raises:
+        TypeError: where ``cls`` is not a class (``register_adapter(AutoNormal)``, not an
+            instance or a name).
     """
+    if not isinstance(cls, type):
+        raise TypeError(
+            f"register_adapter takes the guide's class, got {cls!r} of type "
+            f"{type(cls).__name__}: pass the class itself, e.g. @register_adapter(AutoNormal)"
+        )
 
     def decorate(fn: Callable[[object, Trace | None], GuideDescription]) -> Callable:
         _ADAPTERS[cls] = fn
