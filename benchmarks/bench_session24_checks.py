@@ -13,8 +13,15 @@
    the collective, on a 1-50-1 net (Gaussian, batch 128) and a 784-400-400-10 net (ReLU,
    categorical, random data, batch 256).
 2. **`metrics.rmse` scaled by the largest residual** (no overflow of the squares in float32):
-   the CPU time of the scaled form against the plain ``sqrt(mean(r ** 2))`` on ``--rows``
-   float32 residuals.
+   the CPU time of ``rmse`` against its form before the scaling (the same input checks, then
+   ``sqrt(mean((pred - y) ** 2))``) on ``--rows`` float32 residuals.
+
+3. **The check of autograd's derivatives at the Laplace mode**
+   (`pyro_quadvi.evidence.weight._check_derivatives`: two more evaluations of the log joint at
+   the mode plus and minus a thousandth of a weight standard deviation, a warning where central
+   differences disagree with autograd): ``opqa_evidence`` with it and without it (replaced by a
+   function that does nothing) on a Bayesian linear regression of 100 rows, 3 weights and a
+   LogNormal noise scale (d = 4), at 1 and 8 points a coordinate.
 
 CPU times (``time.process_time``, one thread, the garbage collector off during each timed run),
 medians of ``--repeats``, the variants alternated within each repeat. ``--quick`` runs a few
@@ -31,14 +38,16 @@ import time
 from collections.abc import Callable
 
 import pyro
+import pyro.distributions as dist
 import torch
 from pyro.infer import SVI
 from torch import nn
 
 from pyro_quadvi.distributed.comm import projections
+from pyro_quadvi.evidence import opqa_evidence, weight
 from pyro_quadvi.guides import AutoMeanFieldNormal
 from pyro_quadvi.infer import QuadratureELBO
-from pyro_quadvi.metrics import rmse
+from pyro_quadvi.metrics import _check_float, _check_same_shape, rmse
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import QNVB
 from pyro_quadvi.optim.qnvb import _leaves
@@ -103,15 +112,55 @@ def projection_rows(repeats: int, steps: int) -> list[str]:
     return rows
 
 
+def unscaled_rmse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``metrics.rmse`` before session 24: its input checks, then the squares unscaled."""
+    pred = _check_float("pred", pred)
+    y = _check_same_shape("y", y, "pred", pred)
+    return (pred - y).square().mean().sqrt()
+
+
 def rmse_row(repeats: int, rows: int) -> str:
     torch.manual_seed(0)
     pred, y = torch.randn(rows), torch.randn(rows)
     scaled, plain = [], []
     for _ in range(repeats):
         scaled.append(cpu_time(lambda: rmse(pred, y), 5))
-        plain.append(cpu_time(lambda: (pred - y).pow(2).mean().sqrt(), 5))
+        plain.append(cpu_time(lambda: unscaled_rmse(pred, y), 5))
     s, p = statistics.median(scaled), statistics.median(plain)
     return f"| {rows:,} | {1e3 * p:.2f} | {1e3 * s:.2f} | {s / p:.2f} |"
+
+
+def regression(x: torch.Tensor, y: torch.Tensor) -> None:
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
+    s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("rows", x.shape[0]):
+        pyro.sample("y", dist.Normal((x * w).sum(-1), s), obs=y)
+
+
+def evidence_rows(repeats: int) -> list[str]:
+    torch.manual_seed(0)
+    x = torch.randn(100, 3, dtype=torch.float64)
+    y = x @ torch.tensor([1.0, -0.5, 0.25], dtype=torch.float64) + 0.3 * torch.randn(
+        100, dtype=torch.float64
+    )
+    checked = weight._check_derivatives
+    rows = []
+    for points in (1, 8):
+        with_check, without = [], []
+        for _ in range(repeats):
+            with_check.append(
+                cpu_time(lambda n=points: opqa_evidence(regression, x, y, num_points=n))
+            )
+            weight._check_derivatives = lambda *args: None
+            try:
+                without.append(
+                    cpu_time(lambda n=points: opqa_evidence(regression, x, y, num_points=n))
+                )
+            finally:
+                weight._check_derivatives = checked
+        a, b = statistics.median(without), statistics.median(with_check)
+        rows.append(f"| {points} | {points**4:,} | {1e3 * a:.1f} | {1e3 * b:.1f} | {b / a:.2f} |")
+    return rows
 
 
 def main() -> None:
@@ -132,9 +181,17 @@ def main() -> None:
     for row in projection_rows(args.repeats, args.steps):
         print(row)
     print()
-    print("| residuals (float32) | plain sqrt(mean(r^2)) (ms) | metrics.rmse (ms) | ratio |")
+    print("| residuals (float32) | rmse unscaled, as before (ms) | metrics.rmse (ms) | ratio |")
     print("|---:|---:|---:|---:|")
     print(rmse_row(args.repeats, args.rows))
+    print()
+    print(
+        "| points a coordinate | nodes | opqa_evidence without the check (ms) | with it (ms) "
+        "| ratio |"
+    )
+    print("|---:|---:|---:|---:|---:|")
+    for row in evidence_rows(args.repeats):
+        print(row)
 
 
 if __name__ == "__main__":
