@@ -45,20 +45,10 @@ from pyro_quadvi.quadrature import (
     gauss_hermite,
     make_rule,
 )
+from pyro_quadvi.testing.update_cases import update_inputs
 
 DTYPE = torch.float64
 HP = QNVBHyperparameters()
-
-
-def _inputs(n: int = 3) -> dict:
-    mu = torch.linspace(-1.0, 1.0, n, dtype=DTYPE)
-    return {
-        "mu": mu,
-        "sigma": torch.full((n,), 0.1, dtype=DTYPE),
-        "g": torch.linspace(0.5, 2.0, n, dtype=DTYPE),
-        "h": torch.linspace(1.0, 3.0, n, dtype=DTYPE),
-        "state": init_qnvb_state(mu),
-    }
 
 
 def _reference(args: dict, **kwargs):
@@ -85,7 +75,7 @@ def test_an_argument_of_another_shape_than_the_mean_is_refused_not_broadcast(
     # before: a g of shape (1,) moved every coordinate by its one value, a (3, 1) g grew the
     # (3,) mean field and its state to (3, 3), an empty one gave an empty result
     call, index = UPDATES[update]
-    args = _inputs()
+    args = update_inputs()
     bad = torch.ones(shape, dtype=DTYPE)
     if argument == "state.h_avg":
         args["state"] = args["state"]._replace(h_avg=bad)
@@ -102,16 +92,16 @@ def test_an_argument_of_another_shape_than_the_mean_is_refused_not_broadcast(
 @pytest.mark.parametrize("update", UPDATES)
 def test_arguments_that_are_not_tensors_are_refused_by_name(update):
     call, index = UPDATES[update]
-    args = _inputs()
+    args = update_inputs()
     args["h"] = 1.0
     name = "h" if not index else "hs[0]"
     with pytest.raises(TypeError, match=rf"{update}: {re.escape(name)} must be a tensor of"):
         call(args)
-    args = _inputs()
+    args = update_inputs()
     args["state"] = list(args["state"])
     with pytest.raises(TypeError, match=r"must be a QNVBState \(init_qnvb_state\(mu\)"):
         call(args)
-    args = _inputs()
+    args = update_inputs()
     fields = [args[k] if not index else [args[k]] for k in ("mu", "sigma", "g", "h", "state")]
     with pytest.raises(TypeError, match=f"{update}: hp must be a QNVBHyperparameters, got dict"):
         (qnvb_update_many if index else qnvb_update)(*fields, {"lr": 1.0})
@@ -137,17 +127,17 @@ def test_a_weight_or_prior_precision_out_of_range_is_refused(update, argument, v
     # coordinates whose h was not positive were kept and counted as overflows)
     call, _ = UPDATES[update]
     with pytest.raises(ValueError, match=rf"{update}: {expected} \(.*\), got"):
-        call(_inputs(), **{argument: value})
+        call(update_inputs(), **{argument: value})
     with pytest.raises(TypeError, match=rf"{update}: {argument} must be a real number"):
-        call(_inputs(), **{argument: True})
+        call(update_inputs(), **{argument: True})
 
 
 @pytest.mark.parametrize("update", UPDATES)
 def test_valid_weights_give_the_same_bits_as_numbers_and_as_tensors(update):
     call, _ = UPDATES[update]
-    as_numbers = call(_inputs(), weight=50.0, prior_precision=2.0)
+    as_numbers = call(update_inputs(), weight=50.0, prior_precision=2.0)
     as_tensors = call(
-        _inputs(),
+        update_inputs(),
         weight=torch.tensor(50.0, dtype=DTYPE),
         prior_precision=torch.tensor(2.0, dtype=DTYPE),
     )
@@ -163,7 +153,7 @@ def test_a_non_finite_mean_or_scale_is_refused_with_its_count(update, argument, 
     # before: the guard kept a NaN or infinite mean as it was (counted as an overflow) and
     # clamped an infinite scale to sigma_max, at every step
     call, index = UPDATES[update]
-    args = _inputs(5)
+    args = update_inputs(5)
     args[argument] = args[argument].clone()
     args[argument][[1, 3]] = value
     name = (
@@ -177,7 +167,7 @@ def test_the_flat_update_refuses_a_non_finite_scale_in_a_later_chunk(monkeypatch
     # the flat update tests the mean and scale only in a chunk whose guard acts: an infinite scale
     # in the third chunk of the second tensor is found, and counted over every tensor
     monkeypatch.setattr(qnvb_functional, "_CHUNK", 64)
-    first, second = _inputs(100), _inputs(200)
+    first, second = update_inputs(100), update_inputs(200)
     second["sigma"] = second["sigma"].clone()
     second["sigma"][150] = math.inf
     lists = [[first[k], second[k]] for k in ("mu", "sigma", "g", "h", "state")]
@@ -187,7 +177,7 @@ def test_the_flat_update_refuses_a_non_finite_scale_in_a_later_chunk(monkeypatch
 
 def test_in_place_the_guard_keeps_a_non_finite_mean_as_before():
     # with donate the chunks before it are written: the coordinate is kept and counted, not refused
-    args = _inputs()
+    args = update_inputs()
     args["mu"] = args["mu"].clone()
     args["mu"][1] = math.nan
     lists = [
@@ -200,7 +190,7 @@ def test_in_place_the_guard_keeps_a_non_finite_mean_as_before():
 def test_a_non_finite_g_still_leaves_its_coordinate_unchanged():
     # the guard's own case (a bad gradient) is not refused: the coordinate keeps its values
     for call, _ in UPDATES.values():
-        args = _inputs()
+        args = update_inputs()
         args["g"] = args["g"].clone()
         args["g"][0] = math.nan
         result = call(args)

@@ -24,32 +24,21 @@ from pyro_quadvi.export import to_inference_data
 from pyro_quadvi.optim import QNVBOptimizer, qnvb_functional
 from pyro_quadvi.optim.qnvb_functional import (
     QNVBHyperparameters,
-    init_qnvb_state,
     qnvb_update,
     qnvb_update_many,
 )
 from pyro_quadvi.quadrature import cross_reference, simplex_reference
+from pyro_quadvi.testing.update_cases import update_inputs
 
 DTYPE = torch.float64
 HP = QNVBHyperparameters()
-
-
-def _inputs(n: int) -> dict:
-    mu = torch.linspace(-1.0, 1.0, n, dtype=DTYPE)
-    return {
-        "mu": mu,
-        "sigma": torch.full((n,), 0.1, dtype=DTYPE),
-        "g": torch.linspace(0.5, 2.0, n, dtype=DTYPE),
-        "h": torch.linspace(1.0, 3.0, n, dtype=DTYPE),
-        "state": init_qnvb_state(mu),
-    }
 
 
 @pytest.mark.parametrize("value", [-1.0, 0.0, -0.0])
 @pytest.mark.parametrize("many", [False, True])
 def test_a_scale_at_or_below_zero_is_refused_with_its_count(value, many):
     # before: the rate limit and the bounds set such a scale to sigma_min (1e-6), no error
-    args = _inputs(5)
+    args = update_inputs(5)
     args["sigma"][[1, 3]] = value
     if many:
         call = lambda: qnvb_update_many(*([args[k]] for k in args), HP)  # noqa: E731
@@ -64,7 +53,7 @@ def test_a_scale_at_or_below_zero_is_refused_with_its_count(value, many):
 def test_the_flat_update_refuses_a_scale_at_zero_in_a_later_chunk(monkeypatch):
     # every result of the chunk is finite (the guard does not act): the scale's least value is read
     monkeypatch.setattr(qnvb_functional, "_CHUNK", 64)
-    first, second = _inputs(100), _inputs(200)
+    first, second = update_inputs(100), update_inputs(200)
     second["sigma"][150] = -0.5
     lists = [[first[k], second[k]] for k in ("mu", "sigma", "g", "h", "state")]
     with pytest.raises(ValueError, match=r"sigmas\[1\] is <= 0 at 1 of 200 coordinates"):
@@ -72,7 +61,7 @@ def test_the_flat_update_refuses_a_scale_at_zero_in_a_later_chunk(monkeypatch):
 
 
 def test_a_positive_scale_still_updates_as_before():
-    args = _inputs(3)
+    args = update_inputs(3)
     args["sigma"][:] = 1.0
     args["g"][:] = 1.0
     args["h"][:] = 1.0

@@ -9,9 +9,9 @@ import math
 import torch
 from torch import nn
 
-from ..optim.qnvb_functional import QNVBHyperparameters
+from ..optim.qnvb_functional import QNVBHyperparameters, init_qnvb_state
 
-__all__ = ["HYPERPARAMETERS", "SIZES", "hazard_moments", "small_net"]
+__all__ = ["HYPERPARAMETERS", "SIZES", "hazard_moments", "small_net", "update_inputs"]
 
 #: a single coordinate, below and above a vector and a chunk of 64, several chunks, empty tensors
 #: first, inside and last
@@ -61,3 +61,16 @@ def small_net() -> nn.Module:
     return nn.Sequential(
         nn.Linear(3, 40), nn.ReLU(), nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 2)
     )
+
+
+def update_inputs(n: int = 3, dtype: torch.dtype = torch.float64) -> dict:
+    """Valid arguments of `qnvb_update` for ``n`` coordinates (``mu``, ``sigma``, ``g``, ``h``
+    and a fresh ``state``), for tests that spoil one of them."""
+    mu = torch.linspace(-1.0, 1.0, n, dtype=dtype)
+    return {
+        "mu": mu,
+        "sigma": torch.full((n,), 0.1, dtype=dtype),
+        "g": torch.linspace(0.5, 2.0, n, dtype=dtype),
+        "h": torch.linspace(1.0, 3.0, n, dtype=dtype),
+        "state": init_qnvb_state(mu),
+    }
