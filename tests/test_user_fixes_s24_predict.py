@@ -136,6 +136,63 @@ def test_a_one_dim_x_of_rows_is_taken(fresh_param_store):
     assert bnn.predict(guide, x, num_samples=2).probs.shape == (5, 3)
 
 
+class _FourierFeatures(nn.Module):
+    """A regression on scalar inputs x of shape (N,): sin and cos of 16 frequencies a row, then
+    nn.Linear(32, 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.linspace(0.5, 8.0, 16))
+        self.lin = nn.Linear(32, 1)
+
+    def forward(self, x):
+        z = x[:, None] * self.w
+        return self.lin(torch.cat([z.sin(), z.cos()], -1)).squeeze(-1)
+
+
+class _OfScalars(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(x[:, None]))).squeeze(-1)
+
+
+@pytest.mark.parametrize(("net", "rows"), [(_FourierFeatures, 32), (_OfScalars, 1)])
+def test_a_one_dim_batch_of_scalars_is_taken_whatever_its_length(fresh_param_store, net, rows):
+    # the net makes rows of x's scalars before its first nn.Linear(F, .): a batch of F scalars
+    # (32, a usual batch size; one row of a net of one feature) was refused as one example
+    bnn = BayesianModule(net(), priors.Normal(1.0), likelihoods.Gaussian(rows, scale=0.1))
+    x = torch.linspace(-1.0, 1.0, rows)
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
+    guide(x, x.sin())
+    bnn(x, x.sin())
+    prediction = bnn.predict(guide, x, quadrature="hadamard")
+    assert prediction.mean.shape == (rows,)
+    with torch.no_grad():  # the net at the guide's means: one output a row of x
+        expected = torch.func.functional_call(bnn.net, guide.median(), (x,))
+    # the Fourier net is linear in its weights, so the average over the nodes is its value there
+    torch.testing.assert_close(prediction.mean, expected, atol=0.02, rtol=0)
+
+
+def test_one_example_whose_outputs_have_its_length_is_refused_in_a_vectorized_pass(
+    fresh_param_store,
+):
+    # nn.Linear(5, 4) then nn.Linear(4, 5): x of shape (5,) gives outputs of shape (5,), read as
+    # 5 rows; the first layer was given x itself, in each pass of vmap over the nodes too
+    net = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 5))
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(5, scale=0.1))
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
+    guide(torch.randn(2, 5), torch.randn(2, 5))
+    with pytest.raises(ValueError) as info:
+        bnn.predict(guide, torch.randn(5), quadrature="hadamard")
+    assert str(info.value) == _one_example(
+        "the net's first layer, nn.Linear(5, 4), takes 5 features"
+    )
+
+
 def test_documented_variance_ratios_of_one_quadrature_step_are_measured(float64_store):
     # docs/nn.md, "Prediction": Linear(4, 1), all scales 0.5, 2,000 random N(0, 1) inputs
     x = torch.randn(2000, 4, generator=torch.Generator().manual_seed(0))

@@ -368,22 +368,32 @@ class BayesianModule(PyroModule):
         leads = {name: _lead(name, value, params[name]) for name, value in values.items()}
         lead = torch.broadcast_shapes(*leads.values()) if leads else torch.Size()
         padding = _padding_rows(self._net, params)
+        first = _first_layer(self._net)
+        fed: list[torch.Size] = []  # what a first nn.Linear was given, for a 1-D x
 
         def one(weights):
             for name, (rows, own) in padding.items():  # the layer's own padding row, a constant
                 weights = {**weights, name: torch.where(rows, own, weights[name])}
+            watch = None
+            if x.dim() == 1 and isinstance(first, nn.Linear):
+                watch = first.register_forward_pre_hook(
+                    lambda _, inputs: fed.extend(a.shape for a in inputs[:1])
+                )
             try:
                 out = functional_call(self._net, {**weights, **fixed}, (x,))
             except RuntimeError as error:
                 _name_an_input_dtype(self._net, x, error)
                 raise
+            finally:
+                if watch is not None:
+                    watch.remove()
             check_tensor_output(out, self._net, "BayesianModule", "the likelihood")
             return out
 
         if len(lead) == 0:
             flat = {name: value.reshape(params[name].shape) for name, value in values.items()}
             out = one(flat)
-            _refuse_one_example(self._net, x, out, 0)
+            _refuse_one_example(first, x, x.shape in fed, out, 0)
             return out, 0
         n = math.prod(lead)
         flat = {}
@@ -416,7 +426,7 @@ class BayesianModule(PyroModule):
                 f"Predictive(parallel=False).{noise}"
             ) from error
         out = out.reshape(lead + out.shape[1:])
-        _refuse_one_example(self._net, x, out, len(lead))
+        _refuse_one_example(first, x, x.shape in fed, out, len(lead))
         return out, len(lead)
 
     # -- the model --------------------------------------------------------------------------------
@@ -512,18 +522,23 @@ def _check_data(x: torch.Tensor, y: object, outputs: torch.Tensor, likelihood: L
         likelihood.check_observations(y, outputs)
 
 
+def _first_layer(net: nn.Module) -> nn.Module | None:
+    """The net's first module with parameters of its own (``None``: none has any)."""
+    return next((m for m in net.modules() if next(m.parameters(False), None) is not None), None)
+
+
 def _refuse_one_example(
-    net: nn.Module, x: torch.Tensor, outputs: torch.Tensor, batch_dims: int
+    first: nn.Module | None, x: torch.Tensor, takes: bool, outputs: torch.Tensor, batch_dims: int
 ) -> None:
     """Refuse a 1-D ``x`` that is one example of ``F`` features, not ``F`` rows: its outputs
     (``(C,)`` from a first ``nn.Linear(F, C)``) would be read as ``C`` rows. It is one where the
-    outputs' rows are not ``x``'s, or where the net's first layer with parameters is an
-    ``nn.Linear`` taking ``F`` features (a batch of ``F`` scalars would be ``(F, 1)`` for it)."""
+    outputs' rows are not ``x``'s, or where ``takes``: the net's first layer with parameters
+    (``first``), an ``nn.Linear``, was given a tensor of ``x``'s shape ``(F,)``. A net that
+    makes rows of ``x``'s scalars before it (``x[:, None]``, Fourier features) gives it
+    ``(F, k)``: its batch of ``F`` scalars is taken whatever ``F``."""
     if x.dim() != 1:
         return
     shape = tuple(outputs.shape[batch_dims:])
-    first = next((m for m in net.modules() if next(m.parameters(False), None) is not None), None)
-    takes = isinstance(first, nn.Linear) and first.in_features == x.shape[0]
     if shape[:1] == x.shape[:1] and not takes:
         return
     why = (
