@@ -972,13 +972,9 @@ def elbo_bound_as_printed(ns: dict, out: str) -> None:
 
 EXAMPLES: dict[str, Example] = {
     # README.md and docs/index.md: the one-line change, on a model of the reader's
-    "readme-quick-start": Example(
-        CONJUGATE, check=lambda ns, out: fits_the_conjugate_posterior(ns, out, steps=30)
-    ),
+    "readme-quick-start": Example(check=fits_the_conjugate_posterior),
     "readme-quadrature": Example(check=readme_nodes),
-    "index-quick-start": Example(
-        CONJUGATE, check=lambda ns, out: fits_the_conjugate_posterior(ns, out, steps=30)
-    ),
+    "index-quick-start": Example(check=fits_the_conjugate_posterior),
     # docs/arviz.md
     "arviz-signature": Example(
         skip="the call's form (*args, **kwargs); arviz-eight-schools runs it"

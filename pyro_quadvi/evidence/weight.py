@@ -215,7 +215,9 @@ def _check_derivatives(
         "likely a latent detached on its way to a distribution (x.detach(), x.item(), float(x), "
         "x.numpy(), torch.tensor(x)), so the weight is centred and scaled on the rest of the "
         "model and the evidence needs many more points; keep the latents as tensors in the "
-        "model's arithmetic",
+        "model's arithmetic. Or the log joint has a kink at the mode (abs, a Laplace density, "
+        "relu, clamp), whose curvature autograd does not see: there the Laplace weight is too "
+        "wide or too narrow and more points, or center='guide' with a fitted guide, are needed",
         UserWarning,
         stacklevel=6,  # the user's call of opqa_evidence, above its random-state wrapper
     )
