@@ -12,6 +12,7 @@ from pyro.infer import SVI
 from torch import nn
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.linalg import fwht
 from pyro_quadvi.nn import BayesianModule, WHVILinear, likelihoods, priors, whvi
 
 
@@ -114,3 +115,29 @@ def test_a_wrongly_shaped_g_loc_or_scale_is_refused_naming_the_shape():
     mean, factor = layer.output_moments(x, layer.g.detach(), torch.ones(1, 8))
     torch.testing.assert_close(mean, x @ layer.weight().detach().T)
     assert factor.shape == (2, 3, 8)
+
+
+@pytest.mark.parametrize(
+    "dtype, value, size",
+    [
+        (torch.float16, 20.0, 4096),  # the result 1280; the unnormalized sums reach 81,920 > 65,504
+        (torch.float16, 40.0, 2048),  # odd log2 D: the result 1810; unnormalized 81,920
+        (torch.bfloat16, 1e36, 4096),  # the result 6.4e37; unnormalized 4.1e39 > 3.4e38
+        (torch.float32, 1e35, 4096),  # the result 6.4e36; unnormalized 4.1e38 > 3.4e38
+    ],
+)
+def test_normalized_fwht_overflows_only_where_its_result_does(dtype, value, size):
+    x = torch.full((2, size), value, dtype=dtype)
+    y = fwht(x, normalized=True)
+    assert y.dtype == dtype
+    expected = torch.zeros(2, size, dtype=torch.float64)
+    expected[:, 0] = x[0, 0].double() * math.sqrt(size)
+    tolerance = 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(
+        y.double(), expected, rtol=tolerance, atol=tolerance * expected[0, 0].item()
+    )
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(3, size, dtype=torch.float64, generator=g)  # ordinary values: still accurate
+    reference = fwht(z, normalized=True)
+    error = (fwht(z.to(dtype), normalized=True).double() - reference).abs().max()
+    assert error < {torch.float16: 2e-2, torch.bfloat16: 1e-1, torch.float32: 1e-5}[dtype]
