@@ -141,3 +141,23 @@ def test_normalized_fwht_overflows_only_where_its_result_does(dtype, value, size
     reference = fwht(z, normalized=True)
     error = (fwht(z.to(dtype), normalized=True).double() - reference).abs().max()
     assert error < {torch.float16: 2e-2, torch.bfloat16: 1e-1, torch.float32: 1e-5}[dtype]
+
+
+def test_one_hadamard_steps_predictive_variance_on_a_whvi_layer_is_up_to_d_times_exact(
+    fresh_param_store,
+):
+    # docs/whvi.md#limits: beyond nn.md's 3 times of a Linear(4, 1), at most D (Cauchy-Schwarz)
+    torch.manual_seed(0)
+    layer = WHVILinear(5, 3, bias=False, dtype=torch.float64)
+    bnn = BayesianModule(layer, priors.Normal(1.0), likelihoods.Gaussian(10, scale=1.0))
+    guide = AutoMeanFieldNormal(bnn, init_scale=0.5)
+    guide(torch.zeros(1, 5, dtype=torch.float64), torch.zeros(1, 3, dtype=torch.float64))
+    x = torch.randn(2000, 5, dtype=torch.float64)
+    loc, scale = guide.locs.g.detach(), guide.scales.g.detach()
+    _, factor = layer.output_moments(x, loc, scale)
+    exact = (factor**2).sum(-1)
+    one = bnn.predict(guide, x, quadrature="hadamard")
+    ratio = (one.variance - one.noise_variance) / exact
+    assert 3.5 < ratio.max() <= layer.size and ratio.min() < 0.01
+    period = bnn.predict(guide, x, quadrature="hadamard", steps="period")
+    torch.testing.assert_close(period.variance - period.noise_variance, exact)
