@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 
 import pyro.distributions as dist
 import torch
@@ -45,13 +46,20 @@ def setup_dimensions(in_features: int, out_features: int) -> tuple[int, int, int
     ``in_features``; ``stack = ceil(out_features / D)`` square ``D x D`` blocks are stacked by
     rows and the first ``out_features`` of their ``stack * D`` outputs kept. (The algorithm as
     printed pads only when the next power equals ``2 D_in``, which never happens; we implement its
-    evident intent: pad whenever ``in_features`` is not a power of two.)
+    evident intent: pad whenever ``in_features`` is not a power of two.) The sizes are any
+    integers ``nn.Linear`` takes (``operator.index``: numpy integers too), but not bools.
     """
+    sizes = []
     for name, value in (("in_features", in_features), ("out_features", out_features)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"WHVILinear: {name} must be a positive int, got {value!r}")
-    size = _next_power_of_two(in_features)
-    return size, size - in_features, -(-out_features // size)
+        try:  # any integer nn.Linear takes (a numpy integer too), but not a bool
+            number = None if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            number = None
+        if number is None or number < 1:
+            raise ValueError(f"WHVILinear: {name} must be a positive integer, got {value!r}")
+        sizes.append(number)
+    size = _next_power_of_two(sizes[0])
+    return size, size - sizes[0], -(-sizes[1] // size)
 
 
 class WHVILinear(nn.Module):
@@ -98,6 +106,7 @@ class WHVILinear(nn.Module):
     ):
         super().__init__()
         size, padding, stack = setup_dimensions(in_features, out_features)
+        in_features, out_features = operator.index(in_features), operator.index(out_features)
         if (
             isinstance(prior_scale, bool)
             or not isinstance(prior_scale, int | float)
@@ -154,6 +163,15 @@ class WHVILinear(nn.Module):
             f"prior_scale={self.prior_scale}"
         )
 
+    def _check_like_g(self, method: str, name: str, value: torch.Tensor) -> None:
+        """Refuse a ``value`` (in place of ``g``) that is not a tensor of ``g``'s shape."""
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        if shape != tuple(self.g.shape):
+            raise ValueError(
+                f"WHVILinear.{method}: {name} must be a tensor of g's shape (stack, D) = "
+                f"{tuple(self.g.shape)}, got {shape}"
+            )
+
     # -- the weight -------------------------------------------------------------------------------
 
     def _square(self, g: torch.Tensor) -> torch.Tensor:
@@ -171,8 +189,13 @@ class WHVILinear(nn.Module):
         """The dense ``(out_features, in_features)`` weight ``W`` for ``g`` (default: ``self.g``).
 
         ``O(D^2 log D)`` per block: for inspection and tests; the forward pass never forms it.
+
+        Raises:
+            ValueError: for a ``g`` that is not a tensor of ``g``'s shape ``(stack, D)``.
         """
-        g = self.g if g is None else g
+        if g is None:
+            g = self.g
+        self._check_like_g("weight", "g", g)
         if self.vector:
             w = self._vector(g)
             return w.unsqueeze(-1) if self.in_features == 1 else w.unsqueeze(0)
@@ -222,7 +245,12 @@ class WHVILinear(nn.Module):
         Returns:
             ``m`` of shape ``(..., out_features)`` (no bias) and ``A`` of shape
             ``(..., out_features, stack * D)`` (columns: the entries of ``g``, flattened).
+
+        Raises:
+            ValueError: for a ``loc`` or ``scale`` that is not a tensor of ``g``'s shape.
         """
+        self._check_like_g("output_moments", "loc", loc)
+        self._check_like_g("output_moments", "scale", scale)
         mean = self._product(x, loc)
         eye = torch.eye(self.size, dtype=x.dtype, device=x.device)
         hadamard = fwht(eye, normalized=True)
@@ -247,6 +275,12 @@ class WHVILinear(nn.Module):
         return mean, factor.reshape(shape)[..., : self.out_features, :]
 
 
+_READS_LINEAR_WEIGHTS = (nn.TransformerEncoderLayer, nn.MultiheadAttention)
+"""Modules whose forward reads their ``nn.Linear`` children's ``.weight`` as a tensor (torch's
+fast paths: ``linear1.weight.device``, ``out_proj.weight``); a `WHVILinear`'s ``weight`` is a
+method, so `whvi` keeps those children as they are."""
+
+
 def whvi(net: nn.Module, skip_last: bool = False, prior_scale: float = 1.0) -> nn.Module:
     """A copy of ``net`` with its ``nn.Linear`` layers replaced by `WHVILinear` layers.
 
@@ -256,17 +290,29 @@ def whvi(net: nn.Module, skip_last: bool = False, prior_scale: float = 1.0) -> n
             stays mean-field under ``BayesianModule``: the paper's experiments (Section 3.2).
         prior_scale: of every new layer's ``g``.
 
-    Each new layer has the old one's sizes, dtype, device and bias (copied); ``g`` starts at a
-    prior draw, ``s1 = s2 = 1``.
+    Replaced are the modules whose type is exactly ``nn.Linear``: a subclass (which may change
+    the forward pass) and an ``nn.LazyLinear`` that has not run yet are kept, and so are the
+    Linears of an ``nn.TransformerEncoderLayer`` or ``nn.MultiheadAttention``, whose forward reads
+    their ``.weight`` as a tensor. A Linear used at several places (tied) becomes one
+    `WHVILinear` at all of them. Each new layer has the old one's sizes, dtype, device, bias
+    (copied) and ``requires_grad`` (a frozen Linear gives a frozen layer); ``g`` starts at a prior
+    draw, ``s1 = s2 = 1``.
     """
     if not isinstance(net, nn.Module):
         raise TypeError(f"whvi: net must be a torch.nn.Module, got {type(net).__name__}")
     net = copy.deepcopy(net)
-    linears = [name for name, module in net.named_modules() if type(module) is nn.Linear]
-    if skip_last and linears:
-        linears = linears[:-1]
-    for name in linears:
-        old = net.get_submodule(name)
+    aliases: dict[int, list[str]] = {}  # every name of each Linear, in net.modules() order
+    for name, module in net.named_modules(remove_duplicate=False):
+        if type(module) is nn.Linear:
+            aliases.setdefault(id(module), []).append(name)
+    groups = list(aliases.values())
+    if skip_last and groups:
+        groups = groups[:-1]
+    for names in groups:
+        parents = [net.get_submodule(name.rpartition(".")[0]) for name in names if name]
+        if any(isinstance(parent, _READS_LINEAR_WEIGHTS) for parent in parents):
+            continue
+        old = net.get_submodule(names[0])
         new = WHVILinear(
             old.in_features,
             old.out_features,
@@ -275,12 +321,13 @@ def whvi(net: nn.Module, skip_last: bool = False, prior_scale: float = 1.0) -> n
             dtype=old.weight.dtype,
             device=old.weight.device,
         )
+        new.requires_grad_(old.weight.requires_grad)
         if old.bias is not None:
             with torch.no_grad():
                 new.bias.copy_(old.bias)
-        if name:
-            parent, _, child = name.rpartition(".")
-            setattr(net.get_submodule(parent), child, new)
-        else:
+            new.bias.requires_grad_(old.bias.requires_grad)
+        if not parents:
             return new  # the net is one nn.Linear
+        for parent, name in zip(parents, names, strict=True):
+            setattr(parent, name.rpartition(".")[2], new)
     return net
