@@ -73,6 +73,7 @@ from .qnvb_functional import IdleWords, _check_number, _check_tensors, or_float6
 __all__ = [
     "SPARSE_COUNT_KINDS",
     "SPARSE_IDLE",
+    "SURE_NONZERO",
     "SievePieces",
     "SparseQNVBBlock",
     "SparseQNVBCounters",
@@ -85,6 +86,7 @@ __all__ = [
     "init_sparse_counters",
     "loss_growth_message",
     "mixture_moments",
+    "realization_message",
     "result_count_values",
     "result_messages",
     "run_settings",
@@ -362,6 +364,55 @@ def loss_growth_message(
         f"{first:.3g} above it: the Gaussian means may be diverging (see 'Limits' in "
         f"docs/sparse_qnvb.md). {advice} (from a warm start whose first loss is near 0 the sieve "
         "zeroing weights can do this too). This warning is shown once"
+    )
+
+
+SURE_NONZERO = 0.99
+"""The probability of a nonzero (eq. 4.6, before the sieve) above which `realization_message`
+counts a weight the realization zeroes as a sure one."""
+
+
+def realization_message(
+    blocks: Sequence[SparseQNVBBlock],
+    counters: SparseQNVBCounters,
+    hp: SparseQNVBHyperparameters,
+    steps_per_epoch: int,
+) -> str | None:
+    """The warning for a realization that zeroes sure weights the budget could keep, else ``None``.
+
+    ``blocks`` and ``counters`` are the state *before* an update; unless that update is the
+    realization (the first step of the final epoch, Algorithm 5.2 line 5), this returns ``None``
+    without reading anything. The realization keeps a weight where its sieved ``p_nonzero`` exceeds
+    1/2, and the sieve spreads the middle band affinely between the logits ``zeta^(1)`` and
+    ``zeta^(0)``, so a weight whose own eq. 4.6 logit (Algorithm 5.3, line 10: without ``zeta_p``)
+    makes it nonzero almost surely is zeroed when the strongest weights put ``zeta^(1)`` far below
+    it. That is the paper's rule; the message counts such weights (eq. 4.6 probability of a nonzero
+    above `SURE_NONZERO`) where fewer than ``d - round(target_sparsity d)`` weights stay nonzero,
+    and names the ``target_free`` that would hold them all nonzero. One read from the device.
+    """
+    if counters.step != (hp.num_epochs - 1) * steps_per_epoch:
+        return None
+    sure_logit = -math.log(SURE_NONZERO / (1 - SURE_NONZERO))
+    sure_zeroed, kept = [], []
+    for block in blocks:
+        zeroed = block.p_nonzero <= 0.5  # the pattern the realization takes
+        sure = zero_logits(block.tau**-2, block.nu, hp.tau_max) < sure_logit
+        sure_zeroed.append((zeroed & sure).sum())
+        kept.append((~zeroed).sum())
+    num_sure, num_kept = torch.stack([sum(sure_zeroed), sum(kept)]).tolist()
+    dim = sum(block.nu.numel() for block in blocks)
+    allowed = dim - _counts(hp.target_sparsity, hp.target_free, dim)[0]
+    if not num_sure or num_kept >= allowed:
+        return None
+    return (
+        f"realizing the pattern zeroed weights whose eq. 4.6 probability of a nonzero exceeds "
+        f"{SURE_NONZERO} (before the sieve): {num_sure} of them, although target_sparsity="
+        f"{hp.target_sparsity!r} allows {allowed - num_kept} more of the {dim} to stay nonzero "
+        f"({num_kept} kept): the sieve rounds its middle band at the midpoint between the logits "
+        f"held nonzero and held near zero, so the strongest weights push weaker sure ones to zero "
+        f"(see 'Limits' in docs/sparse_qnvb.md). Pass target_free >= "
+        f"{min(num_kept + num_sure, allowed) / dim:.3g} (target_free={hp.target_free!r} now) to "
+        "hold them nonzero. This warning is shown once"
     )
 
 

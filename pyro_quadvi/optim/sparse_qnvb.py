@@ -50,6 +50,7 @@ from .sparse_functional import (
     init_sparse_counters,
     loss_growth_message,
     mixture_moments,
+    realization_message,
     result_count_values,
     result_messages,
     run_settings,
@@ -327,12 +328,15 @@ class SparseQNVB(QNVB):
             blocks.append(block)
             g_terms.append(g / steps + (self.prior_precision / steps) * block.mu)
             h_terms.append(h / steps + self.prior_precision / steps)
+        realized = realization_message(blocks, self.counters, hp, steps)
         result = sparse_qnvb_update(
             blocks, self.counters, g_terms, h_terms, hp, steps, self.cases_per_step
         )
         counts = result_count_values(result)
         self._refuse_if_idle(sites, params, kept_coordinates([counts], SPARSE_COUNT_KINDS))
         self.counters = result.counters
+        if realized is not None:
+            self._warn_once("realization", f"SparseQNVB: {realized}")
         for message in result_messages(result, self._sparse_warned, self._step_cap, counts):
             self._warn_once(message, f"SparseQNVB: {message} (this warning is shown once)")
         for (site, _, _), block in zip(sites, result.blocks):

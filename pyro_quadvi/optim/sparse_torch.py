@@ -47,6 +47,7 @@ from .sparse_functional import (
     init_sparse_counters,
     loss_growth_message,
     mixture_moments,
+    realization_message,
     result_count_values,
     result_messages,
     run_settings,
@@ -473,6 +474,9 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 sigma = block.sigma
                 g_terms.append(scale * g + prior * block.mu)
                 h_terms.append(scale * torch.where(sigma > 0, gx / sigma, 0.0) + prior)
+            realized = realization_message(
+                blocks, self.counters, self.hyperparameters, self.steps_per_epoch
+            )
             result = sparse_qnvb_update(
                 blocks,
                 self.counters,
@@ -499,6 +503,9 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 RuntimeWarning,
                 stacklevel=4,  # step <- no_grad <- torch's step hook <- the caller
             )
+        if realized is not None and "realization" not in self._warned:
+            self._warned.add("realization")
+            warnings.warn(f"SparseQNVBOptimizer: {realized}", RuntimeWarning, stacklevel=4)
         return loss_avg
 
     def _refuse_group_settings(self) -> None:
