@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pyro
 import pytest
 import torch
 from pyro.infer import SVI
@@ -58,6 +59,27 @@ def test_whvi_replaces_a_tied_linear_by_one_layer_at_every_place():
     first = nn.Linear(8, 8)
     kept = whvi(nn.Sequential(first, nn.ReLU(), lin, nn.ReLU(), lin), skip_last=True)
     assert type(kept[0]) is WHVILinear and kept[2] is kept[4] and type(kept[2]) is nn.Linear
+
+
+def test_a_module_used_twice_stays_latent_and_untouched_after_a_step(fresh_param_store):
+    # torch's functional_call(tie_weights=True) swapped the shared layer's place twice and left the
+    # sampled tensor in it (pytorch/pytorch#164759): after one model run the layer dropped out of
+    # latent_parameters() and the guide, its weight silently a constant
+    torch.manual_seed(0)
+    for lin in (nn.Linear(4, 4), WHVILinear(4, 4)):
+        net = nn.Sequential(nn.Sequential(nn.Linear(2, 4), lin), nn.Tanh(), lin, nn.Linear(4, 1))
+        before = dict(net.named_parameters())
+        bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(3))
+        guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
+        SVI(bnn, guide, QNVB(lr=0.1), QuadratureELBO()).step(torch.randn(3, 2), torch.randn(3))
+        assert all(p is before[n] for n, p in net.named_parameters())  # the net's own Parameters
+        latent = [n for n in before if not n.endswith(("s1", "s2"))]
+        assert list(bnn.latent_parameters()) == latent
+        prefix = "AutoMeanFieldNormal.locs."
+        assert sorted(k[len(prefix) :] for k in pyro.get_param_store() if k.startswith(prefix)) == (
+            sorted(latent)
+        )
+        pyro.clear_param_store()
 
 
 def test_whvi_replaces_exactly_nn_linear():
