@@ -286,3 +286,31 @@ def test_keys_left_by_a_refused_scheduler_are_named_with_a_deletion_of_each():
     assert f"Delete them ({fix})" in str(e.value)
     exec(fix, {"optimizer": optimizer})  # what the message says, as written
     assert torch.isfinite(optimizer.step(closure_of(net)))
+
+
+@pytest.mark.parametrize("vectorize", [True, False])
+def test_the_one_pass_step_keeps_a_module_used_twice_and_equals_the_closure_form(vectorize):
+    # review r3: torch's functional_call(tie_weights=True) swaps a module used at two paths in
+    # twice and leaves the given tensor in it (pytorch#164759): after one step of
+    # module_loss the shared Linear held a plain tensor and dropped out of named_parameters()
+    torch.manual_seed(0)
+    shared = nn.Linear(3, 3).double()
+    net = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(3, 1).double())
+    twin = copy.deepcopy(net)
+    x, y = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
+    names = [name for name, _ in net.named_parameters()]
+    one_pass = QNVBOptimizer(net.named_parameters(), quadrature="hadamard")
+    loop = QNVBOptimizer(twin.parameters(), quadrature="hadamard")
+
+    def closure():
+        loss = F.mse_loss(twin(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        one_pass.step(loss_fn=module_loss(net, F.mse_loss), batch=(x, y), vectorize=vectorize)
+        loop.step(closure)
+    assert [name for name, _ in net.named_parameters()] == names
+    assert type(net[0].weight) is nn.Parameter and net[2] is net[0]
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)

@@ -37,6 +37,8 @@ from types import MethodType
 from typing import Any
 
 import torch
+from torch import nn
+from torch.func import functional_call
 
 __all__ = [
     "BatchDecision",
@@ -44,6 +46,7 @@ __all__ = [
     "DecisionCache",
     "DtypeMismatch",
     "below_float64",
+    "call_by_place",
     "evaluate_batch",
     "is_broadcast_error",
     "is_vmap_refusal",
@@ -635,3 +638,39 @@ def sum_is_finite(values: torch.Tensor) -> torch.Tensor:
     on 128 x 784 float32 inputs (one CPU thread). Half precision sums in float32."""
     wide = torch.float32 if torch.finfo(values.dtype).bits < 32 else None
     return torch.isfinite(values.sum(dtype=wide))
+
+
+def call_by_place(module: nn.Module, tensors: Mapping[str, torch.Tensor], args: tuple) -> Any:
+    """``module(*args)`` with ``tensors`` (by the names of ``module.named_parameters()`` and
+    ``named_buffers()``) in place of its parameters and buffers: ``torch.func.functional_call``,
+    each place fed once (`_slots`), with ``tie_weights=False``.
+
+    Torch's ``tie_weights=True`` swaps a module used at two paths (``nn.Sequential(lin, act,
+    lin)``, a tied WHVI layer) in twice and so leaves the given tensor in it after the call
+    (pytorch/pytorch#164759): from then on the layer holds a plain tensor, no parameter, and
+    drops out of ``named_parameters()``. A tensor shared by two modules (``out.weight =
+    emb.weight``) still gets the value of its first name at both places.
+    """
+    slots = _slots(module)
+    given = {slot: tensors[name] for slot, name in slots.items() if name in tensors}
+    return functional_call(module, given, args, tie_weights=False)
+
+
+def _slots(net: nn.Module) -> dict[str, str]:
+    """Each place a parameter or buffer sits (a module's attribute), by one of its paths, mapped to
+    the tensor's first name in ``net.named_parameters()`` / ``net.named_buffers()``.
+
+    A tensor shared by two modules (a tied weight) has two places, both fed the first name's
+    value. A module used at two paths (``nn.Sequential(lin, act, lin)``) has its places once:
+    ``functional_call(tie_weights=True)`` swaps such a place in twice and so restores it to the
+    value it was given (pytorch/pytorch#164759), leaving the sampled tensor in the net.
+    """
+    slots, seen, first = {}, set(), {}
+    for named in (net.named_parameters, net.named_buffers):
+        for name, tensor in named(remove_duplicate=False):
+            path, _, attribute = name.rpartition(".")
+            place = (id(net.get_submodule(path)), attribute)
+            if place not in seen:
+                seen.add(place)
+                slots[name] = first.setdefault(id(tensor), name)
+    return slots

@@ -36,13 +36,14 @@ from pyro.nn import PyroModule
 from pyro.poutine import Trace
 from torch import nn
 from torch.distributions import Distribution, constraints
-from torch.func import functional_call, vmap
+from torch.func import vmap
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm as SpectralNormHook
 
 from ..infer.batched import (
     DtypeMismatch,
+    call_by_place,
     first_line,
     is_vmap_refusal,
     sum_is_finite,
@@ -368,7 +369,6 @@ class BayesianModule(PyroModule):
         leads = {name: _lead(name, value, params[name]) for name, value in values.items()}
         lead = torch.broadcast_shapes(*leads.values()) if leads else torch.Size()
         padding = _padding_rows(self._net, params)
-        slots = _slots(self._net)
         first = _first_layer(self._net)
         fed: list[torch.Size] = []  # what a first nn.Linear was given, for a 1-D x
 
@@ -381,13 +381,7 @@ class BayesianModule(PyroModule):
                     lambda _, inputs: fed.extend(a.shape for a in inputs[:1])
                 )
             try:
-                given = {**weights, **fixed}
-                out = functional_call(
-                    self._net,
-                    {slot: given[name] for slot, name in slots.items() if name in given},
-                    (x,),
-                    tie_weights=False,  # the slots are the ties: see _slots
-                )
+                out = call_by_place(self._net, {**weights, **fixed}, (x,))
             except RuntimeError as error:
                 _name_an_input_dtype(self._net, x, error)
                 raise
@@ -705,26 +699,6 @@ def _padding_rows(
         rows[pads.pop()] = True
         padding[name] = (rows, param.detach())
     return padding
-
-
-def _slots(net: nn.Module) -> dict[str, str]:
-    """Each place a parameter or buffer sits (a module's attribute), by one of its paths, mapped to
-    the tensor's first name in ``net.named_parameters()`` / ``net.named_buffers()``.
-
-    A tensor shared by two modules (a tied weight) has two places, both fed the first name's
-    value. A module used at two paths (``nn.Sequential(lin, act, lin)``) has its places once:
-    ``functional_call(tie_weights=True)`` swaps such a place in twice and so restores it to the
-    value it was given (pytorch/pytorch#164759), leaving the sampled tensor in the net.
-    """
-    slots, seen, first = {}, set(), {}
-    for named in (net.named_parameters, net.named_buffers):
-        for name, tensor in named(remove_duplicate=False):
-            path, _, attribute = name.rpartition(".")
-            place = (id(net.get_submodule(path)), attribute)
-            if place not in seen:
-                seen.add(place)
-                slots[name] = first.setdefault(id(tensor), name)
-    return slots
 
 
 def _declared(module: nn.Module, path: str) -> Mapping:

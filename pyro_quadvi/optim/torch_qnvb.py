@@ -39,7 +39,7 @@ from dataclasses import fields
 import pyro
 import torch
 from torch import nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
 from ..guides.interface import (
     GuideDescription,
@@ -50,6 +50,7 @@ from ..guides.interface import (
 from ..infer.batched import (
     BatchMismatch,
     DecisionCache,
+    call_by_place,
     evaluate_batch,
     first_line,
     is_vmap_refusal,
@@ -214,7 +215,7 @@ class ModuleLoss:
     def __call__(
         self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
     ) -> torch.Tensor:
-        outputs = functional_call(self.module, params, (x,))
+        outputs = call_by_place(self.module, params, (x,))
         check_tensor_output(outputs, self.module, "module_loss", "the criterion")
         return self.criterion(outputs, y)
 
