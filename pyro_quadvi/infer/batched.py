@@ -649,10 +649,15 @@ def call_by_place(module: nn.Module, tensors: Mapping[str, torch.Tensor], args: 
     lin)``, a tied WHVI layer) in twice and so leaves the given tensor in it after the call
     (pytorch/pytorch#164759): from then on the layer holds a plain tensor, no parameter, and
     drops out of ``named_parameters()``. A tensor shared by two modules (``out.weight =
-    emb.weight``) still gets the value of its first name at both places.
+    emb.weight``) still gets the value of its first name at both places. A ``torch.compile``d
+    module takes the names of the module it wraps (``"0.weight"``) or its own
+    (``"_orig_mod.0.weight"``): the places are the wrapped module's, and a name that is none of
+    them is passed on as it is.
     """
-    slots = _slots(module)
+    slots = _slots(getattr(module, "_orig_mod", module))
     given = {slot: tensors[name] for slot, name in slots.items() if name in tensors}
+    named = set(slots.values())
+    given.update({name: t for name, t in tensors.items() if name not in named})
     return functional_call(module, given, args, tie_weights=False)
 
 
