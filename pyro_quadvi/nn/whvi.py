@@ -31,6 +31,7 @@ from torch import nn
 
 from ..linalg import fwht
 from ..optim.torch_qnvb import check_representable
+from ..quadrature.base import as_index
 
 __all__ = ["WHVILinear", "setup_dimensions", "whvi"]
 
@@ -51,10 +52,7 @@ def setup_dimensions(in_features: int, out_features: int) -> tuple[int, int, int
     """
     sizes = []
     for name, value in (("in_features", in_features), ("out_features", out_features)):
-        try:  # any integer nn.Linear takes (a numpy integer too), but not a bool
-            number = None if isinstance(value, bool) else operator.index(value)
-        except TypeError:
-            number = None
+        number = as_index(value)  # any integer nn.Linear takes (a numpy one too), not a bool
         if number is None or number < 1:
             raise ValueError(f"WHVILinear: {name} must be a positive integer, got {value!r}")
         sizes.append(number)
