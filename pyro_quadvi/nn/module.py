@@ -369,7 +369,7 @@ class BayesianModule(PyroModule):
         leads = {name: _lead(name, value, params[name]) for name, value in values.items()}
         lead = torch.broadcast_shapes(*leads.values()) if leads else torch.Size()
         padding = _padding_rows(self._net, params)
-        first = _first_layer(self._net)
+        first = _first_layer(self._net) if x.dim() == 1 else None  # only a 1-D x is checked
         fed: list[torch.Size] = []  # what a first nn.Linear was given, for a 1-D x
 
         def one(weights):
