@@ -304,16 +304,25 @@ def group_params(param_group: object) -> object:
     return group
 
 
-def refuse_half_precision(param_group: object, first_position: int, owner: str) -> None:
-    """`check_precision` of every parameter of a group, named by its position among the
+def _labelled_parameters(param_group: object, first_position: int) -> Iterator[tuple[str, object]]:
+    """``(label, parameter)`` of every item of a group's ``params`` list (none where the group is
+    not a dict with such a list: torch refuses it), each labelled by its position among the
     optimizer's parameters (``first_position`` is the group's first) and by name where
-    ``named_parameters()`` gave one."""
+    ``named_parameters()`` gave one (`_parameter_label`)."""
     if not isinstance(param_group, dict) or not isinstance(param_group.get("params"), list):
         return
     for k, item in enumerate(param_group["params"]):
         name, p = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
+        yield _parameter_label(first_position + k, name), p
+
+
+def refuse_half_precision(param_group: object, first_position: int, owner: str) -> None:
+    """`check_precision` of every parameter of a group, named by its position among the
+    optimizer's parameters (``first_position`` is the group's first) and by name where
+    ``named_parameters()`` gave one."""
+    for label, p in _labelled_parameters(param_group, first_position):
         if isinstance(p, torch.Tensor):
-            check_precision(p, _parameter_label(first_position + k, name), owner)
+            check_precision(p, label, owner)
 
 
 def refuse_duplicate_parameters(param_group: object, first_position: int, owner: str) -> None:
@@ -322,12 +331,8 @@ def refuse_duplicate_parameters(param_group: object, first_position: int, owner:
     ("duplicate parameters", an error to come); here one tensor would be given two mean fields,
     whose second step failed in the update with the tensor left at a quadrature node. (Torch
     refuses a tensor in two groups itself.)"""
-    if not isinstance(param_group, dict) or not isinstance(param_group.get("params"), list):
-        return
     seen: dict[int, str] = {}
-    for k, item in enumerate(param_group["params"]):
-        name, p = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
-        label = _parameter_label(first_position + k, name)
+    for label, p in _labelled_parameters(param_group, first_position):
         if id(p) in seen:
             raise ValueError(
                 f"{owner}: {seen[id(p)]} and {label} are the same tensor (shape "
