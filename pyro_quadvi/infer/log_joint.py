@@ -371,7 +371,12 @@ class _GuideShapes(Messenger):
     column, its prior counted once per column). A replayed site is not broadcast by its plates
     (Pyro's replay marks it done), so the plates' broadcast is done here as Pyro's
     ``BroadcastMessenger`` does it; in the vectorized pass (``vectorized``) both shapes lead
-    with the points' plate and the padding to the model's plates."""
+    with the points' plate and the padding to the model's plates.
+
+    The plates' shape is worked out here rather than by calling Pyro's
+    ``BroadcastMessenger._pyro_sample`` on a copy of the message marked undone: that builds an
+    expanded distribution to read its shape, 20 µs a site against 2.5 µs for this loop
+    (session 25), paid at every latent site of every evaluation."""
 
     def __init__(self, values: Mapping[str, torch.Tensor], vectorized: bool) -> None:
         super().__init__()
