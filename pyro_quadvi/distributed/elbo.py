@@ -32,7 +32,6 @@ from pyro.poutine.messenger import Messenger
 from ..guides.interface import first_rows
 from ..infer import QuadratureELBO
 from ..infer.log_joint import _NODE_PLATE, is_data_site
-from ..optim.qnvb import _leaves
 from ..quadrature import QuadratureRule
 from .comm import (
     arguments_section,
@@ -276,7 +275,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
                 loss = loss * factor
             value = loss.item()
             if size > 1:
-                params = projections(_leaves(description))
+                params = projections(description.leaves())
         except Exception as caught:  # raised below, after every rank has heard of it
             error, value = caught, 0.0
         if size == 1:
