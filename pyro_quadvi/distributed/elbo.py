@@ -36,6 +36,7 @@ from ..quadrature import QuadratureRule
 from .comm import (
     arguments_section,
     gather_rows,
+    host_values,
     node_sections,
     projections,
     refuse_disagreement,
@@ -299,13 +300,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
             dtype=torch.float64,
         )
         rows = gather_rows(
-            torch.cat(
-                [
-                    status,
-                    self._whole_plates_section(),
-                    *(v.reshape(-1).cpu() for v, _, _ in sections),
-                ]
-            ),
+            host_values([status, self._whole_plates_section(), *(v for v, _, _ in sections)]),
             self.group,
         )
         if error is not None:
