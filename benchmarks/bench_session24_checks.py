@@ -50,7 +50,6 @@ from pyro_quadvi.infer import QuadratureELBO
 from pyro_quadvi.metrics import _check_float, _check_same_shape, rmse
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import QNVB
-from pyro_quadvi.optim.qnvb import _leaves
 
 
 def cpu_time(fn: Callable[[], object], calls: int = 1) -> float:
@@ -89,7 +88,7 @@ def network_case(widths: list[int], batch: int, classes: bool):
         svi.step(x, y)
     with torch.no_grad():
         _, description = elbo._quadrature_loss(bnn, guide, (x,), {"y": y})
-    return svi, (x, y), _leaves(description)
+    return svi, (x, y), description.leaves()
 
 
 def projection_rows(repeats: int, steps: int) -> list[str]:

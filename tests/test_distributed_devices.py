@@ -10,7 +10,9 @@ from types import SimpleNamespace
 
 import torch
 
+from pyro_quadvi.distributed.comm import host_values, projection, projections
 from pyro_quadvi.distributed.optim import _rows_fingerprint
+from pyro_quadvi.testing.meta import FakeSync
 
 
 def test_rows_fingerprint_is_count_sum_squares_and_positions():
@@ -34,6 +36,68 @@ def test_rows_fingerprint_stays_on_the_device_of_the_rows():
     got = _rows_fingerprint([site])
     assert got.device.type == "meta"
     assert got.shape == (4,) and got.dtype == torch.float64
+
+
+def _old_projections(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``comm.projections`` before session 25: one copy to the host per tensor."""
+    return sum(
+        (projection(t).cpu() * (i + 1) for i, t in enumerate(tensors)),
+        torch.zeros((), dtype=torch.float64),
+    )
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    return t.reshape(-1).view(torch.int64 if t.dtype == torch.float64 else torch.int32).tolist()
+
+
+def test_projections_are_the_old_sum_bit_for_bit():
+    """float32 and float64 tensors of several shapes (a 0-d one, an empty one), 1, 10 and 200
+    of them: the per-device copy changes no bit of the sum the ranks compare."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [(), (0,), (7,), (3, 4), (2, 3, 5), (1, 9)]
+    for dtype in (torch.float32, torch.float64):
+        for count in (1, 10, 200):
+            tensors = [
+                torch.randn(shapes[i % len(shapes)], generator=g, dtype=dtype) * 10.0 ** (i % 7)
+                for i in range(count)
+            ]
+            new, old = projections(tensors), _old_projections(tensors)
+            assert new.dtype == torch.float64 and new.shape == () and new.device.type == "cpu"
+            assert _bits(new) == _bits(old), (dtype, count)
+    assert _bits(projections([])) == _bits(torch.zeros((), dtype=torch.float64))
+
+
+def test_host_values_are_the_old_concatenation_bit_for_bit():
+    """Mixed dtypes promote as torch.cat promotes them after the copies (int64 and float32 to
+    float32, with float64 to float64)."""
+    tensors = [
+        torch.tensor([16_777_217, -3]),
+        torch.tensor([[0.1, -2.5]], dtype=torch.float32),
+        torch.tensor(1.0 / 3.0, dtype=torch.float32),
+    ]
+    new = host_values(tensors)
+    old = torch.cat([t.reshape(-1).cpu() for t in tensors])
+    assert new.dtype == old.dtype == torch.float32
+    assert _bits(new) == _bits(old)
+    wide = [*tensors, torch.tensor([1.0 / 3.0], dtype=torch.float64)]
+    assert _bits(host_values(wide)) == _bits(torch.cat([t.reshape(-1) for t in wide]))
+
+
+def test_projections_copy_to_the_host_once_per_device():
+    """On ``meta`` (a stand-in for CUDA) the copies to the host are counted: 10 tensors on the
+    device and 2 on the CPU make one copy, where the old sum made one per device tensor."""
+    tensors = [torch.ones(3, 4, device="meta") for _ in range(10)] + [torch.ones(2), torch.ones(5)]
+    with FakeSync() as syncs:
+        assert projections(tensors).device.type == "cpu"
+    assert syncs.total == 1
+    with FakeSync() as syncs:
+        values = host_values(tensors[:3] + tensors[-1:] + tensors[3:5])
+    assert syncs.total == 1
+    assert values.shape == (12 + 12 + 12 + 5 + 12 + 12,)
+    assert values[36:41].tolist() == [1.0] * 5  # the CPU tensor kept its place and values
+    with FakeSync() as syncs:
+        _old_projections(tensors)
+    assert syncs.total == 10
 
 
 def test_checkpoint_storages_go_to_the_ranks_own_device(monkeypatch):

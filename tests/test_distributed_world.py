@@ -1,10 +1,12 @@
 """Ranks that stop being one fit: an optimizer not wrapped in ``DistributedOptimizer`` (each rank
 steps on its own gradients), and a process group destroyed or replaced between steps (each rank
-went on alone). Two gloo processes, one spawn, a few seconds.
+went on alone), under Pyro and with ``NodeParallelQNVBOptimizer``. Two gloo processes, one spawn,
+a few seconds.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pyro
@@ -15,7 +17,15 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import init_to_sample
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal
-from pyro_quadvi.distributed import DistributedOptimizer, DistributedQuadratureELBO, shard, world
+from pyro_quadvi.distributed import (
+    DistributedOptimizer,
+    DistributedQuadratureELBO,
+    NodeParallelQNVBOptimizer,
+    shard,
+    world,
+)
+from pyro_quadvi.optim import QNVBOptimizer, module_loss
+from pyro_quadvi.testing.compare import equal_nested
 from pyro_quadvi.testing.ranks import outcome
 
 TIMEOUT_S = 60
@@ -62,22 +72,56 @@ def _params() -> dict:
     return {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
 
 
+def _torch_optimizer(cls: type = NodeParallelQNVBOptimizer) -> tuple:
+    """``cls`` over a 3-1 linear net (Hadamard, 4 nodes) and its one-pass step on all 8 rows."""
+    torch.manual_seed(3)
+    net = torch.nn.Linear(3, 1).double()
+    optimizer = cls(
+        net.named_parameters(), likelihood_weight=ROWS, quadrature="hadamard", num_eval=4
+    )
+    x, y = _data()
+    loss_fn = module_loss(net, torch.nn.functional.mse_loss)
+    return optimizer, lambda: optimizer.step(loss_fn=loss_fn, batch=(x, y[:, None]))
+
+
+def _torch_state(optimizer: QNVBOptimizer) -> dict:
+    """The parameters' values and the optimizer's state dict (copies)."""
+    params = [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
+    return {"params": params, "state": copy.deepcopy(optimizer.state_dict())}
+
+
 def _world_lost(outdir: Path) -> dict:
     """A step in the world of two, then steps with no process group, then in a world of one rank
-    (each rank its own): the ELBO and the optimizer (under Pyro's Trace_ELBO) refuse them."""
+    (each rank its own): the ELBO, the optimizer (under Pyro's Trace_ELBO) and
+    NodeParallelQNVBOptimizer refuse them. The latter's state dict after one step of two ranks,
+    restored in one process (no process group), takes the step the two ranks took next."""
     rank = world()[0]
     rows = torch.arange(ROWS)[shard(ROWS)]
     svi, plain = _svi(True), _svi(True, Trace_ELBO())
     svi.step(rows), plain.step(rows)
+    nodes, node_step = _torch_optimizer()
+    start = _torch_state(nodes)["params"]
+    node_step()
+    saved = copy.deepcopy(nodes.state_dict())
+    node_step()
+    out = {"node_start": start, "node_two_ranks": _torch_state(nodes)}
     dist.destroy_process_group()
-    out = {"before": _params()}
+    out["before"] = _params()
     out["gone"] = outcome(lambda: svi.step(rows))
     out["gone_optim"] = outcome(lambda: plain.step(rows))
     out["after"] = _params()
+    out["node_gone"] = outcome(node_step)
+    out["node_after"] = _torch_state(nodes)
+    for cls in (NodeParallelQNVBOptimizer, QNVBOptimizer):
+        restored, restored_step = _torch_optimizer(cls)
+        restored.load_state_dict(saved)
+        restored_step()
+        out[f"restored {cls.__name__}"] = _torch_state(restored)
     dist.init_process_group(
         "gloo", init_method=f"file://{outdir / f'.solo{rank}'}", rank=0, world_size=1
     )
     out["changed"] = outcome(lambda: svi.step(rows))
+    out["node_changed"] = outcome(node_step)
     return out
 
 
@@ -141,3 +185,41 @@ def test_steps_after_the_process_group_is_destroyed_are_refused(ranks):
             "DistributedQuadratureELBO was first used in a world of 2 ranks and now finds a "
             "world of 1 rank(s);"
         )
+
+
+def test_node_parallel_steps_after_the_process_group_is_destroyed_are_refused(ranks):
+    """NodeParallelQNVBOptimizer went on as a QNVBOptimizer of its own on each rank; now it
+    refuses, naming the fix, with its parameters and state as they were."""
+    for rank in ranks:
+        assert rank["node_gone"] == (
+            "RuntimeError",
+            "NodeParallelQNVBOptimizer was first used in a world of 2 ranks and now finds no "
+            "process group (torch.distributed.destroy_process_group() was called); it does not "
+            "go on as another world, which would fit another problem. Build a new "
+            "NodeParallelQNVBOptimizer after init_process_group; to step in one process, use a "
+            "QNVBOptimizer (either takes this one's state_dict())",
+        )
+        assert rank["node_changed"][1].startswith(
+            "NodeParallelQNVBOptimizer was first used in a world of 2 ranks and now finds a "
+            "world of 1 rank(s);"
+        )
+        before, after = rank["node_two_ranks"], rank["node_after"]
+        for p, q in zip(before["params"], after["params"], strict=True):
+            assert torch.equal(p, q)
+        assert equal_nested(before["state"], after["state"])
+
+
+def test_a_node_parallel_state_dict_resumes_in_one_process(ranks):
+    """The state dict of two ranks after one step, loaded into a NodeParallelQNVBOptimizer or a
+    QNVBOptimizer built with no process group: their step equals the one the two ranks took
+    next, to the rounding of the other order of the node sums."""
+    two_ranks = ranks[0]["node_two_ranks"]
+    for rank in ranks:
+        plain = rank["restored QNVBOptimizer"]
+        node = rank["restored NodeParallelQNVBOptimizer"]
+        assert equal_nested(node, plain)
+        for p, q, start in zip(
+            plain["params"], two_ranks["params"], rank["node_start"], strict=True
+        ):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
+            assert (p - start).abs().max() > 1e-3  # (a step from the start, not the start)

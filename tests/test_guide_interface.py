@@ -129,6 +129,28 @@ def test_descriptions_of_pyros_guides_cover_the_same_latents():
         assert {id(p) for p in site.params.values()} <= {id(p) for p in guide.parameters()}
 
 
+def test_a_description_lists_its_leaves_in_layout_order_and_a_joint_gaussians():
+    """`GuideDescription.leaves`, which QNVB, its guard on QNVBOptimizer and the distributed
+    ELBO's parameter check read: the store's own tensors, site by site, loc before scale."""
+
+    def model():
+        pyro.sample("a", dist.Normal(torch.zeros(2, dtype=DTYPE), 1.0).to_event(1))
+        pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=DTYPE), 1.0))
+
+    store = pyro.get_param_store()
+    expected = {
+        AutoMeanFieldNormal: ["locs.a", "scales.a", "locs.b", "scales.b"],
+        AutoMultivariateNormal: ["loc", "scale", "scale_tril"],
+    }
+    for guide_class, names in expected.items():
+        guide = guide_class(model)
+        guide()
+        leaves = describe_guide(guide).leaves()
+        assert [store.param_name(t) for t in leaves] == [
+            f"{guide_class.__name__}.{name}" for name in names
+        ]
+
+
 def test_unknown_guides_get_one_message_with_the_hook():
     with pytest.raises(TypeError, match="quadrature_description"):
         describe_guide(AutoDelta(conjugate_model))

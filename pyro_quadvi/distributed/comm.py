@@ -151,8 +151,29 @@ def check_sections(sections: Sequence[Section], group: dist.ProcessGroup | None 
     _, size = world(group)
     if size == 1:
         return
-    values = torch.cat([v.detach().reshape(-1).cpu() for v, _, _ in sections])
+    values = host_values([v for v, _, _ in sections])
     refuse_disagreement(gather_rows(values, group), sections)
+
+
+def host_values(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The ``tensors`` (at least one) flattened and laid end to end in one CPU tensor of their
+    promoted dtype, with one copy to the host per device (on CUDA, one host sync per device
+    instead of one per tensor). The same bits as ``torch.cat([t.reshape(-1).cpu() for t in
+    tensors])``: each tensor is converted to the promoted dtype before the copy, as
+    ``torch.cat`` would convert it after.
+    """
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    places: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        places.setdefault(t.device, []).append(i)
+    pieces: dict[int, torch.Tensor] = {}
+    for indices in places.values():
+        flat = [tensors[i].reshape(-1) for i in indices]
+        host = torch.cat([t if t.dtype == dtype else t.to(dtype) for t in flat]).detach().cpu()
+        if len(places) == 1:
+            return host
+        pieces.update(zip(indices, host.split([t.numel() for t in flat]), strict=True))
+    return torch.cat([pieces[i] for i in range(len(tensors))])
 
 
 def gather_rows(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -411,11 +432,16 @@ def arguments_section(args: Sequence, what: str, fix: str) -> Section:
 
 def projections(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The sum of the tensors' `projection` times their position (from 1): one 0-d float64
-    number on the CPU that changes (almost surely) when any value, or the order, does."""
-    return sum(
-        (projection(t).cpu() * (i + 1) for i, t in enumerate(tensors)),
-        torch.zeros((), dtype=torch.float64),
-    )
+    number on the CPU that changes (almost surely) when any value, or the order, does.
+
+    The projections are computed on their tensors' devices and copied to the host together,
+    one copy per device (`host_values`); the sum runs in order, in float64, as the sum of the
+    0-d tensors did before (the same bits)."""
+    total = 0.0
+    if tensors:
+        for i, value in enumerate(host_values([projection(t) for t in tensors]).tolist()):
+            total += value * (i + 1)
+    return torch.tensor(total, dtype=torch.float64)
 
 
 @functools.lru_cache(maxsize=32)

@@ -32,11 +32,11 @@ from pyro.poutine.messenger import Messenger
 from ..guides.interface import first_rows
 from ..infer import QuadratureELBO
 from ..infer.log_joint import _NODE_PLATE, is_data_site
-from ..optim.qnvb import _leaves
 from ..quadrature import QuadratureRule
 from .comm import (
     arguments_section,
     gather_rows,
+    host_values,
     node_sections,
     projections,
     refuse_disagreement,
@@ -276,7 +276,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
                 loss = loss * factor
             value = loss.item()
             if size > 1:
-                params = projections(_leaves(description))
+                params = projections(description.leaves())
         except Exception as caught:  # raised below, after every rank has heard of it
             error, value = caught, 0.0
         if size == 1:
@@ -300,13 +300,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
             dtype=torch.float64,
         )
         rows = gather_rows(
-            torch.cat(
-                [
-                    status,
-                    self._whole_plates_section(),
-                    *(v.reshape(-1).cpu() for v, _, _ in sections),
-                ]
-            ),
+            host_values([status, self._whole_plates_section(), *(v for v, _, _ in sections)]),
             self.group,
         )
         if error is not None:

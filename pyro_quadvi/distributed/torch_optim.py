@@ -34,6 +34,7 @@ from .comm import (
     global_rank,
     node_sections,
     raise_together,
+    same_world,
     world,
 )
 
@@ -91,6 +92,8 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         ValueError: at a step, on every rank, when the rule has fewer nodes than ranks.
         RuntimeError: at a step, on every rank, when the ranks drew different nodes or were given
             different batches (``check_nodes``).
+        RuntimeError: at a step in another world than the constructor's (the process group
+            destroyed or replaced), before anything changes.
         Exception: at a step, on every rank, when the closure or ``loss_fn`` raised on some rank:
             that rank raises its error, the others one of its type (a ``RuntimeError`` where the
             type takes other arguments) naming the failing rank and its message. The flag rides
@@ -116,7 +119,8 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         self._batch: tuple | None = None
         self._failure: Exception | None = None  # this rank's error evaluating the step's nodes
         self._generator_state: torch.Tensor | None = None  # the generator's before the step
-        if world(group)[1] > 1:
+        _, self._world_size = world(group)  # the world it was built in (`same_world`)
+        if self._world_size > 1:
             self._check_model()
             with torch.no_grad():
                 for param_group in self.param_groups:
@@ -154,7 +158,19 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         With ``check_nodes``, a one-pass step's ``batch`` is part of the step's agreement check
         (its tensors' shapes and a projection of their values): node parallel needs the same
         whole minibatch on every rank. A closure reads its data itself, unchecked.
+
+        Raises:
+            RuntimeError: before anything changes, when the world is not the one the optimizer
+                was built in (after ``torch.distributed.destroy_process_group()``, each rank
+                would otherwise fit alone).
         """
+        same_world(
+            self._world_size,
+            "NodeParallelQNVBOptimizer",
+            "Build a new NodeParallelQNVBOptimizer after init_process_group; to step in one "
+            "process, use a QNVBOptimizer (either takes this one's state_dict())",
+            self.group,
+        )
         if loss_fn is not None:
             self._batch = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
         # (restored if the step is refused: one copy of a few kilobytes per step, no collective)

@@ -285,6 +285,14 @@ class GuideDescription:
                 "give one or the other"
             )
 
+    def leaves(self) -> list[torch.Tensor]:
+        """Every parameter tensor the description holds: its sites' (``params``, in layout
+        order) and its joint Gaussian's; the leaves themselves, for pairing by identity."""
+        leaves = [leaf for site in self.sites for leaf in site.params.values()]
+        if self.joint is not None:
+            leaves.extend(self.joint.params.values())
+        return leaves
+
     @property
     def dim(self) -> int:
         """The number of standard normal coordinates the quadrature spans."""

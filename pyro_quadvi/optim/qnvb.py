@@ -1110,7 +1110,7 @@ class QNVB(PyroOptim):
                     "so its parameters go to the fallback optimizer. Use AutoMeanFieldNormal for "
                     "QNVB updates, or a first-order optimizer for this guide.",
                 )
-        described = covered | {id(leaf) for _, d in descriptions for leaf in _leaves(d)}
+        described = covered | {id(leaf) for _, d in descriptions for leaf in d.leaves()}
         if not received <= described:
             explained |= self._warn_undescribed_parts(params, received & described)
         return self._checked_blocks(blocks, received, explained)
@@ -1480,11 +1480,3 @@ class QNVB(PyroOptim):
         # unbound: another model or guide)
         self._restored_step = (self.num_steps, set())
         super().set_state(copy.deepcopy(state_dict["fallback"]))
-
-
-def _leaves(description: GuideDescription) -> list[torch.Tensor]:
-    """Every parameter a description holds: its sites' and its joint Gaussian's."""
-    leaves = [leaf for site in description.sites for leaf in site.params.values()]
-    if description.joint is not None:
-        leaves.extend(description.joint.params.values())
-    return leaves

@@ -417,12 +417,10 @@ def refuse_guide_parameters(
         TypeError: naming the guide, the parameters and the latent sites, and the way to fit
             the guide (`SVI` with `QNVB` and `QuadratureELBO`, in Pyro's local mode as well).
     """
-    from .qnvb import _leaves  # (qnvb imports this module)
-
     position = {id(p): k for k, p in enumerate(params)}
     store = pyro.get_param_store()
     for guide, description in described:
-        held = sorted(position[id(t)] for t in _leaves(description) if id(t) in position)
+        held = sorted(position[id(t)] for t in description.leaves() if id(t) in position)
         if not held:
             continue
         roles = {
