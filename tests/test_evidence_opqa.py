@@ -486,7 +486,7 @@ def test_refuses_subsampling():
         ({"center": "mode"}, "center must be one of"),
         ({"center": "guide"}, "needs the fitted guide"),
         ({"chunk_size": 0}, "chunk_size"),
-        ({"vectorize": "try"}, "vectorize must be None, True or False"),
+        ({"vectorize": "try"}, "opqa_evidence: vectorize must be True, False or None"),
     ],
 )
 def test_refuses_bad_arguments(options, match):

@@ -47,6 +47,7 @@ __all__ = [
     "DtypeMismatch",
     "below_float64",
     "call_by_place",
+    "check_vectorize",
     "evaluate_batch",
     "is_broadcast_error",
     "is_vmap_refusal",
@@ -231,6 +232,24 @@ def vmap_safe_attention() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(previous)
 
 
+def check_vectorize(vectorize: object, owner: str = "", allow_none: bool = True) -> None:
+    """Refuse a ``vectorize`` other than ``True``, ``False`` or ``None`` (without ``allow_none``:
+    ``True`` or ``False``, `LogJoint`'s), the one check of every entry point that takes it
+    (``owner``, e.g. ``"opqa_evidence: "``, goes first).
+
+    ``1`` and ``0`` are refused too: ``1 in (True, False)`` holds, so they passed a membership
+    test and then matched neither ``is True`` nor ``is False`` (``0`` tried the vectorized pass).
+
+    Raises:
+        ValueError: naming ``vectorize``, the value and the values allowed.
+    """
+    if not isinstance(vectorize, bool) and (vectorize is not None or not allow_none):
+        allowed = "True, False or None" if allow_none else "True or False"
+        raise ValueError(
+            f"{owner}vectorize must be {allowed}, got {vectorize!r} ({type(vectorize).__name__})"
+        )
+
+
 def evaluate_batch(
     batched: Callable[[torch.Tensor], Any],
     single: Callable[[torch.Tensor], Any],
@@ -277,8 +296,7 @@ def evaluate_batch(
             points).
         TypeError, ValueError: for a ``vectorize``, ``rtol`` or ``atol`` outside the above.
     """
-    if vectorize not in (None, True, False):
-        raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
+    check_vectorize(vectorize)
     _check_tolerance("rtol", rtol)
     _check_tolerance("atol", atol)
     K = len(points)

@@ -76,6 +76,7 @@ from ..store import follow_param_store
 from .batched import (
     BatchDecision,
     DecisionCache,
+    check_vectorize,
     evaluate_batch,
     first_line,
     is_broadcast_error,
@@ -192,8 +193,7 @@ class PointsELBO(ELBO):
             )
         check_max_plate_nesting(type(self).__name__, max_plate_nesting, math.inf)
         super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting)
-        if vectorize not in (None, True, False):
-            raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
+        check_vectorize(vectorize, f"{type(self).__name__}: ")
         self.vectorize = vectorize
         self._fits = DecisionCache()
 
