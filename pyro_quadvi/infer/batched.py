@@ -397,6 +397,16 @@ def _check_tolerance(name: str, value: object) -> None:
         )
 
 
+def add_hint(error: BaseException, hint: str) -> None:
+    """Append ``hint`` to the first line of ``error``'s message, in place (its type and
+    traceback kept)."""
+    if error.args and isinstance(error.args[0], str):
+        first, newline, rest = error.args[0].partition("\n")
+        error.args = (f"{first.rstrip('.')}. {hint}{newline}{rest}", *error.args[1:])
+    else:
+        error.add_note(hint)
+
+
 def first_line(error: BaseException) -> str:
     """An error's message without the trace shapes Pyro appends."""
     return str(error).strip().split("\n")[0]
