@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import pickle
 import warnings
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 from torch.func import vmap
 
-from pyro_quadvi import QuadratureELBO, to_inference_data
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, to_inference_data
 from pyro_quadvi.evidence import opqa_evidence
 from pyro_quadvi.infer import GumbelSpikeSlabELBO, LogJoint, latent_sites_of_model
 from pyro_quadvi.infer.batched import (
@@ -267,6 +268,22 @@ def _vectorize_entry_points():
         ("predict: ", lambda v: bnn.predict(None, x, vectorize=v)),
         ("to_inference_data: ", lambda v: to_inference_data(_one_normal, _one_normal, vectorize=v)),
     ]
+
+
+def test_the_fallback_warning_points_at_the_users_svi_step():
+    # it pointed at QuadratureELBO's call of evaluate_batch, inside the package
+    def one_sum(y):  # sums the latents of every node together: no vectorized pass
+        mu = pyro.sample("mu", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+        pyro.sample("y", dist.Normal(torch.stack([mu[0], mu[1]]).sum(), 1.0), obs=y)
+
+    svi = pyro.infer.SVI(one_sum, AutoMeanFieldNormal(one_sum), QNVB(), QuadratureELBO("hadamard"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        svi.step(torch.tensor(0.3))
+    (warning,) = caught
+    assert str(warning.message).startswith("QuadratureELBO: the model does not evaluate all")
+    assert (warning.filename, warning.lineno) == (__file__, line)  # the svi.step line
 
 
 @pytest.mark.parametrize("value", [1, 0])

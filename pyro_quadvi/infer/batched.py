@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from types import MethodType
 from typing import Any
 
+import pyro
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -346,7 +349,7 @@ def evaluate_batch(
             warnings.warn(
                 f"{what}: {random}. Evaluating the points one by one.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
             return _loop(single, points, known), BatchDecision(False, again, 0)
         if vectorize is True:
@@ -363,7 +366,7 @@ def evaluate_batch(
         "evaluating them one by one. Pass vectorize=False to skip the vectorized pass and this "
         f"warning.{product_advice(reason)}",
         UserWarning,
-        stacklevel=2,
+        stacklevel=user_stacklevel(),
     )
     return looped, BatchDecision(False, reason, 0)
 
@@ -395,6 +398,25 @@ def _check_tolerance(name: str, value: object) -> None:
             f"evaluate_batch: {name} must be None (the dtype's probe_tolerance) or a finite "
             f"number >= 0, got {value!r}; pass 0 for an exact comparison"
         )
+
+
+# this package's, Pyro's and torch's directories: the frames a warning for the user passes over
+_INSIDE = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (os.path.dirname(__file__), pyro.__file__, torch.__file__)
+)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the user's line: the first frame outside
+    this package, Pyro and torch (the user's ``opqa_evidence(...)`` or ``svi.step(...)``, not
+    Pyro's ``SVI``), however deep inside the package the warning is raised. Call it in the
+    warning's own call, ``warnings.warn(message, UserWarning, stacklevel=user_stacklevel())``
+    (Python 3.12's ``skip_file_prefixes``, for 3.10 and 3.11)."""
+    frame, level = sys._getframe(1), 1  # the function that calls warnings.warn: stacklevel 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def add_hint(error: BaseException, hint: str) -> None:
