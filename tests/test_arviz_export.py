@@ -530,6 +530,37 @@ def test_vectorize_forces_or_loops_and_a_model_error_propagates():
         to_inference_data(checks_one_draw, guide, torch.zeros(5), num_samples=5, prior=False)
 
 
+def _shifted(x, scale=1.0):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(x)):
+        pyro.sample("obs", dist.Normal(mu + 0.5 * x, scale), obs=2 * x)
+
+
+def test_data_given_as_a_list_keeps_the_models_error_and_names_the_list():
+    # as Predictive, the list reaches the model unconverted; the model's TypeError (it was bare)
+    # now names the list and torch.as_tensor, its type and traceback kept
+    pyro.clear_param_store()
+    guide = AutoNormal(_shifted)
+    guide(torch.tensor([1.0, 2.0]))
+    with pytest.raises(TypeError) as caught:
+        to_inference_data(_shifted, guide, [1.0, 2.0], num_samples=5)
+    assert str(caught.value) == (
+        "can't multiply sequence by non-int of type 'float'. to_inference_data passed argument 0 "
+        "([1.0, 2.0]) to the model and the guide as a Python list, as svi.step and Predictive do "
+        "(none of them converts it): where the model takes a tensor, pass torch.as_tensor(...) "
+        "instead"
+    )
+    assert caught.traceback[-1].name == "_shifted"  # raised by the model itself
+    with pytest.raises(TypeError, match=r"passed x=\[1\.0, 2\.0\] to the model"):
+        to_inference_data(_shifted, guide, x=[1.0, 2.0], num_samples=5)
+
+    def converts(x):  # a model that takes a list runs, as under Predictive: nothing is refused
+        _shifted(torch.as_tensor(x))
+
+    idata = to_inference_data(converts, guide, [1.0, 2.0], num_samples=5)
+    assert idata.observed_data["obs"].values.tolist() == [2.0, 4.0]
+
+
 def test_guide_site_the_model_lacks_is_named():
     def model():
         pyro.sample("a", dist.Normal(0.0, 1.0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import pickle
 import warnings
 
@@ -14,6 +15,9 @@ import torch
 from torch import nn
 from torch.func import vmap
 
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO, to_inference_data
+from pyro_quadvi.evidence import opqa_evidence
+from pyro_quadvi.infer import GumbelSpikeSlabELBO, LogJoint, latent_sites_of_model
 from pyro_quadvi.infer.batched import (
     BatchDecision,
     BatchMismatch,
@@ -21,6 +25,8 @@ from pyro_quadvi.infer.batched import (
     evaluate_batch,
     is_broadcast_error,
 )
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi.optim import QNVBOptimizer
 
 
 def raised(fn) -> BaseException:
@@ -234,6 +240,66 @@ def test_mappings_are_stacked_and_compared_per_entry():
 def test_bad_vectorize():
     with pytest.raises(ValueError, match="vectorize must be True, False or None"):
         evaluate_batch(single, single, POINTS, "yes")
+
+
+def _one_normal():
+    pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+
+
+def _vectorize_entry_points():
+    """``(owner, call)``: every public entry point that takes ``vectorize``, called with it."""
+    net = nn.Linear(2, 1)
+    bnn = BayesianModule(nn.Linear(2, 1), priors.Normal(1.0), likelihoods.Gaussian(4, scale=0.3))
+    x = torch.ones(4, 2)
+
+    def loss_fn(params, x, y):
+        return ((torch.func.functional_call(net, params, (x,)) - y) ** 2).mean()
+
+    def step(v):
+        optimizer = QNVBOptimizer(net.named_parameters())
+        return optimizer.step(loss_fn=loss_fn, batch=(x, torch.ones(4, 1)), vectorize=v)
+
+    return [
+        ("", lambda v: evaluate_batch(single, single, POINTS, v)),
+        ("QuadratureELBO: ", lambda v: QuadratureELBO(vectorize=v)),
+        ("GumbelSpikeSlabELBO: ", lambda v: GumbelSpikeSlabELBO(vectorize=v)),
+        ("opqa_evidence: ", lambda v: opqa_evidence(_one_normal, vectorize=v)),
+        ("QNVBOptimizer.step: ", step),
+        ("predict: ", lambda v: bnn.predict(None, x, vectorize=v)),
+        ("to_inference_data: ", lambda v: to_inference_data(_one_normal, _one_normal, vectorize=v)),
+    ]
+
+
+def test_the_fallback_warning_points_at_the_users_svi_step():
+    # it pointed at QuadratureELBO's call of evaluate_batch, inside the package
+    def one_sum(y):  # sums the latents of every node together: no vectorized pass
+        mu = pyro.sample("mu", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+        pyro.sample("y", dist.Normal(torch.stack([mu[0], mu[1]]).sum(), 1.0), obs=y)
+
+    svi = pyro.infer.SVI(one_sum, AutoMeanFieldNormal(one_sum), QNVB(), QuadratureELBO("hadamard"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        svi.step(torch.tensor(0.3))
+    (warning,) = caught
+    assert str(warning.message).startswith("QuadratureELBO: the model does not evaluate all")
+    assert (warning.filename, warning.lineno) == (__file__, line)  # the svi.step line
+
+
+@pytest.mark.parametrize("value", [1, 0])
+def test_an_int_vectorize_is_refused_at_every_entry_point(value):
+    # 1 in (True, False, None) holds: 1 and 0 passed, and matched neither `is True` nor `is
+    # False` (0, "no vectorized pass", tried the vectorized pass)
+    for owner, call in _vectorize_entry_points():
+        message = f"^{owner}vectorize must be True, False or None, got {value} \\(int\\)$"
+        with pytest.raises(ValueError, match=message):
+            call(value)
+    log_joint = LogJoint(_one_normal, latent_sites_of_model(_one_normal))
+    z = torch.zeros(2, 1, dtype=torch.float64)
+    for bad in (value, None):  # LogJoint's vectorize is True or False: None looped silently
+        with pytest.raises(ValueError, match=r"^LogJoint: vectorize must be True or False, got "):
+            log_joint(z, vectorize=bad)
+    assert log_joint(z, vectorize=False).shape == (2,)
 
 
 # ---------------------------------------------------------------- DecisionCache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import warnings
@@ -356,6 +357,34 @@ def test_a_likelihood_without_a_gradient_is_warned_of(detach):
     assert warning.filename == __file__  # the user's call, not opqa_evidence's inside
 
 
+def test_the_map_gradient_and_fallback_warnings_point_at_the_users_call():
+    # both pointed inside the package (opqa.py: the MAP warning at opqa_evidence's line, the
+    # fallback at its evaluate_batch call), where a filter on the user's module missed them
+    def kinked(y):  # a Laplace likelihood: the mode sits on its kink, autograd's slope 0.5 there
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0))
+        pyro.sample("y", dist.Laplace(mu, 1.0), obs=y)
+
+    def one_sum(y):  # sums the two latents of every point together: no vectorized pass
+        mu = pyro.sample("mu", dist.Normal(torch.zeros(2, dtype=F64), 1.0).to_event(1))
+        pyro.sample("y", dist.Normal(torch.stack([mu[0], mu[1]]).sum(), 1.0), obs=y)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1  # the two calls' lines
+        opqa_evidence(kinked, torch.tensor(0.5, dtype=F64), num_points=3)
+        opqa_evidence(one_sum, torch.tensor(0.3, dtype=F64), num_points=3)
+    starts = {
+        "opqa_evidence(center='laplace'): the MAP search stopped with gradient norm 0.5;": line,
+        "opqa_evidence(center='laplace'): autograd's derivatives of the log joint disagree": line,
+        "opqa_evidence: the model does not evaluate all 9 points in one vectorized pass": line + 1,
+    }
+    where = {
+        s: [(w.filename, w.lineno) for w in caught if str(w.message).startswith(s)] for s in starts
+    }
+    assert where == {start: [(__file__, line)] for start, line in starts.items()}
+    assert len(caught) == 3
+
+
 def test_a_log_joint_partly_in_float32_is_not_warned_of():
     # dist.HalfCauchy(1.) casts its value to its float32 scale: the log joint carries about
     # 1e-7 nats of rounding, which at a step of 1e-3 standard deviations moved the curvature by
@@ -486,7 +515,7 @@ def test_refuses_subsampling():
         ({"center": "mode"}, "center must be one of"),
         ({"center": "guide"}, "needs the fitted guide"),
         ({"chunk_size": 0}, "chunk_size"),
-        ({"vectorize": "try"}, "vectorize must be None, True or False"),
+        ({"vectorize": "try"}, "opqa_evidence: vectorize must be True, False or None"),
     ],
 )
 def test_refuses_bad_arguments(options, match):

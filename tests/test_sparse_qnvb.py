@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pyro_quadvi.optim import SparseQNVBHyperparameters, SparseQNVBOptimizer
+from pyro_quadvi.optim import SparseQNVB, SparseQNVBHyperparameters, SparseQNVBOptimizer
 from pyro_quadvi.optim.sparse_functional import (
     SievePieces,
     hybrid_coefficients,
@@ -377,6 +377,21 @@ def test_hyperparameters_are_checked_by_name():
         SparseQNVBHyperparameters(late_epoch=0)
     with pytest.raises(ValueError, match="steps_per_epoch"):
         init_sparse_counters(SparseQNVBHyperparameters(), 0)
+
+
+def test_initial_lr_above_max_lr_is_refused_by_both_optimizers():
+    # every step is capped at max_lr: initial_lr=0.5 only started the nodes at sigma = 0.71
+    message = r"^initial_lr=0\.5 is above max_lr=0\.1: the learning rate rises from initial_lr"
+    with pytest.raises(ValueError, match=message):
+        SparseQNVBHyperparameters(initial_lr=0.5, max_lr=0.1)
+    weight = torch.nn.Parameter(torch.ones(3, dtype=DTYPE))
+    with pytest.raises(ValueError, match=message):
+        SparseQNVBOptimizer([weight], num_cases=4, steps_per_epoch=2, initial_lr=0.5)
+    assert SparseQNVBHyperparameters(initial_lr=0.1, max_lr=0.1).initial_lr == 0.1
+    # SparseQNVB has no initial_lr (the guide's start is it): a max_lr below Table 1's 1e-5
+    # is not refused for it, and its repr names no initial_lr
+    optimizer = SparseQNVB(3, steps_per_epoch=2, max_lr=1e-6)
+    assert repr(optimizer) == "SparseQNVB(num_epochs=3, steps_per_epoch=2, max_lr=1e-06)"
 
 
 # --- SparseQNVBOptimizer ------------------------------------------------------------------------

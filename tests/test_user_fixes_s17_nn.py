@@ -243,7 +243,10 @@ def test_generators_are_checked_when_the_optimizers_are_built(generator):
 @pytest.mark.parametrize(
     "setting, message",
     [
-        ({"initial_lr": 1e300}, r"initial_lr=1e\+300 gives the initial curvature 1 / initial_lr"),
+        (
+            {"initial_lr": 1e300, "max_lr": 1e300},
+            r"initial_lr=1e\+300 gives the initial curvature 1 / initial_lr",
+        ),
         ({"num_cases": 1e300}, r"num_cases / steps_per_epoch=2.5e\+299 is beyond the range"),
         ({"prior_precision": 1e300}, r"prior_precision / steps_per_epoch=2.5e\+299 is beyond"),
     ],

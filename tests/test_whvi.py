@@ -464,3 +464,11 @@ def test_bad_input():
         WHVILinear(4, 4)(torch.zeros(2, 5))
     with pytest.raises(TypeError, match=r"must be a torch\.nn\.Module"):
         whvi("net")
+
+
+@pytest.mark.parametrize("bias", ["yes", "no", 1, 0, None])
+def test_bias_must_be_a_bool(bias):
+    # nn.Linear's `if bias:` would give "no" a bias and None none: refused, naming bias
+    with pytest.raises(TypeError, match=r"WHVILinear: bias must be True or False, got "):
+        WHVILinear(4, 3, bias=bias)
+    assert WHVILinear(4, 3, bias=False).bias is None

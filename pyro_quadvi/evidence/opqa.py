@@ -49,7 +49,13 @@ from pyro.poutine.util import site_is_subsample
 from ..export.draws import all_rows_refusal, check_guide_was_run, check_observed_not_nan
 from ..guides.interface import unwrap_guide
 from ..guides.rows import GivenRows
-from ..infer.batched import BatchDecision, DtypeMismatch, evaluate_batch, first_line
+from ..infer.batched import (
+    BatchDecision,
+    DtypeMismatch,
+    check_vectorize,
+    evaluate_batch,
+    first_line,
+)
 from ..infer.log_joint import (
     LatentSite,
     LogJoint,
@@ -362,8 +368,7 @@ def _check_arguments(
     for name, value in (("max_nodes", max_nodes), ("chunk_size", chunk_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"opqa_evidence: {name} must be an int >= 1, got {value!r}")
-    if vectorize not in (None, True, False):
-        raise ValueError(f"opqa_evidence: vectorize must be None, True or False, got {vectorize!r}")
+    check_vectorize(vectorize, "opqa_evidence: ")
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"opqa_evidence: progress must be None, True or False, got {progress!r}")
 

@@ -22,6 +22,7 @@ import torch
 from pyro import poutine
 
 from ..guides.interface import describe_guide
+from ..infer.batched import user_stacklevel
 from ..infer.log_joint import LatentSite, LogJoint
 
 __all__ = ["GaussianWeight", "fixed_weight", "guide_weight", "laplace_weight"]
@@ -164,7 +165,7 @@ def laplace_weight(
             f"{grad_norm:.3g}; the weight may be off-centre (the evidence stays valid but needs "
             "more points)",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     return GaussianWeight(mode, scale_tril, evaluations, {"map_gradient_norm": grad_norm})
 
@@ -219,7 +220,7 @@ def _check_derivatives(
         "relu, clamp), whose curvature autograd does not see: there the Laplace weight is too "
         "wide or too narrow and more points, or center='guide' with a fitted guide, are needed",
         UserWarning,
-        stacklevel=6,  # the user's call of opqa_evidence, above its random-state wrapper
+        stacklevel=user_stacklevel(),
     )
 
 

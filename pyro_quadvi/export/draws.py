@@ -40,6 +40,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import reprlib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -56,7 +57,7 @@ from pyro.poutine.util import site_is_subsample
 from tqdm.auto import tqdm
 
 from ..guides.interface import unwrap_guide
-from ..infer.batched import BatchMismatch, evaluate_batch
+from ..infer.batched import BatchMismatch, add_hint, evaluate_batch
 from ..infer.log_joint import (
     _layers,
     check_observed_not_nan,
@@ -502,6 +503,23 @@ class _Runner:
             while isinstance(refused.__cause__, _Refused):
                 refused = refused.__cause__
             raise ValueError(str(refused)) from None
+        except Exception as error:  # the model's own error, kept, with the lists named
+            listed = [
+                f"argument {i} ({reprlib.repr(a)})"
+                for i, a in enumerate(self.args)
+                if isinstance(a, list)
+            ]
+            listed += [
+                f"{k}={reprlib.repr(a)}" for k, a in self.kwargs.items() if isinstance(a, list)
+            ]
+            if listed:
+                add_hint(
+                    error,
+                    f"to_inference_data passed {', '.join(listed)} to the model and the guide "
+                    "as a Python list, as svi.step and Predictive do (none of them converts "
+                    "it): where the model takes a tensor, pass torch.as_tensor(...) instead",
+                )
+            raise
         return guide_trace, model_trace, {**guide_rows.subsampled, **model_rows.subsampled}
 
     def _site_specs(self, guide_trace: Trace, model_trace: Trace) -> dict[str, SiteSpec]:

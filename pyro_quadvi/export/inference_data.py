@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..infer.batched import check_vectorize
 from ..infer.log_joint import check_callable
 from .arviz_v0 import to_inference_data_v0
 from .draws import draw
@@ -116,6 +117,7 @@ def to_inference_data(
                 f"to_inference_data: {name} must be True or False, got {flag!r} "
                 f"({type(flag).__name__})"
             )
+    check_vectorize(vectorize, "to_inference_data: ")
     _check_labels(coords, dims)
     arviz_major = int(version("arviz").split(".")[0])
     if arviz_major >= 1:

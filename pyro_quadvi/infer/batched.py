@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from types import MethodType
 from typing import Any
 
+import pyro
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -47,6 +50,7 @@ __all__ = [
     "DtypeMismatch",
     "below_float64",
     "call_by_place",
+    "check_vectorize",
     "evaluate_batch",
     "is_broadcast_error",
     "is_vmap_refusal",
@@ -231,6 +235,24 @@ def vmap_safe_attention() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(previous)
 
 
+def check_vectorize(vectorize: object, owner: str = "", allow_none: bool = True) -> None:
+    """Refuse a ``vectorize`` other than ``True``, ``False`` or ``None`` (without ``allow_none``:
+    ``True`` or ``False``, `LogJoint`'s), the one check of every entry point that takes it
+    (``owner``, e.g. ``"opqa_evidence: "``, goes first).
+
+    ``1`` and ``0`` are refused too: ``1 in (True, False)`` holds, so they passed a membership
+    test and then matched neither ``is True`` nor ``is False`` (``0`` tried the vectorized pass).
+
+    Raises:
+        ValueError: naming ``vectorize``, the value and the values allowed.
+    """
+    if not isinstance(vectorize, bool) and (vectorize is not None or not allow_none):
+        allowed = "True, False or None" if allow_none else "True or False"
+        raise ValueError(
+            f"{owner}vectorize must be {allowed}, got {vectorize!r} ({type(vectorize).__name__})"
+        )
+
+
 def evaluate_batch(
     batched: Callable[[torch.Tensor], Any],
     single: Callable[[torch.Tensor], Any],
@@ -277,8 +299,7 @@ def evaluate_batch(
             points).
         TypeError, ValueError: for a ``vectorize``, ``rtol`` or ``atol`` outside the above.
     """
-    if vectorize not in (None, True, False):
-        raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
+    check_vectorize(vectorize)
     _check_tolerance("rtol", rtol)
     _check_tolerance("atol", atol)
     K = len(points)
@@ -328,7 +349,7 @@ def evaluate_batch(
             warnings.warn(
                 f"{what}: {random}. Evaluating the points one by one.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
             return _loop(single, points, known), BatchDecision(False, again, 0)
         if vectorize is True:
@@ -345,7 +366,7 @@ def evaluate_batch(
         "evaluating them one by one. Pass vectorize=False to skip the vectorized pass and this "
         f"warning.{product_advice(reason)}",
         UserWarning,
-        stacklevel=2,
+        stacklevel=user_stacklevel(),
     )
     return looped, BatchDecision(False, reason, 0)
 
@@ -377,6 +398,35 @@ def _check_tolerance(name: str, value: object) -> None:
             f"evaluate_batch: {name} must be None (the dtype's probe_tolerance) or a finite "
             f"number >= 0, got {value!r}; pass 0 for an exact comparison"
         )
+
+
+# this package's, Pyro's and torch's directories: the frames a warning for the user passes over
+_INSIDE = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (os.path.dirname(__file__), pyro.__file__, torch.__file__)
+)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the user's line: the first frame outside
+    this package, Pyro and torch (the user's ``opqa_evidence(...)`` or ``svi.step(...)``, not
+    Pyro's ``SVI``), however deep inside the package the warning is raised. Call it in the
+    warning's own call, ``warnings.warn(message, UserWarning, stacklevel=user_stacklevel())``
+    (Python 3.12's ``skip_file_prefixes``, for 3.10 and 3.11)."""
+    frame, level = sys._getframe(1), 1  # the function that calls warnings.warn: stacklevel 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def add_hint(error: BaseException, hint: str) -> None:
+    """Append ``hint`` to the first line of ``error``'s message, in place (its type and
+    traceback kept)."""
+    if error.args and isinstance(error.args[0], str):
+        first, newline, rest = error.args[0].partition("\n")
+        error.args = (f"{first.rstrip('.')}. {hint}{newline}{rest}", *error.args[1:])
+    else:
+        error.add_note(hint)
 
 
 def first_line(error: BaseException) -> str:

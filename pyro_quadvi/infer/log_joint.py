@@ -65,6 +65,7 @@ from ..distributions.iid_normal import IidNormal
 from .batched import (
     BatchMismatch,
     below_float64,
+    check_vectorize,
     first_line,
     is_broadcast_error,
     sum_is_finite,
@@ -705,7 +706,9 @@ class LogJoint:
             BatchMismatch: (vectorized) a site with batch dims outside of the model's plates.
             TypeError, ValueError: for a ``z`` that is not a tensor of one point ``(dim,)`` or of
                 points ``(K, dim)``, ``K >= 1``, naming ``z``, its shape and the fix.
+            ValueError: for a ``vectorize`` other than ``True`` or ``False`` (``None``, ``1``).
         """
+        check_vectorize(vectorize, "LogJoint: ", allow_none=False)
         if isinstance(z, torch.Tensor) and z.dim() == 1:  # one point, without the points' axis
             self._check_width(z)
             value = self(z[None], args, kwargs, replay_trace, vectorize, by_site)

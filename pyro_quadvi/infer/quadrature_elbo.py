@@ -76,6 +76,8 @@ from ..store import follow_param_store
 from .batched import (
     BatchDecision,
     DecisionCache,
+    add_hint,
+    check_vectorize,
     evaluate_batch,
     first_line,
     is_broadcast_error,
@@ -192,8 +194,7 @@ class PointsELBO(ELBO):
             )
         check_max_plate_nesting(type(self).__name__, max_plate_nesting, math.inf)
         super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting)
-        if vectorize not in (None, True, False):
-            raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
+        check_vectorize(vectorize, f"{type(self).__name__}: ")
         self.vectorize = vectorize
         self._fits = DecisionCache()
 
@@ -334,7 +335,7 @@ class PointsELBO(ELBO):
         except Exception as error:
             # (a message that names the ways out already, as the probes' BatchMismatch, is kept)
             if self.vectorize is True and is_broadcast_error(error) and not _names_ways_out(error):
-                _add_hint(
+                add_hint(
                     error,
                     f"{type(self).__name__}(vectorize=True): the model does not evaluate all "
                     f"{z.shape[0]} points in one pass; pass vectorize=None (try the pass, fall "
@@ -704,16 +705,6 @@ def _names_ways_out(error: BaseException) -> bool:
     """Whether ``error``'s message already tells the user to pass ``vectorize=None`` (the
     probes' `BatchMismatch`, a ``BayesianModule``'s vmap refusal)."""
     return "vectorize=None" in str(error)
-
-
-def _add_hint(error: BaseException, hint: str) -> None:
-    """Append ``hint`` to the first line of ``error``'s message, in place (its type and
-    traceback kept)."""
-    if error.args and isinstance(error.args[0], str):
-        first, newline, rest = error.args[0].partition("\n")
-        error.args = (f"{first.rstrip('.')}. {hint}{newline}{rest}", *error.args[1:])
-    else:
-        error.add_note(hint)
 
 
 class _NodePoints(torch.autograd.Function):

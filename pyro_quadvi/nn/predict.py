@@ -21,7 +21,7 @@ from pyro import poutine
 
 from ..guides import describe_guide
 from ..guides.interface import trace_for_description, unwrap_guide
-from ..infer.batched import DecisionCache, evaluate_batch
+from ..infer.batched import DecisionCache, check_vectorize, evaluate_batch
 from ..quadrature import QuadratureRule, make_rule
 from ..quadrature.base import as_index
 from ..store import follow_param_store
@@ -133,12 +133,14 @@ def predict(
         TypeError, ValueError: for an ``x`` that is no tensor, or holds a NaN or an infinity
             (the rows named; `BayesianModule` refuses such an ``x`` as the model, too).
         ValueError: for one example ``x`` of shape ``(F,)`` (the fix: ``x[None]``), as the model
-            refuses it.
+            refuses it; for a ``vectorize`` other than ``True``, ``False`` or ``None`` (``1``
+            and ``0`` too).
         TypeError, ValueError: for a ``batch_size`` that is not an int or ``None`` (a bool, a
             float), or an int below 1; for ``steps`` that is not an int >= 1 or ``"period"``,
             that is not 1 without ``quadrature``, or ``"period"`` with a rule that has none.
     """
     check_inputs(x, "predict", "predicting")
+    check_vectorize(vectorize, "predict: ")
     if batch_size is not None:
         wanted = "a positive int (rows of x per pass through the net) or None (all rows at once)"
         if isinstance(batch_size, bool) or not isinstance(batch_size, int):

@@ -66,8 +66,9 @@ class WHVILinear(nn.Module):
     Args:
         in_features: input size.
         out_features: output size.
-        bias: add a bias ``b`` of ``out_features`` entries (a latent under ``BayesianModule``,
-            with the network's prior; a ``LayerwiseNormal`` gives it the fans of the dense
+        bias: ``True`` or ``False`` (anything else is a ``TypeError``): add a bias ``b`` of
+            ``out_features`` entries (a latent under ``BayesianModule``, with the network's
+            prior; a ``LayerwiseNormal`` gives it the fans of the dense
             ``(out_features, in_features)`` weight).
         prior_scale: the prior standard deviation of every entry of ``g``, ``g ~ N(0, s^2)``
             (declared to ``BayesianModule`` by `bayesian_parameters`).
@@ -103,6 +104,10 @@ class WHVILinear(nn.Module):
         device: torch.device | str | None = None,
     ):
         super().__init__()
+        if not isinstance(bias, bool):  # nn.Linear's `if bias:` would read "yes" (and "no") as True
+            raise TypeError(
+                f"WHVILinear: bias must be True or False, got {bias!r} ({type(bias).__name__})"
+            )
         size, padding, stack = setup_dimensions(in_features, out_features)
         in_features, out_features = operator.index(in_features), operator.index(out_features)
         if (

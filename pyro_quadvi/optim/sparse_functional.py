@@ -120,7 +120,7 @@ class SparseQNVBHyperparameters:
         max_lr: ``alpha_max``, the maximum learning rate: it sets the curvature floor of the
             trust region, ``h_min = 1 / (n0 max_lr)``.
         initial_lr: ``alpha_0``, the initial learning rate: the initial curvature sums are
-            ``1 / initial_lr``.
+            ``1 / initial_lr``. At most ``max_lr`` (a ``ValueError`` otherwise).
         tau_max: the largest standard deviation of a nonzero Gaussian; ``1 / tau_max^2`` floors the
             curvature sums and is the slab's prior precision in the zero logits (eq. 4.6).
         p_nonzero_low, p_nonzero_high: the sieve's probabilities ``p_NZ^(0)`` and ``p_NZ^(1)``.
@@ -163,6 +163,13 @@ class SparseQNVBHyperparameters:
         ]
         for name, value, ok, expected in checks:
             _check_number(name, value, ok, expected)
+        if self.initial_lr > self.max_lr:
+            raise ValueError(
+                f"initial_lr={self.initial_lr!r} is above max_lr={self.max_lr!r}: the learning "
+                "rate rises from initial_lr up to max_lr, and the trust region caps every step "
+                "at max_lr (Algorithm 5.3), so a larger initial_lr only starts the nodes wider "
+                "(sigma = initial_lr^(1/2)); pass initial_lr <= max_lr (Table 1: 1e-5 and 0.1)"
+            )
         if self.target_sparsity + self.target_free > 1:
             raise ValueError(
                 f"target_sparsity + target_free must be <= 1, got {self.target_sparsity!r} + "

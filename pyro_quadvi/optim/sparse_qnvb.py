@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import numbers
 from collections.abc import Iterable
 
 import torch
@@ -158,10 +159,16 @@ class SparseQNVB(QNVB):
                 "len(loader)): the annealing and the sieve are scheduled in epochs"
             )
         super().__init__(fallback=fallback)
+        # no initial_lr here (the guide's start is it): the field, never read, keeps Table 1's
+        # value unless a max_lr below it would have it refused
+        initial_lr = SparseQNVBHyperparameters.initial_lr
+        if isinstance(max_lr, numbers.Real) and 0 < max_lr < initial_lr:
+            initial_lr = max_lr
         self.sparse_hyperparameters = SparseQNVBHyperparameters(
             target_sparsity=target_sparsity,
             target_free=target_free,
             max_lr=max_lr,
+            initial_lr=initial_lr,
             tau_max=tau_max,
             p_nonzero_low=p_nonzero_low,
             p_nonzero_high=p_nonzero_high,
@@ -191,7 +198,7 @@ class SparseQNVB(QNVB):
         if hp.num_epochs != defaults.num_epochs:  # in the signature's order
             parts.append(f"num_epochs={int(hp.num_epochs)}")
         parts.append(f"steps_per_epoch={int(self.steps_per_epoch)}")
-        parts += settings_words(hp, defaults, skip=("num_epochs",))
+        parts += settings_words(hp, defaults, skip=("num_epochs", "initial_lr"))  # none here
         if self.prior_precision != hp.tau_max**-2:
             parts.append(f"prior_precision={self.prior_precision!r}")
         if self.num_cases is not None:

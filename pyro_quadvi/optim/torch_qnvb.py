@@ -51,6 +51,7 @@ from ..infer.batched import (
     BatchMismatch,
     DecisionCache,
     call_by_place,
+    check_vectorize,
     evaluate_batch,
     first_line,
     is_vmap_refusal,
@@ -1386,8 +1387,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         weight = self.weight  # a bad annealing factor
         settings = self._group_settings()  # a bad group setting (e.g. set by a scheduler)
         if loss_fn is not None:
-            if vectorize not in (None, True, False):
-                raise ValueError(f"vectorize must be True, False or None, got {vectorize!r}")
+            check_vectorize(vectorize, "QNVBOptimizer.step: ")
             if not callable(loss_fn):
                 raise TypeError(
                     f"loss_fn must be callable (params, *batch) -> loss, got {loss_fn!r}"
