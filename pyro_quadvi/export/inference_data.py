@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..infer.batched import check_vectorize
+from ..infer.batched import check_vectorize, user_stacklevel
 from ..infer.log_joint import check_callable
 from .arviz_v0 import to_inference_data_v0
 from .draws import draw
@@ -136,7 +136,7 @@ def to_inference_data(
             "likelihood per row before az.loo (docs/arviz.md, 'Factor sites'); pass factors=() "
             "where they are priors or penalties",
             UserWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
     if log_likelihood:
         for name, values in draws.log_likelihood.items():

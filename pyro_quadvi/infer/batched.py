@@ -25,6 +25,7 @@ instead of carrying the first model's answer over.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
@@ -401,15 +402,18 @@ def _check_tolerance(name: str, value: object) -> None:
 
 
 # this package's, Pyro's and torch's directories: the frames a warning for the user passes over
-_INSIDE = tuple(
-    os.path.dirname(path) + os.sep
-    for path in (os.path.dirname(__file__), pyro.__file__, torch.__file__)
+_INSIDE = (
+    *(
+        os.path.dirname(path) + os.sep
+        for path in (os.path.dirname(__file__), pyro.__file__, torch.__file__)
+    ),
+    contextlib.__file__,  # the __enter__ of a context manager (``with opt.sampled_params():``)
 )
 
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the user's line: the first frame outside
-    this package, Pyro and torch (the user's ``opqa_evidence(...)`` or ``svi.step(...)``, not
+    this package, Pyro, torch and ``contextlib`` (the user's ``opqa_evidence(...)`` or ``svi.step(...)``, not
     Pyro's ``SVI``), however deep inside the package the warning is raised. Call it in the
     warning's own call, ``warnings.warn(message, UserWarning, stacklevel=user_stacklevel())``
     (Python 3.12's ``skip_file_prefixes``, for 3.10 and 3.11)."""

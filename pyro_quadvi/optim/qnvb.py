@@ -71,6 +71,7 @@ from ..guides.interface import (
     watch_guides,
 )
 from ..guides.mean_field import RunStamp, last_run_stamp
+from ..infer.batched import user_stacklevel
 from ..store import detached_parameters, listed_names
 from .annealing import anneal_likelihood, annealing_factor, check_schedule
 from .qnvb_functional import (
@@ -860,7 +861,11 @@ class QNVB(PyroOptim):
         for message in count_messages(
             counts, self._warned, table, lambda i: _unresolved_words(by_label[counts[i][0]])
         ):
-            warnings.warn(f"QNVB: {message} (this warning is shown once)", RuntimeWarning, 2)
+            warnings.warn(
+                f"QNVB: {message} (this warning is shown once)",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
         rest = [p for p in params if id(p) not in paired]
         if params and not blocks and not explained:  # a refused block said why (_prepare_block)
             self._warn_once("nothing paired", self._nothing_paired(params))
@@ -1418,7 +1423,7 @@ class QNVB(PyroOptim):
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
 
     # -------------------------------------------------------------------------------- state
     def get_state(self) -> dict:

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..infer.batched import user_stacklevel
 from ..quadrature import make_rule
 from ..quadrature.base import draw_device
 from ..quadrature.hadamard import HadamardRule
@@ -387,7 +388,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 "steps your loop takes per epoch: set it to len(loader) (this warning is shown "
                 "once; `finished` tells)",
                 UserWarning,
-                stacklevel=3,  # sampled_params <- contextmanager's __enter__ <- the caller
+                stacklevel=user_stacklevel(),
             )
         draws = []
         for p in params:
@@ -501,11 +502,13 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             warnings.warn(
                 f"SparseQNVBOptimizer: {message} (this warning is shown once)",
                 RuntimeWarning,
-                stacklevel=4,  # step <- no_grad <- torch's step hook <- the caller
+                stacklevel=user_stacklevel(),
             )
         if realized is not None and "realization" not in self._warned:
             self._warned.add("realization")
-            warnings.warn(f"SparseQNVBOptimizer: {realized}", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"SparseQNVBOptimizer: {realized}", RuntimeWarning, stacklevel=user_stacklevel()
+            )
         return loss_avg
 
     def _refuse_group_settings(self) -> None:
@@ -575,7 +578,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             warnings.warn(
                 f"SparseQNVBOptimizer: {message}",
                 RuntimeWarning,
-                stacklevel=5,  # _check_growth <- step <- no_grad <- torch's step hook <- caller
+                stacklevel=user_stacklevel(),
             )
 
     def _step_cap(self) -> str:

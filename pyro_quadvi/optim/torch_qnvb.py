@@ -56,6 +56,7 @@ from ..infer.batched import (
     first_line,
     is_vmap_refusal,
     sum_is_finite,
+    user_stacklevel,
     vmap_safe_attention,
 )
 from ..quadrature import NodeSet, make_rule
@@ -1574,7 +1575,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             "(requires_grad_(False)), or compute their gradient in a pass of your own (this "
             "warning is shown once)",
             RuntimeWarning,
-            stacklevel=5,  # _warn_outside <- step <- no_grad <- torch's step wrapper <- caller
+            stacklevel=user_stacklevel(),
         )
 
     def _names(self) -> list[str]:
@@ -1679,7 +1680,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             warnings.warn(
                 f"QNVBOptimizer: {message} (this warning is shown once)",
                 RuntimeWarning,
-                stacklevel=4,  # step -> _update -> _warn
+                stacklevel=user_stacklevel(),
             )
 
     def _settings(self) -> dict:
