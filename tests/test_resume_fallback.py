@@ -6,11 +6,14 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+import torch.nn.functional as F
 from pyro.infer import SVI
 from pyro.nn import PyroModule, PyroParam
+from torch import nn
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO, SparseQNVB
 from pyro_quadvi.distributions import SpikeSlab
+from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
 
 torch.manual_seed(1)
 X = torch.randn(50, 3)
@@ -126,3 +129,54 @@ def test_get_state_refuses_a_fallback_parameter_without_a_name():
         optim([loose])
     with pytest.raises(ValueError, match=r"shape \(3, 2\) that has no name.*module_local_params"):
         optim.get_state()
+
+
+def torch_groups(net, order):
+    return [{"params": list(net[k].named_parameters())} for k in order]
+
+
+TORCH_OPTIMIZERS = {
+    "qnvb": lambda groups: QNVBOptimizer(groups, likelihood_weight=64.0),
+    "sparse": lambda groups: SparseQNVBOptimizer(
+        groups, num_cases=64, num_epochs=3, steps_per_epoch=4
+    ),
+}
+
+
+def torch_fit(kind, order):
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    y = (x[:, 0] > 0).long()
+    net = nn.ModuleDict({"enc": nn.Linear(4, 4), "dec": nn.Linear(4, 4), "head": nn.Linear(4, 2)})
+    optimizer = TORCH_OPTIMIZERS[kind](torch_groups(net, order))
+
+    def closure():
+        optimizer.zero_grad()
+        loss = F.cross_entropy(net["head"](torch.tanh(net["dec"](torch.tanh(net["enc"](x))))), y)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    return net, optimizer
+
+
+@pytest.mark.parametrize("kind", sorted(TORCH_OPTIMIZERS))
+def test_load_refuses_groups_that_names_and_shapes_cannot_tell_apart(kind):
+    _, optimizer = torch_fit(kind, ["enc", "dec", "head"])
+    saved = optimizer.state_dict()
+    _, other = torch_fit(kind, ["dec", "enc", "head"])  # each group's names: weight, bias
+    before = other.state_dict()
+    with pytest.raises(ValueError, match=r"groups 0 and 1 have the same parameter names.*'enc\."):
+        other.load_state_dict(saved)
+    assert torch.equal(other.state_dict()["state"][0]["mu"], before["state"][0]["mu"])
+
+
+@pytest.mark.parametrize("kind", sorted(TORCH_OPTIMIZERS))
+def test_groups_of_the_same_names_but_other_shapes_still_load(kind):
+    net, optimizer = torch_fit(kind, ["enc", "head"])  # (4, 4) and (2, 4): shapes tell them apart
+    saved = optimizer.state_dict()
+    other_net, other = torch_fit(kind, ["enc", "head"])
+    with torch.no_grad():
+        other_net["head"].weight.zero_()
+    other.load_state_dict(saved)
+    assert torch.equal(other_net["head"].weight, net["head"].weight)
