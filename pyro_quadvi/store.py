@@ -42,6 +42,7 @@ import pyro
 import pyro.util
 import torch
 from pyro.nn import PyroModule
+from pyro.params.param_store import param_with_module_name
 from torch import nn
 from torch.distributions import constraints
 
@@ -49,6 +50,7 @@ __all__ = [
     "detached_parameters",
     "follow_param_store",
     "follow_store",
+    "pyro_parameter_names",
     "set_weights_only_state",
     "weights_only_state",
 ]
@@ -201,6 +203,30 @@ def _plain_parameters(module: object) -> Iterator[tuple[str, nn.Parameter]]:
         for name, param in part._parameters.items():
             if param is not None and name not in leaves:
                 yield (f"{prefix}.{name}" if prefix else name), param
+
+
+def pyro_parameter_names(module: object) -> Iterator[tuple[str, nn.Parameter]]:
+    """Every parameter of ``module``'s ``PyroModule`` s with the name of its Pyro ``param`` site,
+    the param store's name in global mode, which ``module_local_params=True`` does not change: a
+    ``PyroParam``'s unconstrained leaf under the ``PyroParam``'s name (``"locs.w"``), a plain
+    parameter under its own, a plain ``nn.Module``'s parameters as ``pyro.module`` names them
+    (``"net$$$0.weight"``). None for an object that is not a ``PyroModule`` (also behind
+    ``torch.compile``)."""
+    module = uncompiled(module)
+    if not isinstance(module, PyroModule):
+        return
+    for part in _pyro_modules(module):
+        prefix = part.__dict__["_pyro_name"]
+        leaves = {f"{name}_unconstrained": name for name in part.__dict__["_pyro_params"]}
+        for name, param in part._parameters.items():
+            if param is not None:
+                name = leaves.get(name, name)
+                yield (f"{prefix}.{name}" if prefix else name), param
+        for key, child in part._modules.items():
+            if child is not None and not isinstance(child, PyroModule):
+                owner = f"{prefix}.{key}" if prefix else key
+                for name, param in child.named_parameters():
+                    yield param_with_module_name(owner, name), param
 
 
 def _pyro_modules(root: PyroModule) -> Iterator[PyroModule]:

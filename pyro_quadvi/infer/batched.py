@@ -413,10 +413,10 @@ _INSIDE = (
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the user's line: the first frame outside
-    this package, Pyro, torch and ``contextlib`` (the user's ``opqa_evidence(...)`` or ``svi.step(...)``, not
-    Pyro's ``SVI``), however deep inside the package the warning is raised. Call it in the
-    warning's own call, ``warnings.warn(message, UserWarning, stacklevel=user_stacklevel())``
-    (Python 3.12's ``skip_file_prefixes``, for 3.10 and 3.11)."""
+    this package, Pyro, torch and ``contextlib`` (the user's ``opqa_evidence(...)`` or
+    ``svi.step(...)``, not Pyro's ``SVI``), however deep inside the package the warning is
+    raised. Call it in the warning's own call, ``warnings.warn(message, UserWarning,
+    stacklevel=user_stacklevel())`` (Python 3.12's ``skip_file_prefixes``, for 3.10 and 3.11)."""
     frame, level = sys._getframe(1), 1  # the function that calls warnings.warn: stacklevel 1
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_INSIDE):
         frame, level = frame.f_back, level + 1

@@ -40,6 +40,7 @@ cause that stays would keep every later step a no-op).
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import warnings
@@ -57,6 +58,7 @@ from pyro.params.param_store import (
     normalize_param_name,
     user_param_name,
 )
+from pyro.poutine.messenger import unwrap
 from torch.distributions import transform_to
 
 from ..guides.interface import (
@@ -72,7 +74,7 @@ from ..guides.interface import (
 )
 from ..guides.mean_field import RunStamp, last_run_stamp
 from ..infer.batched import user_stacklevel
-from ..store import detached_parameters, listed_names
+from ..store import detached_parameters, listed_names, pyro_parameter_names
 from .annealing import anneal_likelihood, annealing_factor, check_schedule
 from .qnvb_functional import (
     COUNT_KINDS,
@@ -682,6 +684,8 @@ class QNVB(PyroOptim):
         self._described: tuple[int, list] | None = None
         self._bound: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        # each tensor of the fallback's optimizers -> its name (None: none known), _bind_fallback
+        self._fallback_names: dict[torch.Tensor, str | None] = {}
         self._fresh: set[str] = set()  # the blocks whose state started in the current step
         # name -> the hyperparameters a block was updated with and its model's hints (get_state)
         self._block_settings: dict[str, tuple[QNVBHyperparameters, dict]] = {}
@@ -1043,6 +1047,7 @@ class QNVB(PyroOptim):
         process that only unpickles a QNVB (``torch.load``) found no guide under Pyro's own ELBOs,
         and its steps went to the fallback."""
         self.__dict__.update(state)
+        self.__dict__.setdefault("_fallback_names", {})  # (absent from earlier versions)
         watch_guides()
 
     def describe(self, params: Iterable[torch.Tensor]) -> list[tuple[Callable, GuideDescription]]:
@@ -1400,6 +1405,7 @@ class QNVB(PyroOptim):
         One host sync per step tells whether anything was not finite; only then are the
         coordinates found and named.
         """
+        self._bind_fallback(params)
         with_grad = [p for p in params if p.grad is not None]
         bad_grads = [~torch.isfinite(p.grad) for p in with_grad]
         old = [p.detach().clone() for p in with_grad]
@@ -1419,6 +1425,83 @@ class QNVB(PyroOptim):
                     f"{int(mask.sum())} coordinates of {name!r}; they were left unchanged (this "
                     "warning is shown once per parameter)",
                 )
+
+    def _bind_fallback(self, params: list[torch.Tensor]) -> None:
+        """Give each of ``params`` new to the fallback its torch optimizer, keyed by the name
+        `_fallback_name` finds, with the state `set_state` left under that name; the optimizer of
+        a tensor that had the name before (a restored store's or a rebuilt model's predecessor)
+        is dropped. Pyro keys by the param store's name, which is ``None`` for every parameter
+        under ``module_local_params=True`` (their states collapsed into one), and keeps the
+        optimizer of a replaced tensor for ever. A name another of ``params`` has (two modules of
+        one name) is not taken: `get_state` refuses such a parameter."""
+        new = [p for p in params if p not in self.optim_objs]
+        if not new:
+            return
+        names = functools.cache(_module_names)
+        taken = {self._fallback_names.get(p) for p in params if p in self.optim_objs}
+        for p in new:
+            name = self._fallback_name(p, names)
+            if name is not None and name in taken:
+                name = None
+            taken.add(name)
+            if name is not None:
+                for q in [q for q, held in self._fallback_names.items() if held == name]:
+                    del self.optim_objs[q], self.grad_clip[q], self._fallback_names[q]
+            self.optim_objs[p] = self._get_optim(p)
+            self.grad_clip[p] = self._get_grad_clip(p)
+            self._fallback_names[p] = name
+            state = None if name is None else self._state_waiting_to_be_consumed.pop(name, None)
+            if state is not None:
+                self.optim_objs[p].load_state_dict(state)
+
+    @staticmethod
+    def _fallback_name(p: torch.Tensor, names: Callable[[], dict[int, str]]) -> str | None:
+        """The name of fallback parameter ``p``: the param store's, else that of its Pyro
+        ``param`` site in a ``PyroModule`` guide seen running or in that guide's ``PyroModule``
+        model (`pyro_parameter_names`: under ``module_local_params=True`` the store names none),
+        as QNVB names its blocks; ``None`` if neither knows it."""
+        return pyro.get_param_store().param_name(p) or names().get(id(p))
+
+    def _fallback_state(self) -> dict:
+        """Deep copies of the fallback's states by name: those `set_state` restored that no
+        parameter took yet, and over them the live optimizers' (which a `get_state` right after
+        `set_state` would otherwise lose).
+
+        Raises:
+            ValueError: for a live optimizer whose parameter has no name (`_bind_fallback`),
+                naming its shape and the fix: saved under ``None``, its state would be restored
+                into whichever unnamed parameter came first.
+        """
+        state = dict(self._state_waiting_to_be_consumed)
+        names = functools.cache(_module_names)
+        for p, optimizer in self.optim_objs.items():
+            if p in self._fallback_names:
+                name = self._fallback_names[p]
+            else:  # (an optimizer made before this version kept the names)
+                name = self._fallback_names[p] = self._fallback_name(p, names)
+            if name is None:
+                raise ValueError(
+                    f"QNVB.get_state: the fallback optimizer "
+                    f"({self.pt_optim_constructor.__name__}) holds the state of a parameter of "
+                    f"shape {tuple(p.shape)} that has no name to save it under: the param store "
+                    "does not name it (under pyro.settings.set(module_local_params=True) it names "
+                    "none), no PyroModule guide seen running nor that guide's PyroModule model "
+                    "holds it, or another parameter of its step has its name (two modules of one "
+                    "name). Saved without a name, its state would be restored into another "
+                    "parameter. Build the guide from the PyroModule model itself "
+                    "(AutoMeanFieldNormal(model)), give the modules distinct names, or fit in "
+                    "Pyro's global param store (module_local_params=False)"
+                )
+            state[name] = optimizer.state_dict()
+        return copy.deepcopy(state)
+
+    def _restore_fallback(self, state: dict) -> None:
+        """Drop the fallback's optimizers and keep deep copies of the saved ``state``: each
+        parameter takes its own at the next step (`_bind_fallback`)."""
+        self.optim_objs.clear()
+        self.grad_clip.clear()
+        self._fallback_names.clear()
+        self._state_waiting_to_be_consumed = copy.deepcopy(state)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -1446,7 +1529,7 @@ class QNVB(PyroOptim):
                     if name in blocks
                 },
             },
-            "fallback": copy.deepcopy(super().get_state()),
+            "fallback": self._fallback_state(),
         }
 
     def set_state(self, state_dict: dict) -> None:
@@ -1484,4 +1567,15 @@ class QNVB(PyroOptim):
         # `_warn_if_unbound_after_restore` warns once at that step's end if saved states stayed
         # unbound: another model or guide)
         self._restored_step = (self.num_steps, set())
-        super().set_state(copy.deepcopy(state_dict["fallback"]))
+        self._restore_fallback(state_dict["fallback"])
+
+
+def _module_names() -> dict[int, str]:
+    """``id(parameter) -> name`` over the ``PyroModule`` guides seen running and their
+    ``PyroModule`` models, also behind Pyro's handlers (`pyro_parameter_names`)."""
+    found: dict[int, str] = {}
+    guides = [*live_guides(), *undescribed_guides()]
+    for module in [*guides, *(unwrap(getattr(guide, "model", None)) for guide in guides)]:
+        for name, param in pyro_parameter_names(module):
+            found.setdefault(id(param), name)
+    return found

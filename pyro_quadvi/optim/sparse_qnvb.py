@@ -19,7 +19,6 @@ with no spike-and-slab block at all (another guide, or another ELBO) is refused 
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 import numbers
@@ -433,7 +432,7 @@ class SparseQNVB(QNVB):
                 },
                 "settings": self._settings(),
             },
-            "fallback": copy.deepcopy(PyroOptim.get_state(self)),
+            "fallback": self._fallback_state(),
         }
 
     def set_state(self, state_dict: dict) -> None:
@@ -450,7 +449,7 @@ class SparseQNVB(QNVB):
             name: SparseQNVBBlock(**{k: v.clone() for k, v in b.items()})
             for name, b in state["blocks"].items()
         }
-        PyroOptim.set_state(self, copy.deepcopy(state_dict["fallback"]))
+        self._restore_fallback(state_dict["fallback"])
 
 
 def _refuse_pyro_arguments(what: str) -> None:

@@ -562,8 +562,11 @@ def check_saved_parameters(owner: str, state_dict: dict, param_groups: list[dict
     in another place would silently take another's weights); anywhere, a saved ``mu`` of another
     shape. Both are named with the parameter's position, in a ``ValueError`` from ``owner``.
     Where either side has no names, torch's pairing by position stands (torch keeps the saved
-    names, if any)."""
+    names, if any). Where both have names but two of this optimizer's groups have the same
+    names and shapes (each group built from a sub-module's ``named_parameters()``), no check
+    can tell them apart, so groups listed in another order would pass: that is refused too."""
     saved_state = state_dict["state"]
+    _refuse_twin_groups(owner, state_dict["param_groups"], param_groups)
     position = 0
     for saved_group, group in zip(state_dict["param_groups"], param_groups):
         names = group.get("param_names")
@@ -587,6 +590,28 @@ def check_saved_parameters(owner: str, state_dict: dict, param_groups: list[dict
                     "the parameters it was saved with (same shapes, same order)"
                 )
         position += len(group["params"])
+
+
+def _refuse_twin_groups(owner: str, saved_groups: list[dict], param_groups: list[dict]) -> None:
+    """Refuse (`check_saved_parameters`) a load between named groups of which two in this
+    optimizer have the same ``param_names`` and parameter shapes: the name check cannot tell
+    whether they are listed in the saved order."""
+    if any(g.get("param_names") is None for g in [*saved_groups, *param_groups]):
+        return
+    seen: dict[tuple, int] = {}
+    for k, group in enumerate(param_groups):
+        key = tuple((n, tuple(p.shape)) for n, p in zip(group["param_names"], group["params"]))
+        if key in seen:
+            raise ValueError(
+                f"{owner}: parameter groups {seen[key]} and {k} have the same parameter names "
+                f"{list(group['param_names'])} and shapes, so the names cannot tell whether the "
+                "groups are listed in the saved order, and a swap would give each layer "
+                "another's weights (the state holds the means). Name the parameters by their "
+                "place in the whole model, on both sides: "
+                "[(f'enc.{n}', p) for n, p in enc.named_parameters()], or build the groups from "
+                "model.named_parameters()"
+            )
+        seen[key] = k
 
 
 class CopyableOptimizerState:
