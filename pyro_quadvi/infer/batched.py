@@ -248,9 +248,11 @@ def check_vectorize(vectorize: object, owner: str = "", allow_none: bool = True)
     """
     if not isinstance(vectorize, bool) and (vectorize is not None or not allow_none):
         allowed = "True, False or None" if allow_none else "True or False"
-        raise ValueError(
-            f"{owner}vectorize must be {allowed}, got {vectorize!r} ({type(vectorize).__name__})"
+        kind = type(vectorize)  # numpy's bool is named "bool" too: its module is said
+        named = (
+            kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
         )
+        raise ValueError(f"{owner}vectorize must be {allowed}, got {vectorize!r} ({named})")
 
 
 def evaluate_batch(
