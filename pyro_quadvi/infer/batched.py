@@ -423,11 +423,15 @@ def user_stacklevel() -> int:
 
 def add_hint(error: BaseException, hint: str) -> None:
     """Append ``hint`` to the first line of ``error``'s message, in place (its type and
-    traceback kept)."""
+    traceback kept). An error without a message (a bare ``assert``) takes ``hint`` as its
+    message; one whose first argument is not a string gets it as a note (Python 3.11; kept as
+    it is on 3.10, which has no notes)."""
     if error.args and isinstance(error.args[0], str):
         first, newline, rest = error.args[0].partition("\n")
         error.args = (f"{first.rstrip('.')}. {hint}{newline}{rest}", *error.args[1:])
-    else:
+    elif not error.args:
+        error.args = (hint,)
+    elif hasattr(error, "add_note"):
         error.add_note(hint)
 
 
