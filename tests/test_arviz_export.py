@@ -561,6 +561,23 @@ def test_data_given_as_a_list_keeps_the_models_error_and_names_the_list():
     assert idata.observed_data["obs"].values.tolist() == [2.0, 4.0]
 
 
+def test_a_bare_assert_on_list_data_takes_the_hint_as_its_message():
+    # the hint went to a note (str(error) stayed empty; on Python 3.10, which has no
+    # add_note, the hint's AttributeError replaced the model's own error)
+    def asserts(x):
+        if not isinstance(x, torch.Tensor):
+            raise AssertionError  # what a bare `assert` raises (pytest rewrites this module's)
+        _shifted(x)
+
+    pyro.clear_param_store()
+    guide = AutoNormal(_shifted)
+    guide(torch.tensor([1.0, 2.0]))
+    with pytest.raises(AssertionError) as caught:
+        to_inference_data(asserts, guide, [1.0, 2.0], num_samples=5)
+    assert str(caught.value).startswith("to_inference_data passed argument 0 ([1.0, 2.0]) to ")
+    assert not getattr(caught.value, "__notes__", None)
+
+
 def test_guide_site_the_model_lacks_is_named():
     def model():
         pyro.sample("a", dist.Normal(0.0, 1.0))

@@ -8,6 +8,7 @@ import inspect
 import pickle
 import warnings
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -300,6 +301,14 @@ def test_an_int_vectorize_is_refused_at_every_entry_point(value):
         with pytest.raises(ValueError, match=r"^LogJoint: vectorize must be True or False, got "):
             log_joint(z, vectorize=bad)
     assert log_joint(z, vectorize=False).shape == (2,)
+
+
+def test_a_numpy_bool_vectorize_is_refused_naming_numpy():
+    # its type's name is "bool" under numpy 2: the message read "got np.True_ (bool)"
+    with pytest.raises(ValueError, match=r"got (np\.True_|True) \(numpy\.bool_?\)$"):
+        QuadratureELBO(vectorize=np.bool_(True))
+    with pytest.raises(ValueError, match=r"got tensor\(False\) \(torch\.Tensor\)$"):
+        evaluate_batch(single, single, POINTS, torch.tensor(False))
 
 
 # ---------------------------------------------------------------- DecisionCache

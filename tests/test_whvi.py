@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -469,6 +470,17 @@ def test_bad_input():
 @pytest.mark.parametrize("bias", ["yes", "no", 1, 0, None])
 def test_bias_must_be_a_bool(bias):
     # nn.Linear's `if bias:` would give "no" a bias and None none: refused, naming bias
-    with pytest.raises(TypeError, match=r"WHVILinear: bias must be True or False, got "):
+    with pytest.raises(TypeError, match=r"WHVILinear: bias must be True or False \(a numpy "):
         WHVILinear(4, 3, bias=bias)
     assert WHVILinear(4, 3, bias=False).bias is None
+
+
+@pytest.mark.parametrize("flag", [np.bool_, torch.tensor])
+def test_bias_may_be_a_numpy_bool_or_a_bool_tensor(flag):
+    # nn.Linear reads them as the bools they are; they were refused as "not True or False"
+    for value in (True, False):
+        layer, linear = WHVILinear(4, 3, bias=flag(value)), nn.Linear(4, 3, bias=flag(value))
+        assert (layer.bias is None, linear.bias is None) == (not value, not value)
+        assert f"bias={value}," in repr(layer)
+    with pytest.raises(TypeError, match=r"got tensor\(\[True\]\) \(Tensor\)$"):
+        WHVILinear(4, 3, bias=torch.tensor([True]))  # one entry, not a 0-d flag

@@ -249,9 +249,11 @@ def check_vectorize(vectorize: object, owner: str = "", allow_none: bool = True)
     """
     if not isinstance(vectorize, bool) and (vectorize is not None or not allow_none):
         allowed = "True, False or None" if allow_none else "True or False"
-        raise ValueError(
-            f"{owner}vectorize must be {allowed}, got {vectorize!r} ({type(vectorize).__name__})"
+        kind = type(vectorize)  # numpy's bool is named "bool" too: its module is said
+        named = (
+            kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
         )
+        raise ValueError(f"{owner}vectorize must be {allowed}, got {vectorize!r} ({named})")
 
 
 def evaluate_batch(
@@ -425,11 +427,15 @@ def user_stacklevel() -> int:
 
 def add_hint(error: BaseException, hint: str) -> None:
     """Append ``hint`` to the first line of ``error``'s message, in place (its type and
-    traceback kept)."""
+    traceback kept). An error without a message (a bare ``assert``) takes ``hint`` as its
+    message; one whose first argument is not a string gets it as a note (Python 3.11; kept as
+    it is on 3.10, which has no notes)."""
     if error.args and isinstance(error.args[0], str):
         first, newline, rest = error.args[0].partition("\n")
         error.args = (f"{first.rstrip('.')}. {hint}{newline}{rest}", *error.args[1:])
-    else:
+    elif not error.args:
+        error.args = (hint,)
+    elif hasattr(error, "add_note"):
         error.add_note(hint)
 
 

@@ -25,6 +25,7 @@ import copy
 import math
 import operator
 
+import numpy as np
 import pyro.distributions as dist
 import torch
 from torch import nn
@@ -66,7 +67,8 @@ class WHVILinear(nn.Module):
     Args:
         in_features: input size.
         out_features: output size.
-        bias: ``True`` or ``False`` (anything else is a ``TypeError``): add a bias ``b`` of
+        bias: ``True`` or ``False`` (a numpy bool or a 0-d bool tensor too, as ``nn.Linear``
+            reads them; anything else is a ``TypeError``): add a bias ``b`` of
             ``out_features`` entries (a latent under ``BayesianModule``, with the network's
             prior; a ``LayerwiseNormal`` gives it the fans of the dense
             ``(out_features, in_features)`` weight).
@@ -104,9 +106,16 @@ class WHVILinear(nn.Module):
         device: torch.device | str | None = None,
     ):
         super().__init__()
-        if not isinstance(bias, bool):  # nn.Linear's `if bias:` would read "yes" (and "no") as True
+        # nn.Linear's `if bias:` would read "yes" (and "no") as True; a numpy bool or a 0-d
+        # bool tensor is a bool, as nn.Linear reads it
+        if isinstance(bias, np.bool_) or (
+            isinstance(bias, torch.Tensor) and bias.dtype == torch.bool and bias.dim() == 0
+        ):
+            bias = bool(bias)
+        if not isinstance(bias, bool):
             raise TypeError(
-                f"WHVILinear: bias must be True or False, got {bias!r} ({type(bias).__name__})"
+                "WHVILinear: bias must be True or False (a numpy bool or a 0-d bool tensor "
+                f"too), got {bias!r} ({type(bias).__name__})"
             )
         size, padding, stack = setup_dimensions(in_features, out_features)
         in_features, out_features = operator.index(in_features), operator.index(out_features)
