@@ -39,6 +39,7 @@ from .interface import (
     MeanFieldSite,
     _transformed_normal,
     check_traced,
+    masked_sum,
     register_adapter,
     run_scale,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "describe_auto_normal",
     "describe_auto_normal_messenger",
     "scale_factor",
+    "site_mask",
     "subsample_rows",
 ]
 
@@ -105,6 +107,15 @@ def scale_factor(site: dict) -> float:
     return float(scale)
 
 
+def site_mask(site: dict) -> torch.Tensor | None:
+    """The mask of a traced guide site (a ``poutine.mask`` around the guide), as a bool tensor;
+    ``None`` without one or under ``mask=True``, which masks nothing."""
+    mask = site["mask"]
+    if mask is None or mask is True:
+        return None
+    return torch.as_tensor(mask, dtype=torch.bool)
+
+
 def _select(t: torch.Tensor, rows: dict[int, torch.Tensor] | None) -> torch.Tensor:
     for dim, index in (rows or {}).items():
         t = t.index_select(dim, index)
@@ -116,21 +127,23 @@ def site_run(
     event_dim: int,
     trace: Trace | None,
     last_run: dict[str, tuple[float, dict[int, torch.Tensor]]] | None,
-) -> tuple[Distribution | None, float, dict[int, torch.Tensor] | None]:
+) -> tuple[Distribution | None, float, dict[int, torch.Tensor] | None, torch.Tensor | None]:
     """What one run of an ``AutoNormal``-like guide did at site ``name``.
 
     With a ``trace``: the distribution of its ``{name}_unconstrained`` draw (``Independent``
-    unwrapped), its minibatch scale and the rows used. Without one: ``None``, and the scale and
-    rows of the guide's last run where it keeps them (``last_run``), else ``(1.0, None)``.
+    unwrapped), its minibatch scale, the rows used and its mask (`site_mask`). Without one:
+    ``None``, and the scale, rows and mask of the guide's last run where it keeps them
+    (``last_run``: ``(scale, rows)`` or ``(scale, rows, mask)``), else ``(1.0, None)``, no mask.
     """
     if trace is None:
-        factor, rows = (last_run or {}).get(name, (1.0, None))
-        return None, factor, rows
+        # (a record without a mask, of describe_auto_normal or a guide pickled before: None)
+        factor, rows, mask = (*(last_run or {}).get(name, (1.0, None)), None)[:3]
+        return None, factor, rows, mask
     aux = trace.nodes[name + "_unconstrained"]
     fn = aux["fn"]
     while isinstance(fn, Independent):
         fn = fn.base_dist
-    return fn, scale_factor(aux), subsample_rows(aux, trace, event_dim)
+    return fn, scale_factor(aux), subsample_rows(aux, trace, event_dim), site_mask(aux)
 
 
 def describe_auto_normal(
@@ -176,9 +189,11 @@ def gaussian_block(
     ``AutoNormal`` does (the run's rows and scale factor from ``trace``, else ``last_run``), and
     its latent site."""
     event_dim = guide._event_dims[name]
-    normal, factor, rows = site_run(name, event_dim, trace, last_run)
+    normal, factor, rows, mask = site_run(name, event_dim, trace, last_run)
     hints = site_hints(name, proto)
-    return gaussian_site(guide, name, proto["fn"].support, hints, event_dim, normal, factor, rows)
+    return gaussian_site(
+        guide, name, proto["fn"].support, hints, event_dim, normal, factor, rows, mask
+    )
 
 
 def gaussian_site(
@@ -190,9 +205,11 @@ def gaussian_site(
     normal: Distribution | None,
     factor: float,
     rows: dict[int, torch.Tensor] | None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[MeanFieldSite, LatentSite]:
     """The ``"gaussian"`` block of site ``name`` (support ``support``) of a guide holding its
-    ``loc`` and ``scale`` in ``locs`` and ``scales`` modules, and its latent site.
+    ``loc`` and ``scale`` in ``locs`` and ``scales`` modules, and its latent site (``mask``: the
+    guide site's, `site_mask`).
 
     ``normal`` is the site's Normal in a traced run (its ``loc`` and ``scale``, differentiable);
     ``None`` reads the current parameters at ``rows``.
@@ -218,6 +235,7 @@ def gaussian_site(
         scale_factor=factor,
         rows=rows,
         constraint=support,
+        mask=mask,
         hints=hints,
     )
     return site, LatentSite(name, loc.shape, event_dim, transform)
@@ -304,7 +322,15 @@ def describe_auto_normal_messenger(
         rows = subsample_rows(node, run, event_dim)
         hints = site_hints(name, node)
         site, latent_site = gaussian_site(
-            guide, name, support, hints, event_dim, normal, scale_factor(node), rows
+            guide,
+            name,
+            support,
+            hints,
+            event_dim,
+            normal,
+            scale_factor(node),
+            rows,
+            site_mask(node) if trace is not None else None,
         )
         sites.append(site)
         latent.append(latent_site)
@@ -358,24 +384,26 @@ def check_no_subsampled_latents(guide: AutoContinuous) -> None:
                 )
 
 
-def _posterior(guide: AutoContinuous, trace: Trace | None) -> tuple[object, float]:
-    """The guide's posterior over its latent vector, and that site's scale (a ``poutine.scale``
-    around the guide), from ``trace`` or, without one, from its current parameters and the
-    handlers around its last run (`run_scale`); refused for a subsampled local latent
-    (`check_no_subsampled_latents`)."""
+def _posterior(
+    guide: AutoContinuous, trace: Trace | None
+) -> tuple[object, float, torch.Tensor | None]:
+    """The guide's posterior over its latent vector, that site's scale (a ``poutine.scale``
+    around the guide) and its mask (`site_mask`), from ``trace`` or, without one, from its
+    current parameters and the handlers around its last run (`run_scale`; no mask); refused for
+    a subsampled local latent (`check_no_subsampled_latents`)."""
     check_no_subsampled_latents(guide)
     if trace is not None:
         latent = f"_{guide._pyro_name}_latent"
         check_traced(trace, {latent: tuple(guide._unconstrained_shapes)})
         node = trace.nodes[latent]
-        return node["fn"], scale_factor(node)
-    return guide.get_posterior(), run_scale(guide)
+        return node["fn"], scale_factor(node), site_mask(node)
+    return guide.get_posterior(), run_scale(guide), None
 
 
 @register_adapter(AutoDiagonalNormal)
 def _describe_diagonal(guide: AutoDiagonalNormal, trace: Trace | None) -> GuideDescription:
     check_set_up(guide)
-    posterior, site_scale = _posterior(guide, trace)
+    posterior, site_scale, mask = _posterior(guide, trace)
     loc_leaf, _, loc_name = _leaf(guide, "loc")
     scale_leaf, scale_constraint, scale_name = _leaf(guide, "scale")
     # one block over every site: the QNVB settings the sites declare, if they all declare the same
@@ -392,6 +420,7 @@ def _describe_diagonal(guide: AutoDiagonalNormal, trace: Trace | None) -> GuideD
         transform=dist.transforms.identity_transform,
         event_dim=1,
         scale_factor=site_scale,
+        mask=mask,
         hints=hints,
     )
     return GuideDescription(guide._pyro_name, continuous_latent_sites(guide), sites=[block])
@@ -400,14 +429,14 @@ def _describe_diagonal(guide: AutoDiagonalNormal, trace: Trace | None) -> GuideD
 @register_adapter(AutoMultivariateNormal)
 def _describe_full_rank(guide: AutoMultivariateNormal, trace: Trace | None) -> GuideDescription:
     check_set_up(guide)
-    posterior, site_scale = _posterior(guide, trace)
+    posterior, site_scale, mask = _posterior(guide, trace)
     loc, tril = posterior.loc, posterior.scale_tril
     joint = JointGaussian(
         dim=loc.numel(),
         loc=loc,
         affine=lambda x: loc + x @ tril.T,
         covariance=posterior.covariance_matrix,
-        entropy=site_scale * posterior.entropy(),
+        entropy=site_scale * masked_sum(posterior.entropy(), mask),
         params=dict(guide.named_parameters()),
     )
     return GuideDescription(guide._pyro_name, continuous_latent_sites(guide), joint=joint)
@@ -418,7 +447,7 @@ def _describe_low_rank(
     guide: AutoLowRankMultivariateNormal, trace: Trace | None
 ) -> GuideDescription:
     check_set_up(guide)
-    posterior, site_scale = _posterior(guide, trace)
+    posterior, site_scale, mask = _posterior(guide, trace)
     # z = loc + W x_1 + sqrt(D) x_2 with (x_1, x_2) ~ N(0, I_{r + d}): covariance W W^T + D.
     loc, factor = posterior.loc, posterior.cov_factor
     root_diag = posterior.cov_diag.sqrt()
@@ -432,7 +461,7 @@ def _describe_low_rank(
         loc=loc,
         affine=affine,
         covariance=posterior.covariance_matrix,
-        entropy=site_scale * posterior.entropy(),
+        entropy=site_scale * masked_sum(posterior.entropy(), mask),
         params=dict(guide.named_parameters()),
     )
     return GuideDescription(guide._pyro_name, continuous_latent_sites(guide), joint=joint)

@@ -47,6 +47,7 @@ import torch
 from pyro import poutine
 from pyro.contrib.easyguide import EasyGuide
 from pyro.distributions.transforms import Transform
+from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide import (
     AutoDelta,
     AutoGaussian,
@@ -86,6 +87,7 @@ __all__ = [
     "first_rows",
     "handlers_around",
     "live_guides",
+    "masked_sum",
     "publish_moments",
     "published_moments",
     "register_adapter",
@@ -138,6 +140,9 @@ class MeanFieldSite:
             for a family whose nodes' ``loc`` and ``scale`` are moments of its parameters rather
             than the parameters (``dirac_gauss``: ``"loc"`` nu, ``"scale"`` tau, ``"logit"``
             zeta); empty for ``"gaussian"``.
+        mask: the guide site's mask in this run (a ``poutine.mask`` around the guide), a bool
+            tensor that broadcasts against the block's batch shape as Pyro's ``scale_and_mask``
+            does: a masked entry's entropy counts 0 (`entropy`); ``None`` without one.
         hints: optimizer settings the model declares for this block (its sample site's
             ``infer["qnvb"]``, e.g. a `BayesianModule`'s
             ``qnvb_settings``): `QNVB` takes them in place of its own
@@ -158,6 +163,7 @@ class MeanFieldSite:
     rows: dict[int, torch.Tensor] | None = field(default_factory=dict)
     constraint: Constraint | None = None
     values: dict[str, torch.Tensor] = field(default_factory=dict)
+    mask: torch.Tensor | None = None
     hints: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -181,15 +187,22 @@ class MeanFieldSite:
         )
 
     def entropy(self) -> torch.Tensor:
-        """The block's entropy in the unconstrained space, times its minibatch scale.
+        """The block's entropy in the unconstrained space, times its minibatch scale, its
+        masked entries (`mask`) left out.
 
         For ``dirac_gauss`` under the measure of `SpikeSlab`'s ``log_prob`` (Lebesgue
         plus a unit mass at zero): ``H(Bernoulli) + q(not z) H(N(nu, tau^2))`` per coordinate.
         """
         if self.family == "dirac_gauss":
-            return self.scale_factor * self.mixture().entropy().sum()
-        per_coordinate = self.scale.log().sum() + HALF_LOG_2PI_E * self.scale.numel()
-        return self.scale_factor * per_coordinate
+            per_coordinate = self.mixture().entropy()
+        elif self.mask is None:
+            return self.scale_factor * (
+                self.scale.log().sum() + HALF_LOG_2PI_E * self.scale.numel()
+            )
+        else:
+            per_coordinate = self.scale.log() + HALF_LOG_2PI_E
+        batch = sum_rightmost(per_coordinate, self.event_dim)
+        return self.scale_factor * masked_sum(batch, self.mask)
 
     def kl_to_prior(self, prior: Distribution) -> torch.Tensor:
         """``KL(q_site || prior)`` summed over event dims: the site's batch shape, unscaled.
@@ -224,6 +237,15 @@ class MeanFieldSite:
         """
         entropy = self.mixture().entropy()
         return entropy.sum(tuple(range(-self.event_dim, 0))) if self.event_dim else entropy
+
+
+def masked_sum(term: torch.Tensor, mask: torch.Tensor | bool | None) -> torch.Tensor:
+    """The sum of a site's ``term`` (its batch shape) under a guide site's ``mask`` as Pyro
+    weighs a log density (``scale_and_mask``): masked entries count 0, and a mask wider than the
+    term broadcasts it (each of its true entries counts the term once)."""
+    if mask is None:
+        return term.sum()
+    return torch.where(torch.as_tensor(mask, device=term.device), term, 0.0).sum()
 
 
 def no_point_mass_message(name: str, prior, family: str = "") -> str:

@@ -21,7 +21,14 @@ from pyro.poutine.messenger import Messenger
 from ..distributions.guide_delta import GuideDelta
 from ..infer.log_joint import check_callable
 from ..infer.quadrature_elbo import take_saved_position
-from .adapters import _leaf, check_set_up, describe_auto_normal, scale_factor, subsample_rows
+from .adapters import (
+    _leaf,
+    check_set_up,
+    describe_auto_normal,
+    scale_factor,
+    site_mask,
+    subsample_rows,
+)
 from .interface import GuideDescription, MeanFieldSite
 from .rows import GivenRows, check_data_follow_rows, same_rows
 
@@ -133,7 +140,8 @@ class AutoMeanFieldNormal(AutoNormal):
             init_scale=_check_init_scale(init_scale),
             create_plates=create_plates,
         )
-        self._last_run: dict[str, tuple[float, dict[int, torch.Tensor]]] | None = None
+        # site -> (scale factor, rows, mask) of the last run (site_run)
+        self._last_run: dict[str, tuple] | None = None
         self._last_run_stamp: RunStamp | None = None
         # a local-mode checkpoint holds QuadratureELBO's sequence position: a new guide set up by
         # one call (not yet met by the ELBO) takes it instead of refusing the key
@@ -196,7 +204,7 @@ class AutoMeanFieldNormal(AutoNormal):
         for name in self._event_dims:
             aux = trace.nodes[name + "_unconstrained"]
             rows = subsample_rows(aux, trace, self._event_dims[name], plates)
-            self._last_run[name] = (scale_factor(aux), rows)
+            self._last_run[name] = (scale_factor(aux), rows, site_mask(aux))
         self._last_run_stamp = RunStamp(next(_RUN_NUMBERS), torch.is_grad_enabled())
         return result
 

@@ -287,7 +287,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
             loc_leaf, _, loc_name = _leaf(self.locs, name)
             scale_leaf, scale_constraint, scale_name = _leaf(self.scales, name)
             event_dim = self._event_dims[name]
-            mixture, factor, rows = site_run(name, event_dim, trace, self._last_run)
+            mixture, factor, rows, mask = site_run(name, event_dim, trace, self._last_run)
             if mixture is None:
                 mixture = self._full_mixture(name, rows)
             transform = biject_to(proto["fn"].support)
@@ -310,6 +310,7 @@ class AutoSpikeSlab(AutoMeanFieldNormal):
                     scale_factor=factor,
                     rows=rows,
                     constraint=proto["fn"].support,
+                    mask=mask,
                     values={
                         "loc": mixture.slab_loc,
                         "scale": mixture.slab_scale,

@@ -978,8 +978,7 @@ class LogJoint:
         for name, closed in self.closed_form.items():
             terms[name] = _closed_form_term(closed, name, trace, replay_trace).sum()
         for name, ladj in log_jac.items():
-            scale = _jacobian_scale(name, trace, replay_trace)
-            terms[name] = terms[name] + (scale * ladj).sum()
+            terms[name] = terms[name] + _jacobian_term(ladj, name, trace, replay_trace).sum()
         return terms, trace
 
     def _vectorized(self, unconstrained, z, args, kwargs, replay_trace):
@@ -1011,8 +1010,8 @@ class LogJoint:
             term = _closed_form_term(closed, name, trace, replay_trace)
             terms[name] = _per_particle(name, term, K, mpn)
         for name, ladj in log_jac.items():
-            scale = _jacobian_scale(name, trace, replay_trace)
-            terms[name] = terms[name] + _per_particle(name, scale * ladj, K, mpn)
+            term = _jacobian_term(ladj, name, trace, replay_trace)
+            terms[name] = terms[name] + _per_particle(name, term, K, mpn)
         return terms, trace
 
     def _refuse_shallow_after(self, unconstrained, z, args, kwargs, replay_trace) -> None:
@@ -1101,14 +1100,16 @@ def _weighted_alike(a: dict, b: dict) -> bool:
     return same(a["scale"], b["scale"]) and same(a["mask"], b["mask"])
 
 
-def _jacobian_scale(name: str, trace: Trace, replay_trace: Trace | None):
-    """The factor on a latent's log-Jacobian: its guide site's scale, as in Pyro's ELBOs, where
-    the Jacobian is part of the guide's density (an AutoGuide's ``log_density``). It differs from
-    the model site's under a ``poutine.scale`` of the model alone or of the guide alone; without a
-    guide trace, the model site's."""
+def _jacobian_term(
+    ladj: torch.Tensor, name: str, trace: Trace, replay_trace: Trace | None
+) -> torch.Tensor:
+    """A latent's log-Jacobian ``ladj`` under its guide site's scale and mask, as in Pyro's
+    ELBOs, where the Jacobian is part of the guide's density (an AutoGuide's ``log_density``).
+    They differ from the model site's under a ``poutine.scale`` or ``poutine.mask`` of the model
+    alone or of the guide alone; without a guide trace, the model site's scale (no mask)."""
     if replay_trace is not None and name in replay_trace.nodes:
-        return replay_trace.nodes[name]["scale"]
-    return trace.nodes[name]["scale"]
+        return _scaled(ladj, replay_trace.nodes[name])
+    return trace.nodes[name]["scale"] * ladj
 
 
 def _is_identity(transform: Transform) -> bool:

@@ -106,6 +106,7 @@ __all__ = [
     "QNVB",
     "GradientIdentity",
     "QNVBBlock",
+    "masked_site_refusal",
     "minibatch_refusal",
     "outside_rows_refusal",
     "stale_rows_refusal",
@@ -211,6 +212,26 @@ GRADIENT_IDENTITIES: dict[str, GradientIdentity] = {"gaussian": _gaussian_identi
 """family -> how QNVB reads a block's moments ``g``, ``h`` from its parameters' gradients when no
 moments were published (Pyro's ELBOs). The families QNVB reads from gradients are its keys; a
 block of another family needs `published_moments`."""
+
+
+def masked_site_refusal(site: MeanFieldSite) -> ValueError | None:
+    """QNVB's refusal of a block whose guide site runs under a ``poutine.mask`` that masks some
+    of its entries (`MeanFieldSite.mask`); ``None`` where it masks none.
+
+    A masked entry's entropy is out of the loss (as in Pyro's ELBOs), and nothing holds its
+    scale up: the loss falls as the scale shrinks to zero. QNVB's update sets the scale from the
+    curvature as the entropy's term would, so it would fit another objective than the loss.
+    """
+    mask = site.mask
+    if mask is None or bool(mask.all()):
+        return None
+    return ValueError(
+        f"QNVB: the guide's site {site.name!r} runs under a poutine.mask that masks out its "
+        "entropy (mask=False, or False entries), so the loss has no term that holds its scale "
+        "up, and QNVB, which sets the scale from the curvature as the entropy's term would, "
+        "cannot fit it. Mask the model's sites instead (poutine.mask(model, mask)), or fit the "
+        "masked guide with a gradient optimizer (pyro.optim.Adam)"
+    )
 
 
 def minibatch_refusal(site: MeanFieldSite) -> ValueError | None:
@@ -1230,6 +1251,9 @@ class QNVB(PyroOptim):
         loc_leaf, scale_leaf = site.params["loc"], site.params["scale"]
         if block.moments is None and loc_leaf.grad is None and scale_leaf.grad is None:
             return True  # not used by this step's loss: nothing to do, nothing for the fallback
+        refusal = masked_site_refusal(site)
+        if refusal is not None:
+            raise refusal
         if block.moments is None and (loc_leaf.grad is None or scale_leaf.grad is None):
             self._warn_once(f"one gradient {site.name}", _one_gradient(site.name, loc_leaf))
             return False
