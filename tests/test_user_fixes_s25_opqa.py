@@ -18,6 +18,7 @@ from pyro_quadvi.testing.evidence_models import (
     POISSON_DATA,
     gamma_poisson,
     gamma_poisson_posterior,
+    normal_normal_log_evidence,
 )
 
 NOISE = 10.0
@@ -106,3 +107,52 @@ def test_a_mode_that_the_newton_steps_do_not_reach_is_warned_of_with_its_distanc
     # curvature is a: 1e-6 weight sds are 1e-6 / sqrt(a)
     mode = math.log(posterior_shape / posterior_rate)
     assert float(reached.loc) == pytest.approx(mode, abs=1e-6 / math.sqrt(posterior_shape))
+
+
+def _allocate_too_much() -> None:
+    torch.empty(2**62, dtype=torch.uint8)  # beyond any address space: the CPU allocator refuses
+
+
+def _cuda_out_of_memory() -> None:
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.48 TiB")
+
+
+@pytest.mark.parametrize(
+    ("fail", "error"),
+    [
+        (_allocate_too_much, "RuntimeError: "),  # then the allocator's message
+        (_cuda_out_of_memory, "OutOfMemoryError: CUDA out of memory. Tried to allocate 3.48 TiB"),
+    ],
+)
+def test_a_vectorized_pass_that_runs_out_of_memory_falls_back_to_the_loop(fail, error):
+    """A trial's model broadcast a latent's batch dim against the points' (a[..., None] + x @ b)
+    and asked for a (K, K, n) tensor, 3.8 TB at n = 1e5 and 3 points: torch's bare allocator error
+    came out of opqa_evidence, though one point at a time runs. Here the pass fails the same
+    way without the terabytes: the loop gives the closed form, with the usual warning."""
+
+    def model(x):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=F64), 1.0))
+        if mu.numel() > 1:  # the vectorized pass over the points
+            fail()
+        pyro.sample("x", dist.Normal(mu, 0.1), obs=x)
+
+    x = torch.tensor(0.7, dtype=F64)
+    with pytest.warns(UserWarning) as record:
+        result = opqa_evidence(model, x, num_points=3)
+    assert abs(result.log_evidence - normal_normal_log_evidence(0.7)) < 1e-8
+    assert not result.diagnostics["vectorized"]
+    (message,) = [str(item.message) for item in record]
+    assert message.startswith(
+        "opqa_evidence: the model does not evaluate all 3 points in one vectorized pass (" + error
+    )
+    assert record[0].filename == __file__
+    reason = result.diagnostics["vectorize_fallback"]
+    assert reason in message
+    assert reason.endswith(
+        "the pass over all 3 points ran out of memory; a latent whose batch dim meets the "
+        "points' dim as well (a[..., None] + x @ b, with a of shape (K, 1) in the pass, makes a "
+        "K x K x n tensor) asks for K times what the points need, and one point at a time needs "
+        "1/K of it"
+    )
+    with pytest.raises(RuntimeError, match="memory"):  # vectorize=True: the pass's own error
+        opqa_evidence(model, x, num_points=3, vectorize=True)
