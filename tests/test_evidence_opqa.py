@@ -374,7 +374,8 @@ def test_the_map_gradient_and_fallback_warnings_point_at_the_users_call():
         opqa_evidence(kinked, torch.tensor(0.5, dtype=F64), num_points=3)
         opqa_evidence(one_sum, torch.tensor(0.3, dtype=F64), num_points=3)
     starts = {
-        "opqa_evidence(center='laplace'): the MAP search stopped with gradient norm 0.5;": line,
+        "opqa_evidence(center='laplace'): the MAP search (L-BFGS, then 0 Newton steps) stopped "
+        "0.5 weight standard deviations": line,
         "opqa_evidence(center='laplace'): autograd's derivatives of the log joint disagree": line,
         "opqa_evidence: the model does not evaluate all 9 points in one vectorized pass": line + 1,
     }

@@ -293,8 +293,9 @@ def evaluate_batch(
         `DecisionCache`) to decide once.
 
     Whatever ``batched`` or ``single`` raise propagates, except, under ``vectorize=None``, the
-    broadcasting errors of ``batched`` and its ``AssertionError`` where ``single`` passes the
-    first point (a shape assert of the model that the points' leading dims fail).
+    broadcasting errors of ``batched``, its allocation failures (a pass over all the points
+    that runs out of memory) and its ``AssertionError`` where ``single`` passes the first point
+    (a shape assert of the model that the points' leading dims fail).
 
     Raises:
         BatchMismatch: with ``vectorize=True``, where the pass disagrees with the probes (or the
@@ -322,6 +323,14 @@ def evaluate_batch(
             reason = _assert_reason(error)
         elif is_broadcast_error(error):
             reason = f"{type(error).__name__}: {first_line(error)}"
+        elif _is_out_of_memory(error):
+            reason = (
+                f"{type(error).__name__}: {first_line(error)}: the pass over all {K} points ran "
+                "out of memory; a latent whose batch dim meets the points' dim as well "
+                "(a[..., None] + x @ b, with a of shape (K, 1) in the pass, makes a K x K x n "
+                "tensor) asks for K times what the points need, and one point at a time needs "
+                "1/K of it"
+            )
         else:
             raise
     else:
@@ -372,6 +381,14 @@ def evaluate_batch(
         stacklevel=user_stacklevel(),
     )
     return looped, BatchDecision(False, reason, 0)
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation failure: torch's ``OutOfMemoryError`` (CUDA, MPS) or
+    its CPU allocator's ``RuntimeError``."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    )
 
 
 def _assert_reason(error: AssertionError) -> str:
