@@ -43,8 +43,8 @@ def test_a_list_part_records_the_lists_minibatch_and_qnvb_moves_only_those_rows(
         idx = torch.tensor([(2 * step) % N, (2 * step + 1) % N])
         before = {name: store[name].detach().clone() for name in store.keys()}
         svi.step(Y, idx)
-        factor, rows = part._last_run["theta"]
-        assert factor == N / 2 and torch.equal(rows[-1], idx)
+        factor, rows, mask = part._last_run["theta"]
+        assert factor == N / 2 and torch.equal(rows[-1], idx) and mask is None
         for name in ("AutoGuideList.0.locs.theta", "AutoGuideList.0.scales.theta"):
             moved = (store[name].detach() != before[name]).nonzero().flatten()
             assert set(moved.tolist()) <= set(idx.tolist()), (step, name, moved)
