@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pyro.distributions as dist
 import pytest
 import torch
 from pyro import poutine
 from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
 
 from pyro_quadvi.infer.batched import DtypeMismatch
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
@@ -99,6 +102,23 @@ def test_a_noise_prior_of_another_dtype_than_the_net_is_refused_naming_the_site(
     assert trace.nodes["noise_scale"]["value"].dtype == torch.float64
 
 
+# -- 3. LayerwiseNormal: the bias of a weight_norm'd layer takes the layer's fans ----------------
+
+
+@pytest.mark.parametrize(
+    "layer, std",
+    [(lambda: nn.Conv2d(3, 4, 3), 1 / math.sqrt(27)), (lambda: nn.Linear(4, 8), 0.5)],
+)
+def test_layerwise_normal_gives_a_weight_normed_layers_bias_the_plain_layers_scale(layer, std):
+    # weight_norm(nn.Conv2d(3, 4, 3))'s bias had sd 1.0 (fans (1, 1)): its weight is no
+    # parameter, and a conv has no in_features to stand for it
+    sds = []
+    for net in (nn.Sequential(layer()), nn.Sequential(weight_norm(layer()))):
+        bnn = BayesianModule(net, priors.LayerwiseNormal("radford"), likelihoods.Gaussian(10))
+        sds.append(bnn.prior.std("0.bias", net[0].bias))
+    assert sds == pytest.approx([std, std], rel=1e-12)
+
+
 # -- 6. dataset_size takes NumPy and 0-d torch integers, as fit's counts do ----------------------
 
 
@@ -112,3 +132,17 @@ def test_dataset_size_takes_numpy_and_torch_integers(size):
 def test_dataset_size_still_refuses_what_is_no_positive_integer(size):
     with pytest.raises(ValueError, match="dataset_size must be a positive int or None"):
         likelihoods.Gaussian(size)
+
+
+# -- 4. the worked numbers docs/nn.md gives against TyXe's ---------------------------------------
+
+
+def test_layerwise_normal_scales_docs_compare_with_tyxe():
+    # TyXe: biases sd 1.0 (radford, fan_in 1), xavier 0.603 and 0.426 (relu gain, fan_out = out)
+    net = nn.Sequential(nn.Linear(5, 6), nn.Conv2d(3, 4, (3, 2)))
+    radford = BayesianModule(net, priors.LayerwiseNormal("radford"), likelihoods.Gaussian(10))
+    xavier = BayesianModule(net, priors.LayerwiseNormal("xavier"), likelihoods.Gaussian(10))
+    params = dict(net.named_parameters())
+    biases = [radford.prior.std(n, params[n]) for n in ("0.bias", "1.bias")]
+    weights = [xavier.prior.std(n, params[n]) for n in ("0.weight", "1.weight")]
+    assert [round(v, 3) for v in biases + weights] == [0.447, 0.236, 0.426, 0.218]
