@@ -6,15 +6,18 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pyro
 import pyro.distributions as dist
 import pytest
 import torch
 from pyro import poutine
+from pyro.infer import SVI
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.infer.batched import DtypeMismatch
-from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi.nn import BayesianModule, fit, likelihoods, priors
 
 # -- 1. a noise prior of a batch or event shape is refused ---------------------------------------
 
@@ -117,6 +120,38 @@ def test_layerwise_normal_gives_a_weight_normed_layers_bias_the_plain_layers_sca
         bnn = BayesianModule(net, priors.LayerwiseNormal("radford"), likelihoods.Gaussian(10))
         sds.append(bnn.prior.std("0.bias", net[0].bias))
     assert sds == pytest.approx([std, std], rel=1e-12)
+
+
+# -- 5. fit with a tuple of minibatches: a short message that says what a tuple is ---------------
+
+
+def _tuple_of_batches():
+    x, y = torch.randn(200, 3), torch.randn(200)
+    bnn = BayesianModule(nn.Linear(3, 1), priors.Normal(1.0), likelihoods.Gaussian(200, 0.3))
+    return bnn, tuple((x[i : i + 100], y[i : i + 100]) for i in (0, 100))
+
+
+def test_fit_refuses_a_tuple_of_minibatches_saying_to_pass_a_list():
+    # it gave a 6 KB error printing every tensor, that never said a tuple is one step's arguments
+    pyro.clear_param_store()
+    bnn, batches = _tuple_of_batches()
+    svi = SVI(bnn, AutoMeanFieldNormal(bnn), QNVB(), QuadratureELBO())
+    with pytest.raises(TypeError) as error:
+        fit(svi, batches, 4, progress=False)
+    message = str(error.value)
+    assert len(message) < 300
+    for part in ("a tuple of 2 tuples or lists", "a tuple is one step's arguments", "list(data)"):
+        assert part in message
+
+
+def test_a_tuple_in_place_of_x_is_summarised_by_shapes_not_printed():
+    bnn, batches = _tuple_of_batches()
+    with pytest.raises(TypeError) as error:
+        bnn(batches)
+    item = "a tuple of 2 item(s) (a tensor of shape (100, 3), a tensor of shape (100,))"
+    expected = f"got a tuple of 2 item(s) ({item}, {item})"
+    assert str(error.value).endswith(expected)
+    assert "tensor([" not in str(error.value)
 
 
 # -- 6. dataset_size takes NumPy and 0-d torch integers, as fit's counts do ----------------------

@@ -493,9 +493,17 @@ class BayesianModule(PyroModule):
         )
 
 
-def _brief(value: object) -> str:
+def _brief(value: object, depth: int = 0) -> str:
+    """``value`` for a message: a tensor by its shape, a tuple or list by its type and items (the
+    first 4, two levels deep), never a tensor's entries."""
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, tuple | list):
+        kind = f"a {type(value).__name__} of {len(value)} item(s)"
+        if depth == 2 or not value:
+            return kind
+        items = [_brief(v, depth + 1) for v in value[:4]] + ["..."] * (len(value) > 4)
+        return f"{kind} ({', '.join(items)})"
     return f"{value!r} ({type(value).__name__})"
 
 
