@@ -51,6 +51,7 @@ __all__ = [
     "DtypeMismatch",
     "below_float64",
     "call_by_place",
+    "check_value_dtype",
     "check_vectorize",
     "evaluate_batch",
     "is_broadcast_error",
@@ -66,6 +67,21 @@ class DtypeMismatch(ValueError):
     """A model's value in another dtype than the tensor it stands for (a ``BayesianModule``'s
     weight drawn or replayed in float64 for a float32 net): what ``opqa_evidence``, which runs a
     model in float64, turns into its own advice."""
+
+
+def check_value_dtype(
+    site: str, value: torch.Tensor, dtype: torch.dtype, wanted: str, prior: str, example: str
+) -> None:
+    """Refuse with a `DtypeMismatch` a sampled ``value`` of ``site`` in another dtype than
+    ``dtype``, the dtype of what it stands for (``wanted``: "the parameter"), naming the
+    distribution that draws it (``prior``) and a remedy (``example``, a prior built in
+    ``dtype``)."""
+    if value.dtype != dtype:
+        raise DtypeMismatch(
+            f"the value of {site!r} is {value.dtype}, but {wanted} is {dtype}: {prior} draws "
+            f"it, or the guide replays it, in another dtype. Build both in {wanted}'s dtype "
+            f"({example}; a guide built for the net as it is now)"
+        )
 
 
 class BatchMismatch(Exception):

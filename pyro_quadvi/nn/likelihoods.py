@@ -11,13 +11,16 @@ passes. Without ``y`` (sampled, for prediction) the plate is ``pyro.plate("data"
 from __future__ import annotations
 
 import math
+import numbers
 
 import pyro
 import pyro.distributions as dist
 import torch
 from pyro import poutine
 
+from ..infer.batched import check_value_dtype
 from ..optim.torch_qnvb import check_representable, where_entries
+from ..quadrature.base import as_index
 
 DATA_PLATE = "data"
 """The name of the plate `Likelihood.plate` puts a batch's rows in."""
@@ -52,10 +55,13 @@ class Likelihood:
     squeeze_single_output = False  # a net output of one column is one number per row
 
     def __init__(self, dataset_size: int | None = None, name: str = "obs"):
-        if dataset_size is not None and (
-            isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1
-        ):
-            raise ValueError(f"dataset_size must be a positive int or None, got {dataset_size!r}")
+        if dataset_size is not None:
+            size = as_index(dataset_size)  # a NumPy integer or a 0-d integer tensor too
+            if size is None or size < 1:
+                raise ValueError(
+                    f"dataset_size must be a positive int or None, got {dataset_size!r}"
+                )
+            dataset_size = size
         if not isinstance(name, str) or not name:
             raise TypeError(
                 f"{type(self).__name__}: name must be a non-empty string (the observed site's "
@@ -186,6 +192,42 @@ def _expand_to_rows(value: torch.Tensor, row_dims: int) -> torch.Tensor:
     return value.reshape(value.shape + (1,) * row_dims)
 
 
+def _check_noise_prior(prior: object) -> None:
+    """Refuse a ``noise_prior`` that is no distribution of one positive number: not a
+    distribution, of a batch or event shape (one scale per output would pair with the batch's
+    rows), or with a support reaching below 0 (``init_to_feasible`` starts a real-valued site at
+    0, a noise scale of 0)."""
+    if not isinstance(prior, dist.Distribution):
+        raise TypeError(
+            f"Gaussian: noise_prior must be a distribution of the noise scale (e.g. "
+            f"dist.HalfNormal(1.0)), got {prior!r} ({type(prior).__name__})"
+        )
+    shape = prior.batch_shape + prior.event_shape
+    if shape != ():
+        raise ValueError(
+            f"Gaussian: noise_prior {prior!r} has batch_shape {tuple(prior.batch_shape)} and "
+            f"event_shape {tuple(prior.event_shape)}; the learned noise scale is one scalar for "
+            "all outputs (a scale per output is not supported: one would be paired with the "
+            "batch's rows). Pass a scalar distribution, e.g. dist.HalfNormal(1.0), or write a "
+            "likelihood of your own (docs/nn.md)"
+        )
+    support = prior.support
+    lower = getattr(support, "lower_bound", None)
+    positive = (
+        not support.is_discrete
+        and isinstance(lower, numbers.Real | torch.Tensor)
+        and bool((torch.as_tensor(lower) >= 0).all())
+    )
+    if not positive:
+        raise ValueError(
+            f"Gaussian: noise_prior {prior!r} has support {support}, which is not within the "
+            "positive reals; the noise scale is a standard deviation, > 0 (a guide started at "
+            "a value <= 0 gives a likelihood of scale <= 0). Pass a distribution on the "
+            "positive reals: dist.HalfNormal(s), dist.LogNormal(m, s), dist.Gamma(a, b) (a "
+            "Normal(m, s) around a guess m: dist.LogNormal(math.log(m), s / m))"
+        )
+
+
 class Gaussian(Likelihood):
     """``y ~ Normal(net(x), scale)`` per entry, each row's entries one event.
 
@@ -194,7 +236,9 @@ class Gaussian(Likelihood):
         scale: the noise standard deviation; ``None`` learns it: a latent site
             ``"noise_scale"`` with prior ``noise_prior`` (default ``HalfNormal(1.0)``), sampled
             outside the data plate.
-        noise_prior: the prior of the learned noise scale (a distribution on the positive reals).
+        noise_prior: the prior of the learned noise scale: a scalar distribution (one scale for
+            all outputs) on the positive reals (its support's lower bound ``>= 0``), in the
+            network's dtype.
 
     A net with one output column models one number per row: ``y`` may be ``(B,)`` or ``(B, 1)``.
     """
@@ -220,6 +264,8 @@ class Gaussian(Likelihood):
             raise ValueError(f"scale must be > 0 and finite, or None (learned), got {scale!r}")
         if scale is not None and noise_prior is not None:
             raise ValueError("noise_prior goes with scale=None (a learned noise scale)")
+        if noise_prior is not None:
+            _check_noise_prior(noise_prior)
         self.scale = None if scale is None else float(scale)
         self.noise_prior = noise_prior
 
@@ -230,7 +276,10 @@ class Gaussian(Likelihood):
         prior = self.noise_prior
         if prior is None:
             prior = dist.HalfNormal(torch.ones((), dtype=dtype, device=device))
-        return {NOISE_SITE: pyro.sample(NOISE_SITE, prior)}
+        value = pyro.sample(NOISE_SITE, prior)
+        example = f"noise_prior=dist.HalfNormal(torch.tensor(1.0, dtype={dtype})), say"
+        check_value_dtype(NOISE_SITE, value, dtype, "the net", "noise_prior", example)
+        return {NOISE_SITE: value}
 
     def distribution(
         self, outputs: torch.Tensor, latents: dict[str, torch.Tensor], row_dims: int

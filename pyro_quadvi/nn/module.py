@@ -42,8 +42,8 @@ from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm as SpectralNormHook
 
 from ..infer.batched import (
-    DtypeMismatch,
     call_by_place,
+    check_value_dtype,
     first_line,
     is_vmap_refusal,
     sum_is_finite,
@@ -451,14 +451,13 @@ class BayesianModule(PyroModule):
         for name, param in self.latent_parameters().items():
             infer = {"qnvb": self.qnvb_settings} if self.qnvb_settings else {}
             values[name] = pyro.sample(name, self.prior_of(name, param), infer=infer)
-            if values[name].dtype != param.dtype:
-                raise DtypeMismatch(
-                    f"the value of {name!r} is {values[name].dtype}, but the parameter is "
-                    f"{param.dtype}: the prior draws it, or the guide replays it, in another "
-                    "dtype. Build both in the parameter's dtype (a scalar prior from tensors of "
-                    "that dtype, e.g. dist.Normal(torch.tensor(0.0, dtype=param.dtype), 1.0); a "
-                    "guide built for the net as it is now)"
-                )
+            example = (
+                "a scalar prior from tensors of that dtype, e.g. "
+                "dist.Normal(torch.tensor(0.0, dtype=param.dtype), 1.0)"
+            )
+            check_value_dtype(
+                name, values[name], param.dtype, "the parameter", "the prior", example
+            )
         outputs, batch_dims = self._evaluate(values, x)
         _check_data(x, y, outputs, self.likelihood)
         self.likelihood(outputs, y, batch_dims)
@@ -494,9 +493,17 @@ class BayesianModule(PyroModule):
         )
 
 
-def _brief(value: object) -> str:
+def _brief(value: object, depth: int = 0) -> str:
+    """``value`` for a message: a tensor by its shape, a tuple or list by its type and items (the
+    first 4, two levels deep), never a tensor's entries."""
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, tuple | list):
+        kind = f"a {type(value).__name__} of {len(value)} item(s)"
+        if depth == 2 or not value:
+            return kind
+        items = [_brief(v, depth + 1) for v in value[:4]] + ["..."] * (len(value) > 4)
+        return f"{kind} ({', '.join(items)})"
     return f"{value!r} ({type(value).__name__})"
 
 
