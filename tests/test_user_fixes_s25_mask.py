@@ -16,7 +16,7 @@ import pytest
 import torch
 from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
-from pyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
 from torch.distributions import transform_to
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO
@@ -190,6 +190,25 @@ def test_qnvb_refuses_a_masked_guide_site(mean_field, elbo, mask):
     ):
         svi.step(Y)
     assert all(torch.equal(p, q) for p, q in zip(guide.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize(
+    "cls, site", [(AutoNormal, "mu"), (AutoDiagonalNormal, "_AutoDiagonalNormal_latent")]
+)
+def test_qnvb_refuses_a_masked_adapter_guide_under_pyros_elbo(cls, site):
+    """Without a trace (Pyro's ELBOs) an adapter-described guide's blocks take the mask of the
+    handlers around its last run, as they take its scale: QNVB updated these guides silently."""
+    pyro.clear_param_store()
+    guide = cls(linear_model)
+    guide(Y)
+    before = [p.detach().clone() for p in guide.parameters()]
+    svi = SVI(linear_model, poutine.mask(guide, mask=False), QNVB(), Trace_ELBO())
+    with pytest.raises(ValueError, match=rf"site '{site}' runs under a poutine\.mask"):
+        svi.step(Y)
+    assert all(torch.equal(p, q) for p, q in zip(guide.parameters(), before, strict=True))
+    unmasked = SVI(linear_model, poutine.mask(guide, mask=True), QNVB(), Trace_ELBO())
+    assert math.isfinite(unmasked.step(Y))  # a later run without a mask steps again
+    pyro.clear_param_store()
 
 
 def test_qnvb_takes_a_mask_that_masks_nothing(mean_field):

@@ -92,9 +92,10 @@ def laplace_weight(
     scale-free, in weight standard deviations: ``m = sqrt(g^T H^-1 g)``, the Newton step's length
     in the whitened coordinates ``x``. While ``m > 1e-6``, up to ``newton_steps`` Newton steps
     ``z -= H^-1 g`` follow (halved until the negative log joint does not rise; one step is exact
-    for a Gaussian posterior), each with a new gradient and Hessian; an ``m`` still above
-    ``1e-4`` (an error of about ``m^2 / 2`` nats at one point) is warned of. ``info`` reports
-    ``map_distance_sd`` (``m``), ``map_gradient_norm`` and ``newton_steps``.
+    for a Gaussian posterior), each with a new gradient and Hessian; below ``m = 1e-2`` a step
+    that does not halve ``m`` ends them (the gradient's rounding is all that is left); an ``m``
+    still above ``1e-4`` (an error of about ``m^2 / 2`` nats at one point) is warned of. ``info``
+    reports ``map_distance_sd`` (``m``), ``map_gradient_norm`` and ``newton_steps``.
 
     Raises:
         ValueError: where the log joint is not finite along the search (naming the coordinate
@@ -157,7 +158,7 @@ def laplace_weight(
     steps = 0
     while distance > _NEWTON_TARGET and steps < newton_steps:
         point, value, grad_there, tries = _newton_step(
-            negative_log_joint, mode, at_mode, grad, factor
+            negative_log_joint, mode, at_mode, grad, factor, distance
         )
         evaluations += tries
         if point is None:  # no decrease along the step, within the rounding of the log joint
@@ -166,8 +167,23 @@ def laplace_weight(
         evaluations += 1
         if factor_there is None:  # not positive definite there: keep the last point
             break
+        distance_there = _newton_length(grad_there, factor_there)
+        if distance < _QUADRATIC and distance_there > distance / 2:
+            # near the mode a step leaves about the square of the distance: one that does not
+            # halve it measures the gradient's rounding (a log joint partly in float32), which
+            # further steps only follow; keep the nearer point
+            if distance_there < distance:
+                mode, at_mode, grad, factor, distance = (
+                    point,
+                    value,
+                    grad_there,
+                    factor_there,
+                    distance_there,
+                )
+                steps += 1
+            break
         mode, at_mode, grad, factor = point, value, grad_there, factor_there
-        distance = _newton_length(grad, factor)
+        distance = distance_there
         steps += 1
     scale_tril = torch.linalg.cholesky(torch.cholesky_inverse(factor))
     evaluations += 2  # the check of the derivatives
@@ -200,6 +216,9 @@ _NEWTON_TARGET = 1e-6
 _DISTANCE_WARNING = 1e-4
 # the step halvings of a Newton step that does not lower the negative log joint
 _MAX_HALVINGS = 20
+# below this distance a Newton step leaves about the distance's square (a third derivative of
+# order 1 in weight sds): a step that does not halve it is following the gradient's rounding
+_QUADRATIC = 1e-2
 
 
 def _value_and_grad(
@@ -237,14 +256,17 @@ def _newton_step(
     value: float,
     grad: torch.Tensor,
     factor: torch.Tensor,
+    distance: float,
 ) -> tuple[torch.Tensor | None, float, torch.Tensor | None, int]:
-    """The Newton step ``-H^-1 g`` from ``point``, halved until the negative log joint does not
-    rise above ``value`` by more than its rounding: the point reached (None where no try did),
-    its value and gradient, and the evaluations spent (one a try; a log joint that is not
-    finite counts as a rise)."""
+    """The Newton step ``-H^-1 g`` from ``point`` (``distance`` weight sds long), halved until
+    the negative log joint does not rise above ``value`` by more than its rounding, while it is
+    longer than ``_NEWTON_TARGET`` (a shorter one is not worth a try): the point reached (None
+    where no try did), its value and gradient, and the evaluations spent (one a try; a log
+    joint that is not finite counts as a rise)."""
     step = torch.cholesky_solve(grad[:, None], factor)[:, 0]
     rounding = 64 * torch.finfo(torch.float64).eps * (1.0 + abs(value))
-    for halving in range(_MAX_HALVINGS + 1):
+    halvings = min(_MAX_HALVINGS, max(0, math.floor(math.log2(distance / _NEWTON_TARGET))))
+    for halving in range(halvings + 1):
         candidate = point - step / 2**halving
         try:
             reached, grad_there = _value_and_grad(negative_log_joint, candidate)
@@ -252,7 +274,7 @@ def _newton_step(
             continue
         if reached <= value + rounding:
             return candidate, reached, grad_there, halving + 1
-    return None, value, None, _MAX_HALVINGS + 1
+    return None, value, None, halvings + 1
 
 
 def _refuse_hessian(

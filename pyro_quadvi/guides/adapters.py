@@ -39,8 +39,10 @@ from .interface import (
     MeanFieldSite,
     _transformed_normal,
     check_traced,
+    mask_tensor,
     masked_sum,
     register_adapter,
+    run_mask,
     run_scale,
 )
 
@@ -110,10 +112,7 @@ def scale_factor(site: dict) -> float:
 def site_mask(site: dict) -> torch.Tensor | None:
     """The mask of a traced guide site (a ``poutine.mask`` around the guide), as a bool tensor;
     ``None`` without one or under ``mask=True``, which masks nothing."""
-    mask = site["mask"]
-    if mask is None or mask is True:
-        return None
-    return torch.as_tensor(mask, dtype=torch.bool)
+    return mask_tensor(site["mask"])
 
 
 def _select(t: torch.Tensor, rows: dict[int, torch.Tensor] | None) -> torch.Tensor:
@@ -156,17 +155,18 @@ def describe_auto_normal(
     Args:
         guide: the guide (set up: it has run once).
         trace: a trace of one run; ``None`` describes the current parameters.
-        last_run: without a trace, ``site -> (scale factor, rows)`` of the guide's last run where
-            the guide keeps it (``AutoMeanFieldNormal``); otherwise rows are unknown (``None``)
-            and each site's scale factor is the handler scale around the guide's last run
-            (`run_scale`: a ``poutine.scale``; the minibatch
-            scale of the plates the guide opens is not known then).
+        last_run: without a trace, ``site -> (scale factor, rows, mask)`` of the guide's last
+            run where the guide keeps it (``AutoMeanFieldNormal``); otherwise rows are unknown
+            (``None``) and each site's scale factor and mask are the handlers' around the
+            guide's last run (`run_scale`: a ``poutine.scale``; the minibatch scale of the
+            plates the guide opens is not known then; `run_mask`: a ``poutine.mask``).
     """
     check_set_up(guide)
     check_draws_traced(guide, trace)
     if trace is None and last_run is None:
         factor = run_scale(guide)
-        last_run = {name: (factor, None) for name in guide._event_dims}
+        mask = run_mask(guide)
+        last_run = {name: (factor, None, mask) for name in guide._event_dims}
     sites, latent = [], []
     for name, proto in guide.prototype_trace.iter_stochastic_nodes():
         site, latent_site = gaussian_block(guide, name, proto, trace, last_run)
@@ -389,7 +389,7 @@ def _posterior(
 ) -> tuple[object, float, torch.Tensor | None]:
     """The guide's posterior over its latent vector, that site's scale (a ``poutine.scale``
     around the guide) and its mask (`site_mask`), from ``trace`` or, without one, from its
-    current parameters and the handlers around its last run (`run_scale`; no mask); refused for
+    current parameters and the handlers around its last run (`run_scale`, `run_mask`); refused for
     a subsampled local latent (`check_no_subsampled_latents`)."""
     check_no_subsampled_latents(guide)
     if trace is not None:
@@ -397,7 +397,7 @@ def _posterior(
         check_traced(trace, {latent: tuple(guide._unconstrained_shapes)})
         node = trace.nodes[latent]
         return node["fn"], scale_factor(node), site_mask(node)
-    return guide.get_posterior(), run_scale(guide), None
+    return guide.get_posterior(), run_scale(guide), run_mask(guide)
 
 
 @register_adapter(AutoDiagonalNormal)

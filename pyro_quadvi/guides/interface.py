@@ -59,6 +59,7 @@ from pyro.infer.autoguide import (
 )
 from pyro.poutine import Trace
 from pyro.poutine.condition_messenger import ConditionMessenger
+from pyro.poutine.mask_messenger import MaskMessenger
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 from pyro.poutine.scale_messenger import ScaleMessenger
@@ -87,11 +88,13 @@ __all__ = [
     "first_rows",
     "handlers_around",
     "live_guides",
+    "mask_tensor",
     "masked_sum",
     "publish_moments",
     "published_moments",
     "register_adapter",
     "register_guide",
+    "run_mask",
     "run_rows",
     "run_scale",
     "supported_guides",
@@ -796,6 +799,35 @@ def _handler_scale() -> float | torch.Tensor:
     return scale
 
 
+# guide -> the handler mask around its last run under autograd (`run_mask`)
+_RUN_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _handler_mask() -> bool | torch.Tensor | None:
+    """The mask Pyro's live ``poutine.mask`` s put on a site (their ``&``); ``None`` without."""
+    mask = None
+    for messenger in _PYRO_STACK:
+        if isinstance(messenger, MaskMessenger):
+            mask = messenger.mask if mask is None else mask & messenger.mask
+    return mask
+
+
+def run_mask(guide: torch.nn.Module) -> torch.Tensor | None:
+    """The mask ``poutine.mask`` handlers put on ``guide``'s sites in its last run under autograd,
+    as a bool tensor; ``None`` without one, under ``mask=True`` or for a guide not seen running:
+    what a description without a trace of an adapter-described guide takes as its blocks'
+    ``mask``, as `run_scale` gives their scale."""
+    return mask_tensor(_RUN_MASKS.get(guide))
+
+
+def mask_tensor(mask: bool | torch.Tensor | None) -> torch.Tensor | None:
+    """A site's or handler's ``mask`` as a bool tensor; ``None`` for ``None`` or ``True``, which
+    mask nothing."""
+    if mask is None or mask is True:
+        return None
+    return torch.as_tensor(mask, dtype=torch.bool)
+
+
 def run_scale(guide: torch.nn.Module) -> float:
     """The scale ``poutine.scale`` handlers (and subsampled plates) around ``guide``'s last run
     under autograd put on each of its sites: what the gradients of its parameters carry besides
@@ -892,6 +924,7 @@ def _note_module_call(module: torch.nn.Module, args) -> None:
         follow_param_store(module)
         if torch.is_grad_enabled():  # (module is the guide itself: wrappers returned above)
             _RUN_SCALES[module] = _handler_scale()
+            _RUN_MASKS[module] = _handler_mask()
             _RUN_ROWS[module] = first_rows(args, {})[1]
     elif _is_undescribed_guide(cls):
         _UNDESCRIBED_GUIDES.add(module)
