@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 from pyro.poutine.messenger import Messenger
+from pyro.poutine.replay_messenger import ReplayMessenger
+from pyro.poutine.runtime import _PYRO_STACK
 
 from ..infer.log_joint import _layers, is_data_site
 from .qnvb_functional import _is_real_scalar
@@ -165,15 +167,44 @@ class AnnealLikelihoodMessenger(Messenger):
                 "lambda: a, or use anneal_likelihood(model, a)"
             )
         self.factor = factor
+        # the sample messages this handler passed unobserved, until it postprocesses them
+        self._unobserved: set[int] = set()
 
     def _process_message(self, msg):
-        if msg["type"] == "sample" and is_data_site(msg):
-            factor = self.factor()
-            value = _checked_factor(
-                factor, f"anneal_likelihood: factor() at site {msg['name']!r} must be", _EXPONENT
+        if msg["type"] != "sample":
+            return
+        if not is_data_site(msg):
+            self._unobserved.add(id(msg))  # (`_postprocess_message`)
+            return
+        self._unobserved.discard(id(msg))  # (a message of an earlier run that raised)
+        factor = self.factor()
+        value = _checked_factor(
+            factor, f"anneal_likelihood: factor() at site {msg['name']!r} must be", _EXPONENT
+        )
+        _check_representable(value, msg)
+        msg["scale"] = factor * msg["scale"]
+
+    def _postprocess_message(self, msg):
+        """Refuse a data site that a handler outside this one observed after it ran (Pyro runs
+        the handlers from the innermost out: ``pyro.condition(anneal_likelihood(model, a),
+        data)`` observes ``x`` after the annealing passed it by, untempered), when the model
+        runs against a guide's trace (``poutine.replay``: Pyro's ELBOs, ``QuadratureELBO``,
+        ``Importance``), where the site's untempered density would enter the loss. Elsewhere
+        an outer condition gives latent values (``Predictive``, MCMC's potential), which are no
+        data: left alone, as they must be. The scale cannot be set here instead: an outer
+        ``poutine.trace`` has copied the message by now."""
+        if id(msg) not in self._unobserved:
+            return
+        self._unobserved.discard(id(msg))
+        if is_data_site(msg) and any(isinstance(f, ReplayMessenger) for f in _PYRO_STACK):
+            raise ValueError(
+                f"anneal_likelihood: site {msg['name']!r} was observed by a handler outside the "
+                "annealed model (pyro.condition(anneal_likelihood(model, a), data), or around "
+                "qnvb.anneal(model)), after the annealing had passed it, so its likelihood "
+                "would enter the loss untempered. Condition inside: "
+                "anneal_likelihood(pyro.condition(model, data), a), or "
+                "qnvb.anneal(pyro.condition(model, data))"
             )
-            _check_representable(value, msg)
-            msg["scale"] = factor * msg["scale"]
 
 
 def _check_representable(factor: float, msg: dict) -> None:

@@ -60,6 +60,7 @@ from pyro.params.param_store import (
 )
 from pyro.poutine.messenger import unwrap
 from torch.distributions import transform_to
+from torch.optim.lr_scheduler import LRScheduler
 
 from ..guides.interface import (
     GuideDescription,
@@ -806,21 +807,62 @@ class QNVB(PyroOptim):
 
     @staticmethod
     def _fallback_arguments(fallback) -> tuple:
+        """``(torch optimizer class, arguments, clip_args)`` of ``fallback`` (the ``PyroOptim``
+        machinery QNVB keeps for it): a plain ``PyroOptim``'s own, or a pair's ``(class,
+        arguments)``, the arguments a dict or, as Pyro takes them, a callable of the parameter's
+        name.
+
+        Raises:
+            ValueError: for anything else, saying what is accepted; a class that is not a
+                ``torch.optim.Optimizer`` (a learning-rate scheduler) is refused here, not at the
+                first step.
+        """
         if fallback is None:
             return _DEFAULT_FALLBACK
         if type(fallback) is PyroOptim:
-            return fallback.pt_optim_constructor, fallback.pt_optim_args, fallback.pt_clip_args
-        if isinstance(fallback, tuple) and len(fallback) == 2 and isinstance(fallback[1], dict):
-            return fallback
-        scheduler = ""
-        if isinstance(fallback, PyroLRScheduler):
-            scheduler = (
+            arguments = (fallback.pt_optim_constructor, fallback.pt_optim_args)
+            clip_args = fallback.pt_clip_args
+        elif isinstance(fallback, tuple) and len(fallback) == 2:
+            arguments, clip_args = fallback, None
+        else:
+            arguments = clip_args = None
+        constructor, args = arguments or (None, None)
+        if (
+            isinstance(constructor, type)
+            and issubclass(constructor, torch.optim.Optimizer)
+            and (isinstance(args, dict) or callable(args))
+        ):
+            if not isinstance(args, dict):
+                try:
+                    _optim_args_arity(args)  # one PyroOptim can call
+                except TypeError as error:
+                    raise TypeError(f"QNVB's fallback: {error}") from None
+            return constructor, args, clip_args
+        why = ""
+        if isinstance(fallback, PyroLRScheduler) or (
+            isinstance(constructor, type) and issubclass(constructor, LRScheduler)
+        ):
+            why = (
                 " (a learning-rate scheduler is not supported as the fallback: pass its optimizer, "
                 "e.g. (torch.optim.Adam, {'lr': 1e-2}))"
             )
+        elif isinstance(fallback, PyroOptim):
+            why = (
+                f" ({type(fallback).__name__} is a PyroOptim subclass: the fallback is one torch "
+                "optimizer per parameter, built from a class and its arguments, so a subclass's "
+                "own step would not run"
+            )
+            if isinstance(fallback, QNVB):
+                why += (
+                    "; and the fallback's parameters are those no mean-field guide block holds, "
+                    "which QNVB would hand on to its own fallback: give that one here instead"
+                )
+            why += ")"
         raise ValueError(
-            "fallback must be a pyro.optim optimizer such as pyro.optim.Adam({'lr': 0.01}) or a "
-            f"pair (torch.optim class, arguments dict), got {fallback!r}{scheduler}"
+            "fallback must be a plain PyroOptim such as pyro.optim.Adam({'lr': 0.01}) "
+            "(per-parameter arguments via pyro.optim.Adam(lambda name: {...})), or a pair "
+            "(torch.optim.Optimizer subclass, arguments dict or callable name -> dict), such as "
+            f"(torch.optim.SGD, {{'lr': 0.1}}); got {fallback!r}{why}"
         )
 
     # ----------------------------------------------------------------------------- annealing
@@ -839,7 +881,28 @@ class QNVB(PyroOptim):
 
     def anneal(self, model: Callable) -> Callable:
         """``model`` with its likelihood multiplied by `annealing_factor` at every step."""
-        return anneal_likelihood(model, lambda: self.annealing_factor)
+        return anneal_likelihood(model, self._read_factor)
+
+    def _read_factor(self) -> float:
+        """`annealing_factor`, as the annealed model reads it; the step that read it is noted
+        (`_warn_if_not_annealed`)."""
+        self._factor_read_at = self.num_steps
+        return self.annealing_factor
+
+    def _warn_if_not_annealed(self) -> None:
+        """Warn once when a step under a schedule ends without the model having read its factor
+        (`_read_factor`): the model is not wrapped by `anneal`, or has no observed site to
+        temper, so the schedule changes nothing but QNVB's default ``recent_fraction``."""
+        if self.annealing is None or self.__dict__.get("_factor_read_at") == self.num_steps:
+            return
+        self._warn_once(
+            "not annealed",
+            f"QNVB: step {self.num_steps} ran under the annealing schedule {self.annealing!r}, "
+            "but the model did not read its factor: the schedule takes effect only through the "
+            "model qnvb.anneal(model) returns (SVI(qnvb.anneal(model), guide, qnvb, loss)), "
+            "which tempers the model's observed sites (condition the model inside it: "
+            "qnvb.anneal(pyro.condition(model, data))). Without it the fit runs untempered",
+        )
 
     # ------------------------------------------------------------------------------- update
     def __call__(
@@ -897,6 +960,7 @@ class QNVB(PyroOptim):
         if rest:
             self._guarded_fallback(rest, *args, **kwargs)
         self._warn_if_unbound_after_restore()
+        self._warn_if_not_annealed()
         self.num_steps += 1
 
     def _warn_if_unbound_after_restore(self) -> None:
@@ -1569,7 +1633,23 @@ class QNVB(PyroOptim):
         parameter's device and, where floating, in its dtype (a state saved on the CPU resumes a
         CUDA fit), as
         ``torch.optim.Optimizer.load_state_dict`` moves and casts its state.
+
+        Raises:
+            ValueError: for a state without the keys ``"qnvb"`` and ``"fallback"``, such as a
+                ``PyroOptim``'s (``pyro.optim.Adam(...).get_state()``), saying how to go on.
         """
+        if not (isinstance(state_dict, dict) and {"qnvb", "fallback"} <= state_dict.keys()):
+            keys = list(state_dict)[:3] if isinstance(state_dict, dict) else None
+            raise ValueError(
+                "QNVB.set_state takes what QNVB.get_state() returned, a dict with the keys "
+                f"'qnvb' and 'fallback'; got {type(state_dict).__name__}"
+                + ("" if keys is None else f" with keys {keys}{'...' * (len(state_dict) > 3)}")
+                + ". A dict keyed by parameter names is a PyroOptim's per-parameter state "
+                "(pyro.optim.Adam(...).get_state()), which QNVB cannot take: its moments are "
+                "Adam's, not QNVB's curvature averages. To move a fit from Adam to QNVB, keep "
+                "Pyro's param store (the guide's locs and scales hold the fit) and start QNVB "
+                "fresh, without set_state; its blocks start their averages at the next step"
+            )
         qnvb = state_dict["qnvb"]
         settings = {}
         for name, record in qnvb.get("settings", {}).items():
