@@ -181,3 +181,24 @@ def test_newton_steps_stop_where_the_gradients_rounding_is_all_that_is_left():
     assert weight.info["newton_steps"] <= 1
     assert weight.evaluations - lbfgs_only.evaluations <= 8  # 1 + 2 a step, halvings to 1e-6
     assert torch.allclose(weight.loc, lbfgs_only.loc, rtol=0.0, atol=1e-4)
+
+
+def test_a_kinked_log_joint_takes_no_newton_step_and_no_distance_warning():
+    """A Laplace likelihood has a kink at its mode (the median): autograd's derivatives there
+    measure no distance, so after the derivative check warns no Newton step is tried (each
+    try halved the step 20 times) and the distance is not warned of with advice about the
+    data's scale."""
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Laplace(mu, 1.0), obs=y)
+
+    y = torch.tensor([0.3, -1.2, 0.8, 2.0, 0.1], dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = opqa_evidence(model, y, num_points=8)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "autograd's derivatives" in messages[0]
+    assert result.diagnostics["newton_steps"] == 0
+    assert result.diagnostics["map_distance_sd"] > 1.0  # the kink's one-sided slope

@@ -156,7 +156,17 @@ def laplace_weight(
     # one step is exact for a Gaussian posterior
     distance = _newton_length(grad, factor)
     steps = 0
-    while distance > _NEWTON_TARGET and steps < newton_steps:
+    # derivatives that autograd gets wrong (a detached term, a kink at the mode) measure no
+    # distance and steer no Newton step: checked first, at the point L-BFGS found
+    evaluations += 2  # the check of the derivatives
+    smooth = _check_derivatives(
+        negative_log_joint,
+        mode,
+        at_mode,
+        grad,
+        torch.linalg.cholesky(torch.cholesky_inverse(factor)),
+    )
+    while smooth and distance > _NEWTON_TARGET and steps < newton_steps:
         point, value, grad_there, tries = _newton_step(
             negative_log_joint, mode, at_mode, grad, factor, distance
         )
@@ -186,10 +196,8 @@ def laplace_weight(
         distance = distance_there
         steps += 1
     scale_tril = torch.linalg.cholesky(torch.cholesky_inverse(factor))
-    evaluations += 2  # the check of the derivatives
-    _check_derivatives(negative_log_joint, mode, at_mode, grad, scale_tril)
     grad_norm = float(grad.abs().max())
-    if distance > _DISTANCE_WARNING:
+    if smooth and distance > _DISTANCE_WARNING:
         warnings.warn(
             f"opqa_evidence(center='laplace'): the MAP search (L-BFGS, then {steps} Newton "
             f"steps) stopped {distance:.3g} weight standard deviations from the mode, as far as "
@@ -310,8 +318,9 @@ def _check_derivatives(
     at_mode: float,
     grad: torch.Tensor,
     scale_tril: torch.Tensor,
-) -> None:
-    """Warn where autograd's derivatives at the mode disagree with finite differences.
+) -> bool:
+    """Warn where autograd's derivatives at the mode disagree with finite differences, and
+    say whether they agree (``True`` also where the check cannot be made).
 
     Along ``v = L u`` (``u`` the unit diagonal: one weight standard deviation) autograd gives the
     slope ``grad . v`` and, by the construction of ``L``, the curvature ``v^T H v = 1``; central
@@ -328,14 +337,14 @@ def _check_derivatives(
             ahead = float(negative_log_joint(mode + _STEP * direction))
             behind = float(negative_log_joint(mode - _STEP * direction))
     except ValueError:
-        return
+        return True
     slope = (ahead - behind) / (2 * _STEP)
     curvature = (ahead - 2 * at_mode + behind) / _STEP**2
     # central differences: h^2 times a third or fourth derivative, and the rounding of the values
     tolerance = 1e-2 + 1e3 * torch.finfo(torch.float64).eps * abs(at_mode) / _STEP**2
     expected = float(grad @ direction)
     if abs(slope - expected) <= tolerance and abs(curvature - 1.0) <= tolerance:
-        return
+        return True
     warnings.warn(
         "opqa_evidence(center='laplace'): autograd's derivatives of the log joint disagree with "
         "its values: along one weight standard deviation from the mode found, the slope is "
@@ -350,6 +359,7 @@ def _check_derivatives(
         UserWarning,
         stacklevel=user_stacklevel(),
     )
+    return False
 
 
 def _flat_sites(sites: Sequence[LatentSite], hessian: torch.Tensor) -> list[str]:
