@@ -37,8 +37,9 @@ Every `QuadratureRule.draw` starts with `QuadratureRule.check_draw`, the one che
 its arguments: ``dim`` and ``step`` integers (``dim >= 1``, ``step >= 0``), ``generator`` a
 ``torch.Generator`` or ``None``, ``dtype`` a floating dtype or ``None`` (an integer dtype would
 round the weights ``1 / K`` to 0). float16 and bfloat16 are accepted: the nodes and weights are
-rounded to the dtype, so the exactness of a rule holds to its rounding (moments off by about
-``1e-3`` in float16, ``1e-2`` in bfloat16).
+computed in float64 and rounded to the dtype, so the exactness of a rule holds to its rounding
+(second moments off by up to ``1.0e-3`` in float16 and ``8.1e-3`` in bfloat16 for ``vrmc2`` with
+3 nodes on 1e5 coordinates, ``5.4e-4`` in float16 for ``rasp_simplex`` with 7).
 """
 
 from __future__ import annotations
@@ -359,7 +360,8 @@ class QuadratureRule(abc.ABC):
         Implementations start with `check_draw`. Random rules draw fresh random numbers
         from ``generator`` (torch's global generator when ``None``, so that
         ``pyro.set_rng_seed`` makes runs reproducible); deterministic rules ignore it (after
-        checking it). The result is a deterministic function of ``(dim, step, generator state)``.
+        checking it). The result is a deterministic function of ``(dim, step, generator state)``;
+        for the built-in rules ``dtype`` only rounds it.
         """
 
     def nodes(

@@ -8,6 +8,12 @@ from the caller's generator, so node ``k`` can be regenerated alone (on CUDA the
 from the CPU's: another generator; on ``meta`` nothing is drawn). VRMC needs the sample mean
 (and spread) of all ``K`` draws: they are accumulated once per quadrature, at the first node
 asked for, streaming over the nodes, in O(dim) memory.
+
+The draws, their mean and spread, and the standardized nodes are computed in float64 whatever the
+dtype asked for, and only the node is rounded to it: standardized in float16 or bfloat16, nearly
+equal draws cancelled (a ``vrmc2`` second moment off by 0.37 in bfloat16 at ``K = 3``; at
+``K = 2`` coordinates with both nodes at 0, where ``+-1`` are exact), and float32 lost ``1e-4`` at
+``dim = 1e7``. So one generator state gives the same nodes in every dtype, up to that rounding.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from .base import DEFAULT_MAX_BYTES, NodeSet, QuadratureRule, check_num_points, 
 __all__ = ["MonteCarloRule"]
 
 _MODES = {"mc": 0, "vrmc1": 1, "vrmc2": 2}
+
+_WORK_DTYPE = torch.float64
+"""The dtype of the draws, their moments and the standardization; nodes are rounded from it."""
 
 
 class _MonteCarloNodes(NodeSet):
@@ -39,7 +48,7 @@ class _MonteCarloNodes(NodeSet):
         both are set: an error on the way leaves it to be done again."""
         # Welford's streaming update: numerically stable even when the K draws of a coordinate
         # nearly coincide (the textbook E[z^2] - E[z]^2 cancels to zero there).
-        mean = torch.zeros(self.dim, dtype=self.dtype, device=self.device)
+        mean = torch.zeros(self.dim, dtype=_WORK_DTYPE, device=self.device)
         sum_sq = torch.zeros_like(mean) if self.moments == 2 else None
         for k in range(len(self)):
             z = self._raw(k)
@@ -49,17 +58,17 @@ class _MonteCarloNodes(NodeSet):
                 sum_sq.addcmul_(delta, z.sub_(mean))
         if self.moments == 2:
             scale = (sum_sq / len(self)).sqrt_()
-            # All K draws equal (possible in float32 with K = 2): the centred offsets are
-            # exactly zero there; divide by 1 rather than produce 0 / 0.
+            # All K float64 draws equal (vanishingly rare: 53-bit draws): the centred offsets
+            # are exactly zero there; divide by 1 rather than produce 0 / 0.
             self.scale = scale.masked_fill_(scale == 0, 1.0)
         self.shift = mean
         self._matched = True
 
     def _raw(self, k: int) -> torch.Tensor:
         if self.device.type == "meta":  # shapes only; torch has no generator on meta
-            return torch.empty(self.dim, dtype=self.dtype, device=self.device)
+            return torch.empty(self.dim, dtype=_WORK_DTYPE, device=self.device)
         generator = torch.Generator(device=self.device).manual_seed(self.seed + k)
-        return torch.randn(self.dim, generator=generator, dtype=self.dtype, device=self.device)
+        return torch.randn(self.dim, generator=generator, dtype=_WORK_DTYPE, device=self.device)
 
     def node(self, k: int) -> torch.Tensor:
         k = self._check_index(k)
@@ -70,7 +79,7 @@ class _MonteCarloNodes(NodeSet):
             z.sub_(self.shift)
         if self.scale is not None:
             z.div_(self.scale)
-        return z
+        return z.to(self.dtype)
 
 
 class MonteCarloRule(QuadratureRule):
