@@ -346,6 +346,37 @@ def test_hadamard_signs_for_large_indices_and_iterates(index_dtype):
         assert signs.tolist() == expected, q
 
 
+@pytest.mark.parametrize(
+    "index_dtype", [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8]
+)
+def test_hadamard_signs_for_unsigned_and_narrow_indices(index_dtype):
+    """Unsigned indices are widened first: in uint8 ``1 - 2 * parity`` wrapped to 255, and torch
+    has no shifts for uint16 to uint64 ("rshift_cpu" not implemented)."""
+    index = torch.tensor([0, 1, 2, 3, 126, 127]).to(index_dtype)
+    expected = [1.0, -1.0, -1.0, 1.0, -1.0, 1.0]  # row 3 of the Sylvester-Hadamard matrix
+    assert hadamard_signs(index, 3).tolist() == expected
+    assert hadamard_signs(index, torch.tensor(3).to(index_dtype)).tolist() == expected
+
+
+@pytest.mark.parametrize(
+    "index, iterate, message",
+    [
+        (
+            torch.tensor([1, -2]),
+            1,
+            r"index must hold coordinate indices in \[0, 2\^31\), got an entry -2",
+        ),
+        (torch.tensor([2**31, 1]), 1, r"index must .* \[0, 2\^31\), got an entry 2147483648"),
+        (torch.tensor([1, 2]), -1, "iterate must be >= 0, got -1"),
+        (torch.tensor([1, 2]), torch.tensor([[0], [-3]]), "iterate must be >= 0, got -3"),
+    ],
+)
+def test_hadamard_signs_refuses_arguments_outside_their_range(index, iterate, message):
+    """``iterate = -1`` was read as 2^31 - 1, negative indices and indices from 2^31 were taken."""
+    with pytest.raises(ValueError, match="^hadamard_signs: " + message + "$"):
+        hadamard_signs(index, iterate)
+
+
 def test_hadamard_nodes_are_antithetic_pairs_of_consecutive_iterates():
     """sequence paper, Algorithm 3.1: nodes 2j and 2j+1 are +s and -s for iterate step K/2 + j."""
     dim, num_points, step = 64, 6, 5

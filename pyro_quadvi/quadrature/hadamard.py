@@ -52,31 +52,72 @@ def hadamard_signs(
     matrix, by bit operations alone (sequence paper, Algorithm 3.1).
 
     Args:
-        index: integer tensor of coordinate indices in ``[0, 2^31)``.
+        index: integer tensor of coordinate indices in ``[0, 2^31)`` (an unsigned one is widened
+            to int64 first).
         iterate: the sequence position ``q >= 0`` (an int, or an integer tensor broadcasting with
             ``index``). Only its low 31 bits matter for indices below ``2^31``.
         dtype: floating dtype of the result (default dtype when ``None``).
 
     Raises:
-        ValueError: naming the argument, for an ``index`` that is not an integer tensor, an
-            ``iterate`` that is neither an integer nor an integer tensor, or a ``dtype`` that is
-            not floating (Python's "unsupported operand type(s) for &" named none).
+        ValueError: naming the argument, for an ``index`` that is not an integer tensor or holds
+            an entry outside ``[0, 2^31)``, an ``iterate`` that is neither an integer nor an
+            integer tensor or is negative, or a ``dtype`` that is not floating (Python's
+            "unsupported operand type(s) for &" named none; a uint8 ``index`` gave 255 for -1, a
+            negative ``iterate`` was read as its low 31 bits).
     """
     if not _is_integer_tensor(index):
         raise ValueError(
             "hadamard_signs: index must be an integer tensor of coordinate indices, got "
             + _described(index)
         )
-    if as_index(iterate) is None and not _is_integer_tensor(iterate):
+    if not _is_integer_tensor(iterate) and as_index(iterate) is None:
         raise ValueError(
             "hadamard_signs: iterate must be an int >= 0 or an integer tensor, got "
             + _described(iterate)
         )
     dtype = check_dtype("hadamard_signs", dtype or torch.get_default_dtype())
+    index = _signed(index)
+    bad = _first_outside(index, MAX_HADAMARD_DIM)
+    if bad is not None:
+        raise ValueError(
+            f"hadamard_signs: index must hold coordinate indices in [0, 2^31), got an entry {bad}"
+        )
+    if isinstance(iterate, torch.Tensor):
+        iterate = _signed(iterate)
+        negative = _first_outside(iterate, None)
+    else:
+        iterate = as_index(iterate)  # numpy's integers too
+        negative = iterate if iterate < 0 else None
+    if negative is not None:
+        raise ValueError(f"hadamard_signs: iterate must be >= 0, got {negative}")
+    return _signs(index, iterate, dtype)
+
+
+def _signs(index: torch.Tensor, iterate: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`hadamard_signs` of checked arguments: a signed ``index`` in ``[0, 2^31)``, ``iterate >=
+    0``."""
     # a Python int stays one: an operand of the bit operations, never copied to index's device
     iterate = iterate & _INDEX_MASK
     parity = _parity(index & iterate)
     return (1 - 2 * parity).to(dtype)
+
+
+def _signed(value: torch.Tensor) -> torch.Tensor:
+    """An integer tensor as a signed one: unsigned ones widened to int64 (``1 - 2 * parity``
+    wrapped to 255 in uint8, and torch has no shifts for uint16 to uint64)."""
+    return value if value.dtype.is_signed else value.to(torch.int64)
+
+
+def _first_outside(value: torch.Tensor, end: int | None) -> int | None:
+    """The first entry of ``value`` below 0 or (``end`` given) at least ``end``; ``None`` if none
+    (or on ``meta``, which holds no values)."""
+    if value.device.type == "meta":
+        return None
+    outside = value < 0
+    if end is not None and torch.iinfo(value.dtype).max >= end:  # int8 would wrap ``end``
+        outside |= value >= end
+    found = outside.flatten().nonzero()
+    return int(value.flatten()[found[0, 0]]) if found.numel() else None
 
 
 def _is_integer_tensor(value: object) -> bool:
@@ -113,7 +154,7 @@ def _sylvester(
     key = (size, scale, dtype, device)
     if key not in _SYLVESTER:
         index = torch.arange(size, dtype=torch.int32, device=device)
-        signs = hadamard_signs(index.unsqueeze(0), index.unsqueeze(1), dtype=dtype)
+        signs = _signs(index.unsqueeze(0), index.unsqueeze(1), dtype)
         _SYLVESTER[key] = signs * scale if scale != 1.0 else signs
     return _SYLVESTER[key]
 
@@ -246,8 +287,8 @@ class _HadamardNodes(NodeSet):
         low_size = min(self.dim, 1 << _LOW_BITS)
         high_size = -(-self.dim // low_size)
         index = torch.arange(low_size, dtype=torch.int32, device=self.device)
-        low = hadamard_signs(index, q & ((1 << _LOW_BITS) - 1), dtype=self.dtype)
-        high = hadamard_signs(index[:high_size], q >> _LOW_BITS, dtype=self.dtype)
+        low = _signs(index, q & ((1 << _LOW_BITS) - 1), self.dtype)
+        high = _signs(index[:high_size], q >> _LOW_BITS, self.dtype)
         if k % 2:
             high = -high
         whole, rest = divmod(self.dim, low_size)
