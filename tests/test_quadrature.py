@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pyro
 import pytest
 import torch
@@ -232,9 +233,21 @@ def test_requested_dtype_is_returned(name):
         results[dtype] = X
     X, w = rule.nodes(dim, generator=torch.Generator().manual_seed(0))
     assert X.dtype == w.dtype == torch.get_default_dtype()
-    if not name.startswith(("mc", "vrmc")):
-        # the same nodes, rounded: the tables are built in float64 and cast once
-        assert torch.equal(results[torch.float32], results[torch.float64].float())
+    # the same nodes, rounded: the tables (and the Monte Carlo draws) are made in float64 and cast
+    assert torch.equal(results[torch.float32], results[torch.float64].float())
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_node_takes_any_integer_index_and_refuses_others_naming_k(name):
+    """Each rule failed its own way on ``node(1.0)`` (slice indices, manual_seed, ``&``), and
+    ``mc``/``vrmc*`` refused ``node(np.int64(1))`` ("an integer is required")."""
+    node_set = make_rule(name).draw(small_dim(name), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(node_set.node(np.int64(1)), node_set.matrix()[1])
+    assert torch.equal(node_set.node(torch.tensor(1)), node_set.matrix()[1])
+    for bad, shown in [(1.0, "1.0 (float)"), (True, "True (bool)"), ("1", "'1' (str)")]:
+        with pytest.raises(ValueError) as error:
+            node_set.node(bad)
+        assert str(error.value) == f"{name}: node index k must be an int, got {shown}"
 
 
 @pytest.mark.parametrize("name", ["rasp_simplex", "rasp_cross"])

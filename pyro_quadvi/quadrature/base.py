@@ -172,7 +172,11 @@ class NodeSet(abc.ABC):
 
     @abc.abstractmethod
     def node(self, k: int) -> torch.Tensor:
-        """The standardized offsets of node ``k``, shape ``(dim,)``."""
+        """The standardized offsets of node ``k``, shape ``(dim,)``.
+
+        Raises:
+            ValueError: for a ``k`` that is not an integer; ``IndexError`` out of ``[0, K)``.
+        """
 
     def matrix_bytes(self) -> int:
         """Bytes of the ``(K, dim)`` node matrix: ``K * dim * itemsize``."""
@@ -200,6 +204,15 @@ class NodeSet(abc.ABC):
         return torch.stack([self.node(k) for k in range(len(self))])
 
     def _check_index(self, k: int) -> int:
+        """``k`` as an ``int`` (numpy's integers and 0-d integer tensors too), refused with a
+        ``ValueError`` naming ``k`` unless it is an integer (each rule failed its own way on
+        ``1.0``, and ``mc``/``vrmc*`` on ``np.int64(1)``), an ``IndexError`` out of range."""
+        index = as_index(k)
+        if index is None:
+            raise ValueError(
+                f"{self.name}: node index k must be an int, got {k!r} ({type(k).__name__})"
+            )
+        k = index
         if not 0 <= k < len(self):
             raise IndexError(f"node index {k} out of range for a rule with {len(self)} nodes")
         return k
