@@ -84,6 +84,25 @@ def test_a_single_node_is_refused():
         rule.check_sees_curvature(torch.ones(1, 4))
 
 
+@pytest.mark.parametrize(
+    "nodes, got",
+    [
+        (torch.ones(4), "a tensor of shape (4,) and dtype torch.float32"),
+        (torch.ones(2, 3, dtype=torch.int64), "a tensor of shape (2, 3) and dtype torch.int64"),
+        ([[1.0, -1.0], [-1.0, 1.0]], "a list"),
+    ],
+)
+def test_check_sees_curvature_refuses_nodes_that_are_not_a_k_by_dim_tensor(nodes, got):
+    """A 1-D tensor passed unchecked (no curvature check at all), a list failed with an
+    AttributeError ('list' object has no attribute 'shape')."""
+    with pytest.raises(ValueError) as error:
+        make_rule("hadamard").check_sees_curvature(nodes)
+    assert str(error.value) == (
+        "hadamard: check_sees_curvature needs nodes as a floating (K, dim) tensor "
+        f"(rule.nodes(dim)[0]), got {got}"
+    )
+
+
 # ------------------------------------------------------------- fault 7: memory, before allocating
 
 

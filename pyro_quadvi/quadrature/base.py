@@ -285,7 +285,9 @@ class QuadratureRule(abc.ABC):
                 coordinate (for rules whose ``num_points`` alone does not tell).
 
         Raises:
-            ValueError: naming the minimum ``num_points`` (or the blind coordinate).
+            ValueError: naming the minimum ``num_points`` (or the blind coordinate), or for
+                ``nodes`` that are not a floating ``(K, dim)`` tensor (a 1-D one passed unchecked,
+                a list failed with an AttributeError).
         """
         if self.num_points < self.min_curvature_points:
             raise ValueError(
@@ -296,6 +298,16 @@ class QuadratureRule(abc.ABC):
             )
         if nodes is None:
             return
+        if not (isinstance(nodes, torch.Tensor) and nodes.dim() == 2 and nodes.is_floating_point()):
+            got = (
+                f"a tensor of shape {tuple(nodes.shape)} and dtype {nodes.dtype}"
+                if isinstance(nodes, torch.Tensor)
+                else f"a {type(nodes).__name__}"
+            )
+            raise ValueError(
+                f"{self.name}: check_sees_curvature needs nodes as a floating (K, dim) tensor "
+                f"(rule.nodes(dim)[0]), got {got}"
+            )
         if nodes.shape[0] < 2:
             raise ValueError(
                 f"{self.name} has {nodes.shape[0]} node(s): a fit needs at least 2 to see curvature"
