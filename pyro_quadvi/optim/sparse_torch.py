@@ -64,6 +64,7 @@ from .torch_qnvb import (
     check_saved_parameters,
     checked_parameters,
     closure_moments,
+    data_moments,
     group_params,
     refuse_added_guide_parameters,
     refuse_duplicate_parameters,
@@ -471,7 +472,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             prior = self.prior_precision / self.steps_per_epoch
             g_terms, h_terms = [], []
             for block, moment in zip(blocks, moments):
-                g, gx = (0.0, 0.0) if moment is None else moment  # no gradient: no loss term
+                g, gx = data_moments(moment, block.mu)
                 sigma = block.sigma
                 g_terms.append(scale * g + prior * block.mu)
                 h_terms.append(scale * torch.where(sigma > 0, gx / sigma, 0.0) + prior)

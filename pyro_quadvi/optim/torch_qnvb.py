@@ -809,6 +809,19 @@ def closure_moments(
     return loss_avg, moments
 
 
+def data_moments(
+    moment: tuple[torch.Tensor, torch.Tensor] | None, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A held parameter's moments of one step (`closure_moments`), a zero data term where it
+    received no gradient (``None``: a branch not taken, a head the batch does not use): such a
+    batch does not inform it, so its curvature average decays towards the prior's, where
+    leaving the step out would count every batch that does use it as the whole data set
+    (``sigma`` too small by the square root of the fraction of steps using it)."""
+    if moment is not None:
+        return moment
+    return torch.zeros_like(like), torch.zeros_like(like)
+
+
 def _batch_finite(batch: tuple, device: torch.device) -> torch.Tensor | None:
     """Whether every floating tensor of ``batch`` is finite (`sum_is_finite`: false also
     where a sum overflows, which `check_finite_loss` then tells apart), as a 0-d tensor on
@@ -1630,10 +1643,10 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         dict taken earlier keeps its values."""
         counts = []
         scales = []  # per parameter, its label, scale and sigma_min (`idle_step_refusal`)
+        moments = [data_moments(m, p) for m, (p, _) in zip(moments, params)]
         by_group: dict[int, list[int]] = {}
         for i, (_, group) in enumerate(params):
-            if moments[i] is not None:
-                by_group.setdefault(id(group), []).append(i)
+            by_group.setdefault(id(group), []).append(i)
         for indices in by_group.values():
             group = params[indices[0]][1]
             hp = settings[id(group)]
