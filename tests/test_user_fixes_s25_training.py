@@ -6,11 +6,13 @@ form under a parametrization whose vectorized backward fails."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
-from pyro_quadvi.optim import QNVBOptimizer
+from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
 
 N, LAM = 32, 1.0
 _g = torch.Generator().manual_seed(0)
@@ -77,3 +79,66 @@ def test_a_head_without_grad_on_some_steps_gets_the_exact_sigma(form):
     torch.testing.assert_close(ratio_b, torch.ones(2, dtype=torch.float64), rtol=0.02, atol=0)
     assert net.shared.item() == 1.0 and net.shared not in optimizer.state
 
+
+def _sparse_run(freeze_at: int, names: bool = True):
+    """Two 3-weight layers, 3 epochs of 2 steps: the pattern is realized at step 5 (index 4)."""
+    torch.manual_seed(0)
+    net = nn.ModuleDict({"a": nn.Linear(3, 1, bias=False), "b": nn.Linear(3, 1, bias=False)})
+    net.double()
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = x[:, :1] * 2.0
+    params = net.named_parameters() if names else net.parameters()
+    optimizer = SparseQNVBOptimizer(
+        params, num_cases=16, steps_per_epoch=2, num_epochs=3, target_sparsity=0.5
+    )
+
+    def closure():
+        loss = 0.5 * ((net["a"](x[:, :3]) + net["b"](x[:, 3:]) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    for _ in range(freeze_at):
+        optimizer.step(closure)
+    net["a"].weight.requires_grad_(False)
+    return net, optimizer, closure
+
+
+def test_a_layer_frozen_at_the_realization_step_is_refused_by_name_and_nothing_changes():
+    """The trial's layer frozen for the final epoch kept its mixture means (0.433 = p_nonzero
+    0.416 times nu) while `finished` was true and `sparsity()` counted the other layer only."""
+    net, optimizer, closure = _sparse_run(freeze_at=4)
+    before = copy.deepcopy(optimizer.state_dict())
+    values = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match=r"step 5 = \(num_epochs - 1\) \* steps_per_epoch \+ 1"):
+        optimizer.step(closure)
+    with pytest.raises(ValueError, match=r"frozen: parameter 0 \('a.weight'\)\. Unfreeze them"):
+        optimizer.step(closure)
+    assert not optimizer.finished and optimizer.counters.step == 4
+    for p, v in zip(net.parameters(), values):
+        assert torch.equal(p, v)
+    after = optimizer.state_dict()["state"]
+    for key, state in before["state"].items():
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(after[key][name]), torch.as_tensor(value)), name
+    # unfrozen for the realization step, then frozen again: every zero is exact and stays
+    net["a"].weight.requires_grad_(True)
+    optimizer.step(closure)
+    net["a"].weight.requires_grad_(False)
+    optimizer.step(closure)
+    assert optimizer.finished
+    for p in net.parameters():
+        state = optimizer.state[p]
+        assert torch.equal(p == 0, state["pattern"] == 0)
+    # 2 of a's 3 weights and all of b's realized as zeros; the frozen layer is counted
+    assert optimizer.sparsity() == 5 / 6
+
+
+def test_a_layer_frozen_before_or_after_the_realization_step_is_not_refused():
+    net, optimizer, closure = _sparse_run(freeze_at=3, names=False)
+    optimizer.step(closure)  # step 4: not the realization
+    net["a"].weight.requires_grad_(True)
+    optimizer.step(closure)  # the realization, every layer unfrozen
+    net["a"].weight.requires_grad_(False)
+    zeros = net["a"].weight.detach().clone()
+    optimizer.step(closure)
+    assert optimizer.finished and torch.equal(net["a"].weight, zeros)
