@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer
+from pyro_quadvi.infer.batched import BatchMismatch
+from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
 
 N, LAM = 32, 1.0
 _g = torch.Generator().manual_seed(0)
@@ -142,3 +143,46 @@ def test_a_layer_frozen_before_or_after_the_realization_step_is_not_refused():
     zeros = net["a"].weight.detach().clone()
     optimizer.step(closure)
     assert optimizer.finished and torch.equal(net["a"].weight, zeros)
+
+
+def _orthogonal_net() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.utils.parametrizations.orthogonal(nn.Linear(4, 4))
+    return nn.Sequential(layer, nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+def _orthogonal_steps(vectorize, steps: int = 2):
+    net = _orthogonal_net()
+    optimizer = QNVBOptimizer(
+        net.named_parameters(), likelihood_weight=32, quadrature="hadamard", init_sigma=0.05
+    )
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(32, 2, generator=g, dtype=torch.float64)
+    loss_fn = module_loss(net, half_loss)
+    for _ in range(steps):
+        optimizer.step(loss_fn=loss_fn, batch=(x, y), vectorize=vectorize)
+    return net, optimizer, loss_fn, (x, y)
+
+
+def test_a_vectorized_backward_that_fails_falls_back_to_the_loop_once():
+    """torch's orthogonal parametrization runs under vmap and agrees with the probes, but the
+    backward of the pass raised torch's bare in-place RuntimeError; now the loop takes over with
+    the usual warning, once, and the steps equal those of vectorize=False."""
+    with pytest.warns(UserWarning, match=r"its backward raised RuntimeError: one of the var") as w:
+        net, optimizer, _, _ = _orthogonal_steps(None)
+    assert sum("vectorized pass" in str(r.message) for r in w) == 1
+    looped, reference, _, _ = _orthogonal_steps(False)
+    for (name, p), q in zip(net.named_parameters(), looped.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=0, msg=name)
+        torch.testing.assert_close(optimizer.state[p]["sigma"], reference.state[q]["sigma"])
+
+
+def test_a_vectorized_backward_that_fails_under_vectorize_true_is_refused_unchanged():
+    net, optimizer, loss_fn, batch = _orthogonal_steps(False, steps=1)
+    values = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(BatchMismatch, match=r"backward raised RuntimeError.*Pass vectorize=False"):
+        optimizer.step(loss_fn=loss_fn, batch=batch, vectorize=True)
+    assert optimizer.num_steps == 1
+    for p, v in zip(net.parameters(), values):
+        assert torch.equal(p, v) and p.grad is None

@@ -48,6 +48,7 @@ from ..guides.interface import (
     watch_guides,
 )
 from ..infer.batched import (
+    BatchDecision,
     BatchMismatch,
     DecisionCache,
     call_by_place,
@@ -58,6 +59,7 @@ from ..infer.batched import (
     sum_is_finite,
     user_stacklevel,
     vmap_safe_attention,
+    warn_fallback,
 )
 from ..quadrature import NodeSet, make_rule
 from ..quadrature.base import draw_device
@@ -822,6 +824,30 @@ def data_moments(
     return torch.zeros_like(like), torch.zeros_like(like)
 
 
+def _weighted_gradients(
+    losses: torch.Tensor, nodes: NodeSet, stacked: list[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """``sum_k w_k loss_k`` and its gradients with respect to the parameters stacked over the
+    nodes (``None`` where one is not used; all ``None`` where the loss reads none of them).
+    A failure on a sparse gradient is a ``RuntimeError`` with the way out."""
+    total = (nodes.weights.to(losses.dtype) * losses).sum()
+    if not total.requires_grad:
+        return total, [None] * len(stacked)
+    try:
+        return total, list(torch.autograd.grad(total, stacked, allow_unused=True))
+    except (RuntimeError, NotImplementedError) as error:
+        if "sparse" not in str(error).lower():
+            raise
+        raise RuntimeError(
+            "QNVBOptimizer: the one-pass backward failed on a sparse gradient ("
+            f"{first_line(error).split('. ')[0]}): step(loss_fn=...) differentiates "
+            "the parameters stacked over the nodes, which takes dense gradients "
+            "only. Build the layer with dense gradients (nn.Embedding(..., "
+            "sparse=False), the default), or use the closure form, step(closure), "
+            "which takes sparse gradients"
+        ) from error
+
+
 def _batch_finite(batch: tuple, device: torch.device) -> torch.Tensor | None:
     """Whether every floating tensor of ``batch`` is finite (`sum_is_finite`: false also
     where a sum overflows, which `check_finite_loss` then tells apart), as a 0-d tensor on
@@ -1393,8 +1419,9 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 disagreement raises `BatchMismatch` naming the
                 reason and the ways out; later steps are not checked), ``False`` a loop over the
                 nodes (one backward still), ``None`` (default) the pass checked the same way,
-                and the loop with one warning if they disagree or the loss does not run under
-                ``vmap``; the decision is kept for later steps with the same ``loss_fn`` (for a
+                and the loop with one warning if they disagree, the loss does not run under
+                ``vmap`` or the pass's backward fails (where ``True`` raises `BatchMismatch`
+                naming ``vectorize=False``); the decision is kept for later steps with the same ``loss_fn`` (for a
                 `module_loss`: the same module and criterion, in the same ``train()`` /
                 ``eval()`` modes). A tried pass that is abandoned leaves the buffers
                 (BatchNorm's running statistics) of the network the loss exposes as it found
@@ -1554,24 +1581,27 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 buffers.undo()
                 raise
             buffers.settle(decision.vectorized)
-            weights = nodes.weights.to(losses.dtype)
-            total = (weights * losses).sum()
-            if not total.requires_grad:
-                grads = [None] * len(stacked)
-            else:
-                try:
-                    grads = torch.autograd.grad(total, stacked, allow_unused=True)
-                except (RuntimeError, NotImplementedError) as error:
-                    if "sparse" not in str(error).lower():
-                        raise
-                    raise RuntimeError(
-                        "QNVBOptimizer: the one-pass backward failed on a sparse gradient ("
-                        f"{first_line(error).split('. ')[0]}): step(loss_fn=...) differentiates "
-                        "the parameters stacked over the nodes, which takes dense gradients "
-                        "only. Build the layer with dense gradients (nn.Embedding(..., "
-                        "sparse=False), the default), or use the closure form, step(closure), "
-                        "which takes sparse gradients"
+            try:
+                total, grads = _weighted_gradients(losses, nodes, stacked)
+            except (RuntimeError, NotImplementedError) as error:
+                if not decision.vectorized or "sparse" in str(error).lower():
+                    raise  # the loop's own error, or a sparse gradient's (no loop helps)
+                # the pass ran and agreed with the probes, but its backward fails (a
+                # parametrization written in place, torch's orthogonal): one backward per step
+                # cannot be probed, so the loop takes over where the pass was tried now
+                reason = f"its backward raised {type(error).__name__}: {first_line(error)}"
+                buffers.undo()
+                if vectorize is True or checked:
+                    raise BatchMismatch(
+                        f"QNVBOptimizer(vectorize={vectorize}): the vectorized pass over the {K} "
+                        f"nodes evaluated the loss, but {reason}. Pass vectorize=False to loop "
+                        "over the nodes (one backward still)"
+                        + ("" if checked else ", or vectorize=None to fall back with a warning")
                     ) from error
+                warn_fallback("QNVBOptimizer", K, reason)
+                losses, _ = evaluate_batch(batched, single, _NodeStack(stacked), False)
+                decision = BatchDecision(False, reason, 0)
+                total, grads = _weighted_gradients(losses, nodes, stacked)
         if all(grad is None for grad in grads):
             raise RuntimeError(
                 "QNVBOptimizer: the loss does not depend on any parameter of the optimizer; "
