@@ -1421,11 +1421,11 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 nodes (one backward still), ``None`` (default) the pass checked the same way,
                 and the loop with one warning if they disagree, the loss does not run under
                 ``vmap`` or the pass's backward fails (where ``True`` raises `BatchMismatch`
-                naming ``vectorize=False``); the decision is kept for later steps with the same ``loss_fn`` (for a
-                `module_loss`: the same module and criterion, in the same ``train()`` /
-                ``eval()`` modes). A tried pass that is abandoned leaves the buffers
-                (BatchNorm's running statistics) of the network the loss exposes as it found
-                them: a `module_loss`'s module, a ``loss_fn``'s ``module`` attribute, or
+                naming ``vectorize=False``); the decision is kept for later steps with the
+                same ``loss_fn`` (for a `module_loss`: the same module and criterion, in the
+                same ``train()`` / ``eval()`` modes). A tried pass that is abandoned leaves
+                the buffers (BatchNorm's running statistics) of the network the loss exposes as
+                it found them: a `module_loss`'s module, a ``loss_fn``'s ``module`` attribute, or
                 the ``loss_fn`` itself when it is an ``nn.Module`` (`loss_module`).
 
         Returns:
