@@ -235,8 +235,9 @@ def module_loss(module: nn.Module, criterion: Callable) -> ModuleLoss:
             Its forward must return one tensor (a ``TypeError`` names the net otherwise).
         criterion: ``(outputs, targets) -> mean loss per case``, e.g. ``F.cross_entropy``.
             The optimizer's ``likelihood_weight`` multiplies this mean: with
-            ``reduction="sum"`` over batches of ``B`` of ``N`` cases set ``likelihood_weight =
-            N / B`` (else ``sigma`` is ``sqrt(B)`` too small). ``nn.MSELoss()`` is the negative
+            ``reduction="sum"`` set ``likelihood_weight`` to the number of batches per epoch,
+            ``len(loader)`` (``N / B`` only where ``B`` divides ``N``; left at ``N``,
+            ``sigma`` is ``sqrt(B)`` too small). ``nn.MSELoss()`` is the negative
             log likelihood of a Gaussian noise of variance ``1/2`` (use ``0.5 * mse`` for
             variance 1); ``nn.GaussianNLLLoss()`` that of the ``var`` it is given.
 
@@ -1093,9 +1094,11 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             ``num_eval``, ``generator``, a typo) is refused.
         likelihood_weight: the number of training cases ``N``: it multiplies the closure's
             loss, which must be the mean loss per case of the batch (``reduction="mean"``).
-            With a summed loss over a batch of ``B`` cases (``reduction="sum"``) set
-            ``likelihood_weight = N / B``; left at ``N``, the likelihood counts ``B`` times and
-            ``sigma`` comes out ``sqrt(B)`` too small, silently.
+            With a summed loss over a batch (``reduction="sum"``) set ``likelihood_weight``
+            to the number of batches per epoch, ``len(loader)``: ``N / B`` for batches of ``B``
+            only where ``B`` divides ``N`` (a short last batch, ``drop_last=False``, makes
+            ``N / B`` wrong); left at ``N``, the likelihood counts ``B`` times and ``sigma``
+            comes out ``sqrt(B)`` too small, silently.
         prior_precision: precision of a zero-mean Gaussian prior on every parameter (0: flat,
             like the reference).
         annealing: optional schedule ``step -> factor`` multiplying the likelihood weight
