@@ -177,20 +177,32 @@ def test_state_dict_round_trip_continues_the_one_pass_run_bit_for_bit():
         assert torch.equal(got[key], expected[key]), key
 
 
-def test_an_unused_parameter_keeps_its_state_as_with_a_closure():
+def test_an_unused_parameter_takes_a_zero_data_term_as_with_a_closure():
+    """A parameter the loss does not read (no gradient) is stepped on the prior alone, the same
+    in both forms: its curvature average holds zeros and its mean moves towards the prior's 0
+    (before session 25 the step skipped it, its state untouched)."""
     net, x, y = _problem()
-    optimizer = _optimizer(net)
+    looped = copy.deepcopy(net)
+    optimizer, reference = _optimizer(net), _optimizer(looped)
 
     def loss_fn(params, x, y):  # the last layer's bias is left out of the loss
         hidden = torch.tanh(x @ params["0.weight"].T + params["0.bias"])
         return F.mse_loss(hidden @ params["2.weight"].T, y)
 
-    bias = net[2].bias.detach().clone()
+    def closure():
+        loss = F.mse_loss(torch.tanh(looped[0](x)) @ looped[2].weight.T, y)
+        loss.backward()
+        return loss
+
+    bias = net[2].bias.item()
     for _ in range(3):
         optimizer.step(loss_fn=loss_fn, batch=(x, y))
-    state = optimizer.state[net[2].bias]
-    assert torch.equal(state["mu"], bias) and float(state["count"]) == 0.0
-    assert float(optimizer.state[net[0].weight]["count"].max()) == 3.0
+        reference.step(closure)
+    state, expected = optimizer.state[net[2].bias], reference.state[looped[2].bias]
+    assert float(state["count"]) == 3.0 and float(state["h_avg"]) == 0.0
+    assert 0 < float(state["mu"]) / bias < 1  # towards the prior mean
+    for key in ("mu", "sigma", "h_avg", "count"):
+        torch.testing.assert_close(state[key], expected[key], rtol=1e-12, atol=0)
 
 
 def test_wrong_calls_are_refused_clearly():

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..optim import QNVBOptimizer
-from ..optim.torch_qnvb import LossFunction
+from ..optim.torch_qnvb import LossFunction, data_moments
 from ..quadrature import NodeSet
 from .comm import (
     MODEL_FIX,
@@ -256,9 +256,7 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         if flags.pop():
             self._refuse(params)
         moments = [
-            (m if m is not None else (torch.zeros_like(p), torch.zeros_like(p)))
-            if any_rank
-            else None
+            data_moments(m, p) if any_rank else None
             for (p, _), m, any_rank in zip(params, moments, flags)
         ]
         loss_avg = loss_avg.clone()

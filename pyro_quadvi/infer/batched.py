@@ -60,6 +60,7 @@ __all__ = [
     "product_advice",
     "sum_is_finite",
     "vmap_safe_attention",
+    "warn_fallback",
 ]
 
 
@@ -389,14 +390,20 @@ def evaluate_batch(
                 "vectorize=False to loop without trying the pass"
             )
     looped = _loop(single, points, known)  # first: an error of the loop is the model's own
+    warn_fallback(what, K, reason)
+    return looped, BatchDecision(False, reason, 0)
+
+
+def warn_fallback(what: str, num_points: int, reason: str) -> None:
+    """The warning of a vectorized pass abandoned for a loop over the ``num_points`` points
+    (`evaluate_batch` under ``vectorize=None``), naming the ``reason``."""
     warnings.warn(
-        f"{what}: the model does not evaluate all {K} points in one vectorized pass ({reason}); "
-        "evaluating them one by one. Pass vectorize=False to skip the vectorized pass and this "
-        f"warning.{product_advice(reason)}",
+        f"{what}: the model does not evaluate all {num_points} points in one vectorized pass "
+        f"({reason}); evaluating them one by one. Pass vectorize=False to skip the vectorized "
+        f"pass and this warning.{product_advice(reason)}",
         UserWarning,
         stacklevel=user_stacklevel(),
     )
-    return looped, BatchDecision(False, reason, 0)
 
 
 def _is_out_of_memory(error: BaseException) -> bool:

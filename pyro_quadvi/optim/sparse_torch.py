@@ -28,6 +28,7 @@ from ..infer.batched import user_stacklevel
 from ..quadrature import make_rule
 from ..quadrature.base import draw_device
 from ..quadrature.hadamard import HadamardRule
+from ..store import shortened
 from .qnvb_functional import (
     IDLE_STEPS_REFUSED,
     _check_number,
@@ -57,6 +58,7 @@ from .sparse_functional import (
 )
 from .torch_qnvb import (
     CheckpointHooks,
+    _parameter_label,
     changed_parameters,
     check_finite_loss,
     check_generator,
@@ -64,6 +66,7 @@ from .torch_qnvb import (
     check_saved_parameters,
     checked_parameters,
     closure_moments,
+    data_moments,
     group_params,
     refuse_added_guide_parameters,
     refuse_duplicate_parameters,
@@ -354,8 +357,10 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         return torch.cat([self._block(p).p_nonzero.reshape(-1) for p in self._params()])
 
     def sparsity(self) -> float:
-        """The fraction of parameters (of those optimized) that are exactly zero now."""
-        params = self._params()
+        """The fraction of parameters (of those optimized: holding a state, frozen ones too)
+        that are exactly zero now."""
+        self._params()  # the states made, the edits taken
+        params = [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
         zeros = sum(int((p == 0).sum()) for p in params)
         return zeros / sum(p.numel() for p in params)
 
@@ -431,6 +436,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 "loss itself at every quadrature node"
             )
         self._refuse_group_settings()
+        self._refuse_frozen_at_realization()
         params = self._params()
         first = params[0]
         dim = sum(p.numel() for p in params)
@@ -471,7 +477,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             prior = self.prior_precision / self.steps_per_epoch
             g_terms, h_terms = [], []
             for block, moment in zip(blocks, moments):
-                g, gx = (0.0, 0.0) if moment is None else moment  # no gradient: no loss term
+                g, gx = data_moments(moment, block.mu)
                 sigma = block.sigma
                 g_terms.append(scale * g + prior * block.mu)
                 h_terms.append(scale * torch.where(sigma > 0, gx / sigma, 0.0) + prior)
@@ -510,6 +516,36 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 f"SparseQNVBOptimizer: {realized}", RuntimeWarning, stacklevel=user_stacklevel()
             )
         return loss_avg
+
+    def _refuse_frozen_at_realization(self) -> None:
+        """Refuse the realization step (the first of the final epoch, Algorithm 5.2 line 5)
+        while a parameter that holds state is frozen (``requires_grad_(False)``): the step sets
+        the weights it updates to their realized values and the sieve ranks those alone, so a
+        frozen one would keep its mixture means (no exact zeros, although `finished` is then
+        true) and the pattern's budget would be spent on the others. Writing realized values
+        into a frozen parameter is no answer either: freezing says "leave it as it is". Nothing
+        is evaluated or changed before the refusal."""
+        hp = self.hyperparameters
+        if self.counters.step != (hp.num_epochs - 1) * self.steps_per_epoch:
+            return
+        frozen, position = [], 0
+        for group in self.param_groups:
+            names = group.get("param_names")
+            for k, p in enumerate(group["params"]):
+                if not p.requires_grad and self.state.get(p):
+                    frozen.append(_parameter_label(position, None if names is None else names[k]))
+                position += 1
+        if frozen:
+            raise ValueError(
+                f"SparseQNVBOptimizer.step: this step (step {self.counters.step + 1} = "
+                "(num_epochs - 1) * steps_per_epoch + 1) realizes the sparsity pattern, setting "
+                "every weight the optimizer holds to an exact zero or its nonzero value; a "
+                "frozen parameter (requires_grad=False) would keep its mixture means, not exact "
+                f"zeros, and these are frozen: {shortened(frozen, 5, None)}. Unfreeze them for "
+                "this step (requires_grad_(True)) and freeze them again after it (a realized "
+                "weight stays as it is while frozen), or give this optimizer only the "
+                "parameters it sparsifies. Nothing was changed"
+            )
 
     def _refuse_group_settings(self) -> None:
         """Refuse a step whose parameter groups hold a setting put there after they were added

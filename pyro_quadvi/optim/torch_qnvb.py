@@ -48,6 +48,7 @@ from ..guides.interface import (
     watch_guides,
 )
 from ..infer.batched import (
+    BatchDecision,
     BatchMismatch,
     DecisionCache,
     call_by_place,
@@ -58,6 +59,7 @@ from ..infer.batched import (
     sum_is_finite,
     user_stacklevel,
     vmap_safe_attention,
+    warn_fallback,
 )
 from ..quadrature import NodeSet, make_rule
 from ..quadrature.base import draw_device
@@ -233,8 +235,9 @@ def module_loss(module: nn.Module, criterion: Callable) -> ModuleLoss:
             Its forward must return one tensor (a ``TypeError`` names the net otherwise).
         criterion: ``(outputs, targets) -> mean loss per case``, e.g. ``F.cross_entropy``.
             The optimizer's ``likelihood_weight`` multiplies this mean: with
-            ``reduction="sum"`` over batches of ``B`` of ``N`` cases set ``likelihood_weight =
-            N / B`` (else ``sigma`` is ``sqrt(B)`` too small). ``nn.MSELoss()`` is the negative
+            ``reduction="sum"`` set ``likelihood_weight`` to the number of batches per epoch,
+            ``len(loader)`` (``N / B`` only where ``B`` divides ``N``; left at ``N``,
+            ``sigma`` is ``sqrt(B)`` too small). ``nn.MSELoss()`` is the negative
             log likelihood of a Gaussian noise of variance ``1/2`` (use ``0.5 * mse`` for
             variance 1); ``nn.GaussianNLLLoss()`` that of the ``var`` it is given.
 
@@ -809,6 +812,43 @@ def closure_moments(
     return loss_avg, moments
 
 
+def data_moments(
+    moment: tuple[torch.Tensor, torch.Tensor] | None, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A held parameter's moments of one step (`closure_moments`), a zero data term where it
+    received no gradient (``None``: a branch not taken, a head the batch does not use): such a
+    batch does not inform it, so its curvature average decays towards the prior's, where
+    leaving the step out would count every batch that does use it as the whole data set
+    (``sigma`` too small by the square root of the fraction of steps using it)."""
+    if moment is not None:
+        return moment
+    return torch.zeros_like(like), torch.zeros_like(like)
+
+
+def _weighted_gradients(
+    losses: torch.Tensor, nodes: NodeSet, stacked: list[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """``sum_k w_k loss_k`` and its gradients with respect to the parameters stacked over the
+    nodes (``None`` where one is not used; all ``None`` where the loss reads none of them).
+    A failure on a sparse gradient is a ``RuntimeError`` with the way out."""
+    total = (nodes.weights.to(losses.dtype) * losses).sum()
+    if not total.requires_grad:
+        return total, [None] * len(stacked)
+    try:
+        return total, list(torch.autograd.grad(total, stacked, allow_unused=True))
+    except (RuntimeError, NotImplementedError) as error:
+        if "sparse" not in str(error).lower():
+            raise
+        raise RuntimeError(
+            "QNVBOptimizer: the one-pass backward failed on a sparse gradient ("
+            f"{first_line(error).split('. ')[0]}): step(loss_fn=...) differentiates "
+            "the parameters stacked over the nodes, which takes dense gradients "
+            "only. Build the layer with dense gradients (nn.Embedding(..., "
+            "sparse=False), the default), or use the closure form, step(closure), "
+            "which takes sparse gradients"
+        ) from error
+
+
 def _batch_finite(batch: tuple, device: torch.device) -> torch.Tensor | None:
     """Whether every floating tensor of ``batch`` is finite (`sum_is_finite`: false also
     where a sum overflows, which `check_finite_loss` then tells apart), as a 0-d tensor on
@@ -1054,9 +1094,11 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             ``num_eval``, ``generator``, a typo) is refused.
         likelihood_weight: the number of training cases ``N``: it multiplies the closure's
             loss, which must be the mean loss per case of the batch (``reduction="mean"``).
-            With a summed loss over a batch of ``B`` cases (``reduction="sum"``) set
-            ``likelihood_weight = N / B``; left at ``N``, the likelihood counts ``B`` times and
-            ``sigma`` comes out ``sqrt(B)`` too small, silently.
+            With a summed loss over a batch (``reduction="sum"``) set ``likelihood_weight``
+            to the number of batches per epoch, ``len(loader)``: ``N / B`` for batches of ``B``
+            only where ``B`` divides ``N`` (a short last batch, ``drop_last=False``, makes
+            ``N / B`` wrong); left at ``N``, the likelihood counts ``B`` times and ``sigma``
+            comes out ``sqrt(B)`` too small, silently.
         prior_precision: precision of a zero-mean Gaussian prior on every parameter (0: flat,
             like the reference).
         annealing: optional schedule ``step -> factor`` multiplying the likelihood weight
@@ -1380,12 +1422,13 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 disagreement raises `BatchMismatch` naming the
                 reason and the ways out; later steps are not checked), ``False`` a loop over the
                 nodes (one backward still), ``None`` (default) the pass checked the same way,
-                and the loop with one warning if they disagree or the loss does not run under
-                ``vmap``; the decision is kept for later steps with the same ``loss_fn`` (for a
-                `module_loss`: the same module and criterion, in the same ``train()`` /
-                ``eval()`` modes). A tried pass that is abandoned leaves the buffers
-                (BatchNorm's running statistics) of the network the loss exposes as it found
-                them: a `module_loss`'s module, a ``loss_fn``'s ``module`` attribute, or
+                and the loop with one warning if they disagree, the loss does not run under
+                ``vmap`` or the pass's backward fails (where ``True`` raises `BatchMismatch`
+                naming ``vectorize=False``); the decision is kept for later steps with the
+                same ``loss_fn`` (for a `module_loss`: the same module and criterion, in the
+                same ``train()`` / ``eval()`` modes). A tried pass that is abandoned leaves
+                the buffers (BatchNorm's running statistics) of the network the loss exposes as
+                it found them: a `module_loss`'s module, a ``loss_fn``'s ``module`` attribute, or
                 the ``loss_fn`` itself when it is an ``nn.Module`` (`loss_module`).
 
         Returns:
@@ -1541,24 +1584,27 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 buffers.undo()
                 raise
             buffers.settle(decision.vectorized)
-            weights = nodes.weights.to(losses.dtype)
-            total = (weights * losses).sum()
-            if not total.requires_grad:
-                grads = [None] * len(stacked)
-            else:
-                try:
-                    grads = torch.autograd.grad(total, stacked, allow_unused=True)
-                except (RuntimeError, NotImplementedError) as error:
-                    if "sparse" not in str(error).lower():
-                        raise
-                    raise RuntimeError(
-                        "QNVBOptimizer: the one-pass backward failed on a sparse gradient ("
-                        f"{first_line(error).split('. ')[0]}): step(loss_fn=...) differentiates "
-                        "the parameters stacked over the nodes, which takes dense gradients "
-                        "only. Build the layer with dense gradients (nn.Embedding(..., "
-                        "sparse=False), the default), or use the closure form, step(closure), "
-                        "which takes sparse gradients"
+            try:
+                total, grads = _weighted_gradients(losses, nodes, stacked)
+            except (RuntimeError, NotImplementedError) as error:
+                if not decision.vectorized or "sparse" in str(error).lower():
+                    raise  # the loop's own error, or a sparse gradient's (no loop helps)
+                # the pass ran and agreed with the probes, but its backward fails (a
+                # parametrization written in place, torch's orthogonal): one backward per step
+                # cannot be probed, so the loop takes over where the pass was tried now
+                reason = f"its backward raised {type(error).__name__}: {first_line(error)}"
+                buffers.undo()
+                if vectorize is True or checked:
+                    raise BatchMismatch(
+                        f"QNVBOptimizer(vectorize={vectorize}): the vectorized pass over the {K} "
+                        f"nodes evaluated the loss, but {reason}. Pass vectorize=False to loop "
+                        "over the nodes (one backward still)"
+                        + ("" if checked else ", or vectorize=None to fall back with a warning")
                     ) from error
+                warn_fallback("QNVBOptimizer", K, reason)
+                losses, _ = evaluate_batch(batched, single, _NodeStack(stacked), False)
+                decision = BatchDecision(False, reason, 0)
+                total, grads = _weighted_gradients(losses, nodes, stacked)
         if all(grad is None for grad in grads):
             raise RuntimeError(
                 "QNVBOptimizer: the loss does not depend on any parameter of the optimizer; "
@@ -1630,10 +1676,10 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         dict taken earlier keeps its values."""
         counts = []
         scales = []  # per parameter, its label, scale and sigma_min (`idle_step_refusal`)
+        moments = [data_moments(m, p) for m, (p, _) in zip(moments, params)]
         by_group: dict[int, list[int]] = {}
         for i, (_, group) in enumerate(params):
-            if moments[i] is not None:
-                by_group.setdefault(id(group), []).append(i)
+            by_group.setdefault(id(group), []).append(i)
         for indices in by_group.values():
             group = params[indices[0]][1]
             hp = settings[id(group)]
