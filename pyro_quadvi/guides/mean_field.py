@@ -160,6 +160,14 @@ class AutoMeanFieldNormal(AutoNormal):
         # plates' subsample sites from the prototype): the plates the model gives their rows
         given = GivenRows()
         model = self._model
+        if model is None:  # Pyro's __getstate__ left it out of the copy (see above)
+            raise RuntimeError(
+                f"{type(self).__name__}: this guide is a copy (copy.deepcopy, pickle, torch.save) "
+                "made before the guide's first run, and Pyro's AutoGuide leaves the model out of "
+                "a copy, so the copy cannot set itself up. Run the guide once before copying it "
+                "(guide(*args), or a first svi.step), or build a new guide from the model for "
+                "each run"
+            )
         self._model = (given(model[0]),)
         try:
             super()._setup_prototype(*args, **kwargs)
