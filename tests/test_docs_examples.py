@@ -307,6 +307,13 @@ def loo_counts_the_observed(ns: dict, out: str) -> None:
     assert full.shape == (1, 200, 8)
     assert (full.values[..., ~ns["mask"].numpy()] == 0).all()  # masked entries count 0
     assert ns["loo"].n_data_points == 6  # the observed entries only
+    posterior, mask = ns["idata"].posterior, ns["mask"].numpy()
+    assert posterior["y_unobserved"].shape == (1, 200, 8)  # Pyro's site: the whole plate
+    merged = posterior["y"].values[0]
+    assert (merged[:, mask] == ns["y"].numpy()[mask]).all()  # the data at the observed entries
+    assert ns["imputed"].shape == (1, 200, 2)
+    unobserved = posterior["y_unobserved"].values[0]
+    assert (ns["imputed"].values[0] == unobserved[:, ~mask]).all()  # the draws at the masked
 
 
 STACK_SITES = """

@@ -91,7 +91,7 @@ class SiteSpec:
         frames: ``(plate name, dim, full size)`` of the vectorized plates the site is in; ``dim``
             counts from the right of the batch dims, as in Pyro.
         itemsize: the bytes of one entry of the site's value (for observed sites, the data's).
-        guided: a latent site that the guide draws (otherwise the model draws it).
+        guided: a latent site that the guide draws (the export refuses any other latent).
         chunked: ``plate name -> axis`` (negative, from the right of ``shape``) of the subsampled
             plates the site is in.
     """
@@ -418,6 +418,38 @@ def _is_deterministic(node: dict) -> bool:
     return masked_off and isinstance(layers[-1], Delta)
 
 
+def _unguided_refusal(names: list[str], model_trace: Trace) -> str:
+    """Why latent sites ``names`` of the model, which the guide does not sample, are refused:
+    the export has no posterior draws of them (drawn from the prior, as `Predictive` fills them,
+    they would be prior draws labelled ``posterior``, and the log likelihood would be
+    conditional on them). An enumerated site (``infer["enumerate"]``, summed out by
+    ``TraceEnum_ELBO``) is named apart, with the fix that gives LOO its marginal likelihood."""
+    enumerated = [n for n in names if model_trace.nodes[n]["infer"].get("enumerate")]
+    others = [n for n in names if n not in enumerated]
+    found, fixes = [], []
+    if others:
+        found.append(f"the guide does not sample the latent site(s) {others} of the model")
+        fixes.append(
+            "let the guide sample every latent site (an AutoGuide built from the model itself, "
+            "not from poutine.block(model, hide=...))"
+        )
+    if enumerated:
+        found.append(
+            f"the enumerated site(s) {enumerated} (infer['enumerate'], summed out by "
+            "TraceEnum_ELBO) have no draws in the guide, and the pointwise log likelihood given "
+            "prior draws of them is not the marginal one LOO needs"
+        )
+        fixes.append(
+            "marginalize each enumerated site in the model (a mixture as "
+            "dist.MixtureSameFamily), so that log_likelihood is the marginal likelihood"
+        )
+    return (
+        f"to_inference_data: {'; '.join(found)}. The export draws the posterior from the guide "
+        "only: drawn from the prior, these sites would be prior draws labelled posterior. "
+        f"Fix: {'; '.join(fixes)}"
+    )
+
+
 def _plates_built_by(guide: Callable) -> str:
     """Who builds the plates of ``guide``, for `_check_guide_plate`'s message."""
     guide = unwrap_guide(guide)
@@ -473,6 +505,9 @@ class _Runner:
         )
         self.observed = [s.name for s in self.sites.values() if s.kind == "observed"]
         self.latents = [s for s in self.sites.values() if s.kind == "latent"]
+        unguided = [s.name for s in self.latents if not s.guided]
+        if unguided:
+            raise ValueError(_unguided_refusal(unguided, model_trace))
 
     # -- one unbatched run: the chunked plates and the sites ---------------------------------
 
@@ -644,14 +679,12 @@ class _Runner:
         """Posterior, log likelihood, posterior predictive and observed data over the full data;
         ``trial``: over the first rows' chunk only (`_all_draws`'s trial run)."""
         combos = self.combos[:1] if trial else self.combos
-        guided = [s for s in self.latents if s.guided]
-        latents = self._new(guided)
+        latents = self._new(self.latents)  # all drawn by the guide (`_unguided_refusal`)
         for rows in combos:
             guide = poutine.condition(
                 _PlateRows(rows)(self.guide), data=self._fixed(latents, rows, particles)
             )
             self._collect(self._trace(guide, particles), latents, rows, particles)
-        latents.update(self._new(s for s in self.latents if not s.guided))
         deterministic = self._new(s for s in self.sites.values() if s.kind == "deterministic")
         observed = [self.sites[name] for name in self.observed]
         factors = [s for s in self.sites.values() if s.kind == "factor"]

@@ -104,7 +104,8 @@ def to_inference_data(
             export larger than ``max_bytes``, a plate given only some of its indices by the
             model's arguments, ``factors`` naming a site that is no ``pyro.factor`` site of the
             model, observed data with NaN (naming the site), an observed site whose
-            value changes from draw to draw (computed from the latents, naming it), or a log
+            value changes from draw to draw (computed from the latents, naming it), a latent
+            site the guide does not sample (enumerated or hidden from it, naming it), or a log
             likelihood that is not finite.
         NotImplementedError: with ArviZ 1.x.
     """
