@@ -20,12 +20,10 @@ second.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from bench_session24_checks import cpu_time
 
 from pyro_quadvi.distributed.comm import projection, projections
 
@@ -38,19 +36,6 @@ def old_projections(tensors: list[torch.Tensor]) -> torch.Tensor:
         (projection(t).cpu() * (i + 1) for i, t in enumerate(tensors)),
         torch.zeros((), dtype=torch.float64),
     )
-
-
-def cpu_time(fn: Callable[[], object], calls: int) -> float:
-    """CPU seconds of one of ``calls`` calls of ``fn``, the garbage collector off."""
-    gc.collect()
-    gc.disable()
-    try:
-        start = time.process_time()
-        for _ in range(calls):
-            fn()
-        return (time.process_time() - start) / calls
-    finally:
-        gc.enable()
 
 
 def row(count: int, repeats: int, calls: int, small: bool) -> str:
