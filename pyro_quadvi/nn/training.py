@@ -62,9 +62,11 @@ def _check_data(data: object) -> None:
             "(x, y) tuples). This one would be iterated row by row, one step per row"
             + (": wrap the dataset in a DataLoader" if rows else " without labels")
         )
-    if isinstance(data, tuple) and data and all(isinstance(v, tuple | list) for v in data):
+    # tuples only: a list is a model's argument as often (a list of sequences of their own
+    # lengths, fit(svi, (sequences,), n)), and svi.step passes it on as it is
+    if isinstance(data, tuple) and data and all(isinstance(v, tuple) for v in data):
         raise TypeError(
-            f"fit: data is a tuple of {len(data)} tuples or lists; a tuple is one step's "
+            f"fit: data is a tuple of {len(data)} tuples; a tuple is one step's "
             "arguments ((x, y): the full batch), so each pair would be taken as one argument. "
             "Pass a list of (x, y) minibatches or a DataLoader: fit(svi, list(data), num_steps)"
         )
@@ -210,7 +212,7 @@ def fit(
             iterable, or a one-shot iterator that runs out before ``num_steps``.
         TypeError: for an ``svi`` without ``step``, ``model`` and ``guide``, ``metrics`` that
             is not a dict of callables, ``data`` that is not iterable or is a tensor, an array,
-            a dict or a tuple of tuples or lists (minibatches go in a list), a batch that is
+            a dict or a tuple of tuples (minibatches go in a list), a batch that is
             a dict, and, for a ``BayesianModule`` model, a batch that is not ``(x, y)``.
         TypeError: for a metric that returns anything but one number (a dict, a string, a
             tensor of several elements), naming the metric, at its first evaluation.
