@@ -140,8 +140,17 @@ def test_fit_refuses_a_tuple_of_minibatches_saying_to_pass_a_list():
         fit(svi, batches, 4, progress=False)
     message = str(error.value)
     assert len(message) < 300
-    for part in ("a tuple of 2 tuples;", "a tuple is one step's arguments", "list(data)"):
+    for part in ("a tuple of 2 tuples or lists;", "a tuple is one step's arguments", "list(data)"):
         assert part in message
+
+
+def test_fit_refuses_a_tuple_of_lists_for_a_bayesian_module():
+    # a BayesianModule's y is no list: a tuple of [x, y] lists is minibatches too
+    pyro.clear_param_store()
+    bnn, batches = _tuple_of_batches()
+    svi = SVI(bnn, AutoMeanFieldNormal(bnn), QNVB(), QuadratureELBO())
+    with pytest.raises(TypeError, match=r"^fit: data is a tuple of 2 tuples or lists; a tuple"):
+        fit(svi, tuple(list(batch) for batch in batches), 4, progress=False)
 
 
 def test_fit_takes_a_tuple_of_lists_as_one_steps_arguments():
