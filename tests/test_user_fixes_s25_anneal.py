@@ -76,6 +76,30 @@ def test_latents_conditioned_around_the_annealed_model_outside_a_fit_are_left_al
     assert samples["x"].shape == (3, N)
 
 
+def test_a_latent_fixed_around_the_annealed_model_in_a_fit_is_refused_and_inside_is_tempered(
+    float64_store,
+):
+    """docs/qnvb.md: the refusal cannot tell a latent fixed by an outer condition from data; fixed
+    inside, its prior term takes the factor (scale A), where outside a fit it keeps 1."""
+
+    def two_means():
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0), 1.0))
+        nu = pyro.sample("nu", dist.Normal(torch.tensor(0.0), 1.0))
+        with pyro.plate("n", N):
+            pyro.sample("x", dist.Normal(mu + nu, 1.0))
+
+    data = pyro.condition(two_means, data={"x": X})
+    outside = pyro.condition(anneal_likelihood(data, A), data={"mu": torch.tensor(1.0)})
+    guide = AutoMeanFieldNormal(outside)
+    with pytest.raises(
+        ValueError, match=r"^anneal_likelihood: site 'mu' was observed by a handler"
+    ):
+        SVI(outside, guide, QNVB(), QuadratureELBO()).step()
+    inside = anneal_likelihood(pyro.condition(data, data={"mu": torch.tensor(1.0)}), A)
+    trace = poutine.trace(inside).get_trace()
+    assert (trace.nodes["mu"]["scale"], trace.nodes["x"]["scale"]) == (A, A)
+
+
 def _noanneal_warnings(wrap: bool) -> list[str]:
     data = {"x": X}
     model = pyro.condition(_model, data=data)

@@ -140,8 +140,35 @@ def test_fit_refuses_a_tuple_of_minibatches_saying_to_pass_a_list():
         fit(svi, batches, 4, progress=False)
     message = str(error.value)
     assert len(message) < 300
-    for part in ("a tuple of 2 tuples or lists", "a tuple is one step's arguments", "list(data)"):
+    for part in ("a tuple of 2 tuples or lists;", "a tuple is one step's arguments", "list(data)"):
         assert part in message
+
+
+def test_fit_refuses_a_tuple_of_lists_for_a_bayesian_module():
+    # a BayesianModule's y is no list: a tuple of [x, y] lists is minibatches too
+    pyro.clear_param_store()
+    bnn, batches = _tuple_of_batches()
+    svi = SVI(bnn, AutoMeanFieldNormal(bnn), QNVB(), QuadratureELBO())
+    with pytest.raises(TypeError, match=r"^fit: data is a tuple of 2 tuples or lists; a tuple"):
+        fit(svi, tuple(list(batch) for batch in batches), 4, progress=False)
+
+
+def test_fit_takes_a_tuple_of_lists_as_one_steps_arguments():
+    # a model of a list of sequences of their own lengths: refused as "a tuple of 1 tuples or
+    # lists" by the check above, where svi.step takes the list as it is
+    pyro.clear_param_store()
+    sequences = [torch.full((n,), 2.0) for n in (5, 3, 7)]
+
+    def model(sequences):
+        mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+        for i, s in enumerate(sequences):
+            with pyro.plate(f"rows_{i}", len(s)):
+                pyro.sample(f"y_{i}", dist.Normal(mu, 1.0), obs=s)
+
+    svi = SVI(model, AutoMeanFieldNormal(model), QNVB(), QuadratureELBO())
+    history = fit(svi, (sequences,), 3, progress=False)
+    assert len(history.loss) == 3
+    assert pyro.param("AutoMeanFieldNormal.locs.mu").item() == pytest.approx(2.0, abs=0.1)
 
 
 def test_a_tuple_in_place_of_x_is_summarised_by_shapes_not_printed():

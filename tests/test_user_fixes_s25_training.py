@@ -7,6 +7,7 @@ form under a parametrization whose vectorized backward fails."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -79,6 +80,51 @@ def test_a_head_without_grad_on_some_steps_gets_the_exact_sigma(form):
     torch.testing.assert_close(ratio_a, torch.ones(2, dtype=torch.float64), rtol=0.02, atol=0)
     torch.testing.assert_close(ratio_b, torch.ones(2, dtype=torch.float64), rtol=0.02, atol=0)
     assert net.shared.item() == 1.0 and net.shared not in optimizer.state
+
+
+def _left_after_30_steps(prior_precision: float, sigma_max: float) -> tuple[list, list]:
+    """Two weights ``b`` the loss uses for 30 steps, then 200 steps without them (``.grad``
+    None): ``b``'s sigma after each step, and the warnings."""
+    x = X.clone()
+    y = x @ torch.tensor([1.0, -1.0], dtype=torch.float64)
+    a = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    b = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    optimizer = QNVBOptimizer(
+        [a, b],
+        likelihood_weight=N,
+        prior_precision=prior_precision,
+        sigma_max=sigma_max,
+        quadrature="hadamard",
+    )
+    sigmas = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(230):
+
+            def closure(t=t):
+                loss = half_loss(x @ a, y) + (half_loss(x @ b, y) if t < 30 else 0.0)
+                loss.backward()
+                return loss
+
+            optimizer.step(closure)
+            sigmas.append(optimizer.state[b]["sigma"].clone())
+    return sigmas, [str(w.message) for w in caught]
+
+
+def test_a_head_left_widens_to_the_prior_or_under_a_flat_prior_to_sigma_max_with_a_warning():
+    """docs/qnvb_torch.md's figures: left unused, the head's curvature average decays (an
+    arithmetic mean over the first 1 / (1 - beta2) steps, so sigma grows as the square root of
+    the steps, 30 -> 230: x2.77) towards the prior's sigma, 4^(-1/2); a flat prior's sigma_max
+    holds it, with the warning."""
+    sigmas, caught = _left_after_30_steps(0.0, 100.0)
+    assert sigmas[29].tolist() == pytest.approx([0.159, 0.156], abs=1e-3)
+    assert sigmas[229].tolist() == pytest.approx([0.454, 0.445], abs=1e-3)
+    assert not caught
+    sigmas, caught = _left_after_30_steps(0.0, 0.4)
+    assert sigmas[-1].tolist() == [0.4, 0.4]
+    assert len(caught) == 1 and caught[0].startswith("QNVBOptimizer: sigma pinned at sigma_max=0.4")
+    sigmas, _ = _left_after_30_steps(4.0, 100.0)
+    assert sigmas[-1].tolist() == pytest.approx([0.5, 0.5], rel=0.01)
 
 
 def _sparse_run(freeze_at: int, names: bool = True):

@@ -49,9 +49,11 @@ def _on(batch: tuple, device: torch.device | str | None) -> tuple:
     return tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in batch)
 
 
-def _check_data(data: object) -> None:
+def _check_data(data: object, bayesian: bool) -> None:
     """Refuse, before any step, a ``data`` that is not iterable, or that would be iterated row
-    by row: a tensor, an array, a dict, a map-style ``Dataset`` (not a ``DataLoader``)."""
+    by row: a tensor, an array, a dict, a map-style ``Dataset`` (not a ``DataLoader``); or a
+    tuple of minibatches (of tuples, and for a ``BayesianModule``, whose ``y`` is no list, of
+    lists too)."""
     rows = isinstance(data, torch.utils.data.Dataset) and not isinstance(
         data, torch.utils.data.IterableDataset
     )
@@ -62,9 +64,13 @@ def _check_data(data: object) -> None:
             "(x, y) tuples). This one would be iterated row by row, one step per row"
             + (": wrap the dataset in a DataLoader" if rows else " without labels")
         )
-    if isinstance(data, tuple) and data and all(isinstance(v, tuple | list) for v in data):
+    # a list is another model's argument as often (a list of sequences of their own lengths,
+    # fit(svi, (sequences,), n)), and svi.step passes it on as it is
+    kinds = tuple | list if bayesian else tuple
+    if isinstance(data, tuple) and data and all(isinstance(v, kinds) for v in data):
         raise TypeError(
-            f"fit: data is a tuple of {len(data)} tuples or lists; a tuple is one step's "
+            f"fit: data is a tuple of {len(data)} {'tuples or lists' if bayesian else 'tuples'}; "
+            "a tuple is one step's "
             "arguments ((x, y): the full batch), so each pair would be taken as one argument. "
             "Pass a list of (x, y) minibatches or a DataLoader: fit(svi, list(data), num_steps)"
         )
@@ -210,7 +216,8 @@ def fit(
             iterable, or a one-shot iterator that runs out before ``num_steps``.
         TypeError: for an ``svi`` without ``step``, ``model`` and ``guide``, ``metrics`` that
             is not a dict of callables, ``data`` that is not iterable or is a tensor, an array,
-            a dict or a tuple of tuples or lists (minibatches go in a list), a batch that is
+            a dict or a tuple of tuples (for a ``BayesianModule`` also of lists: minibatches
+            go in a list), a batch that is
             a dict, and, for a ``BayesianModule`` model, a batch that is not ``(x, y)``.
         TypeError: for a metric that returns anything but one number (a dict, a string, a
             tensor of several elements), naming the metric, at its first evaluation.
@@ -222,7 +229,8 @@ def fit(
             f"fit: svi must be a pyro.infer.SVI (fit calls its step and reads its model and "
             f"guide), got {svi!r} ({type(svi).__name__})"
         )
-    _check_data(data)
+    bayesian = isinstance(_underlying(svi.model), BayesianModule)  # once: the model is fixed
+    _check_data(data, bayesian)
     if metrics is not None and (
         not isinstance(metrics, Mapping) or not all(map(callable, metrics.values()))
     ):
@@ -234,7 +242,6 @@ def fit(
     batches = _batches(data)
     follow_param_store(unwrap_guide(svi.guide))
     follow_param_store(unwrap_guide(svi.model))
-    bayesian = isinstance(_underlying(svi.model), BayesianModule)  # once: the model is fixed
     bar = tqdm(range(num_steps), disable=not progress, desc=desc)
     for step in bar:
         batch = _on(next(batches), device)
