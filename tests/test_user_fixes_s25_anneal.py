@@ -93,8 +93,9 @@ def test_a_latent_fixed_around_the_annealed_model_in_a_fit_is_refused_and_inside
     guide = AutoMeanFieldNormal(outside)
     with pytest.raises(
         ValueError, match=r"^anneal_likelihood: site 'mu' was observed by a handler"
-    ):
+    ) as refused:
         SVI(outside, guide, QNVB(), QuadratureELBO()).step()
+    assert "A latent fixed from outside cannot be told from data here" in str(refused.value)
     inside = anneal_likelihood(pyro.condition(data, data={"mu": torch.tensor(1.0)}), A)
     trace = poutine.trace(inside).get_trace()
     assert (trace.nodes["mu"]["scale"], trace.nodes["x"]["scale"]) == (A, A)

@@ -200,10 +200,12 @@ class AnnealLikelihoodMessenger(Messenger):
             raise ValueError(
                 f"anneal_likelihood: site {msg['name']!r} was observed by a handler outside the "
                 "annealed model (pyro.condition(anneal_likelihood(model, a), data), or around "
-                "qnvb.anneal(model)), after the annealing had passed it, so its likelihood "
+                "qnvb.anneal(model)), after the annealing had passed it, so its log density "
                 "would enter the loss untempered. Condition inside: "
                 "anneal_likelihood(pyro.condition(model, data), a), or "
-                "qnvb.anneal(pyro.condition(model, data))"
+                "qnvb.anneal(pyro.condition(model, data)). (A latent fixed from outside cannot "
+                "be told from data here; fixed inside, its prior term takes the factor, a "
+                "constant in the fit)"
             )
 
 
