@@ -198,11 +198,9 @@ def _plain_parameters(module: object) -> Iterator[tuple[str, nn.Parameter]]:
     if not isinstance(module, PyroModule) or pyro.settings.get("module_local_params"):
         return
     for part in _pyro_modules(module):
-        prefix = part.__dict__["_pyro_name"]
-        leaves = {f"{name}_unconstrained" for name in part.__dict__["_pyro_params"]}
-        for name, param in part._parameters.items():
-            if param is not None and name not in leaves:
-                yield (f"{prefix}.{name}" if prefix else name), param
+        for fullname, param, leaf in _own_parameters(part):
+            if not leaf:
+                yield fullname, param
 
 
 def pyro_parameter_names(module: object) -> Iterator[tuple[str, nn.Parameter]]:
@@ -216,17 +214,26 @@ def pyro_parameter_names(module: object) -> Iterator[tuple[str, nn.Parameter]]:
     if not isinstance(module, PyroModule):
         return
     for part in _pyro_modules(module):
+        for fullname, param, _ in _own_parameters(part):
+            yield fullname, param
         prefix = part.__dict__["_pyro_name"]
-        leaves = {f"{name}_unconstrained": name for name in part.__dict__["_pyro_params"]}
-        for name, param in part._parameters.items():
-            if param is not None:
-                name = leaves.get(name, name)
-                yield (f"{prefix}.{name}" if prefix else name), param
         for key, child in part._modules.items():
             if child is not None and not isinstance(child, PyroModule):
                 owner = f"{prefix}.{key}" if prefix else key
                 for name, param in child.named_parameters():
                     yield param_with_module_name(owner, name), param
+
+
+def _own_parameters(part: PyroModule) -> Iterator[tuple[str, nn.Parameter, bool]]:
+    """``(name, parameter, leaf)`` for the parameters the ``PyroModule`` ``part`` holds itself,
+    named as the param store names them: ``leaf`` for a ``PyroParam``'s unconstrained leaf,
+    named by its ``PyroParam`` (``"locs.w"``)."""
+    prefix = part.__dict__["_pyro_name"]
+    leaves = {f"{name}_unconstrained": name for name in part.__dict__["_pyro_params"]}
+    for name, param in part._parameters.items():
+        if param is not None:
+            own = leaves.get(name, name)
+            yield (f"{prefix}.{own}" if prefix else own), param, name in leaves
 
 
 def _pyro_modules(root: PyroModule) -> Iterator[PyroModule]:
