@@ -159,13 +159,8 @@ def laplace_weight(
     # derivatives that autograd gets wrong (a detached term, a kink at the mode) measure no
     # distance and steer no Newton step: checked first, at the point L-BFGS found
     evaluations += 2  # the check of the derivatives
-    smooth = _check_derivatives(
-        negative_log_joint,
-        mode,
-        at_mode,
-        grad,
-        torch.linalg.cholesky(torch.cholesky_inverse(factor)),
-    )
+    scale_tril = torch.linalg.cholesky(torch.cholesky_inverse(factor))
+    smooth = _check_derivatives(negative_log_joint, mode, at_mode, grad, scale_tril)
     while smooth and distance > _NEWTON_TARGET and steps < newton_steps:
         point, value, grad_there, tries = _newton_step(
             negative_log_joint, mode, at_mode, grad, factor, distance
@@ -178,24 +173,19 @@ def laplace_weight(
         if factor_there is None:  # not positive definite there: keep the last point
             break
         distance_there = _newton_length(grad_there, factor_there)
-        if distance < _QUADRATIC and distance_there > distance / 2:
-            # near the mode a step leaves about the square of the distance: one that does not
-            # halve it measures the gradient's rounding (a log joint partly in float32), which
-            # further steps only follow; keep the nearer point
-            if distance_there < distance:
-                mode, at_mode, grad, factor, distance = (
-                    point,
-                    value,
-                    grad_there,
-                    factor_there,
-                    distance_there,
-                )
-                steps += 1
+        # near the mode a step leaves about the square of the distance: one that does not
+        # halve it measures the gradient's rounding (a log joint partly in float32), which
+        # further steps only follow; the nearer point is kept, and the steps end
+        rounding = distance < _QUADRATIC and distance_there > distance / 2
+        if rounding and distance_there >= distance:
             break
         mode, at_mode, grad, factor = point, value, grad_there, factor_there
         distance = distance_there
         steps += 1
-    scale_tril = torch.linalg.cholesky(torch.cholesky_inverse(factor))
+        if rounding:
+            break
+    if steps:
+        scale_tril = torch.linalg.cholesky(torch.cholesky_inverse(factor))
     grad_norm = float(grad.abs().max())
     if smooth and distance > _DISTANCE_WARNING:
         warnings.warn(
