@@ -1037,8 +1037,9 @@ class _BufferSnapshot:
     leaves them as one evaluation of the chosen kind would: abandoned (an error, or values that
     differ from single evaluations), its changes are undone (BatchNorm in train mode updates
     ``num_batches_tracked`` before ``vmap`` refuses its running statistics); kept, the probes'
-    single evaluations are undone. Nothing is saved for a ``loss_fn`` that exposes no network
-    or a decided step."""
+    single evaluations are undone. A pass decided on an earlier step is not probed: its buffers
+    are only saved, for a backward that fails. Nothing is saved for a ``loss_fn`` that exposes
+    no network or a loop."""
 
     def __init__(self, loss_fn: LossFunction | None):
         module = None if loss_fn is None else loss_module(loss_fn)
@@ -1426,10 +1427,12 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 ``vmap`` or the pass's backward fails (where ``True`` raises `BatchMismatch`
                 naming ``vectorize=False``); the decision is kept for later steps with the
                 same ``loss_fn`` (for a `module_loss`: the same module and criterion, in the
-                same ``train()`` / ``eval()`` modes). A tried pass that is abandoned leaves
-                the buffers (BatchNorm's running statistics) of the network the loss exposes as
-                it found them: a `module_loss`'s module, a ``loss_fn``'s ``module`` attribute, or
-                the ``loss_fn`` itself when it is an ``nn.Module`` (`loss_module`).
+                same ``train()`` / ``eval()`` modes), except that under ``None`` a kept pass
+                whose backward fails on a later step falls back too, from then on. A tried
+                pass that is abandoned leaves the buffers (BatchNorm's running statistics) of
+                the network the loss exposes as it found them: a `module_loss`'s module, a
+                ``loss_fn``'s ``module`` attribute, or the ``loss_fn`` itself when it is an
+                ``nn.Module`` (`loss_module`).
 
         Returns:
             The quadrature average of the loss.
@@ -1566,12 +1569,14 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         known = self._decisions.get(*key) or {}  # the modules' training flags -> vectorized
         mode = known.get(flags) if vectorize is None else vectorize
         checked = mode is True and known.get(flags) is True  # on an earlier step: no probes
-        buffers = _BufferSnapshot(None if mode is False or checked else loss_fn)
+        # a decided pass is not probed, but its backward may still fail on a later batch: its
+        # buffers are saved (not swapped around probes) so that the fallback starts from them
+        buffers = _BufferSnapshot(None if mode is False else loss_fn)
         rtol, atol = _check_tolerances(stacked[0].device.type)
         with torch.enable_grad():
             try:
                 losses, decision = evaluate_batch(
-                    buffers.tried(batched),
+                    batched if checked else buffers.tried(batched),
                     single,
                     _NodeStack(stacked),
                     mode,
@@ -1594,12 +1599,12 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 # cannot be probed, so the loop takes over where the pass was tried now
                 reason = f"its backward raised {type(error).__name__}: {first_line(error)}"
                 buffers.undo()
-                if vectorize is True or checked:
+                if vectorize is True:
                     raise BatchMismatch(
-                        f"QNVBOptimizer(vectorize={vectorize}): the vectorized pass over the {K} "
+                        f"QNVBOptimizer(vectorize=True): the vectorized pass over the {K} "
                         f"nodes evaluated the loss, but {reason}. Pass vectorize=False to loop "
-                        "over the nodes (one backward still)"
-                        + ("" if checked else ", or vectorize=None to fall back with a warning")
+                        "over the nodes (one backward still), or vectorize=None to fall back "
+                        "with a warning"
                     ) from error
                 warn_fallback("QNVBOptimizer", K, reason)
                 losses, _ = evaluate_batch(batched, single, _NodeStack(stacked), False)

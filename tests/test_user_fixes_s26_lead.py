@@ -1,0 +1,109 @@
+"""Session 26, the lead: items left by session 25, each against an exact reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pyro_quadvi.infer.batched import BatchMismatch
+from pyro_quadvi.optim import QNVBOptimizer, module_loss
+
+
+class _Fragile(torch.autograd.Function):
+    """The identity, whose backward fails on a node axis (a gradient of 3 dims) while
+    ``FRAGILE`` is set: a pass that ran on earlier batches and fails on a later one."""
+
+    FRAGILE = False
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if _Fragile.FRAGILE and grad.dim() == 3:
+            raise RuntimeError("a backward that fails on the node axis")
+        return grad
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return _Fragile.apply(x), in_dims[0]
+
+
+class _CountingNet(nn.Module):
+    """A linear layer through `_Fragile`, with a buffer counting its forward calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 1).double()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1.0)
+        return _Fragile.apply(self.linear(x))
+
+
+def _half_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (out - target).pow(2).mean()
+
+
+_KEPT: list = []
+
+
+def _two_steps(second: bool | None, keep: bool = False):
+    """Step 1 vectorized (decided under ``None``), step 2 with the backward failing on the
+    node axis, under ``vectorize=second``."""
+    torch.manual_seed(0)
+    net = _CountingNet()
+    optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=16, init_sigma=0.1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(16, 1, generator=g, dtype=torch.float64)
+    loss_fn = module_loss(net, _half_mse)
+    if keep:
+        _KEPT[:] = [net, optimizer]
+    _Fragile.FRAGILE = False
+    try:
+        optimizer.step(loss_fn=loss_fn, batch=(x, y))
+        assert net.calls.item() == 1  # the kept pass; the probes' single runs are undone
+        _Fragile.FRAGILE = True
+        optimizer.step(loss_fn=loss_fn, batch=(x, y), vectorize=second)
+    finally:
+        _Fragile.FRAGILE = False
+    return net, optimizer
+
+
+def test_a_kept_vectorized_pass_whose_backward_fails_later_falls_back_under_none():
+    """Session 25 left it raising `BatchMismatch` where the pass had been decided on an
+    earlier step; under ``vectorize=None`` the loop takes over with the warning, and the step
+    (means, sigmas, the buffer the failed pass had counted up) equals one taken by the loop."""
+    with pytest.warns(UserWarning, match="its backward raised RuntimeError: a backward that"):
+        net, optimizer = _two_steps(None)
+    looped, reference = _two_steps(False)
+    K = len(optimizer.rule.draw(4, step=1))
+    # step 1's pass, then step 2's K single runs: the failed pass's count is undone
+    assert net.calls.item() == looped.calls.item() == 1 + K
+    for p, q in zip(net.parameters(), looped.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-13, atol=0)
+        torch.testing.assert_close(optimizer.state[p]["sigma"], reference.state[q]["sigma"])
+    # the loop from then on: a third step does not try the pass again
+    calls = net.calls.item()
+    x = torch.randn(16, 3, dtype=torch.float64)
+    optimizer.step(loss_fn=module_loss(net, _half_mse), batch=(x, x[:, :1]))
+    assert net.calls.item() == calls + K
+
+
+def test_a_kept_pass_whose_backward_fails_under_vectorize_true_is_refused_unchanged():
+    """Under ``vectorize=True`` the step is refused, naming ``vectorize=False``, and leaves the
+    means and the buffer as step 1 left them (the failed pass's count was kept before)."""
+    with pytest.raises(BatchMismatch, match=r"backward raised RuntimeError.*vectorize=False"):
+        _two_steps(True, keep=True)
+    net, optimizer = _KEPT
+    assert net.calls.item() == 1 and optimizer.num_steps == 1
+    for p in net.parameters():
+        assert torch.equal(p, optimizer.state[p]["mu"])
