@@ -8,6 +8,7 @@ from torch import nn
 
 from pyro_quadvi.infer.batched import BatchMismatch
 from pyro_quadvi.optim import QNVBOptimizer, module_loss
+from pyro_quadvi.quadrature.hadamard import hadamard_signs
 
 
 class _Fragile(torch.autograd.Function):
@@ -107,3 +108,17 @@ def test_a_kept_pass_whose_backward_fails_under_vectorize_true_is_refused_unchan
     assert net.calls.item() == 1 and optimizer.num_steps == 1
     for p in net.parameters():
         assert torch.equal(p, optimizer.state[p]["mu"])
+
+
+def test_hadamard_signs_of_uint64_from_two_to_the_63():
+    """A uint64 widened to int64 wraps from 2^63 on: an ``iterate`` there (valid: only its low
+    31 bits matter) was refused as negative, and an ``index`` there was named by its wrapped,
+    negative value."""
+    index = torch.tensor([1, 2, 3, 7])
+    big = 2**63 + 5
+    expected = hadamard_signs(index, 5)  # 5: the low 31 bits of 2^63 + 5
+    assert torch.equal(expected, torch.tensor([-1.0, 1.0, -1.0, 1.0]))
+    assert torch.equal(hadamard_signs(index, torch.tensor([big], dtype=torch.uint64)), expected)
+    assert torch.equal(hadamard_signs(index, big), expected)  # a Python int, as before
+    with pytest.raises(ValueError, match=rf"\[0, 2\^31\), got an entry {big}$"):
+        hadamard_signs(torch.tensor([3, big], dtype=torch.uint64), 1)

@@ -76,13 +76,19 @@ def hadamard_signs(
             + _described(iterate)
         )
     dtype = check_dtype("hadamard_signs", dtype or torch.get_default_dtype())
+    wide = index.dtype == torch.uint64
     index = _signed(index)
     bad = _first_outside(index, MAX_HADAMARD_DIM)
     if bad is not None:
+        # a uint64 entry from 2^63 on reads as negative in int64: show the entry given
+        shown = bad + 2**64 if wide and bad < 0 else bad
         raise ValueError(
-            f"hadamard_signs: index must hold coordinate indices in [0, 2^31), got an entry {bad}"
+            f"hadamard_signs: index must hold coordinate indices in [0, 2^31), got an entry {shown}"
         )
-    if isinstance(iterate, torch.Tensor):
+    if isinstance(iterate, torch.Tensor) and iterate.dtype == torch.uint64:
+        # every uint64 is >= 0 and only the low 31 bits matter, which int64 keeps
+        iterate, negative = _signed(iterate) & _INDEX_MASK, None
+    elif isinstance(iterate, torch.Tensor):
         iterate = _signed(iterate)
         negative = _first_outside(iterate, None)
     else:
