@@ -55,7 +55,8 @@ def hadamard_signs(
         index: integer tensor of coordinate indices in ``[0, 2^31)`` (an unsigned one is widened
             to int64 first).
         iterate: the sequence position ``q >= 0`` (an int, or an integer tensor broadcasting with
-            ``index``). Only its low 31 bits matter for indices below ``2^31``.
+            ``index``). Only its low 31 bits matter for indices below ``2^31`` (a uint64 one
+            from ``2^63`` on included, which int64 would read as negative).
         dtype: floating dtype of the result (default dtype when ``None``).
 
     Raises:
