@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pyro_quadvi.infer.batched import BatchMismatch
-from pyro_quadvi.optim import QNVBOptimizer, module_loss
+from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
 from pyro_quadvi.quadrature.hadamard import hadamard_signs
 
 
@@ -122,3 +122,28 @@ def test_hadamard_signs_of_uint64_from_two_to_the_63():
     assert torch.equal(hadamard_signs(index, big), expected)  # a Python int, as before
     with pytest.raises(ValueError, match=rf"\[0, 2\^31\), got an entry {big}$"):
         hadamard_signs(torch.tensor([3, big], dtype=torch.uint64), 1)
+
+
+def test_sparse_p_nonzero_keeps_a_frozen_layer_in_its_place():
+    """`SparseQNVBOptimizer.p_nonzero()` listed the parameters that require grad only: with
+    the first of two layers frozen, the flat vector lost its 3 entries and the second layer's
+    took their places, while `sparsity()` counted both."""
+    torch.manual_seed(0)
+    net = nn.ModuleDict({"a": nn.Linear(3, 1, bias=False), "b": nn.Linear(3, 1, bias=False)})
+    net.double()
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    optimizer = SparseQNVBOptimizer(
+        net.parameters(), num_cases=16, steps_per_epoch=2, num_epochs=3, target_sparsity=0.5
+    )
+
+    def closure():
+        loss = 0.5 * ((net["a"](x[:, :3]) + net["b"](x[:, 3:]) - 2.0 * x[:, :1]) ** 2).mean()
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        optimizer.step(closure)
+    before = optimizer.p_nonzero()
+    assert before.shape == (6,) and not torch.equal(before[:3], before[3:])
+    net["a"].weight.requires_grad_(False)
+    assert torch.equal(optimizer.p_nonzero(), before)

@@ -352,15 +352,21 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     def _block(self, p: torch.Tensor) -> SparseQNVBBlock:
         return SparseQNVBBlock(*(self.state[p][name] for name in _BLOCK_NAMES))
 
+    def _optimized(self) -> list[torch.Tensor]:
+        """The parameters optimized, in the groups' order: those holding a state, frozen ones
+        too (the states made and the edits taken first)."""
+        self._params()
+        return [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
+
     def p_nonzero(self) -> torch.Tensor:
-        """The probabilities of a nonzero of all parameters, flat (the paper's Fig. 4)."""
-        return torch.cat([self._block(p).p_nonzero.reshape(-1) for p in self._params()])
+        """The probabilities of a nonzero of the parameters optimized (frozen ones too, as
+        `sparsity` counts them), flat in the groups' order (the paper's Fig. 4)."""
+        return torch.cat([self._block(p).p_nonzero.reshape(-1) for p in self._optimized()])
 
     def sparsity(self) -> float:
         """The fraction of parameters (of those optimized: holding a state, frozen ones too)
         that are exactly zero now."""
-        self._params()  # the states made, the edits taken
-        params = [p for group in self.param_groups for p in group["params"] if self.state.get(p)]
+        params = self._optimized()
         zeros = sum(int((p == 0).sum()) for p in params)
         return zeros / sum(p.numel() for p in params)
 
