@@ -1,13 +1,20 @@
-"""Session 26, the lead: items left by session 25, each against an exact reference."""
+"""Session 26, the lead: items left by session 25 and the docs fixes of trial t22 (the papers'
+facts), each against an exact reference."""
 
 from __future__ import annotations
 
+import math
+
+import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 from torch import nn
 
+from pyro_quadvi import opqa_evidence
 from pyro_quadvi.infer.batched import BatchMismatch
 from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
+from pyro_quadvi.quadrature import make_rule
 from pyro_quadvi.quadrature.hadamard import hadamard_signs
 
 
@@ -147,3 +154,51 @@ def test_sparse_p_nonzero_keeps_a_frozen_layer_in_its_place():
     assert before.shape == (6,) and not torch.equal(before[:3], before[3:])
     net["a"].weight.requires_grad_(False)
     assert torch.equal(optimizer.p_nonzero(), before)
+
+
+def test_the_fixed_weights_error_on_the_opqa_papers_example_at_0_7():
+    """docs/evidence.md's figures for the paper's fixed weight ``exp(-theta^2)`` (``center=
+    "none"``) on its example at one observation 0.7: 3.8 nats off at 8 points, 0.6 at 20
+    (trial t22 reproduced -3.789 and +0.584); Laplace centring is exact at 1 point."""
+    zero = torch.zeros((), dtype=torch.float64)
+
+    def model(x):
+        mu = pyro.sample("mu", dist.Normal(zero, 1.0))
+        pyro.sample("x", dist.Normal(mu, 0.1), obs=x)
+
+    x = torch.tensor(0.7, dtype=torch.float64)
+    exact = dist.Normal(zero, math.sqrt(1.01)).log_prob(x).item()
+    error = {
+        m: opqa_evidence(model, x, num_points=m, center="none").log_evidence - exact
+        for m in (8, 20)
+    }
+    assert error[8] == pytest.approx(-3.789, abs=5e-4)
+    assert error[20] == pytest.approx(0.584, abs=5e-4)
+    laplace = opqa_evidence(model, x, num_points=1).log_evidence
+    assert laplace == pytest.approx(exact, abs=1e-12)
+
+
+def _uhlmann_simplex(d: int) -> torch.Tensor:
+    """The sequence paper's Algorithm A.1 (Uhlmann's sigma points): ``d + 1`` nodes, rows."""
+    X = torch.zeros(d, d + 1, dtype=torch.float64)
+    r = math.sqrt(d)
+    for i in range(1, d + 1):
+        X[i - 1, i - 1] = r
+        X[i - 1, i:] = -r / (d + 1 - i)
+        r *= math.sqrt((d + 1 - i) ** 2 - 1) / (d + 1 - i)
+    return X.T
+
+
+def test_blocked_simplex_is_the_rasp_simplex_not_the_papers_uhlmann_points():
+    """docs/quadrature.md: the default rule blocks the rasp paper's simplex; the sequence
+    paper's experiments take Algorithm A.1, as exact on a block's quadratics, whose third
+    moments are 0.707 and 0 at K = 3, against 0.5 in both coordinates here (trial t22)."""
+    uhlmann = _uhlmann_simplex(2)
+    ours = make_rule("blocked_simplex", 3).draw(2, generator=torch.Generator().manual_seed(0))
+    ours = ours.matrix().double()
+    for nodes in (uhlmann, ours):
+        torch.testing.assert_close(nodes.mean(0), torch.zeros(2, dtype=torch.float64))
+        torch.testing.assert_close(nodes.T @ nodes / 3, torch.eye(2, dtype=torch.float64))
+    third = torch.tensor([math.sqrt(0.5), 0.0], dtype=torch.float64)
+    torch.testing.assert_close(uhlmann.pow(3).mean(0), third)
+    torch.testing.assert_close(ours.pow(3).mean(0), torch.full((2,), 0.5, dtype=torch.float64))

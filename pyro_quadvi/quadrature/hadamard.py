@@ -1,7 +1,8 @@
 """Cross-polytope vertices in the Hadamard basis: a quasirandom sequence of antithetic pairs.
 
 Sequence paper, Algorithm 3.1: iterate ``q`` gives the sign vector ``s_i = (-1)^parity(i AND q)``
-and the antithetic pair ``mu +- sigma * s``. Lemma 3.2 and Theorem 3.3: averaged over ``2^b``
+and the antithetic pair ``mu +- sigma * s`` (the algorithm's step 4 takes ``s = 2p - 1``, the
+negation: the same pair, its two nodes in the other order). Lemma 3.2 and Theorem 3.3: averaged over ``2^b``
 consecutive iterates starting at a multiple of ``2^b``, every pair of coordinates whose indices
 first differ in bit ``b - 1`` (counting from 0) sees the 4-node tensor-product cubature, so its
 cross moments are exact.
@@ -49,7 +50,8 @@ def hadamard_signs(
     index: torch.Tensor, iterate: int | torch.Tensor, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """Signs ``(-1)^parity(index AND iterate)``: entry ``(iterate, index)`` of a Sylvester-Hadamard
-    matrix, by bit operations alone (sequence paper, Algorithm 3.1).
+    matrix, by bit operations alone (sequence paper, Algorithm 3.1, whose ``2p - 1`` is their
+    negation; the antithetic pair ``mu +- sigma * s`` is the same).
 
     Args:
         index: integer tensor of coordinate indices in ``[0, 2^31)`` (an unsigned one is widened

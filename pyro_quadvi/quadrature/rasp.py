@@ -335,7 +335,7 @@ class BlockedSimplexRule(QuadratureRule):
     of any product of such functions across blocks equals the tensor-product cubature.
 
     With ``random_signs=True`` each block's points are also multiplied by an independent random
-    sign, one per block and draw. The paper's rule (``random_signs=False``, the default)
+    sign, one per block and draw. The unsigned rule (``random_signs=False``, the default)
     gives every coordinate the same offsets at every step, whose third moment is not zero
     (``+0.5`` for ``K = 3``: the offsets are ``{1.366, -1, -0.366}``); any cubic part of the
     negative log density then pushes a fit the same way at every step, and the fit settles off the
@@ -349,7 +349,11 @@ class BlockedSimplexRule(QuadratureRule):
     Args:
         num_points: the number of nodes ``K >= 2``; blocks of ``r = K - 1`` coordinates.
         random_signs: multiply each block's points by a random sign per draw (see above).
-            ``False``, the default, is the sequence paper's rule as published. The signs are
+            ``False``, the default, is the sequence paper's blocked rule (Section 3.1) on
+            `simplex_reference`'s points, the rasp paper's Algorithm 1; the sequence paper's
+            experiments take Uhlmann's sigma points (its Algorithm A.1), as exact on quadratics
+            within a block but with other odd moments (third moments 0.707 and 0 in a block's
+            two coordinates at ``K = 3``, against 0.5 in both here). The signs are
             not the default because on hierarchical models (eight schools) the unsigned rule's
             +0.5 third moment cancels part of its fourth moment's error on the
             ``exp``-transformed scales, and the signed rule ends as far from the optimum as
