@@ -9,11 +9,15 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro.infer import SVI
 from torch import nn
 
 from pyro_quadvi import opqa_evidence
+from pyro_quadvi.distributions import SpikeSlab
+from pyro_quadvi.guides import AutoMeanFieldNormal, AutoSpikeSlab
+from pyro_quadvi.infer import QuadratureELBO
 from pyro_quadvi.infer.batched import BatchMismatch
-from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
+from pyro_quadvi.optim import QNVB, QNVBOptimizer, SparseQNVB, SparseQNVBOptimizer, module_loss
 from pyro_quadvi.quadrature import make_rule
 from pyro_quadvi.quadrature.hadamard import hadamard_signs
 
@@ -202,3 +206,81 @@ def test_blocked_simplex_is_the_rasp_simplex_not_the_papers_uhlmann_points():
     third = torch.tensor([math.sqrt(0.5), 0.0], dtype=torch.float64)
     torch.testing.assert_close(uhlmann.pow(3).mean(0), third)
     torch.testing.assert_close(ours.pow(3).mean(0), torch.full((2,), 0.5, dtype=torch.float64))
+
+
+def _frozen_fit(freeze: tuple[str, ...], steps: int):
+    """``y = a + X w + N(0, 0.5^2)`` fitted with QNVB + QuadratureELBO; after one step the
+    store's unconstrained parameters of site ``a`` named in ``freeze`` are frozen."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(50, 3, generator=g, dtype=torch.float64)
+    y = X @ torch.tensor([1.0, 0.0, -2.0], dtype=torch.float64) + 0.3
+    y = y + 0.5 * torch.randn(50, generator=g, dtype=torch.float64)
+    zero = torch.zeros((), dtype=torch.float64)
+
+    def model(X, y):
+        a = pyro.sample("a", dist.Normal(zero, 1.0))
+        w = pyro.sample("w", dist.Normal(zero.expand(3), 1.0).to_event(1))
+        pyro.sample("y", dist.Normal(a + X @ w, 0.5).to_event(1), obs=y)
+
+    guide = AutoMeanFieldNormal(model)
+    svi = SVI(model, guide, QNVB(), QuadratureELBO(vectorize=False))
+    svi.step(X, y)
+    store = pyro.get_param_store()
+    for role in freeze:
+        store[f"AutoMeanFieldNormal.{role}s.a"].unconstrained().requires_grad_(False)
+    held = {role: store[f"AutoMeanFieldNormal.{role}s.a"].detach().clone() for role in freeze}
+    for _ in range(steps):
+        svi.step(X, y)
+    return X, y, store, held
+
+
+def test_qnvb_holds_a_site_whose_loc_and_scale_are_frozen():
+    """Under QuadratureELBO's published moments QNVB updated a site frozen with
+    ``requires_grad_(False)`` (Pyro's Adam and QNVB under Trace_ELBO hold it); the other site
+    now reaches the mean-field optimum given the held factor: ``A mu = X'(y - m_a) / s^2``,
+    ``sigma = diag(A)^(-1/2)``, ``A = X'X / s^2 + I`` (the update's fixed point on a quadratic)."""
+    X, y, store, held = _frozen_fit(("loc", "scale"), steps=150)
+    for role, value in held.items():
+        assert torch.equal(store[f"AutoMeanFieldNormal.{role}s.a"], value), role
+    A = X.T @ X / 0.25 + torch.eye(3, dtype=torch.float64)
+    mu = torch.linalg.solve(A, X.T @ (y - held["loc"]) / 0.25)
+    torch.testing.assert_close(store["AutoMeanFieldNormal.locs.w"], mu, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        store["AutoMeanFieldNormal.scales.w"], A.diagonal().rsqrt(), rtol=1e-2, atol=0
+    )  # the default rule's curvature is exact within its blocks, noisy across them
+
+
+def test_qnvb_sends_a_half_frozen_site_to_the_fallback_with_a_warning():
+    with pytest.warns(RuntimeWarning, match=r"site 'a' has its loc frozen .* and its scale not"):
+        _, _, store, held = _frozen_fit(("loc",), steps=2)
+    assert torch.equal(store["AutoMeanFieldNormal.locs.a"], held["loc"])
+
+
+def test_sparse_qnvb_refuses_a_frozen_spike_and_slab_site_unchanged():
+    """SparseQNVB moved a site frozen with ``requires_grad_(False)`` (its logits by 37 in a
+    trial); it now refuses, naming the site, and changes nothing."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(50, 6, generator=g)
+    y = X[:, :2] @ torch.tensor([1.0, -2.0])
+
+    def model(X, y):
+        a = pyro.sample("a", SpikeSlab(0.5, 2.0).expand([2]).to_event(1))
+        w = pyro.sample("w", SpikeSlab(0.5, 2.0).expand([4]).to_event(1))
+        pyro.sample("y", dist.Normal(X[:, :2] @ a + X[:, 2:] @ w, 0.5).to_event(1), obs=y)
+
+    optimizer = SparseQNVB(num_cases=50, steps_per_epoch=1, num_epochs=10)
+    svi = SVI(model, AutoSpikeSlab(model), optimizer, QuadratureELBO(vectorize=False))
+    svi.step(X, y)
+    store = pyro.get_param_store()
+    store["AutoSpikeSlab.logits.a"].unconstrained().requires_grad_(False)
+    # the guide's parameters (the ELBO's step count has counted the evaluation)
+    before = {name: store[name].detach().clone() for name in store.keys() if "ELBO" not in name}
+    with pytest.raises(ValueError, match=r"site 'a' has its \['logit'\] parameters frozen"):
+        svi.step(X, y)
+    assert optimizer.num_steps == 1
+    for name, value in before.items():
+        assert torch.equal(store[name], value), name

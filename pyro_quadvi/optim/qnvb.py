@@ -480,6 +480,18 @@ def _one_gradient(name: str, loc_leaf: torch.Tensor) -> str:
     )
 
 
+def _half_frozen(name: str, role: str) -> str:
+    """The warning of a block whose ``role`` parameter alone is frozen (``requires_grad``
+    false): QNVB updates a site's loc and scale together."""
+    other = "scale" if role == "loc" else "loc"
+    return (
+        f"QNVB: site {name!r} has its {role} frozen (requires_grad=False) and its {other} not; "
+        f"QNVB updates a site's loc and scale together, so both go to the fallback optimizer, "
+        f"which holds the {role} and steps the {other} by its gradient. Freeze both to hold "
+        "the site, or neither to let QNVB update it"
+    )
+
+
 def forget_steps(ratio: float, beta2: float) -> float:
     """About how many steps the running average of ``g^2`` (rule 7's ``s_avg``, weight
     ``beta2`` a step) takes to forget one past step whose gradient was ``ratio`` times the
@@ -1315,6 +1327,12 @@ class QNVB(PyroOptim):
         loc_leaf, scale_leaf = site.params["loc"], site.params["scale"]
         if block.moments is None and loc_leaf.grad is None and scale_leaf.grad is None:
             return True  # not used by this step's loss: nothing to do, nothing for the fallback
+        frozen = [role for role in ("loc", "scale") if not site.params[role].requires_grad]
+        if len(frozen) == 2:  # held, as torch's optimizers hold a parameter without a gradient
+            return True
+        if frozen:
+            self._warn_once(f"frozen {site.name}", _half_frozen(site.name, frozen[0]))
+            return False
         refusal = masked_site_refusal(site)
         if refusal is not None:
             raise refusal

@@ -243,7 +243,8 @@ class SparseQNVB(QNVB):
                 message says which, and nothing is updated. Also for a block narrower than
                 float32 (`check_precision`: a bfloat16 guide's means come out silently wrong).
             ValueError: for the third step in a row whose terms the guard dropped at every
-                coordinate (`_refuse_if_idle`); nothing is updated.
+                coordinate (`_refuse_if_idle`), or for a block with a frozen parameter
+                (``requires_grad`` false: the sieve cannot hold a block out); nothing is updated.
         """
         params = list(params)
         received = {id(p) for p in params}
@@ -264,6 +265,15 @@ class SparseQNVB(QNVB):
                     "parameters in this step (frozen or detached?); they go to the fallback",
                 )
                 continue
+            frozen = [role for role, leaf in site.params.items() if not leaf.requires_grad]
+            if frozen:
+                raise ValueError(
+                    f"SparseQNVB: site {site.name!r} has its {frozen} parameters frozen "
+                    "(requires_grad=False), which SparseQNVB would update all the same: the sieve "
+                    "ranks every coordinate of every block together at every step, so a site "
+                    "cannot be held out of it. Unfreeze them (requires_grad_(True)), or fix the "
+                    "site's values in the model (pyro.condition) and leave it out of the guide"
+                )
             # rows: a subsampled plate (a poutine.scale alone is divided out of the moments)
             if site.rows or site.rows is None:
                 raise ValueError(
