@@ -3,15 +3,15 @@
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_session26_checks.py [--repeats 7]
         [--steps 5] [--quick]
 
-A vectorized pass decided on an earlier step is no longer trusted to run its backward: the
-buffers of the network the loss exposes (BatchNorm's running statistics in ``eval()`` mode, where
-the pass runs under ``vmap``) are copied before the pass, so that a backward failing on a later
-batch can undo the pass's buffer updates and fall back to the loop
+A vectorized pass decided on an earlier step is no longer trusted to run its backward: the buffers
+of the network the loss exposes (BatchNorm's running statistics in ``eval()`` mode, where the pass
+runs under ``vmap``) are copied before the pass, so that a backward failing on a later batch can
+undo the pass's buffer updates and fall back to the loop
 (`pyro_quadvi.optim.torch_qnvb._BufferSnapshot`). Its cost: the CPU time of that copy against one
 one-pass ``QNVBOptimizer.step(loss_fn=module_loss(net, F.cross_entropy), batch=(x, y))`` (a unit
-Gaussian prior, ``likelihood_weight=8000``, the default rule), on a 784-400-400-10 MLP with a BatchNorm1d after each hidden layer
-(batch 256) and a two-convolution network with BatchNorm2d (the sequence paper's Table 2 layout,
-batch 64), random data, the nets in ``eval()`` mode.
+Gaussian prior, ``likelihood_weight=8000``, the default rule), on a 784-400-400-10 MLP with a
+BatchNorm1d after each hidden layer (batch 256) and a two-convolution network with BatchNorm2d (the
+sequence paper's Table 2 layout, batch 64), random data, the nets in ``eval()`` mode.
 
 CPU times (``time.process_time``, one thread, the garbage collector off during each timed run),
 medians of ``--repeats``. ``--quick`` runs a few seconds.

@@ -2,10 +2,10 @@
 
 Sequence paper, Algorithm 3.1: iterate ``q`` gives the sign vector ``s_i = (-1)^parity(i AND q)``
 and the antithetic pair ``mu +- sigma * s`` (the algorithm's step 4 takes ``s = 2p - 1``, the
-negation: the same pair, its two nodes in the other order). Lemma 3.2 and Theorem 3.3: averaged over ``2^b``
-consecutive iterates starting at a multiple of ``2^b``, every pair of coordinates whose indices
-first differ in bit ``b - 1`` (counting from 0) sees the 4-node tensor-product cubature, so its
-cross moments are exact.
+negation: the same pair, its two nodes in the other order). Lemma 3.2 and Theorem 3.3: averaged over
+``2^b`` consecutive iterates starting at a multiple of ``2^b``, every pair of coordinates whose
+indices first differ in bit ``b - 1`` (counting from 0) sees the 4-node tensor-product cubature, so
+its cross moments are exact.
 
 The fast Walsh-Hadamard transform `fwht` (the product with the Sylvester-Hadamard matrix,
 whose entries are `hadamard_signs`) lives here too: it is the one implementation in the
