@@ -9,6 +9,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro import poutine
 from pyro.infer import SVI
 from torch import nn
 
@@ -284,3 +285,58 @@ def test_sparse_qnvb_refuses_a_frozen_spike_and_slab_site_unchanged():
     assert optimizer.num_steps == 1
     for name, value in before.items():
         assert torch.equal(store[name], value), name
+
+
+def test_spike_slab_draws_compare_a_float64_uniform_with_the_inclusion():
+    """A float32 uniform is a multiple of 2^-24: a weight zeroed by SparseQNVB (logit clamped at
+    30, inclusion 9.4e-14) came back in 5.5e-8 of the draws (trial t21). The choice is now a
+    float64 uniform below the inclusion: replayed here from the same generator state."""
+    d = SpikeSlab(
+        zero_logits=torch.tensor([30.0, 0.0, -2.0]),
+        slab_scale=torch.tensor(0.1),
+        slab_loc=torch.tensor(1.0),
+    )
+    assert d.inclusion[0].item() == pytest.approx(9.357623e-14, rel=1e-6)
+    torch.manual_seed(3)
+    draws = d.sample((1000,))
+    torch.manual_seed(3)
+    keep = torch.rand((1000, 3), dtype=torch.float64) < d.inclusion.double()
+    assert torch.equal(draws != 0, keep)
+    assert int(keep[:, 0].sum()) == 0 and int(keep[:, 1].sum()) in range(440, 561)
+
+
+def test_sparse_qnvb_p_nonzero_in_the_blocks_name_order_whatever_the_params_order():
+    """`SparseQNVB.p_nonzero()` concatenated the blocks in the order of SVI's set of params
+    (the tensors' addresses: another order in another process), so lining it up with the
+    guide's sites paired wrong weights (trial t21). The blocks are now taken in the order of
+    their loc parameters' names, and the sieve sees them so."""
+    results = []
+    for reverse in (False, True):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        X = torch.randn(40, 5, generator=torch.Generator().manual_seed(0))
+        y = X[:, :2] @ torch.tensor([1.0, -2.0])
+
+        def model(X, y):
+            b = pyro.sample("b", SpikeSlab(0.5, 2.0).expand([3]).to_event(1))
+            a = pyro.sample("a", SpikeSlab(0.5, 2.0).expand([2]).to_event(1))
+            pyro.sample("y", dist.Normal(X[:, :2] @ a + X[:, 2:] @ b, 0.5).to_event(1), obs=y)
+
+        guide = AutoSpikeSlab(model, init_inclusion=0.9)
+        optimizer = SparseQNVB(num_cases=40, steps_per_epoch=1, num_epochs=4)
+        elbo = QuadratureELBO(vectorize=False)
+        for _ in range(3):
+            with poutine.trace(param_only=True) as capture:
+                elbo.loss_and_grads(model, guide, X, y)
+            params = [
+                capture.trace.nodes[name]["value"].unconstrained()
+                for name in sorted(capture.trace.nodes, reverse=reverse)
+            ]
+            optimizer(params)
+            for p in params:
+                p.grad = None
+        inclusion = guide.inclusion_probs()
+        expected = torch.cat([inclusion["a"], inclusion["b"]])
+        torch.testing.assert_close(optimizer.p_nonzero(), expected, rtol=1e-6, atol=1e-7)
+        results.append(optimizer.p_nonzero())
+    assert torch.equal(results[0], results[1])

@@ -157,11 +157,15 @@ class SpikeSlab(TorchDistribution):
         return torch.where(value == 0, self.log_exclusion.expand_as(slab), slab)
 
     def sample(self, sample_shape: torch.Size = _SCALAR) -> torch.Tensor:
-        """Exact draws: a Bernoulli(inclusion) choice times a slab draw."""
+        """Exact draws: a Bernoulli(inclusion) choice times a slab draw.
+
+        The choice compares a float64 uniform with the inclusion probability: a float32 one is a
+        multiple of ``2^-24``, so a zeroed weight (``SparseQNVB`` clamps its logit at 30,
+        inclusion ``9.4e-14``) came back at ``6e-8`` a draw, 590,000 times too often."""
         shape = self._extended_shape(sample_shape)
         with torch.no_grad():
-            keep = torch.rand(shape, dtype=self.slab_loc.dtype, device=self.slab_loc.device)
-            keep = keep < self.inclusion.expand(shape)
+            keep = torch.rand(shape, dtype=torch.float64, device=self.slab_loc.device)
+            keep = keep < self.inclusion.to(torch.float64).expand(shape)
             slab = self.slab().sample(sample_shape)
             return torch.where(keep, slab, torch.zeros_like(slab))
 

@@ -231,8 +231,9 @@ class SparseQNVB(QNVB):
         }
 
     def p_nonzero(self) -> torch.Tensor:
-        """The probabilities of a nonzero of all blocks, flat (the paper's Fig. 4)."""
-        return torch.cat([b.p_nonzero.reshape(-1) for b in self.blocks.values()])
+        """The probabilities of a nonzero of all blocks, flat (the paper's Fig. 4), the blocks in
+        the order of their loc parameters' names (`pattern`'s keys)."""
+        return torch.cat([self.blocks[name].p_nonzero.reshape(-1) for name in sorted(self.blocks)])
 
     def __call__(self, params: Iterable[torch.Tensor], *args, **kwargs) -> None:
         """Update the ``"dirac_gauss"`` blocks among ``params`` together; the rest: fallback.
@@ -290,6 +291,9 @@ class SparseQNVB(QNVB):
         if loss is not None:
             self._check_growth(loss, [site.values["loc"].dtype for site, _, _ in sites])
         if sites:
+            # in the loc parameters' names' order, not that of SVI's set of params (the tensors'
+            # addresses): the sieve breaks ties by position, and p_nonzero() reads the blocks so
+            sites.sort(key=lambda item: item[0].param_names["loc"])
             self._update(sites, params)
         rest = [p for p in params if id(p) not in paired]
         if rest:
