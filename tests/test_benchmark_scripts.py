@@ -30,6 +30,7 @@ RUNS = {
     "skewed_site": ("bench_skewed_site.py", "--steps 5", ()),
     "session22_checks": ("bench_session22_checks.py", "--quick", ()),
     "session24_checks": ("bench_session24_checks.py", "--quick", ()),
+    "session26_checks": ("bench_session26_checks.py", "--quick", ()),
     "projections": ("bench_projections.py", "--quick", ()),
     "export_trial": ("bench_export_trial.py", "--rows 200 --chunks 50 --repeats 1", ()),
     "resolution_check": ("bench_resolution_check.py", "--repeats 1 --steps 1 --widths 10-5-3", ()),
@@ -174,6 +175,7 @@ INTERNALS = {
     "sparse_qnvb_trial",
     "session22_checks",
     "session24_checks",
+    "session26_checks",
     "projections",
 }
 
