@@ -100,11 +100,9 @@ def shard(num_rows: int, group: dist.ProcessGroup | None = None) -> slice:
     Rows are split as ``numpy.array_split`` does: the first ``num_rows % W`` ranks get one row
     more. Shards of unequal size (``B_r`` rows of ``B``) need their weight: under
     `DistributedQuadratureELBO`, its ``share`` (``B_r / B``); under ``DistributedDataParallel``,
-    which averages the ranks' mean gradients, the closure's loss times ``W * B_r / B``::
-
-        rows = shard(len(x))
-        factor = world()[1] * len(x[rows]) / len(x)
-        loss = criterion(net(x[rows]), y[rows]) * factor
+    which averages the ranks' mean gradients, the closure's loss times ``W * B_r / B``:
+    ``criterion(net(x[rows]), y[rows]) * factor`` with ``rows = shard(len(x))`` and
+    ``factor = world()[1] * len(x[rows]) / len(x)``.
 
     Raises:
         ValueError: when there are fewer rows than ranks (a rank would have no data).
