@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,11 +23,13 @@ __all__ = [
     "check_sections",
     "collective_device",
     "cuda_started",
+    "differing_setting",
     "gather_rows",
     "global_rank",
     "raise_together",
     "refuse_disagreement",
     "same_world",
+    "settings_fingerprint",
     "shard",
     "world",
 ]
@@ -95,8 +98,11 @@ def shard(num_rows: int, group: dist.ProcessGroup | None = None) -> slice:
     """The contiguous rows of a batch of ``num_rows`` that this rank evaluates.
 
     Rows are split as ``numpy.array_split`` does: the first ``num_rows % W`` ranks get one row
-    more. Shards of unequal size need their share set on the ELBO
-    (`share`).
+    more. Shards of unequal size (``B_r`` rows of ``B``) need their weight: under
+    `DistributedQuadratureELBO`, its ``share`` (``B_r / B``); under ``DistributedDataParallel``,
+    which averages the ranks' mean gradients, the closure's loss times ``W * B_r / B``:
+    ``criterion(net(x[rows]), y[rows]) * factor`` with ``rows = shard(len(x))`` and
+    ``factor = world()[1] * len(x[rows]) / len(x)``.
 
     Raises:
         ValueError: when there are fewer rows than ranks (a rank would have no data).
@@ -206,6 +212,36 @@ def refuse_disagreement(rows: torch.Tensor, sections: Sequence[Section]) -> None
                 f"ranks); {fix}"
             )
         start = stop
+
+
+Settings = Mapping[str, Mapping[str, Any]]
+"""Named records of settings (an optimizer's, a parameter group's, a block's): name -> field ->
+value, values with a ``repr`` that tells them apart."""
+
+
+def settings_fingerprint(settings: Settings) -> torch.Tensor:
+    """A CRC-32 of every record of ``settings`` (by name, its fields in order) as one float64
+    number: equal on every rank when (almost surely only when) the settings are."""
+    records = sorted((name, list(fields.items())) for name, fields in settings.items())
+    return torch.tensor([float(zlib.crc32(repr(records).encode()))], dtype=torch.float64)
+
+
+def differing_setting(
+    settings: Settings, group: dist.ProcessGroup | None = None
+) -> tuple[str, str, list] | None:
+    """The first record (by name) and field in which the ranks' ``settings`` differ, with every
+    rank's value: ``(name, field, values)``, the same on every rank; ``None`` when the ranks
+    hold the same fields of the records they share. One ``all_gather_object``, a collective
+    every rank makes: call it on every rank once `settings_fingerprint` differed."""
+    _, size = world(group)
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, {name: dict(f) for name, f in settings.items()}, group=group)
+    for name in sorted(set(everyone[0]).intersection(*everyone[1:])):
+        for field in sorted(set().union(*(held[name] for held in everyone))):
+            values = [held[name].get(field) for held in everyone]
+            if any(value != values[0] for value in values):
+                return name, field, values
+    return None
 
 
 def raise_together(

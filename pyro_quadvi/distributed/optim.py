@@ -35,12 +35,14 @@ from ..optim.qnvb import minibatch_refusal
 from ..optim.qnvb_functional import QNVBHyperparameters
 from .comm import (
     all_reduce_mean_,
+    differing_setting,
     gather_rows,
     global_rank,
     projections,
     raise_together,
     refuse_disagreement,
     same_world,
+    settings_fingerprint,
     world,
 )
 
@@ -247,7 +249,7 @@ class DistributedOptimizer(PyroOptim):
                 "N / B",
             )
         )
-        fingerprint = _settings_fingerprint(settings)
+        fingerprint = settings_fingerprint({name: asdict(hp) for name, hp in settings.items()})
         published = float(any(m is not None for m in moments))
         rows = gather_rows(
             torch.cat(
@@ -325,20 +327,17 @@ class DistributedOptimizer(PyroOptim):
     def _refuse_settings(self, settings: dict[str, QNVBHyperparameters]) -> None:
         """Name the first block and setting in which the ranks' QNVBs differ (one
         ``all_gather_object``, made by every rank once the fingerprints differed)."""
-        _, size = world(self.group)
-        everyone: list = [None] * size
-        mine = {name: asdict(hp) for name, hp in settings.items()}
-        dist.all_gather_object(everyone, mine, group=self.group)
-        for name in sorted(set(everyone[0]).intersection(*everyone[1:])):
-            for field in sorted(everyone[0][name]):
-                values = [held[name][field] for held in everyone]
-                if any(value != values[0] for value in values):
-                    raise RuntimeError(
-                        f"DistributedOptimizer: the ranks' QNVBs give the block {name!r} other "
-                        f"settings: {field} = {values} on ranks 0..{size - 1}; every rank must "
-                        "build QNVB with the same settings (optim_args, keyword arguments, the "
-                        "model's infer['qnvb'])"
-                    )
+        differing = differing_setting(
+            {name: asdict(hp) for name, hp in settings.items()}, self.group
+        )
+        if differing is not None:
+            name, field, values = differing
+            raise RuntimeError(
+                f"DistributedOptimizer: the ranks' QNVBs give the block {name!r} other "
+                f"settings: {field} = {values} on ranks 0..{len(values) - 1}; every rank must "
+                "build QNVB with the same settings (optim_args, keyword arguments, the "
+                "model's infer['qnvb'])"
+            )
         # otherwise blocks have moments on some ranks only: the flags below name that
 
     def _gradient_sites(
@@ -443,13 +442,6 @@ def _refuse_unequal_minibatches(minibatches: torch.Tensor, published: bool) -> N
             "rows. (The rows are dim 0 of the first tensor argument: if yours is not the data, "
             "pass the data first.) No rank has changed anything"
         )
-
-
-def _settings_fingerprint(settings: dict[str, QNVBHyperparameters]) -> torch.Tensor:
-    """A checksum of every block's hyperparameters (by name): one number, equal on every rank
-    when (almost surely only when) the settings are."""
-    records = sorted((name, asdict(hp)) for name, hp in settings.items())
-    return torch.tensor([float(zlib.crc32(repr(records).encode()))], dtype=torch.float64)
 
 
 def _unknown_minibatches(sites: list[MeanFieldSite]) -> dict[str, ValueError]:

@@ -31,14 +31,32 @@ from .comm import (
     arguments_section,
     broadcast_generator,
     check_sections,
+    differing_setting,
+    gather_rows,
     global_rank,
+    host_values,
     node_sections,
+    projections,
     raise_together,
+    refuse_disagreement,
     same_world,
+    settings_fingerprint,
     world,
 )
 
 __all__ = ["NodeParallelQNVBOptimizer"]
+
+STATE_FIX = (
+    "every rank must hold the same parameters and optimizer state: change them on every rank "
+    "alike (net.load_state_dict and optimizer.load_state_dict on every rank), or before "
+    "building the optimizer, whose constructor gives every rank rank 0's parameters; nothing "
+    "was evaluated or changed by this step"
+)
+SETTINGS_FIX = (
+    "every rank must build NodeParallelQNVBOptimizer with the same settings (keyword arguments, "
+    "parameter groups) and change them alike (a scheduler on every rank, or none); nothing was "
+    "evaluated or changed by this step"
+)
 
 
 class _NodeShare(NodeSet):
@@ -71,8 +89,10 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
             The network is a plain module on every rank, **not** wrapped in
             ``DistributedDataParallel`` (which would average the gradients of different nodes).
         check_nodes: compare the step's count, the dimension, number of nodes, weights, the first
-            node and a one-pass step's batch (projections of them) across the ranks every step
-            (one small collective), and raise on every rank if they differ.
+            node, a one-pass step's batch, the parameters' means and standard deviations
+            (projections of them) and the settings the update reads (a checksum of the
+            optimizer's and every group's) across the ranks every step (one small collective),
+            and raise on every rank if they differ.
         group: the process group (``None``: the default group); a ``RuntimeError`` when this
             process is not a member. Built with one, the optimizer cannot be deep-copied or
             pickled (torch cannot pickle a ``ProcessGroup``): save its ``state_dict()``.
@@ -90,8 +110,10 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         RuntimeError: in the constructor, on every rank, when the ranks' parameters differ in
             number, shapes or names ("the models differ").
         ValueError: at a step, on every rank, when the rule has fewer nodes than ranks.
-        RuntimeError: at a step, on every rank, when the ranks drew different nodes or were given
-            different batches (``check_nodes``).
+        RuntimeError: at a step, on every rank, before anything changes, when the ranks drew
+            different nodes, were given different batches, hold different means or standard
+            deviations, or other settings (``lr``, ``likelihood_weight``, ...: the message names
+            the setting and every rank's value) (``check_nodes``).
         RuntimeError: at a step in another world than the constructor's (the process group
             destroyed or replaced), before anything changes.
         Exception: at a step, on every rank, when the closure or ``loss_fn`` raised on some rank:
@@ -189,28 +211,75 @@ class NodeParallelQNVBOptimizer(QNVBOptimizer):
         if size == 1:
             return nodes
         if self.check_nodes:
-            step = torch.tensor([float(self.num_steps)], dtype=torch.float64)
-            check_sections(
-                [
-                    (step, "the step count", SEED_FIX),
-                    *node_sections(nodes.node(0)[None], nodes.weights),
-                    arguments_section(
-                        self._batch or (),
-                        "the batch of step(loss_fn=..., batch=...) (the shapes and values of its "
-                        "tensors)",
-                        "NodeParallelQNVBOptimizer divides the nodes, not the data: pass the same "
-                        "whole minibatch on every rank (for shards of the data use "
-                        "DistributedDataParallel and QNVBOptimizer)",
-                    ),
-                ],
-                self.group,
-            )
+            try:
+                self._check_step(nodes)
+            except RuntimeError:  # nothing changed: the generator back to its state
+                if self._generator_state is not None:
+                    self.generator.set_state(self._generator_state)
+                raise
         if len(nodes) < size:
             raise ValueError(
                 f"NodeParallelQNVBOptimizer: the rule has {len(nodes)} nodes for {size} ranks; "
                 "use at least as many nodes as ranks (num_eval)"
             )
         return _NodeShare(nodes, rank, size)
+
+    def _check_step(self, nodes: NodeSet) -> None:
+        """Refuse the step on every rank unless every rank takes the same one: the same step
+        count, nodes and batch, means and standard deviations (`projections`), and settings
+        (`settings_fingerprint`), in one ``all_gather``; settings that differ are named (one
+        ``all_gather_object`` more, on a refusal only)."""
+        tensors = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        sections = [
+            (
+                torch.tensor([float(self.num_steps)], dtype=torch.float64),
+                "the step count",
+                SEED_FIX,
+            ),
+            *node_sections(nodes.node(0)[None], nodes.weights),
+            arguments_section(
+                self._batch or (),
+                "the batch of step(loss_fn=..., batch=...) (the shapes and values of its tensors)",
+                "NodeParallelQNVBOptimizer divides the nodes, not the data: pass the same "
+                "whole minibatch on every rank (for shards of the data use "
+                "DistributedDataParallel and QNVBOptimizer)",
+            ),
+            (
+                projections([self.state[p]["mu"] for p in tensors])[None],
+                "the parameters' means",
+                STATE_FIX,
+            ),
+            (
+                projections([self.state[p]["sigma"] for p in tensors])[None],
+                "the parameters' standard deviations",
+                STATE_FIX,
+            ),
+        ]
+        settings = self._rank_settings()
+        rows = gather_rows(
+            host_values([v for v, _, _ in sections] + [settings_fingerprint(settings)]),
+            self.group,
+        )
+        refuse_disagreement(rows[:, :-1], sections)
+        if bool((rows[:, -1] != rows[0, -1]).any()):  # (every rank: each sees every row)
+            differing = differing_setting(settings, self.group)
+            if differing is not None:  # (None: equal values written apart, 1 and 1.0)
+                name, field, values = differing
+                raise RuntimeError(
+                    f"NodeParallelQNVBOptimizer: the ranks differ in {field} of {name}: "
+                    f"{values} on ranks 0..{len(values) - 1}; {SETTINGS_FIX}"
+                )
+
+    def _rank_settings(self) -> dict[str, dict[str, Any]]:
+        """What the step's update reads besides the moments: the optimizer's settings
+        (`_settings`) and its likelihood weight at this step, and every parameter group's."""
+        return {
+            "the optimizer": {**self._settings(), "weight": self.weight},
+            **{
+                f"parameter group {index}": {key: group[key] for key in self.defaults}
+                for index, group in enumerate(self.param_groups)
+            },
+        }
 
     def _closure_moments(self, params, nodes, closure):
         """`QNVBOptimizer._closure_moments`, an error kept for `_combine` to raise on
