@@ -31,6 +31,7 @@ RUNS = {
     "session22_checks": ("bench_session22_checks.py", "--quick", ()),
     "session24_checks": ("bench_session24_checks.py", "--quick", ()),
     "session26_checks": ("bench_session26_checks.py", "--quick", ()),
+    "node_parallel_check": ("bench_node_parallel_check.py", "--quick", ()),
     "projections": ("bench_projections.py", "--quick", ()),
     "export_trial": ("bench_export_trial.py", "--rows 200 --chunks 50 --repeats 1", ()),
     "resolution_check": ("bench_resolution_check.py", "--repeats 1 --steps 1 --widths 10-5-3", ()),
