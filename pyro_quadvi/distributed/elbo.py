@@ -98,7 +98,9 @@ class DistributedQuadratureELBO(QuadratureELBO):
     Attributes:
         share: with ``parallel="data"``, this rank's fraction ``B_r / B`` of the minibatch's rows;
             ``None`` (default) means equal shards, ``1 / W``. Set it before each step when shards
-            differ in size (the remainder of a batch that ``W`` does not divide).
+            differ in size (the remainder of a batch that ``W`` does not divide). Where any rank
+            sets it, each rank's must be its rows over all ranks' rows (to ``1e-9``): other
+            shares, or a share left from other shards, are refused on every rank.
 
     Use it with `DistributedOptimizer` around ``QNVB`` (or any
     ``PyroOptim``). Without an initialized process group it is a ``QuadratureELBO`` of one rank.
@@ -308,9 +310,11 @@ class DistributedQuadratureELBO(QuadratureELBO):
     def _evaluate(self, model: Callable, guide: Callable, args: tuple, kwargs: dict, grad: bool):
         """This rank's loss ``L_r`` (and the guide's description) and the mean over ranks, after
         one collective that every rank reaches whatever happened locally: it carries the loss,
-        the share, whether this rank's evaluation raised, and (``check_nodes``) the fingerprints
-        of the nodes and, in node mode, of the minibatch. An error on any rank is raised on every
-        rank (the local error where it happened), before anything is accumulated or advanced."""
+        the share, the rows, whether this rank's evaluation raised, the model's data plates and
+        closed-form priors (`_model_sections`), the guide's parameters and (``check_nodes``) the
+        fingerprints of the nodes and, in node mode, of the minibatch. An error on any rank is
+        raised on every rank (the local error where it happened), before anything is accumulated
+        or advanced."""
         first = self._world_size is None
         _, size = same_world(self._world_size, "DistributedQuadratureELBO", WORLD_FIX, self.group)
         self._world_size = size
@@ -445,7 +449,8 @@ class DistributedQuadratureELBO(QuadratureELBO):
         """Accumulate this rank's gradients; return the negative ELBO (mean over ranks).
 
         One collective per step (an ``all_gather`` of a few numbers) carries the rank's loss, its
-        share, whether its evaluation raised, a projection of the guide's parameters and, with
+        share, whether its evaluation raised, fingerprints of the model's subsampled data plates
+        and closed-form priors, a projection of the guide's parameters and, with
         ``check_nodes``, fingerprints of the nodes (and of the minibatch with
         ``parallel="nodes"``). Before any gradient is accumulated or
         the sequence advanced, every rank raises together when
@@ -456,12 +461,16 @@ class DistributedQuadratureELBO(QuadratureELBO):
           everywhere;
         * the ranks drew different nodes, or have models of different dimensions, or (node
           parallel) were given different minibatches (``RuntimeError``);
+        * the ranks' models differ in the full size of a subsampled data plate or in a Gaussian
+          prior integrated in closed form, whatever ``check_nodes`` (``RuntimeError``);
         * the guide's parameters differ between the ranks, whatever ``check_nodes``: ranks
-          seeded differently (at the first step) or an optimizer not wrapped in
-          `DistributedOptimizer` (at the next) (``RuntimeError``);
+          seeded differently (at the first step), or an optimizer not wrapped in
+          `DistributedOptimizer` or built with other settings on some rank (at the next)
+          (``RuntimeError``);
         * the world size is not that of the first step: the process group was destroyed or
           replaced (``RuntimeError``, before the collective);
-        * the shares do not add up to 1 (``ValueError``).
+        * the shares do not add up to 1, or (data parallel) are not each rank's rows over all
+          ranks' rows (``ValueError``).
         """
         loss, description, mean = self._evaluate(model, guide, args, kwargs, grad=True)
         self._advance(description)
