@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -34,10 +35,12 @@ from ..infer import QuadratureELBO
 from ..infer.log_joint import _NODE_PLATE, is_data_site
 from ..quadrature import QuadratureRule
 from .comm import (
+    MODEL_FIX,
     arguments_section,
     gather_rows,
     host_values,
     node_sections,
+    projection,
     projections,
     refuse_disagreement,
     same_world,
@@ -54,9 +57,13 @@ START_FIX = (
     "before the guide's first run, or load one checkpoint"
 )
 UNWRAPPED_FIX = (
-    "after a step, each rank's optimizer stepped on its own gradients: wrap it, SVI(model, "
-    "guide, DistributedOptimizer(QNVB()), elbo), so that every rank takes the same step from the "
-    "means over the ranks"
+    "they agreed at this ELBO's previous step, so the optimizer's step since moved them "
+    "differently on the ranks. Either it is not wrapped, and each rank stepped on its own "
+    "gradients: wrap it, SVI(model, guide, DistributedOptimizer(QNVB()), elbo), so that every "
+    "rank takes the same step from the means over the ranks; or the wrapped optimizer (or the "
+    "fallback QNVB hands the blocks without moments) has other settings on some rank, "
+    "pyro.optim.Adam({'lr': ...}) with another lr (DistributedOptimizer compares QNVB's own "
+    "settings, not another optimizer's): build the same optimizer on every rank"
 )
 WORLD_FIX = (
     "Build a new DistributedQuadratureELBO (and DistributedOptimizer) after "
@@ -91,7 +98,9 @@ class DistributedQuadratureELBO(QuadratureELBO):
     Attributes:
         share: with ``parallel="data"``, this rank's fraction ``B_r / B`` of the minibatch's rows;
             ``None`` (default) means equal shards, ``1 / W``. Set it before each step when shards
-            differ in size (the remainder of a batch that ``W`` does not divide).
+            differ in size (the remainder of a batch that ``W`` does not divide). Where any rank
+            sets it, each rank's must be its rows over all ranks' rows (to ``1e-9``): other
+            shares, or a share left from other shards, are refused on every rank.
 
     Use it with `DistributedOptimizer` around ``QNVB`` (or any
     ``PyroOptim``). Without an initialized process group it is a ``QuadratureELBO`` of one rank.
@@ -131,6 +140,8 @@ class DistributedQuadratureELBO(QuadratureELBO):
         self.share: float | None = None
         self._node_sections: list | None = None
         self._whole_plates: dict[str, tuple[str, torch.Tensor]] = {}
+        self._plate_sizes: dict[str, int] = {}
+        self._closed_priors: dict[str, tuple[float, float, float]] = {}
         self._minibatch_rows = math.nan
         self._world_size: int | None = None  # at the first step (`same_world`)
 
@@ -177,16 +188,68 @@ class DistributedQuadratureELBO(QuadratureELBO):
         return x[rank::size], weights[rank::size] * size
 
     def _quadrature_loss(self, model: Callable, guide: Callable, args, kwargs):
-        """``QuadratureELBO``'s loss; in data mode with several ranks, watching the model's
-        observed sites in data plates that are not subsampled and the size of the minibatch of
-        those that are (`_WholePlateObservations`)."""
-        self._whole_plates, self._minibatch_rows = {}, math.nan
-        if self.parallel != "data" or world(self.group)[1] == 1:
+        """``QuadratureELBO``'s loss; with several ranks, watching the full sizes of the
+        model's subsampled data plates and, in data mode, its observed sites in data plates that
+        are not subsampled and the size of the minibatch of those that are
+        (`_WholePlateObservations`)."""
+        self._whole_plates, self._plate_sizes, self._minibatch_rows = {}, {}, math.nan
+        self._closed_priors = {}
+        if world(self.group)[1] == 1:
             return super()._quadrature_loss(model, guide, args, kwargs)
         with _WholePlateObservations() as watch:
             result = super()._quadrature_loss(model, guide, args, kwargs)
-        self._whole_plates, self._minibatch_rows = watch.found, watch.minibatch_rows
+        self._plate_sizes = watch.full_sizes
+        if self.parallel == "data":
+            self._whole_plates, self._minibatch_rows = watch.found, watch.minibatch_rows
         return result
+
+    def _log_joint(self, *args, **kwargs):
+        """``QuadratureELBO``'s, keeping the priors it left to the closed form (`LogJoint`'s
+        ``closed_priors``: ``(loc, scale, site scale)`` by site) for `_model_sections`."""
+        log_joint, priors = super()._log_joint(*args, **kwargs)
+        self._closed_priors = priors
+        return log_joint, priors
+
+    def _model_sections(self) -> list:
+        """What every rank's model must hold alike and its loss would hide: the full sizes of
+        its subsampled data plates (the first by name, then a fingerprint of every name and
+        size) and the Gaussian priors integrated in closed form (a fingerprint of each site's
+        name, loc, scale and site scale)."""
+        plates = sorted(self._plate_sizes.items())
+        priors = sorted(self._closed_priors.items())
+        sizes = torch.tensor(
+            [[zlib.crc32(name.encode()), size] for name, size in plates], dtype=torch.float64
+        )
+        shown = ", ".join(f"{name!r}: {size}" for name, size in plates)
+        listed = ", ".join(f"{name!r}: {prior}" for name, prior in priors[:2])
+        more = f" and {len(priors) - 2} more" if len(priors) > 2 else ""
+        return [
+            (
+                torch.stack(
+                    [
+                        torch.tensor(float(plates[0][1] if plates else 0), dtype=torch.float64),
+                        projection(sizes.reshape(-1, 2)),
+                    ]
+                ),
+                "the full sizes of the model's subsampled data plates (the N by which a "
+                f"minibatch's likelihood is scaled; this rank's: {{{shown}}}, where a plate "
+                "given all its rows is no subsampled one)",
+                f"{MODEL_FIX}: give every rank's data plate the size of the whole data set, "
+                "pyro.plate('data', N, subsample=idx) (likelihoods.X(dataset_size=N) in a "
+                "BayesianModule)",
+            ),
+            (
+                projection(
+                    torch.tensor(
+                        [[zlib.crc32(name.encode()), *prior] for name, prior in priors],
+                        dtype=torch.float64,
+                    ).reshape(-1, 4)
+                )[None],
+                "the Gaussian priors integrated in closed form ((loc, scale, site scale) by "
+                f"site; this rank's: {{{listed}{more}}})",
+                f"{MODEL_FIX}: build every rank's priors alike",
+            ),
+        ]
 
     def _shard_rows(self, args: tuple, kwargs: dict) -> float:
         """This rank's rows: the size of the minibatch of the model's subsampled data plate, as
@@ -247,9 +310,11 @@ class DistributedQuadratureELBO(QuadratureELBO):
     def _evaluate(self, model: Callable, guide: Callable, args: tuple, kwargs: dict, grad: bool):
         """This rank's loss ``L_r`` (and the guide's description) and the mean over ranks, after
         one collective that every rank reaches whatever happened locally: it carries the loss,
-        the share, whether this rank's evaluation raised, and (``check_nodes``) the fingerprints
-        of the nodes and, in node mode, of the minibatch. An error on any rank is raised on every
-        rank (the local error where it happened), before anything is accumulated or advanced."""
+        the share, the rows, whether this rank's evaluation raised, the model's data plates and
+        closed-form priors (`_model_sections`), the guide's parameters and (``check_nodes``) the
+        fingerprints of the nodes and, in node mode, of the minibatch. An error on any rank is
+        raised on every rank (the local error where it happened), before anything is accumulated
+        or advanced."""
         first = self._world_size is None
         _, size = same_world(self._world_size, "DistributedQuadratureELBO", WORLD_FIX, self.group)
         self._world_size = size
@@ -286,6 +351,7 @@ class DistributedQuadratureELBO(QuadratureELBO):
         if self.check_nodes:
             nan = torch.full((1, 1), float("nan"), dtype=torch.float64)
             sections = (self._node_sections or node_sections(nan, nan[0])) + sections
+        sections += self._model_sections()
         fix = START_FIX if first else UNWRAPPED_FIX
         sections.append((params[None], "the values of the guide's parameters", fix))
         status = torch.tensor(
@@ -333,7 +399,28 @@ class DistributedQuadratureELBO(QuadratureELBO):
                 f"(shares by rank: {rows[:, 1].tolist()}); set each rank's share to its rows / the "
                 "minibatch's rows, or None on every rank for equal shards"
             )
+        if self.parallel == "data" and bool(rows[:, 5].any()) and not bool(counts.isnan().any()):
+            self._refuse_shares(rows[:, 1], counts)
         return loss, description, rows[:, 0].sum().item() / size
+
+    @staticmethod
+    def _refuse_shares(shares: torch.Tensor, counts: torch.Tensor) -> None:
+        """Raise unless every rank's share is its rows over all ranks' rows (to rounding): each
+        rank's plate scales its likelihood by ``N / B_r``, so only ``B_r / B`` makes the
+        weighted mean the full batch's loss."""
+        wanted = counts / counts.sum()
+        if not bool(((shares - wanted).abs() > 1e-9).any()):
+            return
+        raise ValueError(
+            "DistributedQuadratureELBO.share: the ranks' shares do not match their rows (shares "
+            f"by rank: {shares.tolist()}; rows by rank: {[int(c) for c in counts.tolist()]}, so "
+            f"the shares must be {wanted.tolist()}). A share weights its rank's loss, whose "
+            "likelihood the data plate already scales by N / this rank's rows: any share but "
+            "this rank's rows / the minibatch's rows weights the ranks' rows wrongly. Set "
+            "elbo.share = this rank's rows / the minibatch's rows on every rank before each step "
+            "(a share left from a batch of other shards is stale), or None on every rank for "
+            "equal shards; no rank has changed anything"
+        )
 
     def differentiable_loss(
         self, model: Callable, guide: Callable, *args, **kwargs
@@ -362,7 +449,8 @@ class DistributedQuadratureELBO(QuadratureELBO):
         """Accumulate this rank's gradients; return the negative ELBO (mean over ranks).
 
         One collective per step (an ``all_gather`` of a few numbers) carries the rank's loss, its
-        share, whether its evaluation raised, a projection of the guide's parameters and, with
+        share, whether its evaluation raised, fingerprints of the model's subsampled data plates
+        and closed-form priors, a projection of the guide's parameters and, with
         ``check_nodes``, fingerprints of the nodes (and of the minibatch with
         ``parallel="nodes"``). Before any gradient is accumulated or
         the sequence advanced, every rank raises together when
@@ -373,12 +461,16 @@ class DistributedQuadratureELBO(QuadratureELBO):
           everywhere;
         * the ranks drew different nodes, or have models of different dimensions, or (node
           parallel) were given different minibatches (``RuntimeError``);
+        * the ranks' models differ in the full size of a subsampled data plate or in a Gaussian
+          prior integrated in closed form, whatever ``check_nodes`` (``RuntimeError``);
         * the guide's parameters differ between the ranks, whatever ``check_nodes``: ranks
-          seeded differently (at the first step) or an optimizer not wrapped in
-          `DistributedOptimizer` (at the next) (``RuntimeError``);
+          seeded differently (at the first step), or an optimizer not wrapped in
+          `DistributedOptimizer` or built with other settings on some rank (at the next)
+          (``RuntimeError``);
         * the world size is not that of the first step: the process group was destroyed or
           replaced (``RuntimeError``, before the collective);
-        * the shares do not add up to 1 (``ValueError``).
+        * the shares do not add up to 1, or (data parallel) are not each rank's rows over all
+          ranks' rows (``ValueError``).
         """
         loss, description, mean = self._evaluate(model, guide, args, kwargs, grad=True)
         self._advance(description)
@@ -403,6 +495,7 @@ class _WholePlateObservations(Messenger):
     ``found`` maps the site's name to that plate's name and the observed value (the last
     run's). ``minibatch_rows`` is the most rows of an observed site in subsampled plates (the
     product of their minibatch sizes): the shard this rank was given; NaN without one.
+    ``full_sizes`` maps each subsampled plate around an observed site to its full size.
 
     A site that something scales is trusted: a shard-sized data plate around a subsampled plate
     of features, or under a ``poutine.scale`` that is not ``N / B``, is not caught.
@@ -415,6 +508,7 @@ class _WholePlateObservations(Messenger):
         super().__init__()
         self.found: dict[str, tuple[str, torch.Tensor]] = {}
         self.minibatch_rows = math.nan
+        self.full_sizes: dict[str, int] = {}
 
     def _process_message(self, msg) -> None:
         if msg["type"] != "sample" or not is_data_site(msg):
@@ -426,6 +520,7 @@ class _WholePlateObservations(Messenger):
         ]
         subsampled = [frame for frame in plates if frame.size != frame.full_size]
         if subsampled:  # a subsampled plate scales the site by N / B
+            self.full_sizes.update((frame.name, frame.full_size) for frame in subsampled)
             rows = float(math.prod(frame.size for frame in subsampled))
             if math.isnan(self.minibatch_rows) or rows > self.minibatch_rows:
                 self.minibatch_rows = rows
