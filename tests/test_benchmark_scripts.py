@@ -160,9 +160,9 @@ def _table_rows(stdout: str) -> int:
 # in the default suite: the scripts that subclass the package's classes or call its private
 # functions (bnn_speed, blocked_signs, data_checks, given_rows, rows_scale, many_sites,
 # observed_check, small_net_elbo, sparse_qnvb_trial, session22_checks, session24_checks,
-# session26_elbo_checks, projections: the ones a refactor breaks first) and two quick ones of
-# the export and the sparse optimizers; the others with ``-m slow`` (together 65 s on one core,
-# mostly each process's imports of torch and pyro)
+# session26_checks, session26_elbo_checks, projections: the ones a refactor breaks first) and
+# two quick ones of the export and the sparse optimizers; the others with ``-m slow`` (together
+# 65 s on one core, mostly each process's imports of torch and pyro)
 INTERNALS = {
     "bnn_speed",
     "arviz_export",
