@@ -622,9 +622,10 @@ def _name_an_input_dtype(net: nn.Module, x: torch.Tensor, error: RuntimeError) -
     if floating is None:
         return
     if x.is_floating_point() and x.dtype != floating:
+        numpy = " (NumPy's float64, say)" if x.dtype == torch.float64 else ""
         raise ValueError(
-            f"x is {x.dtype} but the net's parameters are {floating} (NumPy's float64, say), and "
-            f"the net failed on it: convert the inputs, x.to({floating}), or the net, "
+            f"x is {x.dtype}{numpy} but the net's parameters are {floating}, and the net "
+            f"failed on it: convert the inputs, x.to({floating}), or the net, "
             f"net.to({x.dtype}), before building the BayesianModule"
         ) from error
     lookup = any(isinstance(m, nn.Embedding | nn.EmbeddingBag) for m in net.modules())

@@ -1,0 +1,79 @@
+"""User trial t20 (session 26): a BayesianModule whose net hides its weights from
+functional_call, Pyro's Jit ELBOs, TorchScript nets, and the message on a float32 x beside a
+float64 net."""
+
+import pyro
+import pytest
+import torch
+from pyro.infer import SVI
+from torch import nn
+
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+
+
+def _data(dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 3, generator=g, dtype=dtype)
+    y = x @ torch.tensor([[1.0], [-1.0], [0.5]], dtype=dtype) + 0.5 * torch.randn(
+        40, 1, generator=g, dtype=dtype
+    )
+    return x, y
+
+
+def _bnn(net):
+    return BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(40, scale=0.5))
+
+
+class _Captured(nn.Module):
+    """Runs its layer on a dict of the layer's parameters made in __init__."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.p = dict(inner.named_parameters())
+
+    def forward(self, x):
+        return torch.func.functional_call(self.inner, self.p, (x,))
+
+
+class _Detached(nn.Module):
+    """Runs its layer on detached copies of the layer's parameters."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        weights = {k: v.detach() for k, v in self.inner.named_parameters()}
+        return torch.func.functional_call(self.inner, weights, (x,))
+
+
+class _TwoHeads(nn.Module):
+    """A head ``b`` that the forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 1)
+        self.b = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float64])
+def test_the_dtype_message_puts_numpys_float64_on_the_tensor_that_is_float64(x_dtype):
+    # a float32 x on a float64 net was told "the net's parameters are torch.float64 (NumPy's
+    # float64, say)"
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    net_dtype = torch.float64 if x_dtype == torch.float32 else torch.float32
+    bnn = _bnn(nn.Linear(3, 1).to(net_dtype))
+    x, y = _data(x_dtype)
+    guide = AutoMeanFieldNormal(bnn)
+    with pytest.raises(ValueError) as error:
+        SVI(bnn, guide, QNVB(), QuadratureELBO()).step(x, y.to(net_dtype))
+    numpy = " (NumPy's float64, say)" if x_dtype == torch.float64 else ""
+    assert str(error.value).startswith(
+        f"x is {x_dtype}{numpy} but the net's parameters are {net_dtype}, and the net failed"
+    )
