@@ -5,11 +5,13 @@ float64 net."""
 import pyro
 import pytest
 import torch
+import torch.nn.functional as F
 from pyro.infer import SVI
 from torch import nn
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi.optim import module_loss
 
 
 def _data(dtype=torch.float32):
@@ -59,6 +61,25 @@ class _TwoHeads(nn.Module):
 
     def forward(self, x):
         return self.a(x)
+
+
+@pytest.mark.parametrize("jit", ["script", "trace"])
+def test_a_torchscript_net_is_refused_where_it_is_given(jit):
+    net = nn.Linear(3, 1)
+    x, _ = _data()
+    scripted = torch.jit.script(net) if jit == "script" else torch.jit.trace(net, x)
+    kind = "RecursiveScriptModule" if jit == "script" else "TopLevelTracedModule"
+    with pytest.raises(TypeError) as error:
+        _bnn(scripted)
+    assert str(error.value).startswith(
+        f"BayesianModule: the network is a TorchScript module ({kind}, from torch.jit.script "
+        "or torch.jit.trace)"
+    )
+    assert str(error.value).endswith("Pass the eager net (the module you scripted or traced)")
+    with pytest.raises(TypeError) as error:
+        module_loss(scripted, F.mse_loss)
+    assert str(error.value).startswith(f"module_loss: the network is a TorchScript module ({kind}")
+    assert "or keep the scripted net and use the closure form, step(closure)" in str(error.value)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.float64])

@@ -50,7 +50,7 @@ from ..infer.batched import (
     vmap_safe_attention,
 )
 from ..optim.qnvb_functional import QNVBHyperparameters
-from ..optim.torch_qnvb import check_tensor_output, nonfinite_data
+from ..optim.torch_qnvb import check_tensor_output, nonfinite_data, refuse_script_module
 from ..quadrature import QuadratureRule
 from ..store import follow_store, shortened, uncompiled
 from .likelihoods import Likelihood
@@ -134,6 +134,9 @@ class BayesianModule(PyroModule):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
         net = uncompiled(net)
+        refuse_script_module(
+            net, "BayesianModule", "Pass the eager net (the module you scripted or traced)"
+        )
         if not callable(prior):
             raise TypeError(f"prior must be callable (name, param) -> distribution, got {prior!r}")
         if not isinstance(likelihood, Likelihood):
