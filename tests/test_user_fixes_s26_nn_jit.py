@@ -6,7 +6,7 @@ import pyro
 import pytest
 import torch
 import torch.nn.functional as F
-from pyro.infer import SVI
+from pyro.infer import SVI, JitTrace_ELBO, JitTraceMeanField_ELBO
 from torch import nn
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
@@ -61,6 +61,26 @@ class _TwoHeads(nn.Module):
 
     def forward(self, x):
         return self.a(x)
+
+
+@pytest.mark.parametrize("elbo", [JitTrace_ELBO, JitTraceMeanField_ELBO])
+def test_pyros_jit_elbos_are_refused_by_name(elbo):
+    # torch's bare "Cannot insert a Tensor that requires grad as a constant"; torch refuses
+    # functional_call while tracing, so these ELBOs cannot run the net
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    bnn = _bnn(nn.Linear(3, 1))
+    x, y = _data()
+    guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
+    svi = SVI(bnn, guide, pyro.optim.Adam({"lr": 0.01}), elbo())
+    with pytest.raises(NotImplementedError) as error:
+        svi.step(x, y)
+    message = str(error.value)
+    assert message.startswith("BayesianModule cannot run under torch.jit.trace, which Pyro's")
+    assert "JitTraceMeanField_ELBO" in message
+    assert "Use the ELBO without Jit (Trace_ELBO, TraceMeanField_ELBO) or QuadratureELBO" in message
+    loc = guide.median(x, y)["weight"]
+    assert torch.equal(loc, bnn.net.weight.detach())  # no step taken
 
 
 @pytest.mark.parametrize("jit", ["script", "trace"])

@@ -441,7 +441,17 @@ class BayesianModule(PyroModule):
         """Sample the parameters, run the net on ``x`` and observe ``y`` (or sample it).
 
         The net gets ``x`` alone: keyword arguments are refused (a ``TypeError`` naming them).
+        Under ``torch.jit.trace`` (Pyro's ``JitTrace_ELBO`` and the other ``Jit*`` ELBOs) it
+        raises a ``NotImplementedError``: torch refuses ``functional_call`` while tracing.
         """
+        if torch.jit.is_tracing():
+            raise NotImplementedError(
+                "BayesianModule cannot run under torch.jit.trace, which Pyro's JitTrace_ELBO, "
+                "JitTraceMeanField_ELBO, JitTraceGraph_ELBO, JitTraceEnum_ELBO and "
+                "JitTraceTMC_ELBO compile the model with: it runs the net with the sampled "
+                "weights through torch.func.functional_call, which torch refuses while tracing. "
+                "Use the ELBO without Jit (Trace_ELBO, TraceMeanField_ELBO) or QuadratureELBO"
+            )
         if kwargs:
             raise TypeError(
                 f"BayesianModule takes bnn(x, y=None) and passes only x to the net; keyword "
