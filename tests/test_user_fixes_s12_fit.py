@@ -68,7 +68,9 @@ def test_inputs_of_another_float_type_than_the_net_are_named():
     x, y = _data()
     bnn, guide, svi = _svi()
     svi.step(x, y)
-    with pytest.raises(ValueError, match=r"^x is torch.float64 but the net's parameters are "):
+    with pytest.raises(
+        ValueError, match=r"^x is torch.float64 \(NumPy's float64, say\) but the net's "
+    ):
         bnn.predict(guide, x.double())
     with pytest.raises(ValueError, match=r"convert the inputs, x.to\(torch.float32\)"):
         svi.step(x.double(), y.double())

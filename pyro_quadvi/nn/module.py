@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
@@ -50,7 +51,7 @@ from ..infer.batched import (
     vmap_safe_attention,
 )
 from ..optim.qnvb_functional import QNVBHyperparameters
-from ..optim.torch_qnvb import check_tensor_output, nonfinite_data
+from ..optim.torch_qnvb import check_tensor_output, nonfinite_data, refuse_script_module
 from ..quadrature import QuadratureRule
 from ..store import follow_store, shortened, uncompiled
 from .likelihoods import Likelihood
@@ -80,7 +81,12 @@ class BayesianModule(PyroModule):
             unmodified, and put in eval mode (see below). A ``torch.compile`` wrapper is looked
             through: the module it holds is the net (its sites named as the eager net's, so a
             store saved from one restores into the other), since the vectorized pass runs under
-            ``vmap``, where dynamo compiles nothing.
+            ``vmap``, where dynamo compiles nothing. A TorchScript module (``torch.jit.script``,
+            ``torch.jit.trace``) is refused with a ``TypeError``: pass the eager net. Its
+            forward must use the weights swapped in: a net whose outputs depend on none of them
+            (it reads a dict of its parameters captured in ``__init__``, or detached copies)
+            is refused at its first run with a ``ValueError``, one that misses some (an unused
+            head) gets one ``RuntimeWarning`` naming them.
         prior: a callable ``(name, param) -> distribution`` of the parameter's shape
             (`pyro_quadvi.nn.priors`); all its dims become event dims.
         likelihood: how the outputs explain ``y`` (`pyro_quadvi.nn.likelihoods`).
@@ -134,6 +140,9 @@ class BayesianModule(PyroModule):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
         net = uncompiled(net)
+        refuse_script_module(
+            net, "BayesianModule", "Pass the eager net (the module you scripted or traced)"
+        )
         if not callable(prior):
             raise TypeError(f"prior must be callable (name, param) -> distribution, got {prior!r}")
         if not isinstance(likelihood, Likelihood):
@@ -196,6 +205,8 @@ class BayesianModule(PyroModule):
             )
         QNVBHyperparameters(**settings)  # the values: checked now, not at the first step
         self.qnvb_settings = dict(settings)
+        # the latent parameters whose use by the net was checked (_check_reached), once
+        self._reached: tuple[str, ...] | None = None
         # latent parameter name -> (module path, name in the module) of its declared prior
         self._declared = {n: where for n, where in declared_priors.items() if n not in hide}
         if isinstance(prior, LayerwiseNormal):  # bound to this net: a copy, so that the
@@ -206,6 +217,7 @@ class BayesianModule(PyroModule):
     def __setstate__(self, state: dict) -> None:
         # a module pickled before modules declared QNVB settings declares none, as it did then
         state.setdefault("qnvb_settings", {})
+        state.setdefault("_reached", None)
         super().__setstate__(state)
 
     # -- the pieces -----------------------------------------------------------------------------
@@ -392,10 +404,16 @@ class BayesianModule(PyroModule):
             return out
 
         if len(lead) == 0:
-            flat = {name: value.reshape(params[name].shape) for name, value in values.items()}
-            out = one(flat)
-            _refuse_one_example(first, x, x.shape in fed, out, 0)
-            return out, 0
+            out = one({name: value.reshape(params[name].shape) for name, value in values.items()})
+        else:
+            out = self._vectorized(one, values, params, leads, lead)
+        _refuse_one_example(first, x, x.shape in fed, out, len(lead))
+        self._check_reached(x, params, fixed)
+        return out, len(lead)
+
+    def _vectorized(self, one, values, params, leads, lead) -> torch.Tensor:
+        """``one`` over every weight set of ``values`` (``lead`` of them) in one ``vmap`` pass,
+        the outputs ``lead + (B,) + row``."""
         n = math.prod(lead)
         flat = {}
         for name, value in values.items():
@@ -426,9 +444,63 @@ class BayesianModule(PyroModule):
                 "vectorize=False; Trace_ELBO(vectorize_particles=False); "
                 f"Predictive(parallel=False).{noise}"
             ) from error
-        out = out.reshape(lead + out.shape[1:])
-        _refuse_one_example(first, x, x.shape in fed, out, len(lead))
-        return out, len(lead)
+        return out.reshape(lead + out.shape[1:])
+
+    def _check_reached(
+        self, x: torch.Tensor, params: Mapping[str, nn.Parameter], fixed: Mapping
+    ) -> None:
+        """Refuse a net whose outputs depend on none of the latent parameters it is given, and
+        warn where they miss some; checked once per module (and set of latent parameters).
+
+        The net runs with each parameter swapped in by ``functional_call``. A net that reads
+        its weights from elsewhere (a dict of its parameters captured in ``__init__``, detached
+        copies) ignores the sampled values: the likelihood never reaches their guide, which
+        stays at the prior, a silent wrong fit. One more pass of the net on ``x`` at its own
+        weights, detached copies that require grad, and ``autograd.grad(allow_unused=True)``
+        tell which it reaches (the global random state kept, any Pyro statement inside blocked).
+        Skipped while ``torch.jit`` traces or dynamo compiles and under
+        ``torch.inference_mode()`` (no tensor there can require grad): the next run checks."""
+        names = tuple(params)
+        if not names or self._reached == names or _tracing() or torch.is_inference_mode_enabled():
+            return
+        probes = {name: p.detach().requires_grad_() for name, p in params.items()}
+        devices = [x.device] if x.device.type == "cuda" else []
+        with torch.enable_grad(), torch.random.fork_rng(devices), pyro.poutine.block():
+            out = call_by_place(self._net, {**probes, **fixed}, (x,))
+            grads = (
+                torch.autograd.grad(
+                    out, list(probes.values()), torch.ones_like(out), allow_unused=True
+                )
+                if out.requires_grad
+                else [None] * len(names)
+            )
+        self._reached = names
+        missed = [name for name, grad in zip(names, grads) if grad is None]
+        if not missed:
+            return
+        net = type(self._net).__name__
+        if len(missed) == len(names):
+            raise ValueError(
+                f"BayesianModule: the outputs of the network {net} do not depend on its "
+                f"parameters [{shortened(map(repr, missed), 6, None)}], the weights each pass "
+                "samples and swaps into the net with torch.func.functional_call: the net reads "
+                "its weights from elsewhere (a dict of its parameters captured in __init__, "
+                "detached copies, p.detach() or p.data), so the likelihood never reaches them "
+                "and the guide would stay at the prior. Let the forward use the module's own "
+                "parameters as it runs (self.layer(x); or functional_call(self.inner, "
+                "dict(self.inner.named_parameters()), (x,)) with the dict made in forward, not "
+                "detached)"
+            )
+        warnings.warn(
+            f"BayesianModule: the outputs of the network {net} on this batch do not depend on "
+            f"its latent parameters [{shortened(map(repr, missed), 6, None)}]: their posterior "
+            "is their prior (a head or a branch the forward does not use). If the forward does "
+            "use them, it reads them from elsewhere (captured in __init__, detached), and they "
+            "are not learned: let it use the module's own parameters. If it does not, freeze "
+            "them (requires_grad_(False)) and they are constants, not latent sites",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     # -- the model --------------------------------------------------------------------------------
 
@@ -438,7 +510,17 @@ class BayesianModule(PyroModule):
         """Sample the parameters, run the net on ``x`` and observe ``y`` (or sample it).
 
         The net gets ``x`` alone: keyword arguments are refused (a ``TypeError`` naming them).
+        Under ``torch.jit.trace`` (Pyro's ``JitTrace_ELBO`` and the other ``Jit*`` ELBOs) it
+        raises a ``NotImplementedError``: torch refuses ``functional_call`` while tracing.
         """
+        if torch.jit.is_tracing():
+            raise NotImplementedError(
+                "BayesianModule cannot run under torch.jit.trace, which Pyro's JitTrace_ELBO, "
+                "JitTraceMeanField_ELBO, JitTraceGraph_ELBO, JitTraceEnum_ELBO and "
+                "JitTraceTMC_ELBO compile the model with: it runs the net with the sampled "
+                "weights through torch.func.functional_call, which torch refuses while tracing. "
+                "Use the ELBO without Jit (Trace_ELBO, TraceMeanField_ELBO) or QuadratureELBO"
+            )
         if kwargs:
             raise TypeError(
                 f"BayesianModule takes bnn(x, y=None) and passes only x to the net; keyword "
@@ -622,9 +704,10 @@ def _name_an_input_dtype(net: nn.Module, x: torch.Tensor, error: RuntimeError) -
     if floating is None:
         return
     if x.is_floating_point() and x.dtype != floating:
+        numpy = " (NumPy's float64, say)" if x.dtype == torch.float64 else ""
         raise ValueError(
-            f"x is {x.dtype} but the net's parameters are {floating} (NumPy's float64, say), and "
-            f"the net failed on it: convert the inputs, x.to({floating}), or the net, "
+            f"x is {x.dtype}{numpy} but the net's parameters are {floating}, and the net "
+            f"failed on it: convert the inputs, x.to({floating}), or the net, "
             f"net.to({x.dtype}), before building the BayesianModule"
         ) from error
     lookup = any(isinstance(m, nn.Embedding | nn.EmbeddingBag) for m in net.modules())

@@ -102,6 +102,19 @@ def check_tensor_output(outputs: object, net: nn.Module, owner: str, reader: str
         )
 
 
+def refuse_script_module(module: nn.Module, owner: str, way_out: str) -> None:
+    """Refuse a TorchScript module (``torch.jit.script(net)``, ``torch.jit.trace(net, x)``),
+    whose weights cannot be swapped: torch refuses ``torch.func.functional_call`` on it, which
+    ``owner`` runs the net with. ``way_out`` ends the message (the eager net; another form)."""
+    if isinstance(module, torch.jit.ScriptModule):
+        raise TypeError(
+            f"{owner}: the network is a TorchScript module ({type(module).__name__}, from "
+            f"torch.jit.script or torch.jit.trace); {owner} runs the net with other weights "
+            f"through torch.func.functional_call, which torch refuses for TorchScript modules. "
+            f"{way_out}"
+        )
+
+
 def where_entries(values: torch.Tensor, bad: torch.Tensor, name: str) -> str:
     """Where the mask ``bad`` (of ``values``' shape) holds, by rows (dim 0) and the first entry:
     ``"rows [0, 5] (2 of 16 rows; first: x[0, 2] = nan)"``; for a 0-d ``values``,
@@ -201,6 +214,12 @@ class ModuleLoss:
             raise TypeError(
                 f"module_loss: module must be a torch.nn.Module, got {type(module).__name__}"
             )
+        refuse_script_module(
+            module,
+            "module_loss",
+            "Pass the eager net (the module you scripted or traced), or keep the scripted net "
+            "and use the closure form, step(closure), which calls it as it is",
+        )
         if isinstance(module, nn.parallel.DistributedDataParallel):
             raise TypeError(
                 "module_loss: a DistributedDataParallel module averages gradients in hooks of its "
@@ -232,7 +251,9 @@ def module_loss(module: nn.Module, criterion: Callable) -> ModuleLoss:
 
     Args:
         module: the network; its parameters and buffers not in ``params`` are used as they are.
-            Its forward must return one tensor (a ``TypeError`` names the net otherwise).
+            Its forward must return one tensor (a ``TypeError`` names the net otherwise). A
+            TorchScript module is refused with a ``TypeError`` (torch cannot swap its weights):
+            pass the eager net, or use the closure form with the scripted one.
         criterion: ``(outputs, targets) -> mean loss per case``, e.g. ``F.cross_entropy``.
             The optimizer's ``likelihood_weight`` multiplies this mean: with
             ``reduction="sum"`` set ``likelihood_weight`` to the number of batches per epoch,
