@@ -18,6 +18,7 @@ from pyro_quadvi.distributions import SpikeSlab
 from pyro_quadvi.guides import AutoMeanFieldNormal, AutoSpikeSlab
 from pyro_quadvi.infer import QuadratureELBO
 from pyro_quadvi.infer.batched import BatchMismatch
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
 from pyro_quadvi.optim import QNVB, QNVBOptimizer, SparseQNVB, SparseQNVBOptimizer, module_loss
 from pyro_quadvi.quadrature import make_rule
 from pyro_quadvi.quadrature.hadamard import hadamard_signs
@@ -340,3 +341,30 @@ def test_sparse_qnvb_p_nonzero_in_the_blocks_name_order_whatever_the_params_orde
         torch.testing.assert_close(optimizer.p_nonzero(), expected, rtol=1e-6, atol=1e-7)
         results.append(optimizer.p_nonzero())
     assert torch.equal(results[0], results[1])
+
+
+class _Counted(nn.Module):
+    """A linear layer with a buffer counting its forward calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 1)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1.0)
+        return self.linear(x)
+
+
+def test_bayesian_modules_first_run_check_leaves_the_nets_buffers_as_one_run_does():
+    """The first run's check of which weights the net reaches (f17) runs the net once more;
+    its buffer updates (a BatchNorm in train mode, a counter) are undone: one run, one call."""
+    net = _Counted()
+    bnn = BayesianModule(
+        net, prior=priors.Normal(scale=1.0), likelihood=likelihoods.Gaussian(scale=1.0)
+    )
+    pyro.set_rng_seed(0)
+    bnn(torch.randn(5, 2))
+    assert net.calls.item() == 1.0
+    bnn(torch.randn(5, 2))
+    assert net.calls.item() == 2.0

@@ -48,6 +48,7 @@ from ..infer.batched import (
     first_line,
     is_vmap_refusal,
     sum_is_finite,
+    user_stacklevel,
     vmap_safe_attention,
 )
 from ..optim.qnvb_functional import QNVBHyperparameters
@@ -457,7 +458,8 @@ class BayesianModule(PyroModule):
         copies) ignores the sampled values: the likelihood never reaches their guide, which
         stays at the prior, a silent wrong fit. One more pass of the net on ``x`` at its own
         weights, detached copies that require grad, and ``autograd.grad(allow_unused=True)``
-        tell which it reaches (the global random state kept, any Pyro statement inside blocked).
+        tell which it reaches (the global random state and the net's buffers kept, any Pyro
+        statement inside blocked).
         Skipped while ``torch.jit`` traces or dynamo compiles and under
         ``torch.inference_mode()`` (no tensor there can require grad): the next run checks."""
         names = tuple(params)
@@ -465,8 +467,14 @@ class BayesianModule(PyroModule):
             return
         probes = {name: p.detach().requires_grad_() for name, p in params.items()}
         devices = [x.device] if x.device.type == "cuda" else []
+        buffers = {name: b.detach().clone() for name, b in self._net.named_buffers()}
         with torch.enable_grad(), torch.random.fork_rng(devices), pyro.poutine.block():
-            out = call_by_place(self._net, {**probes, **fixed}, (x,))
+            try:
+                out = call_by_place(self._net, {**probes, **fixed}, (x,))
+            finally:  # the extra pass leaves the buffers as it found them (a net in train mode)
+                with torch.no_grad():
+                    for name, b in self._net.named_buffers():
+                        b.copy_(buffers[name])
             grads = (
                 torch.autograd.grad(
                     out, list(probes.values()), torch.ones_like(out), allow_unused=True
@@ -499,7 +507,7 @@ class BayesianModule(PyroModule):
             "are not learned: let it use the module's own parameters. If it does not, freeze "
             "them (requires_grad_(False)) and they are constants, not latent sites",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
 
     # -- the model --------------------------------------------------------------------------------
