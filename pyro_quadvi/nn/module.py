@@ -471,17 +471,18 @@ class BayesianModule(PyroModule):
         with torch.enable_grad(), torch.random.fork_rng(devices), pyro.poutine.block():
             try:
                 out = call_by_place(self._net, {**probes, **fixed}, (x,))
-            finally:  # the extra pass leaves the buffers as it found them (a net in train mode)
+                grads = (
+                    torch.autograd.grad(
+                        out, list(probes.values()), torch.ones_like(out), allow_unused=True
+                    )
+                    if out.requires_grad
+                    else [None] * len(names)
+                )
+            finally:  # the extra pass leaves the buffers as it found them (a net in train
+                # mode), once its backward, which may read them, is done
                 with torch.no_grad():
                     for name, b in self._net.named_buffers():
                         b.copy_(buffers[name])
-            grads = (
-                torch.autograd.grad(
-                    out, list(probes.values()), torch.ones_like(out), allow_unused=True
-                )
-                if out.requires_grad
-                else [None] * len(names)
-            )
         self._reached = names
         missed = [name for name, grad in zip(names, grads) if grad is None]
         if not missed:
