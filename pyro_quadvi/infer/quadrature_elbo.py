@@ -647,15 +647,7 @@ class QuadratureELBO(PointsELBO):
                 can take a gradient (`_untrainable`).
         """
         if not torch.is_grad_enabled():
-            within = (
-                "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
-            )
-            raise RuntimeError(
-                f"QuadratureELBO.loss_and_grads (svi.step) was called under {within}: no gradient "
-                "and no moments reach the optimizer, so the step would change nothing. Take the "
-                "step outside it; for the loss alone call svi.evaluate_loss(*args) or "
-                "elbo.loss(model, guide, *args)"
-            )
+            raise step_without_grad_refusal("QuadratureELBO.loss_and_grads (svi.step)")
         loss = self.differentiable_loss(model, guide, *args, **kwargs)
         if loss.requires_grad:
             loss.backward()
@@ -669,6 +661,39 @@ class QuadratureELBO(PointsELBO):
         return f"QuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize})"
 
 
+def grad_mode_words() -> str:
+    """The context that turns gradients off where this is called, in words: torch cannot tell
+    ``torch.no_grad()`` from ``torch.set_grad_enabled(False)``, so both are named."""
+    if torch.is_inference_mode_enabled():
+        return "torch.inference_mode()"
+    return "torch.no_grad() (or torch.set_grad_enabled(False))"
+
+
+def step_without_grad_refusal(caller: str) -> RuntimeError:
+    """The refusal of a step ``caller`` (``"QuadratureELBO.loss_and_grads (svi.step)"``) called
+    with gradients off, which would change nothing (QuadratureELBO's, and QNVB's under Pyro's
+    ELBOs)."""
+    return RuntimeError(
+        f"{caller} was called under {grad_mode_words()}: no gradient and no moments reach the "
+        "optimizer, so the step would change nothing. Take the step outside it; for the loss "
+        "alone call svi.evaluate_loss(*args) or elbo.loss(model, guide, *args)"
+    )
+
+
+def inference_parameters_refusal(owner: str, names: list[str]) -> RuntimeError:
+    """The refusal of a step on the guide's parameters ``names``, inference tensors: the guide's
+    first run, which made them, was under ``torch.inference_mode()`` (QuadratureELBO's, and
+    QNVB's under Pyro's ELBOs)."""
+    return RuntimeError(
+        f"{owner}: the guide's parameters {names} are inference tensors: "
+        "the guide's first run, which made them, was under torch.inference_mode() (an "
+        "svi.evaluate_loss or a Predictive before training, say), and no step can train "
+        "them (the loss has no gradient through them, and torch updates no inference tensor "
+        "outside inference_mode). Run the guide first outside inference_mode "
+        "(torch.no_grad() is fine), or load its state_dict into a new guide run outside it"
+    )
+
+
 def _untrainable(guide: Callable) -> RuntimeError | None:
     """Why a loss of ``guide`` has no gradient, where its parameters cannot take one: they are
     inference tensors (the guide's first run, which makes them, was under
@@ -680,13 +705,7 @@ def _untrainable(guide: Callable) -> RuntimeError | None:
     named = list(guide.named_parameters())
     made_in_inference = [name for name, p in named if p.is_inference()]
     if made_in_inference:
-        return RuntimeError(
-            f"QuadratureELBO: the guide's parameters {made_in_inference} are inference tensors: "
-            "the guide's first run, which made them, was under torch.inference_mode() (an "
-            "svi.evaluate_loss or a Predictive before training, say), and no step can train "
-            "them (the loss has no gradient). Run the guide first outside inference_mode "
-            "(torch.no_grad() is fine), or load its state_dict into a new guide run outside it"
-        )
+        return inference_parameters_refusal("QuadratureELBO", made_in_inference)
     if named and not any(p.requires_grad for _, p in named):
         return RuntimeError(
             "QuadratureELBO: none of the guide's parameters requires grad "

@@ -75,6 +75,7 @@ from ..guides.interface import (
 )
 from ..guides.mean_field import RunStamp, last_run_stamp
 from ..infer.batched import user_stacklevel
+from ..infer.quadrature_elbo import inference_parameters_refusal, step_without_grad_refusal
 from ..store import detached_parameters, listed_names, pyro_parameter_names
 from .annealing import anneal_likelihood, annealing_factor, check_schedule
 from .qnvb_functional import (
@@ -938,6 +939,7 @@ class QNVB(PyroOptim):
         """
         params = list(params)
         try:
+            self._refuse_untrainable(params)
             blocks, explained = self.find_blocks(params, descriptions)
         finally:
             self._described = None
@@ -974,6 +976,27 @@ class QNVB(PyroOptim):
         self._warn_if_unbound_after_restore()
         self._warn_if_not_annealed()
         self.num_steps += 1
+
+    def _refuse_untrainable(self, params: list[torch.Tensor]) -> None:
+        """Refuse a step that no parameter can take, before anything changes, with
+        QuadratureELBO's words (which refuses these before QNVB is called): parameters that are
+        inference tensors (the guide's first run was under ``torch.inference_mode()``: the
+        fallback failed with torch's bare "Inplace update to inference tensor"), or a step under
+        ``torch.no_grad()`` / ``inference_mode`` that no gradient reached (Pyro's ELBOs compute
+        none there, and the step changed nothing, silently). Gradients computed before, outside
+        such a context, are taken as a torch optimizer takes them."""
+        made_in_inference = [p for p in params if p.is_inference()]
+        if made_in_inference:
+            names = functools.cache(_module_names)
+            named = [
+                self._fallback_name(p, names) or f"shape {tuple(p.shape)}"
+                for p in made_in_inference
+            ]
+            raise inference_parameters_refusal("QNVB", named)
+        if torch.is_grad_enabled():
+            return
+        if not any(p.grad is not None and bool(p.grad.any()) for p in params):
+            raise step_without_grad_refusal("QNVB (svi.step)")
 
     def _warn_if_unbound_after_restore(self) -> None:
         """At the end of the first step after `set_state`: warn once if blocks started afresh

@@ -72,6 +72,7 @@ from .torch_qnvb import (
     refuse_duplicate_parameters,
     refuse_grad_scaler,
     refuse_half_precision,
+    refuse_inference_mode,
     refuse_run_guides,
     restore_means,
     sampled_values,
@@ -436,6 +437,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         (`_refuse_if_idle`).
         """
         refuse_grad_scaler(self)
+        refuse_inference_mode(self)
         if closure is None:
             raise TypeError(
                 "SparseQNVBOptimizer.step takes a closure (step(closure)): it evaluates the "

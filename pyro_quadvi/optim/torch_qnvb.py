@@ -171,6 +171,24 @@ def refuse_grad_scaler(optimizer: torch.optim.Optimizer) -> None:
     )
 
 
+def refuse_inference_mode(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a step under ``torch.inference_mode()``, before anything changes. A step evaluates
+    the loss and its gradient at every quadrature node, and turns gradients on for that itself
+    (``torch.no_grad()`` around it is fine), but inference mode it cannot leave: the one-pass
+    form blamed ``loss_fn`` for not using its parameters, the closure form gave torch's bare
+    "element 0 of tensors does not require grad"."""
+    if not torch.is_inference_mode_enabled():
+        return
+    owner = type(optimizer).__name__
+    raise RuntimeError(
+        f"{owner}.step was called under torch.inference_mode(): the step needs the loss's "
+        "gradient at every quadrature node, and inference mode turns gradients off for good "
+        "(the step turns them on under torch.no_grad() or torch.set_grad_enabled(False), which "
+        "are fine around it). Take the step outside inference_mode; predict inside it. Nothing "
+        "was evaluated or changed by this step"
+    )
+
+
 def check_generator(owner: str, generator: object) -> None:
     """Refuse a ``generator`` that is neither a ``torch.Generator`` nor ``None`` when an
     optimizer is built (the rules refuse one at their first draw; a deterministic rule never
@@ -1459,6 +1477,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             The quadrature average of the loss.
         """
         refuse_grad_scaler(self)
+        refuse_inference_mode(self)
         if (closure is None) == (loss_fn is None):
             raise TypeError(
                 "QNVBOptimizer.step takes either a closure (step(closure)) or a loss function "

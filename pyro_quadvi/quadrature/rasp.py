@@ -212,6 +212,11 @@ comparing the ``K`` keys pairwise (``K (K - 1) / 2`` elementwise passes), and ga
 from a table of every permutation (``K! K r`` numbers, 21,600 for ``K = 6``); above it the keys
 are argsorted and the permutations kept, ``K`` integers per block."""
 
+_KEY_DTYPE = torch.float32
+"""The dtype of the blocked rule's random keys, whatever torch's default dtype: the nodes are a
+function of the generator state alone (keys drawn in the default dtype gave other nodes under a
+float64 default). float32, torch's own default, keeps the nodes every figure was measured with."""
+
 _WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -413,7 +418,9 @@ class BlockedSimplexRule(QuadratureRule):
         # Random keys ordered per block, a chunk of blocks at a time: O(chunk) scratch memory.
         for start in range(0, num_blocks, _GATHER_CHUNK):
             stop = min(start + _GATHER_CHUNK, num_blocks)
-            keys = torch.rand(stop - start, self.num_points, generator=generator, device=at)
+            keys = torch.rand(
+                stop - start, self.num_points, generator=generator, dtype=_KEY_DTYPE, device=at
+            )
             if not coded:
                 order[start:stop] = keys.argsort(dim=1)
                 continue
