@@ -20,32 +20,17 @@ medians of ``--repeats``, the two alternated within each repeat. ``--quick`` run
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from bench_session24_checks import cpu_time
 from torch import nn
 
 from pyro_quadvi.distributed import NodeParallelQNVBOptimizer
 from pyro_quadvi.distributed.comm import projections, settings_fingerprint
 from pyro_quadvi.optim import module_loss
-
-
-def cpu_time(fn: Callable[[], object], calls: int = 1) -> float:
-    """CPU seconds of ``calls`` calls of ``fn``, the garbage collector off."""
-    gc.collect()
-    gc.disable()
-    try:
-        start = time.process_time()
-        for _ in range(calls):
-            fn()
-        return (time.process_time() - start) / calls
-    finally:
-        gc.enable()
 
 
 def added_check(optimizer: NodeParallelQNVBOptimizer) -> torch.Tensor:
