@@ -44,6 +44,7 @@ import functools
 import inspect
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 
@@ -717,7 +718,8 @@ class QNVB(PyroOptim):
         self.num_steps = 0
         # the descriptions describe() made, with the step they were made for
         self._described: tuple[int, list] | None = None
-        self._bound: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+        # block name -> (its loc parameter, weakly: a dead model's states are dropped, _live)
+        self._bound: dict[str, tuple[weakref.ref, dict[str, torch.Tensor]]] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         # each tensor of the fallback's optimizers -> its name (None: none known), _bind_fallback
         self._fallback_names: dict[torch.Tensor, str | None] = {}
@@ -938,6 +940,7 @@ class QNVB(PyroOptim):
         the fallback's step.
         """
         params = list(params)
+        self._live()  # the states of dead models' blocks dropped
         try:
             self._refuse_untrainable(params)
             blocks, explained = self.find_blocks(params, descriptions)
@@ -1156,7 +1159,7 @@ class QNVB(PyroOptim):
         state["_runs_read"] = {}
         state["_pending"] = {
             **self._pending,
-            **{name: block_state for name, (_, block_state) in self._bound.items()},
+            **self._live(),
         }
         state["_bound"] = {}
         return state
@@ -1316,7 +1319,7 @@ class QNVB(PyroOptim):
 
     def _state_for(self, name: str, loc_leaf: torch.Tensor) -> dict[str, torch.Tensor]:
         bound = self._bound.get(name)
-        if bound is not None and bound[0] is loc_leaf:
+        if bound is not None and bound[0]() is loc_leaf:
             return bound[1]
         state = self._pending.get(name)
         if state is not None and state["g_avg"].shape != loc_leaf.shape:
@@ -1339,8 +1342,17 @@ class QNVB(PyroOptim):
             # parameter, as torch's Optimizer.load_state_dict casts its state
             state = dict(state)
             cast_state_to(loc_leaf, state)
-        self._bound[name] = (loc_leaf, state)
+        self._bound[name] = (weakref.ref(loc_leaf), state)
         return state
+
+    def _live(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The states of the blocks whose loc parameter is alive. A block whose parameter was
+        collected (``pyro.clear_param_store()`` and the guide gone, a QNVB reused for another
+        model) could never be bound again, a parameter of the same name being another tensor
+        (`_state_for`): its state is dropped, which a reused QNVB kept, 36 bytes a coordinate
+        of every earlier model, in memory and in `get_state`."""
+        self._bound = {name: bound for name, bound in self._bound.items() if bound[0]() is not None}
+        return {name: state for name, (_, state) in self._bound.items()}
 
     @torch.no_grad()
     def _prepare_block(self, block: QNVBBlock) -> _Prepared | bool:
@@ -1642,8 +1654,7 @@ class QNVB(PyroOptim):
         """Deep copies of every block's state, the step count and the fallback's states, and
         each block's hyperparameters with its model's hints (checked by `set_state`)."""
         blocks = {name: dict(state) for name, state in self._pending.items()}
-        for name, (_, state) in self._bound.items():
-            blocks[name] = state
+        blocks.update(self._live())
         return {
             "qnvb": {
                 "num_steps": self.num_steps,
