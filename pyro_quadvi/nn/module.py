@@ -451,7 +451,8 @@ class BayesianModule(PyroModule):
         self, x: torch.Tensor, params: Mapping[str, nn.Parameter], fixed: Mapping
     ) -> None:
         """Refuse a net whose outputs depend on none of the latent parameters it is given, and
-        warn where they miss some; checked once per module (and set of latent parameters).
+        warn where they miss some; checked once per module (and set of latent parameters), a
+        refusal at every run (one caught would let the next step fit the prior silently).
 
         The net runs with each parameter swapped in by ``functional_call``. A net that reads
         its weights from elsewhere (a dict of its parameters captured in ``__init__``, detached
@@ -483,8 +484,9 @@ class BayesianModule(PyroModule):
                 with torch.no_grad():
                     for name, b in self._net.named_buffers():
                         b.copy_(buffers[name])
-        self._reached = names
         missed = [name for name, grad in zip(names, grads) if grad is None]
+        if len(missed) < len(names):  # a refused net is refused again at its next run
+            self._reached = names
         if not missed:
             return
         net = type(self._net).__name__
