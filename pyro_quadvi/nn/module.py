@@ -52,7 +52,12 @@ from ..infer.batched import (
     vmap_safe_attention,
 )
 from ..optim.qnvb_functional import QNVBHyperparameters
-from ..optim.torch_qnvb import check_tensor_output, nonfinite_data, refuse_script_module
+from ..optim.torch_qnvb import (
+    _BufferSnapshot,
+    check_tensor_output,
+    nonfinite_data,
+    refuse_script_module,
+)
 from ..quadrature import QuadratureRule
 from ..store import follow_store, shortened, uncompiled
 from .likelihoods import Likelihood
@@ -468,7 +473,7 @@ class BayesianModule(PyroModule):
             return
         probes = {name: p.detach().requires_grad_() for name, p in params.items()}
         devices = [x.device] if x.device.type == "cuda" else []
-        buffers = {name: b.detach().clone() for name, b in self._net.named_buffers()}
+        buffers = _BufferSnapshot(self._net)
         with torch.enable_grad(), torch.random.fork_rng(devices), pyro.poutine.block():
             try:
                 out = call_by_place(self._net, {**probes, **fixed}, (x,))
@@ -481,9 +486,7 @@ class BayesianModule(PyroModule):
                 )
             finally:  # the extra pass leaves the buffers as it found them (a net in train
                 # mode), once its backward, which may read them, is done
-                with torch.no_grad():
-                    for name, b in self._net.named_buffers():
-                        b.copy_(buffers[name])
+                buffers.undo()
         missed = [name for name, grad in zip(names, grads) if grad is None]
         if len(missed) < len(names):  # a refused net is refused again at its next run
             self._reached = names
