@@ -64,6 +64,23 @@ def _node_parallel(case: str) -> dict:
     }
 
 
+def _scheduled() -> list[tuple[float, float]]:
+    """Four one-pass steps of NodeParallelQNVBOptimizer with a cosine schedule stepping ``lr``
+    alike on every rank: ``(loss, lr)`` after each."""
+    net = _net()
+    optimizer = NodeParallelQNVBOptimizer(
+        net.named_parameters(), likelihood_weight=ROWS, generator=torch.Generator().manual_seed(11)
+    )
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=4)
+    loss_fn = module_loss(net, torch.nn.functional.mse_loss)
+    out = []
+    for _ in range(4):
+        loss = float(optimizer.step(loss_fn=loss_fn, batch=_data()))
+        schedule.step()
+        out.append((loss, optimizer.param_groups[0]["lr"]))
+    return out
+
+
 def _ddp_fit(weighted: bool, steps: int = 4) -> list[torch.Tensor]:
     """docs/scaling.md's DDP block on this rank's shard of 13 rows (7 + 6 on two ranks), the
     closure's loss times ``W * B_r / B`` where ``weighted``; the means after ``steps`` steps."""
@@ -92,6 +109,7 @@ def _scenarios(outdir: Path) -> dict:
     out = {case: _node_parallel(case) for case in ("lr", "weight", "loaded")}
     out["ddp"] = _ddp_fit(weighted=False)
     out["ddp_weighted"] = _ddp_fit(weighted=True)
+    out["scheduled"] = outcome(_scheduled)
     return out
 
 
@@ -128,6 +146,15 @@ def test_node_parallel_ranks_that_differ_refused(ranks, case, message):
         assert message in text
         assert "nothing was evaluated or changed by this step" in text
         assert rank[case]["unchanged"]
+
+
+def test_node_parallel_settings_changed_alike_on_every_rank_step_on(ranks):
+    """The settings checksum is of the values now: a scheduler stepping ``lr`` on every rank
+    alike is no difference (each rank a refusal-free run, the same losses and rates)."""
+    assert ranks[0]["scheduled"] == ranks[1]["scheduled"]
+    kind, steps = ranks[0]["scheduled"]
+    assert kind == "ok", steps
+    assert [lr for _, lr in steps] == pytest.approx([0.8535534, 0.5, 0.1464466, 0.0], abs=1e-7)
 
 
 def test_ddp_unequal_shards_weighted_equal_one_process(ranks):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI
@@ -75,6 +76,26 @@ def _stale_share() -> dict:
     return {"trained": trained, "stale": stale, "right": right}
 
 
+def _scaled_after_a_setting() -> list[float]:
+    """A model without a subsampled plate (its likelihood scaled by ``N / B_r`` itself) called
+    ``model(c, x, y)``, a tensor setting first, the shares ``B_r / B`` of 7 + 6 rows."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x, y = _data()
+    rows = shard(ROWS)
+    c = torch.tensor([1.0, 2.0], dtype=torch.float64)
+
+    def model(c, x, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=torch.float64), 1.0).to_event(1))
+        with pyro.poutine.scale(scale=ROWS / len(x)):
+            pyro.sample("y", dist.Normal((x * w).sum(-1), 0.5).to_event(1), obs=y[:, 0])
+
+    elbo = DistributedQuadratureELBO("hadamard", 4, parallel="data")
+    svi = SVI(model, AutoMeanFieldNormal(model), DistributedOptimizer(QNVB()), elbo)
+    elbo.share = len(x[rows]) / ROWS
+    return [svi.step(c, x[rows], y[rows])]
+
+
 def _scenarios(outdir: Path) -> dict:
     rank = world()[0]
     return {
@@ -85,6 +106,7 @@ def _scenarios(outdir: Path) -> dict:
             lambda: _steps(_svi("nodes", dataset_size=ROWS * (1 + rank)))
         ),
         "prior": outcome(lambda: _steps(_svi(prior_scale=1.0 + rank))),
+        "setting_first": outcome(_scaled_after_a_setting),
         "adam_lr": outcome(
             lambda: _steps(_svi("nodes", optim=pyro.optim.Adam({"lr": 0.01 * (1 + rank)})))
         ),
@@ -132,6 +154,22 @@ def test_a_stale_share_is_refused_and_none_gives_one_process(ranks):
     for rank in ranks:
         assert rank["stale"]["trained"] == pytest.approx(trained, rel=1e-12)
         assert rank["stale"]["right"] == pytest.approx(right, rel=1e-12)
+
+
+def test_rows_read_from_a_first_argument_that_is_no_data_are_named(ranks):
+    """Without a subsampled data plate the rows are dim 0 of svi.step's first tensor argument,
+    here a setting of 2 entries on both ranks: the refusal said "rows by rank: [2, 2]" and not
+    where they came from; it now names the argument and the fixes (docs/scaling.md)."""
+    _both(
+        ranks,
+        "setting_first",
+        "ValueError",
+        "rows by rank: [2, 2], so the shares must be [0.5, 0.5]). The model has no subsampled "
+        "data plate, so each rank's rows were read from argument 0 of svi.step, its first tensor "
+        "argument: pass the data first, or give the model the data plate pyro.plate('data', N, "
+        "subsample=idx). A share weights",
+    )
+    assert "data plate, so" not in ranks[0]["share_half"][1]  # rows from the data plate
 
 
 def test_a_data_plate_of_another_size_on_a_rank_is_refused(ranks):

@@ -84,6 +84,12 @@ def test_a_net_that_reads_its_weights_from_elsewhere_is_refused(wrapper):
         "into the net with torch.func.functional_call"
     )
     assert "captured in __init__" in message and "dict made in forward, not detached" in message
+    # caught, the refusal stays: the next step fitted the prior (loss 403.9, the guide moved)
+    before = {k: v.detach().clone() for k, v in guide.named_parameters()}
+    with pytest.raises(ValueError, match="do not depend on its parameters"):
+        svi.step(x, y)
+    for name, value in guide.named_parameters():
+        assert torch.equal(value, before[name]), name
     with torch.no_grad(), pytest.raises(ValueError, match="do not depend on its parameters"):
         _bnn(wrapper(nn.Linear(3, 1)))(x, y)  # the model alone, under no_grad: checked too
 

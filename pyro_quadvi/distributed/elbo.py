@@ -300,10 +300,9 @@ class DistributedQuadratureELBO(QuadratureELBO):
             return
         where, rows = first_rows(args, kwargs)
         if rows == 0:
-            argument = f"argument {where}" if isinstance(where, int) else f"{where}="
             raise ValueError(
                 f"DistributedQuadratureELBO(parallel='data'): this rank's shard is empty "
-                f"({argument} of svi.step has 0 rows); give every rank at least one row "
+                f"({_argument(where)} of svi.step has 0 rows); give every rank at least one row "
                 "(shard(num_rows) does) and set share to its fraction of the rows"
             )
 
@@ -400,21 +399,34 @@ class DistributedQuadratureELBO(QuadratureELBO):
                 "minibatch's rows, or None on every rank for equal shards"
             )
         if self.parallel == "data" and bool(rows[:, 5].any()) and not bool(counts.isnan().any()):
-            self._refuse_shares(rows[:, 1], counts)
+            self._refuse_shares(rows[:, 1], counts, self._rows_read(args, kwargs))
         return loss, description, rows[:, 0].sum().item() / size
 
+    def _rows_read(self, args: tuple, kwargs: dict) -> str:
+        """Where `_shard_rows` read this rank's rows, for `_refuse_shares`: ``""`` from the
+        model's subsampled data plate; otherwise the argument of ``svi.step``, and the fix."""
+        if not math.isnan(self._minibatch_rows):
+            return ""
+        return (
+            " The model has no subsampled data plate, so each rank's rows were read from "
+            f"{_argument(first_rows(args, kwargs)[0])} of svi.step, its first tensor argument: "
+            "pass the data first, or give the model the data plate pyro.plate('data', N, "
+            "subsample=idx)."
+        )
+
     @staticmethod
-    def _refuse_shares(shares: torch.Tensor, counts: torch.Tensor) -> None:
+    def _refuse_shares(shares: torch.Tensor, counts: torch.Tensor, read: str) -> None:
         """Raise unless every rank's share is its rows over all ranks' rows (to rounding): each
         rank's plate scales its likelihood by ``N / B_r``, so only ``B_r / B`` makes the
-        weighted mean the full batch's loss."""
+        weighted mean the full batch's loss. ``read``: where the rows came from, where that is
+        not the data plate (`_rows_read`)."""
         wanted = counts / counts.sum()
         if not bool(((shares - wanted).abs() > 1e-9).any()):
             return
         raise ValueError(
             "DistributedQuadratureELBO.share: the ranks' shares do not match their rows (shares "
             f"by rank: {shares.tolist()}; rows by rank: {[int(c) for c in counts.tolist()]}, so "
-            f"the shares must be {wanted.tolist()}). A share weights its rank's loss, whose "
+            f"the shares must be {wanted.tolist()}).{read} A share weights its rank's loss, whose "
             "likelihood the data plate already scales by N / this rank's rows: any share but "
             "this rank's rows / the minibatch's rows weights the ranks' rows wrongly. Set "
             "elbo.share = this rank's rows / the minibatch's rows on every rank before each step "
@@ -483,6 +495,11 @@ class DistributedQuadratureELBO(QuadratureELBO):
             f"DistributedQuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize}, "
             f"parallel={self.parallel!r})"
         )
+
+
+def _argument(where: int | str | None) -> str:
+    """An argument of ``svi.step`` by `first_rows`'s ``where``: ``"argument 0"``, ``"x="``."""
+    return f"argument {where}" if isinstance(where, int) else f"{where}="
 
 
 class _WholePlateObservations(Messenger):

@@ -52,7 +52,12 @@ from ..infer.batched import (
     vmap_safe_attention,
 )
 from ..optim.qnvb_functional import QNVBHyperparameters
-from ..optim.torch_qnvb import check_tensor_output, nonfinite_data, refuse_script_module
+from ..optim.torch_qnvb import (
+    _BufferSnapshot,
+    check_tensor_output,
+    nonfinite_data,
+    refuse_script_module,
+)
 from ..quadrature import QuadratureRule
 from ..store import follow_store, shortened, uncompiled
 from .likelihoods import Likelihood
@@ -451,7 +456,8 @@ class BayesianModule(PyroModule):
         self, x: torch.Tensor, params: Mapping[str, nn.Parameter], fixed: Mapping
     ) -> None:
         """Refuse a net whose outputs depend on none of the latent parameters it is given, and
-        warn where they miss some; checked once per module (and set of latent parameters).
+        warn where they miss some; checked once per module (and set of latent parameters), a
+        refusal at every run (one caught would let the next step fit the prior silently).
 
         The net runs with each parameter swapped in by ``functional_call``. A net that reads
         its weights from elsewhere (a dict of its parameters captured in ``__init__``, detached
@@ -467,7 +473,7 @@ class BayesianModule(PyroModule):
             return
         probes = {name: p.detach().requires_grad_() for name, p in params.items()}
         devices = [x.device] if x.device.type == "cuda" else []
-        buffers = {name: b.detach().clone() for name, b in self._net.named_buffers()}
+        buffers = _BufferSnapshot(self._net)
         with torch.enable_grad(), torch.random.fork_rng(devices), pyro.poutine.block():
             try:
                 out = call_by_place(self._net, {**probes, **fixed}, (x,))
@@ -480,11 +486,10 @@ class BayesianModule(PyroModule):
                 )
             finally:  # the extra pass leaves the buffers as it found them (a net in train
                 # mode), once its backward, which may read them, is done
-                with torch.no_grad():
-                    for name, b in self._net.named_buffers():
-                        b.copy_(buffers[name])
-        self._reached = names
+                buffers.undo()
         missed = [name for name, grad in zip(names, grads) if grad is None]
+        if len(missed) < len(names):  # a refused net is refused again at its next run
+            self._reached = names
         if not missed:
             return
         net = type(self._net).__name__

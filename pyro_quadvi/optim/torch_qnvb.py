@@ -1078,7 +1078,8 @@ class _BufferSnapshot:
     ``num_batches_tracked`` before ``vmap`` refuses its running statistics); kept, the probes'
     single evaluations are undone. A pass decided on an earlier step is not probed: its buffers
     are only saved, for a backward that fails. Nothing is saved for a ``loss_fn`` that exposes
-    no network or a loop."""
+    no network or a loop. `BayesianModule`'s first-run check saves and restores its net's
+    buffers with it too (``_BufferSnapshot(net)``, ``undo``)."""
 
     def __init__(self, loss_fn: LossFunction | None):
         module = None if loss_fn is None else loss_module(loss_fn)
