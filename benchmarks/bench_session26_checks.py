@@ -7,7 +7,7 @@ A vectorized pass decided on an earlier step is no longer trusted to run its bac
 of the network the loss exposes (BatchNorm's running statistics in ``eval()`` mode, where the pass
 runs under ``vmap``) are copied before the pass, so that a backward failing on a later batch can
 undo the pass's buffer updates and fall back to the loop
-(`pyro_quadvi.optim.torch_qnvb._BufferSnapshot`). Its cost: the CPU time of that copy against one
+(`pyro_quadvi.optim.torch_qnvb.BufferSnapshot`). Its cost: the CPU time of that copy against one
 one-pass ``QNVBOptimizer.step(loss_fn=module_loss(net, F.cross_entropy), batch=(x, y))`` (a unit
 Gaussian prior, ``likelihood_weight=8000``, the default rule), on a 784-400-400-10 MLP with a
 BatchNorm1d after each hidden layer (batch 256) and a two-convolution network with BatchNorm2d (the
@@ -35,7 +35,7 @@ from torch import nn
 
 from pyro_quadvi.distributions import SpikeSlab
 from pyro_quadvi.optim import QNVBOptimizer, module_loss
-from pyro_quadvi.optim.torch_qnvb import _BufferSnapshot
+from pyro_quadvi.optim.torch_qnvb import BufferSnapshot
 
 
 def mlp() -> nn.Module:
@@ -66,7 +66,7 @@ def case(name: str, repeats: int, steps: int) -> dict[str, float]:
     step, copy = [], []
     for _ in range(repeats):
         step.append(cpu_time(lambda: optimizer.step(loss_fn=loss_fn, batch=(x, y)), steps))
-        copy.append(cpu_time(lambda: _BufferSnapshot(loss_fn), 100))
+        copy.append(cpu_time(lambda: BufferSnapshot(loss_fn), 100))
     buffers = sum(b.numel() for b in net.buffers())
     return {
         "buffers": buffers,

@@ -53,7 +53,7 @@ from ..infer.batched import (
 )
 from ..optim.qnvb_functional import QNVBHyperparameters
 from ..optim.torch_qnvb import (
-    _BufferSnapshot,
+    BufferSnapshot,
     check_tensor_output,
     nonfinite_data,
     refuse_script_module,
@@ -473,7 +473,7 @@ class BayesianModule(PyroModule):
             return
         probes = {name: p.detach().requires_grad_() for name, p in params.items()}
         devices = [x.device] if x.device.type == "cuda" else []
-        buffers = _BufferSnapshot(self._net)
+        buffers = BufferSnapshot(self._net)
         with torch.enable_grad(), torch.random.fork_rng(devices), pyro.poutine.block():
             try:
                 out = call_by_place(self._net, {**probes, **fixed}, (x,))

@@ -221,13 +221,13 @@ class SparseQNVB(QNVB):
         return self.counters.step > (hp.num_epochs - 1) * self.steps_per_epoch
 
     def pattern(self) -> dict[str, torch.Tensor]:
-        """Per block (loc parameter name), 1 where a coordinate is nonzero, 0 where it is an
-        exact zero: the realized pattern once `finished`, else where ``p_nonzero > 1/2``
-        (the pattern a realization now would give)."""
+        """Per block (loc parameter name, in the names' order), 1 where a coordinate is nonzero,
+        0 where it is an exact zero: the realized pattern once `finished`, else where
+        ``p_nonzero > 1/2`` (the pattern a realization now would give)."""
         realized = self.finished
         return {
             name: b.pattern if realized else (b.p_nonzero > 0.5).to(b.p_nonzero.dtype)
-            for name, b in self.blocks.items()
+            for name, b in sorted(self.blocks.items())
         }
 
     def p_nonzero(self) -> torch.Tensor:

@@ -1070,7 +1070,7 @@ def _check_tolerances(device_type: str) -> tuple[float | None, float | None]:
     return None, None
 
 
-class _BufferSnapshot:
+class BufferSnapshot:
     """The buffers of the network a ``loss_fn`` exposes (`loss_module`) around a
     vectorized pass that is tried or checked (before the decision), so that the pass
     leaves them as one evaluation of the chosen kind would: abandoned (an error, or values that
@@ -1079,7 +1079,7 @@ class _BufferSnapshot:
     single evaluations are undone. A pass decided on an earlier step is not probed: its buffers
     are only saved, for a backward that fails. Nothing is saved for a ``loss_fn`` that exposes
     no network or a loop. `BayesianModule`'s first-run check saves and restores its net's
-    buffers with it too (``_BufferSnapshot(net)``, ``undo``)."""
+    buffers with it too (``BufferSnapshot(net)``, ``undo``)."""
 
     def __init__(self, loss_fn: LossFunction | None):
         module = None if loss_fn is None else loss_module(loss_fn)
@@ -1612,7 +1612,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         checked = mode is True and known.get(flags) is True  # on an earlier step: no probes
         # a decided pass is not probed, but its backward may still fail on a later batch: its
         # buffers are saved (not swapped around probes) so that the fallback starts from them
-        buffers = _BufferSnapshot(None if mode is False else loss_fn)
+        buffers = BufferSnapshot(None if mode is False else loss_fn)
         rtol, atol = _check_tolerances(stacked[0].device.type)
         with torch.enable_grad():
             try:
