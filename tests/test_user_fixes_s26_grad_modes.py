@@ -238,4 +238,4 @@ def test_qnvb_with_trace_elbo_names_a_guide_made_under_inference_mode(fresh_para
             svi.step(Y)
     names = ["AutoMeanFieldNormal.locs.mu", "AutoMeanFieldNormal.scales.mu"]
     assert str(info.value) == str(inference_parameters_refusal("QNVB", names))
-    assert str(info.value).startswith(f"QNVB: the guide's parameters {names} are inference tensors")
+    assert str(info.value).startswith(f"QNVB: the parameters {names} are inference tensors")

@@ -681,16 +681,17 @@ def step_without_grad_refusal(caller: str) -> RuntimeError:
 
 
 def inference_parameters_refusal(owner: str, names: list[str]) -> RuntimeError:
-    """The refusal of a step on the guide's parameters ``names``, inference tensors: the guide's
-    first run, which made them, was under ``torch.inference_mode()`` (QuadratureELBO's, and
-    QNVB's under Pyro's ELBOs)."""
+    """The refusal of a step on the parameters ``names``, inference tensors: the first run that
+    made them (the guide's; under QNVB and Pyro's ELBOs, a model's ``pyro.param`` too) was under
+    ``torch.inference_mode()`` (QuadratureELBO's, and QNVB's under Pyro's ELBOs)."""
     return RuntimeError(
-        f"{owner}: the guide's parameters {names} are inference tensors: "
-        "the guide's first run, which made them, was under torch.inference_mode() (an "
-        "svi.evaluate_loss or a Predictive before training, say), and no step can train "
-        "them (the loss has no gradient through them, and torch updates no inference tensor "
-        "outside inference_mode). Run the guide first outside inference_mode "
-        "(torch.no_grad() is fine), or load its state_dict into a new guide run outside it"
+        f"{owner}: the parameters {names} are inference tensors: the first run that made "
+        "them (the guide's, or the model's for a pyro.param of the model) was under "
+        "torch.inference_mode() (an svi.evaluate_loss or a Predictive before training, say), "
+        "and no step can train them (the loss has no gradient through them, and torch updates "
+        "no inference tensor outside inference_mode). Run the guide (and model) first outside "
+        "inference_mode (torch.no_grad() is fine), or load its state_dict into a new guide run "
+        "outside it"
     )
 
 
