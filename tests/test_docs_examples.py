@@ -1029,7 +1029,7 @@ EXAMPLES: dict[str, Example] = {
     ),
     "qnvb-hyperparameters": Example("from pyro_quadvi import QNVB\n", check=is_qnvb),
     "qnvb-step-cap": Example("from pyro_quadvi import QNVB\n", check=is_qnvb),
-    # its comment's 270.8 is a benchmark's figure (docs/benchmarks.md), not run here
+    # its comment's 270.7 is a benchmark's figure (docs/benchmarks.md), not run here
     "qnvb-no-damping": Example("from pyro_quadvi import QNVB\n", check=is_qnvb),
     "qnvb-annealing": Example(QNVB_CONTEXT, check=annealing_schedule),
     "qnvb-checkpoint": Example(
