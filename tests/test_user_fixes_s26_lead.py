@@ -393,3 +393,52 @@ def test_a_reused_qnvb_drops_the_states_of_dead_models():
         gc.collect()
         pairs = optimizer.get_state()["qnvb"]["pairs"]
         assert list(pairs) == [f"AutoMeanFieldNormal.locs.w{k}"]
+
+
+class _BranchyNet(nn.Module):
+    """A linear layer with a buffer counting its forward calls; while ``branchy`` is set, a
+    branch on the output's value (which ``vmap`` refuses) picks the same expression."""
+
+    branchy = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 1).double()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1.0)
+        out = self.linear(x)
+        if _BranchyNet.branchy and bool(out.sum() > 1e9):  # never true: the same values
+            return out * 2.0
+        return out
+
+
+def _branchy_steps(second: bool | None):
+    torch.manual_seed(0)
+    net = _BranchyNet()
+    optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=16, init_sigma=0.1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(16, 1, generator=g, dtype=torch.float64)
+    _BranchyNet.branchy = False
+    try:
+        optimizer.step(loss_fn=module_loss(net, _half_mse), batch=(x, y))
+        _BranchyNet.branchy = True
+        optimizer.step(loss_fn=module_loss(net, _half_mse), batch=(x, y), vectorize=second)
+    finally:
+        _BranchyNet.branchy = False
+    return net, optimizer
+
+
+def test_a_kept_vectorized_pass_whose_forward_fails_later_falls_back_under_none():
+    """A pass kept from step 1 whose forward vmap refuses on step 2 (a branch on a value, taken
+    only for some batches) raised BatchMismatch under vectorize=None; the loop now takes over
+    with the warning, and the step equals the loop's (the buffer as the loop leaves it)."""
+    with pytest.warns(UserWarning, match="does not evaluate all 3 points in one vectorized pass"):
+        net, optimizer = _branchy_steps(None)
+    looped, reference = _branchy_steps(False)
+    assert net.calls.item() == looped.calls.item() == 1 + 3
+    for p, q in zip(net.parameters(), looped.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-13, atol=0)
+        torch.testing.assert_close(optimizer.state[p]["sigma"], reference.state[q]["sigma"])

@@ -1096,17 +1096,28 @@ class BufferSnapshot:
                 if name in saved:
                     b.copy_(saved[name])
 
-    def tried(self, batched: Callable) -> Callable:
-        """``batched``, leaving the buffers as they were before it (its own result saved)."""
+    def guarded(self, batched: Callable) -> Callable:
+        """``batched``, the buffers restored where it raises (a fallback loop starts from them)."""
         if self.before is None:
             return batched
 
         def run(points):
             try:
-                values = batched(points)
+                return batched(points)
             except BaseException:
                 self._restore(self.before)
                 raise
+
+        return run
+
+    def tried(self, batched: Callable) -> Callable:
+        """``batched``, leaving the buffers as they were before it (its own result saved)."""
+        if self.before is None:
+            return batched
+        guarded = self.guarded(batched)
+
+        def run(points):
+            values = guarded(points)
             self.after = self._save()
             self._restore(self.before)  # the probes (and a fallback loop) start from here
             return values
@@ -1468,11 +1479,11 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 naming ``vectorize=False``); the decision is kept for later steps with the
                 same ``loss_fn`` (for a `module_loss`: the same module and criterion, in the
                 same ``train()`` / ``eval()`` modes), except that under ``None`` a kept pass
-                whose backward fails on a later step falls back too, from then on. A tried
-                pass that is abandoned leaves the buffers (BatchNorm's running statistics) of
-                the network the loss exposes as it found them: a `module_loss`'s module, a
-                ``loss_fn``'s ``module`` attribute, or the ``loss_fn`` itself when it is an
-                ``nn.Module`` (`loss_module`).
+                whose forward or backward fails on a later step falls back too, from then on.
+                A tried pass that is abandoned leaves the buffers (BatchNorm's running
+                statistics) of the network the loss exposes as it found them: a
+                `module_loss`'s module, a ``loss_fn``'s ``module`` attribute, or the
+                ``loss_fn`` itself when it is an ``nn.Module`` (`loss_module`).
 
         Returns:
             The quadrature average of the loss.
@@ -1617,10 +1628,11 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         with torch.enable_grad():
             try:
                 losses, decision = evaluate_batch(
-                    batched if checked else buffers.tried(batched),
+                    buffers.guarded(batched) if checked else buffers.tried(batched),
                     single,
                     _NodeStack(stacked),
-                    mode,
+                    # a kept pass that fails on a later batch falls back under None, unprobed
+                    None if checked and vectorize is None else mode,
                     probe=() if checked else None,
                     rtol=rtol,
                     atol=atol,
