@@ -602,6 +602,7 @@ class QuadratureELBO(PointsELBO):
         if priors:
             loss = loss - closed.expected_log_prior(priors, weights.sum().detach())
         if not torch.isfinite(loss):
+            _refuse_unpositive_scales(description)
             raise ValueError(
                 f"QuadratureELBO: the loss is not finite ({loss.item()}); the guide's entropy is "
                 f"{entropy.item()}: a scale collapsed to zero or overflowed"
@@ -856,3 +857,31 @@ def _publish(
             version = site.params["loc"]._version
             publish_moments(PublishedMoments(site, g, h, version, loss))
         start = stop
+
+
+def _refuse_unpositive_scales(description: GuideDescription) -> None:
+    """Raise for the first elementwise block whose declared ``scale`` is not positive or not
+    finite, naming its site, its smallest value and the cause: a negative (or nan) scale is a
+    declaration that is not positive (a hand-written guide's ``-softplus(raw)``, or a raw
+    parameter under no map); 0 or inf, a scale that collapsed or overflowed. A Gaussian's
+    scale must be > 0; another family's (a mixture's slab) may be 0, a collapsed mixture."""
+    for site in description.sites:
+        scale = site.scale.detach()
+        low = scale <= 0 if site.family == "gaussian" else scale < 0
+        bad = low | ~torch.isfinite(scale)
+        if not bad.any():
+            continue
+        worst = scale[bad].min().item()  # nan where one is nan
+        head = (
+            f"QuadratureELBO: the loss is not finite: the guide {description.guide} declares at "
+            f"site {site.name!r} a scale of {worst:.4g} ({int(bad.sum())} of {scale.numel()} "
+            "entries not positive and finite), and a block's scale, the standard deviation of "
+            "its nodes, must be > 0."
+        )
+        if worst < 0 or math.isnan(worst):
+            raise ValueError(
+                f"{head} Declare it positive, e.g. softplus(raw) or raw.exp() of the raw "
+                "parameter, with the matching param_constraints['scale'] (softplus_positive or "
+                "positive)"
+            )
+        raise ValueError(f"{head} It collapsed to zero or overflowed during the fit")

@@ -534,6 +534,20 @@ def _held_message(name: str, item: _Prepared, held: int, ratio: float) -> str:
     )
 
 
+def _computed_message(site: MeanFieldSite, roles: list[str]) -> str:
+    """The warning for a block whose ``params`` name, under ``roles``, tensors computed from a
+    parameter (``loc * 1.0``) rather than the leaves themselves: QNVB pairs a block with the
+    parameters it receives by identity, so the block pairs with none of them."""
+    return (
+        f"QNVB: site {site.name!r} declares under params {roles} a tensor computed from a "
+        "parameter, not the parameter itself, so QNVB cannot pair the block with the parameters "
+        "it receives and all of them go to the fallback optimizer. A declared parameter must be "
+        "the leaf tensor the optimizer receives: an nn.Parameter itself, or a pyro.param's "
+        "pyro.param(name).unconstrained(), not a tensor computed from it (compute the block's "
+        "loc and scale from the leaves, not its params)"
+    )
+
+
 def _unresolved_words(item: _Prepared) -> str:
     """``"|mu| up to 1e+03, sigma down to 1e-06, float32"``: a site's coordinates whose nodes
     the dtype does not resolve (rule 12: before the step and after it), read from its
@@ -1227,9 +1241,18 @@ class QNVB(PyroOptim):
             return self._checked_blocks(blocks, received, explained)
         if descriptions is None:
             descriptions = describe_live_guides(params)
+        stored = {id(p) for _, p in pyro.get_param_store().named_parameters()}
         for guide, description in descriptions:
             run = last_run_stamp(guide)
+            known = stored | received
+            if isinstance(guide, torch.nn.Module):
+                known |= {id(p) for p in guide.parameters()}
             for site in description.sites:
+                computed = [role for role, leaf in site.params.items() if id(leaf) not in known]
+                if computed:
+                    explained = True
+                    self._warn_once(f"computed {site.name}", _computed_message(site, computed))
+                    continue
                 key = id(site.params["loc"])
                 if key in received and key not in blocks:
                     blocks[key] = QNVBBlock(site, None, run)
@@ -1306,6 +1329,9 @@ class QNVB(PyroOptim):
                     f"update for (it has {sorted(FAMILY_UPDATES)}); its parameters go to the "
                     "fallback optimizer",
                 )
+            elif any(site.params[role].grad_fn is not None for role in missing):
+                explained = True
+                self._warn_once(f"computed {site.name}", _computed_message(site, missing))
             elif missing:
                 explained = True
                 self._warn_once(
