@@ -1,6 +1,6 @@
-"""User trial t25, hand-written guides: a declared scale that is not positive is named with its
-site (item 5); a declared parameter that is a tensor computed from a leaf is warned of as such
-(item 8)."""
+"""User trial t25 (session 26), hand-written guides: a declared scale that is not positive is
+named with its site (item 5); a declared parameter that is a tensor computed from a leaf is warned
+of as such (item 8)."""
 
 from __future__ import annotations
 
