@@ -200,3 +200,22 @@ def test_unknown_hints_blame_the_guide():
         TypeError, match=r"description of Guide, site 'w' declares .*'no_such_setting'"
     ):
         describe_guide(Guide(unknown))
+
+
+class DeltaAtTheSites(Guide):
+    """Draws each model site as a Delta (AutoNormal's way): no density at the site to check."""
+
+    def forward(self):
+        sp = torch.nn.functional.softplus
+        w = pyro.sample("w_unconstrained", dist.Normal(self.mu_w, sp(self.raw_w)).to_event(1))
+        pyro.sample("w", dist.Delta(w, event_dim=1))
+        u = pyro.sample("rate_unconstrained", dist.Normal(self.mu_r, sp(self.raw_r)))
+        pyro.sample("rate", dist.Delta(u.exp()))
+
+
+def test_a_delta_at_the_site_is_read_as_declared():
+    guide = DeltaAtTheSites()
+    sp = torch.nn.functional.softplus
+    with torch.no_grad():
+        exact = elbo_closed(guide.mu_w, sp(guide.raw_w), guide.mu_r, sp(guide.raw_r))
+    assert -loss(guide) == pytest.approx(exact, abs=1e-10)
