@@ -1010,6 +1010,15 @@ EXAMPLES: dict[str, Example] = {
         "from pyro.poutine import Trace\nfrom pyro_quadvi.guides import GuideDescription\n",
         check=guide_hook_signature,
     ),
+    "guides-half-log": Example(
+        "import torch\nfrom torch.distributions import constraints, transform_to\n"
+        "from torch.distributions.transforms import AffineTransform, ComposeTransform, "
+        "ExpTransform\n",
+        check=lambda ns, out: torch.testing.assert_close(
+            ns["transform_to"](ns["HalfLogPositive"]())(torch.tensor([-2.0, 0.0, 3.0])),
+            torch.tensor([-1.0, 0.0, 1.5]).exp(),
+        ),
+    ),
     "guides-example": Example(
         skip="a snippet include of examples/custom_guide.py, run by tests/test_guide_interface.py"
     ),

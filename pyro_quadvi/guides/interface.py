@@ -35,10 +35,11 @@ them back with `published_moments`.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
@@ -64,7 +65,13 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 from pyro.poutine.scale_messenger import ScaleMessenger
 from pyro.poutine.subsample_messenger import SubsampleMessenger
-from torch.distributions import Distribution, TransformedDistribution, kl_divergence
+from torch.distributions import (
+    Distribution,
+    TransformedDistribution,
+    constraints,
+    kl_divergence,
+    transform_to,
+)
 from torch.distributions.constraints import Constraint
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -81,6 +88,7 @@ __all__ = [
     "MeanFieldSite",
     "PublishedMoments",
     "QuadratureGuide",
+    "check_declaration",
     "check_model_samples",
     "check_traced",
     "describe_guide",
@@ -168,6 +176,17 @@ class MeanFieldSite:
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     mask: torch.Tensor | None = None
     hints: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.check_hints()
+
+    def check_hints(self) -> None:
+        """Refuse ``hints`` that are not a mapping (a ``TypeError`` naming the site)."""
+        if not isinstance(self.hints, Mapping):
+            raise TypeError(
+                f"site {self.name!r}: hints={self.hints!r} is not a mapping; a block's hints "
+                "are QNVB's settings by name, e.g. hints={'lr': 0.5}, or {} for none"
+            )
 
     @property
     def shape(self) -> torch.Size:
@@ -309,6 +328,29 @@ class GuideDescription:
                 f"the description of {self.guide} has elementwise sites and a joint Gaussian: "
                 "give one or the other"
             )
+        self.check_layout()
+
+    def check_layout(self) -> None:
+        """Refuse ``sites`` out of the order of ``latent_sites``, or of another size (a
+        ``ValueError`` naming the guide and the sites)."""
+        latent = {site.name: (i, site) for i, site in enumerate(self.latent_sites)}
+        named = [(latent[s.name], s) for s in self.sites if s.name in latent]
+        for ((i, _), before), ((j, _), after) in itertools.pairwise(named):
+            if j < i:
+                order = [site.name for site in self.latent_sites]
+                raise ValueError(
+                    f"the description of {self.guide} lists site {after.name!r} after "
+                    f"{before.name!r}, but its latent_sites lay them out in the order {order}: "
+                    "give `sites` in the order of `latent_sites` (the flat vector z is their "
+                    "locs end to end)"
+                )
+        for (_, model_site), site in named:
+            if site.loc.numel() != model_site.numel:
+                raise ValueError(
+                    f"the description of {self.guide}: site {site.name!r} has "
+                    f"{site.loc.numel()} coordinates (loc of shape {tuple(site.loc.shape)}) but "
+                    f"its latent site has {model_site.numel} (shape {tuple(model_site.shape)})"
+                )
 
     def leaves(self) -> list[torch.Tensor]:
         """Every parameter tensor the description holds: its sites' (``params``, in layout
@@ -591,7 +633,111 @@ def describe_guide(guide: Callable, trace: Trace | None = None) -> GuideDescript
         description = _adapter_or_refusal(target)(target, trace)
     if trace is not None:
         check_traced(trace, {site.name: (site.name,) for site in description.latent_sites})
+    if isinstance(target, QuadratureGuide) and not _is_own(target):
+        check_declaration(description, trace)
     return description
+
+
+def _is_own(guide: object) -> bool:
+    """Whether ``guide``'s hook is one of the package's own (built consistently, not checked)."""
+    module = getattr(type(guide).quadrature_description, "__module__", "") or ""
+    return module.split(".")[0] == __name__.split(".")[0]
+
+
+def _mismatch(found: torch.Tensor, declared: torch.Tensor) -> bool:
+    """Whether ``found`` differs from ``declared`` beyond rounding (or in size)."""
+    if found.numel() != declared.numel():
+        return True
+    found = found.detach().reshape(declared.shape).to(declared.dtype)
+    return not torch.allclose(found, declared.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _maps_onto(site: MeanFieldSite) -> bool:
+    """Whether ``site.transform`` maps the block's unconstrained nodes into its support: its
+    codomain is the support, or its images of ``loc`` and ``loc +- 6 scale`` lie in it (a
+    composed transform's codomain does not always say, e.g. Pyro's ``biject_to(positive)``)."""
+    codomain, support = site.transform.codomain, site.constraint
+    while isinstance(codomain, constraints.independent):
+        codomain = codomain.base_constraint
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    if type(codomain) is type(support) and repr(codomain) == repr(support):
+        return True
+    with torch.no_grad():
+        loc, scale = site.loc.detach(), site.scale.detach()
+        nodes = torch.stack([loc - 6 * scale, loc, loc + 6 * scale])
+        return bool(site.constraint.check(site.transform(nodes)).all())
+
+
+def check_declaration(description: GuideDescription, trace: Trace | None = None) -> None:
+    """Refuse a hand-written guide's description that disagrees with itself or with its run.
+
+    Per ``"gaussian"`` block: ``loc`` is ``params["loc"]`` and ``scale`` is
+    ``transform_to(param_constraints["scale"])(params["scale"])`` (at the run's ``rows``), the
+    ``transform``'s codomain is the site's ``constraint``, the ``hints`` are QNVB's settings;
+    with a ``trace``, the guide's draw at the site has the log density of ``Normal(loc, scale)``
+    pushed through ``transform``. O(parameters) tensor operations, no gradient.
+
+    Raises:
+        ValueError: naming the guide, the site, the role and the fix.
+        TypeError: for unknown ``hints``.
+    """
+    from ..optim.qnvb import _HP_NAMES  # the optimizer imports this module
+
+    guide = description.guide
+    description.check_layout()
+    for site in description.sites:
+        where = f"the description of {guide}, site {site.name!r}"
+        site.check_hints()
+        unknown = sorted(set(site.hints) - set(_HP_NAMES))
+        if unknown:
+            raise TypeError(
+                f"{where} declares (its hints) unknown QNVB settings {unknown}; QNVB takes "
+                f"{list(_HP_NAMES)}"
+            )
+        if site.constraint is not None and not _maps_onto(site):
+            raise ValueError(
+                f"{where}: its transform {type(site.transform).__name__} does not map the "
+                f"block's nodes (loc +- 6 scale) into the site's support {site.constraint}: "
+                "give transform=torch.distributions.biject_to(constraint), the map the guide "
+                "samples through"
+            )
+        if site.family != "gaussian" or site.rows is None:
+            continue
+        with torch.no_grad():
+            declared = {}
+            for role in ("loc", "scale"):
+                leaf = site.params[role]
+                for dim, index in site.rows.items():
+                    leaf = leaf.index_select(dim, index.to(leaf.device))
+                to = transform_to(site.param_constraints.get(role, constraints.real))
+                declared[role] = to(leaf)
+            for role in ("loc", "scale"):
+                if _mismatch(declared[role], getattr(site, role)):
+                    raise ValueError(
+                        f"{where}: its {role} is not what params[{role!r}] gives "
+                        f"(transform_to(param_constraints[{role!r}])(params[{role!r}]) at the "
+                        f"run's rows): params[{role!r}] must be the leaf whose image is {role} "
+                        f"(roles swapped?), param_constraints[{role!r}] a constraint whose "
+                        "transform_to is the guide's own map (for scale = exp(raw / 2), a "
+                        "constraint of your own registered with transform_to), and the "
+                        "description that of the guide's current parameters (not a cached one)"
+                    )
+            node = trace.nodes.get(site.name) if trace is not None else None
+            if node is None or isinstance(look_through(node["fn"]), dist.Delta):
+                continue  # a Delta at the site (AutoNormal's way) carries no density to compare
+            normal = dist.Normal(site.loc, site.scale).to_event(site.event_dim)
+            declared = dist.TransformedDistribution(normal, [site.transform])
+            found = node["fn"].log_prob(node["value"]).sum()
+            expected = declared.log_prob(node["value"]).sum()
+            if not torch.allclose(found.to(expected.dtype), expected, rtol=1e-4, atol=1e-3):
+                raise ValueError(
+                    f"{where}: the guide's run samples {site.name!r} from "
+                    f"{type(node['fn']).__name__} with log density {float(found):.6g} at its "
+                    "draw, not from the declared Normal(loc, scale) pushed through transform "
+                    f"({float(expected):.6g}): declare every parameter the draw depends on and "
+                    "the map it goes through (transform)"
+                )
 
 
 def _adapter_or_refusal(target: object) -> Callable[[object, Trace | None], GuideDescription]:
