@@ -442,3 +442,23 @@ def test_a_kept_vectorized_pass_whose_forward_fails_later_falls_back_under_none(
     for p, q in zip(net.parameters(), looped.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-13, atol=0)
         torch.testing.assert_close(optimizer.state[p]["sigma"], reference.state[q]["sigma"])
+
+
+def test_opqa_on_a_posterior_piled_up_at_a_boundary_converges_slowly_as_documented():
+    """docs/evidence.md (trial t26): a Beta(0.5, 0.5) prior with 0 successes in 10 trials, whose
+    posterior Beta(0.5, 10.5) has an infinite density at 0, leaves -2.0e-2 nats at 8 points
+    and -3.7e-3 at 16; the exact evidence is B(0.5, 10.5) / B(0.5, 0.5)."""
+
+    def model(k):
+        half = torch.tensor(0.5, dtype=torch.float64)
+        p = pyro.sample("p", dist.Beta(half, half))
+        pyro.sample("k", dist.Binomial(10, p), obs=k)
+
+    def log_beta(a: float, b: float) -> float:
+        return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+
+    exact = log_beta(0.5, 10.5) - log_beta(0.5, 0.5)
+    k = torch.tensor(0.0, dtype=torch.float64)
+    errors = [opqa_evidence(model, k, num_points=m).log_evidence - exact for m in (8, 16)]
+    assert errors[0] == pytest.approx(-2.03e-2, abs=5e-4)
+    assert errors[1] == pytest.approx(-3.67e-3, abs=5e-5)
