@@ -27,9 +27,8 @@ from pyro_quadvi.quadrature.hadamard import hadamard_signs
 
 class _Fragile(torch.autograd.Function):
     """The identity, whose backward fails on a node axis (a gradient of 3 dims) while
-    ``FRAGILE`` is set: a pass that ran on earlier batches and fails on a later one."""
-
-    FRAGILE = False
+    `_CountingNet.FAILING` is ``"backward"``: a pass that ran on earlier batches and fails on a
+    later one."""
 
     @staticmethod
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +40,7 @@ class _Fragile(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        if _Fragile.FRAGILE and grad.dim() == 3:
+        if _CountingNet.FAILING == "backward" and grad.dim() == 3:
             raise RuntimeError("a backward that fails on the node axis")
         return grad
 
@@ -51,7 +50,12 @@ class _Fragile(torch.autograd.Function):
 
 
 class _CountingNet(nn.Module):
-    """A linear layer through `_Fragile`, with a buffer counting its forward calls."""
+    """A linear layer through `_Fragile`, with a buffer counting its forward calls. While
+    ``FAILING`` is ``"backward"`` the backward fails on the node axis; while it is
+    ``"forward"`` a branch on the output's value (which ``vmap`` refuses) picks the same
+    expression."""
+
+    FAILING: str | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,7 +64,10 @@ class _CountingNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.add_(1.0)
-        return _Fragile.apply(self.linear(x))
+        out = self.linear(x)
+        if _CountingNet.FAILING == "forward" and bool(out.sum() > 1e9):  # never: same values
+            return out * 2.0
+        return _Fragile.apply(out)
 
 
 def _half_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -70,9 +77,9 @@ def _half_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 _KEPT: list = []
 
 
-def _two_steps(second: bool | None, keep: bool = False):
-    """Step 1 vectorized (decided under ``None``), step 2 with the backward failing on the
-    node axis, under ``vectorize=second``."""
+def _two_steps(second: bool | None, keep: bool = False, failing: str = "backward"):
+    """Step 1 vectorized (decided under ``None``), step 2 with the pass failing (``failing``:
+    its backward on the node axis, or its forward under ``vmap``), under ``vectorize=second``."""
     torch.manual_seed(0)
     net = _CountingNet()
     optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=16, init_sigma=0.1)
@@ -82,14 +89,14 @@ def _two_steps(second: bool | None, keep: bool = False):
     loss_fn = module_loss(net, _half_mse)
     if keep:
         _KEPT[:] = [net, optimizer]
-    _Fragile.FRAGILE = False
+    _CountingNet.FAILING = None
     try:
         optimizer.step(loss_fn=loss_fn, batch=(x, y))
         assert net.calls.item() == 1  # the kept pass; the probes' single runs are undone
-        _Fragile.FRAGILE = True
+        _CountingNet.FAILING = failing
         optimizer.step(loss_fn=loss_fn, batch=(x, y), vectorize=second)
     finally:
-        _Fragile.FRAGILE = False
+        _CountingNet.FAILING = None
     return net, optimizer
 
 
@@ -344,30 +351,17 @@ def test_sparse_qnvb_p_nonzero_in_the_blocks_name_order_whatever_the_params_orde
     assert torch.equal(results[0], results[1])
 
 
-class _Counted(nn.Module):
-    """A linear layer with a buffer counting its forward calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(2, 1)
-        self.register_buffer("calls", torch.zeros(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls.add_(1.0)
-        return self.linear(x)
-
-
 def test_bayesian_modules_first_run_check_leaves_the_nets_buffers_as_one_run_does():
     """The first run's check of which weights the net reaches (f17) runs the net once more;
     its buffer updates (a BatchNorm in train mode, a counter) are undone: one run, one call."""
-    net = _Counted()
+    net = _CountingNet()
     bnn = BayesianModule(
         net, prior=priors.Normal(scale=1.0), likelihood=likelihoods.Gaussian(scale=1.0)
     )
     pyro.set_rng_seed(0)
-    bnn(torch.randn(5, 2))
+    bnn(torch.randn(5, 3, dtype=torch.float64))
     assert net.calls.item() == 1.0
-    bnn(torch.randn(5, 2))
+    bnn(torch.randn(5, 3, dtype=torch.float64))
     assert net.calls.item() == 2.0
 
 
@@ -395,49 +389,13 @@ def test_a_reused_qnvb_drops_the_states_of_dead_models():
         assert list(pairs) == [f"AutoMeanFieldNormal.locs.w{k}"]
 
 
-class _BranchyNet(nn.Module):
-    """A linear layer with a buffer counting its forward calls; while ``branchy`` is set, a
-    branch on the output's value (which ``vmap`` refuses) picks the same expression."""
-
-    branchy = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(3, 1).double()
-        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls.add_(1.0)
-        out = self.linear(x)
-        if _BranchyNet.branchy and bool(out.sum() > 1e9):  # never true: the same values
-            return out * 2.0
-        return out
-
-
-def _branchy_steps(second: bool | None):
-    torch.manual_seed(0)
-    net = _BranchyNet()
-    optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=16, init_sigma=0.1)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(16, 3, generator=g, dtype=torch.float64)
-    y = torch.randn(16, 1, generator=g, dtype=torch.float64)
-    _BranchyNet.branchy = False
-    try:
-        optimizer.step(loss_fn=module_loss(net, _half_mse), batch=(x, y))
-        _BranchyNet.branchy = True
-        optimizer.step(loss_fn=module_loss(net, _half_mse), batch=(x, y), vectorize=second)
-    finally:
-        _BranchyNet.branchy = False
-    return net, optimizer
-
-
 def test_a_kept_vectorized_pass_whose_forward_fails_later_falls_back_under_none():
     """A pass kept from step 1 whose forward vmap refuses on step 2 (a branch on a value, taken
     only for some batches) raised BatchMismatch under vectorize=None; the loop now takes over
     with the warning, and the step equals the loop's (the buffer as the loop leaves it)."""
     with pytest.warns(UserWarning, match="does not evaluate all 3 points in one vectorized pass"):
-        net, optimizer = _branchy_steps(None)
-    looped, reference = _branchy_steps(False)
+        net, optimizer = _two_steps(None, failing="forward")
+    looped, reference = _two_steps(False, failing="forward")
     assert net.calls.item() == looped.calls.item() == 1 + 3
     for p, q in zip(net.parameters(), looped.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-13, atol=0)
