@@ -40,7 +40,7 @@ import math
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Protocol, runtime_checkable
 
 import pyro.distributions as dist
@@ -682,18 +682,20 @@ def check_declaration(description: GuideDescription, trace: Trace | None = None)
         ValueError: naming the guide, the site, the role and the fix.
         TypeError: for unknown ``hints``.
     """
-    from ..optim.qnvb import _HP_NAMES  # the optimizer imports this module
+    from ..optim.qnvb_functional import QNVBHyperparameters  # optim imports this module
+
+    settings = [f.name for f in fields(QNVBHyperparameters)]
 
     guide = description.guide
     description.check_layout()
     for site in description.sites:
         where = f"the description of {guide}, site {site.name!r}"
         site.check_hints()
-        unknown = sorted(set(site.hints) - set(_HP_NAMES))
+        unknown = sorted(set(site.hints) - set(settings))
         if unknown:
             raise TypeError(
                 f"{where} declares (its hints) unknown QNVB settings {unknown}; QNVB takes "
-                f"{list(_HP_NAMES)}"
+                f"{settings}"
             )
         if site.constraint is not None and not _maps_onto(site):
             raise ValueError(
