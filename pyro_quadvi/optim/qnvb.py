@@ -1241,18 +1241,21 @@ class QNVB(PyroOptim):
             return self._checked_blocks(blocks, received, explained)
         if descriptions is None:
             descriptions = describe_live_guides(params)
-        stored = {id(p) for _, p in pyro.get_param_store().named_parameters()}
+        stored: set[int] | None = None  # the param store's tensors, read where needed
         for guide, description in descriptions:
             run = last_run_stamp(guide)
-            known = stored | received
-            if isinstance(guide, torch.nn.Module):
-                known |= {id(p) for p in guide.parameters()}
             for site in description.sites:
-                computed = [role for role, leaf in site.params.items() if id(leaf) not in known]
-                if computed:
-                    explained = True
-                    self._warn_once(f"computed {site.name}", _computed_message(site, computed))
-                    continue
+                outside = [r for r, leaf in site.params.items() if id(leaf) not in received]
+                if outside:  # a leaf not received: frozen, another model's, or computed
+                    if stored is None:
+                        stored = {id(p) for _, p in pyro.get_param_store().named_parameters()}
+                    own = guide.parameters() if isinstance(guide, torch.nn.Module) else ()
+                    known = stored | {id(p) for p in own}
+                    computed = [r for r in outside if id(site.params[r]) not in known]
+                    if computed:
+                        explained = True
+                        self._warn_once(f"computed {site.name}", _computed_message(site, computed))
+                        continue
                 key = id(site.params["loc"])
                 if key in received and key not in blocks:
                     blocks[key] = QNVBBlock(site, None, run)
