@@ -963,9 +963,35 @@ class LogJoint:
             trace.compute_log_prob(
                 lambda name, site: name not in self.closed_priors and not site_is_subsample(site)
             )
+        except ValueError as error:
+            self._refuse_moved_support(trace, error)
+            raise
         finally:
             for name, fn in wrapped.items():
                 trace.nodes[name]["fn"] = fn
+
+    def _refuse_moved_support(self, trace: Trace, error: ValueError) -> None:
+        """Name a latent site whose values lie outside the support the model gives it now
+        though they are finite: the guide's transform maps onto the support the site had when the
+        guide was set up, so the support moved (``Uniform(lo, lo + 1)`` with ``lo`` sampled),
+        where Pyro's validation error names only the values."""
+        for site in self.sites:
+            node = trace.nodes.get(site.name)
+            if node is None:
+                continue
+            value = node["value"].detach()
+            with torch.no_grad():
+                outside = ~node["fn"].support.check(value)
+            if not bool(outside.any()) or not bool(value.isfinite().all()):
+                continue
+            raise ValueError(
+                f"site {site.name!r}: {int(outside.sum())} of the guide's values lie outside the "
+                "support the model gives the site now; the guide's transform maps onto the "
+                "support the site had when the guide was set up: a support that depends on "
+                "another latent (say `Uniform(lo, lo + 1)` with `lo` sampled) cannot be followed "
+                "by the guide's fixed transform. Write the site with a fixed support instead, "
+                "e.g. `u = pyro.sample('u', dist.Uniform(0.0, 1.0))` and `x = lo + u`"
+            ) from error
 
     def _single(self, values, args, kwargs, replay_trace, where: Callable[[], str]):
         constrained, log_jac = self._constrain(values)
