@@ -804,7 +804,10 @@ def _declaration_checks(owner: object | None) -> _DeclarationChecks | None:
         state = vars(owner)
     except TypeError:
         return None
-    return state.setdefault("_pyro_quadvi_declaration_checks", _DeclarationChecks())
+    checks = state.get("_pyro_quadvi_declaration_checks")
+    if checks is None:
+        checks = state["_pyro_quadvi_declaration_checks"] = _DeclarationChecks()
+    return checks
 
 
 def _structure(description: GuideDescription) -> tuple:
