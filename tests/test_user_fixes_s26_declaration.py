@@ -4,18 +4,30 @@ The fixture: a correlated 2-d Bayesian regression (noise 0.5) and a LogNormal ra
 a mean-field guide of softplus scales; the exact ELBO at any guide is closed-form (`elbo_closed`).
 """
 
+import copy
+import gc
 import math
+import pickle
+import types
+import weakref
 
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
 from pyro.distributions import constraints
+from pyro.infer import SVI
 from pyro.nn import PyroModule
 from torch import nn
 from torch.distributions import biject_to
 
-from pyro_quadvi.guides import GuideDescription, MeanFieldSite, describe_guide
+from pyro_quadvi.guides import (
+    AutoMeanFieldNormal,
+    GuideDescription,
+    MeanFieldSite,
+    describe_guide,
+    interface,
+)
 from pyro_quadvi.infer import LatentSite, QuadratureELBO
 
 D = torch.float64
@@ -58,10 +70,14 @@ def elbo_closed(mw, sw, mu, su) -> float:
     return float(ll + pw + hw + llr + pu + hu)
 
 
+def unchanged(description):
+    pass
+
+
 class Guide(PyroModule):
     """Softplus scales; ``edit(description)`` spoils the description, ``offset`` the run."""
 
-    def __init__(self, edit=lambda d: None, offset=0.0, rate_map=None):
+    def __init__(self, edit=unchanged, offset=0.0, rate_map=None):
         super().__init__()
         self.mu_w = nn.Parameter(torch.tensor([0.3, -0.2], dtype=D))
         self.raw_w = nn.Parameter(torch.full((2,), -1.0, dtype=D))
@@ -219,3 +235,95 @@ def test_a_delta_at_the_site_is_read_as_declared():
     with torch.no_grad():
         exact = elbo_closed(guide.mu_w, sp(guide.raw_w), guide.mu_r, sp(guide.raw_r))
     assert -loss(guide) == pytest.approx(exact, abs=1e-10)
+
+
+@pytest.fixture
+def checked_in_full(monkeypatch):
+    """The blocks the full check has read so far (it asks `_maps_onto` once a block)."""
+    blocks = []
+    maps_onto = interface._maps_onto
+
+    def spy(site):
+        blocks.append(site.name)
+        return maps_onto(site)
+
+    monkeypatch.setattr(interface, "_maps_onto", spy)
+    return blocks
+
+
+def svi_of(guide):
+    return SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), QuadratureELBO("gauss_hermite"))
+
+
+def test_a_description_stale_from_step_3_is_refused_between_full_checks(checked_in_full):
+    guide = Guide()
+    described, kept = guide.quadrature_description, []
+
+    def kept_from_step_2(trace=None):  # caches softplus(raw) of step 2
+        if len(kept) < 2:
+            kept.append(described(trace))
+        return kept[-1]
+
+    guide.quadrature_description = kept_from_step_2
+    svi = svi_of(guide)
+    svi.step()
+    svi.step()
+    assert checked_in_full == ["w", "rate"]  # step 1's read only
+    with pytest.raises(ValueError, match=r"Guide, site 'w': its scale .*\(not a cached one\)"):
+        svi.step()
+    assert checked_in_full == ["w", "rate"]
+
+
+def test_another_transform_after_step_1_is_checked_in_full(checked_in_full):
+    guide = Guide()
+    svi = svi_of(guide)
+    svi.step()
+    svi.step()
+    assert checked_in_full == ["w", "rate"]
+    # declared, not run through: only the full check's densities see it
+    softplus = dist.transforms.SoftplusTransform()
+    guide.edit = lambda d: setattr(d.sites[1], "transform", softplus)
+    with pytest.raises(ValueError, match=r"run samples 'rate' .* pushed through transform"):
+        svi.step()
+    guide.rate_map = softplus  # run through it too: checked in full once more, then sampled
+    svi.step()
+    svi.step()
+    assert checked_in_full == ["w", "rate"] * 3
+
+
+def test_a_copy_or_a_pickle_of_a_guide_is_checked_in_full_at_its_first_read(checked_in_full):
+    guide = Guide()
+    loss(guide)
+    loss(guide)
+    assert checked_in_full == ["w", "rate"]
+    loss(copy.deepcopy(guide))
+    loss(pickle.loads(pickle.dumps(guide)))
+    assert checked_in_full == ["w", "rate"] * 3
+    alive = weakref.ref(guide)
+    del guide
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_stale_block_of_a_subsampled_plate_is_refused_at_the_run_s_rows():
+    data = torch.linspace(-1.0, 2.0, 40)
+
+    def local_model():
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", 40, subsample_size=8) as rows:
+            z = pyro.sample("z", dist.Normal(mu, 1.0))
+            pyro.sample("x", dist.Normal(z, 0.5), obs=data[rows])
+
+    guide = AutoMeanFieldNormal(local_model)
+    svi = SVI(local_model, guide, pyro.optim.Adam({"lr": 0.05}), QuadratureELBO("gauss_hermite"))
+    owner = types.SimpleNamespace()  # reads of a hand-written guide, in full at the first
+    for _ in range(3):  # later reads, at other rows, agree
+        svi.step()
+        trace = interface.trace_for_description(guide)
+        description = describe_guide(guide, trace)
+        interface.check_declaration(description, trace, owner=owner)
+    z = description.sites[1]
+    with torch.no_grad():  # the run's rows of z's scale move, its description is kept
+        z.params["scale"][z.rows[-1]] += 0.3
+    with pytest.raises(ValueError, match=r"site 'z': its scale .*\(not a cached one\)"):
+        interface.check_declaration(description, trace, owner=owner)

@@ -73,6 +73,7 @@ from torch.distributions import (
     transform_to,
 )
 from torch.distributions.constraints import Constraint
+from torch.distributions.transforms import ComposeTransform, IndependentTransform
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..distributions import SpikeSlab
@@ -634,7 +635,7 @@ def describe_guide(guide: Callable, trace: Trace | None = None) -> GuideDescript
     if trace is not None:
         check_traced(trace, {site.name: (site.name,) for site in description.latent_sites})
     if isinstance(target, QuadratureGuide) and not _is_own(target):
-        check_declaration(description, trace)
+        check_declaration(description, trace, owner=target)
     return description
 
 
@@ -669,7 +670,9 @@ def _maps_onto(site: MeanFieldSite) -> bool:
         return bool(site.constraint.check(site.transform(nodes)).all())
 
 
-def check_declaration(description: GuideDescription, trace: Trace | None = None) -> None:
+def check_declaration(
+    description: GuideDescription, trace: Trace | None = None, *, owner: object | None = None
+) -> None:
     """Refuse a hand-written guide's description that disagrees with itself or with its run.
 
     Per ``"gaussian"`` block: ``loc`` is ``params["loc"]`` and ``scale`` is
@@ -678,10 +681,35 @@ def check_declaration(description: GuideDescription, trace: Trace | None = None)
     with a ``trace``, the guide's draw at the site has the log density of ``Normal(loc, scale)``
     pushed through ``transform``. O(parameters) tensor operations, no gradient.
 
+    With ``owner``, the guide described (`describe_guide` passes it), that full check runs at
+    the owner's first description (and first traced one) and again whenever the description's
+    structure changes: its sites, families, shapes, transforms, constraints, hints, the dims and
+    lengths of its rows or the tensors it declares as parameters. Between, a read checks the
+    layout and, per block, ``loc`` and ``scale`` against their parameters at 16 fixed
+    coordinates (a description cached from an earlier step is refused as in the full check).
+    What the full check learnt lives on the owner, in an attribute that a copy or an unpickled
+    owner does not take over (it is checked in full at its first read).
+
     Raises:
         ValueError: naming the guide, the site, the role and the fix.
         TypeError: for unknown ``hints``.
     """
+    checks = _declaration_checks(owner)
+    if checks is None:
+        _check_in_full(description, trace)
+        return
+    structure = _structure(description)
+    learnt = checks.learnt.get(trace is not None)
+    if learnt is not None and learnt.matches(description, structure):
+        description.check_layout()
+        learnt.check(description)
+        return
+    _check_in_full(description, trace)
+    checks.learnt[trace is not None] = _Learnt.of(description, structure)
+
+
+def _check_in_full(description: GuideDescription, trace: Trace | None) -> None:
+    """`check_declaration`'s full check of ``description`` (and of ``trace``'s draws)."""
     from ..optim.qnvb_functional import QNVBHyperparameters  # optim imports this module
 
     settings = [f.name for f in fields(QNVBHyperparameters)]
@@ -707,24 +735,12 @@ def check_declaration(description: GuideDescription, trace: Trace | None = None)
         if site.family != "gaussian" or site.rows is None:
             continue
         with torch.no_grad():
-            declared = {}
             for role in ("loc", "scale"):
                 leaf = site.params[role]
                 for dim, index in site.rows.items():
                     leaf = leaf.index_select(dim, index.to(leaf.device))
-                to = transform_to(site.param_constraints.get(role, constraints.real))
-                declared[role] = to(leaf)
-            for role in ("loc", "scale"):
-                if _mismatch(declared[role], getattr(site, role)):
-                    raise ValueError(
-                        f"{where}: its {role} is not what params[{role!r}] gives "
-                        f"(transform_to(param_constraints[{role!r}])(params[{role!r}]) at the "
-                        f"run's rows): params[{role!r}] must be the leaf whose image is {role} "
-                        f"(roles swapped?), param_constraints[{role!r}] a constraint whose "
-                        "transform_to is the guide's own map (for scale = exp(raw / 2), a "
-                        "constraint of your own registered with transform_to), and the "
-                        "description that of the guide's current parameters (not a cached one)"
-                    )
+                if _mismatch(_declared_value(site, role, leaf), getattr(site, role)):
+                    raise ValueError(_undeclared_message(guide, site, role))
             node = trace.nodes.get(site.name) if trace is not None else None
             if node is None or isinstance(look_through(node["fn"]), dist.Delta):
                 continue  # a Delta at the site (AutoNormal's way) carries no density to compare
@@ -740,6 +756,182 @@ def check_declaration(description: GuideDescription, trace: Trace | None = None)
                     f"({float(expected):.6g}): declare every parameter the draw depends on and "
                     "the map it goes through (transform)"
                 )
+
+
+def _declared_value(site: MeanFieldSite, role: str, leaf: torch.Tensor) -> torch.Tensor:
+    """The value of ``role`` that entries ``leaf`` of its parameter declare."""
+    return transform_to(site.param_constraints.get(role, constraints.real))(leaf)
+
+
+def _undeclared_message(guide: str, site: MeanFieldSite, role: str) -> str:
+    """Why ``site``'s ``role`` (``"loc"`` or ``"scale"``) is refused: its parameter does not
+    give it."""
+    return (
+        f"the description of {guide}, site {site.name!r}: its {role} is not what "
+        f"params[{role!r}] gives (transform_to(param_constraints[{role!r}])(params[{role!r}]) at "
+        f"the run's rows): params[{role!r}] must be the leaf whose image is {role} (roles "
+        f"swapped?), param_constraints[{role!r}] a constraint whose transform_to is the guide's "
+        "own map (for scale = exp(raw / 2), a constraint of your own registered with "
+        "transform_to), and the description that of the guide's current parameters (not a "
+        "cached one)"
+    )
+
+
+#: Coordinates per block and role that `check_declaration` compares at a read after the first.
+_SAMPLED = 16
+
+
+class _DeclarationChecks:
+    """What `check_declaration` learnt of one guide's descriptions: the `_Learnt` of its last
+    fully checked description without a trace (key ``False``) and with one (``True``).
+
+    Kept on the guide; a copy or a pickle of the guide takes an empty one (the copy's
+    parameters are other tensors, checked in full at its first read)."""
+
+    def __init__(self) -> None:
+        self.learnt: dict[bool, _Learnt] = {}
+
+    def __reduce__(self) -> tuple:
+        return _DeclarationChecks, ()
+
+
+def _declaration_checks(owner: object | None) -> _DeclarationChecks | None:
+    """``owner``'s `_DeclarationChecks`, made at its first read; ``None`` without an owner or
+    for one without a ``__dict__`` (its descriptions are checked in full at every read)."""
+    if owner is None:
+        return None
+    try:
+        state = vars(owner)
+    except TypeError:
+        return None
+    checks = state.get("_pyro_quadvi_declaration_checks")
+    if checks is None:
+        checks = state["_pyro_quadvi_declaration_checks"] = _DeclarationChecks()
+    return checks
+
+
+def _structure(description: GuideDescription) -> tuple:
+    """What must stay the same for `_Learnt`'s sampled check to stand in for the full one
+    (besides the declared tensors, which `_Learnt` holds by weak reference)."""
+    latent = tuple((site.name, site.shape) for site in description.latent_sites)
+    sites = tuple(
+        (
+            s.name,
+            s.family,
+            s.loc.shape,
+            s.scale.shape,
+            s.event_dim,
+            tuple((role, leaf.shape) for role, leaf in s.params.items()),
+            tuple((role, type(c), repr(c)) for role, c in s.param_constraints.items()),
+            _transform_key(s.transform),
+            type(s.constraint),
+            repr(s.constraint),
+            None if s.rows is None else tuple((d, len(i)) for d, i in s.rows.items()),
+            repr(s.hints),
+        )
+        for s in description.sites
+    )
+    return description.guide, latent, sites
+
+
+def _transform_key(transform: Transform) -> object:
+    """``transform`` for comparison by ``==``: composed and independent transforms by their
+    parts (torch compares ``IndependentTransform`` s, which ``biject_to`` builds anew at each
+    call, by identity), others by their own ``__eq__`` (by value for torch's)."""
+    if isinstance(transform, ComposeTransform):
+        return ComposeTransform, tuple(_transform_key(part) for part in transform.parts)
+    if isinstance(transform, IndependentTransform):
+        base = _transform_key(transform.base_transform)
+        return IndependentTransform, base, transform.reinterpreted_batch_ndims
+    return transform
+
+
+@dataclass
+class _Learnt:
+    """A fully checked description's structure, its declared tensors (weakly) and, per block
+    and role, where its later reads compare the value with its parameter: ``(site index, role,
+    at)``, ``at`` the flat indices of the value's sampled coordinates and, for a block with
+    rows, their coordinates in the parameter at the run's rows; ``at`` is ``None`` where the
+    role is compared whole (its constraint's map is not elementwise)."""
+
+    structure: tuple
+    leaves: list[weakref.ref]
+    picks: list[tuple[int, str, tuple | None]]
+
+    @classmethod
+    def of(cls, description: GuideDescription, structure: tuple) -> _Learnt:
+        """What a read of ``description``'s structure needs (after its full check passed)."""
+        leaves = [weakref.ref(leaf) for leaf in description.leaves()]
+        learnt = cls(structure, leaves, [])
+        for i, site in enumerate(description.sites):
+            if site.family != "gaussian" or site.rows is None:
+                continue
+            for role in ("loc", "scale"):
+                value, leaf = getattr(site, role), site.params[role]
+                n = value.numel()
+                flat = torch.linspace(0, n - 1, min(n, _SAMPLED), dtype=torch.float64)
+                flat = flat.round().long().to(value.device)
+                at_leaf = None
+                if site.rows:
+                    shape = list(leaf.shape)
+                    for dim, index in site.rows.items():
+                        shape[dim] = len(index)
+                    at_leaf = torch.unravel_index(flat.to(leaf.device), tuple(shape))
+                pick = (i, role, (flat, at_leaf))
+                try:  # the full check passed: only a map that is not elementwise fails here
+                    elementwise = not _mismatch(*_Learnt.sampled(site, pick))
+                except (RuntimeError, ValueError, IndexError):
+                    elementwise = False
+                learnt.picks.append(pick if elementwise else (i, role, None))
+        return learnt
+
+    def matches(self, description: GuideDescription, structure: tuple) -> bool:
+        """Whether ``description`` has the structure and declares the tensors learnt."""
+        leaves = description.leaves()
+        if len(leaves) != len(self.leaves) or any(
+            ref() is not leaf for ref, leaf in zip(self.leaves, leaves, strict=True)
+        ):
+            return False
+        try:
+            return bool(structure == self.structure)
+        except (RuntimeError, TypeError, ValueError):  # a transform's __eq__ on tensors
+            return False
+
+    def check(self, description: GuideDescription) -> None:
+        """Compare each block's ``loc`` and ``scale`` with their parameters at the learnt
+        coordinates (whole, where learnt so), all at once per device; a ``ValueError`` as the
+        full check's."""
+        with torch.no_grad():
+            by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            for pick in self.picks:
+                found, declared = self.sampled(description.sites[pick[0]], pick)
+                by_device.setdefault(declared.device, []).append((found, declared))
+            if not any(_mismatch(*map(torch.cat, zip(*pairs))) for pairs in by_device.values()):
+                return
+            for pick in self.picks:  # which one
+                site = description.sites[pick[0]]
+                if _mismatch(*self.sampled(site, pick)):
+                    raise ValueError(_undeclared_message(description.guide, site, pick[1]))
+
+    @staticmethod
+    def sampled(site: MeanFieldSite, pick: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """``site``'s value of ``pick``'s role and the value its parameter declares, flat, at
+        ``pick``'s coordinates."""
+        _, role, at = pick
+        value, leaf = getattr(site, role), site.params[role]
+        if at is None:
+            for dim, index in site.rows.items():
+                leaf = leaf.index_select(dim, index.to(leaf.device))
+            return value.reshape(-1), _declared_value(site, role, leaf).reshape(-1)
+        flat, at_leaf = at
+        if at_leaf is None:
+            entries = leaf.take(flat.to(leaf.device))
+        else:
+            at_leaf = list(at_leaf)
+            for dim, index in site.rows.items():
+                at_leaf[dim] = index.to(leaf.device)[at_leaf[dim]]
+            entries = leaf[tuple(at_leaf)]
+        return value.take(flat), _declared_value(site, role, entries)
 
 
 def _adapter_or_refusal(target: object) -> Callable[[object, Trace | None], GuideDescription]:
