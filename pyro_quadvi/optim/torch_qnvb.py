@@ -542,6 +542,17 @@ def standard_normal(p: torch.Tensor, generator: torch.Generator | None) -> torch
     return torch.randn(p.shape, generator=generator, dtype=p.dtype, device=at).to(p.device)
 
 
+def drop_autocast_copies() -> None:
+    """Drop `torch.autocast`'s cached half-precision copies of the parameters, to be called
+    after an optimizer writes them in place (a node, a draw, the means). Autocast casts a leaf
+    tensor that requires grad once and keeps the copy until the outermost autocast exits, and
+    an in-place write does not renew it: under an autocast entered around a step (or around the
+    whole loop), every node would run with the first node's weights (``h = 0``, ``sigma`` held
+    at ``init_sigma``) and every draw of `QNVBOptimizer.sampled_params` would give the same
+    output. Outside autocast the cache is empty and this does nothing."""
+    torch.clear_autocast_cache()
+
+
 @contextmanager
 def sampled_values(
     params: list[torch.Tensor],
@@ -557,11 +568,13 @@ def sampled_values(
         with torch.no_grad():
             for p, draw in zip(params, draws):
                 p.copy_(draw)
+        drop_autocast_copies()
         yield
     finally:
         with torch.no_grad():
             for p, mean in zip(params, means):
                 p.copy_(mean)
+        drop_autocast_copies()
         marks.update(written_marks(params))
 
 
@@ -572,6 +585,7 @@ def restore_means(params: list[torch.Tensor], mus: list[torch.Tensor]) -> None:
         for p, mu in zip(params, mus):
             p.copy_(mu)
             p.grad = None
+    drop_autocast_copies()
 
 
 def written_marks(params: Iterable[torch.Tensor]) -> dict[int, tuple[int, int]]:
@@ -749,6 +763,7 @@ class CheckpointHooks(CopyableOptimizerState):
         with torch.no_grad():
             for p in params:
                 p.copy_(self.state[p]["mu"])
+        drop_autocast_copies()
         self._written.update(written_marks(params))
 
 
@@ -825,6 +840,7 @@ def closure_moments(
                 p.copy_(mu + sigma * x_p)
                 p.grad = None
                 offsets.append(x_p)
+            drop_autocast_copies()
             with torch.enable_grad():
                 loss = _checked_loss(closure(), owner)
             loss_avg += weight_k * loss
@@ -1765,6 +1781,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         for p, _ in params:
             p.copy_(self.state[p]["mu"])
             p.grad = None
+        drop_autocast_copies()
         self._written.update(written_marks(p for p, _ in params))
         total = sum(params[i][0].numel() for indices in by_group.values() for i in indices)
         table = self._refuse_if_idle(counts, scales, total)
