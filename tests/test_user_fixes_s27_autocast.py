@@ -1,11 +1,13 @@
 """Session 27, helper f23: the plain-torch optimizers (`QNVBOptimizer`, `SparseQNVBOptimizer`)
 under an enclosing ``torch.autocast``. Autocast keeps its half-precision copy of each weight until
 the outermost autocast exits, and the optimizers write the nodes, draws and means into the
-parameters in place: the copy must be dropped after each write."""
+parameters in place: the copy must be dropped after each write. The float32-resolution warning
+measures the spacing in the autocast dtype, which is the one the forward sees."""
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -146,3 +148,23 @@ def test_sampled_params_under_autocast_give_each_draw_and_then_the_means():
     assert (around[1:4] - around[0]).abs().amax() > 0.1
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(around[4], net(x))
+
+
+def test_the_resolution_warning_counts_the_autocast_dtype_spacing():
+    """sd 0.0050 at a mean of 2.0: float32 resolves the nodes (no warning), bfloat16, whose
+    spacing at 2.0 is 0.0156, does not: the fit under autocast is warned of, naming bfloat16,
+    its spacing and autocast, and advising against float64 nowhere."""
+    x, y, _, sigma = linear_gaussian(10_000, [1.5, -0.7, 0.3, 2.0])
+    assert 0.0049 < float(sigma[3]) < 0.0051
+    for autocast in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fitted(x, y, 8, "step" if autocast else "none", one_pass=True)
+        messages = [str(w.message) for w in caught if "round back" in str(w.message)]
+        if not autocast:
+            assert messages == []
+            continue
+        assert len(messages) == 1, messages
+        assert "torch.bfloat16's spacing at the mean (sigma < |mu| / 128)" in messages[0]
+        assert "run it without autocast" in messages[0]
+        assert "float64" not in messages[0]
