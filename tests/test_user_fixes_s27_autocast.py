@@ -172,6 +172,27 @@ def test_the_resolution_warning_counts_the_autocast_dtype_spacing():
         assert "float64" not in messages[0]
 
 
+def test_a_float64_parameter_under_autocast_is_counted_in_float64():
+    """Autocast leaves float64 tensors uncast: a float64 weight of mean 2.0 and sigma 0.005,
+    resolved in float64, is not warned of under a bfloat16 autocast."""
+    net = nn.Linear(1, 1, bias=False).double()
+    with torch.no_grad():
+        net.weight.fill_(2.0)
+    optimizer = QNVBOptimizer(net.parameters(), likelihood_weight=1e4, init_sigma=0.005)
+    x = torch.ones(8, 1, dtype=torch.float64)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = criterion(net(x), 2 * x.squeeze(-1))
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings(record=True) as caught, bf16(True):
+        warnings.simplefilter("always")
+        optimizer.step(closure)
+    assert not [w for w in caught if "round back" in str(w.message)]
+
+
 def test_with_hadamard_the_closure_and_the_loop_stay_bit_for_bit_equal_in_float32():
     """A 192-16-4 tanh network (where the vectorized pass parts from the closure in float32
     after one step): the closure and ``vectorize=False`` give the same means and sigmas, bit

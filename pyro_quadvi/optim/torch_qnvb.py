@@ -1085,10 +1085,14 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 def resolution_dtype(p: torch.Tensor) -> torch.dtype:
     """The dtype whose spacing resolves ``p``'s nodes in a forward run around this call: under
     a `torch.autocast` on ``p``'s device, its dtype where coarser than ``p``'s (``Linear`` and
-    ``Conv`` cast their weights to it: bfloat16's spacing is ``0.0156`` at ``2.0``); otherwise
-    ``p``'s own."""
+    ``Conv`` cast their weights to it: bfloat16's spacing is ``0.0156`` at ``2.0``); otherwise,
+    and for a float64 ``p`` (which autocast does not cast), ``p``'s own."""
     cast = autocast_dtype(p.device.type)
-    if cast is not None and torch.finfo(cast).eps > torch.finfo(p.dtype).eps:
+    if (
+        cast is not None
+        and p.dtype != torch.float64
+        and torch.finfo(cast).eps > torch.finfo(p.dtype).eps
+    ):
         return cast
     return p.dtype
 
