@@ -485,14 +485,22 @@ def _count_message(kind: str, hp: QNVBHyperparameters, dtype: torch.dtype, where
         )
     if kind == "num_unresolved":
         resolves = 1.0 / torch.finfo(dtype).eps
-        advice = "Centre or rescale the latent (fit its offset from a known value)"
+        if torch.finfo(dtype).bits < 32:  # no parameter is in it: the dtype of a torch.autocast
+            advice = (
+                f"torch.autocast runs the forward with the weights in {dtype} (a linear-"
+                "Gaussian fit, sd 0.005 at a mean of 2.0, ended 0.29 sd off): run it without "
+                "autocast, or centre or rescale the parameter"
+            )
+        else:
+            advice = or_float64(
+                "Centre or rescale the latent (fit its offset from a known value)", [dtype]
+            )
         return (
             f"the nodes mu + sigma * x_k round back to (near) mu at {where}: sigma is below "
             f"{dtype}'s spacing at the mean (sigma < |mu| / {resolves:.3g}), so the curvature "
             "read from the nodes is 0 or rounding noise, and sigma holds or goes wrong (in "
             "float32, a posterior sd of 1e-6 at a mean of 1000 came out 2.4 to 20 times too "
-            "wide over five data sets). "
-            f"{or_float64(advice, [dtype])}"
+            f"wide over five data sets). {advice}"
         )
     return (
         f"sigma pinned at sigma_max={hp.sigma_max:g}, or rising to it at the scale rate limit "
@@ -916,11 +924,14 @@ def _reference_rules(
     return new_mu, new_sigma, new_state, masks
 
 
-def _unresolved(mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """Where ``sigma < eps |mu|`` (``eps``: the dtype's machine epsilon), the nodes
-    ``mu + sigma x_k`` lie within about one spacing of the dtype from ``mu``. Three passes;
-    rule 12 asks it of the step's input and of its result (`_still_unresolved`)."""
-    return torch.gt(mu.abs().mul_(torch.finfo(mu.dtype).eps), sigma)
+def _unresolved(
+    mu: torch.Tensor, sigma: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Where ``sigma < eps |mu|`` (``eps``: the machine epsilon of ``dtype``, by default the
+    mean's), the nodes ``mu + sigma x_k`` lie within about one spacing of the dtype from
+    ``mu``. Three passes; rule 12 asks it of the step's input and of its result
+    (`_still_unresolved`); `QNVBOptimizer` at an autocast dtype (`resolution_dtype`)."""
+    return torch.gt(mu.abs().mul_(torch.finfo(dtype or mu.dtype).eps), sigma)
 
 
 def _still_unresolved(

@@ -67,6 +67,7 @@ from .torch_qnvb import (
     checked_parameters,
     closure_moments,
     data_moments,
+    drop_autocast_copies,
     group_params,
     refuse_added_guide_parameters,
     refuse_duplicate_parameters,
@@ -508,6 +509,7 @@ class SparseQNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 self.state[p].update(block._asdict())
                 p.copy_(block.mu)
                 p.grad = None
+            drop_autocast_copies()
             self._written.update(written_marks(params))
         except BaseException:  # whatever failed, the parameters are left at their means
             restore_means(params, [self.state[p]["mu"] for p in params])

@@ -72,6 +72,7 @@ from .qnvb_functional import (
     QNVBHyperparameters,
     QNVBState,
     _check_number,
+    _unresolved,
     cast_state_to,
     check_settings,
     count_idle_step,
@@ -542,6 +543,17 @@ def standard_normal(p: torch.Tensor, generator: torch.Generator | None) -> torch
     return torch.randn(p.shape, generator=generator, dtype=p.dtype, device=at).to(p.device)
 
 
+def drop_autocast_copies() -> None:
+    """Drop `torch.autocast`'s cached half-precision copies of the parameters, to be called
+    after an optimizer writes them in place (a node, a draw, the means). Autocast casts a leaf
+    tensor that requires grad once and keeps the copy until the outermost autocast exits, and
+    an in-place write does not renew it: under an autocast entered around a step (or around the
+    whole loop), every node would run with the first node's weights (``h = 0``, ``sigma`` held
+    at ``init_sigma``) and every draw of `QNVBOptimizer.sampled_params` would give the same
+    output. Outside autocast the cache is empty and this does nothing."""
+    torch.clear_autocast_cache()
+
+
 @contextmanager
 def sampled_values(
     params: list[torch.Tensor],
@@ -557,11 +569,13 @@ def sampled_values(
         with torch.no_grad():
             for p, draw in zip(params, draws):
                 p.copy_(draw)
+        drop_autocast_copies()
         yield
     finally:
         with torch.no_grad():
             for p, mean in zip(params, means):
                 p.copy_(mean)
+        drop_autocast_copies()
         marks.update(written_marks(params))
 
 
@@ -572,6 +586,7 @@ def restore_means(params: list[torch.Tensor], mus: list[torch.Tensor]) -> None:
         for p, mu in zip(params, mus):
             p.copy_(mu)
             p.grad = None
+    drop_autocast_copies()
 
 
 def written_marks(params: Iterable[torch.Tensor]) -> dict[int, tuple[int, int]]:
@@ -749,6 +764,7 @@ class CheckpointHooks(CopyableOptimizerState):
         with torch.no_grad():
             for p in params:
                 p.copy_(self.state[p]["mu"])
+        drop_autocast_copies()
         self._written.update(written_marks(params))
 
 
@@ -825,6 +841,7 @@ def closure_moments(
                 p.copy_(mu + sigma * x_p)
                 p.grad = None
                 offsets.append(x_p)
+            drop_autocast_copies()
             with torch.enable_grad():
                 loss = _checked_loss(closure(), owner)
             loss_avg += weight_k * loss
@@ -1056,6 +1073,30 @@ def _decision_key(loss_fn: LossFunction) -> tuple[tuple, tuple[bool, ...] | None
     return (loss_fn,), flags
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype of the `torch.autocast` enabled on ``device_type`` around this call, or
+    ``None`` where none is."""
+    # (a device without autocast, "meta" say, cannot be asked whether it is on)
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def resolution_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype whose spacing resolves ``p``'s nodes in a forward run around this call: under
+    a `torch.autocast` on ``p``'s device, its dtype where coarser than ``p``'s (``Linear`` and
+    ``Conv`` cast their weights to it: bfloat16's spacing is ``0.0156`` at ``2.0``); otherwise,
+    and for a float64 ``p`` (which autocast does not cast), ``p``'s own."""
+    cast = autocast_dtype(p.device.type)
+    if (
+        cast is not None
+        and p.dtype != torch.float64
+        and torch.finfo(cast).eps > torch.finfo(p.dtype).eps
+    ):
+        return cast
+    return p.dtype
+
+
 def _check_tolerances(device_type: str) -> tuple[float | None, float | None]:
     """The relative and absolute tolerances of the probes' check: those of the losses' dtype
     (`probe_tolerance`: ``None``), or under ``torch.autocast`` the autocast dtype's machine
@@ -1063,9 +1104,9 @@ def _check_tolerances(device_type: str) -> tuple[float | None, float | None]:
     (by ``1.5e-4`` relative on a 20-64-1 net in bfloat16 on the CPU), while a loss that is not a
     function of its parameters (dropout in training mode) or a pass that mixes the nodes differs
     by far more."""
-    # (a device without autocast, "meta" say, cannot be asked whether it is on)
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        tolerance = torch.finfo(torch.get_autocast_dtype(device_type)).eps
+    cast = autocast_dtype(device_type)
+    if cast is not None:
+        tolerance = torch.finfo(cast).eps
         return tolerance, tolerance
     return None, None
 
@@ -1743,6 +1784,15 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             hp = settings[id(group)]
             states = [self.state[params[i][0]] for i in indices]
             owned = all(self._owns(params[i][0]) for i in indices)
+            # rule 12 at the spacing the forward sees, where autocast's is coarser: the
+            # coordinates unresolved before the step (the update may write over the state)
+            seen = [resolution_dtype(params[i][0]) for i in indices]
+            before = [
+                None
+                if dtype == params[i][0].dtype
+                else _unresolved(state["mu"], state["sigma"], dtype)
+                for i, state, dtype in zip(indices, states, seen)
+            ]
             results = qnvb_update_many(
                 [state["mu"] for state in states],
                 [state["sigma"] for state in states],
@@ -1755,16 +1805,20 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 compile=self.compile,
                 donate=DONATABLE if owned else (),
             )
-            for i, state, result in zip(indices, states, results):
+            for i, state, result, dtype, was in zip(indices, states, results, seen, before):
                 state["mu"], state["sigma"] = result.mu, result.sigma
                 state.update(result.state._asdict())
                 self._in_place[id(params[i][0])] = tuple(state[k] for k in _OWNED_KEYS)
                 label = f"a parameter of shape {tuple(params[i][0].shape)}"
-                counts.append((label, hp, params[i][0].dtype, result_counts(result)))
+                if was is not None:
+                    still = was & _unresolved(result.mu, result.sigma, dtype)
+                    result = result._replace(num_unresolved=still.sum())
+                counts.append((label, hp, dtype, result_counts(result)))
                 scales.append((label, result.sigma, hp.sigma_min))
         for p, _ in params:
             p.copy_(self.state[p]["mu"])
             p.grad = None
+        drop_autocast_copies()
         self._written.update(written_marks(p for p, _ in params))
         total = sum(params[i][0].numel() for indices in by_group.values() for i in indices)
         table = self._refuse_if_idle(counts, scales, total)
