@@ -58,6 +58,7 @@ import torch
 from pyro.infer import ELBO
 from pyro.poutine import Trace
 from pyro.poutine.util import site_is_subsample
+from torch.utils.checkpoint import CheckpointError
 
 from ..distributions.iid_normal import expected_log_density
 from ..guides.interface import (
@@ -76,12 +77,14 @@ from ..store import follow_param_store
 from .batched import (
     BatchDecision,
     DecisionCache,
+    RecomputedForward,
     add_hint,
     check_vectorize,
     evaluate_batch,
     first_line,
     is_broadcast_error,
     product_advice,
+    refuse_recomputed_forward,
     without_autocast,
 )
 from .log_joint import (
@@ -653,17 +656,52 @@ class QuadratureELBO(PointsELBO):
         """
         if not torch.is_grad_enabled():
             raise step_without_grad_refusal("QuadratureELBO.loss_and_grads (svi.step)")
-        loss = self.differentiable_loss(model, guide, *args, **kwargs)
+        loss, description = self._quadrature_loss(model, guide, args, kwargs)
         if loss.requires_grad:
-            loss.backward()
+            with refuse_recomputed_forward(type(self).__name__, _CHECKPOINT_FIX):
+                try:
+                    loss.backward()
+                except RuntimeError as error:
+                    if self.vectorized(model, guide) and not isinstance(error, RecomputedForward):
+                        add_hint(error, _vectorized_backward_hint(type(self).__name__, error))
+                    raise
         else:
             refusal = _untrainable(guide)
             if refusal is not None:
                 raise refusal
+        self._advance(description)  # once the backward ran: a refused step keeps the position
         return loss.item()
 
     def __repr__(self) -> str:
         return f"QuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize})"
+
+
+_CHECKPOINT_FIX = (
+    "Remove the checkpoint (for memory, take fewer rows a step: a smaller minibatch, the "
+    "likelihood's dataset_size kept); a checkpoint of a part without parameters, "
+    "checkpoint(torch.tanh, h), runs with vectorize=False"
+)
+
+
+def _vectorized_backward_hint(owner: str, error: RuntimeError) -> str:
+    """What to do where the backward of a vectorized pass failed (the pass itself ran): loop
+    over the nodes; a ``torch.utils.checkpoint`` recomputing outside ``vmap`` (a tensor of
+    other metadata, or one that escaped the vmap) is named."""
+    said = str(error)
+    checkpoint = isinstance(error, CheckpointError) or (
+        "escaped from inside a function being vmapped" in said
+    )
+    why = (
+        " (a torch.utils.checkpoint in the net's forward recomputes its part in the backward, "
+        "outside torch.func.vmap, where the saved tensors carry the nodes' dim)"
+        if checkpoint
+        else ""
+    )
+    fix = f". {_CHECKPOINT_FIX}" if checkpoint else ""
+    return (
+        f"{owner}: the backward of the vectorized pass over the nodes failed{why}; pass "
+        f"vectorize=False to evaluate the nodes one at a time{fix}"
+    )
 
 
 def grad_mode_words() -> str:
