@@ -58,6 +58,7 @@ import torch
 from pyro.infer import ELBO
 from pyro.poutine import Trace
 from pyro.poutine.util import site_is_subsample
+from torch.utils.checkpoint import CheckpointError
 
 from ..distributions.iid_normal import expected_log_density
 from ..guides.interface import (
@@ -76,12 +77,15 @@ from ..store import follow_param_store
 from .batched import (
     BatchDecision,
     DecisionCache,
+    RecomputedForward,
     add_hint,
     check_vectorize,
     evaluate_batch,
     first_line,
     is_broadcast_error,
     product_advice,
+    refuse_recomputed_forward,
+    without_autocast,
 )
 from .log_joint import (
     LogJoint,
@@ -558,16 +562,18 @@ class QuadratureELBO(PointsELBO):
                 "or torch.autograd.grad(loss, list(guide.parameters()))"
             )
         guide_trace, description = self._described_run(model, guide, args, kwargs)
+        _refuse_half_precision(description)
         position = self._meet(guide, description)
         entropy = description.entropy_outside_kl()
         try:
-            nodes = self.rule.draw(
-                description.dim,
-                step=position,
-                generator=self.generator,
-                dtype=entropy.dtype,
-                device=entropy.device,
-            )
+            with without_autocast(entropy.device.type):  # a rotation's matmul in entropy.dtype
+                nodes = self.rule.draw(
+                    description.dim,
+                    step=position,
+                    generator=self.generator,
+                    dtype=entropy.dtype,
+                    device=entropy.device,
+                )
         except ValueError as error:  # too many nodes: for sites the guide should not have?
             names = [site.name for site in description.latent_sites]
             observed = first_observed_by_the_model(model, names, args, kwargs)
@@ -598,7 +604,8 @@ class QuadratureELBO(PointsELBO):
         )
         # float64 data with float32 latents give a float64 log joint, as in Trace_ELBO
         weights = node_weights.to(torch.promote_types(node_weights.dtype, log_joint.dtype))
-        loss = -(weights @ log_joint) - entropy
+        with without_autocast(log_joint.device.type):  # the sum in the log joint's dtype
+            loss = -(weights @ log_joint) - entropy
         if priors:
             loss = loss - closed.expected_log_prior(priors, weights.sum().detach())
         if not torch.isfinite(loss):
@@ -649,17 +656,52 @@ class QuadratureELBO(PointsELBO):
         """
         if not torch.is_grad_enabled():
             raise step_without_grad_refusal("QuadratureELBO.loss_and_grads (svi.step)")
-        loss = self.differentiable_loss(model, guide, *args, **kwargs)
+        loss, description = self._quadrature_loss(model, guide, args, kwargs)
         if loss.requires_grad:
-            loss.backward()
+            with refuse_recomputed_forward(type(self).__name__, _CHECKPOINT_FIX):
+                try:
+                    loss.backward()
+                except RuntimeError as error:
+                    if self.vectorized(model, guide) and not isinstance(error, RecomputedForward):
+                        add_hint(error, _vectorized_backward_hint(type(self).__name__, error))
+                    raise
         else:
             refusal = _untrainable(guide)
             if refusal is not None:
                 raise refusal
+        self._advance(description)  # once the backward ran: a refused step keeps the position
         return loss.item()
 
     def __repr__(self) -> str:
         return f"QuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize})"
+
+
+_CHECKPOINT_FIX = (
+    "Remove the checkpoint (for memory, take fewer rows a step: a smaller minibatch, the "
+    "likelihood's dataset_size kept); a checkpoint of a part without parameters, "
+    "checkpoint(torch.tanh, h), runs with vectorize=False"
+)
+
+
+def _vectorized_backward_hint(owner: str, error: RuntimeError) -> str:
+    """What to do where the backward of a vectorized pass failed (the pass itself ran): loop
+    over the nodes; a ``torch.utils.checkpoint`` recomputing outside ``vmap`` (a tensor of
+    other metadata, or one that escaped the vmap) is named."""
+    said = str(error)
+    checkpoint = isinstance(error, CheckpointError) or (
+        "escaped from inside a function being vmapped" in said
+    )
+    why = (
+        " (a torch.utils.checkpoint in the net's forward recomputes its part in the backward, "
+        "outside torch.func.vmap, where the saved tensors carry the nodes' dim)"
+        if checkpoint
+        else ""
+    )
+    fix = f". {_CHECKPOINT_FIX}" if checkpoint else ""
+    return (
+        f"{owner}: the backward of the vectorized pass over the nodes failed{why}; pass "
+        f"vectorize=False to evaluate the nodes one at a time{fix}"
+    )
 
 
 def grad_mode_words() -> str:
@@ -857,6 +899,18 @@ def _publish(
             version = site.params["loc"]._version
             publish_moments(PublishedMoments(site, g, h, version, loss))
         start = stop
+
+
+def _refuse_half_precision(description: GuideDescription) -> None:
+    """Refuse a guide whose loc is narrower than float32 (`check_precision`, QNVB's refusal),
+    naming the site, before any node is evaluated: a float16 net's log likelihood of 10^4 rows
+    overflowed first, and the message blamed the model's support."""
+    from ..optim.torch_qnvb import check_precision  # (the optimizers import this package)
+
+    for site in description.sites:
+        check_precision(site.loc, f"site {site.name!r}", "QuadratureELBO")
+    if description.joint is not None:
+        check_precision(description.joint.loc, "the joint Gaussian's loc", "QuadratureELBO")
 
 
 def _refuse_unpositive_scales(description: GuideDescription) -> None:

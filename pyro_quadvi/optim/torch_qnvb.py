@@ -51,11 +51,13 @@ from ..infer.batched import (
     BatchDecision,
     BatchMismatch,
     DecisionCache,
+    RecomputedForward,
     call_by_place,
     check_vectorize,
     evaluate_batch,
     first_line,
     is_vmap_refusal,
+    refuse_recomputed_forward,
     sum_is_finite,
     user_stacklevel,
     vmap_safe_attention,
@@ -881,6 +883,13 @@ def data_moments(
     return torch.zeros_like(like), torch.zeros_like(like)
 
 
+_CHECKPOINT_FIX = (
+    "Remove the checkpoint for this fit, or step with a closure, opt.step(closure), which "
+    "writes each node into the parameters, where checkpoint(..., use_reentrant=False) "
+    "recomputes at the node"
+)
+
+
 def _weighted_gradients(
     losses: torch.Tensor, nodes: NodeSet, stacked: list[torch.Tensor]
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -891,9 +900,10 @@ def _weighted_gradients(
     if not total.requires_grad:
         return total, [None] * len(stacked)
     try:
-        return total, list(torch.autograd.grad(total, stacked, allow_unused=True))
+        with refuse_recomputed_forward("QNVBOptimizer.step(loss_fn=...)", _CHECKPOINT_FIX):
+            return total, list(torch.autograd.grad(total, stacked, allow_unused=True))
     except (RuntimeError, NotImplementedError) as error:
-        if "sparse" not in str(error).lower():
+        if isinstance(error, RecomputedForward) or "sparse" not in str(error).lower():
             raise
         raise RuntimeError(
             "QNVBOptimizer: the one-pass backward failed on a sparse gradient ("
@@ -1686,6 +1696,9 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             try:
                 total, grads = _weighted_gradients(losses, nodes, stacked)
             except (RuntimeError, NotImplementedError) as error:
+                if isinstance(error, RecomputedForward):  # a checkpoint: no loop helps either
+                    buffers.undo()
+                    raise
                 if not decision.vectorized or "sparse" in str(error).lower():
                     raise  # the loop's own error, or a sparse gradient's (no loop helps)
                 # the pass ran and agreed with the probes, but its backward fails (a
