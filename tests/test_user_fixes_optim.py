@@ -268,10 +268,11 @@ def _local_problem():
 def _local_build():
     torch.manual_seed(1)
     net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
-    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(40))
+    # the last bias hidden: a point estimate the fallback trains, held by the model alone
+    bnn = BayesianModule(net, priors.Normal(1.0), likelihoods.Gaussian(40), hide=["2.bias"])
     guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
     optim = QNVB()
-    return guide, optim, SVI(bnn, guide, optim, QuadratureELBO(rule="hadamard"))
+    return bnn, guide, optim, SVI(bnn, guide, optim, QuadratureELBO(rule="hadamard"))
 
 
 def test_the_local_mode_checkpoint_recipe_resumes_bit_for_bit():
@@ -279,26 +280,31 @@ def test_the_local_mode_checkpoint_recipe_resumes_bit_for_bit():
     with pyro.settings.context(module_local_params=True):
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
-        _, _, svi = _local_build()
+        *_, svi = _local_build()
         expected = [svi.step(x, y) for _ in range(8)]
 
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
-        guide, optim, svi = _local_build()
+        model, guide, optim, svi = _local_build()
         got = [svi.step(x, y) for _ in range(4)]
         # the recipe: the guide's state_dict (which holds the Hadamard sequence's position in
-        # local mode, its buffer quadrature_elbo_step), QNVB's state and the random state; the
-        # param store is empty
+        # local mode, its buffer quadrature_elbo_step), the model's (its hidden bias, held by
+        # nothing else), QNVB's state and the random state; the param store is empty
         guide_state = copy.deepcopy(guide.state_dict())
+        model_state = copy.deepcopy(model.state_dict())
         optim_state = optim.get_state()
         rng_state = pyro.util.get_rng_state()
         store_state = copy.deepcopy(pyro.get_param_store().get_state())
         assert guide_state["quadrature_elbo_step"].item() == 4 and not store_state["params"]
+        assert "2.bias" not in str(list(guide_state)) and list(optim_state["fallback"]) == [
+            "net$$$2.bias"
+        ]
 
         pyro.clear_param_store()
-        guide, optim, svi = _local_build()
+        model, guide, optim, svi = _local_build()
         guide(x, y)
         guide.load_state_dict(guide_state)
+        model.load_state_dict(model_state)
         optim.set_state(optim_state)
         pyro.get_param_store().set_state(copy.deepcopy(store_state))
         pyro.util.set_rng_state(rng_state)
