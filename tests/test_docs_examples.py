@@ -192,6 +192,44 @@ svi = SVI(model, guide, qnvb, QuadratureELBO(RULE))
 for step in range(3):
     svi.step(x, y)
 """
+# the local-mode recipe's model: SUBSAMPLED's as a PyroModule with a bias of its own (trained by
+# the fallback, held by the model alone: only its state_dict saves it)
+LOCAL_MODULE = """
+import copy
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer import SVI
+from pyro.nn import PyroModule, PyroParam
+
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+
+pyro.settings.set(module_local_params=True)
+generator = torch.Generator().manual_seed(1)
+x = torch.randn(60, 3, generator=generator)
+y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.3 * torch.randn(60, generator=generator) + 1.0
+
+
+class Model(PyroModule):
+    def __init__(self):
+        super().__init__()
+        self.bias = PyroParam(torch.zeros(()))
+
+    def forward(self, x, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        with pyro.plate("data", len(x), subsample_size=20) as rows:
+            pyro.sample("y", dist.Normal((x[rows] * w).sum(-1) + self.bias, 0.3), obs=y[rows])
+
+
+pyro.set_rng_seed(0)
+model = Model()
+guide = AutoMeanFieldNormal(model)
+qnvb = QNVB()
+svi = SVI(model, guide, qnvb, QuadratureELBO("hadamard", num_points=4))
+for step in range(3):
+    svi.step(x, y)
+"""
 GO_ON = "lost = [svi.step(x, y) for _ in range(4)]  # the steps after the checkpoint"
 # what a new process does before it reads the checkpoint: the same objects built again, on an empty
 # store and another random state
@@ -1052,8 +1090,7 @@ EXAMPLES: dict[str, Example] = {
         check=resumes_bit_for_bit,
     ),
     "qnvb-checkpoint-local": Example(
-        "import pyro\npyro.settings.set(module_local_params=True)\n"
-        + SUBSAMPLED.replace("RULE", '"hadamard", num_points=4'),
+        LOCAL_MODULE,
         replace={"...\n": GO_ON + "\n"},
         check=resumes_bit_for_bit,
     ),

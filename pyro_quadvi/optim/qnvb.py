@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import inspect
 import math
 import warnings
@@ -960,6 +961,7 @@ class QNVB(PyroOptim):
             blocks, explained = self.find_blocks(params, descriptions)
         finally:
             self._described = None
+        self._refuse_second_model(params, blocks)
         paired: set[int] = set()
         counts: list[tuple[str, QNVBHyperparameters, torch.dtype, torch.Tensor]] = []
         prepared = []
@@ -993,6 +995,60 @@ class QNVB(PyroOptim):
         self._warn_if_unbound_after_restore()
         self._warn_if_not_annealed()
         self.num_steps += 1
+
+    def _refuse_second_model(self, params: list[torch.Tensor], blocks: list[QNVBBlock]) -> None:
+        """Refuse a step, before anything changes, in which a parameter has the name of another
+        tensor this QNVB updated before that is still in use: a second model of the same names
+        (under ``module_local_params=True`` every model holds its own tensors under the same
+        names). States are kept by name (`_state_for`, `_bind_fallback`), so each model's steps
+        would restart the other's, and the step count would advance for both. A rebuilt model's
+        predecessor no longer in use (collected) is not such a clash: its state is dropped.
+
+        Raises:
+            ValueError: naming the parameters and the fix (one ``QNVB`` per model).
+        """
+        clashes = self._clashes(params, blocks)
+        if clashes:
+            gc.collect()  # a rebuilt model's predecessor held only in a reference cycle
+            self._live()
+            clashes = self._clashes(params, blocks)
+        if clashes:
+            raise ValueError(
+                f"QNVB: the parameters {listed_names(sorted(clashes))} of this step are other "
+                "tensors than those of the same names this QNVB updated before, which are still in "
+                "use: two models (or guides) with the same parameter names share one QNVB "
+                "(under pyro.settings.set(module_local_params=True) each model holds its own "
+                "parameters under the same names). QNVB keeps its states by parameter name and "
+                "one step count, so each model's steps would restart the other's states. Give "
+                "each model (each SVI) its own QNVB(); to fit a new model in place of the old "
+                "one with this QNVB, drop the old model and guide (del them) before its first "
+                "step. Neither the parameters nor QNVB's states were changed"
+            )
+
+    def _clashes(self, params: list[torch.Tensor], blocks: list[QNVBBlock]) -> list[str]:
+        """The names of ``params`` that another tensor in use holds in this QNVB's states: a
+        block's loc whose name is bound to another live tensor (`_state_for`), or a parameter new
+        to the fallback whose name the fallback keeps for another tensor that the param store or
+        a live guide (or its model) still holds (`_bind_fallback`)."""
+        clashes = []
+        for block in blocks:
+            name, loc = block.site.param_names["loc"], block.site.params["loc"]
+            earlier = self._bound[name][0]() if name in self._bound else None
+            if earlier is not None and earlier is not loc:
+                clashes.append(name)
+        held = {name: q for q, name in self._fallback_names.items() if name is not None}
+        if not held:
+            return clashes
+        in_blocks = {id(leaf) for block in blocks for leaf in block.site.params.values()}
+        new = [p for p in params if id(p) not in in_blocks and p not in self.optim_objs]
+        names = functools.cache(_module_names)
+        store = pyro.get_param_store()
+        for p in new:
+            name = self._fallback_name(p, names)
+            q = held.get(name)
+            if q is not None and (store.param_name(q) is not None or id(q) in names()):
+                clashes.append(name)
+        return clashes
 
     def _refuse_untrainable(self, params: list[torch.Tensor]) -> None:
         """Refuse a step that no parameter can take, before anything changes, with
@@ -1600,10 +1656,11 @@ class QNVB(PyroOptim):
         """Give each of ``params`` new to the fallback its torch optimizer, keyed by the name
         `_fallback_name` finds, with the state `set_state` left under that name; the optimizer of
         a tensor that had the name before (a restored store's or a rebuilt model's predecessor)
-        is dropped. Pyro keys by the param store's name, which is ``None`` for every parameter
-        under ``module_local_params=True`` (their states collapsed into one), and keeps the
-        optimizer of a replaced tensor for ever. A name another of ``params`` has (two modules of
-        one name) is not taken: `get_state` refuses such a parameter."""
+        is dropped (one still in use, another model's, was refused: `_refuse_second_model`).
+        Pyro keys by the param store's name, which is ``None`` for every parameter under
+        ``module_local_params=True`` (their states collapsed into one), and keeps the optimizer
+        of a replaced tensor for ever. A name another of ``params`` has (two modules of one
+        name) is not taken: `get_state` refuses such a parameter."""
         new = [p for p in params if p not in self.optim_objs]
         if not new:
             return
