@@ -34,6 +34,7 @@ RUNS = {
     "node_parallel_check": ("bench_node_parallel_check.py", "--quick", ()),
     "session26_elbo_checks": ("bench_session26_elbo_checks.py", "--quick", ()),
     "session26_declaration": ("bench_session26_declaration.py", "--repeats 1 --steps 1", ()),
+    "laplace_hessian": ("bench_laplace_hessian.py", "--sites 5 --repeats 1", ()),
     "projections": ("bench_projections.py", "--quick", ()),
     "export_trial": ("bench_export_trial.py", "--rows 200 --chunks 50 --repeats 1", ()),
     "resolution_check": ("bench_resolution_check.py", "--repeats 1 --steps 1 --widths 10-5-3", ()),

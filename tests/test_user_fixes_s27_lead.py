@@ -8,6 +8,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 
+from pyro_quadvi import opqa_evidence
 from pyro_quadvi.guides import AutoMeanFieldNormal
 from pyro_quadvi.infer import QuadratureELBO
 from pyro_quadvi.optim import QNVB
@@ -73,3 +74,30 @@ def test_the_default_rules_scale_on_a_lone_skewed_site(model, site, rule, scale)
         svi.step()
     fitted = pyro.param(f"AutoMeanFieldNormal.scales.{site}").item()
     assert fitted == pytest.approx(scale, abs=2e-4)
+
+
+def _conjugate_sites():
+    y = torch.tensor([0.4, -1.1, 0.7], dtype=torch.float64)
+    for i in range(3):
+        z = pyro.sample(f"z_{i}", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+        pyro.sample(f"y_{i}", dist.Normal(z, 1.0), obs=y[i])
+
+
+def test_the_laplace_centre_takes_the_row_by_row_hessian_where_torch_cannot_batch_it(monkeypatch):
+    """`_hessian_factor` takes the Hessian in one batched backward; where torch refuses to batch
+    a model's backward it takes it a row a pass, and the log evidence is the same: here exact,
+    sum_i log N(y_i; 0, 2)."""
+    exact = float(dist.Normal(0.0, 2.0**0.5).log_prob(torch.tensor([0.4, -1.1, 0.7])).sum())
+    hessian = torch.autograd.functional.hessian
+    calls = []
+
+    def refusing(function, inputs, **kwargs):
+        calls.append(kwargs.get("vectorize", False))
+        if kwargs.get("vectorize"):
+            raise RuntimeError("vmap: no batching rule for this backward")
+        return hessian(function, inputs, **kwargs)
+
+    monkeypatch.setattr(torch.autograd.functional, "hessian", refusing)
+    found = opqa_evidence(_conjugate_sites, num_points=1, center="laplace").log_evidence
+    assert float(found) == pytest.approx(exact, abs=1e-6)
+    assert calls[:2] == [True, False]
