@@ -192,3 +192,25 @@ def test_one_quadrature_elbo_s_moments_are_stepped_on_as_published(monkeypatch, 
     assert len(stepped) == 30
     for (blocks, _), moments in zip(stepped, [m for m in taken if m is not None]):
         assert blocks[0].moments is moments
+
+
+@pytest.mark.parametrize(
+    "fallback, words",
+    [
+        (
+            pyro.optim.Adam,
+            "got pyro.optim.Adam (pyro.optim.Adam uncalled: call it with its "
+            "arguments, fallback=pyro.optim.Adam({'lr': 0.01}))",
+        ),
+        (
+            torch.optim.SGD,
+            "got torch.optim.SGD (a class alone: pair it with its arguments, "
+            "fallback=(torch.optim.SGD, {'lr': 0.01}))",
+        ),
+    ],
+)
+def test_an_uncalled_fallback_is_named_with_the_call_it_needs(fallback, words):
+    # item 9: QNVB(fallback=pyro.optim.Adam) said "got <function <lambda>.<locals>.<lambda> ...>"
+    with pytest.raises(ValueError) as error:
+        QNVB(fallback=fallback)
+    assert str(error.value).endswith(words)

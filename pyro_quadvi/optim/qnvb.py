@@ -910,8 +910,16 @@ class QNVB(PyroOptim):
                 except TypeError as error:
                     raise TypeError(f"QNVB's fallback: {error}") from None
             return constructor, args, clip_args
-        why = ""
-        if isinstance(fallback, PyroLRScheduler) or (
+        why, got = "", repr(fallback)
+        uncalled = [name for name, value in vars(pyro.optim).items() if value is fallback]
+        if uncalled:
+            got = f"pyro.optim.{uncalled[0]}"
+            why = f" ({got} uncalled: call it with its arguments, fallback={got}({{'lr': 0.01}}))"
+        elif isinstance(fallback, type) and issubclass(fallback, torch.optim.Optimizer):
+            public = getattr(torch.optim, fallback.__name__, None) is fallback
+            got = f"torch.optim.{fallback.__name__}" if public else fallback.__qualname__
+            why = f" (a class alone: pair it with its arguments, fallback=({got}, {{'lr': 0.01}}))"
+        elif isinstance(fallback, PyroLRScheduler) or (
             isinstance(constructor, type) and issubclass(constructor, LRScheduler)
         ):
             why = (
@@ -934,7 +942,7 @@ class QNVB(PyroOptim):
             "fallback must be a plain PyroOptim such as pyro.optim.Adam({'lr': 0.01}) "
             "(per-parameter arguments via pyro.optim.Adam(lambda name: {...})), or a pair "
             "(torch.optim.Optimizer subclass, arguments dict or callable name -> dict), such as "
-            f"(torch.optim.SGD, {{'lr': 0.1}}); got {fallback!r}{why}"
+            f"(torch.optim.SGD, {{'lr': 0.1}}); got {got}{why}"
         )
 
     # ----------------------------------------------------------------------------- annealing
