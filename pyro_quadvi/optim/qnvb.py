@@ -229,8 +229,8 @@ def _gaussian_entropy_weight(
     with the published ``g = c E[dU/dz]``, ``h = c E[d^2U/dz^2]``, so at each coordinate
     ``c = sigma^2 h - sigma dL/dsigma / s`` and ``dL/dmu / s`` must be ``g``. Both are compared
     within ``sqrt(eps)`` of the sizes of their terms (the moments and the gradients round apart:
-    the closed-form priors are summed in each on their own). Where a coordinate's weight is not
-    finite, only the loc's gradients are compared and ``c`` is taken as 1."""
+    the closed-form priors are summed in each on their own). Where some coordinate's weight is
+    not finite, only the block's loc gradients are compared and ``c`` is taken as 1."""
     sigma, g, h = values["scale"], moments.g, moments.h
     sd = sigma * _scale_gradient(site, values, grads)
     ssh = sigma * sigma * h
