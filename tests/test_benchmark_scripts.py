@@ -35,6 +35,11 @@ RUNS = {
     "session26_elbo_checks": ("bench_session26_elbo_checks.py", "--quick", ()),
     "session26_declaration": ("bench_session26_declaration.py", "--repeats 1 --steps 1", ()),
     "laplace_hessian": ("bench_laplace_hessian.py", "--sites 5 --repeats 1", ()),
+    "session27_moments_check": (
+        "bench_session27_moments_check.py",
+        "--repeats 1 --steps 1 --widths 20-10-3",
+        (),
+    ),
     "projections": ("bench_projections.py", "--quick", ()),
     "export_trial": ("bench_export_trial.py", "--rows 200 --chunks 50 --repeats 1", ()),
     "resolution_check": ("bench_resolution_check.py", "--repeats 1 --steps 1 --widths 10-5-3", ()),
@@ -162,9 +167,9 @@ def _table_rows(stdout: str) -> int:
 # in the default suite: the scripts that subclass the package's classes or call its private
 # functions (bnn_speed, blocked_signs, data_checks, given_rows, rows_scale, many_sites,
 # observed_check, small_net_elbo, sparse_qnvb_trial, session22_checks, session24_checks,
-# session26_checks, session26_elbo_checks, projections: the ones a refactor breaks first) and
-# two quick ones of the export and the sparse optimizers; the others with ``-m slow`` (together
-# 65 s on one core, mostly each process's imports of torch and pyro)
+# session26_checks, session26_elbo_checks, session27_moments_check, projections: the ones a
+# refactor breaks first) and two quick ones of the export and the sparse optimizers; the others
+# with ``-m slow`` (together 65 s on one core, mostly each process's imports of torch and pyro)
 INTERNALS = {
     "bnn_speed",
     "arviz_export",
@@ -181,6 +186,7 @@ INTERNALS = {
     "session24_checks",
     "session26_checks",
     "session26_elbo_checks",
+    "session27_moments_check",
     "projections",
 }
 

@@ -308,11 +308,14 @@ def test_host_syncs_of_a_steady_state_step():
     # infer/quadrature_elbo.py: `if not torch.isfinite(loss)` and SVI's loss.item();
     # optim/qnvb_functional.py: the counts' .tolist() (a copy to the host); the update writes
     # its results in place (donated), so off the CPU it selects in every chunk, reading nothing;
-    # nn/module.py: the data check (x finite, y in the likelihood's support), one read of both
+    # nn/module.py: the data check (x finite, y in the likelihood's support), one read of both;
+    # optim/qnvb.py: the published moments checked against the gradients, one read of every
+    # block's entropy weight (session 27)
     assert pyro_step.by_file() == {
         "nn/module.py": 1,
         "infer/log_joint.py": 1,
         "infer/quadrature_elbo.py": 2,
+        "optim/qnvb.py": 1,
         "optim/qnvb_functional.py": 1,
     }
     with pyro.validation_enabled(False), FakeSync() as torch_step:

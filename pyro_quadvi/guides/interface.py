@@ -1336,7 +1336,8 @@ def publish_moments(moments: PublishedMoments) -> None:
     terms, or two backward passes before one step) add up, as gradients do (their losses too,
     where both carry one); if the two disagree on
     the rows of a subsampled plate they are withdrawn, and the optimizer falls back to the
-    gradients of the parameters.
+    gradients of the parameters. The sum carries the backward pass's factor and the number of
+    terms, which ``QNVB`` reads from the gradients of the scale and divides out.
     """
     site = moments.site
     leaf = site.params["loc"]

@@ -17,7 +17,9 @@ the fallback optimizer, with one warning per guide that cannot be paired and one
 paired.
 
 **Which moments.** ``QuadratureELBO`` publishes ``g`` and ``h`` per block, minibatch scale removed
-(`published_moments`); QNVB uses them when present. Otherwise
+(`published_moments`); QNVB uses them when present and the gradients it is handed are those of
+the loss that published them, or of that loss times one number, which it divides out
+(`QNVB._agreed_moments`); else it warns and reads the block from the gradients. Otherwise
 (Pyro's own ELBOs) it recovers them from the gradients of a Gaussian block's parameters: for a loss
 ``-E_q[log p(x, z)] - entropy(q)`` with ``z = mu + sigma * x``
 
@@ -47,7 +49,7 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import pyro
 import torch
@@ -190,19 +192,60 @@ class _Prepared:
     index: tuple | None
 
 
+def _scale_gradient(
+    site: MeanFieldSite, values: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """``dL/dsigma / s`` of a ``"gaussian"`` block: the gradient of its unconstrained scale
+    through the constraint's transform, the minibatch scale ``s`` taken out."""
+    transform = transform_to(site.param_constraints["scale"])
+    dsigma_du = transform.log_abs_det_jacobian(values["scale_leaf"], values["scale"]).exp()
+    s = site.scale_factor
+    return grads["scale"] / dsigma_du if s == 1.0 else grads["scale"] / dsigma_du / s
+
+
 def _gaussian_identity(
     site: MeanFieldSite, values: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``g`` and ``h`` (rasp paper, eq. 7 and 8) of a ``"gaussian"`` block from the gradients of
     its loc and unconstrained scale: ``g = dL/dmu / s``, ``h = (dL/dsigma / s + 1/sigma) / sigma``
     with ``s`` the minibatch scale (module docstring)."""
-    transform = transform_to(site.param_constraints["scale"])
     sigma = values["scale"]
-    dsigma_du = transform.log_abs_det_jacobian(values["scale_leaf"], sigma).exp()
-    s = site.scale_factor
-    g = grads["loc"] / s
-    h = (grads["scale"] / dsigma_du / s + 1.0 / sigma) / sigma
+    g = grads["loc"] / site.scale_factor
+    h = (_scale_gradient(site, values, grads) + 1.0 / sigma) / sigma
     return g, h
+
+
+def _gaussian_entropy_weight(
+    site: MeanFieldSite,
+    values: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor],
+    moments: PublishedMoments,
+) -> torch.Tensor:
+    """The weight ``c`` of the entropy in the loss whose gradients ``grads`` are, for a
+    ``"gaussian"`` block whose published moments are ``moments``, as a 0-dim tensor: 1.0
+    exactly where it is 1 up to rounding, NaN where the gradients are not those of ``c`` times
+    the loss that published the moments (for one ``c`` at every coordinate).
+
+    A loss ``c (E_q[U] - H[q])`` has ``dL/dmu / s = g`` and ``dL/dsigma / s = sigma h - c / sigma``
+    with the published ``g = c E[dU/dz]``, ``h = c E[d^2U/dz^2]``, so at each coordinate
+    ``c = sigma^2 h - sigma dL/dsigma / s`` and ``dL/dmu / s`` must be ``g``. Both are compared
+    within ``sqrt(eps)`` of the sizes of their terms (the moments and the gradients round apart:
+    the closed-form priors are summed in each on their own). Where some coordinate's weight is
+    not finite, only the block's loc gradients are compared and ``c`` is taken as 1."""
+    sigma, g, h = values["scale"], moments.g, moments.h
+    sd = sigma * _scale_gradient(site, values, grads)
+    ssh = sigma * sigma * h
+    weight = ssh - sd
+    size = ssh.abs_().add_(sd.abs_())  # the sizes of the terms the weight was rounded from
+    c, c_size = weight.mean(), size.mean()
+    tol = torch.finfo(weight.dtype).eps ** 0.5
+    off = weight.sub_(c).abs_() > size.add_(c_size).mul_(tol)  # NaN (not finite): not off
+    s = site.scale_factor
+    g_off = torch.sub(grads["loc"] if s == 1.0 else grads["loc"] / s, g).abs_()
+    off |= g_off > torch.addcmul(g.abs(), h.abs(), values["loc"].abs().add_(sigma)).mul_(tol)
+    c = torch.where(torch.isfinite(c), c, 1.0)
+    c = torch.where((c - 1.0).abs() <= tol * c_size, 1.0, c)
+    return torch.where(off.any() | (c <= 0), torch.nan, c)
 
 
 GradientIdentity = Callable[
@@ -868,8 +911,16 @@ class QNVB(PyroOptim):
                 except TypeError as error:
                     raise TypeError(f"QNVB's fallback: {error}") from None
             return constructor, args, clip_args
-        why = ""
-        if isinstance(fallback, PyroLRScheduler) or (
+        why, got = "", repr(fallback)
+        uncalled = [name for name, value in vars(pyro.optim).items() if value is fallback]
+        if uncalled:
+            got = f"pyro.optim.{uncalled[0]}"
+            why = f" ({got} uncalled: call it with its arguments, fallback={got}({{'lr': 0.01}}))"
+        elif isinstance(fallback, type) and issubclass(fallback, torch.optim.Optimizer):
+            public = getattr(torch.optim, fallback.__name__, None) is fallback
+            got = f"torch.optim.{fallback.__name__}" if public else fallback.__qualname__
+            why = f" (a class alone: pair it with its arguments, fallback=({got}, {{'lr': 0.01}}))"
+        elif isinstance(fallback, PyroLRScheduler) or (
             isinstance(constructor, type) and issubclass(constructor, LRScheduler)
         ):
             why = (
@@ -892,7 +943,7 @@ class QNVB(PyroOptim):
             "fallback must be a plain PyroOptim such as pyro.optim.Adam({'lr': 0.01}) "
             "(per-parameter arguments via pyro.optim.Adam(lambda name: {...})), or a pair "
             "(torch.optim.Optimizer subclass, arguments dict or callable name -> dict), such as "
-            f"(torch.optim.SGD, {{'lr': 0.1}}); got {fallback!r}{why}"
+            f"(torch.optim.SGD, {{'lr': 0.1}}); got {got}{why}"
         )
 
     # ----------------------------------------------------------------------------- annealing
@@ -1286,10 +1337,9 @@ class QNVB(PyroOptim):
         received = {id(p) for p in params}
         blocks: dict[int, QNVBBlock] = {}
         explained = False
-        for p in params:
-            moments = published_moments(p)
-            if moments is not None:
-                blocks[id(p)] = QNVBBlock(moments.site, moments)
+        published = [m for m in map(published_moments, params) if m is not None]
+        for moments in self._agreed_moments(published):
+            blocks[id(moments.site.params["loc"])] = QNVBBlock(moments.site, moments)
         covered = {id(leaf) for block in blocks.values() for leaf in block.site.params.values()}
         if received <= covered:
             # every parameter belongs to a block with published moments: describing the live
@@ -1329,6 +1379,75 @@ class QNVB(PyroOptim):
         if not received <= described:
             explained |= self._warn_undescribed_parts(params, received & described)
         return self._checked_blocks(blocks, received, explained)
+
+    @staticmethod
+    def _entropy_weight(moments: PublishedMoments) -> torch.Tensor | None:
+        """`_gaussian_entropy_weight` of a block's published ``moments`` at its rows; ``None``:
+        not checked (a family without that check, a frozen parameter or a scale without a
+        gradient, which the step holds or sends to the fallback, or a masked site, which it
+        refuses)."""
+        site = moments.site
+        loc_leaf, scale_leaf = site.params["loc"], site.params["scale"]
+        if (
+            site.family != "gaussian"
+            or not (loc_leaf.requires_grad and scale_leaf.requires_grad)
+            or scale_leaf.grad is None
+            or masked_site_refusal(site) is not None
+        ):
+            return None
+        index = _row_index(loc_leaf.shape, site.rows)
+
+        def select(t: torch.Tensor) -> torch.Tensor:
+            return t if index is None else t[index]
+
+        # the scale the moments and the gradients were computed at
+        values = {"loc": site.loc, "scale_leaf": select(scale_leaf.detach()), "scale": site.scale}
+        grads = {"loc": select(loc_leaf.grad), "scale": select(scale_leaf.grad)}
+        return _gaussian_entropy_weight(site, values, grads, moments)
+
+    def _entropy_weights(self, published: list[PublishedMoments]) -> list[float | None]:
+        """`_entropy_weight` of each of ``published``, read from the device in one go."""
+        weights = [self._entropy_weight(moments) for moments in published]
+        checked = [w for w in weights if w is not None]
+        if not checked:
+            return [None] * len(weights)
+        device = checked[0].device
+        read = iter(torch.stack([w.to(device, torch.float64) for w in checked]).tolist())
+        return [None if w is None else next(read) for w in weights]
+
+    def _agreed_moments(self, published: list[PublishedMoments]) -> list[PublishedMoments]:
+        """The ``published`` moments QNVB steps on, checked against the gradients it was
+        handed (`_gaussian_entropy_weight`). A block whose loc has no gradient is dropped
+        (moments of a backward pass whose gradients were cleared since). A loss ``c`` times one
+        ``QuadratureELBO``'s (a mean over ``c`` rows, two backward passes, two terms on one
+        guide) gives moments divided by ``c``: the step is that of the loss's optimum. A block
+        whose gradients do not fit is dropped with a warning naming the site: it is read from
+        its gradients (`GRADIENT_IDENTITIES`), whose fixed points are the loss's stationary
+        points whatever its terms."""
+        published = [m for m in published if m.site.params["loc"].grad is not None]
+        kept = []
+        for moments, c in zip(published, self._entropy_weights(published)):
+            site = moments.site
+            if c is None or c == 1.0:
+                kept.append(moments)
+            elif c == c:  # not NaN
+                kept.append(replace(moments, g=moments.g / c, h=moments.h / c))
+            else:
+                self._warn_once(
+                    f"unpublished {site.name}",
+                    f"QNVB: the gradients of site {site.name!r} are not those of the loss that "
+                    "QuadratureELBO published its moments with (nor that loss times one "
+                    "number): the loss stepped on holds other terms (another ELBO's, a penalty "
+                    "on the guide's parameters, a gradient hook), or the moments are another "
+                    "backward pass's (a validation loss's, whose gradients were cleared since). "
+                    "QNVB reads the site's g and h from its gradients, as for Pyro's ELBOs, "
+                    "whose fixed point is the loss's optimum; average two ELBO terms rather than "
+                    "sum them (the entropy counted twice reads h too small and can hold the "
+                    "scales). To step on the moments, backward only QuadratureELBO terms before "
+                    "each step, and take other losses under torch.no_grad() (or "
+                    "SVI.evaluate_loss).",
+                )
+        return kept
 
     def _warn_undescribed_parts(self, params: list[torch.Tensor], described: set[int]) -> bool:
         """Warn once for each AutoGuide of a kind QNVB cannot describe that holds some of
