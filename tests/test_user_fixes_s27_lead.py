@@ -101,3 +101,32 @@ def test_the_laplace_centre_takes_the_row_by_row_hessian_where_torch_cannot_batc
     found = opqa_evidence(_conjugate_sites, num_points=1, center="laplace").log_evidence
     assert float(found) == pytest.approx(exact, abs=1e-6)
     assert calls[:2] == [True, False]
+
+
+_NAMES = ["w9", "w8", "w7", "w6", "w5", "w4", "w3", "w2", "w1", "w0"]  # built in reverse order
+
+
+def _many_sites():
+    total = sum(pyro.sample(name, dist.Normal(0.0, 100.0)) for name in _NAMES)
+    offsets = sum(pyro.param(f"c{i}", torch.tensor(0.01 * i)) for i in (3, 2, 1, 0))
+    pyro.sample("y", dist.Normal(total + offsets, 1.0), obs=torch.tensor(0.5))
+
+
+def test_qnvb_keeps_its_blocks_by_name_whatever_order_svi_hands_them():
+    """SVI hands QNVB a set of parameters, in the order of their tensors' addresses: QNVB sorts
+    its blocks by their loc's name, so `get_state`'s keys and the warnings' first site are the
+    same in every run (they followed the addresses)."""
+    pyro.clear_param_store()
+    junk = [torch.empty(int(n)) for n in torch.randint(1, 10_000, (50,))]  # shift addresses
+    guide = AutoMeanFieldNormal(_many_sites)
+    optim = QNVB(sigma_max=0.5)
+    svi = pyro.infer.SVI(_many_sites, guide, optim, QuadratureELBO())
+    with pytest.warns(RuntimeWarning, match=r"first: site 'w0'"):
+        for _ in range(3):
+            svi.step()
+    del junk
+    state = optim.get_state()
+    locs = [f"AutoMeanFieldNormal.locs.{name}" for name in sorted(_NAMES)]
+    assert list(state["qnvb"]["pairs"]) == locs
+    assert list(state["qnvb"]["settings"]) == locs
+    assert list(state["fallback"]) == ["c0", "c1", "c2", "c3"]

@@ -1496,7 +1496,9 @@ class QNVB(PyroOptim):
         """The blocks QNVB can update (a family it knows, all parameters received); a warning
         for each other one, which then goes to the fallback."""
         found = []
-        for block in blocks.values():
+        # by the loc's name: the blocks of SVI's set of parameters come in the order of their
+        # tensors' addresses, which get_state's keys and the warnings' first site would follow
+        for block in sorted(blocks.values(), key=lambda b: str(b.site.param_names["loc"])):
             site = block.site
             missing = [r for r, leaf in site.params.items() if id(leaf) not in received]
             if site.family not in FAMILY_UPDATES:
@@ -1839,7 +1841,7 @@ class QNVB(PyroOptim):
                     "Pyro's global param store (module_local_params=False)"
                 )
             state[name] = optimizer.state_dict()
-        return copy.deepcopy(state)
+        return copy.deepcopy(dict(sorted(state.items(), key=lambda item: str(item[0]))))
 
     def _restore_fallback(self, state: dict) -> None:
         """Drop the fallback's optimizers and keep deep copies of the saved ``state``: each
@@ -1860,6 +1862,7 @@ class QNVB(PyroOptim):
         each block's hyperparameters with its model's hints (checked by `set_state`)."""
         blocks = {name: dict(state) for name, state in self._pending.items()}
         blocks.update(self._live())
+        blocks = dict(sorted(blocks.items()))  # by name, whatever order the blocks came in
         return {
             "qnvb": {
                 "num_steps": self.num_steps,
@@ -1870,7 +1873,7 @@ class QNVB(PyroOptim):
                 },
                 "settings": {
                     name: {"hyperparameters": asdict(hp), "hints": dict(hints)}
-                    for name, (hp, hints) in self._block_settings.items()
+                    for name, (hp, hints) in sorted(self._block_settings.items())
                     if name in blocks
                 },
             },
