@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import gc
 import inspect
 import math
 import warnings
@@ -65,6 +64,7 @@ from pyro.params.param_store import (
 from pyro.poutine.messenger import unwrap
 from torch.distributions import transform_to
 from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..guides.interface import (
     GuideDescription,
@@ -781,6 +781,10 @@ class QNVB(PyroOptim):
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         # each tensor of the fallback's optimizers -> its name (None: none known), _bind_fallback
         self._fallback_names: dict[torch.Tensor, str | None] = {}
+        # a tensor whose name another tensor took in the states -> the name (weakly: a rebuilt
+        # model's parameters are dropped with it; one that comes back is refused,
+        # _refuse_second_model)
+        self._replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._fresh: set[str] = set()  # the blocks whose state started in the current step
         # name -> the hyperparameters a block was updated with and its model's hints (get_state)
         self._block_settings: dict[str, tuple[QNVBHyperparameters, dict]] = {}
@@ -1048,58 +1052,39 @@ class QNVB(PyroOptim):
         self.num_steps += 1
 
     def _refuse_second_model(self, params: list[torch.Tensor], blocks: list[QNVBBlock]) -> None:
-        """Refuse a step, before anything changes, in which a parameter has the name of another
-        tensor this QNVB updated before that is still in use: a second model of the same names
-        (under ``module_local_params=True`` every model holds its own tensors under the same
-        names). States are kept by name (`_state_for`, `_bind_fallback`), so each model's steps
-        would restart the other's, and the step count would advance for both. A rebuilt model's
-        predecessor no longer in use (collected) is not such a clash: its state is dropped.
+        """Refuse a step, before anything changes, in which a parameter comes back that another
+        tensor of its name replaced in this QNVB's states: two models (or guides) of the same
+        parameter names stepped in turn (under ``module_local_params=True`` every model holds
+        its own tensors under the same names). States are kept by name (`_state_for`,
+        `_bind_fallback`), so each model's steps would restart the other's states, and the step
+        count would advance for both. A rebuilt model, a restored param store or a kept
+        reference to an old parameter is no such return: the old tensor is never stepped again.
 
         Raises:
             ValueError: naming the parameters and the fix (one ``QNVB`` per model).
         """
-        clashes = self._clashes(params, blocks)
-        if clashes:
-            gc.collect()  # a rebuilt model's predecessor held only in a reference cycle
-            self._live()
-            clashes = self._clashes(params, blocks)
-        if clashes:
-            raise ValueError(
-                f"QNVB: the parameters {listed_names(sorted(clashes))} of this step are other "
-                "tensors than those of the same names this QNVB updated before, which are still in "
-                "use: two models (or guides) with the same parameter names share one QNVB "
-                "(under pyro.settings.set(module_local_params=True) each model holds its own "
-                "parameters under the same names). QNVB keeps its states by parameter name and "
-                "one step count, so each model's steps would restart the other's states. Give "
-                "each model (each SVI) its own QNVB(); to fit a new model in place of the old "
-                "one with this QNVB, drop the old model and guide (del them) before its first "
-                "step. Neither the parameters nor QNVB's states were changed"
-            )
-
-    def _clashes(self, params: list[torch.Tensor], blocks: list[QNVBBlock]) -> list[str]:
-        """The names of ``params`` that another tensor in use holds in this QNVB's states: a
-        block's loc whose name is bound to another live tensor (`_state_for`), or a parameter new
-        to the fallback whose name the fallback keeps for another tensor that the param store or
-        a live guide (or its model) still holds (`_bind_fallback`)."""
-        clashes = []
-        for block in blocks:
-            name, loc = block.site.param_names["loc"], block.site.params["loc"]
-            earlier = self._bound[name][0]() if name in self._bound else None
-            if earlier is not None and earlier is not loc:
-                clashes.append(name)
-        held = {name: q for q, name in self._fallback_names.items() if name is not None}
-        if not held:
-            return clashes
         in_blocks = {id(leaf) for block in blocks for leaf in block.site.params.values()}
-        new = [p for p in params if id(p) not in in_blocks and p not in self.optim_objs]
-        names = functools.cache(_module_names)
-        store = pyro.get_param_store()
-        for p in new:
-            name = self._fallback_name(p, names)
-            q = held.get(name)
-            if q is not None and (store.param_name(q) is not None or id(q) in names()):
-                clashes.append(name)
-        return clashes
+        back = [
+            block.site.param_names["loc"]
+            for block in blocks
+            if block.site.params["loc"] in self._replaced
+        ]
+        back += [
+            self._replaced[p]
+            for p in params
+            if id(p) not in in_blocks and p not in self.optim_objs and p in self._replaced
+        ]
+        if back:
+            raise ValueError(
+                f"QNVB: the parameters {listed_names(sorted(back))} of this step come back after "
+                "other tensors of the same names took their places in this QNVB: two models (or "
+                "guides) with the same parameter names are stepped in turn with one QNVB (under "
+                "pyro.settings.set(module_local_params=True) each model holds its own parameters "
+                "under the same names). QNVB keeps its states by parameter name and one step "
+                "count, so each model's steps restart the other's states (the other model's "
+                "first step started afresh). Give each model (each SVI) its own QNVB(). Neither "
+                "the parameters nor QNVB's states were changed by this step"
+            )
 
     def _refuse_untrainable(self, params: list[torch.Tensor]) -> None:
         """Refuse a step that no parameter can take, before anything changes, with
@@ -1283,6 +1268,7 @@ class QNVB(PyroOptim):
             **self._live(),
         }
         state["_bound"] = {}
+        state["_replaced"] = WeakIdKeyDictionary()
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -1292,6 +1278,7 @@ class QNVB(PyroOptim):
         and its steps went to the fallback."""
         self.__dict__.update(state)
         self.__dict__.setdefault("_fallback_names", {})  # (absent from earlier versions)
+        self.__dict__.setdefault("_replaced", WeakIdKeyDictionary())
         watch_guides()
 
     def describe(self, params: Iterable[torch.Tensor]) -> list[tuple[Callable, GuideDescription]]:
@@ -1537,6 +1524,8 @@ class QNVB(PyroOptim):
                 "model it was saved from; fit a changed model with a new QNVB (no set_state) "
                 "after pyro.clear_param_store()"
             )
+        if bound is not None and bound[0]() is not None:  # another live tensor of this name
+            self._replaced[bound[0]()] = name
         self._pending.pop(name, None)
         if state is None:
             state = init_qnvb_state(loc_leaf.detach())._asdict()
@@ -1777,7 +1766,8 @@ class QNVB(PyroOptim):
         """Give each of ``params`` new to the fallback its torch optimizer, keyed by the name
         `_fallback_name` finds, with the state `set_state` left under that name; the optimizer of
         a tensor that had the name before (a restored store's or a rebuilt model's predecessor)
-        is dropped (one still in use, another model's, was refused: `_refuse_second_model`).
+        is dropped (should that tensor come back, another model's, it is refused:
+        `_refuse_second_model`).
         Pyro keys by the param store's name, which is ``None`` for every parameter under
         ``module_local_params=True`` (their states collapsed into one), and keeps the optimizer
         of a replaced tensor for ever. A name another of ``params`` has (two modules of one
@@ -1795,6 +1785,7 @@ class QNVB(PyroOptim):
             if name is not None:
                 for q in [q for q, held in self._fallback_names.items() if held == name]:
                     del self.optim_objs[q], self.grad_clip[q], self._fallback_names[q]
+                    self._replaced[q] = name
             self.optim_objs[p] = self._get_optim(p)
             self.grad_clip[p] = self._get_grad_clip(p)
             self._fallback_names[p] = name
