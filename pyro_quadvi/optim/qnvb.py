@@ -87,6 +87,7 @@ from .qnvb_functional import (
     QNVBResult,
     QNVBState,
     _flatten,
+    _Vouched,
     cast_state_to,
     check_settings,
     consecutive_base,
@@ -149,13 +150,20 @@ def _gaussian_update_many(
     anyway; the scale is a transform of the parameter that the write-back compares the new one
     with (`_finish_together`), so its results are new. A loc or state that is not contiguous (a
     parameter a user set to a transposed tensor, and the state made like it) cannot take its
-    results through a flat view: that field is not donated, and the write-back copies."""
+    results through a flat view: that field is not donated, and the write-back copies.
+
+    The state is QNVB's own (`set_state` clones what it restores) and the scales, ``gs`` and
+    ``hs`` are new tensors of this step, so only two locs can share memory (parameters a user
+    set to one tensor): the update scans every argument's memory only where two locs share a
+    storage (`_Vouched` otherwise)."""
     locs = [v["loc"] for v in values]
     donate = tuple(
         name
         for name, tensors in (("mu", locs), ("state", [t for s in states for t in s]))
         if all(t.is_contiguous() for t in tensors)
     )
+    if len({loc.untyped_storage().data_ptr() for loc in locs}) == len(locs):
+        donate = _Vouched(donate)
     results = qnvb_update_many(
         locs,
         [v["scale"] for v in values],

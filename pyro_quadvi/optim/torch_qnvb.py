@@ -73,6 +73,7 @@ from .qnvb_functional import (
     QNVBState,
     _check_number,
     _unresolved,
+    _Vouched,
     cast_state_to,
     check_settings,
     count_idle_step,
@@ -1803,7 +1804,9 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 weight=weight,
                 prior_precision=group["prior_precision"],
                 compile=self.compile,
-                donate=DONATABLE if owned else (),
+                # the state it owns shares no memory with the moments it made (nor one field
+                # with another): not scanned
+                donate=_Vouched(DONATABLE) if owned else (),
             )
             for i, state, result, dtype, was in zip(indices, states, results, seen, before):
                 state["mu"], state["sigma"] = result.mu, result.sigma

@@ -1,0 +1,74 @@
+"""Fixed costs of a small net's step taken back (session 27): the optimizers' own donated
+results are not scanned for shared memory, and what a user gives still is."""
+
+from __future__ import annotations
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro.infer import SVI
+
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.nn import BayesianModule, likelihoods, priors
+from pyro_quadvi.optim import QNVBOptimizer, module_loss, qnvb_functional
+from pyro_quadvi.testing.update_cases import small_net
+
+
+def _count_scans(monkeypatch) -> list[int]:
+    """The number of tensors `_check_donate` scans (its ``_span`` calls), counted."""
+    calls = [0]
+    span = qnvb_functional._span
+
+    def counted(t):
+        calls[0] += 1
+        return span(t)
+
+    monkeypatch.setattr(qnvb_functional, "_span", counted)
+    return calls
+
+
+def test_the_optimizers_do_not_scan_their_own_donated_results(monkeypatch):
+    """QNVB (every step: its state and the loc parameters) and QNVBOptimizer (from its second
+    step, where the state is the one its first step made) donate without the memory scan, which
+    was 48 ``_span`` calls a step of a 4-tensor net; a state dict loaded back makes the state
+    the caller's again, and nothing is donated then."""
+    calls = _count_scans(monkeypatch)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+    bnn = BayesianModule(small_net(), priors.Normal(1.0), likelihoods.Categorical(100))
+    svi = SVI(bnn, AutoMeanFieldNormal(bnn), QNVB(), QuadratureELBO("hadamard", num_points=4))
+    for _ in range(3):
+        svi.step(x, y)
+    assert calls[0] == 0
+    net = small_net()
+    optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=100.0)
+    loss_fn = module_loss(net, F.cross_entropy)
+    for step in range(4):
+        if step == 2:
+            optimizer.load_state_dict(optimizer.state_dict())
+        optimizer.step(loss_fn=loss_fn, batch=(x, y))
+    assert calls[0] == 0
+
+
+def test_qnvb_still_refuses_two_sites_whose_locs_share_memory():
+    """Two sites whose loc parameters a user set to one tensor are donated together: the scan
+    runs for them (they share a storage) and names both, before anything is written."""
+    pyro.clear_param_store()
+
+    def model():
+        pyro.sample("a", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        pyro.sample("b", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+
+    guide = AutoMeanFieldNormal(model)
+    svi = SVI(model, guide, QNVB(), QuadratureELBO("hadamard", num_points=4))
+    svi.step()
+    store = pyro.get_param_store()
+    loc_a, loc_b = (store._params[n] for n in store.keys() if ".locs." in n)
+    loc_b.data = loc_a.data
+    before = loc_a.detach().clone()
+    with pytest.raises(ValueError, match=r"mus\[0\] and mus\[1\] share memory"):
+        svi.step()
+    assert torch.equal(loc_a.detach(), before)
