@@ -72,3 +72,43 @@ def test_qnvb_still_refuses_two_sites_whose_locs_share_memory():
     with pytest.raises(ValueError, match=r"mus\[0\] and mus\[1\] share memory"):
         svi.step()
     assert torch.equal(loc_a.detach(), before)
+
+
+def _lr_fit(change) -> torch.Tensor:
+    """Four ``QNVBOptimizer`` steps on a seeded net, ``change(optimizer)`` before the third."""
+    torch.manual_seed(0)
+    net = small_net()
+    x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+    optimizer = QNVBOptimizer(
+        net.named_parameters(), likelihood_weight=100.0, prior_precision=1.0, betas=[0.0, 0.999]
+    )
+    loss_fn = module_loss(net, F.cross_entropy)
+    for step in range(4):
+        if step == 2:
+            change(optimizer)
+        optimizer.step(loss_fn=loss_fn, batch=(x, y))
+    return torch.cat([p.detach().flatten() for p in net.parameters()])
+
+
+def _set_lr(optimizer):
+    optimizer.param_groups[0]["lr"] = 0.25
+
+
+def _set_beta_in_place(optimizer):
+    optimizer.param_groups[0]["betas"][0] = 0.5
+
+
+def test_group_settings_kept_between_steps_follow_a_changed_setting():
+    """The checked settings kept from the last step are not used once a setting changed: an
+    ``lr`` set between steps, or a ``betas`` list changed in place (unhashable, never kept),
+    changes the fit; a bad ``lr`` set after steps with good ones is still refused by name."""
+    torch.manual_seed(0)
+    unchanged = _lr_fit(lambda optimizer: None)
+    for change in (_set_lr, _set_beta_in_place):
+        assert not torch.equal(_lr_fit(change), unchanged), change.__name__
+
+    def _bad_lr(optimizer):
+        optimizer.param_groups[0]["lr"] = -1.0
+
+    with pytest.raises(ValueError, match="parameter group 0: lr must be"):
+        _lr_fit(_bad_lr)
