@@ -278,11 +278,11 @@ def _sign_table(
     size: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The indices ``0 .. n - 1`` and their signs ``(-1)^parity(i)`` (`_signs` of ``i`` and
-    ``n - 1``), ``n`` the power of two at least ``size`` (at most ``2^16``: 512 KiB of float64),
-    cached per dtype and device and grown to the largest size asked. Since ``i & q <= i``, entry
-    ``i & q`` of the table is ``hadamard_signs(i, q)`` for every ``i < n``: a node's row is one
-    gather, where the bit operations took a dozen passes (a pair of nodes at ``dim = 151``:
-    220 to 48 us)."""
+    ``n - 1``), ``n`` the power of two at least ``size``, cached per dtype and device and grown
+    to the largest size asked: at most ``2^16`` entries, 512 KiB of int64 indices and 512 KiB
+    of float64 signs. Since ``i & q <= i``, entry ``i & q`` of the table is
+    ``hadamard_signs(i, q)`` for every ``i < n``: a node's row is one gather, where the bit
+    operations took a dozen passes (a pair of nodes at ``dim = 151``: 220 to 48 us)."""
     key = (dtype, device)
     cached = _SIGN_TABLES.get(key)
     if cached is None or cached[0].numel() < size:
