@@ -431,3 +431,32 @@ def test_monte_carlo_nodes_are_the_float64_nodes_rounded_to_the_dtype():
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             X = rule.nodes(40, generator=torch.Generator().manual_seed(7), dtype=dtype)[0]
             assert torch.equal(X, X64.to(dtype)), (name, dtype)
+
+
+@pytest.mark.parametrize("dim", [1, 151, 4096, 65537, 478410])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_hadamard_nodes_from_the_sign_table_are_the_definition(dim, dtype):
+    """The node matrix and single nodes, read from the table of parities, are the signs of
+    `hadamard_signs` (nodes ``2j, 2j + 1`` are ``+-`` iterate ``step * K/2 + j``), bit for bit,
+    at steps whose iterates set high bits too (``2^31 - 1`` wraps to 0); the table has the
+    power of two entries the first 16 index bits need (256 at ``dim = 151``), and no more."""
+    from pyro_quadvi.quadrature import hadamard
+
+    hadamard._SIGN_TABLES.pop((dtype, torch.device("cpu")), None)  # built by this draw
+    rule = make_rule("hadamard", 6)
+    index = torch.arange(dim)
+    for step in (0, 1, 7, 12345, 715827882):  # 715827882 * 3 + 2 = 2^31 + 0: wraps
+        nodes = rule.draw(dim, step=step, dtype=dtype)
+        expected = torch.stack(
+            [
+                sign * hadamard.hadamard_signs(index, step * 3 + j, dtype)
+                for j in range(3)
+                for sign in (1, -1)
+            ]
+        )
+        assert torch.equal(nodes.matrix(), expected), step
+        assert torch.equal(nodes.node(3), expected[3])
+    table_index, table = hadamard._SIGN_TABLES[(dtype, torch.device("cpu"))]
+    assert table.numel() == table_index.numel() == min(1 << (dim - 1).bit_length(), 1 << 16)
+    assert table.dtype == dtype
+    assert torch.equal(table, hadamard.hadamard_signs(table_index, table.numel() - 1, dtype))

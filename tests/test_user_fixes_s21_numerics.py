@@ -155,7 +155,7 @@ def test_a_start_held_by_one_overflowing_step_is_named_not_blamed_on_sigma_min()
     assert len(held) == 1 and "site 'w'" in held[0]
     # the hold by the arithmetic of the averages, 2 ln(ratio) / -ln(betas[1]) (ratio 1.1e56)
     assert "a factor of 1.2e+112 in g^2, about 260,000 steps at betas[1]=0.999" in held[0]
-    assert "Start with a smaller init_scale" in held[0]
+    assert "For an overflowing start, start with a smaller init_scale" in held[0]
     assert "betas=(0, 0.5), about 370 steps" in held[0]
     assert not [m for m in messages if "sigma pinned at sigma_min" in m]
     # the advice works: started with nodes that do not overflow, the mean is not held

@@ -75,6 +75,7 @@ from .qnvb_functional import (
     QNVBState,
     _check_number,
     _unresolved,
+    _Vouched,
     cast_state_to,
     check_settings,
     count_idle_step,
@@ -293,6 +294,8 @@ def module_loss(module: nn.Module, criterion: Callable) -> ModuleLoss:
 
 _HP_NAMES = tuple(f.name for f in fields(QNVBHyperparameters))
 _STATE_NAMES = QNVBState._fields
+_CHECKED_NAMES = (*_HP_NAMES, "prior_precision", "init_sigma")
+"""The settings of a group that `QNVBOptimizer._group_settings` checks."""
 _OWNED_KEYS = ("mu", "sigma", *_STATE_NAMES)
 """The state fields the update writes in place where the optimizer owns them
 (`QNVBOptimizer._owns`)."""
@@ -1342,6 +1345,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         self._loaded: dict | None = None  # the "qnvb" entry being loaded (_check_loaded)
         # id(p) -> the state tensors the last step wrote, which the next may write over
         self._in_place: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._checked: tuple | None = None  # the last _group_settings: its key and its result
         # steps in a row in which no coordinate could be updated (count_idle_step; saved)
         self._idle_steps = 0
         self._register_checkpoint_hooks()
@@ -1351,6 +1355,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         # loaded (the state dict's tensors are the caller's), copied or unpickled: the next
         # step writes new tensors (_update)
         self._in_place = {}
+        self._checked = None
 
     def _owns(self, p: torch.Tensor) -> bool:
         """Whether every state tensor of ``p`` is the one the last step wrote: not one a user
@@ -1419,7 +1424,26 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
     def _group_settings(self) -> dict[int, QNVBHyperparameters]:
         """Every group's settings checked, by ``id`` of the group: a scheduler or a user may
         have set any since the group was added. A bad one is refused, naming the optimizer and
-        the group's index, before the step evaluates anything."""
+        the group's index, before the step evaluates anything.
+
+        The result is kept for the next step while every value the checks read is the same:
+        the groups, their settings and their parameters' dtypes (a key of them, 2 us where the
+        checks take 17; none where a setting is unhashable, such as a list a user may change in
+        place)."""
+        key: tuple | None = tuple(
+            (
+                id(group),
+                *(group[name] for name in _CHECKED_NAMES),
+                *(p.dtype for p in group["params"]),
+            )
+            for group in self.param_groups
+        )
+        try:
+            hash(key)
+        except TypeError:
+            key = None
+        if key is not None and self._checked is not None and self._checked[0] == key:
+            return self._checked[1]
         settings = {}
         for index, group in enumerate(self.param_groups):
             try:
@@ -1430,6 +1454,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                     f"QNVBOptimizer: parameter group {index}: {error}; nothing was evaluated or "
                     "changed by this step"
                 ) from error
+        self._checked = None if key is None else (key, settings)
         return settings
 
     @property
@@ -1816,7 +1841,9 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 weight=weight,
                 prior_precision=group["prior_precision"],
                 compile=self.compile,
-                donate=DONATABLE if owned else (),
+                # the state it owns shares no memory with the moments it made (nor one field
+                # with another): not scanned
+                donate=_Vouched(DONATABLE) if owned else (),
             )
             for i, state, result, dtype, was in zip(indices, states, results, seen, before):
                 state["mu"], state["sigma"] = result.mu, result.sigma
