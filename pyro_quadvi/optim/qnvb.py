@@ -1296,7 +1296,7 @@ class QNVB(PyroOptim):
             **self._live(),
         }
         state["_bound"] = {}
-        state["_replaced"] = WeakIdKeyDictionary()
+        del state["_replaced"]  # weak references: made anew (empty) by __setstate__
         return state
 
     def __setstate__(self, state: dict) -> None:
