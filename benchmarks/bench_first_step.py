@@ -16,7 +16,8 @@ package function:
   (one run of the model);
 - ``AutoMeanFieldNormal._setup_prototype``: the guide's set-up (Pyro's, one run of the model);
 - the vectorization check: its single runs of the model at the probe points (the ``single``
-  of ``evaluate_batch``) and ``batched._mixed_points`` (the pass at mixed points).
+  of ``evaluate_batch``) and ``batched._mixed_points`` (a pass over the probe points alone, a
+  backward pass per point: whether the pass mixes the points).
 
 CPU time (``time.process_time``), one thread, one run of each (the first step happens once).
 ``--quick`` (the test of the scripts): 20 sites, 2 later steps.
