@@ -125,6 +125,8 @@ RUNS = {
     "qnvb_float32_forms": ("qnvb_float32_forms.py", "", ()),
     "vectorize_check": ("bench_vectorize_check.py", "--repeats 2 --steps 3", ()),
     "many_sites": ("bench_many_sites.py", "--quick", ()),
+    "guide_call": ("bench_guide_call.py", "--quick", ()),
+    "first_step": ("bench_first_step.py", "--quick", ()),
     "given_rows": ("bench_given_rows.py", "--repeats 1", ()),
     "unscaled": ("bench_unscaled.py", "--draws 2 --seeds 1 --steps 2 --rules hadamard", ()),
     "rows_scale": ("bench_rows_scale.py", "--sizes 1000 --variants now --repeats 1 --steps 2", ()),
@@ -170,6 +172,11 @@ def _table_rows(stdout: str) -> int:
 # session26_checks, session26_elbo_checks, session27_moments_check, projections: the ones a
 # refactor breaks first) and two quick ones of the export and the sparse optimizers; the others
 # with ``-m slow`` (together 65 s on one core, mostly each process's imports of torch and pyro)
+# functions (bnn_speed, blocked_signs, data_checks, given_rows, rows_scale, many_sites, guide_call,
+# first_step, observed_check, small_net_elbo, sparse_qnvb_trial, session22_checks, session24_checks,
+# session26_checks, session26_elbo_checks, projections: the ones a refactor breaks first) and
+# two quick ones of the export and the sparse optimizers; the others with ``-m slow`` (together
+# 65 s on one core, mostly each process's imports of torch and pyro)
 INTERNALS = {
     "bnn_speed",
     "arviz_export",
@@ -178,6 +185,8 @@ INTERNALS = {
     "given_rows",
     "rows_scale",
     "many_sites",
+    "guide_call",
+    "first_step",
     "observed_check",
     "small_net_elbo",
     "sparse_qnvb_integration",
