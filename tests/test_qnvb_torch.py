@@ -204,11 +204,11 @@ def test_overflow_and_sigma_at_its_bound_are_told_apart_and_warned_once_each():
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert messages == [
         "QNVBOptimizer: the update overflowed while the gradient was finite (e.g. g^2 beyond the "
-        "dtype's range) at 1 coordinates (first: a parameter of shape (2,)); they were left "
+        "dtype's range) at 1 coordinate (first: a parameter of shape (2,)); they were left "
         "unchanged: rescale the loss or use float64. If the loss has been growing, the means "
         "have diverged: cap their steps (trust_region=0.3, the network settings a "
         "BayesianModule declares, or a smaller lr) (this warning is shown once)",
-        "QNVBOptimizer: sigma pinned at sigma_min=1e-06 at 1 coordinates (first: a parameter of "
+        "QNVBOptimizer: sigma pinned at sigma_min=1e-06 at 1 coordinate (first: a parameter of "
         "shape (2,)): the curvature asks for a smaller sigma; lower sigma_min if that is wanted "
         "(this warning is shown once)",
     ]

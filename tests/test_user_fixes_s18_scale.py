@@ -265,7 +265,7 @@ def test_a_step_in_which_some_coordinates_overflow_still_warns_and_updates(fresh
 
     guide = AutoMeanFieldNormal(model)
     svi = SVI(model, guide, QNVB(), QuadratureELBO("gauss_hermite"))
-    with pytest.warns(RuntimeWarning, match=r"overflowed .* at 1 coordinates \(first: site 'z'\)"):
+    with pytest.warns(RuntimeWarning, match=r"overflowed .* at 1 coordinate \(first: site 'z'\)"):
         svi.step()
     assert guide.locs.z.item() == 0.0 and guide.locs.w.item() != 0.0
 
@@ -283,7 +283,7 @@ def test_the_sigma_max_warning_names_a_posterior_sd_above_the_cap(fresh_param_st
         for _ in range(5):
             svi.step()
     (message,) = [str(c.message) for c in caught if "sigma_max" in str(c.message)]
-    assert "at 1 coordinates (first: site 'b')" in message
+    assert "at 1 coordinate (first: site 'b')" in message
     assert (
         "The posterior sd itself may be above 100: the coefficient of a feature on a small "
         "scale (1e-3, say) has an sd a thousand times that of a standardized one; standardize "

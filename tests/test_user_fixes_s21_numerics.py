@@ -77,7 +77,9 @@ def test_qnvb_refuses_a_sigma_max_beyond_float32():
 
 def test_nodes_that_round_to_the_mean_are_counted_in_both_updates():
     mu = torch.tensor([1000.0, 1000.0, 0.5])
-    sigma = torch.tensor([1e-5, 1e-3, 1e-7])  # below 1000 * 1.19e-7, above it, at a small mean
+    # float32's spacing at 1000 (in [2^9, 2^10)) is 2^9 * 1.19e-7 = 6.1e-5: 1e-6 is below it
+    # (and its step's 1e-5 too), 1e-3 above; at 0.5 it is 6e-8, below 1e-7
+    sigma = torch.tensor([1e-6, 1e-3, 1e-7])
     g, h = torch.ones(3), torch.ones(3)
     hp = QNVBHyperparameters()
     assert int(qnvb_update(mu, sigma, g, h, init_qnvb_state(mu), hp).num_unresolved) == 1
@@ -86,18 +88,19 @@ def test_nodes_that_round_to_the_mean_are_counted_in_both_updates():
     wide = qnvb_update(
         mu.double(), sigma.double(), g.double(), h.double(), init_qnvb_state(mu.double()), hp
     )
-    assert int(wide.num_unresolved) == 0  # float64 resolves 1e-5 at 1000
+    assert int(wide.num_unresolved) == 0  # float64 resolves 1e-6 at 1000
 
 
 def test_a_sigma_the_step_widens_past_the_spacing_is_not_counted_in_either_update():
-    # rule 12 counts a coordinate whose sigma stays below eps |mu| after the step: 1e-7 at a
-    # mean of 5 with a curvature asking for sigma 1 is widened to 1e-6 (the rate limit) at once
+    # rule 12 counts a coordinate whose sigma stays below the spacing at the mean after the
+    # step: 1e-7 at a mean of 5 (spacing 4.8e-7) with a curvature asking for sigma 1 is widened
+    # to 1e-6 (the rate limit) at once
     mu, sigma = torch.tensor([5.0, 1000.0]), torch.tensor([1e-7, 1e-7])
     g, h = torch.zeros(2), torch.ones(2)
     hp = QNVBHyperparameters()
     state = init_qnvb_state(mu)
     assert qnvb_update(mu, sigma, g, h, state, hp).sigma.tolist() == pytest.approx([1e-6] * 2)
-    assert int(qnvb_update(mu, sigma, g, h, state, hp).num_unresolved) == 1  # 1e-6 < 1.2e-4
+    assert int(qnvb_update(mu, sigma, g, h, state, hp).num_unresolved) == 1  # 1e-6 < 6.1e-5
     (many,) = qnvb_update_many([mu], [sigma], [g], [h], [state], hp)
     assert int(many.num_unresolved) == 1
 

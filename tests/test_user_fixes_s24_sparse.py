@@ -6,7 +6,7 @@ weight where the sieved ``p_nonzero`` exceeds 1/2 (Algorithm 5.2, line 5). With
 ``target_free=0.01`` on 50 weights one weight is held nonzero: the strongest, whose logit puts
 the band's midpoint so low that two true weights, 8 and 6.5 posterior sd from 0, are zeroed. That
 is the paper's rule; the realization now warns of it, naming the count and the ``target_free``
-that keeps them.
+that keeps them in that run (only a lower bound: ``target_free`` changes the run).
 """
 
 from __future__ import annotations
@@ -60,9 +60,12 @@ def test_realization_message_counts_sure_weights_the_budget_could_keep():
     realization = SparseQNVBCounters(step=4, n0=1.0, n1=2.0)  # (3 - 1) * 2 steps per epoch
     message = realization_message(blocks, realization, hp, steps_per_epoch=2)
     # 4 weights, round(0.25 * 4) = 1 held near zero: 3 may stay nonzero, 1 does
-    assert "0.99 (before the sieve): 1 of them" in message
+    assert "0.99 (the unsieved one, before the sieve; p_nonzero() reports the sieved" in message
+    assert "one): 1 of them" in message
     assert "target_sparsity=0.25 allows 2 more of the 4 to stay nonzero (1 kept)" in message
-    assert "Pass target_free >= 0.5 (target_free=0.01 now)" in message
+    # 2 of 4 (the kept and the sure one): a bound from this run only, up to 1 - 0.25
+    assert "takes target_free >= 0.5 (target_free=0.01 now), only a lower bound" in message
+    assert "the larger bound it names, up to 1 - target_sparsity (about 0.75)" in message
     # any other step reads nothing; a budget that is spent gives no warning
     assert realization_message(blocks, realization._replace(step=3), hp, 2) is None
     full = SparseQNVBHyperparameters(num_epochs=3, target_sparsity=0.75, target_free=0.01)
@@ -104,7 +107,7 @@ def test_sparse_qnvb_warns_when_the_realization_zeroes_sure_weights():
     assert len(texts) == 1  # once
     assert texts[0].startswith("SparseQNVB: realizing the pattern zeroed weights")
     assert ": 2 of them, although target_sparsity=0.5 allows 22 more of the 50" in texts[0]
-    assert "Pass target_free >= 0.1 (target_free=0.01 now)" in texts[0]
+    assert "takes target_free >= 0.1 (target_free=0.01 now), only a lower bound" in texts[0]
     assert median.nonzero().flatten().tolist() == [3, 11, 33]  # x20 and x47 zeroed
 
     texts, median = _fit_pyro(target_free=0.1)  # the fix the warning names

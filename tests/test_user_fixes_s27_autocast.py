@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_quadvi.optim import QNVBOptimizer, SparseQNVBOptimizer, module_loss
+from pyro_quadvi.optim.qnvb_functional import _unresolved
 
 NOISE = 0.5
 
@@ -167,9 +169,53 @@ def test_the_resolution_warning_counts_the_autocast_dtype_spacing():
             assert messages == []
             continue
         assert len(messages) == 1, messages
-        assert "torch.bfloat16's spacing at the mean (sigma < |mu| / 128)" in messages[0]
-        assert "run it without autocast" in messages[0]
+        assert "at 1 coordinate of parameter 'weight' of shape (1, 4)" in messages[0]
+        spacing = "torch.bfloat16's spacing at the mean (0.00781 times the largest power of 2"
+        assert spacing in messages[0]
+        assert "run the forward without autocast, or keep the layer" in messages[0]
         assert "float64" not in messages[0]
+
+
+def test_the_spacing_is_that_at_the_mean_not_eps_times_the_mean():
+    """bfloat16's spacing at 0.1341 (in [1/8, 1/4)) is 2^-3 / 128 = 0.000977, below a sigma of
+    0.001 that ``eps |mu|`` (0.00105) took as unresolved; at -0.2741 it is 0.00195, above it."""
+    mu = torch.tensor([0.1341, -0.2741, 0.0])
+    sigma = torch.full((3,), 1e-3)
+    assert _unresolved(mu, sigma, torch.bfloat16).tolist() == [False, True, False]
+    assert _unresolved(mu, torch.full((3,), 9.7e-4), torch.bfloat16).tolist() == [
+        True,
+        True,
+        False,
+    ]
+    # in float32 and float64 the same rule, at the mean's own dtype: 2^-3 * 1.19e-7 = 1.49e-8
+    for dtype in (torch.float32, torch.float64):
+        eps = torch.finfo(dtype).eps
+        at = torch.tensor([0.1341], dtype=dtype)
+        assert not _unresolved(at, torch.tensor([eps / 8 * 1.01], dtype=dtype)).item()
+        assert _unresolved(at, torch.tensor([eps / 8 * 0.99], dtype=dtype)).item()
+
+
+def test_the_docs_autocast_example_warns_only_of_the_weight_bfloat16_does_not_resolve():
+    """docs/qnvb_torch.md's autocast block after its one-pass loop (trial t33): 0.weight's
+    coordinate (mu 0.1341, sigma 0.001) is resolved in bfloat16 and not warned of; 2.weight's
+    (mu -0.2741, spacing 0.00195) is, named by its name."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    dataset = TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+    optimizer = QNVBOptimizer(net.named_parameters(), likelihood_weight=len(dataset))
+    loss_fn = module_loss(net, F.cross_entropy)
+    for x, y in DataLoader(dataset, batch_size=16):  # (its iterator draws a seed: the nodes')
+        optimizer.step(loss_fn=loss_fn, batch=(x, y))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            optimizer.step(loss_fn=loss_fn, batch=(x, y), vectorize=True)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(
+        "QNVBOptimizer: the nodes mu + sigma * x_k round back to (near) mu at 1 coordinate of "
+        "parameter '2.weight' of shape (3, 8): sigma is below torch.bfloat16's spacing"
+    )
 
 
 def test_a_float64_parameter_under_autocast_is_counted_in_float64():

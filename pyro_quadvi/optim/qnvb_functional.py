@@ -62,13 +62,14 @@ update's rules, each measured", gives the test and the benchmark row behind each
     two causes are counted apart. The counts stay 0-d tensors: the update never synchronizes
     with the host.
 12. **Resolution** (counted, nothing changed): the coordinates whose ``sigma`` (that of the
-    nodes this step's ``g`` and ``h`` came from) is below ``eps |mu|``, ``eps`` the dtype's
-    machine epsilon: their nodes ``mu + sigma x_k`` lie within about one spacing of the dtype
-    from ``mu`` (in float32 at a mean of 1000 every node rounds to ``mu`` itself below
-    ``sigma = 3e-5``), so ``h``, a difference of gradients over ``sigma``, is rounding: 0, or noise.
-    Counted where the step's new ``sigma`` (before the guard, rule 11) is still below ``eps``
-    times the new ``|mu|``: a tiny ``init_scale`` that the rate limit (rule 10) widens past it in
-    one step is no resolution problem (``init_scale=1e-7`` at a mean of 5 fits exactly).
+    nodes this step's ``g`` and ``h`` came from) is below the dtype's spacing at ``mu``,
+    ``2^e eps`` for ``2^e <= |mu| < 2^(e + 1)`` (``eps`` the machine epsilon; float32's is
+    ``6.1e-5`` at 1000): their nodes ``mu + sigma x_k`` lie within about one spacing of ``mu``
+    (in float32 at a mean of 1000 every node rounds to ``mu`` itself below ``sigma = 3e-5``), so
+    ``h``, a difference of gradients over ``sigma``, is rounding: 0, or noise. Counted where the
+    step's new ``sigma`` (before the guard, rule 11) is still below the spacing at the new
+    ``mu``: a tiny ``init_scale`` that the rate limit (rule 10) widens past it in one step is no
+    resolution problem (``init_scale=1e-7`` at a mean of 5 fits exactly).
 
 **Inputs.** Every tensor has the mean's shape (nothing broadcasts: a ``g`` of shape ``(1,)``
 would move every coordinate, one of shape ``(3, 1)`` grow a ``(3,)`` mean field to ``(3, 3)``),
@@ -432,9 +433,9 @@ class QNVBResult(NamedTuple):
             ``sigma_max`` by this step, or whose curvature (taken, not held) asks for a wider
             ``sigma`` than ``sigma_max``: the curvature floor holds their ``sigma`` at
             ``sigma_max``.
-        num_unresolved: coordinates whose input ``sigma`` is below ``eps |mu|`` and whose new
-            one below ``eps`` times the new ``|mu|`` (rule 12): the dtype does not resolve
-            their nodes from the mean, and the step did not widen them past it.
+        num_unresolved: coordinates whose input ``sigma`` is below the dtype's spacing at
+            ``mu`` and whose new one below that at the new ``mu`` (rule 12): the dtype does not
+            resolve their nodes from the mean, and the step did not widen them past it.
     """
 
     mu: torch.Tensor
@@ -484,12 +485,13 @@ def _count_message(kind: str, hp: QNVBHyperparameters, dtype: torch.dtype, where
             "smaller sigma; lower sigma_min if that is wanted"
         )
     if kind == "num_unresolved":
-        resolves = 1.0 / torch.finfo(dtype).eps
+        eps = torch.finfo(dtype).eps
         if torch.finfo(dtype).bits < 32:  # no parameter is in it: the dtype of a torch.autocast
             advice = (
                 f"torch.autocast runs the forward with the weights in {dtype} (a linear-"
-                "Gaussian fit, sd 0.005 at a mean of 2.0, ended 0.29 sd off): run it without "
-                "autocast, or centre or rescale the parameter"
+                "Gaussian fit, sd 0.005 at a mean of 2.0, ended 0.29 sd off): run the forward "
+                "without autocast, or keep the layer that holds this parameter in float32 (call "
+                "it inside torch.autocast(device_type, enabled=False), on float32 inputs)"
             )
         else:
             advice = or_float64(
@@ -497,10 +499,10 @@ def _count_message(kind: str, hp: QNVBHyperparameters, dtype: torch.dtype, where
             )
         return (
             f"the nodes mu + sigma * x_k round back to (near) mu at {where}: sigma is below "
-            f"{dtype}'s spacing at the mean (sigma < |mu| / {resolves:.3g}), so the curvature "
-            "read from the nodes is 0 or rounding noise, and sigma holds or goes wrong (in "
-            "float32, a posterior sd of 1e-6 at a mean of 1000 came out 2.4 to 20 times too "
-            f"wide over five data sets). {advice}"
+            f"{dtype}'s spacing at the mean ({eps:.3g} times the largest power of 2 not above "
+            "|mu|), so the curvature read from the nodes is 0 or rounding noise, and sigma "
+            "holds or goes wrong (in float32, a posterior sd of 1e-6 at a mean of 1000 came out "
+            f"2.4 to 20 times too wide over five data sets). {advice}"
         )
     return (
         f"sigma pinned at sigma_max={hp.sigma_max:g}, or rising to it at the scale rate limit "
@@ -572,7 +574,7 @@ def count_messages(
                 key = f"{kind} {label}"
                 if row[column] and key not in warned:
                     warned.add(key)
-                    where = f"{row[column]} coordinates of {label}"
+                    where = f"{_coordinates(row[column])} of {label}"
                     if detail is not None:
                         where += f" ({detail(i)})"
                     messages.append(_count_message(kind, hp, dtype, where))
@@ -583,9 +585,14 @@ def count_messages(
         warned.add(kind)
         total = sum(row[0] for row in rows)
         _, label, hp, dtype = rows[0]
-        where = f"{total} coordinates (first: {label})"
+        where = f"{_coordinates(total)} (first: {label})"
         messages.append(_count_message(kind, hp, dtype, where))
     return messages
+
+
+def _coordinates(count: int) -> str:
+    """``"1 coordinate"``, ``"5 coordinates"``."""
+    return f"{count} coordinate{'' if count == 1 else 's'}"
 
 
 IDLE_STEPS_REFUSED = 3
@@ -924,14 +931,32 @@ def _reference_rules(
     return new_mu, new_sigma, new_state, masks
 
 
+_SAME_WIDTH_INT = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+"""The integer dtype whose view of a mean's bits `_unresolved` masks to its exponent."""
+
+
 def _unresolved(
     mu: torch.Tensor, sigma: torch.Tensor, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """Where ``sigma < eps |mu|`` (``eps``: the machine epsilon of ``dtype``, by default the
-    mean's), the nodes ``mu + sigma x_k`` lie within about one spacing of the dtype from
-    ``mu``. Three passes; rule 12 asks it of the step's input and of its result
-    (`_still_unresolved`); `QNVBOptimizer` at an autocast dtype (`resolution_dtype`)."""
-    return torch.gt(mu.abs().mul_(torch.finfo(dtype or mu.dtype).eps), sigma)
+    """Where ``sigma`` is below the spacing of ``dtype`` (by default the mean's) at ``mu``,
+    ``2^e eps`` for ``2^e <= |mu| < 2^(e + 1)`` (``eps``: the machine epsilon): the nodes
+    ``mu + sigma x_k`` lie within about one spacing of ``mu``. ``2^e`` is ``|mu|`` with its
+    mantissa bits cleared (0 for a zero or subnormal mean, never counted; ``eps |mu|`` would
+    overstate the spacing by up to 2 times: bfloat16's at 0.134 is 0.000977, not 0.00105).
+    Three passes; rule 12 asks it of the step's input and of its result (`_still_unresolved`);
+    `QNVBOptimizer` at an autocast dtype (`resolution_dtype`), whose exponent range holds the
+    mean's (float32's and bfloat16's are one; float16's spacing below 2^-14 is understated)."""
+    info = torch.finfo(mu.dtype)
+    mantissa_bits = -round(math.log2(info.eps))
+    exponent_bits = ((1 << (info.bits - 1)) - 1) ^ ((1 << mantissa_bits) - 1)
+    as_int = _SAME_WIDTH_INT[mu.dtype]
+    power = torch.bitwise_and(mu.view(as_int), exponent_bits).view(mu.dtype)
+    return torch.gt(power.mul_(torch.finfo(dtype or mu.dtype).eps), sigma)
 
 
 def _still_unresolved(

@@ -394,8 +394,12 @@ def realization_message(
     ``zeta^(0)``, so a weight whose own eq. 4.6 logit (Algorithm 5.3, line 10: without ``zeta_p``)
     makes it nonzero almost surely is zeroed when the strongest weights put ``zeta^(1)`` far below
     it. That is the paper's rule; the message counts such weights (eq. 4.6 probability of a nonzero
-    above `SURE_NONZERO`) where fewer than ``d - round(target_sparsity d)`` weights stay nonzero,
-    and names the ``target_free`` that would hold them all nonzero. One read from the device.
+    above `SURE_NONZERO`: the unsieved probability, not the sieved one that ``p_nonzero`` reports)
+    where fewer than ``d - round(target_sparsity d)`` weights stay nonzero. It names the
+    ``target_free`` that would hold them all nonzero in this run: a lower bound, as ``target_free``
+    moves the sieve at every step, and so the run; ``1 - target_sparsity`` holds every weight the
+    budget keeps nonzero (no middle band), so that none is zeroed this way. One read from the
+    device.
     """
     if counters.step != (hp.num_epochs - 1) * steps_per_epoch:
         return None
@@ -411,15 +415,21 @@ def realization_message(
     allowed = dim - _counts(hp.target_sparsity, hp.target_free, dim)[0]
     if not num_sure or num_kept >= allowed:
         return None
+    bound = min(num_kept + num_sure, allowed) / dim
     return (
         f"realizing the pattern zeroed weights whose eq. 4.6 probability of a nonzero exceeds "
-        f"{SURE_NONZERO} (before the sieve): {num_sure} of them, although target_sparsity="
-        f"{hp.target_sparsity!r} allows {allowed - num_kept} more of the {dim} to stay nonzero "
-        f"({num_kept} kept): the sieve rounds its middle band at the midpoint between the logits "
-        f"held nonzero and held near zero, so the strongest weights push weaker sure ones to zero "
-        f"(see 'Limits' in docs/sparse_qnvb.md). Pass target_free >= "
-        f"{min(num_kept + num_sure, allowed) / dim:.3g} (target_free={hp.target_free!r} now) to "
-        "hold them nonzero. This warning is shown once"
+        f"{SURE_NONZERO} (the unsieved one, before the sieve; p_nonzero() reports the sieved "
+        f"one): {num_sure} of them, although target_sparsity={hp.target_sparsity!r} allows "
+        f"{allowed - num_kept} more of the {dim} to stay nonzero ({num_kept} kept): the sieve "
+        "rounds its middle band at the midpoint between the logits held nonzero and held near "
+        "zero, so the strongest weights push weaker sure ones to zero (see 'Limits' in "
+        f"docs/sparse_qnvb.md). Holding them nonzero in this run takes target_free >= "
+        f"{bound:.3g} (target_free={hp.target_free!r} now), only a lower bound: target_free "
+        "moves the sieve at every step, and so the run, which can zero other sure weights. Pass "
+        "it and, while this warning comes back, the larger bound it names, up to 1 - "
+        f"target_sparsity (about {1 - hp.target_sparsity:.4g}), which holds every weight the "
+        "budget keeps nonzero; beyond the fraction of weights the model needs, target_free holds "
+        "spurious ones nonzero. This warning is shown once"
     )
 
 

@@ -393,6 +393,13 @@ def refuse_duplicate_parameters(param_group: object, first_position: int, owner:
         seen[id(p)] = label
 
 
+def _count_label(p: torch.Tensor, name: str | None) -> str:
+    """A step's warnings' label of ``p``: ``"parameter '0.weight' of shape (8, 4)"`` where the
+    group's ``param_names`` (from ``named_parameters()``) name it, else ``"a parameter of shape
+    (8, 4)"``."""
+    return f"{'a parameter' if name is None else f'parameter {name!r}'} of shape {tuple(p.shape)}"
+
+
 def _parameter_label(position: int, name: str | None) -> str:
     """``"parameter 3"``, or ``"parameter 3 ('fc.weight')"`` where it has a name."""
     return f"parameter {position}" + ("" if name is None else f" ({name!r})")
@@ -1820,6 +1827,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         for indices in by_group.values():
             group = params[indices[0]][1]
             hp = settings[id(group)]
+            names = dict(zip(map(id, group["params"]), group.get("param_names") or ()))
             states = [self.state[params[i][0]] for i in indices]
             owned = all(self._owns(params[i][0]) for i in indices)
             # rule 12 at the spacing the forward sees, where autocast's is coarser: the
@@ -1849,7 +1857,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 state["mu"], state["sigma"] = result.mu, result.sigma
                 state.update(result.state._asdict())
                 self._in_place[id(params[i][0])] = tuple(state[k] for k in _OWNED_KEYS)
-                label = f"a parameter of shape {tuple(params[i][0].shape)}"
+                label = _count_label(params[i][0], names.get(id(params[i][0])))
                 if was is not None:
                     still = was & _unresolved(result.mu, result.sigma, dtype)
                     result = result._replace(num_unresolved=still.sum())
