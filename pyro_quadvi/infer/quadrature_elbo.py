@@ -73,6 +73,7 @@ from ..guides.interface import (
 )
 from ..guides.rows import GivenRows
 from ..quadrature import QuadratureRule, make_rule
+from ..quadrature.base import generator_kept
 from ..store import follow_param_store
 from .batched import (
     BatchDecision,
@@ -642,7 +643,8 @@ class QuadratureELBO(PointsELBO):
 
         Its backward pass publishes the moments ``g``, ``h`` of every elementwise site.
         """
-        loss, description = self._quadrature_loss(model, guide, args, kwargs)
+        with generator_kept(self.generator):  # a call that fails has drawn nothing
+            loss, description = self._quadrature_loss(model, guide, args, kwargs)
         self._advance(description)
         return loss
 
@@ -656,20 +658,23 @@ class QuadratureELBO(PointsELBO):
         """
         if not torch.is_grad_enabled():
             raise step_without_grad_refusal("QuadratureELBO.loss_and_grads (svi.step)")
-        loss, description = self._quadrature_loss(model, guide, args, kwargs)
-        if loss.requires_grad:
-            with refuse_recomputed_forward(type(self).__name__, _CHECKPOINT_FIX):
-                try:
-                    loss.backward()
-                except RuntimeError as error:
-                    if self.vectorized(model, guide) and not isinstance(error, RecomputedForward):
-                        add_hint(error, _vectorized_backward_hint(type(self).__name__, error))
-                    raise
-        else:
-            refusal = _untrainable(guide)
-            if refusal is not None:
-                raise refusal
-        self._advance(description)  # once the backward ran: a refused step keeps the position
+        with generator_kept(self.generator):  # a step that fails has drawn nothing
+            loss, description = self._quadrature_loss(model, guide, args, kwargs)
+            if loss.requires_grad:
+                with refuse_recomputed_forward(type(self).__name__, _CHECKPOINT_FIX):
+                    try:
+                        loss.backward()
+                    except RuntimeError as error:
+                        if self.vectorized(model, guide) and not isinstance(
+                            error, RecomputedForward
+                        ):
+                            add_hint(error, _vectorized_backward_hint(type(self).__name__, error))
+                        raise
+            else:
+                refusal = _untrainable(guide)
+                if refusal is not None:
+                    raise refusal
+            self._advance(description)  # once the backward ran: a refused step keeps the position
         return loss.item()
 
     def __repr__(self) -> str:

@@ -41,6 +41,7 @@ cause that stays would keep every later step a no-op).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -1058,26 +1059,61 @@ class QNVB(PyroOptim):
                 prepared.append(outcome)
         if self.annealing is not None and self.num_steps > 0 and prepared:
             self._warn_if_annealing_elsewhere(prepared)
-        self._update_prepared(prepared, counts)
-        table = None if part_of_step else self._refuse_if_nothing_updated(params, prepared, counts)
-        table = self._warn_if_held(prepared, counts, table)
-        by_label = {site_label(item.site.name): item for item in prepared}
-        for message in count_messages(
-            counts, self._warned, table, lambda i: _unresolved_words(by_label[counts[i][0]])
-        ):
-            warnings.warn(
-                f"QNVB: {message} (this warning is shown once)",
-                RuntimeWarning,
-                stacklevel=user_stacklevel(),
+        with self._all_or_nothing(params, prepared):  # an error or an interrupt (Ctrl-C) undoes it
+            self._update_prepared(prepared, counts)
+            table = (
+                None if part_of_step else self._refuse_if_nothing_updated(params, prepared, counts)
             )
-        rest = [p for p in params if id(p) not in paired]
-        if params and not blocks and not explained:  # a refused block said why (_prepare_block)
-            self._warn_once("nothing paired", self._nothing_paired(params))
-        if rest:
-            self._guarded_fallback(rest, *args, **kwargs)
-        self._warn_if_unbound_after_restore()
-        self._warn_if_not_annealed()
+            table = self._warn_if_held(prepared, counts, table)
+            by_label = {site_label(item.site.name): item for item in prepared}
+            for message in count_messages(
+                counts, self._warned, table, lambda i: _unresolved_words(by_label[counts[i][0]])
+            ):
+                warnings.warn(
+                    f"QNVB: {message} (this warning is shown once)",
+                    RuntimeWarning,
+                    stacklevel=user_stacklevel(),
+                )
+            rest = [p for p in params if id(p) not in paired]
+            if params and not blocks and not explained:  # a refused block said why (_prepare_block)
+                self._warn_once("nothing paired", self._nothing_paired(params))
+            self._warn_if_unbound_after_restore()
+            self._warn_if_not_annealed()
+            if rest:  # last: it undoes its own step where it raises
+                self._guarded_fallback(rest, *args, **kwargs)
         self.num_steps += 1
+
+    @contextlib.contextmanager
+    def _all_or_nothing(
+        self, params: list[torch.Tensor], prepared: list[_Prepared]
+    ) -> Iterator[None]:
+        """Undo the prepared blocks' update where the rest of the step raises (any
+        ``BaseException``: a refusal, a warning turned into an error, a Ctrl-C in the fallback's
+        step): their locs, scales and states, and the count of idle steps, are put back as they
+        were, as the step count was not advanced, so the step is taken whole or not at all; the
+        gradients of ``params`` are zeroed, as ``SVI`` zeroes them after a step, so that a step
+        taken next does not add its gradients to these.
+        The update writes over the blocks' memory (``donate``), so what it writes is copied
+        first: the rows it updates of each loc, scale and state field."""
+        saved = []
+        with torch.no_grad():
+            for item in prepared:
+                leaves = item.site.params
+                targets = [leaves["loc"].data, leaves["scale"].data, *item.state.values()]
+                copies = [(t if item.index is None else t[item.index]).clone() for t in targets]
+                saved.append((item, dict(item.state), targets, copies))
+        idle = self._idle_steps
+        try:
+            yield
+        except BaseException:
+            with torch.no_grad():
+                for item, state, targets, copies in saved:
+                    item.state.update(state)  # the tensors the update may have replaced
+                    for target, value in zip(targets, copies):
+                        self._write(target, item.index, value)
+            self._idle_steps = idle
+            zero_grads(params)
+            raise
 
     def _refuse_second_model(self, params: list[torch.Tensor], blocks: list[QNVBBlock]) -> None:
         """Refuse a step, before anything changes, in which a parameter comes back that another
@@ -1767,28 +1803,43 @@ class QNVB(PyroOptim):
         """The fallback's step, with coordinates whose gradient or new value is not finite kept.
 
         One host sync per step tells whether anything was not finite; only then are the
-        coordinates found and named.
+        coordinates found and named. Where it raises (a Ctrl-C between two parameters' steps, a
+        warning turned into an error), its parameters and their optimizers' states are put back
+        as they were (copies of the parameters taken anyway, and of the states), so that the
+        step is undone whole (`_all_or_nothing`).
         """
         self._bind_fallback(params)
         with_grad = [p for p in params if p.grad is not None]
         bad_grads = [~torch.isfinite(p.grad) for p in with_grad]
         old = [p.detach().clone() for p in with_grad]
+        states = [  # a torch optimizer's state: tensors, and numbers (an int step count)
+            {k: copy.deepcopy(v) for k, v in self.optim_objs[p].state[p].items()} for p in with_grad
+        ]
         for p, bad in zip(with_grad, bad_grads):
             p.grad = torch.where(bad, 0.0, p.grad)
-        super().__call__(params, *args, **kwargs)
-        bad = [b | ~torch.isfinite(p) for p, b in zip(with_grad, bad_grads)]
-        if not bad or not torch.stack([b.any() for b in bad]).any():
-            return
-        for p, before, mask in zip(with_grad, old, bad):
-            if mask.any():
-                p.copy_(torch.where(mask, before, p))
-                name = pyro.get_param_store().param_name(p) or f"a tensor of shape {tuple(p.shape)}"
-                self._warn_once(
-                    f"fallback {name}",
-                    f"QNVB: the fallback optimizer met a non-finite gradient or value at "
-                    f"{int(mask.sum())} coordinates of {name!r}; they were left unchanged (this "
-                    "warning is shown once per parameter)",
-                )
+        try:
+            super().__call__(params, *args, **kwargs)
+            bad = [b | ~torch.isfinite(p) for p, b in zip(with_grad, bad_grads)]
+            if not bad or not torch.stack([b.any() for b in bad]).any():
+                return
+            for p, before, mask in zip(with_grad, old, bad):
+                if mask.any():
+                    p.copy_(torch.where(mask, before, p))
+                    name = (
+                        pyro.get_param_store().param_name(p)
+                        or f"a tensor of shape {tuple(p.shape)}"
+                    )
+                    self._warn_once(
+                        f"fallback {name}",
+                        f"QNVB: the fallback optimizer met a non-finite gradient or value at "
+                        f"{int(mask.sum())} coordinates of {name!r}; they were left unchanged "
+                        "(this warning is shown once per parameter)",
+                    )
+        except BaseException:  # its parameters and their optimizers' states as they were
+            for p, before, state in zip(with_grad, old, states):
+                p.copy_(before)
+                self.optim_objs[p].state[p] = state
+            raise
 
     def _bind_fallback(self, params: list[torch.Tensor]) -> None:
         """Give each of ``params`` new to the fallback its torch optimizer, keyed by the name

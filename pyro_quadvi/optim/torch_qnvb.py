@@ -64,7 +64,7 @@ from ..infer.batched import (
     warn_fallback,
 )
 from ..quadrature import NodeSet, make_rule
-from ..quadrature.base import draw_device
+from ..quadrature.base import draw_device, generator_kept
 from ..store import shortened
 from .annealing import annealing_factor, check_schedule
 from .qnvb_functional import (
@@ -1607,36 +1607,39 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             self._warn_outside(params, loss_fn)
         first = params[0][0]
         dim = sum(p.numel() for p, _ in params)
-        nodes = self.rule.draw(
-            dim,
-            step=self.num_steps,
-            generator=self.generator,
-            dtype=first.dtype,
-            device=first.device,
-        )
-        nodes = self._local_nodes(nodes)
         tensors = [p for p, _ in params]
-        try:
-            if closure is not None:
-                loss_avg, moments = self._closure_moments(params, nodes, closure)
-            else:
-                loss_avg, moments = self._one_pass_moments(params, nodes, loss_fn, batch, vectorize)
-            if getattr(self, "_guides_unchecked", True):
-                refuse_run_guides(self, tensors, [self.state[p]["mu"] for p in tensors])
-            loss_avg, moments = self._combine(params, loss_avg, moments)
-            check_finite_loss(
-                loss_avg,
-                tensors,
-                [self.state[p]["mu"] for p in tensors],
-                type(self).__name__,
-                sigmas=[self.state[p]["sigma"] for p in tensors],
-                batch=tuple(batch) if isinstance(batch, tuple | list) else (batch,),
-                moments=moments,
+        with generator_kept(self.generator):  # a step that fails has drawn nothing
+            nodes = self.rule.draw(
+                dim,
+                step=self.num_steps,
+                generator=self.generator,
+                dtype=first.dtype,
+                device=first.device,
             )
-            self._update(params, moments, weight, settings)
-        except BaseException:  # whatever failed, the parameters are left at their means
-            restore_means(tensors, [self.state[p]["mu"] for p in tensors])
-            raise
+            nodes = self._local_nodes(nodes)
+            try:
+                if closure is not None:
+                    loss_avg, moments = self._closure_moments(params, nodes, closure)
+                else:
+                    loss_avg, moments = self._one_pass_moments(
+                        params, nodes, loss_fn, batch, vectorize
+                    )
+                if getattr(self, "_guides_unchecked", True):
+                    refuse_run_guides(self, tensors, [self.state[p]["mu"] for p in tensors])
+                loss_avg, moments = self._combine(params, loss_avg, moments)
+                check_finite_loss(
+                    loss_avg,
+                    tensors,
+                    [self.state[p]["mu"] for p in tensors],
+                    type(self).__name__,
+                    sigmas=[self.state[p]["sigma"] for p in tensors],
+                    batch=tuple(batch) if isinstance(batch, tuple | list) else (batch,),
+                    moments=moments,
+                )
+                self._update(params, moments, weight, settings)
+            except BaseException:  # whatever failed, the parameters are left at their means
+                restore_means(tensors, [self.state[p]["mu"] for p in tensors])
+                raise
         return loss_avg
 
     # Two hooks for pyro_quadvi.distributed.NodeParallelQNVBOptimizer; here, one process

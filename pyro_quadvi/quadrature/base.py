@@ -45,7 +45,9 @@ computed in float64 and rounded to the dtype, so the exactness of a rule holds t
 from __future__ import annotations
 
 import abc
+import contextlib
 import operator
+from collections.abc import Iterator
 
 import torch
 
@@ -416,3 +418,18 @@ def draw_device(generator: torch.Generator | None, device) -> torch.device | str
     moves the draw to ``device``: a CPU generator then serves a rule on any device, and its draws
     are the same numbers whatever the device."""
     return generator.device if generator is not None else device
+
+
+@contextlib.contextmanager
+def generator_kept(generator: torch.Generator | None) -> Iterator[None]:
+    """Put ``generator`` back to its state on entry where the block raises (an error, a Ctrl-C):
+    a step that did not happen has drawn nothing, and the next one draws the nodes the
+    interrupted one drew, as a run without it would. torch's global generator (``None``) is left
+    as it is: other code draws from it too (Pyro's, the user's), and its state is theirs."""
+    state = None if generator is None else generator.get_state()
+    try:
+        yield
+    except BaseException:
+        if state is not None:
+            generator.set_state(state)
+        raise
