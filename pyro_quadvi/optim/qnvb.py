@@ -199,6 +199,7 @@ class _Prepared:
     hp: QNVBHyperparameters
     state: dict[str, torch.Tensor]
     index: tuple | None
+    published: bool = False  # g and h are the moments QuadratureELBO published
 
 
 def _scale_gradient(
@@ -489,6 +490,56 @@ def held_site(state: dict[str, torch.Tensor]) -> torch.Tensor | None:
 def _is_decade(step: int) -> bool:
     """Whether ``step`` is 10, 100, 1000, ...: when QNVB looks for held means."""
     return step >= 10 and str(step).rstrip("0") == "1"
+
+
+#: the fraction of the step count above which a site's median damping divisor ``k`` is the
+#: stall signature of `_damping_message` (the noise of a random rule grows ``k`` like ``t / 4``)
+STALLED_DAMPING_FRACTION = 0.1
+
+#: how far, in its posterior sds (median over its coordinates), a site's mean must have moved
+#: since the last check for `_damping_message`: noise about an optimum moved the means of
+#: non-centred eight schools by 0.005 to 0.019 sd from step 100 to 1,000, the stalled centred
+#: ones 0.08 to 0.42
+STALLED_DRIFT = 0.2
+
+#: how much of ``lr`` a step a mean must have moved on average between two checks for
+#: `_capped_message` (the cap ``g / max(H, sqrt(s_avg) / lr)`` moves it by at most about ``lr``)
+CAPPED_FRACTION = 0.9
+
+
+def _damping_message(stalled: dict[str, tuple[float, int]], step: int) -> str:
+    """The warning of the sites whose damping divisor grew with the step count under the moments
+    QuadratureELBO published (`QNVB._warn_if_stalled`), ``stalled`` their median ``k`` and the
+    step of the check before by name: the noise of a random rule on a loss far from quadratic,
+    which stalls the means (``docs/qnvb.md``, the ``damping`` row)."""
+    sites = ", ".join(f"{name!r} ({k:.3g})" for name, (k, _) in stalled.items())
+    since = min(since for _, since in stalled.values())
+    return (
+        f"QNVB: at step {step} the median damping divisor k of the site(s) {sites} is above "
+        f"step / {1 / STALLED_DAMPING_FRACTION:g} while their means still travel (by more than "
+        f"{STALLED_DRIFT:g} posterior sd since step {since}): their gradients changed sign at "
+        "about every other step, so the means' steps shrink like 1 / step and the fit stalls "
+        "short of its optimum with the loss nearly flat (centred eight schools: 3 nats short "
+        "after 1,000 steps). Under QuadratureELBO that is the noise of a random rule on a loss "
+        "far from quadratic, not an oscillation: pass QNVB(damping_recovery=2) (noise then "
+        "keeps k near 2.6); for a centred hierarchical model, the non-centred parameterization"
+    )
+
+
+def _capped_message(name: str, item: _Prepared, capped: int, since: int, step: int) -> str:
+    """The warning of a site whose mean the step cap ``lr`` held back (`QNVB._warn_if_stalled`)
+    at ``capped`` coordinates from step ``since`` to ``step``."""
+    lr, loc = item.hp.lr, item.site.param_names["loc"]
+    return (
+        f"QNVB: site {name!r}: at {capped} of its {item.site.params['loc'].numel()} coordinates "
+        f"the mean moved by {CAPPED_FRACTION:g} lr or more a step (lr={lr:g}) from step {since} "
+        f"to {step}, in one direction: the cap g / max(H, sqrt(s_avg) / lr), which moves it by "
+        "at most about lr, bound at nearly every step and held it back (its latent is "
+        "many units from where it started, in its unconstrained space), and the fit is not "
+        "there yet although the loss falls. Standardize the data (a feature scaled by 1e-3 "
+        "needs a coefficient 1,000 times larger), start the guide near the answer, or raise "
+        f"lr for this site: QNVB(lambda name: {{'lr': {100 * lr:g}}} if name == {loc!r} else {{}})"
+    )
 
 
 def _row_index(shape: torch.Size, rows: dict[int, torch.Tensor] | None) -> tuple | None:
@@ -1225,7 +1276,57 @@ class QNVB(PyroOptim):
                 self._warn_once(f"held {name}", message)
         if pinned and pinned <= held_labels:  # else a site pinned for its own reasons is named
             self._warned.add("num_sigma_min")
+        if _is_decade(self.num_steps + 1):
+            self._warn_if_stalled(prepared)
         return table
+
+    def _warn_if_stalled(self, prepared: list[_Prepared]) -> None:
+        """At steps 10, 100, 1000, ...: compare each site's mean with its mean at the last of
+        these checks, and warn once of the sites (`_damping_message`, from step 1,000: at 100
+        converging fits still travel) whose median damping divisor is above
+        `STALLED_DAMPING_FRACTION` of the step count while their means moved by more than
+        `STALLED_DRIFT` sds since (still travelling, not noise about an optimum), where
+        QuadratureELBO published the moments (under Monte Carlo gradients that growth is the
+        averaging the damping is for), ``damping_recovery`` lets noise grow ``k`` (below 1) and
+        the model declares no settings for the site (a `BayesianModule`'s weights, for which
+        ``docs/qnvb.md`` keeps the default damping);
+        and once per site (`_capped_message`) with a coordinate whose mean moved by
+        `CAPPED_FRACTION` of ``lr`` a step or more since, in one direction, which the cap (at
+        most about ``lr`` a step) allows only where it bound at nearly every step. Each watched
+        site's loc is copied at each check for the next (no cost between checks)."""
+        step = self.num_steps + 1
+        marks = self.__dict__.setdefault("_marks", {})
+        stalled = {}
+        for item in prepared:
+            name, hp, loc = item.site.name, item.hp, item.site.params["loc"].detach()
+            watch_damping = (
+                step >= 1000
+                and "damping" not in self._warned
+                and item.published
+                and not item.site.hints
+                and hp.damping
+                and hp.damping_recovery < 1
+            )
+            watch_cap = 0 < hp.lr < math.inf and f"capped {name}" not in self._warned
+            since, mark = marks.pop(name, (None, None))
+            if mark is not None and mark.shape == loc.shape and since < step:
+                moved = (loc - mark).abs()
+                k = float(item.state["damping"].median()) if watch_damping else 0.0
+                if k > STALLED_DAMPING_FRACTION * step:
+                    scale = transform_to(item.site.param_constraints["scale"])(
+                        item.site.params["scale"].detach()
+                    )
+                    if float((moved / scale).median()) > STALLED_DRIFT:
+                        stalled[name] = (k, since)
+                if watch_cap:
+                    capped = int((moved >= CAPPED_FRACTION * hp.lr * (step - since)).sum())
+                    if capped:
+                        message = _capped_message(name, item, capped, since, step)
+                        self._warn_once(f"capped {name}", message)
+            if watch_damping or watch_cap:
+                marks[name] = (step, loc.clone())
+        if stalled:
+            self._warn_once("damping", _damping_message(stalled, step))
 
     def _refuse_if_nothing_updated(
         self, params: list[torch.Tensor], prepared: list[_Prepared], counts: list
@@ -1332,6 +1433,7 @@ class QNVB(PyroOptim):
             **self._live(),
         }
         state["_bound"] = {}
+        state["_marks"] = {}  # the means of the last check (`_warn_if_stalled`): not kept
         del state["_replaced"]  # weak references: made anew (empty) by __setstate__
         return state
 
@@ -1673,7 +1775,7 @@ class QNVB(PyroOptim):
         old = QNVBState(*(select(state[key]) for key in QNVBState._fields))
         hp = self.block_hyperparameters(name, site.hints)
         self._block_settings[name] = (hp, site.hints)
-        return _Prepared(site, values, g, h, old, hp, state, index)
+        return _Prepared(site, values, g, h, old, hp, state, index, block.moments is not None)
 
     @torch.no_grad()
     def _update_prepared(self, prepared: list[_Prepared], counts: list) -> None:
