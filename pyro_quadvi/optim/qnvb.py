@@ -230,9 +230,8 @@ def _checked(tensors: list[torch.Tensor]) -> torch.Tensor:
     shape, m = tensors[0].shape, CHECKED_COORDINATES
     n = shape.numel()
     if n <= m:
-        return torch.stack([t if t.shape == shape else t.reshape(shape) for t in tensors]).view(
-            len(tensors), n
-        )
+        stacked = torch.stack([t if t.shape == shape else t.reshape(shape) for t in tensors])
+        return stacked if stacked.dim() == 2 else stacked.view(len(tensors), n)
     k = n // m
     return torch.stack([t.reshape(-1)[: k * m : k] for t in tensors])
 
