@@ -272,9 +272,9 @@ def _gaussian_entropy_weights(
         g_off -= tol * (abs(g) + abs(h) * (abs(loc) + sigma))
         g_offs = numpy.fmax.reduceat(g_off, starts).tolist()
     weights = []
-    for n, c, c_slack, high, low, g_off in zip(counts, sums, slacks, highs, lows, g_offs):
+    for n, c, c_slack, high, low, loc_off in zip(counts, sums, slacks, highs, lows, g_offs):
         c, c_slack = c / n, c_slack / n  # |weight - c| > slack + c_slack somewhere: off
-        off = high - c > c_slack or c - low > c_slack or g_off > 0
+        off = high - c > c_slack or c - low > c_slack or loc_off > 0
         if not math.isfinite(c) or abs(c - 1.0) <= c_slack:
             c = 1.0
         weights.append(math.nan if off or c <= 0 else c)
