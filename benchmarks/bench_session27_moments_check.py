@@ -2,11 +2,11 @@
 
 QNVB compares the moments ``QuadratureELBO`` published for each Gaussian block with the gradients
 it is handed (`QNVB._entropy_weights`: the loc's gradient against ``s g``, the entropy weight
-``sigma^2 h - sigma dL/dsigma / s`` at every coordinate), once a step, before it steps on them.
-This times, on a 784-400-400-10 `BayesianModule` with `AutoMeanFieldNormal` (478,410
-coordinates in 6 blocks; random data, batch 256, unit Gaussian prior, the default rule), one
-``svi.step`` and the check on the moments and gradients of one backward pass. CPU times, one
-thread, medians of ``--repeats``.
+``sigma^2 h - sigma dL/dsigma / s``, at up to ``CHECKED_COORDINATES`` coordinates a block), once a
+step, before it steps on them. This times, on a `BayesianModule` with `AutoMeanFieldNormal`
+(``--widths``: 784-400-400-10, 478,410 coordinates in 6 blocks, or 1-50-1, 151 in 4; random
+data, batch 256, unit Gaussian prior, the default rule), one ``svi.step`` and the check on the
+moments and gradients of one backward pass. CPU times, one thread, medians of ``--repeats``.
 
     PYTHONPATH=. python benchmarks/bench_session27_moments_check.py [--repeats 7 --steps 5]
         [--widths 784-400-400-10]

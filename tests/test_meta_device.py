@@ -310,7 +310,8 @@ def test_host_syncs_of_a_steady_state_step():
     # its results in place (donated), so off the CPU it selects in every chunk, reading nothing;
     # nn/module.py: the data check (x finite, y in the likelihood's support), one read of both;
     # optim/qnvb.py: the published moments checked against the gradients, one read of every
-    # block's entropy weight (session 27)
+    # block's checked coordinates (session 27; the zeros FakeSync reads give a weight of 0, so
+    # these steps read the blocks from their gradients)
     assert pyro_step.by_file() == {
         "nn/module.py": 1,
         "infer/log_joint.py": 1,

@@ -214,3 +214,53 @@ def test_an_uncalled_fallback_is_named_with_the_call_it_needs(fallback, words):
     with pytest.raises(ValueError) as error:
         QNVB(fallback=fallback)
     assert str(error.value).endswith(words)
+
+
+def test_the_sampled_check_still_catches_a_scaled_loss_and_a_penalty_on_a_large_block(
+    float64_store,
+):
+    # session 27, f29: the check compares at most CHECKED_COORDINATES coordinates of a block
+    # (here every 3rd of 200); a loss 2 * GH has its moments halved, a penalty on the whole
+    # site's locs sends the site to its gradients, with the warning naming it
+    d = 200
+    assert d > qnvb_module.CHECKED_COORDINATES
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(N, d, generator=g, dtype=torch.float64)
+    y = x @ torch.randn(d, generator=g, dtype=torch.float64)
+
+    def model():
+        w = pyro.sample("w", dist.Normal(torch.zeros(d, dtype=torch.float64), 1.0).to_event(1))
+        with pyro.plate("n", N):
+            pyro.sample("y", dist.Normal((x * w).sum(-1), 1.0), obs=y)
+
+    def blocks(loss):
+        pyro.clear_param_store()
+        guide = AutoMeanFieldNormal(model)
+        guide()
+        params = [
+            pyro.param(f"AutoMeanFieldNormal.{k}.w").unconstrained() for k in ("locs", "scales")
+        ]
+        with torch.no_grad():  # locs away from 0, where the penalty's gradient is 0
+            params[0].copy_(torch.linspace(-1.0, 1.0, d))
+        # a new ELBO each time, at the start of its rule's sequence, from one seed
+        # (Gauss-Hermite's 3^200 nodes would be too many)
+        pyro.set_rng_seed(0)
+        loss(guide, QuadratureELBO()).backward()
+        found, _ = QNVB().find_blocks(params)
+        return [b.moments for b in found]
+
+    (plain,) = blocks(lambda guide, elbo: elbo.differentiable_loss(model, guide))
+    (halved,) = blocks(lambda guide, elbo: 2 * elbo.differentiable_loss(model, guide))
+    assert torch.allclose(halved.g, plain.g, rtol=1e-12, atol=0)  # published 2 g, divided by 2
+    assert torch.allclose(halved.h, plain.h, rtol=1e-12, atol=0)
+    assert not torch.equal(halved.h, 2 * plain.h)
+
+    def penalised(guide, elbo):
+        return (
+            elbo.differentiable_loss(model, guide)
+            + 5 * (pyro.param(LOC.replace("z", "w")) ** 2).sum()
+        )
+
+    with pytest.warns(RuntimeWarning, match="the gradients of site 'w' are not those of the loss"):
+        (moments,) = blocks(penalised)
+    assert moments is None  # read from the gradients

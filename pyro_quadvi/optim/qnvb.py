@@ -45,12 +45,14 @@ import contextlib
 import copy
 import functools
 import inspect
+import itertools
 import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
 
+import numpy
 import pyro
 import torch
 from pyro.infer.autoguide import AutoDelta
@@ -225,37 +227,68 @@ def _gaussian_identity(
     return g, h
 
 
-def _gaussian_entropy_weight(
-    site: MeanFieldSite,
-    values: dict[str, torch.Tensor],
-    grads: dict[str, torch.Tensor],
-    moments: PublishedMoments,
-) -> torch.Tensor:
-    """The weight ``c`` of the entropy in the loss whose gradients ``grads`` are, for a
-    ``"gaussian"`` block whose published moments are ``moments``, as a 0-dim tensor: 1.0
-    exactly where it is 1 up to rounding, NaN where the gradients are not those of ``c`` times
-    the loss that published the moments (for one ``c`` at every coordinate).
+CHECKED_COORDINATES = 64
+"""The most coordinates of a block at which QNVB checks its published moments against its
+gradients (`QNVB._agreed_moments`): all of a block that has no more, else that many spread evenly
+over it, the same at every step (`_checked`)."""
+
+
+def _checked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A block's tensors of one number of coordinates at its checked coordinates, one a row: all
+    of them where there are at most `CHECKED_COORDINATES`, else every ``k``-th of the first
+    ``k CHECKED_COORDINATES`` of each flat view, ``k = numel // CHECKED_COORDINATES``."""
+    shape, m = tensors[0].shape, CHECKED_COORDINATES
+    n = shape.numel()
+    if n <= m:
+        stacked = torch.stack([t if t.shape == shape else t.reshape(shape) for t in tensors])
+        return stacked if stacked.dim() == 2 else stacked.view(len(tensors), n)
+    k = n // m
+    return torch.stack([t.reshape(-1)[: k * m : k] for t in tensors])
+
+
+def _gaussian_entropy_weights(
+    site: MeanFieldSite, checked: torch.Tensor, counts: list[int], dtype: torch.dtype
+) -> list[float]:
+    """The weight ``c`` of the entropy in the loss whose gradients were handed, for ``"gaussian"``
+    blocks of ``site``'s scale constraint and minibatch scale: 1.0 exactly where it is 1 up to
+    rounding, NaN where a block's gradients are not those of ``c`` times the loss that published
+    its moments (for one ``c`` at every coordinate compared). ``checked`` holds, on the host in
+    float64, the blocks' coordinates (``counts`` of them a block, one after another), computed
+    in ``dtype``, in seven rows: their loc, unconstrained and constrained scale, published ``g``
+    and ``h``, and loc and scale gradients (`QNVB._checked_coordinates`).
 
     A loss ``c (E_q[U] - H[q])`` has ``dL/dmu / s = g`` and ``dL/dsigma / s = sigma h - c / sigma``
     with the published ``g = c E[dU/dz]``, ``h = c E[d^2U/dz^2]``, so at each coordinate
     ``c = sigma^2 h - sigma dL/dsigma / s`` and ``dL/dmu / s`` must be ``g``. Both are compared
     within ``sqrt(eps)`` of the sizes of their terms (the moments and the gradients round apart:
     the closed-form priors are summed in each on their own). Where some coordinate's weight is
-    not finite, only the block's loc gradients are compared and ``c`` is taken as 1."""
-    sigma, g, h = values["scale"], moments.g, moments.h
-    sd = sigma * _scale_gradient(site, values, grads)
-    ssh = sigma * sigma * h
-    weight = ssh - sd
-    size = ssh.abs_().add_(sd.abs_())  # the sizes of the terms the weight was rounded from
-    c, c_size = weight.mean(), size.mean()
-    tol = torch.finfo(weight.dtype).eps ** 0.5
-    off = weight.sub_(c).abs_() > size.add_(c_size).mul_(tol)  # NaN (not finite): not off
+    not finite, only the block's loc gradients are compared and ``c`` is taken as 1. In numpy:
+    on a few hundred numbers its operations cost a fraction of torch's."""
+    _, u, sigma, _, _, _, scale_grad = checked.unbind()
+    q = _scale_gradient(site, {"scale_leaf": u, "scale": sigma}, {"scale": scale_grad}).numpy()
+    loc, _, sigma, g, h, loc_grad, _ = checked.numpy()
     s = site.scale_factor
-    g_off = torch.sub(grads["loc"] if s == 1.0 else grads["loc"] / s, g).abs_()
-    off |= g_off > torch.addcmul(g.abs(), h.abs(), values["loc"].abs().add_(sigma)).mul_(tol)
-    c = torch.where(torch.isfinite(c), c, 1.0)
-    c = torch.where((c - 1.0).abs() <= tol * c_size, 1.0, c)
-    return torch.where(off.any() | (c <= 0), torch.nan, c)
+    starts = list(itertools.accumulate(counts[:-1], initial=0))
+    tol = torch.finfo(dtype).eps ** 0.5
+    with numpy.errstate(all="ignore"):  # NaN (not finite) is left out by fmax and fmin
+        ssh, sd = sigma * sigma * h, sigma * q
+        weight = ssh - sd
+        slack = tol * (abs(ssh) + abs(sd))  # of the terms the weight was rounded from
+        sums = numpy.add.reduceat(weight, starts).tolist()
+        slacks = numpy.add.reduceat(slack, starts).tolist()
+        highs = numpy.fmax.reduceat(weight - slack, starts).tolist()
+        lows = numpy.fmin.reduceat(weight + slack, starts).tolist()
+        g_off = abs((loc_grad if s == 1.0 else loc_grad / s) - g)
+        g_off -= tol * (abs(g) + abs(h) * (abs(loc) + sigma))
+        g_offs = numpy.fmax.reduceat(g_off, starts).tolist()
+    weights = []
+    for n, c, c_slack, high, low, loc_off in zip(counts, sums, slacks, highs, lows, g_offs):
+        c, c_slack = c / n, c_slack / n  # |weight - c| > slack + c_slack somewhere: off
+        off = high - c > c_slack or c - low > c_slack or loc_off > 0
+        if not math.isfinite(c) or abs(c - 1.0) <= c_slack:
+            c = 1.0
+        weights.append(math.nan if off or c <= 0 else c)
+    return weights
 
 
 GradientIdentity = Callable[
@@ -1534,11 +1567,12 @@ class QNVB(PyroOptim):
         return self._checked_blocks(blocks, received, explained)
 
     @staticmethod
-    def _entropy_weight(moments: PublishedMoments) -> torch.Tensor | None:
-        """`_gaussian_entropy_weight` of a block's published ``moments`` at its rows; ``None``:
-        not checked (a family without that check, a frozen parameter or a scale without a
-        gradient, which the step holds or sends to the fallback, or a masked site, which it
-        refuses)."""
+    def _checked_coordinates(moments: PublishedMoments) -> torch.Tensor | None:
+        """A block's loc, unconstrained and constrained scale, published ``g`` and ``h``, and loc
+        and scale gradients at its rows, at its checked coordinates (`_checked`), as
+        `_gaussian_entropy_weights` compares them; ``None``: not checked (a family without that
+        check, a frozen parameter or a scale without a gradient, which the step holds or sends to
+        the fallback, a masked site, which it refuses, or a block without coordinates)."""
         site = moments.site
         loc_leaf, scale_leaf = site.params["loc"], site.params["scale"]
         if (
@@ -1546,31 +1580,55 @@ class QNVB(PyroOptim):
             or not (loc_leaf.requires_grad and scale_leaf.requires_grad)
             or scale_leaf.grad is None
             or masked_site_refusal(site) is not None
+            or site.loc.numel() == 0
         ):
             return None
+        loc_grad, scale_grad, scale_leaf = loc_leaf.grad, scale_leaf.grad, scale_leaf.detach()
         index = _row_index(loc_leaf.shape, site.rows)
-
-        def select(t: torch.Tensor) -> torch.Tensor:
-            return t if index is None else t[index]
-
+        if index is not None:
+            scale_leaf, loc_grad, scale_grad = scale_leaf[index], loc_grad[index], scale_grad[index]
         # the scale the moments and the gradients were computed at
-        values = {"loc": site.loc, "scale_leaf": select(scale_leaf.detach()), "scale": site.scale}
-        grads = {"loc": select(loc_leaf.grad), "scale": select(scale_leaf.grad)}
-        return _gaussian_entropy_weight(site, values, grads, moments)
+        return _checked(
+            [site.loc, scale_leaf, site.scale, moments.g, moments.h, loc_grad, scale_grad]
+        )
 
     def _entropy_weights(self, published: list[PublishedMoments]) -> list[float | None]:
-        """`_entropy_weight` of each of ``published``, read from the device in one go."""
-        weights = [self._entropy_weight(moments) for moments in published]
-        checked = [w for w in weights if w is not None]
-        if not checked:
-            return [None] * len(weights)
-        device = checked[0].device
-        read = iter(torch.stack([w.to(device, torch.float64) for w in checked]).tolist())
-        return [None if w is None else next(read) for w in weights]
+        """The entropy weight of each of ``published`` at its `_checked_coordinates` (``None``:
+        not checked; `_gaussian_entropy_weights`): the blocks' coordinates are read from each
+        device in one go, and compared at once for the blocks sharing a dtype, a scale
+        constraint and a minibatch scale."""
+        groups: dict[tuple, list[int]] = {}
+        checked: dict[int, torch.Tensor] = {}
+        for i, moments in enumerate(published):
+            coordinates = self._checked_coordinates(moments)
+            if coordinates is not None:
+                site = moments.site
+                constraint = site.param_constraints["scale"]
+                key = (coordinates.device, coordinates.dtype, constraint, site.scale_factor)
+                groups.setdefault(key, []).append(i)
+                checked[i] = coordinates
+        on_host = {}  # device -> its blocks' coordinates, in the order of groups
+        for device in dict.fromkeys(key[0] for key in groups):
+            tensors = [
+                checked[i] for key, members in groups.items() if key[0] == device for i in members
+            ]
+            on_host[device] = torch.cat(tensors, 1).to("cpu", torch.float64)
+        start = dict.fromkeys(on_host, 0)
+        weights: list[float | None] = [None] * len(published)
+        for (device, dtype, _, _), members in groups.items():
+            counts = [checked[i].shape[1] for i in members]
+            end = start[device] + sum(counts)
+            rows = on_host[device].narrow(1, start[device], end - start[device])
+            site = published[members[0]].site  # its scale constraint and minibatch scale
+            for i, c in zip(members, _gaussian_entropy_weights(site, rows, counts, dtype)):
+                weights[i] = c
+            start[device] = end
+        return weights
 
     def _agreed_moments(self, published: list[PublishedMoments]) -> list[PublishedMoments]:
         """The ``published`` moments QNVB steps on, checked against the gradients it was
-        handed (`_gaussian_entropy_weight`). A block whose loc has no gradient is dropped
+        handed (`_gaussian_entropy_weights`, at most `CHECKED_COORDINATES` coordinates a
+        block). A block whose loc has no gradient is dropped
         (moments of a backward pass whose gradients were cleared since). A loss ``c`` times one
         ``QuadratureELBO``'s (a mean over ``c`` rows, two backward passes, two terms on one
         guide) gives moments divided by ``c``: the step is that of the loss's optimum. A block
