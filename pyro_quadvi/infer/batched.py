@@ -274,10 +274,13 @@ def refuse_recomputed_forward(owner: str, fix: str) -> Iterator[None]:
     mean, its loss 776.2 for 700.8, without a warning); reentrant, the layers inside get no
     gradient. The refusal aborts the backward at the first such layer; ``owner`` and ``fix``
     (the ways out) make the message. A module global forward pre-hook, registered for the
-    context only."""
+    context only, that refuses only a forward run by the backward (an autograd node executing in
+    its thread): another thread's own forward meanwhile, a net trained beside the fit, runs."""
 
     def refuse(module: nn.Module, args: tuple) -> None:
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
+        if torch._C._current_autograd_node() is not None and any(
+            p.requires_grad for p in module.parameters(recurse=False)
+        ):
             raise RecomputedForward(
                 f"{owner}: the {type(module).__name__} layer of the net ran its forward again "
                 "in the backward pass: a torch.utils.checkpoint in the net's forward recomputes "
