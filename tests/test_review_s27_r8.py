@@ -6,11 +6,13 @@ import threading
 
 import pyro
 import pyro.distributions as dist
+import pytest
 import torch
 from pyro.infer import SVI
 from torch import nn
 
 from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi.optim import QNVBOptimizer
 
 
 class _ForwardInAnotherThread(torch.autograd.Function):
@@ -55,3 +57,26 @@ def test_another_threads_forward_runs_while_quadrature_elbo_backwards():
     # one backward of the Function per node (the default rule's 3 at one coordinate), each
     # adding 2 (two rows of ones) to every weight's gradient
     assert net.weight.grad.tolist() == [[6.0, 6.0, 6.0]]
+
+
+@pytest.mark.parametrize(
+    ("name", "valid", "bad"), [("lr", 1.0, True), ("betas", (0.0, 0.5), (False, 0.5))]
+)
+def test_qnvb_optimizer_refuses_a_bool_setting_after_the_number_it_equals(name, valid, bad):
+    """QNVBOptimizer keeps its checked group settings while they are the same; ``True == 1.0``
+    (and ``(False, 0.5) == (0.0, 0.5)``), so a bool set in place of a valid number after a step
+    was taken unchecked, where a first step refuses it."""
+    net = nn.Linear(2, 1)
+    opt = QNVBOptimizer(net.parameters(), likelihood_weight=4.0, **{name: valid})
+    x, y = torch.ones(4, 2), torch.zeros(4, 1)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = ((net(x) - y) ** 2).sum() / 2
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    opt.param_groups[0][name] = bad
+    with pytest.raises(TypeError, match=r"parameter group 0: .* must be a real number .* \(bool\)"):
+        opt.step(closure)

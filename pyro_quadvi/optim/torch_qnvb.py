@@ -1434,17 +1434,23 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         the group's index, before the step evaluates anything.
 
         The result is kept for the next step while every value the checks read is the same:
-        the groups, their settings and their parameters' dtypes (a key of them, 2 us where the
-        checks take 17; none where a setting is unhashable, such as a list a user may change in
-        place)."""
-        key: tuple | None = tuple(
-            (
-                id(group),
-                *(group[name] for name in _CHECKED_NAMES),
-                *(p.dtype for p in group["params"]),
+        the groups, their settings and their types (``True`` equals ``1.0``, but is refused) and
+        their parameters' dtypes (a key of them, 2.3 us where the checks take 17; none where a
+        setting is unhashable, such as a list a user may change in place)."""
+        parts = []
+        for group in self.param_groups:
+            values = [group[name] for name in _CHECKED_NAMES]
+            betas = group["betas"]
+            parts.append(
+                (
+                    id(group),
+                    *values,
+                    *map(type, values),  # True equals 1.0, but is refused
+                    *(map(type, betas) if isinstance(betas, tuple) else ()),
+                    *(p.dtype for p in group["params"]),
+                )
             )
-            for group in self.param_groups
-        )
+        key: tuple | None = tuple(parts)
         try:
             hash(key)
         except TypeError:
