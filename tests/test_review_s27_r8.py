@@ -80,3 +80,23 @@ def test_qnvb_optimizer_refuses_a_bool_setting_after_the_number_it_equals(name, 
     opt.param_groups[0][name] = bad
     with pytest.raises(TypeError, match=r"parameter group 0: .* must be a real number .* \(bool\)"):
         opt.step(closure)
+
+
+def _log_normal_site() -> None:
+    pyro.sample("s", dist.LogNormal(0.0, 1.0))
+    pyro.sample("y", dist.Normal(0.0, 1.0), obs=torch.tensor(0.3))
+
+
+def test_a_value_rounded_onto_the_support_bound_is_not_called_a_moved_support():
+    """A LogNormal site whose guide sits at ``loc = -200``: exp rounds every node to 0.0 in
+    float32, outside ``(0, inf)``. The support did not move, so Pyro's own error (the site and
+    the values) is raised, not the advice to rewrite a support that depends on another latent."""
+    pyro.clear_param_store()
+    guide = AutoMeanFieldNormal(_log_normal_site)
+    guide()
+    with torch.no_grad():
+        pyro.param("AutoMeanFieldNormal.locs.s").unconstrained().fill_(-200.0)
+    with pytest.raises(ValueError, match="Error while computing log_prob at site 's'") as info:
+        with pyro.validation_enabled():
+            QuadratureELBO().loss(_log_normal_site, guide)
+    assert "depends on another latent" not in str(info.value)
