@@ -658,12 +658,13 @@ class QuadratureELBO(PointsELBO):
             raise step_without_grad_refusal("QuadratureELBO.loss_and_grads (svi.step)")
         loss, description = self._quadrature_loss(model, guide, args, kwargs)
         if loss.requires_grad:
-            with refuse_recomputed_forward(type(self).__name__, _CHECKPOINT_FIX):
+            owner = type(self).__name__
+            with refuse_recomputed_forward(owner, _CHECKPOINT_FIX, called_by_place=True):
                 try:
                     loss.backward()
                 except RuntimeError as error:
                     if self.vectorized(model, guide) and not isinstance(error, RecomputedForward):
-                        add_hint(error, _vectorized_backward_hint(type(self).__name__, error))
+                        add_hint(error, _vectorized_backward_hint(owner, error))
                     raise
         else:
             refusal = _untrainable(guide)
