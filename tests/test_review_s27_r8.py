@@ -134,3 +134,30 @@ def test_a_checkpointed_module_of_the_model_itself_trains_under_quadrature_elbo(
     assert loss == pytest.approx(plain_loss, rel=1e-6)
     torch.testing.assert_close(moved, plain_moved)
     assert moved.abs().min() > 0  # (the fallback stepped the encoder)
+
+
+def _head_fit(checkpointed: bool) -> torch.Tensor:
+    """Two one-pass QNVBOptimizer steps on a linear layer read out by a fixed-by-choice
+    ``readout`` (its parameters require grad, another optimizer's), run under ``checkpoint``
+    or not: the layer's weight."""
+    torch.manual_seed(0)
+    layer, readout = nn.Linear(4, 3), nn.Sequential(nn.Tanh(), nn.Linear(3, 1))
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    opt = QNVBOptimizer(layer.named_parameters(), likelihood_weight=16.0)
+
+    def loss_fn(params: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.func.functional_call(layer, params, (x,))
+        out = checkpoint(readout, h, use_reentrant=False) if checkpointed else readout(h)
+        return ((out - y) ** 2).mean() / 2
+
+    for _ in range(2):
+        opt.step(loss_fn=loss_fn, batch=(x, y), vectorize=False)
+    return layer.weight.detach().clone()
+
+
+def test_qnvb_optimizer_takes_a_checkpointed_module_it_does_not_step():
+    """step(loss_fn=...) refuses a recomputed layer whose parameters it swapped for the nodes;
+    a readout it does not hold recomputes at its own parameters, as its forward ran, and was
+    refused too (RecomputedForward naming its Linear layer). The fit of the loop over the
+    nodes equals the one without the checkpoint (the vmap pass's backward cannot recompute)."""
+    torch.testing.assert_close(_head_fit(True), _head_fit(False))

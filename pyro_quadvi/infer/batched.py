@@ -52,6 +52,7 @@ __all__ = [
     "RecomputedForward",
     "below_float64",
     "call_by_place",
+    "called_by_place",
     "check_value_dtype",
     "check_vectorize",
     "evaluate_batch",
@@ -266,14 +267,14 @@ _CALLED_BY_PLACE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """The modules `call_by_place` ran: their layers hold the given tensors only while it runs."""
 
 
-def _called_by_place(module: nn.Module) -> bool:
+def called_by_place(module: nn.Module) -> bool:
     """Whether ``module`` is one of, or inside one of, the modules `call_by_place` ran."""
     return any(module is part for net in list(_CALLED_BY_PLACE) for part in net.modules())
 
 
 @contextmanager
 def refuse_recomputed_forward(
-    owner: str, fix: str, *, called_by_place: bool = False
+    owner: str, fix: str, swapped: Callable[[nn.Module], bool]
 ) -> Iterator[None]:
     """Raise `RecomputedForward` where a module with trainable parameters of its own runs its
     forward inside: the backward of a loss whose nodes were passed to the net by
@@ -287,15 +288,15 @@ def refuse_recomputed_forward(
     (the ways out) make the message. A module global forward pre-hook, registered for the
     context only, that refuses only a forward run by the backward (an autograd node executing in
     its thread): another thread's own forward meanwhile, a net trained beside the fit, runs.
-    With ``called_by_place``, only a layer of a net that `call_by_place` ran (a
-    `BayesianModule`'s) is refused: a model's own module, checkpointed at its own parameters
-    (a point-estimated encoder), recomputes what its forward computed."""
+    Only a layer for which ``swapped`` holds, one whose parameters were swapped for the nodes
+    (`called_by_place`: a `BayesianModule`'s net), is refused: another module, checkpointed at
+    its own parameters (a point-estimated encoder), recomputes what its forward computed."""
 
     def refuse(module: nn.Module, args: tuple) -> None:
         if (
             torch._C._current_autograd_node() is not None
             and any(p.requires_grad for p in module.parameters(recurse=False))
-            and (not called_by_place or _called_by_place(module))
+            and swapped(module)
         ):
             raise RecomputedForward(
                 f"{owner}: the {type(module).__name__} layer of the net ran its forward again "

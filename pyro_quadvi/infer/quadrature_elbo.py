@@ -79,6 +79,7 @@ from .batched import (
     DecisionCache,
     RecomputedForward,
     add_hint,
+    called_by_place,
     check_vectorize,
     evaluate_batch,
     first_line,
@@ -659,7 +660,7 @@ class QuadratureELBO(PointsELBO):
         loss, description = self._quadrature_loss(model, guide, args, kwargs)
         if loss.requires_grad:
             owner = type(self).__name__
-            with refuse_recomputed_forward(owner, _CHECKPOINT_FIX, called_by_place=True):
+            with refuse_recomputed_forward(owner, _CHECKPOINT_FIX, called_by_place):
                 try:
                     loss.backward()
                 except RuntimeError as error:
