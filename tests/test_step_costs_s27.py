@@ -25,16 +25,16 @@ from pyro_quadvi.optim.qnvb_functional import (
 from pyro_quadvi.testing.update_cases import small_net
 
 
-def _count_scans(monkeypatch) -> list[int]:
-    """The number of tensors `_check_donate` scans (its ``_span`` calls), counted."""
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    """The calls of ``qnvb_functional``'s function ``name``, counted from now on."""
     calls = [0]
-    span = qnvb_functional._span
+    function = getattr(qnvb_functional, name)
 
-    def counted(t):
+    def counted(*args):
         calls[0] += 1
-        return span(t)
+        return function(*args)
 
-    monkeypatch.setattr(qnvb_functional, "_span", counted)
+    monkeypatch.setattr(qnvb_functional, name, counted)
     return calls
 
 
@@ -43,7 +43,7 @@ def test_the_optimizers_do_not_scan_their_own_donated_results(monkeypatch):
     step, where the state is the one its first step made) donate without the memory scan, which
     was 48 ``_span`` calls a step of a 4-tensor net; a state dict loaded back makes the state
     the caller's again, and nothing is donated then."""
-    calls = _count_scans(monkeypatch)
+    calls = _count_calls(monkeypatch, "_span")  # the tensors `_check_donate` scans
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
@@ -194,14 +194,7 @@ def test_a_donated_update_finds_each_fields_flat_view_once(monkeypatch):
     gs, hs = moments()
     args = ([r.mu for r in first], [r.sigma for r in first], gs, hs, [r.state for r in first])
     pure = qnvb_update_many(*args, hp)
-    calls = [0]
-    base = qnvb_functional.consecutive_base
-
-    def counted(tensors):
-        calls[0] += 1
-        return base(tensors)
-
-    monkeypatch.setattr(qnvb_functional, "consecutive_base", counted)
+    calls = _count_calls(monkeypatch, "consecutive_base")
     donated = qnvb_update_many(*args, hp, donate=DONATABLE)
     assert calls[0] == 12
     for want, got in zip(pure, donated):

@@ -52,6 +52,7 @@ __all__ = [
     "RecomputedForward",
     "below_float64",
     "call_by_place",
+    "called_by_place",
     "check_value_dtype",
     "check_vectorize",
     "evaluate_batch",
@@ -262,8 +263,19 @@ class RecomputedForward(RuntimeError):
     recomputing a part of the net at the net's own parameters, not at the node's."""
 
 
+_CALLED_BY_PLACE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""The modules `call_by_place` ran: their layers hold the given tensors only while it runs."""
+
+
+def called_by_place(module: nn.Module) -> bool:
+    """Whether ``module`` is one of, or inside one of, the modules `call_by_place` ran."""
+    return any(module is part for net in list(_CALLED_BY_PLACE) for part in net.modules())
+
+
 @contextmanager
-def refuse_recomputed_forward(owner: str, fix: str) -> Iterator[None]:
+def refuse_recomputed_forward(
+    owner: str, fix: str, swapped: Callable[[nn.Module], bool]
+) -> Iterator[None]:
     """Raise `RecomputedForward` where a module with trainable parameters of its own runs its
     forward inside: the backward of a loss whose nodes were passed to the net by
     ``torch.func.functional_call``, which puts them in the net only while its forward runs.
@@ -274,10 +286,18 @@ def refuse_recomputed_forward(owner: str, fix: str) -> Iterator[None]:
     mean, its loss 776.2 for 700.8, without a warning); reentrant, the layers inside get no
     gradient. The refusal aborts the backward at the first such layer; ``owner`` and ``fix``
     (the ways out) make the message. A module global forward pre-hook, registered for the
-    context only."""
+    context only, that refuses only a forward run by the backward (an autograd node executing in
+    its thread): another thread's own forward meanwhile, a net trained beside the fit, runs.
+    Only a layer for which ``swapped`` holds, one whose parameters were swapped for the nodes
+    (`called_by_place`: a `BayesianModule`'s net), is refused: another module, checkpointed at
+    its own parameters (a point-estimated encoder), recomputes what its forward computed."""
 
     def refuse(module: nn.Module, args: tuple) -> None:
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
+        if (
+            torch._C._current_autograd_node() is not None
+            and any(p.requires_grad for p in module.parameters(recurse=False))
+            and swapped(module)
+        ):
             raise RecomputedForward(
                 f"{owner}: the {type(module).__name__} layer of the net ran its forward again "
                 "in the backward pass: a torch.utils.checkpoint in the net's forward recomputes "
@@ -809,6 +829,7 @@ def call_by_place(module: nn.Module, tensors: Mapping[str, torch.Tensor], args: 
     (``"_orig_mod.0.weight"``): the places are the wrapped module's, and a name that is none of
     them is passed on as it is.
     """
+    _CALLED_BY_PLACE.add(module)  # (a checkpoint in it is refused in the backward)
     slots = _slots(getattr(module, "_orig_mod", module))
     given = {slot: tensors[name] for slot, name in slots.items() if name in tensors}
     named = set(slots.values())

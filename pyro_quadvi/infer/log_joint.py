@@ -972,9 +972,10 @@ class LogJoint:
 
     def _refuse_moved_support(self, trace: Trace, error: ValueError) -> None:
         """Name a latent site whose values lie outside the support the model gives it now
-        though they are finite: the guide's transform maps onto the support the site had when the
-        guide was set up, so the support moved (``Uniform(lo, lo + 1)`` with ``lo`` sampled),
-        where Pyro's validation error names only the values."""
+        though they are finite and not rounded onto the bound of the guide's transform: the
+        transform maps onto the support the site had when the guide was set up, so the support
+        moved (``Uniform(lo, lo + 1)`` with ``lo`` sampled), where Pyro's validation error names
+        only the values."""
         for site in self.sites:
             node = trace.nodes.get(site.name)
             if node is None:
@@ -982,7 +983,10 @@ class LogJoint:
             value = node["value"].detach()
             with torch.no_grad():
                 outside = ~node["fn"].support.check(value)
-            if not bool(outside.any()) or not bool(value.isfinite().all()):
+                # a value the transform rounded onto its bound (exp(-200) = 0 in float32) has
+                # no finite preimage: the support did not move
+                rounded = not bool(site.transform.inv(value).isfinite().all())
+            if not bool(outside.any()) or not bool(value.isfinite().all()) or rounded:
                 continue
             raise ValueError(
                 f"site {site.name!r}: {int(outside.sum())} of the guide's values lie outside the "

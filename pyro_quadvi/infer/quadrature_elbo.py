@@ -80,6 +80,7 @@ from .batched import (
     DecisionCache,
     RecomputedForward,
     add_hint,
+    called_by_place,
     check_vectorize,
     evaluate_batch,
     first_line,
@@ -661,14 +662,15 @@ class QuadratureELBO(PointsELBO):
         with generator_kept(self.generator):  # a step that fails has drawn nothing
             loss, description = self._quadrature_loss(model, guide, args, kwargs)
             if loss.requires_grad:
-                with refuse_recomputed_forward(type(self).__name__, _CHECKPOINT_FIX):
+                owner = type(self).__name__
+                with refuse_recomputed_forward(owner, _CHECKPOINT_FIX, called_by_place):
                     try:
                         loss.backward()
                     except RuntimeError as error:
                         if self.vectorized(model, guide) and not isinstance(
                             error, RecomputedForward
                         ):
-                            add_hint(error, _vectorized_backward_hint(type(self).__name__, error))
+                            add_hint(error, _vectorized_backward_hint(owner, error))
                         raise
             else:
                 refusal = _untrainable(guide)

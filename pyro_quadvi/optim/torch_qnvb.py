@@ -901,16 +901,23 @@ _CHECKPOINT_FIX = (
 
 
 def _weighted_gradients(
-    losses: torch.Tensor, nodes: NodeSet, stacked: list[torch.Tensor]
+    losses: torch.Tensor, nodes: NodeSet, stacked: list[torch.Tensor], owned: set[int]
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """``sum_k w_k loss_k`` and its gradients with respect to the parameters stacked over the
     nodes (``None`` where one is not used; all ``None`` where the loss reads none of them).
-    A failure on a sparse gradient is a ``RuntimeError`` with the way out."""
+    A failure on a sparse gradient is a ``RuntimeError`` with the way out; a layer holding
+    one of the optimizer's parameters (``owned``, their ids) recomputed in the backward is
+    refused (`refuse_recomputed_forward`)."""
+
+    def swapped(module: nn.Module) -> bool:
+        return any(id(p) in owned for p in module.parameters(recurse=False))
+
     total = (nodes.weights.to(losses.dtype) * losses).sum()
     if not total.requires_grad:
         return total, [None] * len(stacked)
     try:
-        with refuse_recomputed_forward("QNVBOptimizer.step(loss_fn=...)", _CHECKPOINT_FIX):
+        owner = "QNVBOptimizer.step(loss_fn=...)"
+        with refuse_recomputed_forward(owner, _CHECKPOINT_FIX, swapped):
             return total, list(torch.autograd.grad(total, stacked, allow_unused=True))
     except (RuntimeError, NotImplementedError) as error:
         if isinstance(error, RecomputedForward) or "sparse" not in str(error).lower():
@@ -1434,17 +1441,23 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
         the group's index, before the step evaluates anything.
 
         The result is kept for the next step while every value the checks read is the same:
-        the groups, their settings and their parameters' dtypes (a key of them, 2 us where the
-        checks take 17; none where a setting is unhashable, such as a list a user may change in
-        place)."""
-        key: tuple | None = tuple(
-            (
-                id(group),
-                *(group[name] for name in _CHECKED_NAMES),
-                *(p.dtype for p in group["params"]),
+        the groups, their settings and their types (``True`` equals ``1.0``, but is refused) and
+        their parameters' dtypes (a key of them, 2.3 us where the checks take 17; none where a
+        setting is unhashable, such as a list a user may change in place)."""
+        parts = []
+        for group in self.param_groups:
+            values = [group[name] for name in _CHECKED_NAMES]
+            betas = group["betas"]
+            parts.append(
+                (
+                    id(group),
+                    *values,
+                    *map(type, values),  # True equals 1.0, but is refused
+                    *(map(type, betas) if isinstance(betas, tuple) else ()),
+                    *(p.dtype for p in group["params"]),
+                )
             )
-            for group in self.param_groups
-        )
+        key: tuple | None = tuple(parts)
         try:
             hash(key)
         except TypeError:
@@ -1704,6 +1717,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
             return losses
 
         key, flags = _decision_key(loss_fn)
+        owned = {id(p) for p, _ in params}  # the layers holding them are swapped for the nodes
         known = self._decisions.get(*key) or {}  # the modules' training flags -> vectorized
         mode = known.get(flags) if vectorize is None else vectorize
         checked = mode is True and known.get(flags) is True  # on an earlier step: no probes
@@ -1729,7 +1743,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 raise
             buffers.settle(decision.vectorized)
             try:
-                total, grads = _weighted_gradients(losses, nodes, stacked)
+                total, grads = _weighted_gradients(losses, nodes, stacked, owned)
             except (RuntimeError, NotImplementedError) as error:
                 if isinstance(error, RecomputedForward):  # a checkpoint: no loop helps either
                     buffers.undo()
@@ -1751,7 +1765,7 @@ class QNVBOptimizer(CheckpointHooks, torch.optim.Optimizer):
                 warn_fallback("QNVBOptimizer", K, reason)
                 losses, _ = evaluate_batch(batched, single, _NodeStack(stacked), False)
                 decision = BatchDecision(False, reason, 0)
-                total, grads = _weighted_gradients(losses, nodes, stacked)
+                total, grads = _weighted_gradients(losses, nodes, stacked, owned)
         if all(grad is None for grad in grads):
             raise RuntimeError(
                 "QNVBOptimizer: the loss does not depend on any parameter of the optimizer; "
