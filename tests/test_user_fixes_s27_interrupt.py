@@ -66,19 +66,21 @@ def _fit(model, elbo, steps, interrupt=None):
 
 
 @pytest.mark.parametrize(
-    "where",
+    "where, undone",
     [
-        (QNVB, "_warn_if_not_annealed"),  # a call after the blocks' update
-        (QNVB, "_guarded_fallback"),  # the fallback's step, before it stepped
-        (PyroOptim, "__call__"),  # the fallback's step, once it stepped
+        ((QNVB, "_guarded_fallback"), True),  # the fallback's step (first), before it stepped
+        ((PyroOptim, "__call__"), True),  # the fallback's step, once it stepped
+        ((QNVB, "_update_prepared"), True),  # the blocks' update, the fallback stepped
+        ((QNVB, "_warn_if_not_annealed"), False),  # a warning of the step, which is whole
     ],
 )
-def test_an_interrupt_after_qnvbs_block_update_undoes_the_whole_step(monkeypatch, where):
-    """A Ctrl-C after the blocks were updated: the blocks' locs, scales and states are put
-    back, the fallback's parameter and its Adam state as they were, the step count not
-    advanced, the gradients zeroed (as SVI zeroes them after a step). Only the ELBO's position
-    moved, as for a refused step (docs/qnvb.md); with it put back, the run goes on bit for bit
-    as one without the interrupted step."""
+def test_an_interrupted_qnvb_step_is_taken_whole_or_not_at_all(monkeypatch, where, undone):
+    """A Ctrl-C in QNVB's step. Before the blocks' update (the fallback's step comes first):
+    the fallback's parameter and its Adam state are put back, the blocks untouched, the step
+    count not advanced, the gradients zeroed (as SVI zeroes them after a step); only the ELBO's
+    position moved, as for a refused step (docs/qnvb.md), and with it put back the run goes on
+    bit for bit as one without the interrupted step. In a warning after the update (an error
+    under -W error): the step is whole, counted, and the run goes on bit for bit as is."""
     seen = {}
     owner, name = where
 
@@ -104,25 +106,32 @@ def test_an_interrupt_after_qnvbs_block_update_undoes_the_whole_step(monkeypatch
         seen["moved"] = [k for k in before if not torch.equal(before[k], after[k])]
         seen["position"] = (before[key].item(), after[key].item())
         seen["state kept"] = _same(state, qnvb.get_state())
+        seen["steps"] = qnvb.num_steps
         store = pyro.get_param_store()
         seen["gradients"] = [
             k
             for k, v in store.items()
             if v.unconstrained().grad is not None and bool(v.unconstrained().grad.any())
         ]
-        del store[key]
-        store[key] = before[key]
+        if undone:
+            del store[key]
+            store[key] = before[key]
 
     clean_losses, clean = _fit(_model, QuadratureELBO(rule="hadamard", num_points=4), 8)
     losses, after = _fit(_model, QuadratureELBO(rule="hadamard", num_points=4), 8, interrupt)
-    assert seen["blocks moved"]  # the interrupt came after the blocks' update
-    assert seen.get("fallback moved", True)  # and after the fallback's, for PyroOptim
-    assert seen["moved"] == ["QuadratureELBO.AutoMeanFieldNormal.w.step"]
+    assert seen["blocks moved"] is not undone
+    assert seen.get("fallback moved", True)  # the interrupt came after the fallback's step
     assert seen["position"] == (3.0, 4.0)
-    assert seen["state kept"]  # block states, step count, fallback's Adam state
     assert seen["gradients"] == []
-    assert losses == clean_losses
-    assert _same(after, clean)
+    if undone:
+        assert seen["moved"] == ["QuadratureELBO.AutoMeanFieldNormal.w.step"]
+        assert seen["state kept"] and seen["steps"] == 3  # block states, the fallback's Adam
+    else:
+        assert not seen["state kept"] and seen["steps"] == 4
+        assert losses[3:7] == clean_losses[4:8]  # the interrupted step was the clean run's 4th
+    if undone:
+        assert losses == clean_losses
+        assert _same(after, clean)
 
 
 class _InterruptAt:

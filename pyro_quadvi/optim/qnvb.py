@@ -41,7 +41,6 @@ cause that stays would keep every later step a no-op).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
@@ -1143,11 +1142,26 @@ class QNVB(PyroOptim):
                 prepared.append(outcome)
         if self.annealing is not None and self.num_steps > 0 and prepared:
             self._warn_if_annealing_elsewhere(prepared)
-        with self._all_or_nothing(params, prepared):  # an error or an interrupt (Ctrl-C) undoes it
-            self._update_prepared(prepared, counts)
-            table = (
-                None if part_of_step else self._refuse_if_nothing_updated(params, prepared, counts)
-            )
+        rest = [p for p in params if id(p) not in paired]
+        if params and not blocks and not explained:  # a refused block said why (_prepare_block)
+            self._warn_once("nothing paired", self._nothing_paired(params))
+        try:  # the fallback first: undone where the blocks' update or its refusal raises
+            undo = self._guarded_fallback(rest, *args, **kwargs) if rest else None
+            try:
+                self._update_prepared(prepared, counts)
+                table = (
+                    None
+                    if part_of_step
+                    else self._refuse_if_nothing_updated(params, prepared, counts)
+                )
+            except BaseException:
+                if undo is not None:
+                    undo()
+                raise
+        except BaseException:  # as SVI zeroes them after a step: the next must not add to them
+            zero_grads(params)
+            raise
+        try:  # the step is taken: a warning raised as an error (-W error) leaves it whole
             table = self._warn_if_held(prepared, counts, table)
             by_label = {site_label(item.site.name): item for item in prepared}
             for message in count_messages(
@@ -1158,46 +1172,13 @@ class QNVB(PyroOptim):
                     RuntimeWarning,
                     stacklevel=user_stacklevel(),
                 )
-            rest = [p for p in params if id(p) not in paired]
-            if params and not blocks and not explained:  # a refused block said why (_prepare_block)
-                self._warn_once("nothing paired", self._nothing_paired(params))
             self._warn_if_unbound_after_restore()
             self._warn_if_not_annealed()
-            if rest:  # last: it undoes its own step where it raises
-                self._guarded_fallback(rest, *args, **kwargs)
-        self.num_steps += 1
-
-    @contextlib.contextmanager
-    def _all_or_nothing(
-        self, params: list[torch.Tensor], prepared: list[_Prepared]
-    ) -> Iterator[None]:
-        """Undo the prepared blocks' update where the rest of the step raises (any
-        ``BaseException``: a refusal, a warning turned into an error, a Ctrl-C in the fallback's
-        step): their locs, scales and states, and the count of idle steps, are put back as they
-        were, as the step count was not advanced, so the step is taken whole or not at all; the
-        gradients of ``params`` are zeroed, as ``SVI`` zeroes them after a step, so that a step
-        taken next does not add its gradients to these.
-        The update writes over the blocks' memory (``donate``), so what it writes is copied
-        first: the rows it updates of each loc, scale and state field."""
-        saved = []
-        with torch.no_grad():
-            for item in prepared:
-                leaves = item.site.params
-                targets = [leaves["loc"].data, leaves["scale"].data, *item.state.values()]
-                copies = [(t if item.index is None else t[item.index]).clone() for t in targets]
-                saved.append((item, dict(item.state), targets, copies))
-        idle = self._idle_steps
-        try:
-            yield
         except BaseException:
-            with torch.no_grad():
-                for item, state, targets, copies in saved:
-                    item.state.update(state)  # the tensors the update may have replaced
-                    for target, value in zip(targets, copies):
-                        self._write(target, item.index, value)
-            self._idle_steps = idle
             zero_grads(params)
             raise
+        finally:
+            self.num_steps += 1
 
     def _refuse_second_model(self, params: list[torch.Tensor], blocks: list[QNVBBlock]) -> None:
         """Refuse a step, before anything changes, in which a parameter comes back that another
@@ -1959,14 +1940,15 @@ class QNVB(PyroOptim):
             target[index] = value
 
     @torch.no_grad()
-    def _guarded_fallback(self, params: list[torch.Tensor], *args, **kwargs) -> None:
-        """The fallback's step, with coordinates whose gradient or new value is not finite kept.
+    def _guarded_fallback(self, params: list[torch.Tensor], *args, **kwargs) -> Callable[[], None]:
+        """The fallback's step, with coordinates whose gradient or new value is not finite kept;
+        returns what undoes it (for a step whose blocks' update then fails, `__call__`).
 
         One host sync per step tells whether anything was not finite; only then are the
         coordinates found and named. Where it raises (a Ctrl-C between two parameters' steps, a
-        warning turned into an error), its parameters and their optimizers' states are put back
-        as they were (copies of the parameters taken anyway, and of the states), so that the
-        step is undone whole (`_all_or_nothing`).
+        warning turned into an error), and where its undo is called, its parameters and their
+        optimizers' states are put back as they were (copies of the parameters taken anyway, and
+        of the states: the fallback's parameters are few, point estimates).
         """
         self._bind_fallback(params)
         with_grad = [p for p in params if p.grad is not None]
@@ -1977,11 +1959,18 @@ class QNVB(PyroOptim):
         ]
         for p, bad in zip(with_grad, bad_grads):
             p.grad = torch.where(bad, 0.0, p.grad)
+
+        @torch.no_grad()
+        def undo() -> None:  # its parameters and their optimizers' states as they were
+            for p, before, state in zip(with_grad, old, states):
+                p.copy_(before)
+                self.optim_objs[p].state[p] = state
+
         try:
             super().__call__(params, *args, **kwargs)
             bad = [b | ~torch.isfinite(p) for p, b in zip(with_grad, bad_grads)]
             if not bad or not torch.stack([b.any() for b in bad]).any():
-                return
+                return undo
             for p, before, mask in zip(with_grad, old, bad):
                 if mask.any():
                     p.copy_(torch.where(mask, before, p))
@@ -1995,11 +1984,10 @@ class QNVB(PyroOptim):
                         f"{int(mask.sum())} coordinates of {name!r}; they were left unchanged "
                         "(this warning is shown once per parameter)",
                     )
-        except BaseException:  # its parameters and their optimizers' states as they were
-            for p, before, state in zip(with_grad, old, states):
-                p.copy_(before)
-                self.optim_objs[p].state[p] = state
+        except BaseException:
+            undo()
             raise
+        return undo
 
     def _bind_fallback(self, params: list[torch.Tensor]) -> None:
         """Give each of ``params`` new to the fallback its torch optimizer, keyed by the name
