@@ -564,7 +564,6 @@ class QuadratureELBO(PointsELBO):
                 "or torch.autograd.grad(loss, list(guide.parameters()))"
             )
         guide_trace, description = self._described_run(model, guide, args, kwargs)
-        _refuse_half_precision(description)
         position = self._meet(guide, description)
         entropy = description.entropy_outside_kl()
         try:
@@ -591,19 +590,24 @@ class QuadratureELBO(PointsELBO):
                 expected = frozenset(s.name for s in description.sites if s.family == "gaussian")
         else:
             z = description.affine(x)
-        log_joint, priors = self._log_joint(
-            model,
-            guide,
-            description,
-            z,
-            args,
-            kwargs,
-            guide_trace,
-            expected,
-            # past 0, steps of this ELBO moved the guide; at 0 it may still have moved (fitted
-            # by another ELBO, a state_dict loaded, an ELBO of another name): both advices
-            True if position > 0 else None,
-        )
+        try:
+            log_joint, priors = self._log_joint(
+                model,
+                guide,
+                description,
+                z,
+                args,
+                kwargs,
+                guide_trace,
+                expected,
+                # past 0, steps of this ELBO moved the guide; at 0 it may still have moved
+                # (fitted by another ELBO, a state_dict loaded, an ELBO of another name): both
+                # advices
+                True if position > 0 else None,
+            )
+        except ValueError as error:  # not finite: a half-precision guide is the likelier cause
+            _refuse_half_precision(description, error)
+            raise
         # float64 data with float32 latents give a float64 log joint, as in Trace_ELBO
         weights = node_weights.to(torch.promote_types(node_weights.dtype, log_joint.dtype))
         with without_autocast(log_joint.device.type):  # the sum in the log joint's dtype
@@ -908,16 +912,21 @@ def _publish(
         start = stop
 
 
-def _refuse_half_precision(description: GuideDescription) -> None:
-    """Refuse a guide whose loc is narrower than float32 (`check_precision`, QNVB's refusal),
-    naming the site, before any node is evaluated: a float16 net's log likelihood of 10^4 rows
-    overflowed first, and the message blamed the model's support."""
+def _refuse_half_precision(description: GuideDescription, error: ValueError) -> None:
+    """Where the log joint was refused as not finite, refuse instead a guide whose loc is
+    narrower than float32 (`check_precision`, QNVB's refusal), naming the site: a float16 net's
+    log likelihood of 10^4 rows overflowed, and the message blamed the model's support. A
+    half-precision guide whose log joint is finite runs (under Pyro's optimizers; QNVB refuses
+    it at its step)."""
     from ..optim.torch_qnvb import check_precision  # (the optimizers import this package)
 
-    for site in description.sites:
-        check_precision(site.loc, f"site {site.name!r}", "QuadratureELBO")
-    if description.joint is not None:
-        check_precision(description.joint.loc, "the joint Gaussian's loc", "QuadratureELBO")
+    try:
+        for site in description.sites:
+            check_precision(site.loc, f"site {site.name!r}", "QuadratureELBO")
+        if description.joint is not None:
+            check_precision(description.joint.loc, "the joint Gaussian's loc", "QuadratureELBO")
+    except TypeError as refusal:
+        raise refusal from error
 
 
 def _refuse_unpositive_scales(description: GuideDescription) -> None:
