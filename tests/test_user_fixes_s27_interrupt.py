@@ -16,7 +16,8 @@ from pyro.infer import SVI
 from pyro.optim import PyroOptim
 from torch import nn
 
-from pyro_quadvi import QNVB, AutoMeanFieldNormal, QuadratureELBO
+from pyro_quadvi import QNVB, AutoMeanFieldNormal, AutoSpikeSlab, QuadratureELBO, SparseQNVB
+from pyro_quadvi.distributions import SpikeSlab
 from pyro_quadvi.optim import QNVBOptimizer, module_loss
 
 
@@ -221,3 +222,37 @@ def test_an_interrupted_quadrature_elbo_step_leaves_its_generator():
     losses, after = _fit(model, make_elbo(), 6, interrupt)
     assert losses == clean_losses
     assert _same(after, clean)
+
+
+def test_an_interrupt_in_sparse_qnvbs_fallback_leaves_no_half_step(monkeypatch):
+    """`SparseQNVB` updated its spike-and-slab blocks, then stepped the fallback: a Ctrl-C in
+    the fallback's step left the blocks stepped and the rest not. The fallback now steps first
+    and is undone where the blocks' update raises, so nothing of the step is left."""
+    x, y = _data()
+
+    def model(x, y):
+        w = pyro.sample("w", SpikeSlab(0.3, 2.0).expand([6]).to_event(1))
+        s = pyro.param("s", torch.tensor(1.0), constraint=dist.constraints.positive)
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Normal((x * w).sum(-1), s), obs=y)
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    optim = SparseQNVB(num_epochs=4, steps_per_epoch=5)
+    svi = SVI(model, AutoSpikeSlab(model), optim, QuadratureELBO())
+    for _ in range(3):
+        svi.step(x, y)
+    before, state = _store(), optim.get_state()
+    original = PyroOptim.__call__
+
+    def boom(self, *args, **kwargs):
+        original(self, *args, **kwargs)  # the fallback stepped
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PyroOptim, "__call__", boom)
+    with pytest.raises(KeyboardInterrupt):
+        svi.step(x, y)
+    after = _store()
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    assert all(k.endswith(".step") for k in moved), moved  # only the ELBO's position
+    assert _same(state, optim.get_state()) and optim.num_steps == 3

@@ -290,14 +290,22 @@ class SparseQNVB(QNVB):
         paired = {id(leaf) for site, _, _ in sites for leaf in site.params.values()}
         if loss is not None:
             self._check_growth(loss, [site.values["loc"].dtype for site, _, _ in sites])
-        if sites:
-            # in the loc parameters' names' order, not that of SVI's set of params (the tensors'
-            # addresses): the sieve breaks ties by position, and p_nonzero() reads the blocks so
-            sites.sort(key=lambda item: item[0].param_names["loc"])
-            self._update(sites, params)
+        # in the loc parameters' names' order, not that of SVI's set of params (the tensors'
+        # addresses): the sieve breaks ties by position, and p_nonzero() reads the blocks so
+        sites.sort(key=lambda item: item[0].param_names["loc"])
         rest = [p for p in params if id(p) not in paired]
-        if rest:
-            self._guarded_fallback(rest, *args, **kwargs)
+        try:  # the fallback first, undone where the blocks' update raises (QNVB.__call__)
+            undo = self._guarded_fallback(rest, *args, **kwargs) if rest else None
+            try:
+                if sites:
+                    self._update(sites, params)
+            except BaseException:
+                if undo is not None:
+                    undo()
+                raise
+        except BaseException:  # as SVI zeroes them after a step: the next must not add to them
+            zero_grads(params)
+            raise
         self.num_steps += 1
 
     def _check_growth(self, loss: torch.Tensor, dtypes: list[torch.dtype]) -> None:
