@@ -13,6 +13,7 @@ from pyro.infer import SVI
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pyro_quadvi.distributed import DistributedQuadratureELBO
 from pyro_quadvi.guides import AutoMeanFieldNormal
 from pyro_quadvi.infer import QuadratureELBO
 from pyro_quadvi.nn import BayesianModule, likelihoods, priors
@@ -142,7 +143,7 @@ def _regression():
     return x, torch.sin(x.sum(1)) + 0.1 * torch.randn(64, dtype=torch.float64, generator=g)
 
 
-def _bnn_fit(part, vectorize, steps: int = 3, reentrant: bool = False):
+def _bnn_fit(part, vectorize, steps: int = 3, reentrant: bool = False, elbo=QuadratureELBO):
     x, y = _regression()
     pyro.clear_param_store()
     torch.manual_seed(1)
@@ -151,7 +152,7 @@ def _bnn_fit(part, vectorize, steps: int = 3, reentrant: bool = False):
     )
     guide = AutoMeanFieldNormal(bnn, init_loc_fn=bnn.init_to_net())
     guide(x, y)  # its parameters, in the store before the steps
-    svi = SVI(bnn, guide, QNVB(), QuadratureELBO(vectorize=vectorize))
+    svi = SVI(bnn, guide, QNVB(), elbo(vectorize=vectorize))
     losses = [svi.step(x, y) for _ in range(steps)]
     return losses, {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
 
@@ -175,6 +176,21 @@ def test_quadrature_elbo_refuses_a_checkpointed_layer_and_leaves_the_guide(vecto
     assert "Remove the checkpoint" in str(e.value)
     for name, value in pyro.get_param_store().items():
         assert torch.equal(value.detach(), start[name]), name
+
+
+def test_the_distributed_elbo_refuses_a_checkpointed_layer_too():
+    """`DistributedQuadratureELBO` (here without a process group: one process) ran its own
+    backward, and the loop's gradients were the means' there too, silently; it now takes
+    QuadratureELBO's backward with the refusal."""
+    _, start = _bnn_fit("layer", False, steps=0)
+    with pytest.raises(
+        RuntimeError,
+        match=r"DistributedQuadratureELBO: the Linear layer of the net ran its forward again",
+    ):
+        _bnn_fit("layer", False, steps=1, elbo=DistributedQuadratureELBO)
+    for name, value in pyro.get_param_store().items():
+        if not name.endswith(".step"):  # the position moved, as on every rank (scaling.md)
+            assert torch.equal(value.detach(), start[name]), name
 
 
 def test_a_checkpoint_without_parameters_runs_in_the_loop_and_is_named_in_the_pass():

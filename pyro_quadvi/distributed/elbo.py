@@ -485,9 +485,9 @@ class DistributedQuadratureELBO(QuadratureELBO):
           ranks' rows (``ValueError``).
         """
         loss, description, mean = self._evaluate(model, guide, args, kwargs, grad=True)
-        self._advance(description)
+        self._advance(description)  # before the backward: a rank's refusal keeps them in step
         if loss.requires_grad:
-            loss.backward()
+            self._backward(loss, model, guide)
         return mean
 
     def __repr__(self) -> str:

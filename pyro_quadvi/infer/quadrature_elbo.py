@@ -666,22 +666,27 @@ class QuadratureELBO(PointsELBO):
         with generator_kept(self.generator):  # a step that fails has drawn nothing
             loss, description = self._quadrature_loss(model, guide, args, kwargs)
             if loss.requires_grad:
-                owner = type(self).__name__
-                with refuse_recomputed_forward(owner, _CHECKPOINT_FIX, called_by_place):
-                    try:
-                        loss.backward()
-                    except RuntimeError as error:
-                        if self.vectorized(model, guide) and not isinstance(
-                            error, RecomputedForward
-                        ):
-                            add_hint(error, _vectorized_backward_hint(owner, error))
-                        raise
+                self._backward(loss, model, guide)
             else:
                 refusal = _untrainable(guide)
                 if refusal is not None:
                     raise refusal
             self._advance(description)  # once the backward ran: a refused step keeps the position
         return loss.item()
+
+    def _backward(self, loss: torch.Tensor, model: Callable, guide: Callable) -> None:
+        """``loss.backward()``, refusing a layer of a `BayesianModule`'s net that a
+        ``torch.utils.checkpoint`` recomputes in it (`refuse_recomputed_forward`: its gradients
+        would be the means', not the nodes'), and naming the checkpoint where the backward of a
+        vectorized pass fails."""
+        owner = type(self).__name__
+        with refuse_recomputed_forward(owner, _CHECKPOINT_FIX, called_by_place):
+            try:
+                loss.backward()
+            except RuntimeError as error:
+                if self.vectorized(model, guide) and not isinstance(error, RecomputedForward):
+                    add_hint(error, _vectorized_backward_hint(owner, error))
+                raise
 
     def __repr__(self) -> str:
         return f"QuadratureELBO(rule={self.rule!r}, vectorize={self.vectorize})"
