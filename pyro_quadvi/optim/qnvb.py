@@ -41,6 +41,7 @@ cause that stays would keep every later step a no-op).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -1145,22 +1146,11 @@ class QNVB(PyroOptim):
         rest = [p for p in params if id(p) not in paired]
         if params and not blocks and not explained:  # a refused block said why (_prepare_block)
             self._warn_once("nothing paired", self._nothing_paired(params))
-        try:  # the fallback first: undone where the blocks' update or its refusal raises
-            undo = self._guarded_fallback(rest, *args, **kwargs) if rest else None
-            try:
-                self._update_prepared(prepared, counts)
-                table = (
-                    None
-                    if part_of_step
-                    else self._refuse_if_nothing_updated(params, prepared, counts)
-                )
-            except BaseException:
-                if undo is not None:
-                    undo()
-                raise
-        except BaseException:  # as SVI zeroes them after a step: the next must not add to them
-            zero_grads(params)
-            raise
+        with self._fallback_first(params, rest, *args, **kwargs):
+            self._update_prepared(prepared, counts)
+            table = (
+                None if part_of_step else self._refuse_if_nothing_updated(params, prepared, counts)
+            )
         try:  # the step is taken: a warning raised as an error (-W error) leaves it whole
             table = self._warn_if_held(prepared, counts, table)
             by_label = {site_label(item.site.name): item for item in prepared}
@@ -1179,6 +1169,27 @@ class QNVB(PyroOptim):
             raise
         finally:
             self.num_steps += 1
+
+    @contextlib.contextmanager
+    def _fallback_first(
+        self, params: list[torch.Tensor], rest: list[torch.Tensor], *args, **kwargs
+    ) -> Iterator[None]:
+        """The fallback's step of ``rest`` (`_guarded_fallback`), taken first and undone where
+        what runs inside (the blocks' update, its refusal, a Ctrl-C) raises, so that the step is
+        taken whole or not at all without a copy of the blocks; on any error the gradients of
+        ``params`` are zeroed, as ``SVI`` zeroes them after a step, so that the next step does
+        not add to them. `QNVB.__call__` and `SparseQNVB.__call__` step through it."""
+        try:
+            undo = self._guarded_fallback(rest, *args, **kwargs) if rest else None
+            try:
+                yield
+            except BaseException:
+                if undo is not None:
+                    undo()
+                raise
+        except BaseException:
+            zero_grads(params)
+            raise
 
     def _refuse_second_model(self, params: list[torch.Tensor], blocks: list[QNVBBlock]) -> None:
         """Refuse a step, before anything changes, in which a parameter comes back that another

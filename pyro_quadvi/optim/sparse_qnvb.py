@@ -294,18 +294,9 @@ class SparseQNVB(QNVB):
         # addresses): the sieve breaks ties by position, and p_nonzero() reads the blocks so
         sites.sort(key=lambda item: item[0].param_names["loc"])
         rest = [p for p in params if id(p) not in paired]
-        try:  # the fallback first, undone where the blocks' update raises (QNVB.__call__)
-            undo = self._guarded_fallback(rest, *args, **kwargs) if rest else None
-            try:
-                if sites:
-                    self._update(sites, params)
-            except BaseException:
-                if undo is not None:
-                    undo()
-                raise
-        except BaseException:  # as SVI zeroes them after a step: the next must not add to them
-            zero_grads(params)
-            raise
+        with self._fallback_first(params, rest, *args, **kwargs):
+            if sites:
+                self._update(sites, params)
         self.num_steps += 1
 
     def _check_growth(self, loss: torch.Tensor, dtypes: list[torch.dtype]) -> None:
