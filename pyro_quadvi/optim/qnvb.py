@@ -1953,7 +1953,7 @@ class QNVB(PyroOptim):
     @torch.no_grad()
     def _guarded_fallback(self, params: list[torch.Tensor], *args, **kwargs) -> Callable[[], None]:
         """The fallback's step, with coordinates whose gradient or new value is not finite kept;
-        returns what undoes it (for a step whose blocks' update then fails, `__call__`).
+        returns what undoes it (for a step whose blocks' update then fails, `_fallback_first`).
 
         One host sync per step tells whether anything was not finite; only then are the
         coordinates found and named. Where it raises (a Ctrl-C between two parameters' steps, a
